@@ -1,0 +1,173 @@
+"""The host-firmware ABI: mailbox layout, messages and the rings that carry them.
+
+This is the emulator's ``vpu_boot_api.h`` + ``vpu_jsm_api.h``: the driver and the firmware
+both import it; user space never sees it. The mailbox is one shared-memory region (a memfd
+the driver creates and hands to the firmware process) holding:
+
+* the boot block: magic, ABI, firmware state, boot error, boot flags, heartbeat;
+* a host-to-firmware command ring and a firmware-to-host completion ring, each a
+  single-producer single-consumer ring of fixed 32-byte messages;
+* the boot image region, into which the driver copies the verified image.
+
+Doorbells (host to firmware) and interrupts (firmware to host) are one byte on a pipe:
+the ring carries the data, the byte only wakes the sleeper. The firmware reads EOF on its
+doorbell when the driver is gone and halts, so a killed daemon leaves no firmware behind.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Final
+
+MAILBOX_MAGIC: Final = 0xACCE1E40
+#: The mailbox ABI this file describes. Images list the range they speak.
+MAILBOX_ABI: Final = 1
+
+MAILBOX_SIZE: Final = 1 << 20
+_BOOT_OFF: Final = 0
+CMD_RING_OFF: Final = 0x1000
+CPL_RING_OFF: Final = 0x2000 + 0x8000
+RING_SLOTS: Final = 1024
+MSG_SIZE: Final = 32
+IMAGE_OFF: Final = 0x40000
+IMAGE_MAX: Final = MAILBOX_SIZE - IMAGE_OFF
+
+# Boot block: magic, abi, fw_state, boot_error, boot_flags, image_len, heartbeat, hb_ns,
+# fw_version[16], isa_version[16], boot_message[128]
+_BOOT = struct.Struct("<IIIIIIQQ16s16s128s")
+_OFF_FW_STATE: Final = 8
+_OFF_HEARTBEAT: Final = 24
+_OFF_VERSIONS: Final = 40
+_OFF_MESSAGE: Final = 72
+assert _BOOT.size == _OFF_MESSAGE + 128
+
+
+class FwState(enum.IntEnum):
+    RESET = 0
+    BOOTING = 1
+    READY = 2
+    HALTED = 3
+    BOOT_FAILED = 4
+
+
+class BootFlag(enum.IntFlag):
+    """Set by the driver before boot; debugfs fault injection uses them."""
+
+    FAIL_BOOT = 1 << 0
+
+
+class Op(enum.IntEnum):
+    """Messages on the command ring (host to firmware) and their completions."""
+
+    NOOP = 1
+    CTX_CREATE = 2
+    CTX_DESTROY = 3
+    #: Fault injection: stop heart-beating and stop answering (a hung microcontroller).
+    HANG = 4
+
+
+# Message: op u32, status u32 (completions: 0 or an errno), ctx_id u64, seqno u64,
+# arg u64 (completions: firmware monotonic ns when the work finished)
+MSG = struct.Struct("<IIQQQ")
+assert MSG.size == MSG_SIZE
+
+
+class Ring:
+    """Single-producer single-consumer ring of fixed-size messages in shared memory.
+
+    Layout at ``off``: ``head`` u64 (consumer index), ``tail`` u64 (producer index), pad
+    to 64 bytes, then ``slots`` messages. Indices grow forever; slot = index % slots.
+    On x86-64 (TSO) writing the message before publishing the tail is enough ordering;
+    each index has one writer only.
+    """
+
+    def __init__(self, buf: memoryview, off: int, slots: int = RING_SLOTS) -> None:
+        self._idx = buf[off : off + 16].cast("Q")
+        self._data = buf[off + 64 : off + 64 + slots * MSG_SIZE]
+        self._slots = slots
+
+    @staticmethod
+    def size(slots: int = RING_SLOTS) -> int:
+        return 64 + slots * MSG_SIZE
+
+    def push(self, op: int, ctx_id: int, seqno: int, arg: int = 0, status: int = 0) -> bool:
+        tail = self._idx[1]
+        if tail - self._idx[0] >= self._slots:
+            return False
+        MSG.pack_into(self._data, (tail % self._slots) * MSG_SIZE, op, status, ctx_id, seqno, arg)
+        self._idx[1] = tail + 1
+        return True
+
+    def pop(self) -> tuple[int, int, int, int, int] | None:
+        """Next message as (op, status, ctx_id, seqno, arg), or None when empty."""
+        head = self._idx[0]
+        if head == self._idx[1]:
+            return None
+        msg = MSG.unpack_from(self._data, (head % self._slots) * MSG_SIZE)
+        self._idx[0] = head + 1
+        return msg  # type: ignore[return-value]
+
+    def pending(self) -> int:
+        return self._idx[1] - self._idx[0]
+
+
+assert CMD_RING_OFF + Ring.size() <= CPL_RING_OFF
+assert CPL_RING_OFF + Ring.size() <= IMAGE_OFF
+
+
+class Mailbox:
+    """Typed access to the shared mailbox, used the same way on both sides."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.cmd = Ring(buf, CMD_RING_OFF)
+        self.cpl = Ring(buf, CPL_RING_OFF)
+
+    # boot block ---------------------------------------------------------------
+    def host_init(self, image: bytes, boot_flags: int) -> None:
+        """Driver side, before starting the firmware: zero, stamp, load the image."""
+        if len(image) > IMAGE_MAX:
+            raise ValueError(f"firmware image of {len(image)} bytes exceeds {IMAGE_MAX}")
+        self.buf[:IMAGE_OFF] = bytes(IMAGE_OFF)
+        _BOOT.pack_into(
+            self.buf, _BOOT_OFF, MAILBOX_MAGIC, MAILBOX_ABI, FwState.RESET, 0, boot_flags,
+            len(image), 0, 0, b"", b"", b"",
+        )
+        self.buf[IMAGE_OFF : IMAGE_OFF + len(image)] = image
+
+    def boot_block(self) -> tuple:
+        return _BOOT.unpack_from(self.buf, _BOOT_OFF)
+
+    @property
+    def boot_flags(self) -> int:
+        return self.boot_block()[4]
+
+    def image(self) -> bytes:
+        return bytes(self.buf[IMAGE_OFF : IMAGE_OFF + self.boot_block()[5]])
+
+    @property
+    def fw_state(self) -> FwState:
+        return FwState(struct.unpack_from("<I", self.buf, _OFF_FW_STATE)[0])
+
+    def set_fw_state(self, state: FwState, error: int = 0, message: str = "") -> None:
+        struct.pack_into("<II", self.buf, _OFF_FW_STATE, state, error)
+        struct.pack_into("128s", self.buf, _OFF_MESSAGE, message.encode()[:127])
+
+    def set_versions(self, fw_version: str, isa_version: str) -> None:
+        struct.pack_into("16s16s", self.buf, _OFF_VERSIONS, fw_version.encode(),
+                         isa_version.encode())
+
+    @property
+    def boot_message(self) -> str:
+        raw = struct.unpack_from("128s", self.buf, _OFF_MESSAGE)[0]
+        return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+    @property
+    def heartbeat(self) -> tuple[int, int]:
+        """(beat count, firmware monotonic ns at that beat)."""
+        return struct.unpack_from("<QQ", self.buf, _OFF_HEARTBEAT)  # type: ignore[return-value]
+
+    def beat(self, now_ns: int) -> None:
+        count = struct.unpack_from("<Q", self.buf, _OFF_HEARTBEAT)[0]
+        struct.pack_into("<QQ", self.buf, _OFF_HEARTBEAT, count + 1, now_ns)

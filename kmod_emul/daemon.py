@@ -1,0 +1,196 @@
+"""The daemon's body: boot the devices, mount, serve until told to stop, clean up.
+
+Structure (trio): one nursery owns a supervisor task per device, the FUSE request loop
+and a signal watcher. SIGTERM, SIGINT or SIGHUP cancels the nursery; the ``finally``
+unmounts and every device supervisor halts its firmware, so nothing outlives the daemon.
+Should the daemon be SIGKILLed, its firmware processes read EOF on their doorbells and
+halt, and the next start lazily unmounts the dead mount it finds.
+
+The mount's ``fsname`` is ``accel-emud@PID``: ``/proc/mounts`` then says who serves a root
+without touching the mount (which would hang if the daemon were stopped).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from kmod_emul import drv
+from kmod_emul.device import AccelDevice
+from kmod_emul.fs import AccelFS, build_tree
+from kmod_emul.identity import IdentityStore, pci_bus_id
+
+log = logging.getLogger(__name__)
+
+FSNAME_PREFIX = "accel-emud@"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    root: Path
+    devices: int
+    memory: int
+    state_dir: Path
+    firmware_dir: Path
+    heartbeat_timeout_s: float = 2.0
+    driver: drv.DriverInfo = drv.DriverInfo()
+
+
+class AlreadyServed(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    root: Path
+    pid: int | None
+
+    @property
+    def alive(self) -> bool:
+        if self.pid is None:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def _unescape(field: str) -> str:
+    """Undo the octal escapes of /proc/mounts (space, tab, newline, backslash)."""
+    return field.encode().decode("unicode_escape")
+
+
+def find_mount(root: Path) -> MountInfo | None:
+    """The accel-emud mount at ``root`` according to /proc/mounts, if any."""
+    target = os.path.realpath(root)
+    with open("/proc/mounts") as f:
+        for line in f:
+            source, mountpoint, fstype, *_ = line.split()
+            if _unescape(mountpoint) != target or not fstype.startswith("fuse"):
+                continue
+            if source.startswith(FSNAME_PREFIX):
+                pid_text = source[len(FSNAME_PREFIX):]
+                return MountInfo(Path(target), int(pid_text) if pid_text.isdigit() else None)
+            return MountInfo(Path(target), None)
+    return None
+
+
+def unmount_stale(root: Path) -> None:
+    """Lazily detach a mount whose daemon is gone (``fusermount3 -u -z``)."""
+    subprocess.run(["fusermount3", "-u", "-z", str(root)], check=False,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def prepare_root(root: Path) -> None:
+    """Refuse a served root, clear a dead mount, make sure the directory exists."""
+    mount = find_mount(root)
+    if mount is not None:
+        if mount.alive:
+            raise AlreadyServed(
+                f"{root} is already served by accel-emud (pid {mount.pid}); "
+                f"stop it first with: accel-emud stop --root {root}"
+            )
+        log.warning("clearing the stale mount at %s left by a dead daemon", root)
+        unmount_stale(root)
+    root.mkdir(parents=True, exist_ok=True)
+
+
+def make_devices(config: DaemonConfig) -> list[AccelDevice]:
+    slots = [pci_bus_id(i) for i in range(config.devices)]
+    identities = IdentityStore(config.state_dir).identities(slots)
+    return [
+        AccelDevice(i, identities[slot], config.memory, config.firmware_dir,
+                    config.heartbeat_timeout_s)
+        for i, slot in enumerate(slots)
+    ]
+
+
+async def serve(config: DaemonConfig, on_ready: Callable[[], None]) -> None:
+    """Boot every device, mount the tree, call ``on_ready``, serve until signalled."""
+    prepare_root(config.root)
+    devices = make_devices(config)
+    fs = AccelFS(build_tree(config.driver, devices), config.driver)
+    options = set(pyfuse3.default_options) | {
+        f"fsname={FSNAME_PREFIX}{os.getpid()}",
+        "subtype=accel-emu",
+    }
+    if os.geteuid() == 0:
+        options.add("allow_other")  # other users' processes are tenants too
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
+        async with trio.open_nursery() as booting:  # boot the devices side by side
+            for dev in devices:
+                booting.start_soon(nursery.start, dev.run)
+        pyfuse3.init(fs, str(config.root), options)
+        try:
+            on_ready()
+            log.info("serving %d device(s) at %s", len(devices), config.root)
+            await pyfuse3.main(min_tasks=4, max_tasks=256)
+        finally:
+            pyfuse3.close(unmount=True)
+            nursery.cancel_scope.cancel()
+
+
+async def _stop_on_signal(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("received %s, shutting down", signal.Signals(signum).name)
+            scope.cancel()
+            return
+
+
+def stop(root: Path, timeout_s: float = 10.0) -> str:
+    """Stop whatever serves ``root``: SIGTERM, then SIGKILL; always leave no mount."""
+    mount = find_mount(root)
+    if mount is None:
+        return f"{root}: not served"
+    if mount.alive and mount.pid is not None:
+        os.kill(mount.pid, signal.SIGTERM)
+        if not _wait_gone(root, mount.pid, timeout_s):
+            log.warning("accel-emud pid %d ignored SIGTERM; killing it", mount.pid)
+            os.kill(mount.pid, signal.SIGKILL)
+            _wait_gone(root, mount.pid, timeout_s, mount_too=False)
+    if find_mount(root) is not None:
+        unmount_stale(root)
+    return f"{root}: stopped"
+
+
+def _wait_gone(root: Path, pid: int, timeout_s: float, mount_too: bool = True) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        if not alive and (not mount_too or find_mount(root) is None):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def status(root: Path) -> tuple[int, str]:
+    """(exit code, sentence) like ``systemctl status``: 0 serving, 3 not, 1 stale."""
+    mount = find_mount(root)
+    if mount is None:
+        return 3, f"{root}: not served"
+    if not mount.alive:
+        return 1, f"{root}: stale mount (daemon pid {mount.pid} is gone); run accel-emud stop"
+    try:
+        devices = (root / "sys/module/accel_emu/devices").read_text().strip()
+    except OSError as exc:
+        return 1, f"{root}: mounted by pid {mount.pid} but unreadable ({errno.errorcode.get(exc.errno)})"
+    return 0, f"{root}: served by accel-emud pid {mount.pid}, {devices} device(s)"

@@ -1,0 +1,263 @@
+"""One emulated physical device: lifecycle, contexts, submission and recovery.
+
+Lifecycle (sysfs ``state``)::
+
+    booting --ok--> operational --firmware exit / heartbeat lost--> failed
+       |                 |                                            |
+       +--boot error--> failed                                        |
+    in_reset <--reset requested (from any state)----------------------+
+       +--firmware stopped, hold released--> booting
+
+Every open file, context and firmware process belongs to exactly one device. A reset or a
+failure loses every context (their next command answers ENODEV) but keeps the open files,
+so the processes holding them see the loss instead of a vanished fd. Initialisation
+failures keep their own errno (ENOPKG, ENOEXEC, EIO) so that nothing collapses into
+"no accelerator".
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from firmware import abi, image
+from kmod_emul import uapi
+from kmod_emul.context import Context, OpenFile, tgid_of
+from kmod_emul.errors import DriverError
+from kmod_emul.fw import FirmwareProcess, load_image
+from kmod_emul.identity import Identity, pci_bus_id
+
+log = logging.getLogger(__name__)
+
+DEVICE_NAME = "Accel-Emu A1"
+
+
+class AccelDevice:
+    def __init__(self, index: int, identity: Identity, memory_total: int, firmware_dir: Path,
+                 heartbeat_timeout_s: float) -> None:
+        self.index = index
+        self.identity = identity
+        self.pci_bus_id = pci_bus_id(index)
+        self.memory_total = memory_total
+        self.firmware_dir = firmware_dir
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.state = uapi.DeviceState.BOOTING
+        #: (errno, message) of the last failure; None while healthy.
+        self.failure: tuple[int, str] | None = None
+        self.fw: FirmwareProcess | None = None
+        self.fw_image: image.FirmwareImage | None = None
+        self.files: set[OpenFile] = set()
+        self.contexts: dict[int, Context] = {}
+        self._ctx_ids = itertools.count(1)
+        self.reset_count = 0
+        self.submitted_total = 0
+        self.completed_total = 0
+        # debugfs knobs
+        self.fw_boot_fail = False
+        self.reset_hold = False
+        self._hold_changed = trio.Event()
+        self._reset_requested = trio.Event()
+
+    @property
+    def name(self) -> str:
+        return f"accel{self.index}"
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The booted image's device configuration (the shipped defaults before a boot)."""
+        return self.fw_image.config if self.fw_image else dict(image.DEFAULT_PAYLOAD)
+
+    def exclusive_owner(self) -> Context | None:
+        return next((c for c in self.contexts.values() if c.exclusive and c.lost is None), None)
+
+    def client_pids(self) -> set[int]:
+        return {f.pid for f in self.files}
+
+    # --- access control ----------------------------------------------------------------
+    def check_usable(self) -> None:
+        """Raise the errno that says why the device cannot take new work right now."""
+        if self.state == uapi.DeviceState.OPERATIONAL:
+            return
+        if self.state == uapi.DeviceState.FAILED:
+            assert self.failure is not None
+            raise DriverError(*self.failure)
+        raise DriverError(
+            errno.EAGAIN,
+            f"{self.name} is {self.state.label}; wait until its state is operational "
+            "(accel-smi shows it) and retry",
+        )
+
+    def open(self, tid: int, uid: int) -> OpenFile:
+        self.check_usable()
+        pid = tgid_of(tid)
+        owner = self.exclusive_owner()
+        if owner is not None and owner.file.pid != pid:
+            raise DriverError(
+                errno.EBUSY,
+                f"{self.name} is held exclusively by pid {owner.file.pid} (uid {owner.file.uid})",
+            )
+        f = OpenFile(self, pid, uid)
+        self.files.add(f)
+        return f
+
+    def release(self, f: OpenFile) -> None:
+        if f.ctx is not None:
+            self.destroy_context(f.ctx)
+        f.replies.clear()
+        self.files.discard(f)
+
+    # --- contexts ------------------------------------------------------------------------
+    def create_context(self, f: OpenFile, exclusive: bool) -> Context:
+        self.check_usable()
+        if exclusive:
+            others = sorted(p for p in self.client_pids() if p != f.pid)
+            if others:
+                raise DriverError(errno.EBUSY, f"{self.name} is open in other processes {others}")
+        owner = self.exclusive_owner()
+        if owner is not None and owner.file.pid != f.pid:
+            raise DriverError(errno.EBUSY, f"{self.name} is held exclusively by pid {owner.file.pid}")
+        ctx = Context(next(self._ctx_ids), f, exclusive)
+        assert self.fw is not None
+        self.fw.send(abi.Op.CTX_CREATE, ctx.id)
+        self.contexts[ctx.id] = ctx
+        f.ctx = ctx
+        return ctx
+
+    def destroy_context(self, ctx: Context) -> None:
+        self.contexts.pop(ctx.id, None)
+        ctx.file.ctx = None
+        if ctx.lost is None and self.fw is not None:
+            self.fw.send(abi.Op.CTX_DESTROY, ctx.id)
+        ctx.lose("context destroyed")
+
+    async def submit_noop(self, ctx: Context) -> int:
+        assert self.fw is not None
+        seqno = ctx.submitted + 1
+        while not self.fw.send(abi.Op.NOOP, ctx.id, seqno):
+            await trio.sleep(0.0005)  # command ring full: the firmware is draining it
+            ctx.check_live()
+        ctx.submitted = seqno
+        self.submitted_total += 1
+        return seqno
+
+    def _lose_contexts(self, reason: str) -> None:
+        for ctx in self.contexts.values():
+            ctx.lose(reason)
+
+    # --- reset and fault injection -----------------------------------------------------
+    def request_reset(self, reason: str = "reset requested") -> None:
+        """Begin a device reset; returns at once (state reads in_reset until it is done)."""
+        log.info("%s: %s", self.name, reason)
+        self.state = uapi.DeviceState.IN_RESET
+        self._lose_contexts(f"{self.name} was reset ({reason})")
+        self._reset_requested.set()
+
+    def set_reset_hold(self, hold: bool) -> None:
+        self.reset_hold = hold
+        self._hold_changed.set()
+        self._hold_changed = trio.Event()
+
+    def hang_firmware(self) -> None:
+        if self.fw is None:
+            raise DriverError(errno.ENODEV, f"{self.name} has no running firmware")
+        self.fw.send(abi.Op.HANG, 0)
+
+    def _fail(self, err: int, message: str) -> None:
+        log.warning("%s failed: %s", self.name, message)
+        self.state = uapi.DeviceState.FAILED
+        self.failure = (err, message)
+        self._lose_contexts(f"{self.name} failed: {message}")
+
+    # --- supervisor ----------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Boot, serve, recover on reset; forever. ``started`` after the first boot attempt."""
+        try:
+            while True:
+                await self._boot()
+                task_status.started()
+                task_status = trio.TASK_STATUS_IGNORED
+                if self.state == uapi.DeviceState.OPERATIONAL:
+                    await self._serve()
+                await self._stop_firmware()
+                await self._reset_requested.wait()
+                self._reset_requested = trio.Event()
+                while self.reset_hold:
+                    await self._hold_changed.wait()
+                self.reset_count += 1
+        finally:
+            await self._stop_firmware()
+
+    async def _boot(self) -> None:
+        self.state = uapi.DeviceState.BOOTING
+        self.failure = None
+        flags = abi.BootFlag.FAIL_BOOT if self.fw_boot_fail else 0
+        try:
+            img = load_image(self.firmware_dir)
+            self.fw = await FirmwareProcess.boot(img, flags, self.name)
+        except DriverError as exc:
+            self._fail(exc.errno, exc.message)
+            return
+        self.fw_image = img
+        if self._reset_requested.is_set():
+            return  # a reset arrived while booting; serve() is skipped by the state check
+        self.state = uapi.DeviceState.OPERATIONAL
+        log.info("%s: firmware %s up (pid %d)", self.name, img.version, self.fw.pid)
+
+    async def _stop_firmware(self) -> None:
+        if self.fw is not None:
+            fw, self.fw = self.fw, None
+            await fw.stop()
+
+    async def _serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for watcher in (self._irq_loop, self._watch_exit, self._watch_heartbeat,
+                            self._watch_reset):
+                nursery.start_soon(watcher, nursery.cancel_scope)
+
+    async def _watch_reset(self, scope: trio.CancelScope) -> None:
+        await self._reset_requested.wait()
+        scope.cancel()
+
+    async def _irq_loop(self, scope: trio.CancelScope) -> None:
+        fw = self.fw
+        assert fw is not None
+        while True:
+            await fw.wait_irq()
+            while (msg := fw.mbx.cpl.pop()) is not None:
+                _op, status, ctx_id, seqno, timestamp = msg
+                self.completed_total += 1
+                ctx = self.contexts.get(ctx_id)
+                if ctx is not None:
+                    ctx.complete(seqno, timestamp, status)
+
+    async def _watch_exit(self, scope: trio.CancelScope) -> None:
+        assert self.fw is not None
+        status = await self.fw.proc.wait()
+        if self.state == uapi.DeviceState.OPERATIONAL:
+            self._fail(errno.ENODEV, f"firmware process exited unexpectedly (status {status})")
+        scope.cancel()
+
+    async def _watch_heartbeat(self, scope: trio.CancelScope) -> None:
+        assert self.fw is not None
+        mbx = self.fw.mbx
+        last = mbx.heartbeat[0]
+        last_change = trio.current_time()
+        while True:
+            await trio.sleep(min(0.1, self.heartbeat_timeout_s / 4))
+            beat = mbx.heartbeat[0]
+            now = trio.current_time()
+            if beat != last:
+                last, last_change = beat, now
+            elif now - last_change > self.heartbeat_timeout_s:
+                self._fail(
+                    errno.ENODEV,
+                    f"firmware stopped heart-beating (none for {now - last_change:.1f} s); "
+                    f"reset the device",
+                )
+                scope.cancel()
+                return

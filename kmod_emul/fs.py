@@ -1,0 +1,200 @@
+"""The FUSE filesystem: a static tree of device nodes and attribute files.
+
+``dev/accel/accelN`` opens a device (one open = one ``OpenFile``); a write runs one command
+transaction and a read at offset ``tag`` fetches its reply (see :mod:`kmod_emul.uapi`).
+Attribute files render their value when opened and are served with ``direct_io`` so that
+readers never see a stale page-cache copy of a changing value.
+
+Handlers never block: everything slow is an ``await`` on the device, so one process's wait
+never stalls another's command.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+
+import pyfuse3
+
+from kmod_emul import drv
+from kmod_emul.context import OpenFile
+from kmod_emul.device import AccelDevice
+from kmod_emul.errors import DriverError
+from kmod_emul.sysfs import Attr, debug_attrs, device_attrs, module_attrs
+
+log = logging.getLogger(__name__)
+
+#: Attribute files advertise a page, as sysfs does; reads return what the value holds.
+ATTR_SIZE = 4096
+#: The tree never changes shape, so the kernel may cache names and attributes for long.
+CACHE_TIMEOUT_S = 300.0
+
+
+@dataclass(eq=False)
+class Node:
+    inode: int
+    mode: int
+    children: dict[bytes, Node] = field(default_factory=dict)
+    attr: Attr | None = None
+    device: AccelDevice | None = None
+
+
+class Tree:
+    """Builds the node table; inodes are allocated in creation order from ROOT_INODE."""
+
+    def __init__(self) -> None:
+        self._inodes = itertools.count(pyfuse3.ROOT_INODE)
+        self.nodes: dict[int, Node] = {}
+        self.root = self._new(stat.S_IFDIR | 0o755)
+
+    def _new(self, mode: int, **kw: object) -> Node:
+        node = Node(next(self._inodes), mode, **kw)  # type: ignore[arg-type]
+        self.nodes[node.inode] = node
+        return node
+
+    def mkdir(self, path: str) -> Node:
+        node = self.root
+        for part in path.split("/"):
+            key = part.encode()
+            if key not in node.children:
+                node.children[key] = self._new(stat.S_IFDIR | 0o755)
+            node = node.children[key]
+        return node
+
+    def add_attrs(self, path: str, attrs: dict[str, Attr]) -> None:
+        parent = self.mkdir(path)
+        for name, attr in attrs.items():
+            perm = (0o444 if attr.read else 0) | (0o200 if attr.write else 0)
+            parent.children[name.encode()] = self._new(stat.S_IFREG | perm, attr=attr)
+
+    def add_device(self, dev: AccelDevice) -> None:
+        parent = self.mkdir("dev/accel")
+        parent.children[dev.name.encode()] = self._new(stat.S_IFREG | 0o666, device=dev)
+
+
+def build_tree(info: drv.DriverInfo, devices: list[AccelDevice]) -> Tree:
+    tree = Tree()
+    tree.mkdir("dev/accel")
+    tree.mkdir("sys/class/accel")
+    for dev in devices:
+        tree.add_device(dev)
+        tree.add_attrs(f"sys/class/accel/{dev.name}", device_attrs(info, dev))
+        tree.add_attrs(f"sys/kernel/debug/accel/{dev.name}", debug_attrs(dev))
+    tree.add_attrs("sys/module/accel_emu", module_attrs(info, devices))
+    return tree
+
+
+@dataclass(eq=False)
+class AttrHandle:
+    node: Node
+    content: bytes
+
+
+def _fuse_error(exc: DriverError) -> pyfuse3.FUSEError:
+    log.debug("answering %s", exc)
+    return pyfuse3.FUSEError(exc.errno)
+
+
+class AccelFS(pyfuse3.Operations):
+    def __init__(self, tree: Tree, info: drv.DriverInfo) -> None:
+        super().__init__()
+        self.tree = tree
+        self.info = info
+        self._handles: dict[int, OpenFile | AttrHandle] = {}
+        self._fh = itertools.count(1)
+        self._mtime_ns = time.time_ns()
+
+    def _node(self, inode: int) -> Node:
+        try:
+            return self.tree.nodes[inode]
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None
+                      ) -> pyfuse3.EntryAttributes:
+        node = self._node(inode)
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = inode
+        entry.st_mode = node.mode
+        entry.st_nlink = 2 + sum(stat.S_ISDIR(c.mode) for c in node.children.values()) \
+            if stat.S_ISDIR(node.mode) else 1
+        entry.st_size = ATTR_SIZE if node.attr else 0
+        entry.st_uid = entry.st_gid = 0
+        entry.st_atime_ns = entry.st_mtime_ns = entry.st_ctime_ns = self._mtime_ns
+        entry.entry_timeout = entry.attr_timeout = CACHE_TIMEOUT_S
+        return entry
+
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+                     ) -> pyfuse3.EntryAttributes:
+        child = self._node(parent_inode).children.get(name)
+        if child is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return await self.getattr(child.inode)
+
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
+                      fields: pyfuse3.SetattrFields, fh: int | None,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        # `echo 1 > attr` truncates first; attribute files have no length to change.
+        return await self.getattr(inode)
+
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        if not stat.S_ISDIR(self._node(inode).mode):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        entries = sorted(self._node(fh).children.items())
+        for i, (name, child) in enumerate(entries[start_id:], start_id):
+            if not pyfuse3.readdir_reply(token, name, await self.getattr(child.inode), i + 1):
+                break
+
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        node = self._node(inode)
+        if node.device is not None:
+            try:
+                handle: OpenFile | AttrHandle = node.device.open(ctx.pid, ctx.uid)
+            except DriverError as exc:
+                raise _fuse_error(exc) from None
+        elif node.attr is not None:
+            writing = flags & os.O_ACCMODE != os.O_RDONLY
+            reading = flags & os.O_ACCMODE != os.O_WRONLY
+            if (writing and node.attr.write is None) or (reading and node.attr.read is None):
+                raise pyfuse3.FUSEError(errno.EACCES)
+            text = node.attr.read() if reading and node.attr.read else ""
+            handle = AttrHandle(node, (text + "\n").encode() if reading else b"")
+        else:
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        fh = next(self._fh)
+        self._handles[fh] = handle
+        return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        handle = self._handles[fh]
+        if isinstance(handle, AttrHandle):
+            return handle.content[off : off + size]
+        try:
+            return drv.take_reply(handle, off, size)
+        except DriverError as exc:
+            raise _fuse_error(exc) from None
+
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        handle = self._handles[fh]
+        try:
+            if isinstance(handle, AttrHandle):
+                assert handle.node.attr is not None and handle.node.attr.write is not None
+                handle.node.attr.write(buf.decode(errors="replace"))
+            else:
+                await drv.execute(self.info, handle, buf)
+        except DriverError as exc:
+            raise _fuse_error(exc) from None
+        return len(buf)
+
+    async def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh, None)
+        if isinstance(handle, OpenFile):
+            handle.device.release(handle)

@@ -1,0 +1,161 @@
+"""Firmware loading and boot: the driver's side of the mailbox.
+
+``load_image`` is ``request_firmware`` plus verification: it tells a missing image
+(ENOPKG) from a corrupt or incompatible one (ENOEXEC). ``FirmwareProcess.boot`` copies the
+verified image into a fresh mailbox (a memfd), starts the device's firmware process with
+only the mailbox, doorbell and interrupt fds, and waits for the READY handshake; a firmware
+that exits or reports failure during boot is a boot failure (EIO).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import signal
+import sys
+from pathlib import Path
+
+import trio
+
+from firmware import abi, image
+from kmod_emul.errors import DriverError
+
+log = logging.getLogger(__name__)
+
+BOOT_TIMEOUT_S = 30.0
+STOP_GRACE_S = 1.0
+
+
+def load_image(firmware_dir: Path, name: str = image.IMAGE_NAME) -> image.FirmwareImage:
+    """Read and verify ``firmware_dir/name`` or raise DriverError with a distinct errno."""
+    path = firmware_dir / name
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DriverError(
+            errno.ENOPKG,
+            f"firmware image {name} not found in {firmware_dir}; install it (the package ships "
+            f"firmware/images/{name}) or point accel-emud --firmware-dir at it, then reset the device",
+        ) from None
+    except OSError as exc:
+        raise DriverError(errno.ENOPKG, f"firmware image {path} unreadable: {exc.strerror}") from None
+    try:
+        img = image.parse(raw)
+    except image.ImageError as exc:
+        raise DriverError(
+            errno.ENOEXEC,
+            f"firmware image {path} is corrupt: {exc}; reinstall the image, then reset the device",
+        ) from None
+    lo, hi = img.manifest["abi_min"], img.manifest["abi_max"]
+    if not lo <= abi.MAILBOX_ABI <= hi:
+        raise DriverError(
+            errno.ENOEXEC,
+            f"firmware image {path} speaks mailbox ABI {lo}..{hi} but this driver speaks "
+            f"{abi.MAILBOX_ABI}; install a matching firmware, then reset the device",
+        )
+    return img
+
+
+class FirmwareProcess:
+    """A running firmware: its process, mailbox and the two wake-up pipes."""
+
+    def __init__(self, proc: trio.Process, mbx: abi.Mailbox, mem: mmap.mmap,
+                 doorbell_w: int, irq_r: int) -> None:
+        self.proc = proc
+        self.mbx = mbx
+        self._mem = mem
+        self._doorbell_w = doorbell_w
+        self.irq_r = irq_r
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @classmethod
+    async def boot(cls, img: image.FirmwareImage, boot_flags: int, label: str) -> FirmwareProcess:
+        """Start a firmware process on ``img``; return once it reports READY."""
+        memfd = os.memfd_create(f"accel-emu-{label}-mailbox", os.MFD_CLOEXEC)
+        os.ftruncate(memfd, abi.MAILBOX_SIZE)
+        mem = mmap.mmap(memfd, abi.MAILBOX_SIZE)
+        mbx = abi.Mailbox(memoryview(mem))
+        mbx.host_init(img.raw, boot_flags)
+        doorbell_r, doorbell_w = os.pipe()
+        irq_r, irq_w = os.pipe()
+        os.set_blocking(irq_r, False)
+        try:
+            proc = await trio.lowlevel.open_process(
+                [sys.executable, "-m", "firmware", "--mailbox-fd", str(memfd),
+                 "--doorbell-fd", str(doorbell_r), "--irq-fd", str(irq_w)],
+                pass_fds=(memfd, doorbell_r, irq_w),
+                start_new_session=True,  # a Ctrl-C on the daemon's terminal is not a device crash
+            )
+        finally:
+            for fd in (memfd, doorbell_r, irq_w):
+                os.close(fd)
+        fw = cls(proc, mbx, mem, doorbell_w, irq_r)
+        try:
+            await fw._handshake()
+        except BaseException:
+            await fw.stop()
+            raise
+        return fw
+
+    async def _handshake(self) -> None:
+        with trio.move_on_after(BOOT_TIMEOUT_S):
+            while True:
+                state = self.mbx.fw_state
+                if state == abi.FwState.READY:
+                    return
+                if state == abi.FwState.BOOT_FAILED:
+                    raise DriverError(errno.EIO, f"firmware failed to boot: {self.mbx.boot_message}")
+                if self.proc.poll() is not None:
+                    raise DriverError(
+                        errno.EIO,
+                        f"firmware process exited during boot with status {self.proc.returncode}",
+                    )
+                await self.wait_irq(0.05)
+        raise DriverError(errno.EIO, f"firmware did not finish booting in {BOOT_TIMEOUT_S:.0f} s")
+
+    async def wait_irq(self, timeout: float | None = None) -> bool:
+        """Sleep until the firmware raises an interrupt; consume it. False on timeout."""
+        with trio.move_on_after(timeout if timeout is not None else float("inf")):
+            await trio.lowlevel.wait_readable(self.irq_r)
+            try:
+                os.read(self.irq_r, 4096)
+            except BlockingIOError:
+                pass
+            return True
+        return False
+
+    def send(self, op: abi.Op, ctx_id: int, seqno: int = 0, arg: int = 0) -> bool:
+        """Queue a message and ring the doorbell; False when the command ring is full."""
+        if not self.mbx.cmd.push(op, ctx_id, seqno, arg):
+            return False
+        try:
+            os.write(self._doorbell_w, b"\1")
+        except BlockingIOError:
+            pass
+        except OSError:
+            return True  # firmware gone; the watchdog reports it
+        return True
+
+    async def stop(self) -> None:
+        """Halt the firmware: close its doorbell, then SIGKILL if it lingers; reap it."""
+        if self.irq_r >= 0:
+            trio.lowlevel.notify_closing(self.irq_r)
+        for fd in (self._doorbell_w, self.irq_r):
+            if fd >= 0:
+                os.close(fd)
+        self._doorbell_w = self.irq_r = -1
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(STOP_GRACE_S):
+                await self.proc.wait()
+            if self.proc.returncode is None:
+                try:
+                    os.kill(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                await self.proc.wait()
+        log.debug("firmware pid %d stopped (status %s)", self.proc.pid, self.proc.returncode)

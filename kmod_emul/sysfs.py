@@ -1,0 +1,123 @@
+"""The attribute tree: ``sys/class/accel/accelN``, ``sys/kernel/debug`` and ``sys/module``.
+
+One small text file per value, as in Linux sysfs. Identity attributes come from the same
+``fill_device_info`` that answers DEVICE_QUERY, so the two can never disagree. Writable
+attributes take one value per write: ``reset`` (write 1), and the debugfs fault-injection
+knobs ``fw_boot_fail``, ``fw_hang`` and ``reset_hold``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kmod_emul import uapi
+from kmod_emul.device import AccelDevice
+from kmod_emul.drv import DriverInfo, fill_device_info
+from kmod_emul.errors import DriverError
+
+
+@dataclass(frozen=True)
+class Attr:
+    """One attribute file; ``read`` renders it, ``write`` parses and applies one value."""
+
+    read: Callable[[], str] | None = None
+    write: Callable[[str], None] | None = None
+
+
+def _bool(text: str) -> bool:
+    value = text.strip()
+    if value not in ("0", "1"):
+        raise DriverError(errno.EINVAL, f"expected 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _format(field: str, value: object) -> str:
+    if isinstance(value, bytes):
+        return uapi.cstr(value)
+    if field == "state":
+        return uapi.DeviceState(value).label
+    if field == "capabilities":
+        return " ".join(uapi.caps_to_names(int(value)))  # type: ignore[arg-type]
+    return str(value)
+
+
+def identity_values(info: DriverInfo, dev: AccelDevice) -> dict[str, str]:
+    raw = fill_device_info(info, dev, uapi.accel_device_info())
+    return {
+        name: _format(name, getattr(raw, name))
+        for name, *_ in raw._fields_
+        if not name.startswith(("pad", "reserved"))
+    }
+
+
+def device_attrs(info: DriverInfo, dev: AccelDevice) -> dict[str, Attr]:
+    """``sys/class/accel/accelN/*``."""
+    attrs = {
+        field: Attr(read=lambda field=field: identity_values(info, dev)[field])
+        for field in identity_values(info, dev)
+    }
+
+    def reset(text: str) -> None:
+        if not _bool(text):
+            raise DriverError(errno.EINVAL, "write 1 to reset the device")
+        dev.request_reset("reset requested through sysfs")
+
+    attrs.update(
+        failure=Attr(read=lambda: dev.failure[1] if dev.failure else ""),
+        failure_code=Attr(
+            read=lambda: errno.errorcode.get(dev.failure[0], "") if dev.failure else ""
+        ),
+        exclusive_owner=Attr(read=lambda: str(o.file.pid) if (o := dev.exclusive_owner()) else ""),
+        contexts=Attr(read=lambda: str(len(dev.contexts))),
+        open_files=Attr(read=lambda: str(len(dev.files))),
+        clients=Attr(read=lambda: str(len(dev.client_pids()))),
+        submissions=Attr(read=lambda: str(dev.submitted_total)),
+        completions=Attr(read=lambda: str(dev.completed_total)),
+        reset_count=Attr(read=lambda: str(dev.reset_count)),
+        heartbeat=Attr(read=lambda: str(dev.fw.mbx.heartbeat[0]) if dev.fw else "0"),
+        reset=Attr(write=reset),
+    )
+    return attrs
+
+
+def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
+    """``sys/kernel/debug/accel/accelN/*``: introspection and fault injection."""
+
+    def fw_hang(text: str) -> None:
+        if not _bool(text):
+            raise DriverError(errno.EINVAL, "write 1 to hang the firmware")
+        dev.hang_firmware()
+
+    def contexts() -> str:
+        rows = ["id pid uid exclusive submitted completed state"]
+        for c in dev.contexts.values():
+            rows.append(
+                f"{c.id} {c.file.pid} {c.file.uid} {int(c.exclusive)} {c.submitted} "
+                f"{c.completed} {'lost' if c.lost else 'live'}"
+            )
+        return "\n".join(rows)
+
+    def set_boot_fail(text: str) -> None:
+        dev.fw_boot_fail = _bool(text)
+
+    return {
+        "fw_pid": Attr(read=lambda: str(dev.fw.pid) if dev.fw else ""),
+        "fw_boot_fail": Attr(read=lambda: str(int(dev.fw_boot_fail)), write=set_boot_fail),
+        "fw_hang": Attr(write=fw_hang),
+        "reset_hold": Attr(read=lambda: str(int(dev.reset_hold)),
+                           write=lambda t: dev.set_reset_hold(_bool(t))),
+        "contexts": Attr(read=contexts),
+    }
+
+
+def module_attrs(info: DriverInfo, devices: list[AccelDevice]) -> dict[str, Attr]:
+    """``sys/module/accel_emu/*``: the driver itself."""
+    return {
+        "version": Attr(read=lambda: info.version),
+        "abi_version": Attr(read=lambda: f"{info.abi_major}.{info.abi_minor}"),
+        "pid": Attr(read=lambda: str(os.getpid())),
+        "devices": Attr(read=lambda: str(len(devices))),
+    }

@@ -1,0 +1,348 @@
+"""The accel-emu user-space ABI: every command and struct, defined once.
+
+This module is the emulator's ``include/uapi/drm/accel_emu.h``. The driver
+(``kmod_emul``) and the runtime (``runtime``) both import it and nothing else
+defines a command number or a struct layout. It imports only the standard
+library, so importing it never pulls in the driver, pyfuse3 or numba.
+
+Transport (pyfuse3 has no ioctl, so a command is a write/read transaction on the
+open device node, see docs/uapi.md):
+
+* ``pwrite(fd, accel_cmd_hdr + payload, 0)`` runs the command. The header names the
+  command (encoded like Linux ``_IOWR``: direction, struct size, type, number) and a
+  caller-chosen ``tag``. A command that fails makes the write fail with its errno.
+* Commands with the READ direction bit leave a reply: exactly the command's struct,
+  updated, fetched with ``pread(fd, size, tag)``. Replies are keyed by tag, so threads
+  that share one fd each get their own reply without a lock.
+
+Conventions from the Linux accel uAPIs (ivpu, habanalabs, kfd): fixed-width fields,
+explicit padding, ``flags`` and ``reserved`` that must be zero, count/size pairs, an
+unknown command answers ENOTTY and a malformed one EINVAL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import errno
+from dataclasses import dataclass
+from typing import Final
+
+# --- ABI version --------------------------------------------------------------------
+#: Bumped when a command or struct changes incompatibly. The driver refuses a context
+#: whose runtime speaks another major (EPROTO); minors are backward compatible.
+ACCEL_ABI_MAJOR: Final = 1
+ACCEL_ABI_MINOR: Final = 0
+
+# --- _IOC encoding, as in include/uapi/asm-generic/ioctl.h ---------------------------
+_IOC_NRBITS, _IOC_TYPEBITS, _IOC_SIZEBITS = 8, 8, 14
+_IOC_NRSHIFT = 0
+_IOC_TYPESHIFT = _IOC_NRSHIFT + _IOC_NRBITS
+_IOC_SIZESHIFT = _IOC_TYPESHIFT + _IOC_TYPEBITS
+_IOC_DIRSHIFT = _IOC_SIZESHIFT + _IOC_SIZEBITS
+IOC_NONE, IOC_WRITE, IOC_READ = 0, 1, 2
+
+#: The command type byte of this driver ('a' for accel).
+ACCEL_IOCTL_BASE: Final = ord("a")
+
+
+def _ioc(direction: int, nr: int, struct: type[ctypes.Structure]) -> int:
+    size = ctypes.sizeof(struct)
+    assert size < (1 << _IOC_SIZEBITS), struct
+    return (
+        (direction << _IOC_DIRSHIFT)
+        | (size << _IOC_SIZESHIFT)
+        | (ACCEL_IOCTL_BASE << _IOC_TYPESHIFT)
+        | (nr << _IOC_NRSHIFT)
+    )
+
+
+def ioc_dir(cmd: int) -> int:
+    return (cmd >> _IOC_DIRSHIFT) & 0x3
+
+
+def ioc_size(cmd: int) -> int:
+    return (cmd >> _IOC_SIZESHIFT) & ((1 << _IOC_SIZEBITS) - 1)
+
+
+def ioc_type(cmd: int) -> int:
+    return (cmd >> _IOC_TYPESHIFT) & ((1 << _IOC_TYPEBITS) - 1)
+
+
+def ioc_nr(cmd: int) -> int:
+    return (cmd >> _IOC_NRSHIFT) & ((1 << _IOC_NRBITS) - 1)
+
+
+class _Struct(ctypes.LittleEndianStructure):
+    """Base of every uAPI struct: packed, little-endian, explicit padding only."""
+
+    _pack_ = 1
+
+    def reserved_is_zero(self) -> bool:
+        """True when every field named ``pad*``/``reserved*`` is zero (the driver checks)."""
+        for name, ctype, *_ in self._fields_:
+            if name.startswith(("pad", "reserved")):
+                value = getattr(self, name)
+                if isinstance(value, int):
+                    if value:
+                        return False
+                elif any(value):
+                    return False
+        return True
+
+
+# --- transaction header ---------------------------------------------------------------
+class accel_cmd_hdr(_Struct):
+    """Precedes every command's payload in the write."""
+
+    _fields_ = [
+        ("cmd", ctypes.c_uint32),  # _IOC-encoded command
+        ("flags", ctypes.c_uint32),  # must be 0
+        ("tag", ctypes.c_uint64),  # pread offset of the reply; < ACCEL_TAG_LIMIT
+    ]
+
+
+#: Tags must stay below this so that ``pread(fd, n, tag)`` is a valid offset.
+ACCEL_TAG_LIMIT: Final = 1 << 62
+#: A context may hold this many unread replies; one more write answers EBUSY.
+ACCEL_MAX_PENDING_REPLIES: Final = 256
+
+# --- device identity ------------------------------------------------------------------
+
+
+class DeviceState(enum.IntEnum):
+    """Lifecycle of a device as the driver reports it (sysfs ``state``)."""
+
+    BOOTING = 1
+    OPERATIONAL = 2
+    IN_RESET = 3
+    FAILED = 4
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class Cap(enum.IntFlag):
+    """Capability bits of ``accel_device_info.capabilities`` (sysfs ``capabilities``)."""
+
+    NOOP = 1 << 0
+    COPY = 1 << 1
+    COMPUTE = 1 << 2
+    FP64 = 1 << 3
+    ATOMICS = 1 << 4
+    SHARED_MEM = 1 << 5
+    TIMESTAMPS = 1 << 6
+    EXCLUSIVE_MODE = 1 << 7
+    MULTI_CONTEXT = 1 << 8
+
+
+def caps_to_names(caps: int) -> list[str]:
+    return [c.name.lower() for c in Cap if caps & c and c.name]
+
+
+def names_to_caps(names: list[str]) -> int:
+    caps = 0
+    for name in names:
+        caps |= Cap[name.upper()]
+    return caps
+
+
+_S = ctypes.c_char
+
+
+class accel_version(_Struct):
+    """ACCEL_CMD_GET_VERSION: the driver's ABI and build."""
+
+    _fields_ = [
+        ("abi_major", ctypes.c_uint32),
+        ("abi_minor", ctypes.c_uint32),
+        ("driver_version", _S * 32),
+        ("reserved", ctypes.c_uint64 * 4),
+    ]
+
+
+class accel_device_info(_Struct):
+    """ACCEL_CMD_DEVICE_QUERY: identity, versions, capabilities, limits and state."""
+
+    _fields_ = [
+        ("index", ctypes.c_uint32),
+        ("state", ctypes.c_uint32),  # DeviceState
+        ("numa_node", ctypes.c_int32),
+        ("package_id", ctypes.c_uint32),
+        ("partition_id", ctypes.c_uint32),
+        ("compute_engines", ctypes.c_uint32),
+        ("copy_engines", ctypes.c_uint32),
+        ("max_threads_per_block", ctypes.c_uint32),
+        ("max_shared_mem_per_block", ctypes.c_uint32),
+        ("max_contexts", ctypes.c_uint32),
+        ("capabilities", ctypes.c_uint64),  # Cap
+        ("memory_total", ctypes.c_uint64),
+        ("memory_used", ctypes.c_uint64),
+        ("name", _S * 64),
+        ("uuid", _S * 48),
+        ("serial", _S * 32),
+        ("pci_bus_id", _S * 16),
+        ("fabric_endpoint", _S * 32),
+        ("driver_version", _S * 16),
+        ("firmware_version", _S * 16),
+        ("isa_version", _S * 16),
+        ("isa_stepping", _S * 8),
+        ("reserved", ctypes.c_uint64 * 8),
+    ]
+
+
+# --- contexts -------------------------------------------------------------------------
+
+#: ``accel_ctx_create.flags``: hold the device exclusively (like a partition owned by one
+#: tenant): refused with EBUSY while another process has it open, and while held every
+#: other process's open answers EBUSY.
+ACCEL_CTX_EXCLUSIVE: Final = 1 << 0
+ACCEL_CTX_FLAGS_MASK: Final = ACCEL_CTX_EXCLUSIVE
+
+
+class accel_ctx_create(_Struct):
+    """ACCEL_CMD_CTX_CREATE: turn this open file into a context (one open = one context)."""
+
+    _fields_ = [
+        ("abi_major", ctypes.c_uint32),  # in: the runtime's ACCEL_ABI_MAJOR
+        ("abi_minor", ctypes.c_uint32),  # in
+        ("flags", ctypes.c_uint32),  # in: ACCEL_CTX_*
+        ("pad", ctypes.c_uint32),
+        ("ctx_id", ctypes.c_uint64),  # out: unique on the device, never reused
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
+class accel_ctx_destroy(_Struct):
+    """ACCEL_CMD_CTX_DESTROY: tear the context down; the fd may create a new one."""
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("flags", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+# --- submission -------------------------------------------------------------------------
+
+
+class accel_submit_noop(_Struct):
+    """ACCEL_CMD_SUBMIT_NOOP: queue a no-op on the firmware; returns its fence seqno."""
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),  # in: must be this fd's context
+        ("flags", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("seqno", ctypes.c_uint64),  # out: completes when the firmware has run it
+    ]
+
+
+#: Longest a single ACCEL_CMD_WAIT blocks inside the driver. A FUSE request cannot be
+#: interrupted, even by SIGKILL, so longer waits are loops of bounded waits in the caller.
+ACCEL_WAIT_SLICE_NS: Final = 100_000_000
+
+
+class accel_wait(_Struct):
+    """ACCEL_CMD_WAIT: wait until the context's fence reaches ``seqno``.
+
+    Answers 0 once complete, ETIME when ``timeout_ns`` (capped at ACCEL_WAIT_SLICE_NS)
+    passes first, EINVAL for a seqno never submitted, ENODEV if the context was lost.
+    """
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("seqno", ctypes.c_uint64),
+        ("timeout_ns", ctypes.c_uint64),
+        ("flags", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("completed", ctypes.c_uint64),  # out: the context's completed seqno
+        ("timestamp_ns", ctypes.c_uint64),  # out: device time the seqno completed (0 if not)
+    ]
+
+
+# --- the command table ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Command:
+    """One entry of the command table shared by driver and runtime."""
+
+    name: str
+    code: int
+    struct: type[_Struct]
+
+    @property
+    def has_reply(self) -> bool:
+        return bool(ioc_dir(self.code) & IOC_READ)
+
+
+def _cmd(name: str, direction: int, nr: int, struct: type[_Struct]) -> Command:
+    return Command(name, _ioc(direction, nr, struct), struct)
+
+
+ACCEL_CMD_GET_VERSION = _cmd("GET_VERSION", IOC_READ, 0x00, accel_version)
+ACCEL_CMD_DEVICE_QUERY = _cmd("DEVICE_QUERY", IOC_READ, 0x01, accel_device_info)
+ACCEL_CMD_CTX_CREATE = _cmd("CTX_CREATE", IOC_READ | IOC_WRITE, 0x02, accel_ctx_create)
+ACCEL_CMD_CTX_DESTROY = _cmd("CTX_DESTROY", IOC_WRITE, 0x03, accel_ctx_destroy)
+ACCEL_CMD_SUBMIT_NOOP = _cmd("SUBMIT_NOOP", IOC_READ | IOC_WRITE, 0x04, accel_submit_noop)
+ACCEL_CMD_WAIT = _cmd("WAIT", IOC_READ | IOC_WRITE, 0x05, accel_wait)
+
+COMMANDS: Final[dict[int, Command]] = {
+    c.code: c
+    for c in (
+        ACCEL_CMD_GET_VERSION,
+        ACCEL_CMD_DEVICE_QUERY,
+        ACCEL_CMD_CTX_CREATE,
+        ACCEL_CMD_CTX_DESTROY,
+        ACCEL_CMD_SUBMIT_NOOP,
+        ACCEL_CMD_WAIT,
+    )
+}
+COMMANDS_BY_NR: Final[dict[int, Command]] = {ioc_nr(c.code): c for c in COMMANDS.values()}
+
+# --- errno contract ---------------------------------------------------------------------------
+#: What each errno means when a device node's open(2) or a command fails. The runtime maps
+#: these to its exception classes; docs/uapi.md is generated from the same meaning.
+ERRNO_MEANING: Final[dict[int, str]] = {
+    errno.ENOTTY: "unknown command",
+    errno.EINVAL: "malformed command (size, reserved field, flag or value)",
+    errno.ENOMSG: "no reply pending for that tag",
+    errno.EBUSY: "device held exclusively by another process, or too many unread replies",
+    errno.EEXIST: "a reply with that tag is still unread",
+    errno.EBADFD: "command needs a context and this open file has none",
+    errno.ENOENT: "handle does not belong to this context",
+    errno.EPROTO: "runtime ABI not supported by the driver",
+    errno.ENOPKG: "firmware image missing",
+    errno.ENOEXEC: "firmware image corrupt or incompatible",
+    errno.EIO: "firmware failed to boot",
+    errno.EAGAIN: "device in reset",
+    errno.ENODEV: "device or context lost (firmware crash, hang or reset)",
+    errno.ETIME: "wait timed out",
+}
+
+
+def cstr(raw: bytes) -> str:
+    """Decode a fixed-size NUL-padded char field."""
+    return raw.split(b"\0", 1)[0].decode()
+
+
+# --- where the device tree lives (CONTRACT.md "Environment") ---------------------------------
+def default_root() -> str:
+    """``$ACCEL_EMU_ROOT``, else /run/accel-emu for root, else a per-user runtime dir."""
+    import os
+
+    if root := os.environ.get("ACCEL_EMU_ROOT"):
+        return root
+    if os.geteuid() == 0:
+        return "/run/accel-emu"
+    if xdg := os.environ.get("XDG_RUNTIME_DIR"):
+        return os.path.join(xdg, "accel-emu")
+    return f"/tmp/accel-emu-{os.getuid()}"
+
+
+#: Paths below the root, shared by the driver that serves them and the tools that read them.
+DEV_DIR: Final = "dev/accel"
+CLASS_DIR: Final = "sys/class/accel"
+DEBUG_DIR: Final = "sys/kernel/debug/accel"
+MODULE_DIR: Final = "sys/module/accel_emu"

@@ -1,0 +1,1 @@
+"""accel-emu user-space runtime."""

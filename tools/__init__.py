@@ -1,0 +1,1 @@
+"""Command-line programs: ``accel-emud`` (the daemon), ``accel-smi`` and ``accel-diag``."""

@@ -1,0 +1,168 @@
+"""``accel-emud``: mount and serve an emulated accelerator; ``stop`` and ``status`` it.
+
+Without ``--foreground`` the command starts the daemon in its own session and returns once
+the mount is ready (exit 0), or prints why it could not start (exit 1). The daemon tells
+its starter it is ready through a pipe, so "returned" always means "mounted and booted".
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from firmware.image import IMAGE_DIR
+from kmod_emul import uapi
+
+START_TIMEOUT_S = 120.0
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'1G', '512M', '2GiB', '4096' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m or int(m.group(1)) == 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1G or 512M)")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def parse_abi(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)\.(\d+)", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not an ABI version: {text!r} (try 1.0)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def default_state_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/accel-emu")
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(base) / "accel-emu"
+
+
+def _parser() -> argparse.ArgumentParser:
+    root_help = "mount root (default: $ACCEL_EMU_ROOT or the per-user default)"
+    p = argparse.ArgumentParser(prog="accel-emud", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="action")
+    start = sub.add_parser("start", help="mount and serve (the default action)")
+    start.add_argument("--root", type=Path, default=Path(uapi.default_root()), help=root_help)
+    start.add_argument("--devices", type=int, default=1, help="number of devices (default 1)")
+    start.add_argument("--memory", type=parse_size, default=parse_size("1G"),
+                       help="memory per device, e.g. 1G, 512M (default 1G)")
+    start.add_argument("--foreground", action="store_true", help="serve in this process")
+    start.add_argument("--state-dir", type=Path, default=default_state_dir(),
+                       help="where stable device identities and the log live")
+    start.add_argument("--firmware-dir", type=Path, default=IMAGE_DIR,
+                       help=f"where firmware images are looked up (default {IMAGE_DIR})")
+    start.add_argument("--heartbeat-timeout", type=float, default=2.0, metavar="SECONDS",
+                       help="declare a device failed after this long without a heartbeat")
+    start.add_argument("--driver-abi", type=parse_abi, default=None, metavar="MAJOR.MINOR",
+                       help="emulate a driver of another uAPI version (version-skew testing)")
+    start.add_argument("--log-file", type=Path, default=None,
+                       help="daemon log when in the background (default STATE_DIR/accel-emud.log)")
+    start.add_argument("-v", "--verbose", action="store_true", help="log every refused command")
+    start.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    for name, text in (("stop", "unmount cleanly and stop the daemon"),
+                       ("status", "say whether the root is served (exit 0 yes, 3 no, 1 stale)")):
+        sp = sub.add_parser(name, help=text)
+        sp.add_argument("--root", type=Path, default=Path(uapi.default_root()), help=root_help)
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    if not argv or argv[0] not in ("start", "stop", "status", "-h", "--help"):
+        argv = ["start", *argv]
+    args = _parser().parse_args(argv)
+    if args.action == "start" and args.devices < 1:
+        _parser().error("--devices must be at least 1")
+    return args
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from kmod_emul import daemon, drv
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s accel-emud[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )
+    driver = drv.DriverInfo()
+    if args.driver_abi:
+        driver = drv.DriverInfo(abi_major=args.driver_abi[0], abi_minor=args.driver_abi[1])
+    config = daemon.DaemonConfig(
+        root=args.root.resolve(), devices=args.devices, memory=args.memory,
+        state_dir=args.state_dir.resolve(), firmware_dir=args.firmware_dir.resolve(),
+        heartbeat_timeout_s=args.heartbeat_timeout, driver=driver,
+    )
+
+    def ready() -> None:
+        if args.ready_fd is not None:
+            os.write(args.ready_fd, b"ready\n")
+            os.close(args.ready_fd)
+
+    try:
+        trio.run(daemon.serve, config, ready)
+    except daemon.AlreadyServed as exc:
+        print(f"accel-emud: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _start_background(args: argparse.Namespace, argv: list[str]) -> int:
+    from kmod_emul import daemon
+
+    mount = daemon.find_mount(args.root)
+    if mount is not None and mount.alive:
+        print(f"accel-emud: {args.root} is already served by accel-emud (pid {mount.pid}); "
+              f"stop it first with: accel-emud stop --root {args.root}", file=sys.stderr)
+        return 1
+    log_file = args.log_file or args.state_dir / "accel-emud.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    child_argv = [a for a in argv if a != "start"]
+    with open(log_file, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tools.accel_emud", "start", *child_argv, "--foreground",
+             "--ready-fd", str(write_fd)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(write_fd,),
+            start_new_session=True,
+        )
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as ready:
+        line = ready.readline()  # EOF if the daemon dies before it is ready
+    if line == b"ready\n":
+        print(f"accel-emud: serving {args.devices} device(s) at {args.root.resolve()} "
+              f"(pid {proc.pid}, log {log_file})")
+        return 0
+    code = proc.wait(timeout=START_TIMEOUT_S)
+    tail = log_file.read_text(errors="replace").splitlines()[-15:]
+    print(f"accel-emud: failed to start (exit {code}); log {log_file}:", file=sys.stderr)
+    print("\n".join(tail), file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    from kmod_emul import daemon
+
+    if args.action == "stop":
+        print(f"accel-emud: {daemon.stop(args.root)}")
+        return 0
+    if args.action == "status":
+        code, text = daemon.status(args.root)
+        print(f"accel-emud: {text}")
+        return code
+    if args.foreground:
+        return _serve(args)
+    return _start_background(args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
