@@ -1,0 +1,102 @@
+"""One open device node and the command transactions over it.
+
+A transaction is ``pwrite(header + struct)`` then, for commands with a reply,
+``pread(size, tag)``. Tags are unique in the process, so threads sharing a channel need no
+lock: the driver keys each reply by its tag. A channel remembers the pid that opened it;
+used from any other process (a forked child) it raises UseAfterForkError instead of
+submitting through a file the parent owns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import os
+import struct
+from typing import Any
+
+from kmod_emul import uapi
+from runtime import discovery, errors
+
+_HDR = struct.Struct("<IIQ")
+assert _HDR.size == ctypes.sizeof(uapi.accel_cmd_hdr)
+_tags = itertools.count(1)
+
+
+def fork_message(init_pid: int) -> str:
+    return (
+        f"the accel runtime was initialised in process {init_pid} before this process "
+        f"({os.getpid()}) was forked from it; device state (contexts, queues, open device "
+        "files) cannot be used in a forked child. Use the 'spawn' or 'forkserver' start "
+        "method (multiprocessing.set_start_method('spawn')) and initialise the runtime in "
+        "the child. Discovery (device_count, is_available) still works after fork."
+    )
+
+
+def open_error(physical: str, err: int) -> errors.AccelError:
+    """Turn an open(2) failure into the exception that names its cause and fix."""
+    if err == errno.ENOENT:
+        return errors.NoDeviceError(
+            f"{physical} does not exist under {discovery.root()} (is accel-emud serving it? "
+            "see `accel-emud status`)", err)
+    try:
+        detail = discovery.read_attr(physical, "failure")
+    except OSError:
+        detail = ""
+    if err == errno.EBUSY:
+        try:
+            owner = discovery.read_attr(physical, "exclusive_owner")
+        except OSError:
+            owner = "?"
+        detail = (f"{physical} is held exclusively by process {owner} (another tenant); wait "
+                  "for it to release the device or ask its owner")
+    elif err == errno.EAGAIN:
+        detail = (f"{physical} is in reset; retry when `accel-smi` shows it operational")
+    elif not detail:
+        detail = uapi.ERRNO_MEANING.get(err, os.strerror(err))
+    return errors.from_errno(err, f"cannot open {physical}: {detail}")
+
+
+class Channel:
+    """A device node opened by this process; ``call`` runs one command."""
+
+    def __init__(self, physical: str) -> None:
+        self.physical = physical
+        self.pid = os.getpid()
+        path = discovery.root() / uapi.DEV_DIR / physical
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise open_error(physical, exc.errno) from None
+
+    def call(self, cmd: uapi.Command, arg: Any) -> Any:
+        if os.getpid() != self.pid:
+            raise errors.UseAfterForkError(fork_message(self.pid))
+        tag = next(_tags)
+        try:
+            os.pwrite(self.fd, _HDR.pack(cmd.code, 0, tag) + bytes(arg), 0)
+            if not cmd.has_reply:
+                return None
+            return cmd.struct.from_buffer_copy(os.pread(self.fd, ctypes.sizeof(cmd.struct), tag))
+        except OSError as exc:
+            raise self._error(cmd, exc.errno) from None
+
+    def _error(self, cmd: uapi.Command, err: int) -> errors.AccelError:
+        where = f"{cmd.name} on {self.physical}"
+        if err == errno.ENODEV:
+            try:
+                state = discovery.read_attr(self.physical, "state")
+                failure = discovery.read_attr(self.physical, "failure")
+            except OSError:
+                state, failure = "unknown", ""
+            cause = failure or ("it was reset" if state != "failed" else "it failed")
+            return errors.from_errno(
+                err, f"{where}: context lost because {cause} (device now {state}); "
+                     "create a new context once the device is operational")
+        return errors.from_errno(err, f"{where}: {uapi.ERRNO_MEANING.get(err, os.strerror(err))}")
+
+    def close(self) -> None:
+        if self.fd >= 0 and os.getpid() == self.pid:
+            os.close(self.fd)
+        self.fd = -1

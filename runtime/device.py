@@ -1,0 +1,184 @@
+"""Lazy initialisation, the fork rule, devices and the per-thread current device.
+
+``init()`` is implicit in the first device call and explicit when a program wants its
+failures early. It records the initialising pid; a forked child that inherited initialised
+state gets UseAfterForkError from every device call, while discovery keeps working. The
+current device is per thread (``set_device``/``device``), as in ``torch.cuda``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Union
+
+from kmod_emul import uapi
+from runtime import discovery, errors
+from runtime._channel import fork_message
+from runtime.context import Context
+
+_lock = threading.RLock()
+_init_pid: int | None = None
+_visible: list[str] = []
+_primary: dict[int, Context] = {}
+_tls = threading.local()
+
+
+def _after_fork_in_child() -> None:
+    # A lock held by another parent thread at fork time would never be released here.
+    global _lock
+    _lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _check_fork() -> None:
+    if _init_pid is not None and _init_pid != os.getpid():
+        raise errors.UseAfterForkError(fork_message(_init_pid))
+
+
+def is_initialized() -> bool:
+    return _init_pid is not None and _init_pid == os.getpid()
+
+
+def init() -> None:
+    """Initialise the runtime and the current device's primary context (idempotent)."""
+    global _init_pid, _visible
+    _check_fork()
+    with _lock:
+        if _init_pid is None:
+            visible = discovery.visible_devices()
+            if not visible:
+                spec = os.environ.get("ACCEL_VISIBLE_DEVICES")
+                hint = (f"ACCEL_VISIBLE_DEVICES={spec!r} hides every device" if spec is not None
+                        else f"no accel-emud serves {discovery.root()} (start one with "
+                             "`accel-emud --root DIR`, or set ACCEL_EMU_ROOT)")
+                raise errors.NoDeviceError(f"no accelerator visible: {hint}")
+            _visible, _init_pid = visible, os.getpid()
+    primary_context(current_device())
+
+
+def _physical(index: int) -> str:
+    if not 0 <= index < len(_visible):
+        raise errors.InvalidValueError(
+            f"invalid device index {index}: {len(_visible)} device(s) visible")
+    return _visible[index]
+
+
+def primary_context(index: int | None = None) -> Context:
+    """This process's primary context on device ``index`` (created on first use)."""
+    _check_fork()
+    if _init_pid is None:
+        init()
+    idx = current_device() if index is None else index
+    with _lock:
+        ctx = _primary.get(idx)
+        if ctx is None:
+            ctx = _primary[idx] = Context(_physical(idx))
+        return ctx
+
+
+DeviceLike = Union[int, "device", None]
+
+
+def _index(dev: DeviceLike) -> int:
+    if dev is None:
+        return current_device()
+    if isinstance(dev, device):
+        return dev.idx
+    return int(dev)
+
+
+def current_device() -> int:
+    return getattr(_tls, "device", 0)
+
+
+def set_device(index: int) -> None:
+    """Make ``index`` this thread's current device."""
+    _check_fork()
+    if _init_pid is None:
+        init()
+    _physical(index)
+    _tls.device = index
+
+
+class device:
+    """Context manager that makes ``idx`` the current device for its body."""
+
+    def __init__(self, idx: int) -> None:
+        self.idx = idx
+        self._prev: int | None = None
+
+    def __enter__(self) -> device:
+        self._prev = current_device()
+        set_device(self.idx)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._prev is not None
+        _tls.device = self._prev
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What ``get_device_properties`` reports; the driver's DEVICE_QUERY, typed."""
+
+    index: int
+    name: str
+    uuid: str
+    serial: str
+    pci_bus_id: str
+    numa_node: int
+    package_id: int
+    partition_id: int
+    fabric_endpoint: str
+    driver_version: str
+    firmware_version: str
+    isa_version: str
+    isa_stepping: str
+    capabilities: tuple[str, ...]
+    total_memory: int
+    compute_engines: int
+    copy_engines: int
+    max_threads_per_block: int
+    max_shared_mem_per_block: int
+    max_contexts: int
+    state: str
+    physical_index: int
+
+
+def get_device_properties(dev: DeviceLike = None) -> DeviceProperties:
+    idx = _index(dev)
+    raw = primary_context(idx).query_device()
+    s = uapi.cstr
+    return DeviceProperties(
+        index=idx, name=s(raw.name), uuid=s(raw.uuid), serial=s(raw.serial),
+        pci_bus_id=s(raw.pci_bus_id), numa_node=raw.numa_node, package_id=raw.package_id,
+        partition_id=raw.partition_id, fabric_endpoint=s(raw.fabric_endpoint),
+        driver_version=s(raw.driver_version), firmware_version=s(raw.firmware_version),
+        isa_version=s(raw.isa_version), isa_stepping=s(raw.isa_stepping),
+        capabilities=tuple(uapi.caps_to_names(raw.capabilities)),
+        total_memory=raw.memory_total, compute_engines=raw.compute_engines,
+        copy_engines=raw.copy_engines, max_threads_per_block=raw.max_threads_per_block,
+        max_shared_mem_per_block=raw.max_shared_mem_per_block, max_contexts=raw.max_contexts,
+        state=uapi.DeviceState(raw.state).label, physical_index=raw.index,
+    )
+
+
+def get_device_name(dev: DeviceLike = None) -> str:
+    return get_device_properties(dev).name
+
+
+def synchronize(dev: DeviceLike = None, timeout: float | None = None) -> None:
+    """Wait until the device has finished everything this process's primary context queued."""
+    primary_context(_index(dev)).synchronize(timeout)
+
+
+def new_context(dev: DeviceLike = None, *, exclusive: bool = False) -> Context:
+    """A further context on a device (its own fd); ``exclusive`` holds the device alone."""
+    _check_fork()
+    if _init_pid is None:
+        init()
+    return Context(_physical(_index(dev)), exclusive=exclusive)

@@ -1,0 +1,106 @@
+"""The runtime's exceptions: one base, one class per cause a user must tell apart.
+
+"No accelerator available" is only one of them. Missing firmware, a corrupt image, a
+driver of another ABI, a device held by another tenant and a device in reset are different
+conditions for different teams, so each has its own class and a message that names the
+cause and the fix. Driver-level errors carry the driver's ``errno``.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+from typing import Any
+
+
+class AccelError(Exception):
+    """Base of every runtime error. ``errno`` is the driver's, when the driver said no."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+class NoDeviceError(AccelError):
+    """No device is visible: no daemon serves the root, or ACCEL_VISIBLE_DEVICES hides them."""
+
+
+class FirmwareError(AccelError):
+    """The device's firmware is unusable; see the subclass."""
+
+
+class FirmwareMissingError(FirmwareError):
+    """The firmware image the device boots from is not installed (ENOPKG)."""
+
+
+class FirmwareCorruptError(FirmwareError):
+    """The firmware image failed verification or speaks another mailbox ABI (ENOEXEC)."""
+
+
+class FirmwareBootError(FirmwareError):
+    """The firmware was loaded but failed to boot (EIO)."""
+
+
+class DriverVersionMismatchError(AccelError):
+    """The driver does not speak this runtime's uAPI version (EPROTO)."""
+
+
+class DeviceBusyError(AccelError):
+    """Another process holds the device exclusively, like a partition of another tenant (EBUSY)."""
+
+
+class DeviceInResetError(AccelError):
+    """The device is resetting or booting; retry once it is operational (EAGAIN)."""
+
+
+class OutOfMemoryError(AccelError, MemoryError):
+    """The device cannot satisfy an allocation."""
+
+
+class KernelFaultError(AccelError):
+    """A kernel faulted on the device; ``record`` is the driver's fault record."""
+
+    def __init__(self, message: str, errno: int | None = None,
+                 record: dict[str, Any] | None = None) -> None:
+        super().__init__(message, errno)
+        self.record = record or {}
+
+
+class DeviceLostError(AccelError):
+    """The device failed or was reset under this context; its state is gone (ENODEV)."""
+
+
+class UseAfterForkError(AccelError):
+    """Device state initialised in a parent process was used in a forked child."""
+
+
+class InvalidValueError(AccelError, ValueError):
+    """An argument the runtime or the driver rejects (EINVAL and friends)."""
+
+
+class AccelTimeoutError(AccelError, TimeoutError):
+    """A host wait ran out of time before the device finished (ETIME)."""
+
+
+#: How the runtime reads a driver errno. Open-time codes carry the device's failure text.
+ERRNO_CLASSES: dict[int, type[AccelError]] = {
+    _errno.ENOENT: InvalidValueError,
+    _errno.ENOPKG: FirmwareMissingError,
+    _errno.ENOEXEC: FirmwareCorruptError,
+    _errno.EIO: FirmwareBootError,
+    _errno.EPROTO: DriverVersionMismatchError,
+    _errno.EBUSY: DeviceBusyError,
+    _errno.EAGAIN: DeviceInResetError,
+    _errno.ENODEV: DeviceLostError,
+    _errno.ETIME: AccelTimeoutError,
+    _errno.EINVAL: InvalidValueError,
+    _errno.ENOTTY: InvalidValueError,
+    _errno.EBADFD: InvalidValueError,
+    _errno.ENOMEM: OutOfMemoryError,
+    _errno.ENOSPC: OutOfMemoryError,
+}
+
+
+def from_errno(err: int, message: str) -> AccelError:
+    cls = ERRNO_CLASSES.get(err, AccelError)
+    name = _errno.errorcode.get(err, str(err))
+    return cls(f"{message} [{name}]", err)
