@@ -1,0 +1,310 @@
+"""accel-smi against real daemons: what it prints must be what sysfs says.
+
+The tool runs as a subprocess, as a user would run it. Read-only queries use the shared
+daemon; resets and broken devices get private ones. Every failure state a bring-up can end
+in (ENOPKG, ENOEXEC, EIO, ENODEV, in_reset) must be visible with the driver's own text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from firmware.image import IMAGE_DIR, IMAGE_NAME
+from kmod_emul import uapi
+
+REPO = Path(__file__).resolve().parent.parent
+#: Changes between two reads on a healthy device; never compared by value.
+VOLATILE = {"heartbeat"}
+
+
+def smi(d, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tools.accel_smi", *args], capture_output=True,
+                          text=True, env=env or d.env(), cwd=REPO, timeout=60)
+
+
+def readable_attrs(d, dev: int) -> dict[str, str]:
+    """Every readable sysfs attribute of accel<dev>, read directly."""
+    path = d.root / uapi.CLASS_DIR / f"accel{dev}"
+    return {n: (path / n).read_text().strip() for n in sorted(os.listdir(path))
+            if os.stat(path / n).st_mode & 0o444}
+
+
+def table(out: str) -> tuple[list[str], list[list[str]], list[str]]:
+    """(header line, table rows as cells (column names first), lines after the table)."""
+    lines = out.splitlines()
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in lines if line.startswith("| ")]
+    last_border = max(i for i, line in enumerate(lines) if line.startswith("+-"))
+    return lines[0], rows, lines[last_border + 1:]
+
+
+def write_debug(d, name: str, value: str) -> None:
+    d.debug(0, name).write_text(value)
+
+
+# --- read-only views on the shared daemon ------------------------------------------------------
+def test_table_lists_every_device_as_sysfs_has_it(daemon) -> None:
+    proc = smi(daemon)
+    assert proc.returncode == 0, proc.stderr
+    header, rows, after = table(proc.stdout)
+    module = daemon.root / uapi.MODULE_DIR
+    assert f"Driver Version: {(module / 'version').read_text().strip()}" in header
+    assert f"ABI Version: {(module / 'abi_version').read_text().strip()}" in header
+    assert rows[0] == ["Idx", "Name", "UUID", "Bus-Id", "Firmware", "Memory-Usage", "Ctx",
+                       "State"]
+    assert len(rows) == 3 and after == []
+    for dev, row in enumerate(rows[1:]):
+        a = readable_attrs(daemon, dev)
+        assert a["uuid"].startswith(row[2]) and len(row[2]) == 14  # ACCEL- + 8 hex digits
+        assert row == [str(dev), a["name"], a["uuid"][:14], a["pci_bus_id"],
+                       a["firmware_version"], "0MiB / 256MiB", a["contexts"], "operational"]
+
+
+def test_list_is_one_line_per_device_with_full_uuid(daemon) -> None:
+    proc = smi(daemon, "-L")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        f"accel {i}: Accel-Emu A1 (UUID: {daemon.attr(i, 'uuid')})" for i in (0, 1)]
+
+
+def test_query_one_device_shows_every_attribute_of_it_only(daemon) -> None:
+    proc = smi(daemon, "-q", "-i", "1")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert daemon.attr(1, "uuid") in out and daemon.attr(0, "uuid") not in out
+    assert f"accel 1 ({daemon.attr(1, 'pci_bus_id')})" in out and "accel 0 " not in out
+    assert "Attached Devices                  : 2" in out
+    for section in ("Identity", "Versions", "State", "Memory", "Compute", "Clients"):
+        assert f"\n    {section}\n" in out
+    values = {}
+    for line in out.splitlines():
+        if line.startswith(" " * 8):
+            key, _, value = line.strip().partition(":")
+            values[key.strip()] = value.strip()
+    attrs = readable_attrs(daemon, 1)
+    assert set(values) == set(attrs)  # every attribute, nothing invented
+    for key, value in attrs.items():
+        if key in VOLATILE:
+            continue
+        if key.startswith("memory_"):
+            assert values[key] == f"{int(value) >> 20} MiB ({value} bytes)"
+        else:
+            assert values[key] == (value or "N/A"), key
+
+
+def test_query_selects_by_uuid_prefix(daemon) -> None:
+    uuid = daemon.attr(1, "uuid")
+    proc = smi(daemon, "-L", "-i", uuid[:14])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"accel 1: Accel-Emu A1 (UUID: {uuid})"]
+
+
+def test_json_has_every_attribute_typed(daemon) -> None:
+    proc = smi(daemon, "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    module = daemon.root / uapi.MODULE_DIR
+    assert doc["driver"] == {
+        "version": (module / "version").read_text().strip(),
+        "abi_version": (module / "abi_version").read_text().strip(),
+        "devices": 2, "pid": daemon.pid}
+    assert len(doc["devices"]) == 2
+    for dev, obj in enumerate(doc["devices"]):
+        attrs = readable_attrs(daemon, dev)
+        assert set(obj) == set(attrs)
+        for key, value in attrs.items():
+            if key in VOLATILE:
+                continue
+            got = obj[key]
+            if key == "capabilities":
+                assert got == value.split()
+            elif value == "" and key not in ("failure", "failure_code"):
+                assert got is None, key
+            else:
+                assert str(got) == value, key
+        assert isinstance(obj["memory_total"], int) and isinstance(obj["index"], int)
+        assert isinstance(obj["serial"], str) and obj["state"] == "operational"
+        assert obj["failure"] == "" and obj["failure_code"] == ""
+
+
+def test_csv_query_with_and_without_header(daemon) -> None:
+    fields = "uuid,index,memory.total,memory.used,utilization,state,pci_bus_id,serial"
+    proc = smi(daemon, f"--query-device={fields}", "--format=csv")
+    assert proc.returncode == 0, proc.stderr
+    rows = [
+        f"{daemon.attr(i, 'uuid')}, {i}, 256 MiB, 0 MiB, 0 %, operational, "
+        f"{daemon.attr(i, 'pci_bus_id')}, {daemon.attr(i, 'serial')}" for i in (0, 1)]
+    header = ("uuid, index, memory.total [MiB], memory.used [MiB], utilization [%], state, "
+              "pci_bus_id, serial")
+    assert proc.stdout.splitlines() == [header, *rows]
+
+    proc = smi(daemon, "--query-device", "name,driver_version,firmware_version",
+               "--format=csv,noheader,nounits", "-i", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        f"Accel-Emu A1, {daemon.attr(0, 'driver_version')}, {daemon.attr(0, 'firmware_version')}"]
+
+    proc = smi(daemon, "--query-device=index,memory.total", "--format=csv,noheader")
+    assert proc.stdout.splitlines() == ["0, 256 MiB", "1, 256 MiB"]
+
+
+def test_unknown_field_lists_valid_ones(daemon) -> None:
+    proc = smi(daemon, "--query-device=index,temperature", "--format=csv")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "unknown field 'temperature'" in proc.stderr
+    for field in ("index", "name", "uuid", "memory.total", "utilization", "state"):
+        assert field in proc.stderr.split("valid fields:")[1]
+
+
+@pytest.mark.parametrize("args", [["-i", "7"], ["-q", "-i", "ACCEL-nope"], ["-i", "0,9"]])
+def test_invalid_device_is_a_usage_error(daemon, args: list[str]) -> None:
+    proc = smi(daemon, *args)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "matches no device (device indices: 0, 1" in proc.stderr
+
+
+def test_reset_needs_a_device(daemon) -> None:
+    proc = smi(daemon, "-r")
+    assert proc.returncode == 2
+    assert "-r needs -i" in proc.stderr
+    assert daemon.attr(0, "reset_count") == daemon.attr(1, "reset_count") == "0"
+
+
+@pytest.mark.parametrize("how", ["env", "flag"])
+def test_no_devices(daemon, tmp_path: Path, how: str) -> None:
+    env = daemon.env(ACCEL_EMU_ROOT=str(tmp_path))
+    args = ["--root", str(tmp_path)] if how == "flag" else []
+    if how == "flag":
+        env = daemon.env()  # the flag must win over a root that does serve devices
+    proc = smi(daemon, *args, env=env)
+    assert proc.returncode == 6
+    assert proc.stdout == "No devices were found\n"
+    assert str(tmp_path) in proc.stderr
+
+
+def test_queries_never_open_a_device_node(daemon) -> None:
+    """Audit every open() the tool makes: sysfs files only, never dev/accel/*."""
+    code = textwrap.dedent("""
+        import json, sys
+        opened = []
+        sys.addaudithook(lambda e, a: opened.append(str(a[0])) if e == "open" else None)
+        from tools.accel_smi import run
+        for argv in ([], ["-L"], ["-q"], ["--json"],
+                     ["--query-device=index,uuid,state,memory.used", "--format=csv"]):
+            assert run(argv)[0] == 0, argv
+        print(json.dumps(opened))
+    """)
+    before = [daemon.attr(i, "open_files") for i in (0, 1)]
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=daemon.env(), cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    opened = json.loads(proc.stdout)
+    root = str(daemon.root)
+    under_root = [p for p in opened if p.startswith(root)]
+    assert any("/sys/class/accel/accel1/uuid" in p for p in under_root)
+    assert [p for p in under_root if not p.startswith(f"{root}/sys/")] == []
+    assert [daemon.attr(i, "open_files") for i in (0, 1)] == before
+
+
+# --- reset and broken devices on private daemons ------------------------------------------------
+def test_reset_ends_operational_and_counts(make_daemon) -> None:
+    d = make_daemon(devices=1)
+    proc = smi(d, "-r", "-i", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["accel 0: reset complete, operational (reset_count 1)"]
+    assert d.attr(0, "state") == "operational"
+    assert d.attr(0, "reset_count") == "1"
+
+
+def test_missing_firmware_is_shown_and_reset_recovers_once_installed(make_daemon,
+                                                                     tmp_path: Path) -> None:
+    fw_dir = tmp_path / "no-firmware"
+    fw_dir.mkdir()
+    d = make_daemon(firmware_dir=fw_dir)
+    failure = d.attr(0, "failure")
+    assert failure.startswith("firmware image accel-emu-a1.fw not found")
+
+    proc = smi(d)
+    assert proc.returncode == 0, proc.stderr
+    _, rows, after = table(proc.stdout)
+    assert rows[1][7] == "failed (ENOPKG)" and rows[1][4] == "N/A"
+    assert after == [f"accel 0: failed [ENOPKG]: {failure}"]
+
+    proc = smi(d, "--query-device=index,state,failure_code", "--format=csv,noheader")
+    assert proc.stdout == "0, failed, ENOPKG\n"
+    assert "        failure_code              : ENOPKG" in smi(d, "-q").stdout
+    assert json.loads(smi(d, "--json").stdout)["devices"][0]["failure"] == failure
+
+    proc = smi(d, "-r", "-i", "0")  # still missing: the reset ends failed again
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("accel-smi: accel 0: reset ended failed [ENOPKG]: firmware "
+                                  "image accel-emu-a1.fw not found")
+
+    (fw_dir / IMAGE_NAME).write_bytes((IMAGE_DIR / IMAGE_NAME).read_bytes())
+    proc = smi(d, "-r", "-i", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "accel 0: reset complete, operational (reset_count 2)\n"
+    assert table(smi(d).stdout)[1][1][7] == "operational"
+
+
+def test_corrupt_firmware_is_shown(make_daemon, firmware_copy: Path) -> None:
+    image = firmware_copy / IMAGE_NAME
+    raw = bytearray(image.read_bytes())
+    raw[-1] ^= 0xFF
+    image.write_bytes(bytes(raw))
+    d = make_daemon(firmware_dir=firmware_copy)
+    proc = smi(d)
+    _, rows, after = table(proc.stdout)
+    assert rows[1][7] == "failed (ENOEXEC)"
+    assert after == [f"accel 0: failed [ENOEXEC]: {d.attr(0, 'failure')}"]
+    assert f"firmware image {image} is corrupt" in after[0]
+
+
+def test_boot_failure_lost_device_and_reset_in_progress_are_shown(make_daemon) -> None:
+    d = make_daemon(devices=1, extra=["--heartbeat-timeout", "0.5"])
+
+    # Boot failure (EIO): the injected knob makes the next boot fail; -r reports it.
+    write_debug(d, "fw_boot_fail", "1")
+    proc = smi(d, "-r", "-i", "0")
+    assert proc.returncode == 1
+    assert "reset ended failed [EIO]: firmware failed to boot" in proc.stderr
+    _, rows, after = table(smi(d).stdout)
+    assert rows[1][7] == "failed (EIO)"
+    assert after == [f"accel 0: failed [EIO]: {d.attr(0, 'failure')}"]
+    write_debug(d, "fw_boot_fail", "0")
+    assert smi(d, "-r", "-i", "0").returncode == 0
+
+    # Lost device (ENODEV): a hung firmware stops heart-beating.
+    write_debug(d, "fw_hang", "1")
+    d.wait_state(0, "failed", timeout=10)
+    _, rows, after = table(smi(d).stdout)
+    assert rows[1][7] == "failed (ENODEV)"
+    assert after == [f"accel 0: failed [ENODEV]: {d.attr(0, 'failure')}"]
+    assert "heart-beating" in after[0]
+
+    # In reset: held by the debug knob; the last failure is labelled as such.
+    write_debug(d, "reset_hold", "1")
+    try:
+        (d.root / uapi.CLASS_DIR / "accel0" / "reset").write_text("1")
+        d.wait_state(0, "in_reset")
+        _, rows, after = table(smi(d).stdout)
+        assert rows[1][7] == "in_reset"
+        assert after == ["accel 0: in_reset: resetting; usable again once its state is "
+                         f"operational (last failure [ENODEV]: {d.attr(0, 'failure')})"]
+        proc = smi(d, "-r", "-i", "0", "--reset-timeout", "0.3")
+        assert proc.returncode == 1
+        assert "reset did not finish within 0.3 s (state in_reset" in proc.stderr
+    finally:
+        write_debug(d, "reset_hold", "0")
+    d.wait_state(0, "operational")
+    assert d.attr(0, "failure") == ""
+    assert table(smi(d).stdout)[2] == []

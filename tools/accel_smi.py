@@ -1,0 +1,467 @@
+"""``accel-smi``: show and reset accel-emu devices, like ``nvidia-smi``.
+
+Every query reads only the one-value attribute files under ``ROOT/sys`` (the driver's
+sysfs). It never opens a device node: an open is a driver client (it shows in
+``open_files``/``clients``, can be refused by an exclusive owner, and would make a
+monitoring loop part of the workload it watches). The only write is ``-r``, which writes
+``1`` to ``sys/class/accel/accelN/reset``, as root would on Linux.
+
+Modes (one at a time): the default table; ``-L`` one line per device; ``-q`` every
+attribute, grouped; ``--json``; ``--query-device=FIELDS --format=csv[,noheader][,nounits]``;
+``-r`` reset. ``-i`` selects devices by physical index, UUID (or a unique prefix, such as
+the short UUID in the table) or PCI bus id; a comma-separated list selects several.
+``ACCEL_VISIBLE_DEVICES`` is ignored, as ``nvidia-smi`` ignores ``CUDA_VISIBLE_DEVICES``:
+the tool reports the machine, not one process's view of it.
+
+Units: memory is shown in MiB. In csv, as in ``nvidia-smi``, a field with a unit gets it
+in the header (``memory.total [MiB]``) and after the value (``256 MiB``); ``nounits``
+drops it from the values. Values are separated by ", " and, unlike in ``nvidia-smi``, a
+value that contains a comma or a quote (a failure text may) is quoted as in RFC 4180.
+
+Exit codes (``nvidia-smi``'s where it has one):
+  0  success
+  1  a reset ended with the device failed, or did not finish in time; other I/O errors
+  2  invalid argument: unknown field, no device matches ``-i``, ``-r`` without ``-i``
+  4  permission denied (writing ``reset``)
+  6  no devices were found (no accel-emud serves the root, or it has no device)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from kmod_emul import uapi
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_PERMISSION = 4
+EXIT_NO_DEVICES = 6
+
+NO_DEVICES = "No devices were found"
+MIB = 1 << 20
+RESET_TIMEOUT_S = 30.0
+
+#: Attributes that are text even when they look like numbers (a serial is not a count).
+_TEXT_ATTRS = frozenset(
+    name for name, ctype, *_ in uapi.accel_device_info._fields_
+    if issubclass(ctype, ctypes.Array) and not name.startswith("reserved")
+) | {"state", "failure", "failure_code"}
+
+#: ``-q`` sections. An attribute not listed here still shows, under "Other", so a new
+#: driver attribute is never hidden by an older accel-smi.
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "Identity": ("name", "index", "uuid", "serial", "pci_bus_id", "numa_node", "package_id",
+                 "partition_id", "fabric_endpoint"),
+    "Versions": ("driver_version", "firmware_version", "isa_version", "isa_stepping"),
+    "State": ("state", "failure", "failure_code", "reset_count", "heartbeat"),
+    "Memory": ("memory_total", "memory_used"),
+    "Compute": ("compute_engines", "copy_engines", "max_threads_per_block",
+                "max_shared_mem_per_block", "max_contexts", "capabilities"),
+    "Clients": ("contexts", "open_files", "clients", "exclusive_owner", "submissions",
+                "completions"),
+}
+
+
+class UsageError(Exception):
+    """A bad command line that argparse cannot see (exit 2)."""
+
+
+# --- reading the tree -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tree:
+    """The sysfs part of one mount root."""
+
+    root: Path
+
+    @property
+    def class_dir(self) -> Path:
+        return self.root / uapi.CLASS_DIR
+
+    def device_names(self) -> list[str]:
+        """``accel0``, ``accel1``, ... in index order; empty when nothing is served."""
+        try:
+            names = os.listdir(self.class_dir)
+        except OSError:
+            return []
+        found = [n for n in names if n.startswith("accel") and n[5:].isdigit()]
+        return sorted(found, key=lambda n: int(n[5:]))
+
+    def driver(self) -> dict[str, str]:
+        return _read_dir(self.root / uapi.MODULE_DIR)
+
+    def device(self, name: str) -> dict[str, str]:
+        return _read_dir(self.class_dir / name)
+
+
+def _read_dir(path: Path) -> dict[str, str]:
+    """Every readable attribute in ``path``; write-only ones (``reset``) are skipped unopened."""
+    values: dict[str, str] = {}
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return values
+    for name in names:
+        try:
+            if not os.stat(path / name).st_mode & 0o444:
+                continue
+            values[name] = (path / name).read_text().strip()
+        except OSError:
+            continue  # vanished or unreadable mid-scan: report what could be read
+    return values
+
+
+def typed(name: str, value: str) -> Any:
+    """An attribute as JSON wants it: ints as ints, capabilities as a list, '' as null."""
+    if name == "capabilities":
+        return value.split()
+    if name in _TEXT_ATTRS:
+        return value
+    if value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return value
+
+
+def mib(value: str) -> str:
+    try:
+        return f"{round(int(value) / MIB)}"
+    except ValueError:
+        return "N/A"
+
+
+def select(tree: Tree, spec: str | None) -> list[str]:
+    """The devices ``-i`` names, by index, UUID (or unique prefix) or PCI bus id."""
+    names = tree.device_names()
+    if spec is None:
+        return names
+    chosen: list[str] = []
+    for entry in (e.strip() for e in spec.split(",")):
+        if entry.isdigit():
+            matches = [f"accel{int(entry)}"] if f"accel{int(entry)}" in names else []
+        elif entry:
+            ids = {n: tree.device(n) for n in names}
+            matches = [n for n, a in ids.items()
+                       if a.get("uuid", "").startswith(entry) or a.get("pci_bus_id") == entry]
+        else:
+            matches = []
+        if len(matches) != 1:
+            known = ", ".join(n[5:] for n in names) or "none"
+            why = "matches several devices" if matches else "matches no device"
+            raise UsageError(f"-i {entry!r} {why} (device indices: {known}; a UUID, a unique "
+                             "UUID prefix or a PCI bus id also works)")
+        if matches[0] not in chosen:
+            chosen.append(matches[0])
+    return chosen
+
+
+# --- the output modes ------------------------------------------------------------------------
+def _na(value: str | None) -> str:
+    return value if value else "N/A"
+
+
+def _state(attrs: dict[str, str]) -> str:
+    state = attrs.get("state", "unknown")
+    if state == "failed" and attrs.get("failure_code"):
+        return f"{state} ({attrs['failure_code']})"
+    return state
+
+
+#: What a non-operational state without a failure of its own means to the reader.
+_STATE_HELP = {
+    "in_reset": "resetting; usable again once its state is operational",
+    "booting": "firmware is booting",
+}
+
+
+def _problem(attrs: dict[str, str], label: str) -> str:
+    """Why a device is not operational, in one line (the driver's failure text verbatim).
+
+    The driver keeps ``failure`` until the next boot starts, so a device in reset still
+    shows the failure that preceded the reset; it is labelled as the last one, not the
+    current one.
+    """
+    state = attrs.get("state", "unknown")
+    code = f" [{attrs['failure_code']}]" if attrs.get("failure_code") else ""
+    failure = attrs.get("failure", "")
+    if state == "failed":
+        return f"{label}: failed{code}: {failure}"
+    last = f" (last failure{code}: {failure})" if failure else ""
+    return f"{label}: {state}: {_STATE_HELP.get(state, 'not operational')}{last}"
+
+
+def show_table(tree: Tree, devices: list[str]) -> str:
+    """The default view: a header line, one row per device, then why any device is down."""
+    drv = tree.driver()
+    lines = [f"accel-smi   Driver Version: {_na(drv.get('version'))}   "
+             f"ABI Version: {_na(drv.get('abi_version'))}   Root: {tree.root}"]
+    rows, problems = [], []
+    for name in devices:
+        a = tree.device(name)
+        rows.append([
+            a.get("index", name[5:]), a.get("name", ""), a.get("uuid", "")[:14],
+            a.get("pci_bus_id", ""), _na(a.get("firmware_version")),
+            f"{mib(a.get('memory_used', ''))}MiB / {mib(a.get('memory_total', ''))}MiB",
+            a.get("contexts", ""), _state(a),
+        ])
+        if a.get("state") != "operational":
+            problems.append(_problem(a, f"accel {a.get('index', name[5:])}"))
+    headers = ["Idx", "Name", "UUID", "Bus-Id", "Firmware", "Memory-Usage", "Ctx", "State"]
+    lines.append(tabulate(rows, headers=headers, tablefmt="psql", disable_numparse=True))
+    lines.extend(problems)
+    return "\n".join(lines)
+
+
+def show_list(tree: Tree, devices: list[str]) -> str:
+    """``-L``: ``accel 0: Accel-Emu A1 (UUID: ACCEL-...)``, as ``nvidia-smi -L``."""
+    out = []
+    for name in devices:
+        a = tree.device(name)
+        out.append(f"accel {a.get('index', name[5:])}: {a.get('name', '')} "
+                   f"(UUID: {a.get('uuid', '')})")
+    return "\n".join(out)
+
+
+def show_query(tree: Tree, devices: list[str]) -> str:
+    """``-q``: every attribute of each device as ``key : value``, grouped in sections."""
+    drv = tree.driver()
+    width = 34  # "        " + the longest attribute name, max_shared_mem_per_block
+    out = [f"{'Driver Version':<{width}}: {_na(drv.get('version'))}",
+           f"{'ABI Version':<{width}}: {_na(drv.get('abi_version'))}",
+           f"{'Attached Devices':<{width}}: {len(tree.device_names())}"]
+    for name in devices:
+        a = tree.device(name)
+        out += ["", f"accel {a.get('index', name[5:])} ({_na(a.get('pci_bus_id'))})"]
+        grouped = {attr for attrs in SECTIONS.values() for attr in attrs}
+        sections = {**SECTIONS, "Other": tuple(k for k in a if k not in grouped)}
+        for title, attrs in sections.items():
+            present = [k for k in attrs if k in a]
+            if not present:
+                continue
+            out.append(f"    {title}")
+            for k in present:
+                value = _na(a[k])
+                if k.startswith("memory_") and a[k].isdigit():
+                    value = f"{mib(a[k])} MiB ({a[k]} bytes)"
+                out.append(f"        {k:<{width - 8}}: {value}")
+    return "\n".join(out)
+
+
+def show_json(tree: Tree, devices: list[str]) -> str:
+    """``--json``: driver attributes and every device attribute, typed."""
+    doc = {
+        "root": str(tree.root),
+        "driver": {k: typed(k, v) for k, v in tree.driver().items()},
+        "devices": [{k: typed(k, v) for k, v in tree.device(n).items()} for n in devices],
+    }
+    return json.dumps(doc, indent=2)
+
+
+# --- --query-device ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Field:
+    """One ``--query-device`` field: how to get it from a device's attributes, and its unit."""
+
+    get: Callable[[dict[str, str], dict[str, str]], str]
+    unit: str = ""
+
+
+def _attr_field(attr: str, unit: str = "") -> Field:
+    if unit == "MiB":
+        return Field(lambda a, d: mib(a.get(attr, "")), unit)
+    return Field(lambda a, d: a.get(attr, ""), unit)
+
+
+def _utilization(a: dict[str, str], d: dict[str, str]) -> str:
+    # The driver has no utilization attribute yet (the firmware does not count busy
+    # time). Report the attribute once it exists; until then 0, not N/A, so that
+    # scripts written against nvidia-smi's numeric column keep working.
+    return a.get("utilization", "0")
+
+
+def _free(a: dict[str, str]) -> str:
+    try:
+        return mib(str(int(a["memory_total"]) - int(a.get("memory_used") or 0)))
+    except (KeyError, ValueError):
+        return "N/A"
+
+
+FIELDS: dict[str, Field] = {
+    "index": _attr_field("index"),
+    "name": _attr_field("name"),
+    "uuid": _attr_field("uuid"),
+    "serial": _attr_field("serial"),
+    "pci_bus_id": _attr_field("pci_bus_id"),
+    "pci.bus_id": _attr_field("pci_bus_id"),
+    "driver_version": Field(lambda a, d: a.get("driver_version") or d.get("version", "")),
+    "firmware_version": _attr_field("firmware_version"),
+    "memory.total": _attr_field("memory_total", "MiB"),
+    "memory.used": _attr_field("memory_used", "MiB"),
+    "memory.free": Field(lambda a, d: _free(a), "MiB"),
+    "utilization": Field(_utilization, "%"),
+    "state": _attr_field("state"),
+    "failure_code": _attr_field("failure_code"),
+    "failure": _attr_field("failure"),
+}
+
+
+def resolve_fields(spec: str, sample: dict[str, str]) -> list[tuple[str, Field]]:
+    """Named fields; any other attribute works too, with dots for underscores."""
+    fields = []
+    for name in (f.strip() for f in spec.split(",")):
+        if name in FIELDS:
+            fields.append((name, FIELDS[name]))
+        elif name and name.replace(".", "_") in sample:
+            fields.append((name, _attr_field(name.replace(".", "_"))))
+        else:
+            valid = sorted(set(FIELDS) | set(sample))
+            raise UsageError(f"unknown field {name!r} in --query-device; valid fields: "
+                             + ", ".join(valid))
+    return fields
+
+
+def _csv_quote(value: str) -> str:
+    """Quote a value that holds the separator (failure texts can), as RFC 4180 does."""
+    if "," in value or '"' in value or "\n" in value:
+        return '"' + value.replace('"', '""') + '"'
+    return value
+
+
+def show_csv(tree: Tree, devices: list[str], spec: str, fmt: str) -> str:
+    options = {o.strip() for o in fmt.split(",")}
+    if "csv" not in options or not options <= {"csv", "noheader", "nounits"}:
+        raise UsageError(f"--format {fmt!r}: use csv, optionally with ,noheader and ,nounits")
+    attrs = [tree.device(n) for n in devices]
+    fields = resolve_fields(spec, attrs[0] if attrs else {})
+    drv = tree.driver()
+    lines = []
+    if "noheader" not in options:
+        lines.append(", ".join(f"{n} [{f.unit}]" if f.unit else n for n, f in fields))
+    for a in attrs:
+        values = []
+        for _name, f in fields:
+            value = f.get(a, drv)
+            if f.unit and "nounits" not in options:
+                value = f"{value} {f.unit}"
+            values.append(_csv_quote(value))
+        lines.append(", ".join(values))
+    return "\n".join(lines)
+
+
+# --- reset --------------------------------------------------------------------------------------
+def reset(tree: Tree, devices: list[str], timeout: float = RESET_TIMEOUT_S) -> tuple[int, str]:
+    """Request a reset of each device, then wait until each is operational or failed.
+
+    A reset is done when ``reset_count`` has moved past its old value (the driver bumps it
+    once the old firmware is stopped, before the new boot) and the state has settled, so a
+    device that was already failed is not mistaken for one that failed again.
+    """
+    before = {n: int(tree.device(n).get("reset_count", "0") or 0) for n in devices}
+    for name in devices:
+        try:
+            (tree.class_dir / name / "reset").write_text("1")
+        except PermissionError as exc:
+            return EXIT_PERMISSION, (f"cannot reset {name}: {exc.strerror} "
+                                     "(only the daemon's owner may)")
+        except OSError as exc:
+            return EXIT_FAILED, f"cannot reset {name}: {exc.strerror}"
+    deadline = time.monotonic() + timeout
+    pending, out, rc = list(devices), [], EXIT_OK
+    while pending:
+        for name in list(pending):
+            a = tree.device(name)
+            done = int(a.get("reset_count", "0") or 0) > before[name]
+            if done and a.get("state") in ("operational", "failed"):
+                pending.remove(name)
+                if a["state"] == "operational":
+                    out.append(f"accel {name[5:]}: reset complete, operational "
+                               f"(reset_count {a['reset_count']})")
+                else:
+                    rc = EXIT_FAILED
+                    out.append(f"accel {name[5:]}: reset ended failed "
+                               f"[{a.get('failure_code', '')}]: {a.get('failure', '')}")
+        if pending and time.monotonic() > deadline:
+            for name in pending:
+                a = tree.device(name)
+                out.append(f"accel {name[5:]}: reset did not finish within {timeout:g} s "
+                           f"(state {a.get('state')}; {_na(a.get('failure'))})")
+            return EXIT_FAILED, "\n".join(out)
+        if pending:
+            time.sleep(0.05)
+    return rc, "\n".join(out)
+
+
+# --- command line -------------------------------------------------------------------------------
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="accel-smi", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", type=Path, default=None,
+                   help="mount root (default: $ACCEL_EMU_ROOT or the per-user default)")
+    p.add_argument("-i", "--id", metavar="ID", default=None,
+                   help="device(s): index, UUID (or unique prefix) or PCI bus id; comma list")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("-L", "--list-devices", action="store_true", help="one line per device")
+    mode.add_argument("-q", "--query", action="store_true", help="every attribute, grouped")
+    mode.add_argument("--json", action="store_true", help="machine-readable, all attributes")
+    mode.add_argument("--query-device", metavar="FIELDS",
+                      help="comma-separated fields: " + ", ".join(FIELDS))
+    mode.add_argument("-r", "--reset", action="store_true", help="reset the -i device(s)")
+    p.add_argument("--format", default="csv", help="for --query-device: csv[,noheader][,nounits]")
+    p.add_argument("--reset-timeout", type=float, default=RESET_TIMEOUT_S, help=argparse.SUPPRESS)
+    return p
+
+
+def run(argv: Sequence[str] | None = None) -> tuple[int, str, str]:
+    """(exit code, stdout text, stderr text): the whole tool, without touching sys.std*."""
+    args = parser().parse_args(argv)
+    tree = Tree(args.root or Path(uapi.default_root()))
+    try:
+        if args.reset and args.id is None:
+            raise UsageError("-r needs -i: say which device to reset")
+        if args.query_device is not None:
+            # Fields are checked before devices so a typo is reported even with none present.
+            names = tree.device_names()
+            resolve_fields(args.query_device, tree.device(names[0]) if names else {})
+        devices = select(tree, args.id)
+        if not devices:
+            return EXIT_NO_DEVICES, NO_DEVICES, f"accel-smi: no accel-emud serves {tree.root}"
+        if args.reset:
+            rc, text = reset(tree, devices, args.reset_timeout)
+            return (rc, text, "") if rc == EXIT_OK else (rc, "", f"accel-smi: {text}")
+        if args.list_devices:
+            return EXIT_OK, show_list(tree, devices), ""
+        if args.query:
+            return EXIT_OK, show_query(tree, devices), ""
+        if args.json:
+            return EXIT_OK, show_json(tree, devices), ""
+        if args.query_device is not None:
+            return EXIT_OK, show_csv(tree, devices, args.query_device, args.format), ""
+        return EXIT_OK, show_table(tree, devices), ""
+    except UsageError as exc:
+        return EXIT_USAGE, "", f"accel-smi: {exc}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    rc, out, err = run(argv)
+    if out:
+        print(out)
+    if err:
+        print(err, file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
