@@ -57,15 +57,17 @@ class MountInfo:
 
     @property
     def alive(self) -> bool:
-        if self.pid is None:
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return self.pid is not None and pid_alive(self.pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs. A zombie counts as dead: a daemon started in the background
+    is reparented, and where no init reaps it, a killed one lingers as a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 def _unescape(field: str) -> str:
@@ -158,25 +160,27 @@ def stop(root: Path, timeout_s: float = 10.0) -> str:
     if mount is None:
         return f"{root}: not served"
     if mount.alive and mount.pid is not None:
-        os.kill(mount.pid, signal.SIGTERM)
+        _signal(mount.pid, signal.SIGTERM)
         if not _wait_gone(root, mount.pid, timeout_s):
             log.warning("accel-emud pid %d ignored SIGTERM; killing it", mount.pid)
-            os.kill(mount.pid, signal.SIGKILL)
+            _signal(mount.pid, signal.SIGKILL)
             _wait_gone(root, mount.pid, timeout_s, mount_too=False)
     if find_mount(root) is not None:
         unmount_stale(root)
     return f"{root}: stopped"
 
 
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
 def _wait_gone(root: Path, pid: int, timeout_s: float, mount_too: bool = True) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-            alive = True
-        except ProcessLookupError:
-            alive = False
-        if not alive and (not mount_too or find_mount(root) is None):
+        if not pid_alive(pid) and (not mount_too or find_mount(root) is None):
             return True
         time.sleep(0.02)
     return False

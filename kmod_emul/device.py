@@ -154,6 +154,7 @@ class AccelDevice:
         """Begin a device reset; returns at once (state reads in_reset until it is done)."""
         log.info("%s: %s", self.name, reason)
         self.state = uapi.DeviceState.IN_RESET
+        self.failure = None  # a reset starts afresh; the next boot says how it went
         self._lose_contexts(f"{self.name} was reset ({reason})")
         self._reset_requested.set()
 
@@ -195,6 +196,7 @@ class AccelDevice:
     async def _boot(self) -> None:
         self.state = uapi.DeviceState.BOOTING
         self.failure = None
+        self.fw_image = None  # versions report what runs, not what ran before
         flags = abi.BootFlag.FAIL_BOOT if self.fw_boot_fail else 0
         try:
             img = load_image(self.firmware_dir)

@@ -73,6 +73,8 @@ class Channel:
     def call(self, cmd: uapi.Command, arg: Any) -> Any:
         if os.getpid() != self.pid:
             raise errors.UseAfterForkError(fork_message(self.pid))
+        if self.fd < 0:
+            raise errors.InvalidValueError(f"context on {self.physical} is closed")
         tag = next(_tags)
         try:
             os.pwrite(self.fd, _HDR.pack(cmd.code, 0, tag) + bytes(arg), 0)

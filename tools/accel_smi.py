@@ -190,17 +190,14 @@ _STATE_HELP = {
 def _problem(attrs: dict[str, str], label: str) -> str:
     """Why a device is not operational, in one line (the driver's failure text verbatim).
 
-    The driver keeps ``failure`` until the next boot starts, so a device in reset still
-    shows the failure that preceded the reset; it is labelled as the last one, not the
-    current one.
+    A reset clears the driver's ``failure``, so only a failed device carries one.
     """
     state = attrs.get("state", "unknown")
     code = f" [{attrs['failure_code']}]" if attrs.get("failure_code") else ""
     failure = attrs.get("failure", "")
     if state == "failed":
         return f"{label}: failed{code}: {failure}"
-    last = f" (last failure{code}: {failure})" if failure else ""
-    return f"{label}: {state}: {_STATE_HELP.get(state, 'not operational')}{last}"
+    return f"{label}: {state}: {_STATE_HELP.get(state, 'not operational')}"
 
 
 def show_table(tree: Tree, devices: list[str]) -> str:

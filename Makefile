@@ -1,0 +1,42 @@
+# accel-emu: `make run` mounts a 2-device emulated accelerator, runs the demo, unmounts;
+# `make test` runs the suite against real mounts. `make setup` installs everything.
+SHELL := /bin/bash
+PY := .venv/bin/python
+APT_PACKAGES := libfuse3-dev fuse3 pkg-config
+DEMO_ROOT ?= $(shell mktemp -u -d /tmp/accel-emu-demo.XXXXXX)
+
+.PHONY: setup run test bench firmware clean
+
+.venv/.installed: pyproject.toml
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo) apt-get install -y -qq $$missing </dev/null; \
+	fi
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+setup: .venv/.installed
+
+run: setup
+	@root=$(DEMO_ROOT); \
+	trap '.venv/bin/accel-emud stop --root '"$$root"' >/dev/null; rmdir '"$$root"'' EXIT; \
+	.venv/bin/accel-emud --root $$root --devices 2 --memory 1G && \
+	ACCEL_EMU_ROOT=$$root $(PY) -m tools.demo && \
+	ACCEL_EMU_ROOT=$$root .venv/bin/accel-smi
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m bench
+
+# Rebuild the shipped firmware image after changing firmware/image.py's defaults.
+firmware: setup
+	$(PY) -m firmware.image
+
+clean:
+	rm -rf .venv *.egg-info .pytest_cache

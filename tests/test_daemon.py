@@ -1,0 +1,138 @@
+"""accel-emud's lifecycle: start, refuse, stop, SIGTERM, SIGKILL and restart, concurrency."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from rawdev import RawDev, errname
+
+from kmod_emul import daemon as kdaemon
+from kmod_emul import uapi
+from kmod_emul.daemon import pid_alive
+
+from conftest import REPO
+
+
+def firmware_pids(d, devices: int) -> list[int]:
+    return [int(d.debug(i, "fw_pid").read_text()) for i in range(devices)]
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def emud(*args: str, env=None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tools.accel_emud", *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=60, env=env)
+
+
+def test_start_status_stop_leaves_nothing(make_daemon):
+    d = make_daemon(devices=2)
+    assert sorted(os.listdir(d.root / uapi.DEV_DIR)) == ["accel0", "accel1"]
+    st = emud("status", "--root", str(d.root))
+    assert st.returncode == 0 and "2 device(s)" in st.stdout
+    fw = firmware_pids(d, 2)
+    assert all(pid_alive(p) for p in fw)
+    out = emud("stop", "--root", str(d.root))
+    assert out.returncode == 0 and "stopped" in out.stdout
+    assert kdaemon.find_mount(d.root) is None
+    assert wait_until(lambda: not any(pid_alive(p) for p in fw))
+    st = emud("status", "--root", str(d.root))
+    assert st.returncode == 3 and "not served" in st.stdout
+
+
+def test_refuses_a_root_already_served(daemon):
+    out = emud("--root", str(daemon.root), "--devices", "1", "--state-dir",
+               str(daemon.state_dir))
+    assert out.returncode == 1
+    assert f"already served by accel-emud (pid {daemon.pid})" in out.stderr
+    assert "accel-emud stop --root" in out.stderr
+    assert daemon.attr(0, "state") == "operational"  # the serving daemon is untouched
+
+
+def test_sigterm_unmounts_and_halts_firmware(make_daemon):
+    d = make_daemon(devices=2)
+    pid, fw = d.pid, firmware_pids(d, 2)
+    os.kill(pid, signal.SIGTERM)
+    assert wait_until(lambda: kdaemon.find_mount(d.root) is None)
+    assert wait_until(lambda: not pid_alive(pid) and not any(pid_alive(p) for p in fw))
+
+
+def test_sigkill_then_next_start_recovers(make_daemon):
+    d = make_daemon(devices=1)
+    uuid = d.attr(0, "uuid")
+    pid, fw = d.pid, firmware_pids(d, 1)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: not pid_alive(pid))
+    # The firmware notices its driver is gone (EOF on its doorbell) and halts by itself.
+    assert wait_until(lambda: not any(pid_alive(p) for p in fw))
+    st = emud("status", "--root", str(d.root))
+    assert st.returncode == 1 and "stale mount" in st.stdout
+    d.start()  # clears the dead mount and serves again
+    assert d.pid != pid
+    assert d.attr(0, "state") == "operational"
+    assert d.attr(0, "uuid") == uuid
+
+
+def test_stop_after_sigkill_clears_the_stale_mount(make_daemon):
+    d = make_daemon()
+    pid = d.pid
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: not pid_alive(pid))
+    assert emud("stop", "--root", str(d.root)).returncode == 0
+    assert kdaemon.find_mount(d.root) is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--devices", "0"], "--devices must be at least 1"),
+    (["--memory", "lots"], "not a size"),
+    (["--driver-abi", "x"], "not an ABI version"),
+])
+def test_bad_arguments(tmp_path, args, message):
+    out = emud("--root", str(tmp_path / "r"), *args)
+    assert out.returncode == 2 and message in out.stderr
+    assert kdaemon.find_mount(tmp_path / "r") is None
+
+
+def test_slow_command_never_stalls_other_processes(make_daemon):
+    """A process blocked waiting on a hung device does not delay another's commands."""
+    d = make_daemon(devices=2, extra=["--heartbeat-timeout", "60"])
+    with RawDev(d.node(1)) as hung:
+        ctx = hung.ctx_create()
+        d.debug(1, "fw_hang").write_text("1")
+        seqno = hung.noop(ctx)
+        waiting = threading.Event()
+        outcome: list[str] = []
+
+        def waiter() -> None:  # 30 driver-side waits of 100 ms each: 3 s blocked
+            waiting.set()
+            for _ in range(30):
+                outcome.append(errname(lambda: hung.wait(ctx, seqno)))
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        waiting.wait()
+        out = d.run_py("""
+            import runtime
+            ctx = runtime.new_context(0)
+            for _ in range(50):
+                assert runtime.get_device_properties(0).state == "operational"
+                ctx.synchronize(timeout=5)
+            print("done")
+        """)
+        assert out.stdout.strip() == "done", out.stderr
+        still_waiting = t.is_alive()
+        t.join()
+    assert still_waiting, "the other process finished only after the hung wait gave up"
+    assert set(outcome) == {"ETIME"}
