@@ -177,9 +177,12 @@ class AccelDevice:
     # --- supervisor ----------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Boot, serve, recover on reset; forever. ``started`` after the first boot attempt."""
+        resetting = False
         try:
             while True:
                 await self._boot()
+                if resetting:  # counted once the reset's boot has settled state and failure
+                    self.reset_count += 1
                 task_status.started()
                 task_status = trio.TASK_STATUS_IGNORED
                 if self.state == uapi.DeviceState.OPERATIONAL:
@@ -189,7 +192,7 @@ class AccelDevice:
                 self._reset_requested = trio.Event()
                 while self.reset_hold:
                     await self._hold_changed.wait()
-                self.reset_count += 1
+                resetting = True
         finally:
             await self._stop_firmware()
 

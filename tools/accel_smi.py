@@ -363,7 +363,7 @@ def reset(tree: Tree, devices: list[str], timeout: float = RESET_TIMEOUT_S) -> t
     """Request a reset of each device, then wait until each is operational or failed.
 
     A reset is done when ``reset_count`` has moved past its old value (the driver bumps it
-    once the old firmware is stopped, before the new boot) and the state has settled, so a
+    once the reset's boot has settled the state and failure) and the state is final, so a
     device that was already failed is not mistaken for one that failed again.
     """
     before = {n: int(tree.device(n).get("reset_count", "0") or 0) for n in devices}
@@ -383,6 +383,7 @@ def reset(tree: Tree, devices: list[str], timeout: float = RESET_TIMEOUT_S) -> t
             done = int(a.get("reset_count", "0") or 0) > before[name]
             if done and a.get("state") in ("operational", "failed"):
                 pending.remove(name)
+                a = tree.device(name)  # re-read: the pass above is not one snapshot
                 if a["state"] == "operational":
                     out.append(f"accel {name[5:]}: reset complete, operational "
                                f"(reset_count {a['reset_count']})")
