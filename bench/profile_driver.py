@@ -1,0 +1,163 @@
+"""Where a DEVICE_QUERY spends its time inside the driver.
+
+``python -m bench.profile_driver`` times the driver's pieces in this process, on a device
+object that is set up as after a boot (firmware image loaded) but runs no firmware and
+mounts nothing: the header/struct decode, ``fill_device_info``, the whole ``drv.execute``,
+``take_reply``, and the same for a sysfs ``state`` attribute render.
+
+``python -m bench.profile_driver --daemon [N]`` also runs a real daemon under cProfile
+(``python -m cProfile -o`` on ``accel-emud --foreground``), sends N device queries and
+prints the daemon's top functions: the FUSE dispatch and trio scheduling around the
+handlers, which the in-process timings cannot see. The daemon is always stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import io
+import os
+import pstats
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import timeit
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.procs import REPO, lazy_unmount, mounts_under
+
+_HDR = struct.Struct("<IIQ")
+
+
+def _us(fn: Callable[[], object], number: int = 20000, repeat: int = 5) -> float:
+    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+
+
+def _run_sync(coro_fn: Callable[[], object]) -> Callable[[], object]:
+    """Drive a coroutine that never suspends (the DEVICE_QUERY path) without an event loop."""
+
+    def run() -> object:
+        coro = coro_fn()
+        try:
+            coro.send(None)  # type: ignore[attr-defined]
+        except StopIteration as stop:
+            return stop.value
+        raise RuntimeError("the handler suspended")
+
+    return run
+
+
+def in_process() -> list[tuple[str, float]]:
+    from firmware.image import IMAGE_DIR
+    from kmod_emul import drv, uapi
+    from kmod_emul.context import OpenFile
+    from kmod_emul.device import AccelDevice
+    from kmod_emul.fw import load_image
+    from kmod_emul.identity import Identity
+    from kmod_emul.sysfs import device_attrs
+
+    dev = AccelDevice(0, Identity("ACCEL-00000000-0000-0000-0000-000000000000", "1234567890123"),
+                      256 << 20, IMAGE_DIR, 2.0)
+    dev.fw_image = load_image(IMAGE_DIR)
+    dev.state = uapi.DeviceState.OPERATIONAL
+    info = drv.DriverInfo()
+    f = OpenFile(dev, os.getpid(), os.getuid())
+    cmd = uapi.ACCEL_CMD_DEVICE_QUERY
+    payload = bytes(uapi.accel_device_info())
+    raw = _HDR.pack(cmd.code, 0, 1) + payload
+    size = ctypes.sizeof(uapi.accel_device_info)
+    arg = uapi.accel_device_info()
+    execute = _run_sync(lambda: drv.execute(info, f, raw))
+
+    def execute_and_take() -> None:
+        execute()
+        drv.take_reply(f, 1, size)
+
+    state_attr = device_attrs(info, dev)["state"]
+    results = [
+        ("drv.execute + drv.take_reply (whole DEVICE_QUERY)", _us(execute_and_take)),
+        ("  drv._decode (header + struct + reserved check)", _us(lambda: drv._decode(raw))),
+        ("    accel_cmd_hdr.from_buffer_copy", _us(lambda: uapi.accel_cmd_hdr.from_buffer_copy(raw))),
+        ("    accel_device_info.from_buffer_copy", _us(
+            lambda: uapi.accel_device_info.from_buffer_copy(raw, _HDR.size))),
+        ("    reserved_is_zero()", _us(arg.reserved_is_zero)),
+        ("  drv.fill_device_info", _us(lambda: drv.fill_device_info(info, dev, arg))),
+        ("    dev.config (json.loads of the image payload)", _us(lambda: dev.config)),
+        ("    uapi.names_to_caps", _us(lambda: uapi.names_to_caps(dev.config["capabilities"]))),
+        ("  bytes(reply struct)", _us(lambda: bytes(arg))),
+        ("sysfs state attribute render (Attr.read)", _us(state_attr.read, number=2000)),
+    ]
+    return results
+
+
+def daemon_profile(queries: int) -> str:
+    """Profile a real daemon answering ``queries`` DEVICE_QUERYs; return the top of it."""
+    from kmod_emul import uapi
+
+    work = Path(tempfile.mkdtemp(prefix="accel-bench-prof-"))
+    root, state, prof = work / "root", work / "state", work / "daemon.prof"
+    read_fd, write_fd = os.pipe()
+    cmd = [sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "tools.accel_emud",
+           "start", "--root", str(root), "--devices", "1", "--memory", "256M",
+           "--state-dir", str(state), "--foreground", "--ready-fd", str(write_fd)]
+    with open(work / "daemon.log", "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=log, pass_fds=(write_fd,), start_new_session=True)
+    os.close(write_fd)
+    try:
+        with os.fdopen(read_fd, "rb") as ready:
+            if ready.readline() != b"ready\n":
+                raise RuntimeError((work / "daemon.log").read_text()[-2000:])
+        fd = os.open(root / uapi.DEV_DIR / "accel0", os.O_RDWR)
+        code = uapi.ACCEL_CMD_DEVICE_QUERY.code
+        payload = bytes(uapi.accel_device_info())
+        size = ctypes.sizeof(uapi.accel_device_info)
+        t0 = time.perf_counter()
+        for tag in range(1, queries + 1):
+            os.pwrite(fd, _HDR.pack(code, 0, tag) + payload, 0)
+            os.pread(fd, size, tag)
+        elapsed = time.perf_counter() - t0
+        os.close(fd)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if mounts_under(root):
+            lazy_unmount(root)
+    out = io.StringIO()
+    out.write(f"{queries} DEVICE_QUERYs in {elapsed:.2f} s under cProfile "
+              f"({elapsed / queries * 1e6:.0f} us each, profiler overhead included)\n")
+    stats = pstats.Stats(str(prof), stream=out)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(30)
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.profile_driver", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--daemon", type=int, nargs="?", const=5000, default=0, metavar="N",
+                   help="also cProfile a real daemon answering N device queries")
+    args = p.parse_args(argv)
+    print("in-process driver cost of one DEVICE_QUERY (best of 5, per call):")
+    for name, us in in_process():
+        print(f"  {name:<55} {us:8.2f} us")
+    if args.daemon:
+        print()
+        print(daemon_profile(args.daemon))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
