@@ -2,7 +2,7 @@
 
 ``python -m bench.profile_driver`` times the driver's pieces in this process, on a device
 object that is set up as after a boot (firmware image loaded) but runs no firmware and
-mounts nothing: the header/struct decode, ``fill_device_info``, the whole ``drv.execute``,
+mounts nothing: the header/struct decode, ``AccelDevice.describe``, the whole ``drv.execute``,
 ``take_reply``, and the same for a sysfs ``state`` attribute render.
 
 ``python -m bench.profile_driver --daemon [N]`` also runs a real daemon under cProfile
@@ -77,19 +77,21 @@ def in_process() -> list[tuple[str, float]]:
         execute()
         drv.take_reply(f, 1, size)
 
-    state_attr = device_attrs(info, dev)["state"]
+    state_attr = device_attrs(dev)["state"]
+    uuid_attr = device_attrs(dev)["uuid"]
     results = [
         ("drv.execute + drv.take_reply (whole DEVICE_QUERY)", _us(execute_and_take)),
         ("  drv._decode (header + struct + reserved check)", _us(lambda: drv._decode(raw))),
         ("    accel_cmd_hdr.from_buffer_copy", _us(lambda: uapi.accel_cmd_hdr.from_buffer_copy(raw))),
         ("    accel_device_info.from_buffer_copy", _us(
             lambda: uapi.accel_device_info.from_buffer_copy(raw, _HDR.size))),
-        ("    reserved_is_zero()", _us(arg.reserved_is_zero)),
-        ("  drv.fill_device_info", _us(lambda: drv.fill_device_info(info, dev, arg))),
+        ("    reserved_clear()", _us(lambda: uapi.accel_device_info.reserved_clear(raw, _HDR.size))),
+        ("  AccelDevice.describe", _us(dev.describe)),
         ("    dev.config (json.loads of the image payload)", _us(lambda: dev.config)),
         ("    uapi.names_to_caps", _us(lambda: uapi.names_to_caps(dev.config["capabilities"]))),
         ("  bytes(reply struct)", _us(lambda: bytes(arg))),
         ("sysfs state attribute render (Attr.read)", _us(state_attr.read, number=2000)),
+        ("sysfs uuid attribute render (Attr.read)", _us(uuid_attr.read, number=2000)),
     ]
     return results
 

@@ -17,6 +17,7 @@ import json
 import struct
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ class FirmwareImage:
     payload: bytes
     raw: bytes
 
-    @property
+    @cached_property
     def config(self) -> dict[str, Any]:
         return json.loads(self.payload)
 

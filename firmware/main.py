@@ -114,6 +114,8 @@ class Firmware:
                 self.mbx.beat(time.monotonic_ns())
                 last_beat = now
             spinning = now - last_work < SPIN_AFTER_ACTIVITY_S and not self.hung
+            if spinning:
+                os.sched_yield()  # on a shared core, let the driver answer its caller first
             timeout = 0 if spinning else max(0.0, self.heartbeat_s - (now - last_beat))
             ready, _, _ = select.select([self.doorbell_fd], [], [], timeout)
             if ready and os.read(self.doorbell_fd, 4096) == b"":

@@ -35,6 +35,11 @@ from kmod_emul.identity import Identity, pci_bus_id
 log = logging.getLogger(__name__)
 
 DEVICE_NAME = "Accel-Emu A1"
+DRIVER_VERSION = "1.0.0"
+
+
+def fabric_endpoint(index: int) -> str:
+    return f"fabric0:port{index}"
 
 
 class AccelDevice:
@@ -62,6 +67,45 @@ class AccelDevice:
         self.reset_hold = False
         self._hold_changed = trio.Event()
         self._reset_requested = trio.Event()
+        self._static_info: bytes | None = None
+
+    @property
+    def memory_used(self) -> int:
+        return 0
+
+    def describe(self) -> uapi.accel_device_info:
+        """DEVICE_QUERY's answer; sysfs renders the same. The static part is built once per
+        boot, since the query is a hot path (bench: device-query round trip)."""
+        info = uapi.accel_device_info.from_buffer_copy(self.static_description())
+        info.state = self.state
+        info.memory_used = self.memory_used
+        return info
+
+    def static_description(self) -> bytes:
+        """The description's fields that change only on boot, as the struct's bytes."""
+        if self._static_info is None:
+            self._static_info = bytes(self._describe_static())
+        return self._static_info
+
+    def _describe_static(self) -> uapi.accel_device_info:
+        cfg = self.config
+        manifest = self.fw_image.manifest if self.fw_image else {}
+        return uapi.accel_device_info(
+            index=self.index, numa_node=0, package_id=self.index, partition_id=0,
+            compute_engines=cfg["compute_engines"], copy_engines=cfg["copy_engines"],
+            max_threads_per_block=cfg["max_threads_per_block"],
+            max_shared_mem_per_block=cfg["max_shared_mem_per_block"],
+            max_contexts=cfg["max_contexts"],
+            capabilities=uapi.names_to_caps(cfg["capabilities"]),
+            memory_total=self.memory_total, name=DEVICE_NAME.encode(),
+            uuid=self.identity.uuid.encode(), serial=self.identity.serial.encode(),
+            pci_bus_id=self.pci_bus_id.encode(),
+            fabric_endpoint=fabric_endpoint(self.index).encode(),
+            driver_version=DRIVER_VERSION.encode(),
+            firmware_version=str(manifest.get("version", "")).encode(),
+            isa_version=str(manifest.get("isa_version", "")).encode(),
+            isa_stepping=str(manifest.get("isa_stepping", "")).encode(),
+        )
 
     @property
     def name(self) -> str:
@@ -200,6 +244,7 @@ class AccelDevice:
         self.state = uapi.DeviceState.BOOTING
         self.failure = None
         self.fw_image = None  # versions report what runs, not what ran before
+        self._static_info = None
         flags = abi.BootFlag.FAIL_BOOT if self.fw_boot_fail else 0
         try:
             img = load_image(self.firmware_dir)
@@ -208,6 +253,7 @@ class AccelDevice:
             self._fail(exc.errno, exc.message)
             return
         self.fw_image = img
+        self._static_info = None
         if self._reset_requested.is_set():
             return  # a reset arrived while booting; serve() is skipped by the state check
         self.state = uapi.DeviceState.OPERATIONAL

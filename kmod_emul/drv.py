@@ -16,10 +16,9 @@ from typing import Any
 
 from kmod_emul import uapi
 from kmod_emul.context import OpenFile
-from kmod_emul.device import DEVICE_NAME, AccelDevice
+from kmod_emul.device import DRIVER_VERSION
 from kmod_emul.errors import DriverError
 
-DRIVER_VERSION = "1.0.0"
 _HDR = ctypes.sizeof(uapi.accel_cmd_hdr)
 
 
@@ -47,41 +46,7 @@ async def get_version(info: DriverInfo, f: OpenFile, arg: uapi.accel_version) ->
 
 
 async def device_query(info: DriverInfo, f: OpenFile, arg: uapi.accel_device_info) -> Any:
-    return fill_device_info(info, f.device, arg)
-
-
-def fill_device_info(info: DriverInfo, dev: AccelDevice,
-                     arg: uapi.accel_device_info) -> uapi.accel_device_info:
-    """The one description of a device; DEVICE_QUERY and the sysfs attributes both use it."""
-    cfg = dev.config
-    arg.index = dev.index
-    arg.state = dev.state
-    arg.numa_node = 0
-    arg.package_id = dev.index
-    arg.partition_id = 0
-    arg.compute_engines = cfg["compute_engines"]
-    arg.copy_engines = cfg["copy_engines"]
-    arg.max_threads_per_block = cfg["max_threads_per_block"]
-    arg.max_shared_mem_per_block = cfg["max_shared_mem_per_block"]
-    arg.max_contexts = cfg["max_contexts"]
-    arg.capabilities = uapi.names_to_caps(cfg["capabilities"])
-    arg.memory_total = dev.memory_total
-    arg.memory_used = 0
-    arg.name = DEVICE_NAME.encode()
-    arg.uuid = dev.identity.uuid.encode()
-    arg.serial = dev.identity.serial.encode()
-    arg.pci_bus_id = dev.pci_bus_id.encode()
-    arg.fabric_endpoint = fabric_endpoint(dev.index).encode()
-    arg.driver_version = info.version.encode()
-    manifest = dev.fw_image.manifest if dev.fw_image else {}
-    arg.firmware_version = str(manifest.get("version", "")).encode()
-    arg.isa_version = str(manifest.get("isa_version", "")).encode()
-    arg.isa_stepping = str(manifest.get("isa_stepping", "")).encode()
-    return arg
-
-
-def fabric_endpoint(index: int) -> str:
-    return f"fabric0:port{index}"
+    return f.device.describe()
 
 
 async def ctx_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_create) -> Any:
@@ -165,10 +130,9 @@ def _decode(raw: bytes) -> tuple[uapi.Command, int, Any]:
     want = _HDR + ctypes.sizeof(cmd.struct)
     if len(raw) != want:
         raise DriverError(errno.EINVAL, f"{cmd.name}: {len(raw)} bytes written, expected {want}")
-    arg = cmd.struct.from_buffer_copy(raw, _HDR)
-    if not arg.reserved_is_zero():
+    if not cmd.struct.reserved_clear(raw, _HDR):
         raise DriverError(errno.EINVAL, f"{cmd.name}: reserved or padding fields must be 0")
-    return cmd, hdr.tag, arg
+    return cmd, hdr.tag, cmd.struct.from_buffer_copy(raw, _HDR)
 
 
 async def execute(info: DriverInfo, f: OpenFile, raw: bytes) -> None:

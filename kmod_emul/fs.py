@@ -83,7 +83,7 @@ def build_tree(info: drv.DriverInfo, devices: list[AccelDevice]) -> Tree:
     tree.mkdir("sys/class/accel")
     for dev in devices:
         tree.add_device(dev)
-        tree.add_attrs(f"sys/class/accel/{dev.name}", device_attrs(info, dev))
+        tree.add_attrs(f"sys/class/accel/{dev.name}", device_attrs(dev))
         tree.add_attrs(f"sys/kernel/debug/accel/{dev.name}", debug_attrs(dev))
     tree.add_attrs("sys/module/accel_emu", module_attrs(info, devices))
     return tree

@@ -1,7 +1,7 @@
 """The attribute tree: ``sys/class/accel/accelN``, ``sys/kernel/debug`` and ``sys/module``.
 
 One small text file per value, as in Linux sysfs. Identity attributes come from the same
-``fill_device_info`` that answers DEVICE_QUERY, so the two can never disagree. Writable
+``AccelDevice.describe`` that answers DEVICE_QUERY, so the two can never disagree. Writable
 attributes take one value per write: ``reset`` (write 1), and the debugfs fault-injection
 knobs ``fw_boot_fail``, ``fw_hang`` and ``reset_hold``.
 """
@@ -9,13 +9,14 @@ knobs ``fw_boot_fail``, ``fw_hang`` and ``reset_hold``.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kmod_emul import uapi
 from kmod_emul.device import AccelDevice
-from kmod_emul.drv import DriverInfo, fill_device_info
+from kmod_emul.drv import DriverInfo
 from kmod_emul.errors import DriverError
 
 
@@ -37,28 +38,40 @@ def _bool(text: str) -> bool:
 def _format(field: str, value: object) -> str:
     if isinstance(value, bytes):
         return uapi.cstr(value)
-    if field == "state":
-        return uapi.DeviceState(value).label
     if field == "capabilities":
         return " ".join(uapi.caps_to_names(int(value)))  # type: ignore[arg-type]
     return str(value)
 
 
-def identity_values(info: DriverInfo, dev: AccelDevice) -> dict[str, str]:
-    raw = fill_device_info(info, dev, uapi.accel_device_info())
+#: Description fields that change between boots; rendered live on every read.
+_LIVE: dict[str, Callable[[AccelDevice], str]] = {
+    "state": lambda dev: dev.state.label,
+    "memory_used": lambda dev: str(dev.memory_used),
+}
+
+
+@functools.lru_cache(maxsize=64)
+def _static_text(static: bytes) -> dict[str, str]:
+    """The per-boot fields of a device description as text, cached per description."""
+    raw = uapi.accel_device_info.from_buffer_copy(static)
     return {
         name: _format(name, getattr(raw, name))
         for name, *_ in raw._fields_
-        if not name.startswith(("pad", "reserved"))
+        if not name.startswith(("pad", "reserved")) and name not in _LIVE
     }
 
 
-def device_attrs(info: DriverInfo, dev: AccelDevice) -> dict[str, Attr]:
+def _static_field(dev: AccelDevice, field: str) -> str:
+    return _static_text(dev.static_description())[field]
+
+
+def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
     """``sys/class/accel/accelN/*``."""
     attrs = {
-        field: Attr(read=lambda field=field: identity_values(info, dev)[field])
-        for field in identity_values(info, dev)
+        field: Attr(read=functools.partial(_static_field, dev, field))
+        for field in _static_text(dev.static_description())
     }
+    attrs.update({name: Attr(read=functools.partial(fn, dev)) for name, fn in _LIVE.items()})
 
     def reset(text: str) -> None:
         if not _bool(text):

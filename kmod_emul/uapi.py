@@ -78,17 +78,23 @@ class _Struct(ctypes.LittleEndianStructure):
 
     _pack_ = 1
 
-    def reserved_is_zero(self) -> bool:
-        """True when every field named ``pad*``/``reserved*`` is zero (the driver checks)."""
-        for name, ctype, *_ in self._fields_:
-            if name.startswith(("pad", "reserved")):
-                value = getattr(self, name)
-                if isinstance(value, int):
-                    if value:
-                        return False
-                elif any(value):
-                    return False
-        return True
+    @classmethod
+    def reserved_ranges(cls) -> tuple[tuple[int, int], ...]:
+        """(start, end) byte ranges of the ``pad*``/``reserved*`` fields, computed once."""
+        cached = cls.__dict__.get("_reserved_ranges")
+        if cached is None:
+            cached = tuple(
+                (getattr(cls, name).offset, getattr(cls, name).offset + getattr(cls, name).size)
+                for name, *_ in cls._fields_
+                if name.startswith(("pad", "reserved"))
+            )
+            cls._reserved_ranges = cached
+        return cached
+
+    @classmethod
+    def reserved_clear(cls, raw: bytes | memoryview, base: int = 0) -> bool:
+        """True when every reserved byte of the struct at ``raw[base:]`` is zero."""
+        return not any(any(raw[base + lo : base + hi]) for lo, hi in cls.reserved_ranges())
 
 
 # --- transaction header ---------------------------------------------------------------
@@ -137,15 +143,15 @@ class Cap(enum.IntFlag):
     MULTI_CONTEXT = 1 << 8
 
 
+_CAP_BITS: Final[dict[str, int]] = {c.name.lower(): int(c) for c in Cap if c.name}
+
+
 def caps_to_names(caps: int) -> list[str]:
-    return [c.name.lower() for c in Cap if caps & c and c.name]
+    return [name for name, bit in _CAP_BITS.items() if caps & bit]
 
 
 def names_to_caps(names: list[str]) -> int:
-    caps = 0
-    for name in names:
-        caps |= Cap[name.upper()]
-    return caps
+    return sum(_CAP_BITS[name] for name in set(names))
 
 
 _S = ctypes.c_char
