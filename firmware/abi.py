@@ -26,11 +26,12 @@ MAILBOX_ABI: Final = 1
 
 MAILBOX_SIZE: Final = 1 << 20
 _BOOT_OFF: Final = 0
+STATS_OFF: Final = 0x800
 CMD_RING_OFF: Final = 0x1000
-CPL_RING_OFF: Final = 0x2000 + 0x8000
 RING_SLOTS: Final = 1024
-MSG_SIZE: Final = 32
-IMAGE_OFF: Final = 0x40000
+MSG_SIZE: Final = 128
+CPL_RING_OFF: Final = 0x22000
+IMAGE_OFF: Final = 0x50000
 IMAGE_MAX: Final = MAILBOX_SIZE - IMAGE_OFF
 
 # Boot block: magic, abi, fw_state, boot_error, boot_flags, image_len, heartbeat, hb_ns,
@@ -58,19 +59,55 @@ class BootFlag(enum.IntFlag):
 
 
 class Op(enum.IntEnum):
-    """Messages on the command ring (host to firmware) and their completions."""
+    """Messages on the command ring (host to firmware) and the completion ring.
 
-    NOOP = 1
+    Argument words ``a0..a5`` per op (host to firmware):
+      CTX_CREATE / CTX_DESTROY: -; the firmware answers CTX_DESTROY once the context's
+        queues have stopped and its mappings are gone.
+      MAP: a0 va, a1 size, a2 MemKind, a3 owning device index, a4 VRAM offset (device
+        memory) or backing handle (host kinds), a5 backing token (host kinds' file name).
+      UNMAP: a0 va. Answered once every packet queued before it has completed, so the
+        driver reuses the memory only after the device is done with it.
+      QUEUE_CREATE: a0 queue id, a1 priority. QUEUE_DESTROY: a0 queue id.
+      SUBMIT: a0 queue id, a1 seqno; the packet is the message's payload.
+    Completions: SUBMIT: a0 queue id, a1 seqno, a2 timestamp ns, a3 fault address,
+    a4 packet opcode (status = errno when the packet faulted, ECANCELED after a fault).
+    UNMAP: a0 va. CTX_DESTROY: -.
+    """
+
     CTX_CREATE = 2
     CTX_DESTROY = 3
     #: Fault injection: stop heart-beating and stop answering (a hung microcontroller).
     HANG = 4
+    MAP = 5
+    UNMAP = 6
+    QUEUE_CREATE = 7
+    QUEUE_DESTROY = 8
+    SUBMIT = 9
+    #: a0 = bytes of this device's memory held by device-local allocations; managed pages
+    #: may be resident only in what remains.
+    SET_BUDGET = 10
 
 
-# Message: op u32, status u32 (completions: 0 or an errno), ctx_id u64, seqno u64,
-# arg u64 (completions: firmware monotonic ns when the work finished)
-MSG = struct.Struct("<IIQQQ")
-assert MSG.size == MSG_SIZE
+def host_backing_name(kind: int, handle: int, token: int) -> str:
+    """File name (in the daemon's shm directory) of a host-visible allocation's backing.
+
+    The token is 64 random bits, so the name cannot be guessed from the handle.
+    """
+    return f"{kind}-{handle}-{token:016x}"
+
+
+# Message: op u32, status u32, ctx u64, a0..a5 u64 (64 bytes), then a 64-byte payload.
+MSG = struct.Struct("<IIQ6Q")
+PAYLOAD_SIZE: Final = MSG_SIZE - MSG.size
+assert PAYLOAD_SIZE == 64
+
+# Stats block, written by the firmware, read by the driver (sysfs, MEM_INFO):
+STAT_NAMES: Final = (
+    "managed_resident", "managed_faults", "managed_bytes_to_device", "managed_bytes_to_host",
+    "managed_evictions", "copies", "copy_bytes", "packets", "faults",
+)
+_STATS = struct.Struct(f"<{len(STAT_NAMES)}Q")
 
 
 class Ring:
@@ -91,27 +128,34 @@ class Ring:
     def size(slots: int = RING_SLOTS) -> int:
         return 64 + slots * MSG_SIZE
 
-    def push(self, op: int, ctx_id: int, seqno: int, arg: int = 0, status: int = 0) -> bool:
+    def push(self, op: int, ctx_id: int, args: tuple[int, ...] = (), status: int = 0,
+             payload: bytes = b"") -> bool:
         tail = self._idx[1]
         if tail - self._idx[0] >= self._slots:
             return False
-        MSG.pack_into(self._data, (tail % self._slots) * MSG_SIZE, op, status, ctx_id, seqno, arg)
+        off = (tail % self._slots) * MSG_SIZE
+        MSG.pack_into(self._data, off, op, status, ctx_id, *args, *(0,) * (6 - len(args)))
+        if payload:
+            self._data[off + MSG.size : off + MSG.size + len(payload)] = payload
         self._idx[1] = tail + 1
         return True
 
-    def pop(self) -> tuple[int, int, int, int, int] | None:
-        """Next message as (op, status, ctx_id, seqno, arg), or None when empty."""
+    def pop(self) -> tuple[tuple[int, ...], bytes] | None:
+        """Next message as ((op, status, ctx_id, a0..a5), payload), or None when empty."""
         head = self._idx[0]
         if head == self._idx[1]:
             return None
-        msg = MSG.unpack_from(self._data, (head % self._slots) * MSG_SIZE)
+        off = (head % self._slots) * MSG_SIZE
+        msg = MSG.unpack_from(self._data, off)
+        payload = bytes(self._data[off + MSG.size : off + MSG_SIZE])
         self._idx[0] = head + 1
-        return msg  # type: ignore[return-value]
+        return msg, payload
 
     def pending(self) -> int:
         return self._idx[1] - self._idx[0]
 
 
+assert STATS_OFF + _STATS.size <= CMD_RING_OFF
 assert CMD_RING_OFF + Ring.size() <= CPL_RING_OFF
 assert CPL_RING_OFF + Ring.size() <= IMAGE_OFF
 
@@ -135,6 +179,12 @@ class Mailbox:
             len(image), 0, 0, b"", b"", b"",
         )
         self.buf[IMAGE_OFF : IMAGE_OFF + len(image)] = image
+
+    def stats(self) -> dict[str, int]:
+        return dict(zip(STAT_NAMES, _STATS.unpack_from(self.buf, STATS_OFF)))
+
+    def set_stats(self, values: dict[str, int]) -> None:
+        _STATS.pack_into(self.buf, STATS_OFF, *(values[n] for n in STAT_NAMES))
 
     def boot_block(self) -> tuple:
         return _BOOT.unpack_from(self.buf, _BOOT_OFF)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import time
@@ -26,7 +28,7 @@ import pyfuse3
 import trio
 
 from kmod_emul import drv
-from kmod_emul.device import AccelDevice
+from kmod_emul.device import AccelDevice, MemoryConfig
 from kmod_emul.fs import AccelFS, build_tree
 from kmod_emul.identity import IdentityStore, pci_bus_id
 
@@ -44,6 +46,8 @@ class DaemonConfig:
     firmware_dir: Path
     heartbeat_timeout_s: float = 2.0
     driver: drv.DriverInfo = drv.DriverInfo()
+    #: device-local bytes one process may hold per device; 0 for no limit
+    process_memory_limit: int = 0
 
 
 class AlreadyServed(Exception):
@@ -110,20 +114,56 @@ def prepare_root(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
 
 
-def make_devices(config: DaemonConfig) -> list[AccelDevice]:
+SHM_BASE = Path("/dev/shm")
+SHM_PREFIX = "accel-emu-"
+
+
+def make_shm_dir() -> Path:
+    """The daemon's private tmpfs directory for host-visible backings.
+
+    Mode 0711: users reach their own files by (unguessable) name but cannot list others'.
+    Directories left by daemons that died are removed first.
+    """
+    for old in SHM_BASE.glob(f"{SHM_PREFIX}*"):
+        pid_text = old.name[len(SHM_PREFIX):].split("-", 1)[0]
+        if pid_text.isdigit() and not pid_alive(int(pid_text)):
+            shutil.rmtree(old, ignore_errors=True)
+    path = SHM_BASE / f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    path.mkdir(mode=0o711)
+    path.chmod(0o711)
+    return path
+
+
+def make_devices(config: DaemonConfig, shm_dir: Path) -> list[AccelDevice]:
     slots = [pci_bus_id(i) for i in range(config.devices)]
     identities = IdentityStore(config.state_dir).identities(slots)
-    return [
+    vram_fds = {}
+    for i in range(config.devices):  # sparse: pages exist only once written
+        vram_fds[i] = os.memfd_create(f"accel{i}-vram", os.MFD_CLOEXEC)
+        os.ftruncate(vram_fds[i], config.memory)
+    mem = MemoryConfig(vram_fds, str(shm_dir), config.process_memory_limit)
+    devices = [
         AccelDevice(i, identities[slot], config.memory, config.firmware_dir,
-                    config.heartbeat_timeout_s)
+                    config.heartbeat_timeout_s, mem)
         for i, slot in enumerate(slots)
     ]
+    for dev in devices:
+        dev.all_devices = devices
+    return devices
 
 
 async def serve(config: DaemonConfig, on_ready: Callable[[], None]) -> None:
     """Boot every device, mount the tree, call ``on_ready``, serve until signalled."""
     prepare_root(config.root)
-    devices = make_devices(config)
+    shm_dir = make_shm_dir()
+    try:
+        await _serve(config, shm_dir, on_ready)
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+async def _serve(config: DaemonConfig, shm_dir: Path, on_ready: Callable[[], None]) -> None:
+    devices = make_devices(config, shm_dir)
     fs = AccelFS(build_tree(config.driver, devices), config.driver)
     options = set(pyfuse3.default_options) | {
         f"fsname={FSNAME_PREFIX}{os.getpid()}",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,11 @@ import trio
 
 from firmware import abi, image
 from kmod_emul import uapi
-from kmod_emul.context import Context, OpenFile, tgid_of
+from kmod_emul.context import Context, OpenFile, Queue, tgid_of
 from kmod_emul.errors import DriverError
 from kmod_emul.fw import FirmwareProcess, load_image
 from kmod_emul.identity import Identity, pci_bus_id
+from kmod_emul.memory import DeviceMemory
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +44,18 @@ def fabric_endpoint(index: int) -> str:
     return f"fabric0:port{index}"
 
 
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Where the device's bytes live and what a process may hold (from the daemon)."""
+
+    vram_fds: dict[int, int]  # every device's VRAM memfd, by device index
+    shm_dir: str
+    process_limit: int = 0
+
+
 class AccelDevice:
     def __init__(self, index: int, identity: Identity, memory_total: int, firmware_dir: Path,
-                 heartbeat_timeout_s: float) -> None:
+                 heartbeat_timeout_s: float, mem: MemoryConfig) -> None:
         self.index = index
         self.identity = identity
         self.pci_bus_id = pci_bus_id(index)
@@ -58,7 +69,11 @@ class AccelDevice:
         self.fw_image: image.FirmwareImage | None = None
         self.files: set[OpenFile] = set()
         self.contexts: dict[int, Context] = {}
-        self._ctx_ids = itertools.count(1)
+        self._ids = itertools.count(1)
+        self.mem_config = mem
+        self.memory = DeviceMemory(self, mem.vram_fds[index], mem.shm_dir, mem.process_limit)
+        #: every device of the daemon (peers), set by the daemon once all exist
+        self.all_devices: list[AccelDevice] = [self]
         self.reset_count = 0
         self.submitted_total = 0
         self.completed_total = 0
@@ -69,9 +84,32 @@ class AccelDevice:
         self._reset_requested = trio.Event()
         self._static_info: bytes | None = None
 
+    def new_id(self) -> int:
+        """Handles of every kind (contexts, queues, allocations) are unique on the device
+        and never reused, so a stale or foreign handle can never alias a live object."""
+        return next(self._ids)
+
     @property
     def memory_used(self) -> int:
-        return 0
+        return self.memory_total - self.memory.free_bytes()
+
+    def fw_stats(self) -> dict[str, int]:
+        return self.fw.mbx.stats() if self.fw is not None else {}
+
+    def fw_send(self, op: abi.Op, ctx_id: int, args: tuple[int, ...] = (),
+                payload: bytes = b"") -> None:
+        """Send a control message to the running firmware (dropped when none runs: a reset
+        or failure has already voided the state it was about)."""
+        if self.fw is not None:
+            self.fw.send(op, ctx_id, args, payload)
+
+    def send_budget(self) -> None:
+        self.fw_send(abi.Op.SET_BUDGET, 0, (self.memory.vram.used,))
+
+    def peer_contexts_of(self, pid: int) -> list[tuple[AccelDevice, Context]]:
+        """Live contexts of ``pid`` on other devices that enabled access to this one."""
+        return [(d, c) for d in self.all_devices if d is not self for c in d.contexts.values()
+                if c.file.pid == pid and self.index in c.peers and c.lost is None]
 
     def describe(self) -> uapi.accel_device_info:
         """DEVICE_QUERY's answer; sysfs renders the same. The static part is built once per
@@ -136,7 +174,7 @@ class AccelDevice:
             "(accel-smi shows it) and retry",
         )
 
-    def open(self, tid: int, uid: int) -> OpenFile:
+    def open(self, tid: int, uid: int, gid: int) -> OpenFile:
         self.check_usable()
         pid = tgid_of(tid)
         owner = self.exclusive_owner()
@@ -145,7 +183,7 @@ class AccelDevice:
                 errno.EBUSY,
                 f"{self.name} is held exclusively by pid {owner.file.pid} (uid {owner.file.uid})",
             )
-        f = OpenFile(self, pid, uid)
+        f = OpenFile(self, pid, uid, gid)
         self.files.add(f)
         return f
 
@@ -165,29 +203,66 @@ class AccelDevice:
         owner = self.exclusive_owner()
         if owner is not None and owner.file.pid != f.pid:
             raise DriverError(errno.EBUSY, f"{self.name} is held exclusively by pid {owner.file.pid}")
-        ctx = Context(next(self._ctx_ids), f, exclusive)
-        assert self.fw is not None
-        self.fw.send(abi.Op.CTX_CREATE, ctx.id)
+        ctx = Context(self.new_id(), f, exclusive)
+        self.fw_send(abi.Op.CTX_CREATE, ctx.id)
         self.contexts[ctx.id] = ctx
         f.ctx = ctx
+        ctx.default_queue = self.create_queue(ctx, uapi.ACCEL_QUEUE_PRIORITY_LOW)
         return ctx
 
     def destroy_context(self, ctx: Context) -> None:
+        """Tear down in reverse order of creation: queues and mappings go with the firmware
+        context, whose teardown the firmware confirms before the memory is reused."""
+        firmware_has_it = ctx.lost is None and self.fw is not None
         self.contexts.pop(ctx.id, None)
         ctx.file.ctx = None
-        if ctx.lost is None and self.fw is not None:
-            self.fw.send(abi.Op.CTX_DESTROY, ctx.id)
+        self.memory.release_context(ctx, firmware_has_it)
+        if firmware_has_it:
+            self.fw_send(abi.Op.CTX_DESTROY, ctx.id)
         ctx.lose("context destroyed")
 
-    async def submit_noop(self, ctx: Context) -> int:
-        assert self.fw is not None
-        seqno = ctx.submitted + 1
-        while not self.fw.send(abi.Op.NOOP, ctx.id, seqno):
-            await trio.sleep(0.0005)  # command ring full: the firmware is draining it
-            ctx.check_live()
-        ctx.submitted = seqno
-        self.submitted_total += 1
-        return seqno
+    def enable_peer(self, ctx: Context, peer_index: int) -> None:
+        """Let ``ctx``'s work reach device ``peer_index``'s memory held by the same process:
+        map that process's device-local allocations there into ``ctx`` (and later ones as
+        they are made, see ``DeviceMemory.alloc``)."""
+        peer = next((d for d in self.all_devices if d.index == peer_index), None)
+        if peer is None or peer is self:
+            raise DriverError(errno.EINVAL, f"no peer device {peer_index} for {self.name}")
+        holders = [c for c in peer.contexts.values() if c.file.pid == ctx.file.pid and c.lost is None]
+        if not holders:
+            raise DriverError(errno.EPERM, f"process {ctx.file.pid} holds no context on {peer.name}")
+        if peer_index in ctx.peers:
+            return
+        ctx.peers.add(peer_index)
+        for holder in holders:
+            for alloc in holder.allocations.values():
+                if alloc.backing.kind == uapi.MemKind.DEVICE and alloc.backing.owner is peer:
+                    peer.memory.map_into(alloc, self, ctx)
+
+    # --- queues ---------------------------------------------------------------------------
+    def create_queue(self, ctx: Context, priority: int) -> Queue:
+        q = Queue(self.new_id(), ctx, priority)
+        ctx.queues[q.id] = q
+        self.fw_send(abi.Op.QUEUE_CREATE, ctx.id, (q.id, priority))
+        return q
+
+    def destroy_queue(self, q: Queue) -> None:
+        """The queue's work already queued still runs; the id is gone at once."""
+        del q.ctx.queues[q.id]
+        self.fw_send(abi.Op.QUEUE_DESTROY, q.ctx.id, (q.id,))
+
+    def submit(self, q: Queue, packets: list[bytes]) -> int:
+        """Queue packets (the firmware validates and runs them); return the last seqno."""
+        if q.fault is not None:
+            seqno, err, addr, opcode = q.fault
+            raise DriverError(
+                errno.ECANCELED, f"queue {q.id} faulted at seqno {seqno} ({uapi.Op(opcode).name}"
+                                 f" {errno.errorcode.get(err, err)} at {addr:#x}); recreate it")
+        for raw in packets:
+            q.submitted += 1
+            self.fw_send(abi.Op.SUBMIT, q.ctx.id, (q.id, q.submitted), raw)
+        self.submitted_total += len(packets)
+        return q.submitted
 
     def _lose_contexts(self, reason: str) -> None:
         for ctx in self.contexts.values():
@@ -210,7 +285,7 @@ class AccelDevice:
     def hang_firmware(self) -> None:
         if self.fw is None:
             raise DriverError(errno.ENODEV, f"{self.name} has no running firmware")
-        self.fw.send(abi.Op.HANG, 0)
+        self.fw.send(abi.Op.HANG, 0, ())
 
     def _fail(self, err: int, message: str) -> None:
         log.warning("%s failed: %s", self.name, message)
@@ -248,7 +323,8 @@ class AccelDevice:
         flags = abi.BootFlag.FAIL_BOOT if self.fw_boot_fail else 0
         try:
             img = load_image(self.firmware_dir)
-            self.fw = await FirmwareProcess.boot(img, flags, self.name)
+            self.fw = await FirmwareProcess.boot(img, flags, self.name, self.memory_total,
+                                                 self.mem_config)
         except DriverError as exc:
             self._fail(exc.errno, exc.message)
             return
@@ -262,6 +338,7 @@ class AccelDevice:
     async def _stop_firmware(self) -> None:
         if self.fw is not None:
             fw, self.fw = self.fw, None
+            self.memory.firmware_gone()
             await fw.stop()
 
     async def _serve(self) -> None:
@@ -277,14 +354,24 @@ class AccelDevice:
     async def _irq_loop(self, scope: trio.CancelScope) -> None:
         fw = self.fw
         assert fw is not None
+        self.send_budget()
         while True:
             await fw.wait_irq()
-            while (msg := fw.mbx.cpl.pop()) is not None:
-                _op, status, ctx_id, seqno, timestamp = msg
-                self.completed_total += 1
-                ctx = self.contexts.get(ctx_id)
-                if ctx is not None:
-                    ctx.complete(seqno, timestamp, status)
+            fw.flush()
+            while (item := fw.mbx.cpl.pop()) is not None:
+                self._completion(*item[0])
+
+    def _completion(self, op: int, status: int, ctx_id: int, *a: int) -> None:
+        if op == abi.Op.SUBMIT:
+            self.completed_total += 1
+            ctx = self.contexts.get(ctx_id)
+            q = ctx.queues.get(a[0]) if ctx is not None else None
+            if q is not None:
+                q.complete(a[1], a[2], status, a[3], a[4])
+        elif op == abi.Op.UNMAP:
+            self.memory.unmapped(ctx_id, a[0])
+        elif op == abi.Op.CTX_DESTROY:
+            self.memory.context_destroyed(ctx_id)
 
     async def _watch_exit(self, scope: trio.CancelScope) -> None:
         assert self.fw is not None

@@ -18,6 +18,7 @@ from kmod_emul import uapi
 from kmod_emul.context import OpenFile
 from kmod_emul.device import DRIVER_VERSION
 from kmod_emul.errors import DriverError
+from kmod_emul.memory import Allocation
 
 _HDR = ctypes.sizeof(uapi.accel_cmd_hdr)
 
@@ -75,26 +76,108 @@ async def submit_noop(info: DriverInfo, f: OpenFile, arg: uapi.accel_submit_noop
     _no_flags(arg)
     ctx = f.context(arg.ctx_id)
     f.device.check_usable()
-    arg.seqno = await f.device.submit_noop(ctx)
+    assert ctx.default_queue is not None
+    arg.seqno = f.device.submit(ctx.default_queue, [bytes(uapi.accel_packet(opcode=uapi.Op.NOP))])
     return arg
 
 
 async def wait(info: DriverInfo, f: OpenFile, arg: uapi.accel_wait) -> Any:
     _no_flags(arg)
-    ctx = f.context(arg.ctx_id)
-    if arg.seqno > ctx.submitted:
+    q = f.context(arg.ctx_id).queue(arg.queue_id)
+    if arg.seqno > q.submitted:
         raise DriverError(
-            errno.EINVAL, f"seqno {arg.seqno} was never submitted (last is {ctx.submitted})"
+            errno.EINVAL, f"seqno {arg.seqno} was never submitted (last is {q.submitted})"
         )
     timeout_ns = min(arg.timeout_ns, uapi.ACCEL_WAIT_SLICE_NS)
-    done = await ctx.wait(arg.seqno, timeout_ns / 1e9)
-    if ctx.error is not None and ctx.error[0] <= arg.seqno:
-        seqno, err = ctx.error
-        raise DriverError(err, f"submission {seqno} failed in the firmware")
-    if not done:
+    if not await q.wait(arg.seqno, timeout_ns / 1e9):
         raise DriverError(errno.ETIME, f"seqno {arg.seqno} not complete")
-    arg.completed = ctx.completed
-    arg.timestamp_ns = ctx.completed_ts
+    arg.completed = q.completed
+    arg.timestamp_ns = q.timestamps.get(arg.seqno, 0)
+    if q.fault is not None and q.fault[0] <= arg.seqno:
+        arg.error_seqno, arg.error_code, arg.error_addr, arg.error_opcode = q.fault
+    return arg
+
+
+def _host_path(alloc: Allocation) -> bytes:
+    return alloc.backing.path.encode() if alloc.backing.kind != uapi.MemKind.DEVICE else b""
+
+
+async def mem_alloc(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_alloc) -> Any:
+    _no_flags(arg)
+    ctx = f.context(arg.ctx_id)
+    f.device.check_usable()
+    try:
+        kind = uapi.MemKind(arg.kind)
+    except ValueError:
+        raise DriverError(errno.EINVAL, f"unknown memory kind {arg.kind}") from None
+    alloc = f.device.memory.alloc(ctx, arg.size, kind)
+    arg.handle, arg.va, arg.shm_path = alloc.handle, alloc.va, _host_path(alloc)
+    return arg
+
+
+async def mem_free(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_free) -> None:
+    ctx = f.context(arg.ctx_id)
+    f.device.memory.free(ctx, ctx.allocation(arg.handle))
+
+
+async def mem_export(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_export) -> Any:
+    ctx = f.context(arg.ctx_id)
+    arg.token = f.device.memory.export(ctx.allocation(arg.handle))
+    return arg
+
+
+async def mem_import(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_import) -> Any:
+    ctx = f.context(arg.ctx_id)
+    f.device.check_usable()
+    alloc = f.device.memory.import_(ctx, arg.export_handle, arg.token)
+    arg.handle, arg.va, arg.size = alloc.handle, alloc.va, alloc.backing.size
+    arg.kind, arg.shm_path = alloc.backing.kind, _host_path(alloc)
+    return arg
+
+
+async def mem_info(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_info) -> Any:
+    ctx = f.context(arg.ctx_id)
+    mem = f.device.memory
+    arg.free, arg.total = mem.free_bytes(), f.device.memory_total
+    arg.context_bytes = mem.context_bytes(ctx)
+    arg.process_bytes = mem.process_bytes(f.pid)
+    arg.process_limit = mem.process_limit
+    arg.managed_resident = f.device.fw_stats().get("managed_resident", 0)
+    return arg
+
+
+async def peer_enable(info: DriverInfo, f: OpenFile, arg: uapi.accel_peer_enable) -> None:
+    _no_flags(arg)
+    ctx = f.context(arg.ctx_id)
+    f.device.enable_peer(ctx, arg.peer_index)
+
+
+async def queue_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_create) -> Any:
+    _no_flags(arg)
+    ctx = f.context(arg.ctx_id)
+    f.device.check_usable()
+    if arg.priority not in (uapi.ACCEL_QUEUE_PRIORITY_LOW, uapi.ACCEL_QUEUE_PRIORITY_HIGH):
+        raise DriverError(errno.EINVAL, f"priority {arg.priority} is neither low (0) nor high (1)")
+    arg.queue_id = f.device.create_queue(ctx, arg.priority).id
+    return arg
+
+
+async def queue_destroy(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_destroy) -> None:
+    ctx = f.context(arg.ctx_id)
+    q = ctx.queue(arg.queue_id)
+    if q is ctx.default_queue:
+        raise DriverError(errno.EINVAL, "the context's default queue lives as long as it does")
+    f.device.destroy_queue(q)
+
+
+async def submit(info: DriverInfo, f: OpenFile, arg: uapi.accel_submit) -> Any:
+    _no_flags(arg)
+    ctx = f.context(arg.ctx_id)
+    f.device.check_usable()
+    if not 1 <= arg.count <= uapi.ACCEL_SUBMIT_MAX:
+        raise DriverError(errno.EINVAL, f"count {arg.count} not in 1..{uapi.ACCEL_SUBMIT_MAX}")
+    packets = [bytes(arg.packets[i]) for i in range(arg.count)]
+    arg.last_seqno = f.device.submit(ctx.queue(arg.queue_id), packets)
     return arg
 
 
@@ -105,6 +188,15 @@ TABLE: dict[int, Handler] = {
     uapi.ACCEL_CMD_CTX_DESTROY.code: ctx_destroy,
     uapi.ACCEL_CMD_SUBMIT_NOOP.code: submit_noop,
     uapi.ACCEL_CMD_WAIT.code: wait,
+    uapi.ACCEL_CMD_MEM_ALLOC.code: mem_alloc,
+    uapi.ACCEL_CMD_MEM_FREE.code: mem_free,
+    uapi.ACCEL_CMD_MEM_EXPORT.code: mem_export,
+    uapi.ACCEL_CMD_MEM_IMPORT.code: mem_import,
+    uapi.ACCEL_CMD_MEM_INFO.code: mem_info,
+    uapi.ACCEL_CMD_PEER_ENABLE.code: peer_enable,
+    uapi.ACCEL_CMD_QUEUE_CREATE.code: queue_create,
+    uapi.ACCEL_CMD_QUEUE_DESTROY.code: queue_destroy,
+    uapi.ACCEL_CMD_SUBMIT.code: submit,
 }
 assert TABLE.keys() == uapi.COMMANDS.keys(), "every uAPI command needs a handler"
 

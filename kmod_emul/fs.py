@@ -157,7 +157,7 @@ class AccelFS(pyfuse3.Operations):
         node = self._node(inode)
         if node.device is not None:
             try:
-                handle: OpenFile | AttrHandle = node.device.open(ctx.pid, ctx.uid)
+                handle: OpenFile | AttrHandle = node.device.open(ctx.pid, ctx.uid, ctx.gid)
             except DriverError as exc:
                 raise _fuse_error(exc) from None
         elif node.attr is not None:

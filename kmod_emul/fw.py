@@ -15,12 +15,17 @@ import mmap
 import os
 import signal
 import sys
+from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from firmware import abi, image
 from kmod_emul.errors import DriverError
+
+if TYPE_CHECKING:
+    from kmod_emul.device import MemoryConfig
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +73,21 @@ class FirmwareProcess:
         self._mem = mem
         self._doorbell_w = doorbell_w
         self.irq_r = irq_r
+        #: messages that found the command ring full, sent in order as it drains
+        self._backlog: deque[tuple[int, int, tuple[int, ...], bytes]] = deque()
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     @classmethod
-    async def boot(cls, img: image.FirmwareImage, boot_flags: int, label: str) -> FirmwareProcess:
-        """Start a firmware process on ``img``; return once it reports READY."""
+    async def boot(cls, img: image.FirmwareImage, boot_flags: int, label: str,
+                   vram_size: int, memcfg: MemoryConfig) -> FirmwareProcess:
+        """Start a firmware process on ``img``; return once it reports READY.
+
+        It gets every device's VRAM memfd (so peer access needs no fd passing later), the
+        shm directory of host-visible backings, and nothing else of the daemon's.
+        """
         memfd = os.memfd_create(f"accel-emu-{label}-mailbox", os.MFD_CLOEXEC)
         os.ftruncate(memfd, abi.MAILBOX_SIZE)
         mem = mmap.mmap(memfd, abi.MAILBOX_SIZE)
@@ -84,11 +96,14 @@ class FirmwareProcess:
         doorbell_r, doorbell_w = os.pipe()
         irq_r, irq_w = os.pipe()
         os.set_blocking(irq_r, False)
+        os.set_blocking(doorbell_w, False)  # a full pipe means "already rung", never a stall
+        vram = ",".join(f"{dev}:{fd}" for dev, fd in memcfg.vram_fds.items())
         try:
             proc = await trio.lowlevel.open_process(
                 [sys.executable, "-m", "firmware", "--mailbox-fd", str(memfd),
-                 "--doorbell-fd", str(doorbell_r), "--irq-fd", str(irq_w)],
-                pass_fds=(memfd, doorbell_r, irq_w),
+                 "--doorbell-fd", str(doorbell_r), "--irq-fd", str(irq_w), "--vram-fds", vram,
+                 "--vram-size", str(vram_size), "--shm-dir", memcfg.shm_dir],
+                pass_fds=(memfd, doorbell_r, irq_w, *memcfg.vram_fds.values()),
                 start_new_session=True,  # a Ctrl-C on the daemon's terminal is not a device crash
             )
         finally:
@@ -129,17 +144,26 @@ class FirmwareProcess:
             return True
         return False
 
-    def send(self, op: abi.Op, ctx_id: int, seqno: int = 0, arg: int = 0) -> bool:
-        """Queue a message and ring the doorbell; False when the command ring is full."""
-        if not self.mbx.cmd.push(op, ctx_id, seqno, arg):
-            return False
-        try:
-            os.write(self._doorbell_w, b"\1")
-        except BlockingIOError:
-            pass
-        except OSError:
-            return True  # firmware gone; the watchdog reports it
-        return True
+    def send(self, op: abi.Op, ctx_id: int, args: tuple[int, ...] = (),
+             payload: bytes = b"") -> None:
+        """Queue a message and ring the doorbell. Never drops one: a message that finds the
+        ring full waits in the backlog, which drains (in order) on the next interrupt."""
+        self._backlog.append((op, ctx_id, args, payload))
+        self.flush()
+
+    def flush(self) -> None:
+        sent = False
+        while self._backlog:
+            op, ctx_id, args, payload = self._backlog[0]
+            if not self.mbx.cmd.push(op, ctx_id, args, payload=payload):
+                break
+            self._backlog.popleft()
+            sent = True
+        if sent and self._doorbell_w >= 0:
+            try:
+                os.write(self._doorbell_w, b"\1")
+            except (BlockingIOError, BrokenPipeError):
+                pass  # already rung / firmware gone (the watchdog reports the latter)
 
     async def stop(self) -> None:
         """Halt the firmware: close its doorbell, then SIGKILL if it lingers; reap it."""

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from firmware import abi
 from kmod_emul import uapi
 from kmod_emul.device import AccelDevice
 from kmod_emul.drv import DriverInfo
@@ -65,6 +66,10 @@ def _static_field(dev: AccelDevice, field: str) -> str:
     return _static_text(dev.static_description())[field]
 
 
+def _fw_stat(dev: AccelDevice, name: str) -> str:
+    return str(dev.fw_stats().get(name, 0))
+
+
 def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
     """``sys/class/accel/accelN/*``."""
     attrs = {
@@ -92,7 +97,11 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         reset_count=Attr(read=lambda: str(dev.reset_count)),
         heartbeat=Attr(read=lambda: str(dev.fw.mbx.heartbeat[0]) if dev.fw else "0"),
         reset=Attr(write=reset),
+        memory_free=Attr(read=lambda: str(dev.memory.free_bytes())),
+        processes=Attr(read=lambda: "\n".join(
+            ["pid device_bytes"] + [f"{pid} {n}" for pid, n in sorted(dev.memory.pid_bytes().items())])),
     )
+    attrs.update({name: Attr(read=functools.partial(_fw_stat, dev, name)) for name in abi.STAT_NAMES})
     return attrs
 
 

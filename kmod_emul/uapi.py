@@ -250,20 +250,210 @@ ACCEL_WAIT_SLICE_NS: Final = 100_000_000
 
 
 class accel_wait(_Struct):
-    """ACCEL_CMD_WAIT: wait until the context's fence reaches ``seqno``.
+    """ACCEL_CMD_WAIT: wait until queue ``queue_id`` of the context completes ``seqno``.
 
-    Answers 0 once complete, ETIME when ``timeout_ns`` (capped at ACCEL_WAIT_SLICE_NS)
-    passes first, EINVAL for a seqno never submitted, ENODEV if the context was lost.
+    ``queue_id`` 0 names the context's default queue (the one SUBMIT_NOOP uses). Answers 0
+    once complete, ETIME when ``timeout_ns`` (capped at ACCEL_WAIT_SLICE_NS) passes first,
+    EINVAL for a seqno never submitted, ENODEV if the context was lost. A packet that
+    faulted does not fail the wait: the reply's ``error_*`` fields name it, so the caller
+    learns which command failed (the error surfaces at the synchronisation point).
     """
 
     _fields_ = [
         ("ctx_id", ctypes.c_uint64),
+        ("queue_id", ctypes.c_uint64),
         ("seqno", ctypes.c_uint64),
         ("timeout_ns", ctypes.c_uint64),
         ("flags", ctypes.c_uint32),
         ("pad", ctypes.c_uint32),
-        ("completed", ctypes.c_uint64),  # out: the context's completed seqno
-        ("timestamp_ns", ctypes.c_uint64),  # out: device time the seqno completed (0 if not)
+        ("completed", ctypes.c_uint64),  # out: the queue's completed seqno
+        ("timestamp_ns", ctypes.c_uint64),  # out: device time that seqno completed
+        ("error_seqno", ctypes.c_uint64),  # out: first faulted packet's seqno, 0 if none
+        ("error_code", ctypes.c_uint32),  # out: its errno (EFAULT, EINVAL, ...)
+        ("error_opcode", ctypes.c_uint32),  # out: its packet opcode
+        ("error_addr", ctypes.c_uint64),  # out: the faulting device address, where one
+    ]
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+
+class MemKind(enum.IntEnum):
+    """Allocation classes (``accel_mem_alloc.kind``)."""
+
+    #: Device-local: never mapped into a host process; reached by copies and kernels.
+    DEVICE = 0
+    #: Host memory pinned for the copy engines: mapped into the process and the device.
+    HOST_PINNED = 1
+    #: Managed (unified): host- and device-visible; the device migrates pages on access,
+    #: may hold more than device memory (oversubscription), and reports what that cost.
+    MANAGED = 2
+
+
+#: Device virtual addresses: bits 44.. name the device (index + 1), so an address is unique
+#: across the devices of a process and a peer access can be told from a local one.
+ACCEL_VA_DEVICE_SHIFT: Final = 44
+#: Allocations are placed (and sized, in the device's books) at this granularity.
+ACCEL_PAGE_SIZE: Final = 4096
+
+PATH_MAX_UAPI: Final = 128
+
+
+class accel_mem_alloc(_Struct):
+    """ACCEL_CMD_MEM_ALLOC: allocate ``size`` bytes of ``kind`` in the context.
+
+    Host-visible kinds come back with ``shm_path``: a tmpfs file owned by the caller, mode
+    0600, with an unguessable name, which the caller maps (MAP_SHARED) at ``va``'s bytes.
+    """
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("kind", ctypes.c_uint32),  # MemKind
+        ("flags", ctypes.c_uint32),
+        ("handle", ctypes.c_uint64),  # out
+        ("va", ctypes.c_uint64),  # out
+        ("shm_path", _S * PATH_MAX_UAPI),  # out: host-visible kinds only
+    ]
+
+
+class accel_mem_free(_Struct):
+    """ACCEL_CMD_MEM_FREE: release an allocation (or an import) of the context."""
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("handle", ctypes.c_uint64),
+    ]
+
+
+class accel_mem_export(_Struct):
+    """ACCEL_CMD_MEM_EXPORT: make an allocation importable; returns the secret token.
+
+    The IPC handle another process needs is (device uuid, ``handle``, ``token``, size).
+    Lifetime (like dma-buf): the memory lives while the exporter or any importer holds it;
+    an exporter that frees or dies leaves importers' mappings valid.
+    """
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("handle", ctypes.c_uint64),
+        ("token", ctypes.c_uint64),  # out
+    ]
+
+
+class accel_mem_import(_Struct):
+    """ACCEL_CMD_MEM_IMPORT: map another context's exported allocation into this one."""
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("export_handle", ctypes.c_uint64),
+        ("token", ctypes.c_uint64),
+        ("handle", ctypes.c_uint64),  # out: this context's handle for it
+        ("va", ctypes.c_uint64),  # out
+        ("size", ctypes.c_uint64),  # out
+        ("kind", ctypes.c_uint32),  # out
+        ("pad", ctypes.c_uint32),
+        ("shm_path", _S * PATH_MAX_UAPI),  # out: host-visible kinds only
+    ]
+
+
+class accel_mem_info(_Struct):
+    """ACCEL_CMD_MEM_INFO: free and total device memory, and what this caller holds."""
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("free", ctypes.c_uint64),  # out: device memory not allocated or resident
+        ("total", ctypes.c_uint64),  # out
+        ("context_bytes", ctypes.c_uint64),  # out: device-local bytes this context holds
+        ("process_bytes", ctypes.c_uint64),  # out: ... that this process holds (all contexts)
+        ("process_limit", ctypes.c_uint64),  # out: per-process cap, 0 if none
+        ("managed_resident", ctypes.c_uint64),  # out: managed bytes resident on the device
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
+class accel_peer_enable(_Struct):
+    """ACCEL_CMD_PEER_ENABLE: let this context's work reach device ``peer_index``'s memory.
+
+    The caller's process must hold a context on the peer; that context's device-local
+    allocations (now and later) become reachable from this one's queues.
+    """
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("peer_index", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+    ]
+
+
+# --- queues and packets ------------------------------------------------------------------------
+
+
+class Op(enum.IntEnum):
+    """Packet opcodes (``accel_packet.opcode``). Arguments are device virtual addresses."""
+
+    NOP = 0
+    #: a0 = dst va, a1 = src va, a2 = bytes
+    COPY = 1
+    #: a0 = dst va, a1 = bytes, a2 = byte value
+    MEMSET = 2
+    #: a0 = queue id of the same context, a1 = seqno: later packets wait until it completes
+    WAIT_QUEUE = 3
+    #: a0 = va, a1 = bytes, a2 = 0 to host, 1 to device (managed memory only)
+    PREFETCH = 4
+
+
+class accel_packet(_Struct):
+    """One unit of queued work: 64 bytes, the same in a SUBMIT and (later) a user ring."""
+
+    _fields_ = [
+        ("opcode", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("a", ctypes.c_uint64 * 7),
+    ]
+
+
+ACCEL_QUEUE_PRIORITY_LOW: Final = 0
+ACCEL_QUEUE_PRIORITY_HIGH: Final = 1
+
+
+class accel_queue_create(_Struct):
+    """ACCEL_CMD_QUEUE_CREATE: a hardware queue (a stream's backing) in the context."""
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("priority", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("queue_id", ctypes.c_uint64),  # out
+    ]
+
+
+class accel_queue_destroy(_Struct):
+    """ACCEL_CMD_QUEUE_DESTROY: the queue's queued work still runs to completion first."""
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("queue_id", ctypes.c_uint64),
+    ]
+
+
+ACCEL_SUBMIT_MAX: Final = 16
+
+
+class accel_submit(_Struct):
+    """ACCEL_CMD_SUBMIT: append ``count`` packets to a queue; returns the last one's seqno.
+
+    Returns as soon as the packets are queued (asynchronous): faults surface at the next
+    WAIT that covers them. A queue that faulted refuses further work with ECANCELED.
+    """
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("queue_id", ctypes.c_uint64),
+        ("count", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("last_seqno", ctypes.c_uint64),  # out
+        ("packets", accel_packet * ACCEL_SUBMIT_MAX),
     ]
 
 
@@ -293,6 +483,15 @@ ACCEL_CMD_CTX_CREATE = _cmd("CTX_CREATE", IOC_READ | IOC_WRITE, 0x02, accel_ctx_
 ACCEL_CMD_CTX_DESTROY = _cmd("CTX_DESTROY", IOC_WRITE, 0x03, accel_ctx_destroy)
 ACCEL_CMD_SUBMIT_NOOP = _cmd("SUBMIT_NOOP", IOC_READ | IOC_WRITE, 0x04, accel_submit_noop)
 ACCEL_CMD_WAIT = _cmd("WAIT", IOC_READ | IOC_WRITE, 0x05, accel_wait)
+ACCEL_CMD_MEM_ALLOC = _cmd("MEM_ALLOC", IOC_READ | IOC_WRITE, 0x06, accel_mem_alloc)
+ACCEL_CMD_MEM_FREE = _cmd("MEM_FREE", IOC_WRITE, 0x07, accel_mem_free)
+ACCEL_CMD_MEM_EXPORT = _cmd("MEM_EXPORT", IOC_READ | IOC_WRITE, 0x08, accel_mem_export)
+ACCEL_CMD_MEM_IMPORT = _cmd("MEM_IMPORT", IOC_READ | IOC_WRITE, 0x09, accel_mem_import)
+ACCEL_CMD_MEM_INFO = _cmd("MEM_INFO", IOC_READ | IOC_WRITE, 0x0A, accel_mem_info)
+ACCEL_CMD_PEER_ENABLE = _cmd("PEER_ENABLE", IOC_WRITE, 0x0B, accel_peer_enable)
+ACCEL_CMD_QUEUE_CREATE = _cmd("QUEUE_CREATE", IOC_READ | IOC_WRITE, 0x0C, accel_queue_create)
+ACCEL_CMD_QUEUE_DESTROY = _cmd("QUEUE_DESTROY", IOC_WRITE, 0x0D, accel_queue_destroy)
+ACCEL_CMD_SUBMIT = _cmd("SUBMIT", IOC_READ | IOC_WRITE, 0x0E, accel_submit)
 
 COMMANDS: Final[dict[int, Command]] = {
     c.code: c
@@ -303,6 +502,15 @@ COMMANDS: Final[dict[int, Command]] = {
         ACCEL_CMD_CTX_DESTROY,
         ACCEL_CMD_SUBMIT_NOOP,
         ACCEL_CMD_WAIT,
+        ACCEL_CMD_MEM_ALLOC,
+        ACCEL_CMD_MEM_FREE,
+        ACCEL_CMD_MEM_EXPORT,
+        ACCEL_CMD_MEM_IMPORT,
+        ACCEL_CMD_MEM_INFO,
+        ACCEL_CMD_PEER_ENABLE,
+        ACCEL_CMD_QUEUE_CREATE,
+        ACCEL_CMD_QUEUE_DESTROY,
+        ACCEL_CMD_SUBMIT,
     )
 }
 COMMANDS_BY_NR: Final[dict[int, Command]] = {ioc_nr(c.code): c for c in COMMANDS.values()}
@@ -325,6 +533,10 @@ ERRNO_MEANING: Final[dict[int, str]] = {
     errno.EAGAIN: "device in reset",
     errno.ENODEV: "device or context lost (firmware crash, hang or reset)",
     errno.ETIME: "wait timed out",
+    errno.ENOMEM: "out of device memory (or over the per-process limit)",
+    errno.EFAULT: "a packet named an address outside the context's mappings",
+    errno.ECANCELED: "the queue faulted earlier; destroy and recreate it",
+    errno.EPERM: "peer access needs a context of this process on the peer device",
 }
 
 

@@ -56,9 +56,11 @@ class RawDev:
     def noop(self, ctx_id: int) -> int:
         return self.call(uapi.ACCEL_CMD_SUBMIT_NOOP, uapi.accel_submit_noop(ctx_id=ctx_id)).seqno
 
-    def wait(self, ctx_id: int, seqno: int, timeout_ns: int = uapi.ACCEL_WAIT_SLICE_NS) -> Any:
+    def wait(self, ctx_id: int, seqno: int, timeout_ns: int = uapi.ACCEL_WAIT_SLICE_NS,
+             queue_id: int = 0) -> Any:
         return self.call(uapi.ACCEL_CMD_WAIT,
-                         uapi.accel_wait(ctx_id=ctx_id, seqno=seqno, timeout_ns=timeout_ns))
+                         uapi.accel_wait(ctx_id=ctx_id, queue_id=queue_id, seqno=seqno,
+                                         timeout_ns=timeout_ns))
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -25,9 +25,16 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 def parse_size(text: str) -> int:
     """'1G', '512M', '2GiB', '4096' -> bytes."""
     m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not m or int(m.group(1)) == 0:
+    if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1G or 512M)")
     return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def _positive_size(text: str) -> int:
+    size = parse_size(text)
+    if size == 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1G or 512M)")
+    return size
 
 
 def parse_abi(text: str) -> tuple[int, int]:
@@ -52,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     start = sub.add_parser("start", help="mount and serve (the default action)")
     start.add_argument("--root", type=Path, default=Path(uapi.default_root()), help=root_help)
     start.add_argument("--devices", type=int, default=1, help="number of devices (default 1)")
-    start.add_argument("--memory", type=parse_size, default=parse_size("1G"),
+    start.add_argument("--memory", type=_positive_size, default=parse_size("1G"),
                        help="memory per device, e.g. 1G, 512M (default 1G)")
     start.add_argument("--foreground", action="store_true", help="serve in this process")
     start.add_argument("--state-dir", type=Path, default=default_state_dir(),
@@ -61,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"where firmware images are looked up (default {IMAGE_DIR})")
     start.add_argument("--heartbeat-timeout", type=float, default=2.0, metavar="SECONDS",
                        help="declare a device failed after this long without a heartbeat")
+    start.add_argument("--process-memory-limit", type=parse_size, default=0, metavar="SIZE",
+                       help="device-local memory one process may hold per device (default: none)")
     start.add_argument("--driver-abi", type=parse_abi, default=None, metavar="MAJOR.MINOR",
                        help="emulate a driver of another uAPI version (version-skew testing)")
     start.add_argument("--log-file", type=Path, default=None,
@@ -99,6 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
         root=args.root.resolve(), devices=args.devices, memory=args.memory,
         state_dir=args.state_dir.resolve(), firmware_dir=args.firmware_dir.resolve(),
         heartbeat_timeout_s=args.heartbeat_timeout, driver=driver,
+        process_memory_limit=args.process_memory_limit,
     )
 
     def ready() -> None:
