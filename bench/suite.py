@@ -15,6 +15,7 @@ import statistics
 import struct
 
 from bench.core import Benchmark, Env, Row, interleave, middle_half, timed_row
+from bench.memory import allocator_and_copies, daemon_memory_per_context
 from kmod_emul import uapi
 
 ECHO_TXN = "echo-fs pwrite+pread"
@@ -181,9 +182,11 @@ def sysfs_read(env: Env) -> list[Row]:
                            f"{s.rounds} interleaved rounds of {s.block}")]
 
 
-#: Run in this order. Later issues append (memory bandwidth, launch rate, ...).
+#: Run in this order. Later issues append (launch rate, ...).
 BENCHMARKS: list[tuple[str, Benchmark]] = [
     ("command_round_trips", command_round_trips),
     ("sysfs_read", sysfs_read),
     ("daemon_start", daemon_start),
+    ("allocator_and_copies", allocator_and_copies),
+    ("daemon_memory_per_context", daemon_memory_per_context),
 ]

@@ -22,6 +22,8 @@ import signal
 import threading
 import time
 
+import numpy as np
+
 from firmware import abi, image, memory
 from firmware.engines import Engines, FwContext, QueueWorker
 
@@ -131,8 +133,6 @@ class Firmware:
             resident = None
             if kind == memory.MANAGED:
                 pages = -(-size // memory.MANAGED_PAGE)
-                import numpy as np
-
                 resident = np.zeros(pages, bool)
             ctx.space.add(memory.Mapping(va, size, kind, owner, data, resident))
         elif op == abi.Op.UNMAP:

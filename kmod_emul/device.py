@@ -359,7 +359,10 @@ class AccelDevice:
             await fw.wait_irq()
             fw.flush()
             while (item := fw.mbx.cpl.pop()) is not None:
-                self._completion(*item[0])
+                try:
+                    self._completion(*item[0])
+                except Exception:  # a driver bug must not take the device down
+                    log.exception("%s: driver bug handling completion %s", self.name, item[0])
 
     def _completion(self, op: int, status: int, ctx_id: int, *a: int) -> None:
         if op == abi.Op.SUBMIT:

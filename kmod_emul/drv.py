@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import trio
+
 from kmod_emul import uapi
 from kmod_emul.context import OpenFile
 from kmod_emul.device import DRIVER_VERSION
@@ -116,13 +118,20 @@ async def mem_alloc(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_alloc) ->
 
 
 async def mem_free(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_free) -> None:
+    """Like cudaFree, return once the device is done with the memory and it is free again
+    (so an allocator that frees its cache and retries finds the room), but never block the
+    caller longer than one wait slice: past that the bytes come back in the background."""
     ctx = f.context(arg.ctx_id)
-    f.device.memory.free(ctx, ctx.allocation(arg.handle))
+    backing = f.device.memory.free(ctx, ctx.allocation(arg.handle))
+    if backing.refs == 0:
+        with trio.move_on_after(uapi.ACCEL_WAIT_SLICE_NS / 1e9):
+            await backing.released.wait()
 
 
 async def mem_export(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_export) -> Any:
     ctx = f.context(arg.ctx_id)
-    arg.token = f.device.memory.export(ctx.allocation(arg.handle))
+    alloc = ctx.allocation(arg.handle)
+    arg.token, arg.export_id = f.device.memory.export(alloc), alloc.backing.id
     return arg
 
 

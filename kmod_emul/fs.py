@@ -95,9 +95,14 @@ class AttrHandle:
     content: bytes
 
 
-def _fuse_error(exc: DriverError) -> pyfuse3.FUSEError:
-    log.debug("answering %s", exc)
-    return pyfuse3.FUSEError(exc.errno)
+def _fuse_error(exc: Exception) -> pyfuse3.FUSEError:
+    """The errno a request fails with. A driver bug answers EIO to its caller and is
+    logged, instead of taking every tenant's device down with the daemon."""
+    if isinstance(exc, DriverError):
+        log.debug("answering %s", exc)
+        return pyfuse3.FUSEError(exc.errno)
+    log.error("driver bug answering a request", exc_info=exc)
+    return pyfuse3.FUSEError(errno.EIO)
 
 
 class AccelFS(pyfuse3.Operations):
@@ -158,7 +163,7 @@ class AccelFS(pyfuse3.Operations):
         if node.device is not None:
             try:
                 handle: OpenFile | AttrHandle = node.device.open(ctx.pid, ctx.uid, ctx.gid)
-            except DriverError as exc:
+            except Exception as exc:  # noqa: BLE001 - see _fuse_error
                 raise _fuse_error(exc) from None
         elif node.attr is not None:
             writing = flags & os.O_ACCMODE != os.O_RDONLY
@@ -179,7 +184,7 @@ class AccelFS(pyfuse3.Operations):
             return handle.content[off : off + size]
         try:
             return drv.take_reply(handle, off, size)
-        except DriverError as exc:
+        except Exception as exc:  # noqa: BLE001 - see _fuse_error
             raise _fuse_error(exc) from None
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -190,11 +195,14 @@ class AccelFS(pyfuse3.Operations):
                 handle.node.attr.write(buf.decode(errors="replace"))
             else:
                 await drv.execute(self.info, handle, buf)
-        except DriverError as exc:
+        except Exception as exc:  # noqa: BLE001 - see _fuse_error
             raise _fuse_error(exc) from None
         return len(buf)
 
     async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
         if isinstance(handle, OpenFile):
-            handle.device.release(handle)
+            try:
+                handle.device.release(handle)
+            except Exception as exc:  # noqa: BLE001 - see _fuse_error
+                _fuse_error(exc)

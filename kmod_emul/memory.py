@@ -25,6 +25,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import trio
+
 from firmware import abi
 from kmod_emul import uapi
 from kmod_emul.errors import DriverError
@@ -87,10 +89,13 @@ class Backing:
     pid: int = 0  # the allocating process, charged until the bytes are released
     refs: int = 0  # allocations referring to it
     pending: int = 0  # firmware mappings whose removal is not yet confirmed
+    #: set once the bytes are back in the pool (MEM_FREE waits a little for it)
+    released: trio.Event = field(default_factory=trio.Event)
 
     def release_if_unused(self) -> None:
-        if self.refs or self.pending:
+        if self.refs or self.pending or self.released.is_set():
             return
+        self.released.set()
         if self.kind == uapi.MemKind.DEVICE:
             self.owner.memory.release_vram(self.offset, self.size, self.pid)
         else:
@@ -208,7 +213,7 @@ class DeviceMemory:
                                          b.token))
         alloc.maps.append((dev, ctx))
 
-    def free(self, ctx: Context, alloc: Allocation) -> None:
+    def free(self, ctx: Context, alloc: Allocation) -> Backing:
         """Drop the handle now; release the bytes once every firmware is done with them."""
         del ctx.allocations[alloc.handle]
         b = alloc.backing
@@ -220,6 +225,7 @@ class DeviceMemory:
                 dev.fw_send(abi.Op.UNMAP, map_ctx.id, (alloc.va,))
         alloc.maps.clear()
         b.release_if_unused()
+        return b
 
     def unmapped(self, ctx_id: int, va: int) -> None:
         """The firmware confirmed an UNMAP."""
@@ -233,13 +239,13 @@ class DeviceMemory:
         """A context is destroyed: drop its allocations; its firmware confirms with CTX_DESTROY."""
         held: list[Backing] = []
         for alloc in list(ctx.allocations.values()):
-            # peer mappings of this allocation live in other contexts: unmap those normally
-            own = [(d, c) for d, c in alloc.maps if c is ctx]
-            alloc.maps = [(d, c) for d, c in alloc.maps if c is not ctx]
-            self.free(ctx, alloc)
-            if own and firmware_has_it:
+            # peer mappings of this allocation live in other contexts: unmap those normally;
+            # its own mapping goes with the firmware context, confirmed by CTX_DESTROY
+            if firmware_has_it and any(c is ctx for _, c in alloc.maps):
                 alloc.backing.pending += 1
                 held.append(alloc.backing)
+            alloc.maps = [(d, c) for d, c in alloc.maps if c is not ctx]
+            self.free(ctx, alloc)
         # this context's peer mappings of other devices' memory go with it as well
         for dev in self.device.all_devices:
             for alloc in [a for c in dev.contexts.values() for a in c.allocations.values()]:

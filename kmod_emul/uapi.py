@@ -329,7 +329,7 @@ class accel_mem_free(_Struct):
 class accel_mem_export(_Struct):
     """ACCEL_CMD_MEM_EXPORT: make an allocation importable; returns the secret token.
 
-    The IPC handle another process needs is (device uuid, ``handle``, ``token``, size).
+    The IPC handle another process needs is (device uuid, ``export_id``, ``token``).
     Lifetime (like dma-buf): the memory lives while the exporter or any importer holds it;
     an exporter that frees or dies leaves importers' mappings valid.
     """
@@ -337,7 +337,8 @@ class accel_mem_export(_Struct):
     _fields_ = [
         ("ctx_id", ctypes.c_uint64),
         ("handle", ctypes.c_uint64),
-        ("token", ctypes.c_uint64),  # out
+        ("token", ctypes.c_uint64),  # out: the secret an importer must present
+        ("export_id", ctypes.c_uint64),  # out: names the memory itself on the device
     ]
 
 

@@ -6,7 +6,7 @@ everything else initialises lazily. The runtime never imports the firmware or nu
 """
 
 from runtime.context import Context, Fence
-from runtime.device import (
+from runtime.devices import (
     DeviceProperties,
     current_device,
     device,
@@ -20,10 +20,31 @@ from runtime.device import (
     synchronize,
 )
 from runtime.discovery import device_count, is_available
+from runtime.memory import (
+    DeviceArray,
+    HostArray,
+    IpcHandle,
+    empty,
+    empty_cache,
+    enable_peer_access,
+    managed_empty,
+    max_memory_allocated,
+    max_memory_reserved,
+    mem_get_info,
+    memory_allocated,
+    memory_reserved,
+    memory_stats,
+    open_ipc_handle,
+    pinned_empty,
+    reset_peak_memory_stats,
+    to_device,
+)
+from runtime.stream import Event, Stream, current_stream, default_stream, set_stream, stream
 from runtime.errors import (
     AccelError,
     AccelTimeoutError,
     DeviceBusyError,
+    DeviceFaultError,
     DeviceInResetError,
     DeviceLostError,
     DriverVersionMismatchError,
@@ -39,6 +60,11 @@ from runtime.errors import (
 )
 
 __all__ = [
+    "DeviceArray", "DeviceFaultError", "Event", "HostArray", "IpcHandle", "Stream",
+    "current_stream", "default_stream", "empty", "empty_cache", "enable_peer_access",
+    "managed_empty", "max_memory_allocated", "max_memory_reserved", "mem_get_info",
+    "memory_allocated", "memory_reserved", "memory_stats", "open_ipc_handle", "pinned_empty",
+    "reset_peak_memory_stats", "set_stream", "stream", "to_device",
     "AccelError", "AccelTimeoutError", "Context", "DeviceBusyError", "DeviceInResetError",
     "DeviceLostError", "DeviceProperties", "DriverVersionMismatchError", "Fence",
     "FirmwareBootError", "FirmwareCorruptError", "FirmwareError", "FirmwareMissingError",

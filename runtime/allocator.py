@@ -598,7 +598,7 @@ class CachingAllocator:
                 segment = self._backend.raw_alloc(alloc_size)
             except OutOfMemoryError as exc:
                 self._counters["num_ooms"] += 1
-                raise OutOfMemoryError(self._oom_message(alloc_size), exc.errno) from None
+                raise OutOfMemoryError(self._oom_message(size), exc.errno) from None
         self._segments[segment.va] = segment
         self._counters["num_device_alloc"] += 1
         pool = free.pool
@@ -621,11 +621,13 @@ class CachingAllocator:
                     pool.segment -= 1
                     pool.reserved_bytes -= block.size
 
-    def _oom_message(self, alloc_size: int) -> str:
+    def _oom_message(self, requested: int) -> str:
+        """Torch names the segment size it asked for; this names the (512-rounded) request,
+        which is what the caller can act on."""
         free, total = self._backend.mem_get_info()
         allocated = self._small.allocated_bytes + self._large.allocated_bytes
         reserved = self._small.reserved_bytes + self._large.reserved_bytes
-        return (f"accel out of memory. Tried to allocate {format_size(alloc_size)}. "
+        return (f"accel out of memory. Tried to allocate {format_size(requested)}. "
                 f"Device {self.device} has a total capacity of {format_size(total)} of which "
                 f"{format_size(free)} is free. Of the allocated memory "
                 f"{format_size(allocated)} is allocated by the runtime, and "

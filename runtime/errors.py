@@ -56,13 +56,18 @@ class OutOfMemoryError(AccelError, MemoryError):
     """The device cannot satisfy an allocation."""
 
 
-class KernelFaultError(AccelError):
-    """A kernel faulted on the device; ``record`` is the driver's fault record."""
+class DeviceFaultError(AccelError):
+    """Queued work faulted on the device; ``record`` is the fault record (device, queue,
+    seqno, errno, opcode, address). Raised at the synchronisation point that covers it."""
 
     def __init__(self, message: str, errno: int | None = None,
                  record: dict[str, Any] | None = None) -> None:
         super().__init__(message, errno)
         self.record = record or {}
+
+
+class KernelFaultError(DeviceFaultError):
+    """A kernel faulted on the device; ``record`` is the driver's fault record."""
 
 
 class DeviceLostError(AccelError):
@@ -97,6 +102,7 @@ ERRNO_CLASSES: dict[int, type[AccelError]] = {
     _errno.EBADFD: InvalidValueError,
     _errno.ENOMEM: OutOfMemoryError,
     _errno.ENOSPC: OutOfMemoryError,
+    _errno.EPERM: InvalidValueError,
 }
 
 

@@ -79,6 +79,15 @@ class Daemon:
                     f"(failure: {self.attr(dev, 'failure')!r})")
             time.sleep(0.02)
 
+    def wait_attrs(self, dev: int, expected: dict[str, str], timeout: float = 20.0) -> None:
+        """Wait until sysfs shows ``expected`` (teardown is asynchronous: the firmware
+        confirms it after the process is gone)."""
+        deadline = time.monotonic() + timeout
+        while (now := {k: self.attr(dev, k) for k in expected}) != expected:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"accel{dev} shows {now}, wanted {expected}")
+            time.sleep(0.02)
+
     def run_py(self, code: str, *, timeout: float = 60, **env: str
                ) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],

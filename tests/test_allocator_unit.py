@@ -343,8 +343,8 @@ def test_oom_message_and_counts() -> None:
     assert alloc.memory_allocated() == 200 * MiB and alloc.memory_reserved() == 240 * MiB
     with pytest.raises(OutOfMemoryError) as info:
         alloc.malloc(3 * MiB, FakeStream("new"))
-    assert str(info.value) == (
-        "accel out of memory. Tried to allocate 20.00 MiB. Device 0 has a total capacity of "
+    assert str(info.value) == (  # the request, not the 20 MiB segment it needed
+        "accel out of memory. Tried to allocate 3.00 MiB. Device 0 has a total capacity of "
         "256.00 MiB of which 3.00 MiB is free. Of the allocated memory 200.00 MiB is "
         "allocated by the runtime, and 40.00 MiB is reserved by the runtime but unallocated.")
     assert info.value.errno == 12

@@ -69,10 +69,13 @@ def _physical(index: int) -> str:
 
 def primary_context(index: int | None = None) -> Context:
     """This process's primary context on device ``index`` (created on first use)."""
+    idx = current_device() if index is None else index
+    ctx = _primary.get(idx)
+    if ctx is not None and _init_pid == os.getpid():
+        return ctx  # the hot path: every allocation and copy asks
     _check_fork()
     if _init_pid is None:
         init()
-    idx = current_device() if index is None else index
     with _lock:
         ctx = _primary.get(idx)
         if ctx is None:

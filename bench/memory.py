@@ -1,0 +1,156 @@
+"""Memory benchmarks (bring-up 2): caching allocator, copy bandwidth, per-context cost.
+
+Each figure is compared with a baseline measured in the same run, interleaved:
+* cached allocate+free through the runtime vs an uncached driver allocation (MEM_ALLOC +
+  MEM_FREE transactions), the cost the cache exists to avoid;
+* host-to-device and device-to-host copies, from pinned and from pageable memory, vs numpy
+  copying the same bytes between two host arrays (the memory-bandwidth ceiling here);
+* the daemon's and firmware's resident memory per context vs the echo filesystem's per
+  open file.
+Times are per operation, so "ratio <= 1.43" is "at least 0.7x numpy's bandwidth".
+"""
+
+from __future__ import annotations
+
+import os
+
+from bench.core import Env, Row, interleave, middle_half, timed_row
+from kmod_emul import uapi
+
+COPY_BYTES = 64 << 20
+QUICK_COPY_BYTES = 16 << 20
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def allocator_and_copies(env: Env) -> list[Row]:
+    import numpy as np
+
+    with env.accel_root_env():
+        import runtime
+
+        runtime.init()
+        ctx = runtime.primary_context(0)
+        s = env.sizes
+
+        def cached() -> None:
+            a = runtime.empty(1024, np.float32)
+            del a
+
+        def uncached() -> None:
+            r = ctx.channel.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
+                ctx_id=ctx.id, size=4096, kind=uapi.MemKind.DEVICE))
+            ctx.channel.call(uapi.ACCEL_CMD_MEM_FREE,
+                             uapi.accel_mem_free(ctx_id=ctx.id, handle=r.handle))
+
+        got = interleave({"uncached": uncached, "cached": cached}, block=s.block,
+                         rounds=s.rounds, warmup=s.warmup, pin=env.pinned(env.accel))
+        cached_us = got["cached"].median_us
+        rows = [timed_row(
+            "cached allocate+free (runtime.empty, 4 KiB)", got["cached"],
+            "uncached driver MEM_ALLOC+MEM_FREE", got["uncached"], goal=None,
+            note=f"goal: at most 5 us absolute; measured {cached_us:.2f} us "
+                 f"({'met' if cached_us <= 5 else 'NOT met'}); includes the DeviceArray object")]
+
+        n = QUICK_COPY_BYTES if env.quick else COPY_BYTES
+        rng = np.random.default_rng(0)
+        src = rng.integers(0, 255, n, dtype=np.uint8)
+        dst = np.empty(n, np.uint8)
+        pin_in = runtime.pinned_empty(n, np.uint8)
+        pin_in[:] = src
+        pin_out = runtime.pinned_empty(n, np.uint8)
+        dev = runtime.empty(n, np.uint8)
+        stream = runtime.Stream()
+
+        def numpy_copy() -> None:
+            np.copyto(dst, src)
+
+        def h2d_pinned() -> None:
+            dev.copy_from_host(pin_in, stream=stream)
+            stream.synchronize()
+
+        def d2h_pinned() -> None:
+            dev.copy_to_host(pin_out, stream=stream)
+            stream.synchronize()
+
+        def h2d_pageable() -> None:
+            dev.copy_from_host(src, stream=stream)
+            stream.synchronize()
+
+        def d2h_pageable() -> None:
+            dev.copy_to_host(dst, stream=stream)
+
+        h2d_pinned()
+        d2h_pinned()
+        if not np.array_equal(pin_out, src):
+            raise RuntimeError("pinned round trip corrupted the data")
+        block, rounds = (3, 4) if env.quick else (5, 8)
+        bw = interleave({"numpy": numpy_copy, "h2d_pinned": h2d_pinned,
+                         "d2h_pinned": d2h_pinned, "h2d_pageable": h2d_pageable,
+                         "d2h_pageable": d2h_pageable},
+                        block=block, rounds=rounds, warmup=1)
+        base = bw["numpy"]
+        gbps = lambda smp: n / (smp.median_us * 1e3)  # noqa: E731 - bytes per ns = GB/s
+        label = f"{n >> 20} MiB"
+        for key, name, goal in (("h2d_pinned", "host-to-device copy, pinned", 1 / 0.7),
+                                ("d2h_pinned", "device-to-host copy, pinned", 1 / 0.7),
+                                ("h2d_pageable", "host-to-device copy, pageable (staged)", None),
+                                ("d2h_pageable", "device-to-host copy, pageable (staged)", None)):
+            rows.append(timed_row(
+                f"{name} ({label})", bw[key], f"numpy copy of {label}", base, goal=goal,
+                note=f"{gbps(bw[key]):.1f} GB/s vs numpy {gbps(base):.1f} GB/s; time ratio "
+                     "<= 1.43 means at least 0.7x numpy's bandwidth; includes submit and "
+                     "synchronize"))
+        del dev, pin_in, pin_out
+        runtime.empty_cache()
+    return rows
+
+
+def daemon_memory_per_context(env: Env) -> list[Row]:
+    """Resident memory the daemon and its firmware spend per context (peak, 32 open)."""
+    count = 8 if env.quick else 32
+    accel = env.accel
+    fw_pids = [int(accel.root.joinpath(f"sys/kernel/debug/accel/accel{i}/fw_pid").read_text())
+               for i in range(accel.devices)]
+    pids = [p for p in [accel.pid, *fw_pids] if p is not None]
+    echo_pid = env.echo.proc.pid if env.echo.proc else None
+
+    def total(ps: list[int]) -> int:
+        return sum(_rss_kib(p) for p in ps)
+
+    before = total(pids)
+    fds = []
+    try:
+        for _ in range(count):
+            fd = os.open(accel.node(0), os.O_RDWR | os.O_CLOEXEC)
+            fds.append(fd)
+            hdr = uapi.accel_cmd_hdr(cmd=uapi.ACCEL_CMD_CTX_CREATE.code, tag=1)
+            arg = uapi.accel_ctx_create(abi_major=uapi.ACCEL_ABI_MAJOR,
+                                        abi_minor=uapi.ACCEL_ABI_MINOR)
+            os.pwrite(fd, bytes(hdr) + bytes(arg), 0)
+            os.pread(fd, 64, 1)
+        after = total(pids)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    echo_before = _rss_kib(echo_pid) if echo_pid else 0
+    efds = [os.open(env.echo.file, os.O_RDWR | os.O_CLOEXEC) for _ in range(count)]
+    echo_after = _rss_kib(echo_pid) if echo_pid else 0
+    for fd in efds:
+        os.close(fd)
+    per_ctx = (after - before) / count
+    per_open = max(echo_after - echo_before, 1) / count
+    return [Row("daemon+firmware resident memory per context", per_ctx,
+                "echo-fs resident memory per open file", per_open, "KiB", None,
+                middle_half([per_ctx / per_open]),
+                note=f"VmRSS growth over {count} contexts (each with its default queue and "
+                     f"firmware queue thread); daemon {accel.pid}, firmware {fw_pids}",
+                details={"before_kib": before, "after_kib": after,
+                         "echo_before_kib": echo_before, "echo_after_kib": echo_after})]
+

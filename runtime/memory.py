@@ -1,0 +1,459 @@
+"""Memory classes from the host's side: device, pinned and managed arrays, IPC, copies.
+
+* ``empty``/``to_device`` give a ``DeviceArray``: device-local memory from the caching
+  allocator, never mapped into this process (as on real hardware); reached by copies.
+* ``pinned_empty`` gives a numpy array in host memory the copy engines reach directly, so
+  copies from and to it are asynchronous and run at memory bandwidth.
+* ``managed_empty`` gives a numpy array the device can also use: pages migrate to the
+  device on device access and back on ``prefetch(to_device=False)``; the driver counts
+  faults, bytes moved and evictions (``sys/class/accel/accelN/managed_*``).
+* Pageable numpy arrays are staged through pinned buffers, as CUDA does: a copy from one
+  returns once the data is staged (the source may be reused), a copy into one returns once
+  the data has arrived.
+
+Copies are ordered on a stream (the current one by default). A bad range, size or handle
+is refused before anything is queued; the firmware checks again and faults the stream
+rather than touch memory the context cannot reach.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kmod_emul import uapi
+from runtime import devices as _device
+from runtime import discovery, errors
+from runtime.allocator import CachingAllocator
+from runtime.context import Context
+from runtime.stream import Stream, current_stream
+
+STAGING_CHUNK = 8 << 20
+
+
+@dataclass
+class Segment:
+    """One driver allocation of device-local memory (what the caching allocator carves)."""
+
+    va: int
+    size: int
+    handle: int
+
+
+class DriverBackend:
+    """The caching allocator's raw backend: MEM_ALLOC/MEM_FREE/MEM_INFO on the primary context."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.ctx: Context = _device.primary_context(device)
+        self._starts: list[int] = []
+        self._segments: dict[int, Segment] = {}
+        self._lock = threading.Lock()
+
+    def raw_alloc(self, size: int) -> Segment:
+        reply = self.ctx.channel.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
+            ctx_id=self.ctx.id, size=size, kind=uapi.MemKind.DEVICE))
+        seg = Segment(reply.va, size, reply.handle)
+        with self._lock:
+            bisect.insort(self._starts, seg.va)
+            self._segments[seg.va] = seg
+        return seg
+
+    def raw_free(self, segment: Segment) -> None:
+        with self._lock:
+            self._starts.remove(segment.va)
+            del self._segments[segment.va]
+        if os.getpid() == self.ctx.channel.pid and self.ctx.channel.fd >= 0:
+            self.ctx.channel.call(uapi.ACCEL_CMD_MEM_FREE,
+                                  uapi.accel_mem_free(ctx_id=self.ctx.id, handle=segment.handle))
+
+    def mem_get_info(self) -> tuple[int, int]:
+        info = self.info()
+        return info.free, info.total
+
+    def info(self) -> uapi.accel_mem_info:
+        return self.ctx.channel.call(uapi.ACCEL_CMD_MEM_INFO, uapi.accel_mem_info(ctx_id=self.ctx.id))
+
+    def segment_of(self, va: int) -> Segment:
+        with self._lock:
+            i = bisect.bisect_right(self._starts, va) - 1
+            seg = self._segments[self._starts[i]] if i >= 0 else None
+        if seg is None or va >= seg.va + seg.size:
+            raise errors.InvalidValueError(f"address {va:#x} is not in a live allocation")
+        return seg
+
+
+_allocators: dict[int, CachingAllocator] = {}
+_backends: dict[int, DriverBackend] = {}
+_alloc_lock = threading.Lock()
+
+
+def _allocator(device: _device.DeviceLike = None) -> CachingAllocator:
+    idx = _device._index(device)
+    ctx = _device.primary_context(idx)
+    backend = _backends.get(idx)
+    if backend is not None and backend.ctx is ctx:
+        return _allocators[idx]
+    with _alloc_lock:
+        backend = _backends.get(idx)
+        if backend is None or backend.ctx is not ctx:
+            backend = _backends[idx] = DriverBackend(idx)
+            _allocators[idx] = CachingAllocator(backend)
+        return _allocators[idx]
+
+
+def _packet(op: uapi.Op, *args: int) -> uapi.accel_packet:
+    return uapi.accel_packet(opcode=op, a=(*args, *(0,) * (7 - len(args))))
+
+
+class DeviceArray:
+    """An n-dimensional array in device-local memory (C order)."""
+
+    def __init__(self, shape: tuple[int, ...] | int, dtype: Any, *, device: _device.DeviceLike = None,
+                 stream: Stream | None = None) -> None:
+        self.shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if any(d < 0 for d in self.shape):
+            raise errors.InvalidValueError(f"negative dimension in shape {self.shape}")
+        self.dtype = np.dtype(dtype)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        self.device = _device._index(device)
+        self._stream = stream or current_stream(self.device)
+        self._allocator = _allocator(self.device)
+        self._block = self._allocator.malloc(self.nbytes, self._stream)
+        self.va: int = self._block.va
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, device=accel:{self.device})"
+
+    def __del__(self) -> None:
+        block = getattr(self, "_block", None)
+        if block is not None:
+            self._block = None
+            try:
+                self._allocator.free(block)
+            except errors.AccelError:
+                pass  # device lost or process forked: nothing left to give back
+
+    @property
+    def size(self) -> int:
+        return self.nbytes // self.dtype.itemsize if self.dtype.itemsize else 0
+
+    def _host_check(self, host: np.ndarray, what: str) -> None:
+        if host.nbytes != self.nbytes:
+            raise errors.InvalidValueError(
+                f"{what}: host array has {host.nbytes} bytes ({host.shape} {host.dtype}), "
+                f"device array {self.nbytes} ({self.shape} {self.dtype})")
+        if not host.flags.c_contiguous:
+            raise errors.InvalidValueError(f"{what}: host array must be C-contiguous")
+
+    def record_stream(self, stream: Stream) -> None:
+        """Mark that ``stream`` uses this memory: its reuse then waits for that work too."""
+        self._allocator.record_stream(self._block, stream)
+
+    def copy_from_host(self, host: np.ndarray, stream: Stream | None = None) -> DeviceArray:
+        host = np.asanyarray(host)  # keeps a HostArray a HostArray (asarray would not)
+        self._host_check(host, "copy_from_host")
+        s = stream or current_stream(self.device)
+        va = host_va(host)
+        if va is not None:
+            s.submit([_packet(uapi.Op.COPY, self.va, va, self.nbytes)])
+        else:
+            _staging(self.device).to_device(s, self.va, host.reshape(-1).view(np.uint8))
+        return self
+
+    def copy_to_host(self, out: np.ndarray | None = None, stream: Stream | None = None) -> np.ndarray:
+        out = np.empty(self.shape, self.dtype) if out is None else out
+        self._host_check(out, "copy_to_host")
+        s = stream or current_stream(self.device)
+        va = host_va(out)
+        if va is not None and stream is not None:
+            s.submit([_packet(uapi.Op.COPY, va, self.va, self.nbytes)])  # asynchronous
+        elif va is not None:
+            s.wait_seqno(s.submit([_packet(uapi.Op.COPY, va, self.va, self.nbytes)]))
+        else:
+            _staging(self.device).to_host(s, out.reshape(-1).view(np.uint8), self.va)
+        return out
+
+    def copy_(self, src: DeviceArray, stream: Stream | None = None) -> DeviceArray:
+        """Device-to-device copy (a peer copy when ``src`` lives on another device)."""
+        if src.nbytes != self.nbytes:
+            raise errors.InvalidValueError(f"copy_: {src.nbytes} bytes into {self.nbytes}")
+        s = stream or current_stream(self.device)
+        s.submit([_packet(uapi.Op.COPY, self.va, src.va, self.nbytes)])
+        return self
+
+    def memset(self, value: int, stream: Stream | None = None) -> DeviceArray:
+        """Set every byte to ``value`` (0..255)."""
+        if not 0 <= value <= 0xFF:
+            raise errors.InvalidValueError(f"memset value {value} is not a byte")
+        (stream or current_stream(self.device)).submit(
+            [_packet(uapi.Op.MEMSET, self.va, self.nbytes, value)])
+        return self
+
+    def ipc_handle(self) -> IpcHandle:
+        """A handle another process opens with ``open_ipc_handle`` (it maps the segment)."""
+        backend = _backends[self.device]
+        seg = backend.segment_of(self.va)
+        reply = backend.ctx.channel.call(uapi.ACCEL_CMD_MEM_EXPORT, uapi.accel_mem_export(
+            ctx_id=backend.ctx.id, handle=seg.handle))
+        uuid = discovery.read_attr(backend.ctx.physical, "uuid")
+        return IpcHandle(uuid, reply.export_id, reply.token, self.va - seg.va, self.shape,
+                         self.dtype.str)
+
+
+@dataclass(frozen=True)
+class IpcHandle:
+    """What crosses to another process (picklable): device, export, secret, where, what."""
+
+    device_uuid: str
+    export_handle: int
+    token: int
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class ImportedArray(DeviceArray):
+    """Another process's device memory mapped into this one; freed from here on GC."""
+
+    def __init__(self, handle: IpcHandle) -> None:  # noqa: D107 - see open_ipc_handle
+        self.shape, self.dtype = tuple(handle.shape), np.dtype(handle.dtype)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.device = _device_by_uuid(handle.device_uuid)
+        self.ctx = _device.primary_context(self.device)
+        reply = self.ctx.channel.call(uapi.ACCEL_CMD_MEM_IMPORT, uapi.accel_mem_import(
+            ctx_id=self.ctx.id, export_handle=handle.export_handle, token=handle.token))
+        if handle.offset + self.nbytes > reply.size:
+            raise errors.InvalidValueError("IPC handle describes bytes past its allocation")
+        self._import_handle = reply.handle
+        self.va = reply.va + handle.offset
+        self._block = None
+
+    def __del__(self) -> None:
+        ctx = getattr(self, "ctx", None)
+        if hasattr(self, "_import_handle") and os.getpid() == ctx.channel.pid and ctx.channel.fd >= 0:
+            try:
+                ctx.channel.call(uapi.ACCEL_CMD_MEM_FREE,
+                                 uapi.accel_mem_free(ctx_id=ctx.id, handle=self._import_handle))
+            except errors.AccelError:
+                pass
+
+    def record_stream(self, stream: Stream) -> None:
+        pass  # not from the caching allocator: freed explicitly, after a synchronize
+
+
+def _device_by_uuid(uuid: str) -> int:
+    for i, name in enumerate(discovery.visible_devices()):
+        if discovery.read_attr(name, "uuid") == uuid:
+            return i
+    raise errors.InvalidValueError(f"IPC handle names device {uuid}, not visible here")
+
+
+def open_ipc_handle(handle: IpcHandle) -> DeviceArray:
+    return ImportedArray(handle)
+
+
+# --- host-visible memory -------------------------------------------------------------------
+class _HostAllocation:
+    """A pinned or managed driver allocation mapped into this process; freed on GC."""
+
+    def __init__(self, ctx: Context, nbytes: int, kind: uapi.MemKind) -> None:
+        self.ctx = ctx
+        reply = ctx.channel.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
+            ctx_id=ctx.id, size=max(nbytes, 1), kind=kind))
+        self.handle, self.va, self.kind = reply.handle, reply.va, kind
+        fd = os.open(uapi.cstr(reply.shm_path), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self.mem = mmap.mmap(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        self.base = np.frombuffer(self.mem, np.uint8).ctypes.data
+
+    def __del__(self) -> None:
+        if os.getpid() == self.ctx.channel.pid and self.ctx.channel.fd >= 0:
+            try:
+                self.ctx.channel.call(uapi.ACCEL_CMD_MEM_FREE,
+                                      uapi.accel_mem_free(ctx_id=self.ctx.id, handle=self.handle))
+            except errors.AccelError:
+                pass
+
+
+class HostArray(np.ndarray):
+    """A numpy array in pinned or managed memory; views keep the allocation alive."""
+
+    _accel: _HostAllocation | None
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self._accel = getattr(obj, "_accel", None)
+
+    @property
+    def device_va(self) -> int:
+        assert self._accel is not None
+        return self._accel.va + (self.ctypes.data - self._accel.base)
+
+    def prefetch(self, to_device: bool = True, stream: Stream | None = None) -> None:
+        """Managed memory: migrate these pages to the device (or back to the host)."""
+        if self._accel is None or self._accel.kind != uapi.MemKind.MANAGED:
+            raise errors.InvalidValueError("prefetch is for managed memory")
+        s = stream or current_stream(_runtime_index(self._accel.ctx))
+        s.wait_seqno(s.submit([_packet(uapi.Op.PREFETCH, self.device_va, self.nbytes,
+                                       int(to_device))]))
+
+
+def _runtime_index(ctx: Context) -> int:
+    return discovery.visible_devices().index(ctx.physical)
+
+
+def host_va(arr: np.ndarray) -> int | None:
+    """The device address of a pinned/managed array's first byte (None: pageable)."""
+    if isinstance(arr, HostArray) and arr._accel is not None:
+        return arr.device_va
+    return None
+
+
+def _host_empty(shape: Any, dtype: Any, device: _device.DeviceLike, kind: uapi.MemKind) -> HostArray:
+    dt = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    owner = _HostAllocation(_device.primary_context(_device._index(device)), nbytes, kind)
+    arr = np.frombuffer(owner.mem, np.uint8, count=nbytes).view(dt).reshape(shape).view(HostArray)
+    arr._accel = owner
+    return arr
+
+
+def pinned_empty(shape: Any, dtype: Any = np.float32, device: _device.DeviceLike = None) -> HostArray:
+    return _host_empty(shape, dtype, device, uapi.MemKind.HOST_PINNED)
+
+
+def managed_empty(shape: Any, dtype: Any = np.float32, device: _device.DeviceLike = None) -> HostArray:
+    return _host_empty(shape, dtype, device, uapi.MemKind.MANAGED)
+
+
+# --- staging for pageable memory ---------------------------------------------------------------
+class _Staging:
+    """Two pinned buffers that pipeline pageable copies chunk by chunk."""
+
+    def __init__(self, device: int) -> None:
+        self.bufs = [pinned_empty(STAGING_CHUNK, np.uint8, device) for _ in range(2)]
+        self.done: list[tuple[Stream, int] | None] = [None, None]
+        self.lock = threading.Lock()
+
+    def _ready(self, i: int) -> None:
+        if self.done[i] is not None:
+            s, seqno = self.done[i]  # type: ignore[misc]
+            s.wait_seqno(seqno)
+            self.done[i] = None
+
+    def to_device(self, s: Stream, dst_va: int, src: np.ndarray) -> None:
+        with self.lock:
+            for n, off in enumerate(range(0, len(src), STAGING_CHUNK)):
+                i = n % 2
+                chunk = src[off : off + STAGING_CHUNK]
+                self._ready(i)
+                self.bufs[i][: len(chunk)] = chunk
+                self.done[i] = (s, s.submit([_packet(uapi.Op.COPY, dst_va + off,
+                                                      self.bufs[i].device_va, len(chunk))]))
+
+    def to_host(self, s: Stream, dst: np.ndarray, src_va: int) -> None:
+        with self.lock:
+            chunks = list(enumerate(range(0, len(dst), STAGING_CHUNK)))
+            pending: list[tuple[int, int, int, int]] = []  # (buf, off, len, seqno)
+            for n, off in chunks:
+                i = n % 2
+                self._ready(i)
+                length = min(STAGING_CHUNK, len(dst) - off)
+                seqno = s.submit([_packet(uapi.Op.COPY, self.bufs[i].device_va, src_va + off, length)])
+                pending.append((i, off, length, seqno))
+                if len(pending) == 2:
+                    self._drain(s, dst, pending.pop(0))
+            for item in pending:
+                self._drain(s, dst, item)
+
+    def _drain(self, s: Stream, dst: np.ndarray, item: tuple[int, int, int, int]) -> None:
+        i, off, length, seqno = item
+        s.wait_seqno(seqno)
+        dst[off : off + length] = self.bufs[i][:length]
+
+
+_staging_buffers: dict[int, _Staging] = {}
+
+
+def _staging(device: int) -> _Staging:
+    with _alloc_lock:
+        st = _staging_buffers.get(device)
+        if st is None or st.bufs[0]._accel.ctx is not _device.primary_context(device):  # type: ignore[union-attr]
+            st = _staging_buffers[device] = _Staging(device)
+        return st
+
+
+# --- the torch-style module functions ------------------------------------------------------------
+def empty(shape: Any, dtype: Any = np.float32, device: _device.DeviceLike = None,
+          stream: Stream | None = None) -> DeviceArray:
+    return DeviceArray(shape, dtype, device=device, stream=stream)
+
+
+def to_device(host: np.ndarray, stream: Stream | None = None, device: _device.DeviceLike = None) -> DeviceArray:
+    if not (isinstance(host, np.ndarray) and host.flags.c_contiguous):
+        host = np.ascontiguousarray(host)
+    return DeviceArray(host.shape, host.dtype, device=device, stream=stream).copy_from_host(host, stream)
+
+
+def memory_stats(device: _device.DeviceLike = None) -> dict[str, int]:
+    return _allocator(device).memory_stats()
+
+
+def memory_allocated(device: _device.DeviceLike = None) -> int:
+    return _allocator(device).memory_allocated()
+
+
+def max_memory_allocated(device: _device.DeviceLike = None) -> int:
+    return _allocator(device).max_memory_allocated()
+
+
+def memory_reserved(device: _device.DeviceLike = None) -> int:
+    return _allocator(device).memory_reserved()
+
+
+def max_memory_reserved(device: _device.DeviceLike = None) -> int:
+    return _allocator(device).max_memory_reserved()
+
+
+def reset_peak_memory_stats(device: _device.DeviceLike = None) -> None:
+    _allocator(device).reset_peak_memory_stats()
+
+
+def empty_cache(device: _device.DeviceLike = None) -> None:
+    _allocator(device).empty_cache()
+
+
+def mem_get_info(device: _device.DeviceLike = None) -> tuple[int, int]:
+    """(free, total) bytes of device memory, as the driver counts them (all processes)."""
+    _allocator(device)
+    return _backends[_device._index(device)].mem_get_info()
+
+
+def enable_peer_access(peer: int, device: _device.DeviceLike = None) -> None:
+    """Let work on ``device`` (the current one) reach ``peer``'s memory of this process."""
+    _device.primary_context(peer)
+    ctx = _device.primary_context(_device._index(device))
+    ctx.channel.call(uapi.ACCEL_CMD_PEER_ENABLE, uapi.accel_peer_enable(
+        ctx_id=ctx.id, peer_index=_device_physical_index(peer)))
+
+
+def _device_physical_index(index: int) -> int:
+    return int(_device.primary_context(index).physical[5:])
+
+
+__all__ = [
+    "DeviceArray", "HostArray", "IpcHandle", "empty", "empty_cache", "enable_peer_access",
+    "managed_empty", "max_memory_allocated", "max_memory_reserved", "mem_get_info",
+    "memory_allocated", "memory_reserved", "memory_stats", "open_ipc_handle", "pinned_empty",
+    "reset_peak_memory_stats", "to_device",
+]

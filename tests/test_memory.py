@@ -1,0 +1,345 @@
+"""Memory classes, protection, copy engines and the driver's books, on a real mount.
+
+Scenarios run in fresh processes (``run_py``): the runtime's state is per process, and
+several tests need a process to exit or die to prove that it leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+PRELUDE = """
+import os, sys, json, numpy as np, runtime
+from kmod_emul import uapi
+def pkt(op, *a):
+    return uapi.accel_packet(opcode=op, a=(*a, *(0,) * (7 - len(a))))
+"""
+
+
+def run(d, body: str, **env) -> list[str]:
+    out = d.run_py(PRELUDE + textwrap.dedent(body), **env)
+    assert out.returncode == 0, out.stderr + out.stdout
+    return out.stdout.split("\n")[:-1]
+
+
+def test_device_local_memory_is_never_mapped_into_the_process(daemon):
+    lines = run(daemon, """
+        x = np.arange(1 << 18, dtype=np.float64)
+        d = runtime.to_device(x)
+        maps = open("/proc/self/maps").read()
+        print("vram" in maps, "/dev/shm/accel-emu" in maps)   # staging is pinned, VRAM never
+        print(np.array_equal(d.copy_to_host(), x))
+    """)
+    assert lines == ["False True", "True"]
+
+
+def test_pinned_backing_is_private_and_unguessable(daemon):
+    lines = run(daemon, """
+        p = runtime.pinned_empty(1000, np.uint8)
+        path = [l.split()[-1] for l in open("/proc/self/maps") if "accel-emu" in l and "1-" in l.split()[-1]]
+        st = os.stat(path[0]); dst = os.stat(os.path.dirname(path[0]))
+        print(oct(st.st_mode & 0o777), st.st_uid == os.getuid(), oct(dst.st_mode & 0o777))
+        print(os.path.basename(path[0]))
+    """)
+    assert lines[0] == "0o600 True 0o711"
+    kind, handle, token = lines[1].split("-")
+    assert kind == "1" and handle.isdigit() and len(token) == 16  # 64 random bits
+
+
+def test_copies_h2d_d2h_d2d_memset_ordered_on_one_stream(daemon):
+    lines = run(daemon, """
+        s = runtime.Stream()
+        x = np.random.default_rng(1).integers(0, 255, 3 << 20, dtype=np.uint8)
+        a, b = runtime.empty(x.shape, np.uint8), runtime.empty(x.shape, np.uint8)
+        pin = runtime.pinned_empty(x.shape, np.uint8); pin[:] = x
+        out = runtime.pinned_empty(x.shape, np.uint8)
+        # every step depends on the previous one; only stream order makes the result right
+        a.copy_from_host(pin, stream=s)
+        b.memset(7, stream=s)
+        b.copy_(a, stream=s)
+        a.memset(0, stream=s)
+        b.copy_to_host(out, stream=s)
+        s.synchronize()
+        print(np.array_equal(out, x), np.count_nonzero(a.copy_to_host(stream=s)))
+        y = np.arange(100_001, dtype=np.float32)            # pageable: staged, any size
+        print(np.array_equal(runtime.to_device(y).copy_to_host(), y))
+    """)
+    assert lines == ["True 0", "True"]
+
+
+def test_bad_copies_fail_clearly_and_change_no_byte(daemon):
+    lines = run(daemon, """
+        d = runtime.to_device(np.full(4096, 9, np.uint8))
+        try:
+            d.copy_from_host(np.zeros(4095, np.uint8))
+        except runtime.InvalidValueError as e:
+            print("size:", e)
+        p = runtime.pinned_empty(4096, np.uint8)
+        nowhere = (1 << 44) + (1 << 43)                      # no allocation of anyone's
+        for packet in (pkt(uapi.Op.COPY, d.va, nowhere, 16),
+                       pkt(uapi.Op.COPY, d.va, p.device_va + 4000, 200),   # runs past the end
+                       pkt(uapi.Op.MEMSET, d.va, 16, 300)):                # not a byte value
+            s = runtime.Stream()
+            s.submit([packet, pkt(uapi.Op.MEMSET, d.va, 4096, 0)])  # cancelled after the fault
+            try:
+                s.synchronize()
+            except runtime.DeviceFaultError as e:
+                r = e.record
+                print("fault:", r["errno"], r["opcode"], r["seqno"], hex(r["address"]))
+            try:
+                s.submit([pkt(uapi.Op.NOP)])
+            except runtime.AccelError as e:
+                print("refused:", e.errno)
+        print(hex(nowhere), hex(p.device_va + 4096))
+        print(np.all(d.copy_to_host() == 9))
+        print(runtime.current_stream().query())   # other streams are unaffected
+    """)
+    assert lines[0].startswith("size: copy_from_host: host array has 4095 bytes")
+    nowhere, end_of_p = lines[7].split()
+    assert lines[1:7] == [f"fault: EFAULT COPY 1 {nowhere}", "refused: 125",
+                          f"fault: EFAULT COPY 1 {end_of_p}", "refused: 125",
+                          "fault: EINVAL MEMSET 1 0x0", "refused: 125"]  # ECANCELED
+    assert lines[8:] == ["True", "True"]
+
+
+def test_capacity_per_process_limit_and_mem_get_info(make_daemon):
+    d = make_daemon(extra=["--process-memory-limit", "96M"])
+    lines = run(d, """
+        free0, total = runtime.mem_get_info()
+        a = runtime.empty(64 << 20, np.uint8)
+        free1, _ = runtime.mem_get_info()
+        print(total, free0 - free1 >= 64 << 20, runtime.memory_allocated(), runtime.memory_reserved())
+        try:
+            runtime.empty(64 << 20, np.uint8)
+        except runtime.OutOfMemoryError as e:
+            print("limit")
+        print(open(os.environ["ACCEL_EMU_ROOT"] + "/sys/class/accel/accel0/processes").read().split())
+        print(os.getpid())
+    """)
+    total, grew, allocated, reserved = lines[0].split()
+    assert total == str(256 << 20) and grew == "True"
+    assert allocated == str(64 << 20) and reserved == str(64 << 20)
+    assert lines[1] == "limit"
+    assert lines[2] == str(["pid", "device_bytes", lines[3], str(64 << 20)])
+    d.wait_attrs(0, {"processes": "pid device_bytes", "memory_used": "0"})  # all released
+
+
+def test_out_of_memory_message_and_recovery(make_daemon):
+    d = make_daemon()
+    lines = run(d, """
+        keep = [runtime.empty(60 << 20, np.uint8) for _ in range(3)]
+        spare = runtime.empty(40 << 20, np.uint8); del spare          # cached, not in use
+        try:
+            runtime.empty(100 << 20, np.uint8)
+        except runtime.OutOfMemoryError as e:
+            print(e)
+        st = runtime.memory_stats()
+        print(st["num_alloc_retries"], st["num_ooms"])
+        x = runtime.empty(60 << 20, np.uint8)     # fits once the cache was released
+        print(runtime.memory_reserved() >> 20)
+        del keep, x
+        runtime.empty_cache()
+        print(runtime.memory_reserved(), runtime.mem_get_info()[0] >> 20)
+    """)
+    assert lines[0].startswith("accel out of memory. Tried to allocate 100.00 MiB. Device 0 "
+                               "has a total capacity of 256.00 MiB of which ")
+    assert "180.00 MiB is allocated by the runtime" in lines[0]
+    assert lines[1] == "1 1"
+    assert lines[2] == "240"
+    assert lines[3] == "0 256"
+
+
+def test_caching_allocator_stream_safe_reuse(daemon):
+    lines = run(daemon, """
+        s1, s2 = runtime.Stream(), runtime.Stream()
+        a = runtime.empty(1 << 20, np.uint8, stream=s1); va = a.va; del a
+        b = runtime.empty(1 << 20, np.uint8, stream=s1)
+        print(b.va == va)                          # freed block reused at once on its stream
+        del b
+        c = runtime.empty(1 << 20, np.uint8, stream=s2)
+        print(c.va != va)                          # not on another stream
+        c.record_stream(s1)
+        s1.submit([pkt(uapi.Op.NOP)])
+        cva = c.va; del c
+        d = runtime.empty(1 << 20, np.uint8, stream=s2)
+        print(d.va != cva or s1.query())           # reuse waits for s1's use to complete
+        keys = runtime.memory_stats()
+        print(all(k in keys for k in ("allocated_bytes.all.current", "reserved_bytes.large_pool.peak",
+                                        "active_bytes.small_pool.freed", "num_alloc_retries")))
+    """)
+    assert lines == ["True", "True", "True", "True"]
+
+
+def test_managed_memory_migrates_oversubscribes_and_reports(make_daemon):
+    d = make_daemon(extra=[])  # 256 MiB device
+    lines = run(d, """
+        n = 320 << 20                                   # more than the device holds
+        m = runtime.managed_empty(n, np.uint8)
+        m[:] = 3
+        m[n - 1] = 4
+        dev = runtime.empty(8 << 20, np.uint8)
+        s = runtime.current_stream()
+        for off in range(0, n, 8 << 20):                # the device touches every page
+            dev.copy_from_host(m[off:off + (8 << 20)], stream=s)
+        s.synchronize()
+        print(dev.copy_to_host()[-1], dev.copy_to_host()[0])
+        root = os.environ["ACCEL_EMU_ROOT"] + "/sys/class/accel/accel0/"
+        st = {k: int(open(root + k).read()) for k in ("managed_faults", "managed_bytes_to_device",
+              "managed_evictions", "managed_resident", "memory_total")}
+        print(st["managed_faults"] == n // 65536, st["managed_bytes_to_device"] == n,
+              st["managed_evictions"] > 0, st["managed_resident"] <= st["memory_total"] - (8 << 20))
+        m[:1].prefetch(to_device=False)
+        print(int(open(root + "managed_bytes_to_host").read()) > 0)
+    """, timeout=120)
+    assert lines == ["4 3", "True True True True", "True"]
+
+
+def test_peer_access_needs_enabling(daemon):
+    lines = run(daemon, """
+        x = np.arange(4096, dtype=np.uint8)
+        a = runtime.to_device(x, device=0)
+        b = runtime.empty(4096, np.uint8, device=1)
+        s1 = runtime.Stream(1)
+        b.copy_(a, stream=s1)
+        try:
+            s1.synchronize()
+        except runtime.DeviceFaultError as e:
+            print("before:", e.record["errno"])
+        runtime.enable_peer_access(0, device=1)
+        s1 = runtime.Stream(1)
+        s1.wait_stream(runtime.current_stream(0))
+        b.copy_(a, stream=s1); s1.synchronize()
+        print(np.array_equal(b.copy_to_host(), x))
+        late = runtime.to_device(x[::-1].copy(), device=0)     # allocated after enabling
+        s1.wait_stream(runtime.current_stream(0))   # its upload is on device 0's stream
+        b.copy_(late, stream=s1); s1.synchronize()
+        print(np.array_equal(b.copy_to_host(), x[::-1]))
+    """)
+    assert lines == ["before: EFAULT", "True", "True"]
+
+
+IPC_EXPORTER = """
+import pickle, sys, numpy as np, runtime
+x = np.arange(1 << 16, dtype=np.int32)
+a = runtime.to_device(x)
+runtime.synchronize()
+sys.stdout.buffer.write(pickle.dumps(a.ipc_handle()).hex().encode() + b"\\n")
+sys.stdout.flush()
+cmd = sys.stdin.readline().strip()
+if cmd == "free":
+    del a
+    runtime.empty_cache()
+    print("freed", flush=True)
+    sys.stdin.readline()
+"""
+
+IPC_IMPORTER = """
+import pickle, sys, numpy as np, runtime
+h = pickle.loads(bytes.fromhex(sys.argv[1]))
+b = runtime.open_ipc_handle(h)
+print(np.array_equal(b.copy_to_host(), np.arange(1 << 16, dtype=np.int32)), flush=True)
+sys.stdin.readline()
+print(np.array_equal(b.copy_to_host(), np.arange(1 << 16, dtype=np.int32)), flush=True)
+"""
+
+
+@pytest.mark.parametrize("exporter_fate", ["frees", "dies"])
+def test_ipc_lifetime_outlives_the_exporter(daemon, exporter_fate):
+    daemon.wait_attrs(0, IDLE)
+    exp = subprocess.Popen([sys.executable, "-c", IPC_EXPORTER], env=daemon.env(),
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    imp = None
+    try:
+        handle = exp.stdout.readline().strip()
+        imp = subprocess.Popen([sys.executable, "-c", IPC_IMPORTER, handle], env=daemon.env(),
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert imp.stdout.readline().strip() == "True"
+        if exporter_fate == "frees":
+            exp.stdin.write("free\n")
+            exp.stdin.flush()
+            assert exp.stdout.readline().strip() == "freed"
+        else:
+            exp.send_signal(signal.SIGKILL)
+            exp.wait()
+        imp.stdin.write("\n")
+        imp.stdin.flush()
+        assert imp.stdout.readline().strip() == "True"  # still readable after the exporter
+        imp.stdin.close()
+        assert imp.wait(timeout=30) == 0
+    finally:
+        for p in (exp, imp):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    daemon.wait_attrs(0, IDLE)  # the last holder gone: bytes released
+
+
+def test_foreign_handles_and_tokens_are_refused(daemon):
+    lines = run(daemon, """
+        import dataclasses
+        a = runtime.to_device(np.zeros(16, np.uint8))
+        h = a.ipc_handle()
+        for bad in (dataclasses.replace(h, token=h.token ^ 1), dataclasses.replace(h, export_handle=1)):
+            try:
+                runtime.open_ipc_handle(bad)
+            except runtime.InvalidValueError as e:
+                print(e.errno)
+        other = runtime.new_context(0)
+        try:
+            other.channel.call(uapi.ACCEL_CMD_MEM_FREE, uapi.accel_mem_free(ctx_id=other.id, handle=1))
+        except runtime.InvalidValueError as e:
+            print(e.errno)
+        print(np.count_nonzero(a.copy_to_host()) == 0)
+    """)
+    assert lines == ["2", "2", "2", "True"]
+
+
+#: What device 0 of the shared daemon shows when no process holds anything on it.
+IDLE = {"memory_used": "0", "contexts": "0", "processes": "pid device_bytes"}
+
+
+def test_process_killed_mid_copy_leaves_no_memory(daemon):
+    daemon.wait_attrs(0, IDLE)  # earlier tests' processes are gone; their teardown too
+    code = PRELUDE + """
+a = runtime.empty(64 << 20, np.uint8)
+b = runtime.empty(64 << 20, np.uint8)
+p = runtime.pinned_empty(64 << 20, np.uint8)
+s = runtime.Stream()
+for _ in range(50):
+    b.copy_(a, stream=s); a.copy_from_host(p, stream=s)
+print("copying", flush=True)
+import time; time.sleep(60)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], env=daemon.env(), stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "copying"
+        assert int(daemon.attr(0, "memory_used")) >= 128 << 20
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    daemon.wait_attrs(0, IDLE, timeout=30)
+    leftovers = [f for f in os.listdir(_shm_dir(daemon)) if f.startswith(("1-", "2-"))]
+    assert leftovers == []
+
+
+def _shm_dir(d) -> str:
+    pid = d.pid
+    return next(os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm")
+                if n.startswith(f"accel-emu-{pid}-"))
+
+
+def test_shm_directory_mode_and_cleanup(make_daemon):
+    d = make_daemon()
+    path = _shm_dir(d)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o711
+    d.stop()
+    assert not os.path.exists(path)
