@@ -22,13 +22,23 @@ _lock = threading.RLock()
 _init_pid: int | None = None
 _visible: list[str] = []
 _primary: dict[int, Context] = {}
-_tls = threading.local()
+class _ThreadState(threading.local):
+    device = 0  # a class default: reading it costs no AttributeError on the hot path
+
+
+_tls = _ThreadState()
+
+
+#: This process's pid, refreshed in a forked child: comparing it costs no syscall, and the
+#: fork check runs on every allocation.
+_pid = os.getpid()
 
 
 def _after_fork_in_child() -> None:
     # A lock held by another parent thread at fork time would never be released here.
-    global _lock
+    global _lock, _pid
     _lock = threading.RLock()
+    _pid = os.getpid()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -71,7 +81,7 @@ def primary_context(index: int | None = None) -> Context:
     """This process's primary context on device ``index`` (created on first use)."""
     idx = current_device() if index is None else index
     ctx = _primary.get(idx)
-    if ctx is not None and _init_pid == os.getpid():
+    if ctx is not None and _init_pid == _pid:
         return ctx  # the hot path: every allocation and copy asks
     _check_fork()
     if _init_pid is None:
@@ -95,7 +105,7 @@ def _index(dev: DeviceLike) -> int:
 
 
 def current_device() -> int:
-    return getattr(_tls, "device", 0)
+    return _tls.device
 
 
 def set_device(index: int) -> None:

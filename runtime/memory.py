@@ -96,7 +96,7 @@ _alloc_lock = threading.Lock()
 
 
 def _allocator(device: _device.DeviceLike = None) -> CachingAllocator:
-    idx = _device._index(device)
+    idx = device if type(device) is int else _device._index(device)
     ctx = _device.primary_context(idx)
     backend = _backends.get(idx)
     if backend is not None and backend.ctx is ctx:
@@ -116,17 +116,20 @@ def _packet(op: uapi.Op, *args: int) -> uapi.accel_packet:
 class DeviceArray:
     """An n-dimensional array in device-local memory (C order)."""
 
+    # Slots: a cached allocate+free is a hot path (goal 5 us) and plain attributes cost.
+    __slots__ = ("shape", "dtype", "nbytes", "device", "va", "_allocator", "_block",
+                 "__weakref__")
+
     def __init__(self, shape: tuple[int, ...] | int, dtype: Any, *, device: _device.DeviceLike = None,
                  stream: Stream | None = None) -> None:
-        self.shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        if any(d < 0 for d in self.shape):
+        self.shape = (shape,) if type(shape) is int else tuple(shape)
+        if self.shape and min(self.shape) < 0:
             raise errors.InvalidValueError(f"negative dimension in shape {self.shape}")
         self.dtype = np.dtype(dtype)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
-        self.device = _device._index(device)
-        self._stream = stream or current_stream(self.device)
-        self._allocator = _allocator(self.device)
-        self._block = self._allocator.malloc(self.nbytes, self._stream)
+        self.device = idx = _device.current_device() if device is None else _device._index(device)
+        self._allocator = _allocator(idx)
+        self._block = self._allocator.malloc(self.nbytes, stream or current_stream(idx))
         self.va: int = self._block.va
 
     def __repr__(self) -> str:
@@ -222,6 +225,8 @@ class IpcHandle:
 
 class ImportedArray(DeviceArray):
     """Another process's device memory mapped into this one; freed from here on GC."""
+
+    __slots__ = ("ctx", "_import_handle")
 
     def __init__(self, handle: IpcHandle) -> None:  # noqa: D107 - see open_ipc_handle
         self.shape, self.dtype = tuple(handle.shape), np.dtype(handle.dtype)

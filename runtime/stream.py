@@ -189,11 +189,16 @@ class Event:
 # --- default and current streams ---------------------------------------------------------
 _defaults: dict[int, Stream] = {}
 _defaults_lock = threading.Lock()
-_tls = threading.local()
+class _ThreadStreams(threading.local):
+    def __init__(self) -> None:
+        self.streams: dict[int, Stream] = {}  # device index -> this thread's current stream
+
+
+_tls = _ThreadStreams()
 
 
 def default_stream(device: _device.DeviceLike = None) -> Stream:
-    idx = _device._index(device)
+    idx = device if type(device) is int else _device._index(device)
     ctx = _device.primary_context(idx)  # the fork check and lazy init
     s = _defaults.get(idx)
     if s is not None and s.ctx is ctx:
@@ -206,14 +211,12 @@ def default_stream(device: _device.DeviceLike = None) -> Stream:
 
 
 def current_stream(device: _device.DeviceLike = None) -> Stream:
-    idx = _device._index(device)
-    current: dict[int, Stream] = getattr(_tls, "streams", {})
-    return current.get(idx) or default_stream(idx)
+    idx = device if type(device) is int else _device._index(device)
+    s = _tls.streams.get(idx)
+    return s if s is not None else default_stream(idx)
 
 
 def set_stream(stream: Stream) -> None:
-    if not hasattr(_tls, "streams"):
-        _tls.streams = {}
     _tls.streams[stream.device] = stream
 
 
@@ -223,7 +226,7 @@ def stream(s: Stream | None) -> Iterator[Stream | None]:
     if s is None:
         yield None
         return
-    prev = getattr(_tls, "streams", {}).get(s.device)
+    prev = _tls.streams.get(s.device)
     with _device.device(s.device):
         set_stream(s)
         try:

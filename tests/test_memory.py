@@ -343,3 +343,31 @@ def test_shm_directory_mode_and_cleanup(make_daemon):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o711
     d.stop()
     assert not os.path.exists(path)
+
+
+def test_mem_get_info_sysfs_and_smi_agree_per_process(daemon):
+    daemon.wait_attrs(0, IDLE)
+    code = PRELUDE + """
+a = runtime.empty(48 << 20, np.uint8)
+b = runtime.empty(3 << 20, np.uint8, device=0)
+free, total = runtime.mem_get_info()
+print(free, total, runtime.memory_reserved(), os.getpid(), flush=True)
+sys.stdin.readline()
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], env=daemon.env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        free, total, reserved, pid = map(int, proc.stdout.readline().split())
+        used = int(daemon.attr(0, "memory_used"))
+        assert free == total - used == int(daemon.attr(0, "memory_free"))
+        # device bytes held = the caching allocator's segments (pinned staging is host memory)
+        assert daemon.attr(0, "processes").splitlines()[1:] == [f"{pid} {reserved}"]
+        assert used == reserved
+        smi = subprocess.run([sys.executable, "-m", "tools.accel_smi", "--query-device=memory.used",
+                              "--format=csv,noheader,nounits", "-i", "0"], env=daemon.env(),
+                             capture_output=True, text=True)
+        assert smi.stdout.strip() == str(used >> 20)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    daemon.wait_attrs(0, IDLE)
