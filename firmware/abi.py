@@ -68,11 +68,12 @@ class Op(enum.IntEnum):
         memory) or backing handle (host kinds), a5 backing token (host kinds' file name).
       UNMAP: a0 va. Answered once every packet queued before it has completed, so the
         driver reuses the memory only after the device is done with it.
-      QUEUE_CREATE: a0 queue id, a1 priority. QUEUE_DESTROY: a0 queue id.
-      SUBMIT: a0 queue id, a1 seqno; the packet is the message's payload.
-    Completions: SUBMIT: a0 queue id, a1 seqno, a2 timestamp ns, a3 fault address,
-    a4 packet opcode (status = errno when the packet faulted, ECANCELED after a fault).
-    UNMAP: a0 va. CTX_DESTROY: -.
+      CTX_CREATE: a0 doorbell token (the FIFO's name, see uapi.doorbell_name).
+      QUEUE_CREATE: a0 queue id, a1 priority, a2 ring token (uapi.ring_name).
+      QUEUE_IMPORT: a0 local queue id, a1 peer device, a2 peer queue id, a3 its ring token.
+      QUEUE_DESTROY: a0 queue id: drained first, then forgotten.
+    Completions: FENCE: a0 queue id, a1 fence value (a queue reached the seqno the
+    driver armed in its ring). UNMAP: a0 va. CTX_DESTROY: -.
     """
 
     CTX_CREATE = 2
@@ -83,10 +84,11 @@ class Op(enum.IntEnum):
     UNMAP = 6
     QUEUE_CREATE = 7
     QUEUE_DESTROY = 8
-    SUBMIT = 9
     #: a0 = bytes of this device's memory held by device-local allocations; managed pages
     #: may be resident only in what remains.
     SET_BUDGET = 10
+    QUEUE_IMPORT = 11
+    FENCE = 12
 
 
 def host_backing_name(kind: int, handle: int, token: int) -> str:

@@ -1,162 +1,338 @@
-"""Queues and engines: how the firmware runs packets.
+"""The queue scheduler and the engines: how the firmware runs user-mode rings.
 
-Every hardware queue has a worker thread that runs its packets in order; queues run side
-by side, so work on different streams overlaps. Copies and memsets take one of the
-device's copy engines (a semaphore as wide as the image says), so at most that many run
-at once; numpy releases the GIL while it moves bytes, so they really run in parallel.
+Every queue is a ring in shared memory (layout in :mod:`kmod_emul.uapi`, the shared ABI
+header). The scheduler (the firmware's control thread) takes packets in order, one queue at
+a time, high-priority queues first; cheap packets (no-ops, satisfied waits, small copies)
+run inline, so a no-op round trip costs no thread hand-off. Heavy ones go to an engine
+pool (copy engines for copies, memsets and migrations); the queue is then busy until the
+engine finishes, which keeps each queue in order while queues run side by side.
 
-A packet is validated against its context's address space when it runs; a bad one
-*faults its own queue*: its completion carries the errno and the faulting address, the
-queue's later packets complete as ECANCELED without running, and nothing else is touched.
+Engines take the highest-priority job first, and a long copy is done in chunks: between
+chunks an engine that sees higher-priority work waiting puts the rest of its copy back and
+takes that work (preemption at chunk granularity, see docs/submission.md).
+
+A packet is validated against its context's address space when it runs; a bad one faults
+*its own queue*: the ring records the first fault (seqno, errno, opcode, address), later
+packets complete as cancelled without running, and nothing else is touched.
 """
 
 from __future__ import annotations
 
 import errno
+import heapq
+import itertools
+import mmap
+import os
+import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from firmware import memory
+from kmod_emul import uapi
+from kmod_emul.uapi import Op
 
-# Packet opcodes, as in kmod_emul.uapi.Op (the firmware does not import the driver).
-NOP, COPY, MEMSET, WAIT_QUEUE, PREFETCH = 0, 1, 2, 3, 4
-_PACKET = np.dtype([("opcode", "<u4"), ("flags", "<u4"), ("a", "<u8", 7)])
-assert _PACKET.itemsize == 64
+_PKT = struct.Struct("<II7Q")
+_U64 = struct.Struct("<Q")
+#: Copies and memsets up to this size run inline on the scheduler; larger on an engine.
+INLINE_BYTES = 256 * 1024
+#: Engines move large copies in chunks of this size and check for higher-priority work
+#: between chunks: the worst-case wait a high-priority packet sees on a busy copy engine.
+COPY_CHUNK = 4 * 1024 * 1024
+
+
+class Ring:
+    """One queue's ring as the firmware sees it."""
+
+    def __init__(self, ctx: FwContext, qid: int, priority: int, path: str,
+                 fence_only: bool = False) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mem = mmap.mmap(fd, uapi.RING_FILE_SIZE)
+        finally:
+            os.close(fd)
+        self.ctx, self.id, self.priority = ctx, qid, priority
+        self.fence_only = fence_only  # another device's queue, imported to wait on
+        self.ts = np.frombuffer(self.mem, np.uint64, uapi.RING_SLOTS, uapi.RING_TIMESTAMPS)
+        self.taken = self._get(uapi.RING_RPTR)
+        self.busy = False  # an engine runs its current packet
+        self.blocked: tuple[Ring, int] | None = None  # waiting for (ring, seqno)
+        self.faulted = self._get(uapi.RING_ERROR_SEQNO) != 0
+        self.closing = False
+        self.last_irq = 0
+
+    def _get(self, off: int) -> int:
+        return _U64.unpack_from(self.mem, off)[0]
+
+    def _set(self, off: int, value: int) -> None:
+        _U64.pack_into(self.mem, off, value)
+
+    @property
+    def wptr(self) -> int:
+        return self._get(uapi.RING_WPTR)
+
+    @property
+    def completed(self) -> int:
+        return self._get(uapi.RING_COMPLETED)
+
+    def ready(self) -> bool:
+        """Has a packet the scheduler could take now."""
+        return not self.busy and not self.fence_only and self.taken < self.wptr
+
+    def take(self) -> tuple[int, tuple[int, ...]]:
+        seqno = self.taken + 1
+        slot = (seqno - 1) % uapi.RING_SLOTS
+        pkt = _PKT.unpack_from(self.mem, uapi.RING_PACKETS + slot * 64)
+        self.taken = seqno
+        self._set(uapi.RING_RPTR, seqno)
+        return seqno, pkt
+
+    def complete(self, seqno: int, status: int, addr: int, opcode: int) -> None:
+        """Publish a completion: timestamp, first fault, then the fence (in that order)."""
+        self.ts[(seqno - 1) % uapi.RING_SLOTS] = time.monotonic_ns()
+        if status and not self.faulted:
+            struct.pack_into("<QIIQ", self.mem, uapi.RING_ERROR_SEQNO, seqno, status, opcode, addr)
+            self.faulted = True
+        self._set(uapi.RING_COMPLETED, seqno)
+
+    def irq_due(self) -> int:
+        """The fence value to interrupt the driver with, or 0."""
+        armed = self._get(uapi.RING_IRQ_SEQNO)
+        done = self.completed
+        if armed and done >= armed and armed > self.last_irq:
+            self.last_irq = done
+            return done
+        return 0
+
+    def set_sleeping(self, value: int) -> None:
+        self._set(uapi.RING_SLEEPING, value)
 
 
 @dataclass(eq=False)
 class FwContext:
     id: int
     space: memory.AddressSpace = field(default_factory=memory.AddressSpace)
-    queues: dict[int, QueueWorker] = field(default_factory=dict)
+    queues: dict[int, Ring] = field(default_factory=dict)
+    doorbell: int = -1  # the FIFO's read end (-1 before it is opened)
+    _doorbell_keepalive: int = -1  # a write end of our own, so the FIFO never reads EOF
 
 
-#: complete(ctx, queue, seqno, status, fault address, opcode)
-Completer = Callable[[int, int, int, int, int, int], None]
+@dataclass(order=True)
+class _Job:
+    rank: tuple[int, int]  # (-priority, arrival): higher priority first, then FIFO
+    run: Callable[[], bool] = field(compare=False)  # True: done; False: preempted, re-queue
 
 
-class Engines:
-    """Device-wide execution state shared by every queue worker."""
+class EnginePool:
+    """N engines of one kind, taking the highest-priority job first."""
 
-    def __init__(self, copy_engines: int, residency: memory.Residency,
-                 stats: dict[str, int], complete: Completer) -> None:
-        self.copy_sem = threading.Semaphore(copy_engines)
-        self.residency = residency
-        self.stats = stats
-        self.complete = complete
-        #: notified whenever any queue completes a packet (cross-queue waits, unmaps)
-        self.progress = threading.Condition()
-        self.hung = False
-
-
-class QueueWorker(threading.Thread):
-    """Runs one queue's packets in submission order."""
-
-    def __init__(self, engines: Engines, ctx: FwContext, qid: int, priority: int) -> None:
-        super().__init__(name=f"queue-{ctx.id}-{qid}", daemon=True)
-        self.engines = engines
-        self.ctx = ctx
-        self.qid = qid
-        self.priority = priority
-        self.submitted = 0
-        self.completed = 0
-        self.fault: tuple[int, int, int, int] | None = None  # seqno, errno, addr, opcode
-        self.cancelled = False  # stop now, dropping queued packets (context teardown)
-        self.closing = False  # stop once queued packets are done (queue destroy)
-        self._pending: deque[tuple[int, bytes]] = deque()
+    def __init__(self, name: str, count: int) -> None:
+        self._heap: list[_Job] = []
         self._cond = threading.Condition()
+        self._arrivals = itertools.count()
+        self.stopped = False
+        for i in range(count):
+            threading.Thread(target=self._engine, name=f"{name}{i}", daemon=True).start()
 
-    def submit(self, seqno: int, packet: bytes) -> None:
+    def submit(self, priority: int, run: Callable[[], bool]) -> None:
         with self._cond:
-            self.submitted = seqno
-            self._pending.append((seqno, packet))
+            heapq.heappush(self._heap, _Job((-priority, next(self._arrivals)), run))
             self._cond.notify()
 
-    def stop(self, *, drain: bool) -> None:
+    def higher_waiting(self, priority: int) -> bool:
+        """Is a job of higher priority than ``priority`` waiting? (checked between chunks)"""
         with self._cond:
-            if drain:
-                self.closing = True
-            else:
-                self.cancelled = True
-            self._cond.notify()
+            return bool(self._heap) and -self._heap[0].rank[0] > priority
 
-    def run(self) -> None:
+    def _engine(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self.cancelled and not self.closing:
+                while not self._heap:
                     self._cond.wait()
-                if self.cancelled or (self.closing and not self._pending):
-                    return
-                seqno, raw = self._pending.popleft()
-            while self.engines.hung:  # a hung device makes no progress, but can be torn down
-                if self.cancelled:
-                    return
-                time.sleep(0.05)
-            self._run_one(seqno, raw)
+                job = heapq.heappop(self._heap)
+            if not job.run():
+                with self._cond:  # preempted: back in line behind the higher-priority work
+                    heapq.heappush(self._heap, _Job((job.rank[0], next(self._arrivals)), job.run))
+                    self._cond.notify()
 
-    def _run_one(self, seqno: int, raw: bytes) -> None:
-        pkt = np.frombuffer(raw, _PACKET)[0]
-        opcode = int(pkt["opcode"])
-        status, addr = 0, 0
-        if self.fault is not None:
-            status = errno.ECANCELED
-        else:
-            try:
-                if int(pkt["flags"]):
-                    raise memory.Fault(0, errno.EINVAL)
-                self._execute(opcode, [int(x) for x in pkt["a"]])
-            except memory.Fault as f:
-                status, addr = f.code, f.addr
-                self.fault = (seqno, f.code, f.addr, opcode)
-                self.engines.stats["faults"] += 1
-        self.engines.stats["packets"] += 1
-        with self.engines.progress:
-            self.completed = seqno
-            self.engines.progress.notify_all()
-        self.engines.complete(self.ctx.id, self.qid, seqno, status, addr, opcode)
 
-    def _execute(self, opcode: int, a: list[int]) -> None:
-        space, eng = self.ctx.space, self.engines
-        if opcode == NOP:
-            return
-        if opcode == COPY:
+class Scheduler:
+    """Owns the rings of every context and decides what runs where."""
+
+    def __init__(self, copy_engines: int, residency: memory.Residency, stats: dict[str, int],
+                 on_irq: Callable[[Ring, int], None]) -> None:
+        self.copy = EnginePool("copy", copy_engines)
+        self.residency = residency
+        self.stats = stats
+        self.on_irq = on_irq
+        self.rings: list[Ring] = []  # high priority first
+        self.hung = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._lock = threading.Lock()  # engines finishing vs the scheduler's bookkeeping
+
+    @property
+    def wake_fd(self) -> int:
+        return self._wake_r
+
+    def drain_wakeups(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def add(self, ring: Ring) -> None:
+        self.rings.append(ring)
+        self.rings.sort(key=lambda r: -r.priority)
+
+    def remove(self, ring: Ring) -> None:
+        if ring in self.rings:
+            self.rings.remove(ring)
+
+    def pending(self) -> bool:
+        return any(r.ready() for r in self.rings)
+
+    # --- the scheduler's loop body -----------------------------------------------------
+    def poll(self) -> int:
+        """Run or dispatch what can go now; return how many packets were taken."""
+        if self.hung:
+            return 0
+        done = 0
+        for ring in list(self.rings):
+            while ring.ready():
+                if ring.blocked is not None:
+                    other, target = ring.blocked
+                    if other.completed < target and not ring.closing:
+                        break
+                    ring.blocked = None
+                    self._finish(ring, ring.taken, 0, 0, Op.WAIT_QUEUE)
+                    continue
+                seqno, pkt = ring.take()
+                done += 1
+                if not self._start(ring, seqno, pkt):
+                    break  # busy on an engine or blocked: next ring
+            if ring.blocked is not None and not ring.busy:
+                other, target = ring.blocked
+                if other.completed >= target:
+                    ring.blocked = None
+                    self._finish(ring, ring.taken, 0, 0, Op.WAIT_QUEUE)
+                    done += 1
+        return done
+
+    def _start(self, ring: Ring, seqno: int, pkt: tuple[int, ...]) -> bool:
+        """Begin one packet. True if it finished inline (the ring may go on)."""
+        opcode, flags, *a = pkt
+        if ring.faulted:
+            self._finish(ring, seqno, errno.ECANCELED, 0, opcode)
+            return True
+        try:
+            if flags:
+                raise memory.Fault(0, errno.EINVAL)
+            job = self._prepare(ring, seqno, opcode, a)
+        except memory.Fault as f:
+            self.stats["faults"] += 1
+            self._finish(ring, seqno, f.code, f.addr, opcode)
+            return True
+        if job is None:
+            self._finish(ring, seqno, 0, 0, opcode)
+            return True
+        if job is _BLOCKED:
+            return False
+        ring.busy = True
+        self.copy.submit(ring.priority, job)
+        return False
+
+    def _prepare(self, ring: Ring, seqno: int, opcode: int,
+                 a: list[int]) -> Callable[[], bool] | object | None:
+        """Validate a packet; run it now (return None) or return the engine job for it."""
+        space = ring.ctx.space
+        if opcode == Op.NOP:
+            return None
+        if opcode == Op.COPY:
             dst, src, n = a[0], a[1], a[2]
-            (md, od), (ms, osrc) = space.resolve(dst, n), space.resolve(src, n)
-            for m, off in ((md, od), (ms, osrc)):
-                if m.resident is not None and n:
-                    eng.residency.touch_device(m, off, off + n)
-            with eng.copy_sem:
-                np.copyto(md.data[od : od + n], ms.data[osrc : osrc + n])
-            eng.stats["copies"] += 1
-            eng.stats["copy_bytes"] += n
-        elif opcode == MEMSET:
+            (md, od), (ms, os_) = space.resolve(dst, n), space.resolve(src, n)
+            return self._copy_job(ring, seqno, opcode, n, lambda lo, hi: np.copyto(
+                md.data[od + lo : od + hi], ms.data[os_ + lo : os_ + hi]), (md, od), (ms, os_))
+        if opcode == Op.MEMSET:
             dst, n, value = a[0], a[1], a[2]
             if value > 0xFF:
                 raise memory.Fault(0, errno.EINVAL)
             m, off = space.resolve(dst, n)
-            if m.resident is not None and n:
-                eng.residency.touch_device(m, off, off + n)
-            with eng.copy_sem:
-                m.data[off : off + n] = value
-        elif opcode == WAIT_QUEUE:
-            other = self.ctx.queues.get(a[0])
-            if other is None or other is self:
+            return self._copy_job(ring, seqno, opcode, n, lambda lo, hi: m.data[
+                off + lo : off + hi].fill(value), (m, off))
+        if opcode == Op.WAIT_QUEUE:
+            other = ring.ctx.queues.get(a[0])
+            if other is None or other is ring:
                 raise memory.Fault(0, errno.EINVAL)
-            with eng.progress:
-                while other.completed < a[1] and not self.cancelled:
-                    eng.progress.wait(0.1)
-        elif opcode == PREFETCH:
+            if other.completed >= a[1]:
+                return None
+            ring.blocked = (other, a[1])
+            return _BLOCKED
+        if opcode == Op.PREFETCH:
             va, n, to_device = a[0], a[1], a[2]
             m, off = space.resolve(va, n)
             if m.resident is None or to_device > 1:
                 raise memory.Fault(va, errno.EINVAL)
-            if n:
-                (eng.residency.touch_device if to_device else eng.residency.to_host)(
-                    m, off, off + n)
-        else:
-            raise memory.Fault(0, errno.EINVAL)
+            move = self.residency.touch_device if to_device else self.residency.to_host
+
+            def prefetch() -> bool:
+                if n:
+                    move(m, off, off + n)
+                self._finish(ring, seqno, 0, 0, opcode, from_engine=True)
+                return True
+            return prefetch
+        raise memory.Fault(0, errno.EINVAL)
+
+    def _copy_job(self, ring: Ring, seqno: int, opcode: int, n: int,
+                  move: Callable[[int, int], object],
+                  *touched: tuple[memory.Mapping, int]) -> Callable[[], bool] | None:
+        """Copy-engine work over ``n`` bytes in chunks; inline when small."""
+        for m, off in touched:
+            if m.resident is not None and n:
+                self.residency.touch_device(m, off, off + n)
+        if n <= INLINE_BYTES:
+            move(0, n)
+            self._count(opcode, n)
+            return None
+        progress = [0]
+
+        def run() -> bool:
+            while progress[0] < n:
+                hi = min(n, progress[0] + COPY_CHUNK)
+                move(progress[0], hi)
+                progress[0] = hi
+                if progress[0] < n and self.copy.higher_waiting(ring.priority):
+                    return False  # preempted between chunks
+            self._count(opcode, n)
+            self._finish(ring, seqno, 0, 0, opcode, from_engine=True)
+            return True
+        return run
+
+    def _count(self, opcode: int, n: int) -> None:
+        if opcode == Op.COPY:
+            self.stats["copies"] += 1
+            self.stats["copy_bytes"] += n
+
+    def _finish(self, ring: Ring, seqno: int, status: int, addr: int, opcode: int,
+                from_engine: bool = False) -> None:
+        with self._lock:
+            ring.complete(seqno, status, addr, opcode)
+            self.stats["packets"] += 1
+            if from_engine:
+                ring.busy = False
+            irq = ring.irq_due()
+        if irq:
+            self.on_irq(ring, irq)
+        if from_engine:
+            try:
+                os.write(self._wake_w, b"\1")  # the scheduler may have work for this ring
+            except BlockingIOError:
+                pass
+
+
+_BLOCKED = object()

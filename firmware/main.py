@@ -2,13 +2,17 @@
 
 Boot: the driver has copied an image into the mailbox; the boot ROM verifies it (magic,
 checksum, mailbox ABI range), publishes its versions, sets READY and raises an interrupt.
-Run: the control loop consumes the mailbox (contexts, mappings, queues, submissions),
-hands packets to queue workers (:mod:`firmware.engines`), heart-beats, and publishes its
-counters. After activity it spins briefly, yielding the CPU, before it sleeps on the
-doorbell (the machine has two cores: an idle firmware must not burn one).
+
+Run: one loop consumes the mailbox (contexts, mappings, queues) and runs the queue
+scheduler (:mod:`firmware.engines`) over the user-mode rings. After activity it keeps
+polling for a while, yielding the CPU, so back-to-back work costs no wake-up; then it
+marks every ring "sleeping" and sleeps in poll(2) on the driver's doorbell pipe, the
+contexts' doorbell FIFOs and the engines' wake-up pipe (the machine has two cores: an idle
+firmware must not burn one). A producer that sees "sleeping" writes one byte to its
+context's FIFO.
 
 Memory is released only when the device is done with it: an UNMAP is answered once every
-packet queued before it has completed, and a context's teardown once its queues stopped.
+packet written before it has completed, and a context's teardown once its queues stopped.
 """
 
 from __future__ import annotations
@@ -19,34 +23,42 @@ import mmap
 import os
 import select
 import signal
+import sys
 import threading
 import time
 
 import numpy as np
 
 from firmware import abi, image, memory
-from firmware.engines import Engines, FwContext, QueueWorker
+from firmware.engines import FwContext, Ring, Scheduler
+from kmod_emul import uapi
 
-#: Keep polling this long after the last message before sleeping on the doorbell.
-SPIN_AFTER_ACTIVITY_S = 200e-6
+#: Keep polling this long after the last work before sleeping.
+SPIN_AFTER_ACTIVITY_S = 500e-6
+#: While a ring waits on another device's fence nothing here wakes us: poll this often.
+CROSS_DEVICE_POLL_S = 0.001
 
 
 class Firmware:
     def __init__(self, mbx: abi.Mailbox, doorbell_fd: int, irq_fd: int,
-                 backings: memory.Backings, vram_size: int) -> None:
+                 backings: memory.Backings, vram_size: int, shm_dir: str) -> None:
         self.mbx = mbx
         self.doorbell_fd = doorbell_fd
         self.irq_fd = irq_fd
         self.backings = backings
         self.vram_size = vram_size
+        self.shm_dir = shm_dir
         self.contexts: dict[int, FwContext] = {}
         self.heartbeat_s = 0.05
         self.stats = dict.fromkeys(abi.STAT_NAMES, 0)
         self._cpl_lock = threading.Lock()
         self._backlog: list[tuple[int, int, tuple[int, ...], int]] = []
-        #: (ctx, va, {queue: seqno it must reach}) waiting for the device to finish
-        self._deferred_unmaps: list[tuple[FwContext, int, dict[QueueWorker, int]]] = []
-        self.engines: Engines | None = None
+        #: (ctx, va, {ring: wptr it must complete}) waiting for the device to finish
+        self._deferred_unmaps: list[tuple[FwContext, int, dict[Ring, int]]] = []
+        self._closing: list[Ring] = []
+        self._teardowns: list[FwContext] = []
+        self.sched: Scheduler | None = None
+        self.hung = False
 
     # boot -------------------------------------------------------------------------
     def boot(self) -> bool:
@@ -67,14 +79,14 @@ class Firmware:
         config = img.config
         self.heartbeat_s = config.get("heartbeat_interval_ms", 50) / 1000
         residency = memory.Residency(self.stats, self.vram_size)
-        self.engines = Engines(config["copy_engines"], residency, self.stats, self.complete)
+        self.sched = Scheduler(config["copy_engines"], residency, self.stats, self._fence_irq)
         self.mbx.set_versions(img.version, str(img.manifest["isa_version"]))
         self.mbx.beat(time.monotonic_ns())
         self.mbx.set_fw_state(abi.FwState.READY)
         self.interrupt()
         return True
 
-    # completions -------------------------------------------------------------------
+    # to the driver -------------------------------------------------------------------
     def interrupt(self) -> None:
         try:
             os.write(self.irq_fd, b"\1")
@@ -99,31 +111,29 @@ class Firmware:
             self.mbx.set_stats(self.stats)
             self.interrupt()
 
-    def complete(self, ctx_id: int, qid: int, seqno: int, status: int, addr: int,
-                 opcode: int) -> None:
-        self.post(abi.Op.SUBMIT, ctx_id, (qid, seqno, time.monotonic_ns(), addr, opcode), status)
-        if self._deferred_unmaps:
-            self._run_deferred_unmaps()
+    def _fence_irq(self, ring: Ring, value: int) -> None:
+        self.post(abi.Op.FENCE, ring.ctx.id, (ring.id, value))
 
     # control messages ----------------------------------------------------------------
     def handle(self, msg: tuple[int, ...], payload: bytes) -> None:
         op, _status, ctx_id, *a = msg
-        assert self.engines is not None
+        assert self.sched is not None
         if op == abi.Op.HANG:
-            self.engines.hung = True
-            return
-        if op == abi.Op.SET_BUDGET:
-            self.engines.residency.device_bytes = a[0]
-            return
-        if op == abi.Op.CTX_CREATE:
-            self.contexts[ctx_id] = FwContext(ctx_id)
-            return
-        ctx = self.contexts.get(ctx_id)
-        if ctx is None:
+            self.hung = self.sched.hung = True
+        elif op == abi.Op.SET_BUDGET:
+            self.sched.residency.device_bytes = a[0]
+        elif op == abi.Op.CTX_CREATE:
+            ctx = self.contexts[ctx_id] = FwContext(ctx_id)
+            path = os.path.join(self.shm_dir, uapi.doorbell_name(ctx_id, a[0]))
+            ctx.doorbell = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            ctx._doorbell_keepalive = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        elif (ctx := self.contexts.get(ctx_id)) is None:
             return  # the driver never names a context it did not create; ignore a stray
-        if op == abi.Op.CTX_DESTROY:
+        elif op == abi.Op.CTX_DESTROY:
             del self.contexts[ctx_id]
-            threading.Thread(target=self._teardown, args=(ctx,), daemon=True).start()
+            for ring in ctx.queues.values():
+                ring.faulted = True  # what is still queued completes as cancelled, unrun
+            self._teardowns.append(ctx)
         elif op == abi.Op.MAP:
             va, size, kind, owner, where, token = a
             try:
@@ -131,61 +141,67 @@ class Firmware:
             except (OSError, memory.Fault):
                 return  # the driver created the backing; unreachable means it is gone
             resident = None
-            if kind == memory.MANAGED:
-                pages = -(-size // memory.MANAGED_PAGE)
-                resident = np.zeros(pages, bool)
+            if kind == uapi.MemKind.MANAGED:
+                resident = np.zeros(-(-size // memory.MANAGED_PAGE), bool)
             ctx.space.add(memory.Mapping(va, size, kind, owner, data, resident))
         elif op == abi.Op.UNMAP:
-            targets = {q: q.submitted for q in ctx.queues.values()}
+            targets = {r: r.wptr for r in ctx.queues.values() if not r.fence_only}
             self._deferred_unmaps.append((ctx, a[0], targets))
-            self._run_deferred_unmaps()
         elif op == abi.Op.QUEUE_CREATE:
-            worker = QueueWorker(self.engines, ctx, a[0], a[1])
-            ctx.queues[a[0]] = worker
-            worker.start()
+            qid, priority, token = a[0], a[1], a[2]
+            ring = Ring(ctx, qid, priority, os.path.join(self.shm_dir, uapi.ring_name(qid, token)))
+            ctx.queues[qid] = ring
+            self.sched.add(ring)
+        elif op == abi.Op.QUEUE_IMPORT:
+            local, _peer_dev, peer_qid, token = a[0], a[1], a[2], a[3]
+            path = os.path.join(self.shm_dir, uapi.ring_name(peer_qid, token))
+            ctx.queues[local] = Ring(ctx, local, 0, path, fence_only=True)
         elif op == abi.Op.QUEUE_DESTROY:
-            worker = ctx.queues.get(a[0])
-            if worker is not None:
-                worker.stop(drain=True)
-        elif op == abi.Op.SUBMIT:
-            worker = ctx.queues.get(a[0])
-            if worker is not None:
-                worker.submit(a[1], payload)
+            ring = ctx.queues.get(a[0])
+            if ring is not None:
+                ring.closing = True
+                self._closing.append(ring)
 
-    def _run_deferred_unmaps(self) -> None:
-        with self._cpl_lock:
-            ready = [d for d in self._deferred_unmaps
-                     if all(q.completed >= s or not q.is_alive() for q, s in d[2].items())]
-            for d in ready:
-                self._deferred_unmaps.remove(d)
-        for ctx, va, _ in ready:
-            self._unmap(ctx, va)
-            self.post(abi.Op.UNMAP, ctx.id, (va,))
+    def _housekeeping(self) -> None:
+        """Unmaps, queue closes and context teardowns whose work has completed."""
+        for ctx in [c for c in self._teardowns if not any(r.busy for r in c.queues.values())]:
+            self._teardowns.remove(ctx)
+            self._teardown(ctx)
+        done = [d for d in self._deferred_unmaps
+                if all(r.completed >= w for r, w in d[2].items())]
+        for d in done:
+            self._deferred_unmaps.remove(d)
+            self._unmap(d[0], d[1])
+            self.post(abi.Op.UNMAP, d[0].id, (d[1],))
+        for ring in [r for r in self._closing if r.completed >= r.wptr and not r.busy]:
+            self._closing.remove(ring)
+            assert self.sched is not None
+            self.sched.remove(ring)
+            ring.ctx.queues.pop(ring.id, None)
 
     def _unmap(self, ctx: FwContext, va: int) -> None:
         m = ctx.space.remove(va)
         if m is not None and m.resident is not None:
-            assert self.engines is not None
-            self.engines.residency.drop(m)
+            assert self.sched is not None
+            self.sched.residency.drop(m)
 
     def _teardown(self, ctx: FwContext) -> None:
-        """Stop a context's queues (dropping queued work), release its mappings, report."""
-        for worker in ctx.queues.values():
-            worker.stop(drain=False)
-        for worker in ctx.queues.values():
-            worker.join()
-        with self._cpl_lock:
-            self._deferred_unmaps = [d for d in self._deferred_unmaps if d[0] is not ctx]
+        """Forget a stopped context: its rings, mappings and doorbell; report it gone."""
+        assert self.sched is not None
+        for ring in ctx.queues.values():
+            self.sched.remove(ring)
+        self._deferred_unmaps = [d for d in self._deferred_unmaps if d[0] is not ctx]
         for m in ctx.space.mappings():
             self._unmap(ctx, m.va)
+        for fd in (ctx.doorbell, ctx._doorbell_keepalive):
+            if fd >= 0:
+                os.close(fd)
         self.post(abi.Op.CTX_DESTROY, ctx.id, ())
 
     # run ----------------------------------------------------------------------------
-    def drain(self) -> int:
-        """Handle every queued control message; return how many there were."""
+    def drain_mailbox(self) -> int:
         done = 0
-        assert self.engines is not None
-        while not self.engines.hung and (item := self.mbx.cmd.pop()) is not None:
+        while not self.hung and (item := self.mbx.cmd.pop()) is not None:
             self.handle(*item)
             done += 1
         if self._backlog:
@@ -193,26 +209,61 @@ class Firmware:
                 self._flush_locked()
         return done
 
+    def _sleep(self, timeout: float) -> None:
+        """Mark the rings sleeping, re-check, and sleep until a doorbell or the timeout."""
+        assert self.sched is not None
+        rings = self.sched.rings
+        for r in rings:
+            r.set_sleeping(1)
+        uapi.full_barrier()  # producers store wptr then load "sleeping"; we store then load
+        if not self.sched.pending() and self.mbx.cmd.pending() == 0:
+            if any(r.blocked and r.blocked[0].fence_only for r in rings):
+                timeout = min(timeout, CROSS_DEVICE_POLL_S)
+            fds = [self.doorbell_fd, self.sched.wake_fd] + [
+                c.doorbell for c in self.contexts.values() if c.doorbell >= 0]
+            ready, _, _ = select.select(fds, [], [], timeout)
+            for fd in ready:
+                self._drain_fd(fd)
+        for r in rings:
+            r.set_sleeping(0)
+
+    def _drain_fd(self, fd: int) -> None:
+        try:
+            data = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        if fd == self.doorbell_fd and data == b"":
+            self.mbx.set_fw_state(abi.FwState.HALTED)
+            sys.exit(0)  # the driver closed the doorbell: it is gone or resetting us
+        if self.sched is not None and fd == self.sched.wake_fd:
+            self.sched.drain_wakeups()
+
     def run(self) -> int:
-        assert self.engines is not None
+        assert self.sched is not None
         last_beat = time.monotonic()
         last_work = 0.0
         while True:
-            if self.drain():
-                last_work = time.monotonic()
+            work = self.drain_mailbox() + self.sched.poll()
+            if self._deferred_unmaps or self._closing or self._teardowns:
+                self._housekeeping()
             now = time.monotonic()
-            if not self.engines.hung and now - last_beat >= self.heartbeat_s:
+            if work:
+                last_work = now
+            if not self.hung and now - last_beat >= self.heartbeat_s:
                 self.mbx.beat(time.monotonic_ns())
                 self.mbx.set_stats(self.stats)
                 last_beat = now
-            spinning = now - last_work < SPIN_AFTER_ACTIVITY_S and not self.engines.hung
-            if spinning:
-                os.sched_yield()  # on a shared core, let the driver answer its caller first
-            timeout = 0 if spinning else max(0.0, self.heartbeat_s - (now - last_beat))
-            ready, _, _ = select.select([self.doorbell_fd], [], [], timeout)
-            if ready and os.read(self.doorbell_fd, 4096) == b"":
-                self.mbx.set_fw_state(abi.FwState.HALTED)
-                return 0  # the driver closed the doorbell: it is gone or resetting us
+            if now - last_work < SPIN_AFTER_ACTIVITY_S and not self.hung:
+                os.sched_yield()  # on a shared core, let others run, but stay awake
+                self._poll_doorbell()
+                continue
+            self._sleep(max(0.0, self.heartbeat_s - (now - last_beat)))
+
+    def _poll_doorbell(self) -> None:
+        """While spinning, still notice the driver closing the doorbell (it went away)."""
+        ready, _, _ = select.select([self.doorbell_fd], [], [], 0)
+        if ready:
+            self._drain_fd(self.doorbell_fd)
 
 
 def _vram_fds(text: str) -> dict[int, int]:
@@ -234,11 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     # The driver stops us by closing the doorbell or with SIGTERM/SIGKILL; a Ctrl-C meant
     # for the daemon's terminal must not crash the device.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.setswitchinterval(0.0002)  # engine threads get the GIL back quickly from the loop
     os.set_blocking(args.irq_fd, False)
+    os.set_blocking(args.doorbell_fd, False)
     buf = mmap.mmap(args.mailbox_fd, abi.MAILBOX_SIZE)
     backings = memory.Backings.open(args.shm_dir, args.vram_fds, args.vram_size)
     fw = Firmware(abi.Mailbox(memoryview(buf)), args.doorbell_fd, args.irq_fd, backings,
-                  args.vram_size)
+                  args.vram_size, args.shm_dir)
     if not fw.boot():
         return 1
     return fw.run()

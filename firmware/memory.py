@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from firmware import abi
+from kmod_emul import uapi
 
-#: Kinds, as in kmod_emul.uapi.MemKind (the firmware does not import the driver).
-DEVICE, HOST_PINNED, MANAGED = 0, 1, 2
 MANAGED_PAGE = 64 * 1024
 
 
@@ -176,7 +175,7 @@ class Backings:
 
     def view(self, kind: int, owner: int, size: int, where: int, token: int) -> np.ndarray:
         """The bytes of one allocation: a VRAM window, or a host file mapped whole."""
-        if kind == DEVICE:
+        if kind == uapi.MemKind.DEVICE:
             vram = self.vram.get(owner)
             if vram is None or where + size > len(vram):
                 raise Fault(where, errno.EINVAL)

@@ -10,13 +10,18 @@ The owner (tgid and uid) is bound at open, the only request on which FUSE says w
 from __future__ import annotations
 
 import errno
-from collections import OrderedDict
+import mmap
+import os
+import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
 
+from kmod_emul import uapi
 from kmod_emul.errors import DriverError
+
+_U64 = struct.Struct("<Q")
 
 if TYPE_CHECKING:
     from kmod_emul.device import AccelDevice
@@ -35,33 +40,60 @@ def tgid_of(tid: int) -> int:
     return tid
 
 
-#: Completion timestamps kept per queue, so an event's time can be read after the fact.
-TIMESTAMPS_KEPT = 4096
-
-
-@dataclass(eq=False)
 class Queue:
-    """One hardware queue's fence timeline as the driver sees it."""
+    """A user-mode queue's ring as the driver sees it: it reads the fence and the fault the
+    firmware writes, arms the completion interrupt for waiters, and is the producer of the
+    context's default queue (SUBMIT_NOOP)."""
 
-    id: int
-    ctx: Context
-    priority: int
-    submitted: int = 0
-    completed: int = 0
-    #: first faulted packet: (seqno, errno, address, opcode)
-    fault: tuple[int, int, int, int] | None = None
-    timestamps: OrderedDict[int, int] = field(default_factory=OrderedDict)
-    _progress: trio.Event = field(default_factory=trio.Event)
+    def __init__(self, qid: int, ctx: Context, priority: int, path: str,
+                 fence_only: bool = False) -> None:
+        self.id, self.ctx, self.priority, self.path = qid, ctx, priority, path
+        self.fence_only = fence_only
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self.mem = mmap.mmap(fd, uapi.RING_FILE_SIZE)
+        finally:
+            os.close(fd)
+        self._progress = trio.Event()
 
-    def complete(self, seqno: int, timestamp_ns: int, status: int, addr: int,
-                 opcode: int) -> None:
-        if status and self.fault is None:
-            self.fault = (seqno, status, addr, opcode)
-        self.completed = max(self.completed, seqno)
-        self.timestamps[seqno] = timestamp_ns
-        if len(self.timestamps) > TIMESTAMPS_KEPT:
-            self.timestamps.popitem(last=False)
-        self.wake()
+    def _get(self, off: int) -> int:
+        return _U64.unpack_from(self.mem, off)[0]
+
+    @property
+    def submitted(self) -> int:
+        return self._get(uapi.RING_WPTR)
+
+    @property
+    def completed(self) -> int:
+        return self._get(uapi.RING_COMPLETED)
+
+    @property
+    def fault(self) -> tuple[int, int, int, int] | None:
+        """(seqno, errno, address, opcode) of the first faulted packet, if any."""
+        seqno, code, opcode, addr = struct.unpack_from("<QIIQ", self.mem, uapi.RING_ERROR_SEQNO)
+        return (seqno, code, addr, opcode) if seqno else None
+
+    def timestamp(self, seqno: int) -> int:
+        """Completion time of ``seqno`` while its slot was not reused (0 otherwise)."""
+        if not seqno or seqno > self.completed or self.completed - seqno >= uapi.RING_SLOTS:
+            return 0
+        return _U64.unpack_from(self.mem, uapi.RING_TIMESTAMPS
+                                + ((seqno - 1) % uapi.RING_SLOTS) * 8)[0]
+
+    def push(self, packet: bytes) -> int:
+        """Driver as producer (the default queue only): write one packet, publish it."""
+        wptr = self.submitted
+        if wptr - self._get(uapi.RING_RPTR) >= uapi.RING_SLOTS:
+            raise DriverError(errno.EAGAIN, f"queue {self.id} is full")
+        off = uapi.RING_PACKETS + (wptr % uapi.RING_SLOTS) * 64
+        self.mem[off : off + 64] = packet
+        _U64.pack_into(self.mem, uapi.RING_WPTR, wptr + 1)
+        return wptr + 1
+
+    def _arm(self, seqno: int) -> None:
+        armed = self._get(uapi.RING_IRQ_SEQNO)
+        if armed == 0 or armed > seqno or armed <= self.completed:
+            _U64.pack_into(self.mem, uapi.RING_IRQ_SEQNO, seqno)
 
     def wake(self) -> None:
         self._progress.set()
@@ -72,6 +104,9 @@ class Queue:
         with trio.move_on_after(timeout_s):
             while self.completed < seqno:
                 self.ctx.check_live()
+                self._arm(seqno)
+                if self.completed >= seqno:  # completed while arming: no interrupt comes
+                    break
                 await self._progress.wait()
         self.ctx.check_live()
         return self.completed >= seqno
@@ -89,6 +124,9 @@ class Context:
     allocations: dict[int, Allocation] = field(default_factory=dict)
     #: indices of devices whose memory this context's work may reach (PEER_ENABLE)
     peers: set[int] = field(default_factory=set)
+    doorbell_path: str = ""
+    #: files (rings, doorbell) to unlink once the firmware has let go of the context
+    files: list[str] = field(default_factory=list)
     #: Why the context can no longer be used (device reset or failure); None while live.
     lost: str | None = None
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,12 +34,20 @@ from kmod_emul.context import Context, OpenFile, Queue, tgid_of
 from kmod_emul.errors import DriverError
 from kmod_emul.fw import FirmwareProcess, load_image
 from kmod_emul.identity import Identity, pci_bus_id
-from kmod_emul.memory import DeviceMemory
+from kmod_emul.memory import DeviceMemory, create_user_file
 
 log = logging.getLogger(__name__)
 
 DEVICE_NAME = "Accel-Emu A1"
 DRIVER_VERSION = "1.0.0"
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def fabric_endpoint(index: int) -> str:
@@ -75,14 +85,14 @@ class AccelDevice:
         #: every device of the daemon (peers), set by the daemon once all exist
         self.all_devices: list[AccelDevice] = [self]
         self.reset_count = 0
-        self.submitted_total = 0
-        self.completed_total = 0
         # debugfs knobs
         self.fw_boot_fail = False
         self.reset_hold = False
         self._hold_changed = trio.Event()
         self._reset_requested = trio.Event()
         self._static_info: bytes | None = None
+        #: destroyed contexts whose teardown the firmware has not confirmed yet
+        self._dying: dict[int, Context] = {}
 
     def new_id(self) -> int:
         """Handles of every kind (contexts, queues, allocations) are unique on the device
@@ -204,7 +214,12 @@ class AccelDevice:
         if owner is not None and owner.file.pid != f.pid:
             raise DriverError(errno.EBUSY, f"{self.name} is held exclusively by pid {owner.file.pid}")
         ctx = Context(self.new_id(), f, exclusive)
-        self.fw_send(abi.Op.CTX_CREATE, ctx.id)
+        token = secrets.randbits(64)
+        ctx.doorbell_path = os.path.join(self.mem_config.shm_dir, uapi.doorbell_name(ctx.id, token))
+        os.mkfifo(ctx.doorbell_path, 0o600)
+        os.chown(ctx.doorbell_path, f.uid, f.gid)
+        ctx.files.append(ctx.doorbell_path)
+        self.fw_send(abi.Op.CTX_CREATE, ctx.id, (token,))
         self.contexts[ctx.id] = ctx
         f.ctx = ctx
         ctx.default_queue = self.create_queue(ctx, uapi.ACCEL_QUEUE_PRIORITY_LOW)
@@ -212,13 +227,16 @@ class AccelDevice:
 
     def destroy_context(self, ctx: Context) -> None:
         """Tear down in reverse order of creation: queues and mappings go with the firmware
-        context, whose teardown the firmware confirms before the memory is reused."""
+        context, whose teardown the firmware confirms before memory and files are reused."""
         firmware_has_it = ctx.lost is None and self.fw is not None
         self.contexts.pop(ctx.id, None)
         ctx.file.ctx = None
         self.memory.release_context(ctx, firmware_has_it)
         if firmware_has_it:
+            self._dying[ctx.id] = ctx
             self.fw_send(abi.Op.CTX_DESTROY, ctx.id)
+        else:
+            _unlink_all(ctx.files)
         ctx.lose("context destroyed")
 
     def enable_peer(self, ctx: Context, peer_index: int) -> None:
@@ -241,9 +259,13 @@ class AccelDevice:
 
     # --- queues ---------------------------------------------------------------------------
     def create_queue(self, ctx: Context, priority: int) -> Queue:
-        q = Queue(self.new_id(), ctx, priority)
+        qid, token = self.new_id(), secrets.randbits(64)
+        path = os.path.join(self.mem_config.shm_dir, uapi.ring_name(qid, token))
+        create_user_file(path, uapi.RING_FILE_SIZE, ctx.file.uid, ctx.file.gid)
+        ctx.files.append(path)
+        q = Queue(qid, ctx, priority, path)
         ctx.queues[q.id] = q
-        self.fw_send(abi.Op.QUEUE_CREATE, ctx.id, (q.id, priority))
+        self.fw_send(abi.Op.QUEUE_CREATE, ctx.id, (q.id, priority, token))
         return q
 
     def destroy_queue(self, q: Queue) -> None:
@@ -251,18 +273,28 @@ class AccelDevice:
         del q.ctx.queues[q.id]
         self.fw_send(abi.Op.QUEUE_DESTROY, q.ctx.id, (q.id,))
 
-    def submit(self, q: Queue, packets: list[bytes]) -> int:
-        """Queue packets (the firmware validates and runs them); return the last seqno."""
-        if q.fault is not None:
-            seqno, err, addr, opcode = q.fault
-            raise DriverError(
-                errno.ECANCELED, f"queue {q.id} faulted at seqno {seqno} ({uapi.Op(opcode).name}"
-                                 f" {errno.errorcode.get(err, err)} at {addr:#x}); recreate it")
-        for raw in packets:
-            q.submitted += 1
-            self.fw_send(abi.Op.SUBMIT, q.ctx.id, (q.id, q.submitted), raw)
-        self.submitted_total += len(packets)
-        return q.submitted
+    def import_queue(self, ctx: Context, peer_index: int, peer_qid: int) -> Queue:
+        """Make a queue of this process on another device waitable by ``ctx``'s queues."""
+        peer = next((d for d in self.all_devices if d.index == peer_index), None)
+        if peer is None or peer is self:
+            raise DriverError(errno.EINVAL, f"no peer device {peer_index} for {self.name}")
+        source = next((q for c in peer.contexts.values() if c.file.pid == ctx.file.pid
+                       and c.lost is None for q in c.queues.values() if q.id == peer_qid), None)
+        if source is None:
+            raise DriverError(errno.ENOENT, f"queue {peer_qid} on {peer.name} is not this process's")
+        token = int(os.path.basename(source.path).rsplit("-", 1)[1], 16)
+        local = Queue(self.new_id(), ctx, 0, source.path, fence_only=True)
+        ctx.queues[local.id] = local
+        self.fw_send(abi.Op.QUEUE_IMPORT, ctx.id, (local.id, peer_index, peer_qid, token))
+        return local
+
+    def submit_noop(self, ctx: Context) -> int:
+        """The driver as producer on the context's default queue."""
+        assert ctx.default_queue is not None
+        seqno = ctx.default_queue.push(bytes(uapi.accel_packet(opcode=uapi.Op.NOP)))
+        if self.fw is not None:
+            self.fw.ring_doorbell()
+        return seqno
 
     def _lose_contexts(self, reason: str) -> None:
         for ctx in self.contexts.values():
@@ -339,6 +371,9 @@ class AccelDevice:
         if self.fw is not None:
             fw, self.fw = self.fw, None
             self.memory.firmware_gone()
+            for ctx in self._dying.values():
+                _unlink_all(ctx.files)
+            self._dying.clear()
             await fw.stop()
 
     async def _serve(self) -> None:
@@ -365,16 +400,18 @@ class AccelDevice:
                     log.exception("%s: driver bug handling completion %s", self.name, item[0])
 
     def _completion(self, op: int, status: int, ctx_id: int, *a: int) -> None:
-        if op == abi.Op.SUBMIT:
-            self.completed_total += 1
+        if op == abi.Op.FENCE:
             ctx = self.contexts.get(ctx_id)
             q = ctx.queues.get(a[0]) if ctx is not None else None
             if q is not None:
-                q.complete(a[1], a[2], status, a[3], a[4])
+                q.wake()
         elif op == abi.Op.UNMAP:
             self.memory.unmapped(ctx_id, a[0])
         elif op == abi.Op.CTX_DESTROY:
             self.memory.context_destroyed(ctx_id)
+            dead = self._dying.pop(ctx_id, None)
+            if dead is not None:
+                _unlink_all(dead.files)
 
     async def _watch_exit(self, scope: trio.CancelScope) -> None:
         assert self.fw is not None

@@ -63,7 +63,7 @@ async def ctx_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_create) 
     if f.ctx is not None:
         raise DriverError(errno.EEXIST, f"this open file already holds context {f.ctx.id}")
     ctx = f.device.create_context(f, bool(arg.flags & uapi.ACCEL_CTX_EXCLUSIVE))
-    arg.ctx_id = ctx.id
+    arg.ctx_id, arg.doorbell_path = ctx.id, ctx.doorbell_path.encode()
     return arg
 
 
@@ -78,8 +78,7 @@ async def submit_noop(info: DriverInfo, f: OpenFile, arg: uapi.accel_submit_noop
     _no_flags(arg)
     ctx = f.context(arg.ctx_id)
     f.device.check_usable()
-    assert ctx.default_queue is not None
-    arg.seqno = f.device.submit(ctx.default_queue, [bytes(uapi.accel_packet(opcode=uapi.Op.NOP))])
+    arg.seqno = f.device.submit_noop(ctx)
     return arg
 
 
@@ -94,9 +93,10 @@ async def wait(info: DriverInfo, f: OpenFile, arg: uapi.accel_wait) -> Any:
     if not await q.wait(arg.seqno, timeout_ns / 1e9):
         raise DriverError(errno.ETIME, f"seqno {arg.seqno} not complete")
     arg.completed = q.completed
-    arg.timestamp_ns = q.timestamps.get(arg.seqno, 0)
-    if q.fault is not None and q.fault[0] <= arg.seqno:
-        arg.error_seqno, arg.error_code, arg.error_addr, arg.error_opcode = q.fault
+    arg.timestamp_ns = q.timestamp(arg.seqno)
+    fault = q.fault
+    if fault is not None and fault[0] <= arg.seqno:
+        arg.error_seqno, arg.error_code, arg.error_addr, arg.error_opcode = fault
     return arg
 
 
@@ -167,7 +167,8 @@ async def queue_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_crea
     f.device.check_usable()
     if arg.priority not in (uapi.ACCEL_QUEUE_PRIORITY_LOW, uapi.ACCEL_QUEUE_PRIORITY_HIGH):
         raise DriverError(errno.EINVAL, f"priority {arg.priority} is neither low (0) nor high (1)")
-    arg.queue_id = f.device.create_queue(ctx, arg.priority).id
+    q = f.device.create_queue(ctx, arg.priority)
+    arg.queue_id, arg.ring_path = q.id, q.path.encode()
     return arg
 
 
@@ -179,14 +180,9 @@ async def queue_destroy(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_des
     f.device.destroy_queue(q)
 
 
-async def submit(info: DriverInfo, f: OpenFile, arg: uapi.accel_submit) -> Any:
-    _no_flags(arg)
+async def queue_import(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_import) -> Any:
     ctx = f.context(arg.ctx_id)
-    f.device.check_usable()
-    if not 1 <= arg.count <= uapi.ACCEL_SUBMIT_MAX:
-        raise DriverError(errno.EINVAL, f"count {arg.count} not in 1..{uapi.ACCEL_SUBMIT_MAX}")
-    packets = [bytes(arg.packets[i]) for i in range(arg.count)]
-    arg.last_seqno = f.device.submit(ctx.queue(arg.queue_id), packets)
+    arg.queue_id = f.device.import_queue(ctx, arg.peer_index, arg.peer_queue_id).id
     return arg
 
 
@@ -205,7 +201,7 @@ TABLE: dict[int, Handler] = {
     uapi.ACCEL_CMD_PEER_ENABLE.code: peer_enable,
     uapi.ACCEL_CMD_QUEUE_CREATE.code: queue_create,
     uapi.ACCEL_CMD_QUEUE_DESTROY.code: queue_destroy,
-    uapi.ACCEL_CMD_SUBMIT.code: submit,
+    uapi.ACCEL_CMD_QUEUE_IMPORT.code: queue_import,
 }
 assert TABLE.keys() == uapi.COMMANDS.keys(), "every uAPI command needs a handler"
 

@@ -159,7 +159,11 @@ class FirmwareProcess:
                 break
             self._backlog.popleft()
             sent = True
-        if sent and self._doorbell_w >= 0:
+        if sent:
+            self.ring_doorbell()
+
+    def ring_doorbell(self) -> None:
+        if self._doorbell_w >= 0:
             try:
                 os.write(self._doorbell_w, b"\1")
             except (BlockingIOError, BrokenPipeError):

@@ -40,6 +40,16 @@ _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 VA_GUARD = 64 * 1024  # unmapped gap after each allocation: an overrun faults
 
 
+def create_user_file(path: str, size: int, uid: int, gid: int) -> None:
+    """A new tmpfs file for one user: created exclusively, mode 0600, owned by them."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        os.fchown(fd, uid, gid)
+    finally:
+        os.close(fd)
+
+
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
@@ -184,12 +194,7 @@ class DeviceMemory:
             self._pid_bytes[pid] = self._pid_bytes.get(pid, 0) + size
         else:
             backing.path = os.path.join(self.shm_dir, abi.host_backing_name(kind, handle, token))
-            fd = os.open(backing.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                os.fchown(fd, ctx.file.uid, ctx.file.gid)
-            finally:
-                os.close(fd)
+            create_user_file(backing.path, size, ctx.file.uid, ctx.file.gid)
         self.backings[handle] = backing
         alloc = self._attach(ctx, backing)
         if kind == uapi.MemKind.DEVICE:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import errno
+import threading
 from dataclasses import dataclass
 from typing import Final
 
@@ -155,6 +156,8 @@ def names_to_caps(names: list[str]) -> int:
 
 
 _S = ctypes.c_char
+#: Size of the path fields (shm files the driver creates for the caller).
+PATH_MAX_UAPI: Final = 128
 
 
 class accel_version(_Struct):
@@ -217,6 +220,7 @@ class accel_ctx_create(_Struct):
         ("pad", ctypes.c_uint32),
         ("ctx_id", ctypes.c_uint64),  # out: unique on the device, never reused
         ("reserved", ctypes.c_uint64 * 2),
+        ("doorbell_path", _S * PATH_MAX_UAPI),  # out: FIFO; one byte wakes the firmware
     ]
 
 
@@ -296,7 +300,6 @@ ACCEL_VA_DEVICE_SHIFT: Final = 44
 #: Allocations are placed (and sized, in the device's books) at this granularity.
 ACCEL_PAGE_SIZE: Final = 4096
 
-PATH_MAX_UAPI: Final = 128
 
 
 class accel_mem_alloc(_Struct):
@@ -398,7 +401,8 @@ class Op(enum.IntEnum):
     COPY = 1
     #: a0 = dst va, a1 = bytes, a2 = byte value
     MEMSET = 2
-    #: a0 = queue id of the same context, a1 = seqno: later packets wait until it completes
+    #: a0 = queue id of the same context (or imported), a1 = seqno: later packets of this
+    #: queue wait until that queue's fence reaches it
     WAIT_QUEUE = 3
     #: a0 = va, a1 = bytes, a2 = 0 to host, 1 to device (managed memory only)
     PREFETCH = 4
@@ -419,13 +423,21 @@ ACCEL_QUEUE_PRIORITY_HIGH: Final = 1
 
 
 class accel_queue_create(_Struct):
-    """ACCEL_CMD_QUEUE_CREATE: a hardware queue (a stream's backing) in the context."""
+    """ACCEL_CMD_QUEUE_CREATE: a user-mode hardware queue (a stream's backing).
+
+    ``ring_path`` is a tmpfs file owned by the caller (mode 0600, unguessable name) with the
+    ring layout below: the caller maps it, writes packets and advances ``wptr``; the
+    firmware consumes them, writes the fence, timestamps and the first fault. Submitting
+    takes no system call unless the firmware sleeps (``RING_SLEEPING``), and then one
+    write to the context's doorbell FIFO (``accel_ctx_create.doorbell_path``).
+    """
 
     _fields_ = [
         ("ctx_id", ctypes.c_uint64),
         ("priority", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
         ("queue_id", ctypes.c_uint64),  # out
+        ("ring_path", _S * PATH_MAX_UAPI),  # out
     ]
 
 
@@ -438,24 +450,60 @@ class accel_queue_destroy(_Struct):
     ]
 
 
-ACCEL_SUBMIT_MAX: Final = 16
+class accel_queue_import(_Struct):
+    """ACCEL_CMD_QUEUE_IMPORT: make another device's queue of this process waitable here.
 
-
-class accel_submit(_Struct):
-    """ACCEL_CMD_SUBMIT: append ``count`` packets to a queue; returns the last one's seqno.
-
-    Returns as soon as the packets are queued (asynchronous): faults surface at the next
-    WAIT that covers them. A queue that faulted refuses further work with ECANCELED.
+    Returns a local queue id that WAIT_QUEUE packets of this context may name, so a stream
+    waits for an event of another device on the device, without the host.
     """
 
     _fields_ = [
         ("ctx_id", ctypes.c_uint64),
-        ("queue_id", ctypes.c_uint64),
-        ("count", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("last_seqno", ctypes.c_uint64),  # out
-        ("packets", accel_packet * ACCEL_SUBMIT_MAX),
+        ("peer_index", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("peer_queue_id", ctypes.c_uint64),
+        ("queue_id", ctypes.c_uint64),  # out: the local name of that queue's fence
     ]
+
+
+# --- the user-mode ring (shared by runtime, driver and firmware) ----------------------------
+#: Header words (byte offsets); each group on its own cache line, one writer per line.
+RING_WPTR: Final = 0  # u64, producer: packets written (the last one's seqno)
+RING_RPTR: Final = 64  # u64, firmware: packets taken
+RING_COMPLETED: Final = 128  # u64, firmware: the fence, the last completed seqno
+RING_ERROR_SEQNO: Final = 192  # u64, firmware: first faulted packet (0: none)
+RING_ERROR_CODE: Final = 200  # u32 errno, then u32 opcode
+RING_ERROR_ADDR: Final = 208  # u64
+RING_SLEEPING: Final = 256  # u64, firmware: 1 while asleep: ring the doorbell after a write
+RING_IRQ_SEQNO: Final = 320  # u64, driver: interrupt me when the fence reaches this
+RING_HEADER_SIZE: Final = 4096
+RING_SLOTS: Final = 1024
+RING_PACKETS: Final = RING_HEADER_SIZE  # RING_SLOTS accel_packets
+RING_TIMESTAMPS: Final = RING_PACKETS + RING_SLOTS * 64  # u64 completion time per slot
+RING_FILE_SIZE: Final = RING_TIMESTAMPS + RING_SLOTS * 8
+
+
+_BARRIER = threading.Lock()
+
+
+def full_barrier() -> None:
+    """The ring protocol's memory barrier. A producer stores ``wptr`` then loads
+    ``RING_SLEEPING``; the firmware stores ``RING_SLEEPING`` then loads ``wptr``. x86 may
+    reorder a store with a later load, which could lose a wake-up, so both sides fence in
+    between. From Python: acquiring a lock is a locked (atomic) instruction, a full barrier
+    on x86. (A wake-up lost anyway costs at most the firmware's heartbeat interval.)"""
+    _BARRIER.acquire()
+    _BARRIER.release()
+
+
+def ring_name(queue_id: int, token: int) -> str:
+    """File name of a queue's ring in the daemon's shm directory (64 random bits in it)."""
+    return f"ring-{queue_id}-{token:016x}"
+
+
+def doorbell_name(ctx_id: int, token: int) -> str:
+    """File name of a context's doorbell FIFO in the daemon's shm directory."""
+    return f"doorbell-{ctx_id}-{token:016x}"
 
 
 # --- the command table ---------------------------------------------------------------------
@@ -492,7 +540,7 @@ ACCEL_CMD_MEM_INFO = _cmd("MEM_INFO", IOC_READ | IOC_WRITE, 0x0A, accel_mem_info
 ACCEL_CMD_PEER_ENABLE = _cmd("PEER_ENABLE", IOC_WRITE, 0x0B, accel_peer_enable)
 ACCEL_CMD_QUEUE_CREATE = _cmd("QUEUE_CREATE", IOC_READ | IOC_WRITE, 0x0C, accel_queue_create)
 ACCEL_CMD_QUEUE_DESTROY = _cmd("QUEUE_DESTROY", IOC_WRITE, 0x0D, accel_queue_destroy)
-ACCEL_CMD_SUBMIT = _cmd("SUBMIT", IOC_READ | IOC_WRITE, 0x0E, accel_submit)
+ACCEL_CMD_QUEUE_IMPORT = _cmd("QUEUE_IMPORT", IOC_READ | IOC_WRITE, 0x0E, accel_queue_import)
 
 COMMANDS: Final[dict[int, Command]] = {
     c.code: c
@@ -511,7 +559,7 @@ COMMANDS: Final[dict[int, Command]] = {
         ACCEL_CMD_PEER_ENABLE,
         ACCEL_CMD_QUEUE_CREATE,
         ACCEL_CMD_QUEUE_DESTROY,
-        ACCEL_CMD_SUBMIT,
+        ACCEL_CMD_QUEUE_IMPORT,
     )
 }
 COMMANDS_BY_NR: Final[dict[int, Command]] = {ioc_nr(c.code): c for c in COMMANDS.values()}

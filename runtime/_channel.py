@@ -96,6 +96,9 @@ class Channel:
             return errors.from_errno(
                 err, f"{where}: context lost because {cause} (device now {state}); "
                      "create a new context once the device is operational")
+        if err == errno.EIO:  # at open it means a boot failure; on a command, a driver bug
+            return errors.AccelError(f"{where}: the driver failed internally (see the daemon's "
+                                     "log) [EIO]", err)
         return errors.from_errno(err, f"{where}: {uapi.ERRNO_MEANING.get(err, os.strerror(err))}")
 
     def close(self) -> None:

@@ -13,8 +13,10 @@ waits, so Ctrl-C interrupts a waiting program and a timeout is honoured to the s
 from __future__ import annotations
 
 import errno
+import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kmod_emul import uapi
 from runtime import discovery, errors
@@ -43,6 +45,9 @@ class Context:
             raise
         self.id: int = reply.ctx_id
         self.exclusive = exclusive
+        self._doorbell_path = uapi.cstr(reply.doorbell_path)
+        self._doorbell = -1
+        self._imports: dict[tuple[str, int], int] = {}
 
     def __repr__(self) -> str:
         return f"<Context {self.id} on {self.physical}>"
@@ -60,8 +65,31 @@ class Context:
         """Wait for everything this context submitted so far."""
         self.submit_noop().wait(timeout)
 
+    def ring_doorbell(self) -> None:
+        """Wake the firmware (it marked a ring of this context "sleeping")."""
+        if self._doorbell < 0:
+            self._doorbell = os.open(self._doorbell_path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            os.write(self._doorbell, b"\1")
+        except BlockingIOError:
+            pass  # the FIFO is full of unread rings: the firmware is being woken already
+
+    def import_queue(self, stream: Any) -> int:
+        """The local name of another device's stream, for device-side waits (cached)."""
+        key = (stream.ctx.physical, stream.queue_id)
+        qid = self._imports.get(key)
+        if qid is None:
+            qid = self._imports[key] = self.channel.call(
+                uapi.ACCEL_CMD_QUEUE_IMPORT, uapi.accel_queue_import(
+                    ctx_id=self.id, peer_index=int(stream.ctx.physical[5:]),
+                    peer_queue_id=stream.queue_id)).queue_id
+        return qid
+
     def close(self) -> None:
         """Destroy the context (closing the fd does it too, even if the process dies)."""
+        if self._doorbell >= 0 and os.getpid() == self.channel.pid:
+            os.close(self._doorbell)
+        self._doorbell = -1
         self.channel.close()
 
     def __enter__(self) -> Context:

@@ -14,10 +14,14 @@ asks for the device's high-priority queues.
 from __future__ import annotations
 
 import errno
+import mmap
+import os
+import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from kmod_emul import uapi
 from runtime import devices as _device
@@ -25,8 +29,13 @@ from runtime import errors
 from runtime.context import Context
 
 
+_U64 = struct.Struct("<Q")
+#: Spin this long on the fence in shared memory before sleeping in the driver.
+SPIN_WAIT_S = 50e-6
+
+
 class Stream:
-    """An in-order queue of device work."""
+    """An in-order queue of device work: a user-mode ring this process writes directly."""
 
     def __init__(self, device: _device.DeviceLike = None, priority: int = 0) -> None:
         self.device = _device._index(device)
@@ -40,24 +49,50 @@ class Stream:
                 else uapi.ACCEL_QUEUE_PRIORITY_LOW),
         )
         self.queue_id: int = reply.queue_id
+        fd = os.open(uapi.cstr(reply.ring_path), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self._ring = mmap.mmap(fd, uapi.RING_FILE_SIZE)
+        finally:
+            os.close(fd)
         self.last_seqno = 0
         self._lock = threading.Lock()
+        #: graph capture in progress on this stream (see runtime.graphs)
+        self.capturing: Any = None
 
     def __repr__(self) -> str:
         return f"<Stream queue {self.queue_id} on accel:{self.device} priority {self.priority}>"
 
     # --- submission -------------------------------------------------------------------
-    def submit(self, packets: Sequence[uapi.accel_packet]) -> int:
-        """Queue packets in order; return the seqno of the last one."""
+    def submit(self, packets: Sequence[uapi.accel_packet], uses: Sequence[Any] = ()) -> int:
+        """Queue packets in order; return the seqno of the last one. No system call unless
+        the firmware sleeps. ``uses``: the arrays the packets touch (graph capture keeps
+        them, to refuse a replay after they were freed)."""
+        if self.capturing is not None:
+            return self.capturing.record(self, packets, uses)
+        return self._write(packets)
+
+    def _write(self, packets: Sequence[Any]) -> int:
+        ring = self._ring
         with self._lock:
-            for start in range(0, len(packets), uapi.ACCEL_SUBMIT_MAX):
-                chunk = packets[start : start + uapi.ACCEL_SUBMIT_MAX]
-                arg = uapi.accel_submit(ctx_id=self.ctx.id, queue_id=self.queue_id,
-                                        count=len(chunk))
-                for i, pkt in enumerate(chunk):
-                    arg.packets[i] = pkt
-                self.last_seqno = self.ctx.channel.call(uapi.ACCEL_CMD_SUBMIT, arg).last_seqno
-            return self.last_seqno
+            if _U64.unpack_from(ring, uapi.RING_ERROR_SEQNO)[0]:
+                self._raise_fault(self.last_seqno, refusing=True)
+            wptr = self.last_seqno
+            for pkt in packets:
+                while wptr - _U64.unpack_from(ring, uapi.RING_RPTR)[0] >= uapi.RING_SLOTS:
+                    self._publish(wptr)  # full: let the firmware see what is there, wait
+                    time.sleep(20e-6)
+                off = uapi.RING_PACKETS + (wptr % uapi.RING_SLOTS) * 64
+                ring[off : off + 64] = pkt if isinstance(pkt, bytes) else bytes(pkt)
+                wptr += 1
+            self._publish(wptr)
+            self.last_seqno = wptr
+            return wptr
+
+    def _publish(self, wptr: int) -> None:
+        _U64.pack_into(self._ring, uapi.RING_WPTR, wptr)
+        uapi.full_barrier()
+        if _U64.unpack_from(self._ring, uapi.RING_SLEEPING)[0]:
+            self.ctx.ring_doorbell()
 
     def record_event(self) -> Event:
         """An event at this point of the stream (what the caching allocator records)."""
@@ -66,59 +101,100 @@ class Stream:
         return ev
 
     def wait_event(self, event: Event) -> None:
-        """Later work on this stream waits for ``event`` (device side; the host goes on).
+        """Later work on this stream waits for ``event``, on the device (the host goes on),
+        also when the event is on another device of this process.
 
         Waiting on an event never recorded is a no-op, as in torch.cuda.
         """
-        if event.stream is None or event.seqno == 0:
+        if event.stream is None or event.seqno == 0 or event.stream is self:
             return
         src = event.stream
-        if src.ctx is self.ctx:
-            if src is not self:
-                self.submit([uapi.accel_packet(opcode=uapi.Op.WAIT_QUEUE,
-                                               a=(src.queue_id, event.seqno, 0, 0, 0, 0, 0))])
-        else:
-            event.synchronize()  # another device: the host waits (device-side is issue 4)
+        qid = src.queue_id if src.ctx is self.ctx else self.ctx.import_queue(src)
+        self.submit([uapi.accel_packet(opcode=uapi.Op.WAIT_QUEUE,
+                                       a=(qid, event.seqno, 0, 0, 0, 0, 0))])
 
     def wait_stream(self, other: Stream) -> None:
         self.wait_event(other.record_event())
 
     # --- completion --------------------------------------------------------------------
-    def _wait(self, seqno: int, timeout_ns: int) -> uapi.accel_wait | None:
-        """One bounded driver wait; None on ETIME; raises the fault that covers ``seqno``."""
-        try:
-            reply = self.ctx.channel.call(
-                uapi.ACCEL_CMD_WAIT,
-                uapi.accel_wait(ctx_id=self.ctx.id, queue_id=self.queue_id, seqno=seqno,
-                                timeout_ns=timeout_ns))
-        except errors.AccelTimeoutError:
-            return None
-        if reply.error_seqno:
-            raise fault_error(self, reply)
-        return reply
+    @property
+    def completed(self) -> int:
+        """The fence: the last seqno the device completed (read from shared memory)."""
+        return _U64.unpack_from(self._ring, uapi.RING_COMPLETED)[0]
+
+    def _raise_fault(self, seqno: int, refusing: bool = False) -> None:
+        """Raise the stream's fault if it covers ``seqno``. ``refusing``: new work is being
+        refused because of it (errno ECANCELED, the record names the original fault)."""
+        err_seqno, code, opcode, addr = struct.unpack_from("<QIIQ", self._ring,
+                                                            uapi.RING_ERROR_SEQNO)
+        if err_seqno and (refusing or err_seqno <= seqno):
+            err = fault_error(self, err_seqno, code, opcode, addr)
+            if refusing:
+                err.errno = errno.ECANCELED
+            raise err
+
+    def timestamp(self, seqno: int) -> int:
+        """Device time (ns) ``seqno`` completed, while its slot is not reused."""
+        if not seqno or self.completed - seqno >= uapi.RING_SLOTS:
+            return 0
+        return _U64.unpack_from(self._ring, uapi.RING_TIMESTAMPS
+                                + ((seqno - 1) % uapi.RING_SLOTS) * 8)[0]
+
+    def _check_host_wait(self) -> None:
+        if self.capturing is not None:
+            raise errors.InvalidValueError(
+                f"{self!r} is capturing a graph: synchronizing or querying it is not "
+                "capturable; end the capture first")
 
     def wait_seqno(self, seqno: int, timeout: float | None = None) -> int:
-        """Block until ``seqno`` completed; return its device timestamp (ns)."""
+        """Block until ``seqno`` completed; return its device timestamp (ns).
+
+        Spins on the fence in shared memory briefly, then sleeps in bounded driver waits
+        (so Ctrl-C interrupts it and a timeout is honoured). Raises the fault that covers
+        ``seqno``.
+        """
+        self._check_host_wait()
         if seqno == 0:
             return 0
+        spin_until = time.perf_counter() + SPIN_WAIT_S
+        while self.completed < seqno and time.perf_counter() < spin_until:
+            pass
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
+        while self.completed < seqno:
             slice_ns = uapi.ACCEL_WAIT_SLICE_NS
             if deadline is not None:
                 slice_ns = max(0, min(slice_ns, int((deadline - time.monotonic()) * 1e9)))
-            reply = self._wait(seqno, slice_ns)
-            if reply is not None:
-                return reply.timestamp_ns
-            if deadline is not None and time.monotonic() >= deadline:
-                raise errors.AccelTimeoutError(
-                    f"{self!r}: seqno {seqno} not complete after {timeout} s", errno.ETIME)
+            try:
+                self.ctx.channel.call(uapi.ACCEL_CMD_WAIT, uapi.accel_wait(
+                    ctx_id=self.ctx.id, queue_id=self.queue_id, seqno=seqno,
+                    timeout_ns=slice_ns))
+            except errors.AccelTimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise errors.AccelTimeoutError(
+                        f"{self!r}: seqno {seqno} not complete after {timeout} s",
+                        errno.ETIME) from None
+        self._raise_fault(seqno)
+        return self.timestamp(seqno)
 
     def query(self) -> bool:
         """True when all work queued so far has completed (raises a fault it covers)."""
-        return self.last_seqno == 0 or self._wait(self.last_seqno, 0) is not None
+        self._check_host_wait()
+        done = self.completed >= self.last_seqno
+        if done:
+            self._raise_fault(self.last_seqno)
+        return done
 
     def synchronize(self, timeout: float | None = None) -> None:
         self.wait_seqno(self.last_seqno, timeout)
+
+    def close(self) -> None:
+        """Give the queue back; work already queued still runs to completion."""
+        if self.ctx.channel.fd >= 0 and os.getpid() == self.ctx.channel.pid:
+            try:
+                self.ctx.channel.call(uapi.ACCEL_CMD_QUEUE_DESTROY, uapi.accel_queue_destroy(
+                    ctx_id=self.ctx.id, queue_id=self.queue_id))
+            except errors.AccelError:
+                pass
 
 
 def _op_name(opcode: int) -> str:
@@ -128,17 +204,17 @@ def _op_name(opcode: int) -> str:
         return f"opcode {opcode}"
 
 
-def fault_error(stream: Stream, reply: uapi.accel_wait) -> errors.DeviceFaultError:
+def fault_error(stream: Stream, seqno: int, code: int, opcode: int,
+                addr: int) -> errors.DeviceFaultError:
     record = {
-        "device": stream.device, "queue": stream.queue_id, "seqno": reply.error_seqno,
-        "errno": errno.errorcode.get(reply.error_code, str(reply.error_code)),
-        "opcode": _op_name(reply.error_opcode),
-        "address": reply.error_addr,
+        "device": stream.device, "queue": stream.queue_id, "seqno": seqno,
+        "errno": errno.errorcode.get(code, str(code)), "opcode": _op_name(opcode),
+        "address": addr,
     }
     return errors.DeviceFaultError(
         f"accel:{stream.device} queue {stream.queue_id}: {record['opcode']} (seqno "
-        f"{record['seqno']}) failed with {record['errno']} at address {record['address']:#x}; "
-        "later work on this stream was cancelled, create a new stream", reply.error_code, record)
+        f"{seqno}) failed with {record['errno']} at address {addr:#x}; later work on this "
+        "stream was cancelled, create a new stream", code, record)
 
 
 class Event:
@@ -148,7 +224,6 @@ class Event:
         self.enable_timing = enable_timing
         self.stream: Stream | None = None
         self.seqno = 0
-        self._timestamp_ns = 0
 
     def record(self, stream: Stream | None = None) -> None:
         stream = stream or current_stream()
@@ -156,34 +231,34 @@ class Event:
             seqno = stream.submit([uapi.accel_packet(opcode=uapi.Op.NOP)])
         else:
             seqno = stream.last_seqno
-        self.stream, self.seqno, self._timestamp_ns = stream, seqno, 0
+        self.stream, self.seqno = stream, seqno
 
     def query(self) -> bool:
         if self.stream is None or self.seqno == 0:
             return True
-        reply = self.stream._wait(self.seqno, 0)
-        if reply is not None and self.enable_timing:
-            self._timestamp_ns = reply.timestamp_ns
-        return reply is not None
+        self.stream._check_host_wait()
+        done = self.stream.completed >= self.seqno
+        if done:
+            self.stream._raise_fault(self.seqno)
+        return done
 
     def synchronize(self, timeout: float | None = None) -> None:
         if self.stream is not None and self.seqno:
-            ts = self.stream.wait_seqno(self.seqno, timeout)
-            if self.enable_timing:
-                self._timestamp_ns = ts
+            self.stream.wait_seqno(self.seqno, timeout)
 
     def wait(self, stream: Stream | None = None) -> None:
         (stream or current_stream()).wait_event(self)
 
     def elapsed_time(self, end: Event) -> float:
-        """Milliseconds between this event and ``end`` (both recorded with timing)."""
+        """Milliseconds between this event and ``end`` (both recorded with timing), from
+        the device's completion timestamps."""
         if not (self.enable_timing and end.enable_timing):
             raise errors.InvalidValueError("elapsed_time needs events created with enable_timing=True")
         if self.stream is None or end.stream is None:
             raise errors.InvalidValueError("elapsed_time needs both events recorded")
-        self.synchronize()
-        end.synchronize()
-        return (end._timestamp_ns - self._timestamp_ns) / 1e6
+        start_ns = self.stream.wait_seqno(self.seqno)
+        end_ns = end.stream.wait_seqno(end.seqno)
+        return (end_ns - start_ns) / 1e6
 
 
 # --- default and current streams ---------------------------------------------------------

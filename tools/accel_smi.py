@@ -66,11 +66,13 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                  "partition_id", "fabric_endpoint"),
     "Versions": ("driver_version", "firmware_version", "isa_version", "isa_stepping"),
     "State": ("state", "failure", "failure_code", "reset_count", "heartbeat"),
-    "Memory": ("memory_total", "memory_used"),
+    "Memory": ("memory_total", "memory_used", "memory_free", "managed_resident",
+               "managed_faults", "managed_bytes_to_device", "managed_bytes_to_host",
+               "managed_evictions"),
     "Compute": ("compute_engines", "copy_engines", "max_threads_per_block",
                 "max_shared_mem_per_block", "max_contexts", "capabilities"),
-    "Clients": ("contexts", "open_files", "clients", "exclusive_owner", "submissions",
-                "completions"),
+    "Clients": ("contexts", "open_files", "clients", "exclusive_owner", "processes"),
+    "Engines": ("completions", "packets", "copies", "copy_bytes", "faults"),
 }
 
 
