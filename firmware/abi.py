@@ -89,6 +89,8 @@ class Op(enum.IntEnum):
     SET_BUDGET = 10
     QUEUE_IMPORT = 11
     FENCE = 12
+    #: debugfs sched_hold: a0 = 1 stops the scheduler taking packets, 0 resumes it
+    HOLD = 13
 
 
 def host_backing_name(kind: int, handle: int, token: int) -> str:
@@ -108,6 +110,7 @@ assert PAYLOAD_SIZE == 64
 STAT_NAMES: Final = (
     "managed_resident", "managed_faults", "managed_bytes_to_device", "managed_bytes_to_host",
     "managed_evictions", "copies", "copy_bytes", "packets", "faults",
+    "copy_engines_busy_peak", "preemptions",
 )
 _STATS = struct.Struct(f"<{len(STAT_NAMES)}Q")
 

@@ -129,11 +129,12 @@ class _Job:
 class EnginePool:
     """N engines of one kind, taking the highest-priority job first."""
 
-    def __init__(self, name: str, count: int) -> None:
+    def __init__(self, name: str, count: int, stats: dict[str, int]) -> None:
         self._heap: list[_Job] = []
         self._cond = threading.Condition()
         self._arrivals = itertools.count()
-        self.stopped = False
+        self._stats = stats
+        self._busy = 0
         for i in range(count):
             threading.Thread(target=self._engine, name=f"{name}{i}", daemon=True).start()
 
@@ -153,8 +154,14 @@ class EnginePool:
                 while not self._heap:
                     self._cond.wait()
                 job = heapq.heappop(self._heap)
-            if not job.run():
-                with self._cond:  # preempted: back in line behind the higher-priority work
+                self._busy += 1
+                peak = self._stats.get("copy_engines_busy_peak", 0)
+                self._stats["copy_engines_busy_peak"] = max(peak, self._busy)
+            done = job.run()
+            with self._cond:
+                self._busy -= 1
+                if not done:  # preempted: back in line behind the higher-priority work
+                    self._stats["preemptions"] += 1
                     heapq.heappush(self._heap, _Job((job.rank[0], next(self._arrivals)), job.run))
                     self._cond.notify()
 
@@ -164,12 +171,13 @@ class Scheduler:
 
     def __init__(self, copy_engines: int, residency: memory.Residency, stats: dict[str, int],
                  on_irq: Callable[[Ring, int], None]) -> None:
-        self.copy = EnginePool("copy", copy_engines)
+        self.copy = EnginePool("copy", copy_engines, stats)
         self.residency = residency
         self.stats = stats
         self.on_irq = on_irq
         self.rings: list[Ring] = []  # high priority first
         self.hung = False
+        self.held = False  # debugfs sched_hold: take no packets (tests of ordering use it)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -200,7 +208,7 @@ class Scheduler:
     # --- the scheduler's loop body -----------------------------------------------------
     def poll(self) -> int:
         """Run or dispatch what can go now; return how many packets were taken."""
-        if self.hung:
+        if self.hung or self.held:
             return 0
         done = 0
         for ring in list(self.rings):

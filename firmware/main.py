@@ -120,6 +120,8 @@ class Firmware:
         assert self.sched is not None
         if op == abi.Op.HANG:
             self.hung = self.sched.hung = True
+        elif op == abi.Op.HOLD:
+            self.sched.held = bool(a[0])
         elif op == abi.Op.SET_BUDGET:
             self.sched.residency.device_bytes = a[0]
         elif op == abi.Op.CTX_CREATE:
@@ -212,6 +214,7 @@ class Firmware:
     def _sleep(self, timeout: float) -> None:
         """Mark the rings sleeping, re-check, and sleep until a doorbell or the timeout."""
         assert self.sched is not None
+        self.mbx.set_stats(self.stats)  # counters are current whenever the device idles
         rings = self.sched.rings
         for r in rings:
             r.set_sleeping(1)

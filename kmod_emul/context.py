@@ -125,6 +125,8 @@ class Context:
     #: indices of devices whose memory this context's work may reach (PEER_ENABLE)
     peers: set[int] = field(default_factory=set)
     doorbell_path: str = ""
+    #: destroyed queues: no new work, but their fences stay waitable until the context goes
+    retired_queues: dict[int, Queue] = field(default_factory=dict)
     #: files (rings, doorbell) to unlink once the firmware has let go of the context
     files: list[str] = field(default_factory=list)
     #: Why the context can no longer be used (device reset or failure); None while live.
@@ -140,9 +142,12 @@ class Context:
             for q in self.queues.values():
                 q.wake()
 
-    def queue(self, queue_id: int) -> Queue:
-        """The queue a command names (0: the default queue); ENOENT if not this context's."""
+    def queue(self, queue_id: int, *, retired_too: bool = False) -> Queue:
+        """The queue a command names (0: the default queue); ENOENT if not this context's.
+        ``retired_too``: also a destroyed queue, whose fence can still be waited for."""
         q = self.default_queue if queue_id == 0 else self.queues.get(queue_id)
+        if q is None and retired_too:
+            q = self.retired_queues.get(queue_id)
         if q is None:
             raise DriverError(errno.ENOENT, f"queue {queue_id} does not belong to context {self.id}")
         return q

@@ -88,6 +88,7 @@ class AccelDevice:
         # debugfs knobs
         self.fw_boot_fail = False
         self.reset_hold = False
+        self.sched_hold = False
         self._hold_changed = trio.Event()
         self._reset_requested = trio.Event()
         self._static_info: bytes | None = None
@@ -269,8 +270,9 @@ class AccelDevice:
         return q
 
     def destroy_queue(self, q: Queue) -> None:
-        """The queue's work already queued still runs; the id is gone at once."""
+        """The queue's work already queued still runs; waits on its fence keep working."""
         del q.ctx.queues[q.id]
+        q.ctx.retired_queues[q.id] = q
         self.fw_send(abi.Op.QUEUE_DESTROY, q.ctx.id, (q.id,))
 
     def import_queue(self, ctx: Context, peer_index: int, peer_qid: int) -> Queue:
@@ -352,6 +354,7 @@ class AccelDevice:
         self.failure = None
         self.fw_image = None  # versions report what runs, not what ran before
         self._static_info = None
+        self.sched_hold = False  # a fresh firmware schedules
         flags = abi.BootFlag.FAIL_BOOT if self.fw_boot_fail else 0
         try:
             img = load_image(self.firmware_dir)
@@ -402,8 +405,7 @@ class AccelDevice:
     def _completion(self, op: int, status: int, ctx_id: int, *a: int) -> None:
         if op == abi.Op.FENCE:
             ctx = self.contexts.get(ctx_id)
-            q = ctx.queues.get(a[0]) if ctx is not None else None
-            if q is not None:
+            if ctx is not None and (q := ctx.queues.get(a[0]) or ctx.retired_queues.get(a[0])):
                 q.wake()
         elif op == abi.Op.UNMAP:
             self.memory.unmapped(ctx_id, a[0])

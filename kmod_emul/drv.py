@@ -84,7 +84,7 @@ async def submit_noop(info: DriverInfo, f: OpenFile, arg: uapi.accel_submit_noop
 
 async def wait(info: DriverInfo, f: OpenFile, arg: uapi.accel_wait) -> Any:
     _no_flags(arg)
-    q = f.context(arg.ctx_id).queue(arg.queue_id)
+    q = f.context(arg.ctx_id).queue(arg.queue_id, retired_too=True)
     if arg.seqno > q.submitted:
         raise DriverError(
             errno.EINVAL, f"seqno {arg.seqno} was never submitted (last is {q.submitted})"

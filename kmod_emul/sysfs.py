@@ -124,6 +124,10 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
     def set_boot_fail(text: str) -> None:
         dev.fw_boot_fail = _bool(text)
 
+    def set_sched_hold(text: str) -> None:
+        dev.sched_hold = _bool(text)
+        dev.fw_send(abi.Op.HOLD, 0, (int(dev.sched_hold),))
+
     return {
         "fw_pid": Attr(read=lambda: str(dev.fw.pid) if dev.fw else ""),
         "fw_boot_fail": Attr(read=lambda: str(int(dev.fw_boot_fail)), write=set_boot_fail),
@@ -131,6 +135,7 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
         "reset_hold": Attr(read=lambda: str(int(dev.reset_hold)),
                            write=lambda t: dev.set_reset_hold(_bool(t))),
         "contexts": Attr(read=contexts),
+        "sched_hold": Attr(read=lambda: str(int(dev.sched_hold)), write=set_sched_hold),
     }
 
 

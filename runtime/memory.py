@@ -109,6 +109,20 @@ def _allocator(device: _device.DeviceLike = None) -> CachingAllocator:
         return _allocators[idx]
 
 
+def _refuse_in_capture(s: Stream, what: str) -> None:
+    if s.capturing is not None:
+        raise errors.InvalidValueError(f"{what} cannot be captured into a graph ({s!r} is capturing)")
+
+
+def _refuse_allocation_in_capture(what: str) -> None:
+    from runtime.graphs import capturing_graph
+
+    if capturing_graph() is not None:
+        raise errors.InvalidValueError(
+            f"{what} during graph capture is outside the graph's pool; allocate it before "
+            "capturing (device arrays made during capture come from the graph's pool)")
+
+
 def _packet(op: uapi.Op, *args: int) -> uapi.accel_packet:
     return uapi.accel_packet(opcode=op, a=(*args, *(0,) * (7 - len(args))))
 
@@ -129,7 +143,12 @@ class DeviceArray:
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self.device = idx = _device.current_device() if device is None else _device._index(device)
         self._allocator = _allocator(idx)
-        self._block = self._allocator.malloc(self.nbytes, stream or current_stream(idx))
+        s = stream or current_stream(idx)
+        if s.capturing is not None:  # the graph's own pool, for the graph's lifetime
+            self._block = self._allocator.malloc(self.nbytes, s.capturing)
+            s.capturing.owned.append(self)
+        else:
+            self._block = self._allocator.malloc(self.nbytes, s)
         self.va: int = self._block.va
 
     def __repr__(self) -> str:
@@ -166,8 +185,9 @@ class DeviceArray:
         s = stream or current_stream(self.device)
         va = host_va(host)
         if va is not None:
-            s.submit([_packet(uapi.Op.COPY, self.va, va, self.nbytes)])
+            s.submit([_packet(uapi.Op.COPY, self.va, va, self.nbytes)], uses=(self, host))
         else:
+            _refuse_in_capture(s, "a copy from pageable memory (it needs the host)")
             _staging(self.device).to_device(s, self.va, host.reshape(-1).view(np.uint8))
         return self
 
@@ -176,12 +196,14 @@ class DeviceArray:
         self._host_check(out, "copy_to_host")
         s = stream or current_stream(self.device)
         va = host_va(out)
-        if va is not None and stream is not None:
-            s.submit([_packet(uapi.Op.COPY, va, self.va, self.nbytes)])  # asynchronous
-        elif va is not None:
-            s.wait_seqno(s.submit([_packet(uapi.Op.COPY, va, self.va, self.nbytes)]))
+        if va is not None and stream is not None:  # asynchronous
+            s.submit([_packet(uapi.Op.COPY, va, self.va, self.nbytes)], uses=(self, out))
         else:
-            _staging(self.device).to_host(s, out.reshape(-1).view(np.uint8), self.va)
+            _refuse_in_capture(s, "a host read (it needs the host to wait)")
+            if va is not None:
+                s.wait_seqno(s.submit([_packet(uapi.Op.COPY, va, self.va, self.nbytes)]))
+            else:
+                _staging(self.device).to_host(s, out.reshape(-1).view(np.uint8), self.va)
         return out
 
     def copy_(self, src: DeviceArray, stream: Stream | None = None) -> DeviceArray:
@@ -189,7 +211,7 @@ class DeviceArray:
         if src.nbytes != self.nbytes:
             raise errors.InvalidValueError(f"copy_: {src.nbytes} bytes into {self.nbytes}")
         s = stream or current_stream(self.device)
-        s.submit([_packet(uapi.Op.COPY, self.va, src.va, self.nbytes)])
+        s.submit([_packet(uapi.Op.COPY, self.va, src.va, self.nbytes)], uses=(self, src))
         return self
 
     def memset(self, value: int, stream: Stream | None = None) -> DeviceArray:
@@ -197,11 +219,12 @@ class DeviceArray:
         if not 0 <= value <= 0xFF:
             raise errors.InvalidValueError(f"memset value {value} is not a byte")
         (stream or current_stream(self.device)).submit(
-            [_packet(uapi.Op.MEMSET, self.va, self.nbytes, value)])
+            [_packet(uapi.Op.MEMSET, self.va, self.nbytes, value)], uses=(self,))
         return self
 
     def ipc_handle(self) -> IpcHandle:
         """A handle another process opens with ``open_ipc_handle`` (it maps the segment)."""
+        _refuse_allocation_in_capture("exporting memory")
         backend = _backends[self.device]
         seg = backend.segment_of(self.va)
         reply = backend.ctx.channel.call(uapi.ACCEL_CMD_MEM_EXPORT, uapi.accel_mem_export(
@@ -262,6 +285,7 @@ def _device_by_uuid(uuid: str) -> int:
 
 
 def open_ipc_handle(handle: IpcHandle) -> DeviceArray:
+    _refuse_allocation_in_capture("importing memory")
     return ImportedArray(handle)
 
 
@@ -324,6 +348,7 @@ def host_va(arr: np.ndarray) -> int | None:
 
 
 def _host_empty(shape: Any, dtype: Any, device: _device.DeviceLike, kind: uapi.MemKind) -> HostArray:
+    _refuse_allocation_in_capture(f"allocating {kind.name.lower()} memory")
     dt = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize

@@ -31,7 +31,7 @@ from runtime.context import Context
 
 _U64 = struct.Struct("<Q")
 #: Spin this long on the fence in shared memory before sleeping in the driver.
-SPIN_WAIT_S = 50e-6
+SPIN_WAIT_S = 300e-6
 
 
 class Stream:
@@ -106,6 +106,10 @@ class Stream:
 
         Waiting on an event never recorded is a no-op, as in torch.cuda.
         """
+        if self.capturing is not None or (event.stream is not None
+                                          and event.stream.capturing is not None):
+            raise errors.InvalidValueError("events cannot cross a graph capture; record them "
+                                           "outside the capture")
         if event.stream is None or event.seqno == 0 or event.stream is self:
             return
         src = event.stream
@@ -227,6 +231,9 @@ class Event:
 
     def record(self, stream: Stream | None = None) -> None:
         stream = stream or current_stream()
+        if stream.capturing is not None:
+            raise errors.InvalidValueError(f"recording an event on {stream!r} while it captures "
+                                           "a graph is not supported")
         if self.enable_timing:  # a marker of its own, so the timestamp is exactly here
             seqno = stream.submit([uapi.accel_packet(opcode=uapi.Op.NOP)])
         else:

@@ -1,0 +1,92 @@
+"""Graph capture and replay: record a stream's work once, submit it again as one batch.
+
+While a stream captures (``with graph(g, stream): ...``), what would be queued on it is
+recorded into the graph instead. ``g.replay()`` writes every recorded packet into the
+stream's ring in one submission, so a replay costs one publish however many nodes.
+
+What cannot be captured is refused with InvalidValueError at the call:
+* synchronizing or querying the capturing stream (or an event on it), and so any copy that
+  needs the host to wait: copies to or from pageable memory (pinned memory is capturable);
+* events recorded on or waited for by the capturing stream;
+* allocations outside the graph's pool: pinned, managed and IPC memory. Device arrays
+  created during capture come from the graph's own pool and live as long as the graph.
+
+A replay checks that every array the captured work touches is still alive: replaying after
+captured memory was freed is refused rather than writing into memory someone else owns.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from runtime import errors
+from runtime.stream import Stream, current_stream
+
+_capturing = threading.local()
+
+
+def capturing_graph() -> Graph | None:
+    """The graph this thread is capturing into, if any (allocation checks use it)."""
+    return getattr(_capturing, "graph", None)
+
+
+class Graph:
+    """Recorded packets, the arrays they touch, and the memory allocated while capturing."""
+
+    def __init__(self) -> None:
+        self.packets: list[bytes] = []
+        self._uses: list[weakref.ref[Any]] = []
+        self._names: list[str] = []
+        #: device arrays allocated during capture: the graph keeps them (its pool)
+        self.owned: list[Any] = []
+        self.stream: Stream | None = None
+        self.captured = False
+
+    def __len__(self) -> int:
+        return len(self.packets)
+
+    def record(self, stream: Stream, packets: Sequence[Any], uses: Sequence[Any]) -> int:
+        if stream is not self.stream:
+            raise errors.InvalidValueError(f"{stream!r} is capturing into another graph")
+        self.packets.extend(p if isinstance(p, bytes) else bytes(p) for p in packets)
+        for obj in uses:
+            self._uses.append(weakref.ref(obj))
+            self._names.append(repr(obj))
+        return len(self.packets)
+
+    def replay(self, stream: Stream | None = None) -> int:
+        """Submit the captured work as one batch; return the last packet's seqno."""
+        if not self.captured:
+            raise errors.InvalidValueError("replay of a graph whose capture has not ended")
+        for ref, name in zip(self._uses, self._names):
+            if ref() is None:
+                raise errors.InvalidValueError(
+                    f"graph replay refused: {name}, which the captured work uses, was freed")
+        target = stream or self.stream
+        assert target is not None
+        if target.device != self.stream.device:  # type: ignore[union-attr]
+            raise errors.InvalidValueError("a graph replays on a stream of the device it was captured on")
+        return target._write(self.packets)
+
+
+@contextmanager
+def graph(g: Graph, stream: Stream | None = None) -> Iterator[Graph]:
+    """Capture what is queued on ``stream`` (the current one by default) into ``g``."""
+    s = stream or current_stream()
+    if g.captured or g.stream is not None:
+        raise errors.InvalidValueError("a graph is captured once")
+    if s.capturing is not None or capturing_graph() is not None:
+        raise errors.InvalidValueError(f"{s!r} or this thread is already capturing")
+    g.stream = s
+    s.capturing = g
+    _capturing.graph = g
+    try:
+        yield g
+    finally:
+        s.capturing = None
+        _capturing.graph = None
+        g.captured = True
