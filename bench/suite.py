@@ -16,6 +16,7 @@ import struct
 
 from bench.core import Benchmark, Env, Row, interleave, middle_half, timed_row
 from bench.memory import allocator_and_copies, daemon_memory_per_context
+from bench.submission import idle_cpu, submission
 from kmod_emul import uapi
 
 ECHO_TXN = "echo-fs pwrite+pread"
@@ -182,11 +183,13 @@ def sysfs_read(env: Env) -> list[Row]:
                            f"{s.rounds} interleaved rounds of {s.block}")]
 
 
-#: Run in this order. Later issues append (launch rate, ...).
+#: Run in this order. Later issues append (kernels, ...).
 BENCHMARKS: list[tuple[str, Benchmark]] = [
     ("command_round_trips", command_round_trips),
     ("sysfs_read", sysfs_read),
     ("daemon_start", daemon_start),
     ("allocator_and_copies", allocator_and_copies),
     ("daemon_memory_per_context", daemon_memory_per_context),
+    ("submission", submission),
+    ("idle_cpu", idle_cpu),
 ]

@@ -30,8 +30,10 @@ from runtime.context import Context
 
 
 _U64 = struct.Struct("<Q")
-#: Spin this long on the fence in shared memory before sleeping in the driver.
-SPIN_WAIT_S = 300e-6
+#: Poll the fence in shared memory this long (yielding the CPU, which the firmware may
+#: need on a 2-core machine) before sleeping in the driver: waking a sleeping firmware
+#: takes a few hundred microseconds here, a FUSE round trip to sleep ~60 us more.
+SPIN_WAIT_S = 2e-3
 
 
 class Stream:
@@ -161,8 +163,11 @@ class Stream:
         if seqno == 0:
             return 0
         spin_until = time.perf_counter() + SPIN_WAIT_S
+        polls = 0
         while self.completed < seqno and time.perf_counter() < spin_until:
-            pass
+            polls += 1
+            if polls > 64:  # a short wait spins; a longer one shares the CPU
+                os.sched_yield()
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.completed < seqno:
             slice_ns = uapi.ACCEL_WAIT_SLICE_NS
