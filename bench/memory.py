@@ -134,7 +134,7 @@ def daemon_memory_per_context(env: Env) -> list[Row]:
             arg = uapi.accel_ctx_create(abi_major=uapi.ACCEL_ABI_MAJOR,
                                         abi_minor=uapi.ACCEL_ABI_MINOR)
             os.pwrite(fd, bytes(hdr) + bytes(arg), 0)
-            os.pread(fd, 64, 1)
+            os.pread(fd, len(bytes(arg)), 1)
         after = total(pids)
     finally:
         for fd in fds:

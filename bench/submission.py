@@ -178,7 +178,7 @@ def _copy(dst: int, src: int, n: int) -> uapi.accel_packet:
 
 
 def _taken(stream: object) -> int:
-    return int.from_bytes(stream._ring[uapi.RING_RPTR:uapi.RING_RPTR + 8], "little")  # type: ignore[attr-defined]
+    return stream._ring.rptr  # type: ignore[attr-defined]
 
 
 def idle_cpu(env: Env) -> list[Row]:

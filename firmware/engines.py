@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import heapq
 import itertools
-import mmap
 import os
 import struct
 import threading
@@ -36,7 +35,6 @@ from kmod_emul import uapi
 from kmod_emul.uapi import Op
 
 _PKT = struct.Struct("<II7Q")
-_U64 = struct.Struct("<Q")
 #: Copies and memsets up to this size run inline on the scheduler; larger on an engine.
 INLINE_BYTES = 256 * 1024
 #: Engines move large copies in chunks of this size and check for higher-priority work
@@ -44,39 +42,20 @@ INLINE_BYTES = 256 * 1024
 COPY_CHUNK = 4 * 1024 * 1024
 
 
-class Ring:
-    """One queue's ring as the firmware sees it."""
+class Ring(uapi.RingView):
+    """One queue's ring as the firmware, its consumer, sees it."""
 
     def __init__(self, ctx: FwContext, qid: int, priority: int, path: str,
                  fence_only: bool = False) -> None:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self.mem = mmap.mmap(fd, uapi.RING_FILE_SIZE)
-        finally:
-            os.close(fd)
+        super().__init__(path)
         self.ctx, self.id, self.priority = ctx, qid, priority
         self.fence_only = fence_only  # another device's queue, imported to wait on
-        self.ts = np.frombuffer(self.mem, np.uint64, uapi.RING_SLOTS, uapi.RING_TIMESTAMPS)
-        self.taken = self._get(uapi.RING_RPTR)
+        self.taken = self.rptr
         self.busy = False  # an engine runs its current packet
         self.blocked: tuple[Ring, int] | None = None  # waiting for (ring, seqno)
-        self.faulted = self._get(uapi.RING_ERROR_SEQNO) != 0
+        self.faulted = self.read_fault()[0] != 0
         self.closing = False
         self.last_irq = 0
-
-    def _get(self, off: int) -> int:
-        return _U64.unpack_from(self.mem, off)[0]
-
-    def _set(self, off: int, value: int) -> None:
-        _U64.pack_into(self.mem, off, value)
-
-    @property
-    def wptr(self) -> int:
-        return self._get(uapi.RING_WPTR)
-
-    @property
-    def completed(self) -> int:
-        return self._get(uapi.RING_COMPLETED)
 
     def ready(self) -> bool:
         """Has a packet the scheduler could take now."""
@@ -84,23 +63,22 @@ class Ring:
 
     def take(self) -> tuple[int, tuple[int, ...]]:
         seqno = self.taken + 1
-        slot = (seqno - 1) % uapi.RING_SLOTS
-        pkt = _PKT.unpack_from(self.mem, uapi.RING_PACKETS + slot * 64)
+        pkt = _PKT.unpack_from(self.mem, uapi.RING_PACKETS + ((seqno - 1) % uapi.RING_SLOTS) * 64)
         self.taken = seqno
-        self._set(uapi.RING_RPTR, seqno)
+        self.set(uapi.RING_RPTR, seqno)
         return seqno, pkt
 
     def complete(self, seqno: int, status: int, addr: int, opcode: int) -> None:
         """Publish a completion: timestamp, first fault, then the fence (in that order)."""
-        self.ts[(seqno - 1) % uapi.RING_SLOTS] = time.monotonic_ns()
+        self.stamp(seqno, time.monotonic_ns())
         if status and not self.faulted:
-            struct.pack_into("<QIIQ", self.mem, uapi.RING_ERROR_SEQNO, seqno, status, opcode, addr)
+            self.write_fault(seqno, status, opcode, addr)
             self.faulted = True
-        self._set(uapi.RING_COMPLETED, seqno)
+        self.set(uapi.RING_COMPLETED, seqno)
 
     def irq_due(self) -> int:
         """The fence value to interrupt the driver with, or 0."""
-        armed = self._get(uapi.RING_IRQ_SEQNO)
+        armed = self.get(uapi.RING_IRQ_SEQNO)
         done = self.completed
         if armed and done >= armed and armed > self.last_irq:
             self.last_irq = done
@@ -108,7 +86,7 @@ class Ring:
         return 0
 
     def set_sleeping(self, value: int) -> None:
-        self._set(uapi.RING_SLEEPING, value)
+        self.set(uapi.RING_SLEEPING, value)
 
 
 @dataclass(eq=False)

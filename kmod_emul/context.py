@@ -10,9 +10,6 @@ The owner (tgid and uid) is bound at open, the only request on which FUSE says w
 from __future__ import annotations
 
 import errno
-import mmap
-import os
-import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,8 +17,6 @@ import trio
 
 from kmod_emul import uapi
 from kmod_emul.errors import DriverError
-
-_U64 = struct.Struct("<Q")
 
 if TYPE_CHECKING:
     from kmod_emul.device import AccelDevice
@@ -40,60 +35,41 @@ def tgid_of(tid: int) -> int:
     return tid
 
 
-class Queue:
+class Queue(uapi.RingView):
     """A user-mode queue's ring as the driver sees it: it reads the fence and the fault the
     firmware writes, arms the completion interrupt for waiters, and is the producer of the
     context's default queue (SUBMIT_NOOP)."""
 
     def __init__(self, qid: int, ctx: Context, priority: int, path: str,
                  fence_only: bool = False) -> None:
+        super().__init__(path)
         self.id, self.ctx, self.priority, self.path = qid, ctx, priority, path
         self.fence_only = fence_only
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            self.mem = mmap.mmap(fd, uapi.RING_FILE_SIZE)
-        finally:
-            os.close(fd)
         self._progress = trio.Event()
-
-    def _get(self, off: int) -> int:
-        return _U64.unpack_from(self.mem, off)[0]
 
     @property
     def submitted(self) -> int:
-        return self._get(uapi.RING_WPTR)
-
-    @property
-    def completed(self) -> int:
-        return self._get(uapi.RING_COMPLETED)
+        return self.wptr
 
     @property
     def fault(self) -> tuple[int, int, int, int] | None:
         """(seqno, errno, address, opcode) of the first faulted packet, if any."""
-        seqno, code, opcode, addr = struct.unpack_from("<QIIQ", self.mem, uapi.RING_ERROR_SEQNO)
+        seqno, code, opcode, addr = self.read_fault()
         return (seqno, code, addr, opcode) if seqno else None
-
-    def timestamp(self, seqno: int) -> int:
-        """Completion time of ``seqno`` while its slot was not reused (0 otherwise)."""
-        if not seqno or seqno > self.completed or self.completed - seqno >= uapi.RING_SLOTS:
-            return 0
-        return _U64.unpack_from(self.mem, uapi.RING_TIMESTAMPS
-                                + ((seqno - 1) % uapi.RING_SLOTS) * 8)[0]
 
     def push(self, packet: bytes) -> int:
         """Driver as producer (the default queue only): write one packet, publish it."""
-        wptr = self.submitted
-        if wptr - self._get(uapi.RING_RPTR) >= uapi.RING_SLOTS:
+        wptr = self.wptr
+        if wptr - self.rptr >= uapi.RING_SLOTS:
             raise DriverError(errno.EAGAIN, f"queue {self.id} is full")
-        off = uapi.RING_PACKETS + (wptr % uapi.RING_SLOTS) * 64
-        self.mem[off : off + 64] = packet
-        _U64.pack_into(self.mem, uapi.RING_WPTR, wptr + 1)
+        self.write_packet(wptr, packet)
+        self.set(uapi.RING_WPTR, wptr + 1)
         return wptr + 1
 
     def _arm(self, seqno: int) -> None:
-        armed = self._get(uapi.RING_IRQ_SEQNO)
+        armed = self.get(uapi.RING_IRQ_SEQNO)
         if armed == 0 or armed > seqno or armed <= self.completed:
-            _U64.pack_into(self.mem, uapi.RING_IRQ_SEQNO, seqno)
+            self.set(uapi.RING_IRQ_SEQNO, seqno)
 
     def wake(self) -> None:
         self._progress.set()

@@ -25,6 +25,9 @@ from __future__ import annotations
 import ctypes
 import enum
 import errno
+import mmap
+import os
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Final
@@ -494,6 +497,61 @@ def full_barrier() -> None:
     on x86. (A wake-up lost anyway costs at most the firmware's heartbeat interval.)"""
     _BARRIER.acquire()
     _BARRIER.release()
+
+
+_U64 = struct.Struct("<Q")
+_FAULT = struct.Struct("<QIIQ")  # seqno, errno, opcode, address
+
+
+class RingView:
+    """Typed access to a mapped ring file (the layout above), for every party to the ring:
+    the runtime (producer), the firmware (consumer) and the driver (waiter)."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self.mem = mmap.mmap(fd, RING_FILE_SIZE)
+        finally:
+            os.close(fd)
+
+    def get(self, off: int) -> int:
+        return _U64.unpack_from(self.mem, off)[0]
+
+    def set(self, off: int, value: int) -> None:
+        _U64.pack_into(self.mem, off, value)
+
+    @property
+    def wptr(self) -> int:
+        return self.get(RING_WPTR)
+
+    @property
+    def rptr(self) -> int:
+        return self.get(RING_RPTR)
+
+    @property
+    def completed(self) -> int:
+        return self.get(RING_COMPLETED)
+
+    def write_packet(self, index: int, packet: bytes) -> None:
+        off = RING_PACKETS + (index % RING_SLOTS) * 64
+        self.mem[off : off + 64] = packet
+
+    def read_fault(self) -> tuple[int, int, int, int]:
+        """(seqno, errno, opcode, address) of the first faulted packet; seqno 0: none."""
+        return _FAULT.unpack_from(self.mem, RING_ERROR_SEQNO)  # type: ignore[return-value]
+
+    def write_fault(self, seqno: int, code: int, opcode: int, addr: int) -> None:
+        _FAULT.pack_into(self.mem, RING_ERROR_SEQNO, seqno, code, opcode, addr)
+
+    def timestamp(self, seqno: int) -> int:
+        """Device time (ns) ``seqno`` completed; 0 if not yet, or if its slot was reused."""
+        done = self.completed
+        if not seqno or seqno > done or done - seqno >= RING_SLOTS:
+            return 0
+        return _U64.unpack_from(self.mem, RING_TIMESTAMPS + ((seqno - 1) % RING_SLOTS) * 8)[0]
+
+    def stamp(self, seqno: int, now_ns: int) -> None:
+        _U64.pack_into(self.mem, RING_TIMESTAMPS + ((seqno - 1) % RING_SLOTS) * 8, now_ns)
 
 
 def ring_name(queue_id: int, token: int) -> str:

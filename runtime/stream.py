@@ -14,9 +14,7 @@ asks for the device's high-priority queues.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
-import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -29,7 +27,6 @@ from runtime import errors
 from runtime.context import Context
 
 
-_U64 = struct.Struct("<Q")
 #: Poll the fence in shared memory this long (yielding the CPU, which the firmware may
 #: need on a 2-core machine) before sleeping in the driver: waking a sleeping firmware
 #: takes a few hundred microseconds here, a FUSE round trip to sleep ~60 us more.
@@ -51,11 +48,7 @@ class Stream:
                 else uapi.ACCEL_QUEUE_PRIORITY_LOW),
         )
         self.queue_id: int = reply.queue_id
-        fd = os.open(uapi.cstr(reply.ring_path), os.O_RDWR | os.O_CLOEXEC)
-        try:
-            self._ring = mmap.mmap(fd, uapi.RING_FILE_SIZE)
-        finally:
-            os.close(fd)
+        self._ring = uapi.RingView(uapi.cstr(reply.ring_path))
         self.last_seqno = 0
         self._lock = threading.Lock()
         #: graph capture in progress on this stream (see runtime.graphs)
@@ -76,24 +69,23 @@ class Stream:
     def _write(self, packets: Sequence[Any]) -> int:
         ring = self._ring
         with self._lock:
-            if _U64.unpack_from(ring, uapi.RING_ERROR_SEQNO)[0]:
+            if ring.read_fault()[0]:
                 self._raise_fault(self.last_seqno, refusing=True)
             wptr = self.last_seqno
             for pkt in packets:
-                while wptr - _U64.unpack_from(ring, uapi.RING_RPTR)[0] >= uapi.RING_SLOTS:
+                while wptr - ring.rptr >= uapi.RING_SLOTS:
                     self._publish(wptr)  # full: let the firmware see what is there, wait
                     time.sleep(20e-6)
-                off = uapi.RING_PACKETS + (wptr % uapi.RING_SLOTS) * 64
-                ring[off : off + 64] = pkt if isinstance(pkt, bytes) else bytes(pkt)
+                ring.write_packet(wptr, pkt if isinstance(pkt, bytes) else bytes(pkt))
                 wptr += 1
             self._publish(wptr)
             self.last_seqno = wptr
             return wptr
 
     def _publish(self, wptr: int) -> None:
-        _U64.pack_into(self._ring, uapi.RING_WPTR, wptr)
+        self._ring.set(uapi.RING_WPTR, wptr)
         uapi.full_barrier()
-        if _U64.unpack_from(self._ring, uapi.RING_SLEEPING)[0]:
+        if self._ring.get(uapi.RING_SLEEPING):
             self.ctx.ring_doorbell()
 
     def record_event(self) -> Event:
@@ -126,13 +118,12 @@ class Stream:
     @property
     def completed(self) -> int:
         """The fence: the last seqno the device completed (read from shared memory)."""
-        return _U64.unpack_from(self._ring, uapi.RING_COMPLETED)[0]
+        return self._ring.completed
 
     def _raise_fault(self, seqno: int, refusing: bool = False) -> None:
         """Raise the stream's fault if it covers ``seqno``. ``refusing``: new work is being
         refused because of it (errno ECANCELED, the record names the original fault)."""
-        err_seqno, code, opcode, addr = struct.unpack_from("<QIIQ", self._ring,
-                                                            uapi.RING_ERROR_SEQNO)
+        err_seqno, code, opcode, addr = self._ring.read_fault()
         if err_seqno and (refusing or err_seqno <= seqno):
             err = fault_error(self, err_seqno, code, opcode, addr)
             if refusing:
@@ -141,10 +132,7 @@ class Stream:
 
     def timestamp(self, seqno: int) -> int:
         """Device time (ns) ``seqno`` completed, while its slot is not reused."""
-        if not seqno or self.completed - seqno >= uapi.RING_SLOTS:
-            return 0
-        return _U64.unpack_from(self._ring, uapi.RING_TIMESTAMPS
-                                + ((seqno - 1) % uapi.RING_SLOTS) * 8)[0]
+        return self._ring.timestamp(seqno)
 
     def _check_host_wait(self) -> None:
         if self.capturing is not None:

@@ -210,7 +210,7 @@ def test_priorities_high_runs_first_and_preempts_long_copies(make_daemon):
         high.synchronize(); low1.synchronize()
         print(b.stream.timestamp(b.seqno) <= a.stream.timestamp(a.seqno + 1))
         # preemption: each copy engine busy with one long (18-chunk) low-priority copy
-        taken = lambda s: int.from_bytes(s._ring[uapi.RING_RPTR:uapi.RING_RPTR + 8], "little")
+        taken = lambda s: s._ring.rptr
         big[1].copy_(big[0], stream=low1)
         big[2].copy_(big[0], stream=low2)
         t_end = time.monotonic() + 5
