@@ -27,6 +27,7 @@ from runtime import errors
 from runtime.context import Context
 
 
+_NOP = bytes(uapi.accel_packet(opcode=uapi.Op.NOP))
 #: Poll the fence in shared memory this long (yielding the CPU, which the firmware may
 #: need on a 2-core machine) before sleeping in the driver: waking a sleeping firmware
 #: takes a few hundred microseconds here, a FUSE round trip to sleep ~60 us more.
@@ -87,6 +88,10 @@ class Stream:
         uapi.full_barrier()
         if self._ring.get(uapi.RING_SLEEPING):
             self.ctx.ring_doorbell()
+
+    def submit_nop(self) -> int:
+        """Queue a no-op (a marker); return its seqno."""
+        return self.submit([_NOP])
 
     def record_event(self) -> Event:
         """An event at this point of the stream (what the caching allocator records)."""
@@ -228,7 +233,7 @@ class Event:
             raise errors.InvalidValueError(f"recording an event on {stream!r} while it captures "
                                            "a graph is not supported")
         if self.enable_timing:  # a marker of its own, so the timestamp is exactly here
-            seqno = stream.submit([uapi.accel_packet(opcode=uapi.Op.NOP)])
+            seqno = stream.submit_nop()
         else:
             seqno = stream.last_seqno
         self.stream, self.seqno = stream, seqno
