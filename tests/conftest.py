@@ -136,3 +136,14 @@ def firmware_copy(tmp_path: Path) -> Path:
     fw_dir.mkdir()
     shutil.copy(IMAGE_DIR / IMAGE_NAME, fw_dir / IMAGE_NAME)
     return fw_dir
+
+
+@pytest.fixture(autouse=True)
+def _shared_daemon_idle(request: pytest.FixtureRequest) -> None:
+    """Tests on the shared daemon start from an idle device: processes of earlier tests have
+    exited, but the firmware confirms their teardown (and the memory comes back) a moment
+    later, and tests that compare sysfs figures must not see that tail."""
+    if "daemon" in request.fixturenames:
+        d: Daemon = request.getfixturevalue("daemon")
+        for dev in range(d.devices):
+            d.wait_attrs(dev, {"contexts": "0", "memory_used": "0"})
