@@ -151,13 +151,21 @@ class Firmware:
             self._deferred_unmaps.append((ctx, a[0], targets))
         elif op == abi.Op.QUEUE_CREATE:
             qid, priority, token = a[0], a[1], a[2]
-            ring = Ring(ctx, qid, priority, os.path.join(self.shm_dir, uapi.ring_name(qid, token)))
+            try:
+                ring = Ring(ctx, qid, priority,
+                            os.path.join(self.shm_dir, uapi.ring_name(qid, token)))
+            except OSError:
+                return  # destroyed before we got to it: the driver already removed the file
             ctx.queues[qid] = ring
             self.sched.add(ring)
         elif op == abi.Op.QUEUE_IMPORT:
             local, _peer_dev, peer_qid, token = a[0], a[1], a[2], a[3]
-            path = os.path.join(self.shm_dir, uapi.ring_name(peer_qid, token))
-            ctx.queues[local] = Ring(ctx, local, 0, path, fence_only=True)
+            try:
+                ring = Ring(ctx, local, 0, os.path.join(self.shm_dir, uapi.ring_name(peer_qid, token)),
+                            fence_only=True)
+            except OSError:
+                return  # the peer queue is gone; a WAIT_QUEUE naming it faults as unknown
+            ctx.queues[local] = ring
         elif op == abi.Op.QUEUE_DESTROY:
             ring = ctx.queues.get(a[0])
             if ring is not None:

@@ -270,9 +270,16 @@ class AccelDevice:
         return q
 
     def destroy_queue(self, q: Queue) -> None:
-        """The queue's work already queued still runs; waits on its fence keep working."""
-        del q.ctx.queues[q.id]
-        q.ctx.retired_queues[q.id] = q
+        """The queue's work already queued still runs; waits on its fence keep working.
+        Retired queues that have drained are forgotten here, files and all (a wait on one
+        is already satisfied in shared memory and never reaches the driver)."""
+        ctx = q.ctx
+        del ctx.queues[q.id]
+        ctx.retired_queues[q.id] = q
+        for old in [r for r in ctx.retired_queues.values() if r.completed >= r.submitted]:
+            del ctx.retired_queues[old.id]
+            ctx.files.remove(old.path)
+            _unlink_all([old.path])
         self.fw_send(abi.Op.QUEUE_DESTROY, q.ctx.id, (q.id,))
 
     def import_queue(self, ctx: Context, peer_index: int, peer_qid: int) -> Queue:

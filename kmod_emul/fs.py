@@ -170,7 +170,10 @@ class AccelFS(pyfuse3.Operations):
             reading = flags & os.O_ACCMODE != os.O_WRONLY
             if (writing and node.attr.write is None) or (reading and node.attr.read is None):
                 raise pyfuse3.FUSEError(errno.EACCES)
-            text = node.attr.read() if reading and node.attr.read else ""
+            try:
+                text = node.attr.read() if reading and node.attr.read else ""
+            except Exception as exc:  # noqa: BLE001 - see _fuse_error
+                raise _fuse_error(exc) from None
             handle = AttrHandle(node, (text + "\n").encode() if reading else b"")
         else:
             raise pyfuse3.FUSEError(errno.EISDIR)

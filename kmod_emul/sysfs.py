@@ -113,11 +113,11 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
         dev.hang_firmware()
 
     def contexts() -> str:
-        rows = ["id pid uid exclusive submitted completed state"]
+        rows = ["id pid uid exclusive queues allocations state"]
         for c in dev.contexts.values():
             rows.append(
-                f"{c.id} {c.file.pid} {c.file.uid} {int(c.exclusive)} {c.submitted} "
-                f"{c.completed} {'lost' if c.lost else 'live'}"
+                f"{c.id} {c.file.pid} {c.file.uid} {int(c.exclusive)} {len(c.queues)} "
+                f"{len(c.allocations)} {'lost' if c.lost else 'live'}"
             )
         return "\n".join(rows)
 

@@ -50,6 +50,7 @@ class Stream:
         )
         self.queue_id: int = reply.queue_id
         self._ring = uapi.RingView(uapi.cstr(reply.ring_path))
+        self._closed = False
         self.last_seqno = 0
         self._lock = threading.Lock()
         #: graph capture in progress on this stream (see runtime.graphs)
@@ -69,6 +70,8 @@ class Stream:
 
     def _write(self, packets: Sequence[Any]) -> int:
         ring = self._ring
+        if self._closed:
+            raise errors.InvalidValueError(f"{self!r} is closed")
         with self._lock:
             if ring.read_fault()[0]:
                 self._raise_fault(self.last_seqno, refusing=True)
@@ -189,8 +192,16 @@ class Stream:
     def synchronize(self, timeout: float | None = None) -> None:
         self.wait_seqno(self.last_seqno, timeout)
 
+    def __del__(self) -> None:
+        if hasattr(self, "_ring"):
+            self.close()
+
     def close(self) -> None:
-        """Give the queue back; work already queued still runs to completion."""
+        """Give the queue back; work already queued still runs to completion (and its
+        events stay waitable)."""
+        if self._closed:
+            return
+        self._closed = True
         if self.ctx.channel.fd >= 0 and os.getpid() == self.ctx.channel.pid:
             try:
                 self.ctx.channel.call(uapi.ACCEL_CMD_QUEUE_DESTROY, uapi.accel_queue_destroy(

@@ -207,3 +207,13 @@ def test_random_bytes_never_harm_the_driver(dev, bystander, payload):
     err = errname(lambda: dev.write(payload))
     assert err in ("", "EINVAL", "ENOTTY", "EBADFD", "EEXIST", "ENOENT", "EPROTO")
     assert_unharmed(dev, bystander)
+
+
+def test_debugfs_contexts_lists_live_contexts(daemon, dev):
+    """Regression: rendering this table once crashed the daemon (a field had moved)."""
+    ctx = dev.ctx_create()
+    rows = daemon.debug(0, "contexts").read_text().splitlines()
+    assert rows[0].split() == ["id", "pid", "uid", "exclusive", "queues", "allocations", "state"]
+    mine = [r.split() for r in rows[1:] if r.split()[0] == str(ctx)]
+    assert mine == [[str(ctx), str(os.getpid()), str(os.getuid()), "0", "1", "0", "live"]]
+    assert dev.query().state == uapi.DeviceState.OPERATIONAL  # and the daemon still serves
