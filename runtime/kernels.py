@@ -1,0 +1,967 @@
+"""The kernel compiler front end: Python kernel source -> module IR (docs/kernels.md).
+
+This module only *validates* and *describes* kernels; it never runs them and never
+imports numba, numpy or the firmware. The firmware re-validates the IR's ``source`` with
+the same rules before it lowers it (it never trusts the runtime), so everything here is
+deliberately strict and conservative: a construct the contract does not list is rejected
+with the line in the user's file and a reason that names it, rather than passed along to
+fail later, far from the user, inside a JIT.
+
+Public API:
+
+- :func:`validate` -- one kernel (function object or source text) -> its IR dict;
+- :func:`compile_module` -- source text / function / list of functions -> module IR;
+- :func:`module_hash` -- sha256 of the canonical JSON of a module IR (cache key);
+- :class:`KernelCompileError` -- with ``lineno``, ``reason`` and ``kernel``.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import hashlib
+import inspect
+import json
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from runtime.errors import InvalidValueError
+
+FORMAT = 1
+ISA = "aemu-isa"
+ISA_VERSION = "1.0"
+
+#: dtype name -> (launch-ABI dtype code, itemsize in bytes). Codes are docs/kernels.md's.
+DTYPES: dict[str, tuple[int, int]] = {
+    "int8": (1, 1), "uint8": (2, 1), "int16": (3, 2), "uint16": (4, 2),
+    "int32": (5, 4), "uint32": (6, 4), "int64": (7, 8), "uint64": (8, 8),
+    "float32": (9, 4), "float64": (10, 8), "bool": (11, 1),
+}
+#: Short spellings users may write in annotations and ``shared_array``.
+DTYPE_ALIASES: dict[str, str] = {
+    "i8": "int8", "u8": "uint8", "i16": "int16", "u16": "uint16",
+    "i32": "int32", "u32": "uint32", "i64": "int64", "u64": "uint64",
+    "f32": "float32", "f64": "float64",
+}
+
+_ID_BUILTINS = frozenset({"global_id", "local_id", "group_id", "local_size", "num_groups"})
+#: Built-ins whose value differs between the threads of one block.
+_THREAD_IDS = frozenset({"global_id", "local_id"})
+_UNARY_BUILTINS = frozenset({"sqrt", "exp", "log", "sin", "cos", "tanh", "abs", "floor",
+                             "float", "int"})
+_VARIADIC_BUILTINS = frozenset({"min", "max"})
+BUILTINS: frozenset[str] = (_ID_BUILTINS | _UNARY_BUILTINS | _VARIADIC_BUILTINS
+                            | {"barrier", "shared_array", "atomic_add"})
+#: Names a kernel can never bind (``range`` is only legal as a for loop's iterable).
+_RESERVED = BUILTINS | {"range"}
+#: Host built-ins that are worth a pointed message rather than "not a built-in".
+_FORBIDDEN_CALLS = frozenset({"exec", "eval", "compile", "__import__", "open", "getattr",
+                              "setattr", "delattr", "globals", "locals", "vars", "input"})
+
+_AUG_OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.BitAnd,
+            ast.BitOr, ast.BitXor, ast.LShift, ast.RShift)
+_BIN_OPS = _AUG_OPS + (ast.Pow,)
+_UNARY_OPS = (ast.UAdd, ast.USub, ast.Not, ast.Invert)
+_CMP_OPS = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+_OP_SYMBOLS = {ast.Pow: "**", ast.MatMult: "@", ast.Is: "is", ast.IsNot: "is not",
+               ast.In: "in", ast.NotIn: "not in"}
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+
+#: Reasons for constructs the language does not have, keyed by AST node type.
+_CONSTRUCTS: dict[type, str] = {
+    ast.Import: "imports are not allowed in a kernel",
+    ast.ImportFrom: "imports are not allowed in a kernel",
+    ast.Global: "`global` declarations are not allowed in a kernel",
+    ast.Nonlocal: "`nonlocal` declarations are not allowed in a kernel",
+    ast.Lambda: "lambda expressions are not allowed in a kernel",
+    ast.ListComp: "list comprehensions are not allowed in a kernel",
+    ast.SetComp: "set comprehensions are not allowed in a kernel",
+    ast.DictComp: "dict comprehensions are not allowed in a kernel",
+    ast.GeneratorExp: "generator expressions are not allowed in a kernel",
+    ast.With: "`with` statements are not allowed in a kernel",
+    ast.AsyncWith: "`async with` is not allowed in a kernel (no async)",
+    ast.AsyncFor: "`async for` is not allowed in a kernel (no async)",
+    ast.AsyncFunctionDef: "async functions are not allowed in a kernel (no async)",
+    ast.Await: "`await` is not allowed in a kernel (no async)",
+    ast.Try: "`try` statements are not allowed in a kernel",
+    ast.Raise: "`raise` is not allowed in a kernel",
+    ast.Assert: "`assert` is not allowed in a kernel",
+    ast.Yield: "`yield` is not allowed in a kernel (kernels are not generators)",
+    ast.YieldFrom: "`yield from` is not allowed in a kernel (kernels are not generators)",
+    ast.FunctionDef: "nested functions are not allowed in a kernel",
+    ast.ClassDef: "class definitions are not allowed in a kernel",
+    ast.Delete: "`del` statements are not allowed in a kernel",
+    ast.Starred: "starred expressions (`*x`) are not allowed in a kernel",
+    ast.NamedExpr: "assignment expressions (`:=`) are not allowed in a kernel",
+    ast.JoinedStr: "f-strings are not allowed in a kernel",
+    ast.List: "lists are not allowed in a kernel",
+    ast.Tuple: "tuples are only allowed as buffer indices and shared_array shapes",
+    ast.Dict: "dicts are not allowed in a kernel",
+    ast.Set: "sets are not allowed in a kernel",
+    ast.Slice: "slices are not allowed in a kernel (index one element at a time)",
+    ast.Match: "`match` statements are not allowed in a kernel",
+    ast.AnnAssign: "annotated assignments are not allowed in a kernel (annotate parameters)",
+}
+if hasattr(ast, "TryStar"):  # Python 3.11+
+    _CONSTRUCTS[ast.TryStar] = "`try` statements are not allowed in a kernel"
+
+
+class KernelCompileError(InvalidValueError):
+    """A kernel the front end rejects. ``lineno`` is 1-based in the user's file (for a
+    function object, the file that defines it), ``reason`` the rule it breaks."""
+
+    def __init__(self, reason: str, lineno: int, kernel: str | None = None) -> None:
+        where = f"kernel {kernel}, line {lineno}" if kernel else f"line {lineno}"
+        super().__init__(f"{where}: {reason}")
+        self.reason = reason
+        self.lineno = lineno
+        self.kernel = kernel
+
+
+def normalize_dtype(name: str) -> str | None:
+    """The canonical dtype name for ``name`` ("f32" -> "float32"), None if unknown."""
+    name = DTYPE_ALIASES.get(name, name)
+    return name if name in DTYPES else None
+
+
+def _is_dunder(name: str) -> bool:
+    return len(name) > 4 and name.startswith("__") and name.endswith("__")
+
+
+def _is_const_int(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Constant) and isinstance(node.value, int)
+            and not isinstance(node.value, bool))
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@dataclass
+class _Unit:
+    """One kernel definition and the offset from its AST line numbers to the user's."""
+
+    fn: ast.FunctionDef
+    offset: int
+
+
+def _parse(text: str, offset: int) -> list[_Unit]:
+    """Parse source text whose line 1 is line ``offset + 1`` of the user's file into its
+    top-level kernel definitions; anything else at the top level is an error."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError as e:
+        raise KernelCompileError(f"syntax error: {e.msg}", (e.lineno or 0) + offset) from None
+    units: list[_Unit] = []
+    for i, stmt in enumerate(tree.body):
+        if isinstance(stmt, ast.FunctionDef):
+            units.append(_Unit(stmt, offset))
+        elif (i == 0 and isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
+              and isinstance(stmt.value.value, str)):
+            continue  # a module docstring
+        elif type(stmt) in (ast.Import, ast.ImportFrom, ast.AsyncFunctionDef):
+            raise KernelCompileError(_CONSTRUCTS[type(stmt)], stmt.lineno + offset)
+        else:
+            raise KernelCompileError(
+                "only kernel definitions (`def`) are allowed at the top level of kernel "
+                f"source, not {type(stmt).__name__}", stmt.lineno + offset)
+    if not units:
+        raise KernelCompileError("no kernel definition (`def`) in the source", 1 + offset)
+    return units
+
+
+def _units_of_function(fn: Callable[..., Any]) -> list[_Unit]:
+    """A function object's definition, with line numbers of the file that defines it.
+
+    ``inspect.getsource`` starts at the first decorator, and so does ``co_firstlineno``,
+    so the offset is the same whether or not the function is decorated."""
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        raise KernelCompileError(f"{fn!r} is not a Python function", 0)
+    if fn.__name__ == "<lambda>":
+        raise KernelCompileError("a kernel must be a `def`, not a lambda",
+                                 code.co_firstlineno)
+    try:
+        text = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError) as e:
+        raise KernelCompileError(f"cannot read the source of {fn.__name__}: {e}", 0) from None
+    offset = code.co_firstlineno - 1
+    units = _parse(text, offset)
+    if len(units) != 1:  # pragma: no cover - getsource returns one definition
+        raise KernelCompileError("a kernel must be exactly one `def`", 1 + offset)
+    return units
+
+
+def _units(source: Any) -> list[_Unit]:
+    if isinstance(source, str):
+        return _parse(textwrap.dedent(source), 0)
+    if isinstance(source, (list, tuple)):
+        return [u for item in source for u in _units(item)]
+    if callable(source):
+        return _units_of_function(source)
+    raise InvalidValueError(
+        f"a kernel is a function, source text or a list of functions, not {type(source).__name__}")
+
+
+# --------------------------------------------------------------------------- checker
+
+
+class _Checker:
+    """Validates one kernel definition and builds its IR.
+
+    Passes: a pre-scan that classifies names (buffer parameters, shared arrays, locals),
+    a structural pass in source order that enforces the whitelist and the built-ins'
+    signatures, then the ndim and barrier-uniformity checks that need the whole body."""
+
+    def __init__(self, unit: _Unit) -> None:
+        self.fn = unit.fn
+        self.offset = unit.offset
+        self.name = unit.fn.name
+        self.params: dict[str, str | None] = {}   # name -> dtype (None: at launch)
+        self.buffers: set[str] = set()            # params used as arrays
+        self.shared: dict[str, int] = {}          # shared array local -> ndim
+        self.shared_lines: dict[str, int] = {}    # shared array local -> defining line
+        self.locals: set[str] = set()             # assigned names that are not params
+        self.ndims: dict[str, tuple[int, int]] = {}  # buffer -> (ndim, first line)
+        self.shape_refs: list[tuple[str, int, ast.AST]] = []
+        self.shared_mem = 0
+        self.uses_barrier = False
+        self.uses_atomics = False
+        self.loop_depth = 0
+
+    # -- helpers ---------------------------------------------------------------
+
+    def fail(self, node: ast.AST, reason: str) -> None:
+        raise KernelCompileError(reason, getattr(node, "lineno", self.fn.lineno) + self.offset,
+                                 self.name)
+
+    def line(self, node: ast.AST) -> int:
+        return node.lineno + self.offset
+
+    def reject(self, node: ast.AST) -> None:
+        reason = _CONSTRUCTS.get(type(node))
+        self.fail(node, reason or f"`{type(node).__name__}` is not allowed in a kernel")
+
+    @property
+    def arrays(self) -> set[str]:
+        return self.buffers | set(self.shared)
+
+    # -- driver ------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        if _is_dunder(self.name):
+            self.fail(self.fn, f"dunder name `{self.name}` is not allowed as a kernel name")
+        body = self._body()
+        self._signature()
+        self._prescan(body)
+        self._stmts(body)
+        self._check_shape_refs()
+        self._check_barriers(body)
+        return self._ir()
+
+    def _body(self) -> list[ast.stmt]:
+        """The body without its docstring (the only string statement a kernel may have)."""
+        body = self.fn.body
+        if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            body = body[1:]
+        return body
+
+    def _signature(self) -> None:
+        a = self.fn.args
+        if a.posonlyargs or a.kwonlyargs or a.vararg or a.kwarg:
+            self.fail(self.fn, "kernel parameters must be plain positional names "
+                               "(no *args, **kwargs, keyword-only or positional-only)")
+        if a.defaults:
+            self.fail(a.defaults[0], "kernel parameters cannot have default values")
+        r = self.fn.returns
+        if r is not None and not (isinstance(r, ast.Constant) and r.value is None):
+            self.fail(r, "a kernel returns nothing: its return annotation can only be None")
+        for arg in a.args:
+            if _is_dunder(arg.arg):
+                self.fail(arg, f"dunder name `{arg.arg}` is not allowed")
+            if arg.arg in _RESERVED:
+                self.fail(arg, f"parameter `{arg.arg}` shadows a kernel built-in")
+            if arg.arg in self.params:
+                self.fail(arg, f"duplicate parameter `{arg.arg}`")
+            self.params[arg.arg] = self._annotation(arg)
+
+    def _annotation(self, arg: ast.arg) -> str | None:
+        ann = arg.annotation
+        if ann is None:
+            return None
+        if not (isinstance(ann, ast.Constant) and isinstance(ann.value, str)):
+            self.fail(ann, f"the annotation of `{arg.arg}` must be a dtype name string "
+                           "such as \"float32\"")
+        dtype = normalize_dtype(ann.value)
+        if dtype is None:
+            self.fail(ann, f"unknown dtype \"{ann.value}\" in the annotation of `{arg.arg}` "
+                           f"(known: {', '.join(DTYPES)})")
+        return dtype
+
+    def _prescan(self, body: list[ast.stmt]) -> None:
+        """Classify names before the ordered pass, so a use can be judged by what the
+        name is anywhere in the kernel (a parameter indexed anywhere is a buffer)."""
+        for node in (n for s in body for n in ast.walk(s)):
+            base = None
+            if isinstance(node, (ast.Subscript, ast.Attribute)):
+                base = node.value
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id == "atomic_add" and node.args):
+                base = node.args[0]
+            if isinstance(base, ast.Name) and base.id in self.params:
+                self.buffers.add(base.id)
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+                if (len(targets) == 1 and isinstance(targets[0], ast.Name)
+                        and isinstance(node.value, ast.Call)
+                        and isinstance(node.value.func, ast.Name)
+                        and node.value.func.id == "shared_array"):
+                    self.shared.setdefault(targets[0].id, 0)
+            elif isinstance(node, ast.For):
+                targets = [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id not in self.params:
+                    self.locals.add(t.id)
+
+    # -- statements ------------------------------------------------------------
+
+    def _stmts(self, stmts: list[ast.stmt]) -> None:
+        for s in stmts:
+            method = getattr(self, "_stmt_" + type(s).__name__, None)
+            if method is None:
+                self.reject(s)
+            method(s)
+
+    def _stmt_Assign(self, s: ast.Assign) -> None:
+        if len(s.targets) != 1:
+            self.fail(s, "chained assignment (`a = b = ...`) is not allowed; "
+                         "assign one target per statement")
+        target = s.targets[0]
+        value = s.value
+        if not isinstance(target, (ast.Name, ast.Subscript)):
+            self._store(target, is_shared=False)  # rejects it with its own reason
+        is_shared = (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                     and value.func.id == "shared_array")
+        if is_shared:
+            if not isinstance(target, ast.Name):
+                self.fail(s, "shared_array(...) is only allowed as the right side of a plain "
+                             "`name = shared_array(...)`")
+            self._shared_array(target, value)
+        else:
+            self._expr(value)
+        self._store(target, is_shared=is_shared)
+
+    def _stmt_AugAssign(self, s: ast.AugAssign) -> None:
+        if not isinstance(s.op, _AUG_OPS):
+            sym = _OP_SYMBOLS.get(type(s.op), type(s.op).__name__)
+            self.fail(s, f"augmented assignment `{sym}=` is not allowed; "
+                         f"write `x = x {sym} y`")
+        if isinstance(s.target, ast.Name):
+            self._load_name(s.target)  # `x += 1` reads x: it must already be a scalar
+        self._expr(s.value)
+        self._store(s.target, is_shared=False)
+
+    def _store(self, target: ast.expr, is_shared: bool) -> None:
+        if isinstance(target, ast.Name):
+            self._store_name(target, is_shared)
+        elif isinstance(target, ast.Subscript):
+            self._subscript(target)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            self.fail(target, "tuple unpacking is not allowed; assign one name per statement")
+        elif isinstance(target, ast.Attribute):
+            self._attribute_chain_names(target)
+            self.fail(target, f"cannot assign to `{ast.unparse(target)}`: assignment to an "
+                              "attribute is not allowed")
+        else:
+            self.reject(target)
+
+    def _store_name(self, t: ast.Name, is_shared: bool) -> None:
+        name = t.id
+        if _is_dunder(name):
+            self.fail(t, f"dunder name `{name}` is not allowed")
+        if name in _RESERVED:
+            self.fail(t, f"cannot assign to `{name}`: it is a kernel built-in")
+        if name in self.buffers:
+            self.fail(t, f"cannot rebind buffer parameter `{name}`")
+        if is_shared:
+            if name in self.params:
+                self.fail(t, f"parameter `{name}` cannot be bound to a shared array")
+            if name in self.shared_lines:
+                self.fail(t, f"shared array `{name}` is already defined at line "
+                             f"{self.shared_lines[name]}")
+            self.shared_lines[name] = self.line(t)
+        elif name in self.shared:
+            self.fail(t, f"cannot rebind shared array `{name}`")
+
+    def _stmt_If(self, s: ast.If) -> None:
+        self._expr(s.test)
+        self._stmts(s.body)
+        self._stmts(s.orelse)
+
+    def _stmt_For(self, s: ast.For) -> None:
+        if s.orelse:
+            self.fail(s, "`for ... else` is not allowed in a kernel")
+        if not isinstance(s.target, ast.Name):
+            self.fail(s.target, "a for loop's variable must be a single name")
+        it = s.iter
+        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name)
+                and it.func.id == "range"):
+            self.fail(it, "a kernel's for loop must iterate over range(...)")
+        self._call_shape(it, "range")
+        if not 1 <= len(it.args) <= 3:
+            self.fail(it, f"range() takes 1 to 3 arguments, not {len(it.args)}")
+        for arg in it.args:
+            self._expr(arg)
+        self._store_name(s.target, is_shared=False)
+        self._loop_body(s.body)
+
+    def _stmt_While(self, s: ast.While) -> None:
+        if s.orelse:
+            self.fail(s, "`while ... else` is not allowed in a kernel")
+        self._expr(s.test)
+        self._loop_body(s.body)
+
+    def _loop_body(self, body: list[ast.stmt]) -> None:
+        self.loop_depth += 1
+        try:
+            self._stmts(body)
+        finally:
+            self.loop_depth -= 1
+
+    def _stmt_Break(self, s: ast.Break) -> None:
+        if not self.loop_depth:
+            self.fail(s, "`break` outside a loop")
+
+    def _stmt_Continue(self, s: ast.Continue) -> None:
+        if not self.loop_depth:
+            self.fail(s, "`continue` outside a loop")
+
+    def _stmt_Return(self, s: ast.Return) -> None:
+        if s.value is not None:
+            self.fail(s, "`return` with a value is not allowed: a kernel returns nothing "
+                         "(write results to a buffer)")
+
+    def _stmt_Pass(self, s: ast.Pass) -> None:
+        pass
+
+    def _stmt_Expr(self, s: ast.Expr) -> None:
+        v = s.value
+        if isinstance(v, ast.Call):
+            name = self._call(v, statement=True)
+            if name not in ("barrier", "atomic_add"):
+                self.fail(s, f"the result of {name}() is unused; only barrier() and "
+                             "atomic_add(...) may stand alone as statements")
+            return
+        if isinstance(v, ast.Constant) and isinstance(v.value, str):
+            self.fail(s, "string constants are only allowed as dtype names (a docstring "
+                         "must be the first statement)")
+        self._expr(v)
+        self.fail(s, "an expression statement has no effect; only barrier() and "
+                     "atomic_add(...) may stand alone as statements")
+
+    # -- expressions -------------------------------------------------------------
+
+    def _expr(self, e: ast.expr) -> None:
+        method = getattr(self, "_expr_" + type(e).__name__, None)
+        if method is None:
+            self.reject(e)
+        method(e)
+
+    def _expr_Constant(self, e: ast.Constant) -> None:
+        v = e.value
+        if isinstance(v, bool) or isinstance(v, float):
+            return
+        if isinstance(v, int):
+            if not _INT_MIN <= v <= _INT_MAX:
+                self.fail(e, f"integer constant {v} does not fit in 64 bits")
+            return
+        if isinstance(v, str):
+            self.fail(e, "string constants are only allowed as dtype names "
+                         "(the dtype of shared_array)")
+        self.fail(e, f"the constant {v!r} is not allowed in a kernel "
+                     "(only int, float and bool constants)")
+
+    def _expr_Name(self, e: ast.Name) -> None:
+        self._load_name(e)
+
+    def _load_name(self, e: ast.Name) -> None:
+        name = e.id
+        if _is_dunder(name):
+            self.fail(e, f"dunder name `{name}` is not allowed")
+        if name in _RESERVED:
+            self.fail(e, f"built-in `{name}` can only be called")
+        if name in self.arrays:
+            self.fail(e, f"array `{name}` can only be indexed (`{name}[i]`), passed to "
+                         "atomic_add, or used through .shape[k]/.size")
+        if name not in self.params and name not in self.locals:
+            self._free_name(e)
+
+    def _free_name(self, e: ast.Name) -> None:
+        self.fail(e, f"free name `{e.id}`: a kernel can only use its parameters, its locals "
+                     "and the kernel built-ins (no globals, closures or host objects)")
+
+    def _expr_BinOp(self, e: ast.BinOp) -> None:
+        if not isinstance(e.op, _BIN_OPS):
+            sym = _OP_SYMBOLS.get(type(e.op), type(e.op).__name__)
+            self.fail(e, f"the operator `{sym}` is not allowed in a kernel")
+        self._expr(e.left)
+        self._expr(e.right)
+
+    def _expr_UnaryOp(self, e: ast.UnaryOp) -> None:
+        if not isinstance(e.op, _UNARY_OPS):  # pragma: no cover - Python has no others
+            self.fail(e, f"the operator {type(e.op).__name__} is not allowed in a kernel")
+        self._expr(e.operand)
+
+    def _expr_BoolOp(self, e: ast.BoolOp) -> None:
+        for v in e.values:
+            self._expr(v)
+
+    def _expr_Compare(self, e: ast.Compare) -> None:
+        for op in e.ops:
+            if not isinstance(op, _CMP_OPS):
+                sym = _OP_SYMBOLS.get(type(op), type(op).__name__)
+                self.fail(e, f"the comparison `{sym}` is not allowed in a kernel "
+                             "(use == != < <= > >=)")
+        self._expr(e.left)
+        for c in e.comparators:
+            self._expr(c)
+
+    def _expr_IfExp(self, e: ast.IfExp) -> None:
+        self._expr(e.test)
+        self._expr(e.body)
+        self._expr(e.orelse)
+
+    def _expr_Subscript(self, e: ast.Subscript) -> None:
+        self._subscript(e)
+
+    def _expr_Attribute(self, e: ast.Attribute) -> None:
+        param = self._attribute(e)
+        if e.attr == "shape":
+            self.fail(e, f"`{param}.shape` is not a value; use `{param}.shape[k]` "
+                         "with a constant k")
+
+    def _expr_Call(self, e: ast.Call) -> None:
+        self._call(e, statement=False)
+
+    # -- indexing and attributes ----------------------------------------------------
+
+    def _subscript(self, e: ast.Subscript) -> None:
+        """``buf[i]``, ``buf[i, j]`` (load or store) and ``param.shape[k]`` (load)."""
+        base = e.value
+        if isinstance(base, ast.Attribute) and base.attr == "shape":
+            param = self._attribute(base)
+            if not isinstance(e.ctx, ast.Load):
+                self.fail(e, f"cannot assign to `{param}.shape`")
+            k = e.slice
+            if not _is_const_int(k) or k.value < 0:
+                self.fail(e, f"`{param}.shape[k]` needs a constant non-negative int k")
+            self.shape_refs.append((param, k.value, e))
+            return
+        if isinstance(base, ast.Attribute):
+            self._attribute(base)
+            self.fail(e, f"`{ast.unparse(base)}` cannot be indexed")
+        if not isinstance(base, ast.Name):
+            self._expr(base)  # a call, a constant...: its own reason first, if any
+            self.fail(e, "only buffer parameters and shared arrays can be indexed")
+        if base.id not in self.arrays:
+            if base.id in self.params or base.id in self.locals:
+                self.fail(e, f"`{base.id}` is a scalar, not an array: it cannot be indexed")
+            self._load_name(base)  # builtins, dunders, free names: their own reasons
+        self._record_ndim(base.id, self._index(e.slice), e)
+
+    def _index(self, idx: ast.expr) -> int:
+        """Validate an index (one expression or a tuple of them); return its length."""
+        if isinstance(idx, ast.Tuple):
+            if not idx.elts:
+                self.fail(idx, "an empty index `[()]` is not allowed")
+            for elt in idx.elts:
+                self._expr(elt)
+            return len(idx.elts)
+        self._expr(idx)
+        return 1
+
+    def _record_ndim(self, name: str, ndim: int, node: ast.AST) -> None:
+        if name in self.shared:
+            want = self.shared[name]
+            if want and ndim != want:
+                self.fail(node, f"shared array `{name}` has {want} dimension(s) but is "
+                                f"indexed with {ndim}")
+            return
+        seen = self.ndims.get(name)
+        if seen is None:
+            self.ndims[name] = (ndim, self.line(node))
+        elif seen[0] != ndim:
+            self.fail(node, f"inconsistent ndim for buffer `{name}`: indexed with {ndim} "
+                            f"index(es) here but with {seen[0]} at line {seen[1]}")
+
+    def _attribute_chain_names(self, e: ast.Attribute) -> list[ast.Attribute]:
+        """The attributes of ``a.b.c`` innermost first, after rejecting dunders anywhere."""
+        chain: list[ast.Attribute] = []
+        node: ast.expr = e
+        while isinstance(node, ast.Attribute):
+            chain.append(node)
+            node = node.value
+        chain.reverse()
+        for a in chain:
+            if _is_dunder(a.attr):
+                self.fail(a, f"dunder name `{a.attr}` is not allowed "
+                             f"(`{ast.unparse(a)}`)")
+        return chain
+
+    def _attribute(self, e: ast.Attribute) -> str:
+        """Accept ``param.shape`` / ``param.size`` only; return the parameter's name."""
+        chain = self._attribute_chain_names(e)
+        inner = chain[0]
+        base = inner.value
+        if (isinstance(base, ast.Name) and base.id not in self.params
+                and base.id not in self.locals and base.id not in _RESERVED
+                and not _is_dunder(base.id)):
+            self._free_name(base)  # `np.pi`, `os.sep`: a host object, say so
+        if inner.attr not in ("shape", "size"):
+            self.fail(inner, f"attribute `.{inner.attr}` is not allowed "
+                             f"(`{ast.unparse(inner)}`): only `.shape[k]` and `.size` of a "
+                             "buffer parameter")
+        if not isinstance(base, ast.Name):
+            self.fail(inner, f"`.{inner.attr}` is only allowed on a buffer parameter")
+        if base.id not in self.params:
+            self.fail(inner, f"`.{inner.attr}` is only allowed on a buffer parameter, "
+                             f"not on `{base.id}`")
+        if len(chain) > 1:
+            outer = chain[1]
+            self.fail(outer, f"attribute `.{outer.attr}` is not allowed "
+                             f"(`{ast.unparse(outer)}`): only `.shape[k]` and `.size` of a "
+                             "buffer parameter")
+        if not isinstance(e.ctx, ast.Load):
+            self.fail(e, f"cannot assign to `{ast.unparse(e)}`")
+        return base.id
+
+    def _check_shape_refs(self) -> None:
+        for param, k, node in self.shape_refs:
+            ndim = self.ndims.get(param, (1, 0))[0]
+            if k >= ndim:
+                self.fail(node, f"`{param}.shape[{k}]` is out of range: `{param}` is a "
+                                f"{ndim}-d buffer (its ndim comes from how it is indexed)")
+
+    # -- calls -------------------------------------------------------------------
+
+    def _call_shape(self, c: ast.Call, name: str) -> None:
+        """Reject keyword and starred arguments, whatever the callee."""
+        if c.keywords:
+            kw = c.keywords[0]
+            what = f"`{kw.arg}=`" if kw.arg else "`**` unpacking"
+            self.fail(c, f"keyword arguments are not allowed ({what} in {name}())")
+        for a in c.args:
+            if isinstance(a, ast.Starred):
+                self.fail(a, f"starred arguments (`*args`) are not allowed (in {name}())")
+
+    def _callee(self, c: ast.Call) -> str:
+        """The built-in a call names; everything else is rejected with its own reason."""
+        f = c.func
+        if isinstance(f, ast.Attribute):
+            self._attribute_chain_names(f)
+            self.fail(c, f"calling `{ast.unparse(f)}` is not allowed: only kernel "
+                         "built-ins can be called")
+        if not isinstance(f, ast.Name):
+            self.fail(c, "only kernel built-ins can be called")
+        name = f.id
+        if _is_dunder(name):
+            self.fail(c, f"dunder name `{name}` is not allowed")
+        if name in _FORBIDDEN_CALLS:
+            self.fail(c, f"`{name}` is not allowed in a kernel")
+        if name == "range":
+            self.fail(c, "range() is only allowed as the iterable of a for loop")
+        if name not in BUILTINS:
+            if name in self.params or name in self.locals:
+                self.fail(c, f"`{name}` is not callable: only kernel built-ins can be called")
+            self.fail(c, f"call of `{name}`: not a kernel built-in (a kernel can call only "
+                         f"{', '.join(sorted(BUILTINS))})")
+        return name
+
+    def _nargs(self, c: ast.Call, name: str, lo: int, hi: int | None = None) -> None:
+        n = len(c.args)
+        hi = lo if hi is None else hi
+        if n < lo or (hi >= 0 and n > hi):
+            want = (f"{lo}" if lo == hi else f"at least {lo}" if hi < 0 else f"{lo} to {hi}")
+            self.fail(c, f"{name}() takes {want} argument(s), not {n}")
+
+    def _call(self, c: ast.Call, statement: bool) -> str:
+        name = self._callee(c)
+        self._call_shape(c, name)
+        if name in _ID_BUILTINS:
+            self._nargs(c, name, 1)
+            d = c.args[0]
+            if not _is_const_int(d) or not 0 <= d.value <= 2:
+                self.fail(c, f"{name}(d) needs a constant dimension d in 0..2, "
+                             f"not `{ast.unparse(d)}`")
+        elif name == "barrier":
+            self._nargs(c, name, 0)
+            if not statement:
+                self.fail(c, "barrier() returns nothing; call it as a statement")
+            self.uses_barrier = True
+        elif name == "atomic_add":
+            self._atomic_add(c, statement)
+        elif name == "shared_array":
+            self.fail(c, "shared_array(...) is only allowed as the right side of a plain "
+                         "`name = shared_array(...)`")
+        elif name in _VARIADIC_BUILTINS:
+            self._nargs(c, name, 2, -1)
+            for a in c.args:
+                self._expr(a)
+        else:
+            self._nargs(c, name, 1)
+            self._expr(c.args[0])
+        return name
+
+    def _atomic_add(self, c: ast.Call, statement: bool) -> None:
+        self._nargs(c, "atomic_add", 3)
+        if not statement:
+            self.fail(c, "atomic_add() returns nothing; call it as a statement")
+        arr, index, value = c.args
+        if not isinstance(arr, ast.Name):
+            self.fail(c, "the first argument of atomic_add must be a buffer parameter "
+                         "or a shared array")
+        if arr.id not in self.arrays:
+            if arr.id not in self.locals:
+                self._load_name(arr)
+            self.fail(c, f"the first argument of atomic_add must be a buffer parameter or a "
+                         f"shared array, not `{arr.id}`")
+        self._record_ndim(arr.id, self._index(index), c)
+        self._expr(value)
+        self.uses_atomics = True
+
+    def _shared_array(self, target: ast.Name, c: ast.Call) -> None:
+        self._call_shape(c, "shared_array")
+        self._nargs(c, "shared_array", 2)
+        shape, dtype = c.args
+        dims = shape.elts if isinstance(shape, ast.Tuple) else [shape]
+        if not dims or not all(_is_const_int(d) and d.value > 0 for d in dims):
+            self.fail(c, "the shape of shared_array must be a positive constant int or a "
+                         f"tuple of them, not `{ast.unparse(shape)}`")
+        if not (isinstance(dtype, ast.Constant) and isinstance(dtype.value, str)):
+            self.fail(c, "the dtype of shared_array must be a dtype name string such as "
+                         f"\"float32\", not `{ast.unparse(dtype)}`")
+        canonical = normalize_dtype(dtype.value)
+        if canonical is None:
+            self.fail(c, f"unknown dtype \"{dtype.value}\" in shared_array "
+                         f"(known: {', '.join(DTYPES)})")
+        count = 1
+        for d in dims:
+            count *= d.value
+        self.shared_mem += count * DTYPES[canonical][1]
+        self.shared[target.id] = len(dims)
+
+    # -- barrier uniformity ---------------------------------------------------------
+
+    def _varying(self, e: ast.AST | None, tainted: set[str]) -> str | None:
+        """Why ``e`` may differ between the threads of a block, or None if uniform.
+
+        Uniform inputs are constants, scalar parameters, ``.shape``/``.size``,
+        local_size, num_groups, group_id and locals computed from those only."""
+        if e is None:
+            return None
+        arrays = self.arrays
+        for n in ast.walk(e):
+            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                    and n.func.id in _THREAD_IDS):
+                return f"uses {n.func.id}()"
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) \
+                    and n.value.id in arrays:
+                return f"reads `{n.value.id}[...]` (a loaded value)"
+            if isinstance(n, ast.Name) and n.id in tainted:
+                return f"uses `{n.id}`, which depends on the thread"
+        return None
+
+    def _loop_exit(self, loop: ast.For | ast.While, tainted: set[str]) -> str | None:
+        """Why the loop may run a different number of iterations in different threads
+        (a break/continue of this loop under thread-dependent control), or None."""
+        def scan(stmts: list[ast.stmt], why: str | None) -> str | None:
+            for s in stmts:
+                if isinstance(s, (ast.Break, ast.Continue)) and why:
+                    kw = "break" if isinstance(s, ast.Break) else "continue"
+                    return f"has a `{kw}` at line {self.line(s)} that {why}"
+                if isinstance(s, ast.If):
+                    r = self._varying(s.test, tainted)
+                    sub = why or (f"depends on the thread (the `if` at line {self.line(s)} "
+                                  f"{r})" if r else None)
+                    found = scan(s.body, sub) or scan(s.orelse, sub)
+                    if found:
+                        return found
+            return None  # breaks in nested loops belong to those loops
+        return scan(loop.body, None)
+
+    def _control_reason(self, s: ast.stmt, tainted: set[str]) -> str | None:
+        """Why the compound statement ``s`` steers threads differently, or None."""
+        kind = {ast.If: "if", ast.While: "while", ast.For: "for"}[type(s)]
+        if isinstance(s, ast.For):
+            why = next((w for a in s.iter.args if (w := self._varying(a, tainted))), None)
+        else:
+            why = self._varying(s.test, tainted)
+        if why is None and not isinstance(s, ast.If):
+            why = self._loop_exit(s, tainted)
+        return f"the `{kind}` at line {self.line(s)} {why}" if why else None
+
+    def _taint(self, body: list[ast.stmt]) -> set[str]:
+        """Names whose value may differ between threads: assigned from thread ids, loaded
+        values or other such names, or assigned under thread-dependent control flow.
+        Flow-insensitive and iterated to a fixpoint (loops carry taint backwards)."""
+        tainted: set[str] = set()
+
+        def walk(stmts: list[ast.stmt], ctx: bool) -> None:
+            for s in stmts:
+                if isinstance(s, (ast.Assign, ast.AugAssign)):
+                    targets = s.targets if isinstance(s, ast.Assign) else [s.target]
+                    if ctx or self._varying(s.value, tainted):
+                        tainted.update(t.id for t in targets if isinstance(t, ast.Name))
+                elif isinstance(s, (ast.If, ast.While, ast.For)):
+                    inner = ctx or self._control_reason(s, tainted) is not None
+                    if isinstance(s, ast.For) and inner:
+                        tainted.add(s.target.id)
+                    walk(s.body, inner)
+                    walk(s.orelse, inner)
+
+        while True:
+            before = len(tainted)
+            walk(body, False)
+            if len(tainted) == before:
+                return tainted
+
+    def _check_barriers(self, body: list[ast.stmt]) -> None:
+        """The barrier rule: every thread of a block reaches each barrier() equally often.
+
+        A barrier under thread-dependent control flow is rejected, and so is one that can
+        run after a thread-dependent ``return`` (earlier in the body, or in a loop that
+        also holds the barrier): the returned threads would never arrive."""
+        if not self.uses_barrier:
+            return
+        tainted = self._taint(body)
+        barriers: list[tuple[int, ast.stmt, tuple[int, ...]]] = []
+        returns: list[tuple[int, ast.stmt, tuple[int, ...]]] = []
+
+        def walk(stmts: list[ast.stmt], ctx: str | None, loops: tuple[int, ...]) -> None:
+            for s in stmts:
+                if (isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
+                        and isinstance(s.value.func, ast.Name)
+                        and s.value.func.id == "barrier"):
+                    if ctx:
+                        self.fail(s, f"barrier() under control flow that depends on the "
+                                     f"thread: {ctx}")
+                    barriers.append((len(barriers) + len(returns), s, loops))
+                elif isinstance(s, ast.Return) and ctx:
+                    returns.append((len(barriers) + len(returns), s, loops))
+                elif isinstance(s, (ast.If, ast.While, ast.For)):
+                    inner = ctx or self._control_reason(s, tainted)
+                    inner_loops = loops if isinstance(s, ast.If) else loops + (id(s),)
+                    walk(s.body, inner, inner_loops)
+                    walk(s.orelse, inner, inner_loops)
+
+        walk(body, None, ())
+        for b_order, b, b_loops in barriers:
+            for r_order, r, r_loops in returns:
+                if r_order < b_order or set(b_loops) & set(r_loops):
+                    self.fail(b, f"barrier() can run after the `return` at line "
+                                 f"{self.line(r)}, which depends on the thread: the "
+                                 "threads that returned would never reach it")
+
+    # -- IR ------------------------------------------------------------------------
+
+    def _ir(self) -> dict[str, Any]:
+        params: list[dict[str, Any]] = []
+        for name, dtype in self.params.items():
+            if name in self.buffers:
+                ndim = self.ndims.get(name, (1, 0))[0]
+                params.append({"name": name, "kind": "buffer", "dtype": dtype, "ndim": ndim})
+            else:
+                params.append({"name": name, "kind": "scalar", "dtype": dtype})
+        return {
+            "name": self.name,
+            "params": params,
+            "source": _clean_source(self.fn),
+            "shared_mem": self.shared_mem,
+            "uses_barrier": self.uses_barrier,
+            "uses_atomics": self.uses_atomics,
+        }
+
+
+def _clean_source(fn: ast.FunctionDef) -> str:
+    """The validated function re-printed: no decorators, annotations or docstring, and
+    shared_array dtypes spelled canonically ("f32" -> "float32")."""
+    fn = copy.deepcopy(fn)
+    fn.decorator_list = []
+    fn.returns = None
+    fn.type_comment = None
+    for arg in fn.args.args:
+        arg.annotation = None
+        arg.type_comment = None
+    body = fn.body
+    if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)):
+        body = body[1:]
+    fn.body = body or [ast.Pass()]
+    for node in ast.walk(fn):  # the firmware need not know the dtype aliases
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "shared_array" and len(node.args) == 2
+                and isinstance(node.args[1], ast.Constant)):
+            node.args[1].value = normalize_dtype(node.args[1].value)
+    return ast.unparse(ast.fix_missing_locations(fn))
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _validate(unit: _Unit) -> dict[str, Any]:
+    return _Checker(unit).run()
+
+
+def validate(source: str | Callable[..., Any], name: str | None = None) -> dict[str, Any]:
+    """The IR of one kernel (docs/kernels.md), with its ``name``.
+
+    ``source`` is a function object or source text. Source text with several ``def``\\ s
+    needs ``name`` to pick one (every definition is validated); otherwise use
+    :func:`compile_module`. Raises :class:`KernelCompileError`."""
+    units = _units(source)
+    irs = [_validate(u) for u in units]
+    if name is not None:
+        for ir in irs:
+            if ir["name"] == name:
+                return ir
+        raise KernelCompileError(f"no kernel named {name!r} in the source", 1)
+    if len(irs) != 1:
+        names = ", ".join(ir["name"] for ir in irs)
+        raise KernelCompileError(f"the source defines {len(irs)} kernels ({names}); pass "
+                                 "name= or use compile_module", units[1].fn.lineno
+                                 + units[1].offset)
+    return irs[0]
+
+
+def compile_module(source_or_functions: str | Callable[..., Any]
+                   | Iterable[str | Callable[..., Any]]) -> dict[str, Any]:
+    """The module IR of every kernel in a source string, a function or a list of them."""
+    src = source_or_functions
+    if not isinstance(src, (str, list, tuple)) and not callable(src):
+        src = list(src)
+    kernels: dict[str, dict[str, Any]] = {}
+    for unit in _units(src):
+        ir = _validate(unit)
+        if ir["name"] in kernels:
+            raise KernelCompileError(f"a kernel named {ir['name']!r} is defined twice",
+                                     unit.fn.lineno + unit.offset, ir["name"])
+        kernels[ir["name"]] = ir
+    return {"format": FORMAT, "isa": ISA, "isa_version": ISA_VERSION, "kernels": kernels}
+
+
+def canonical_json(module_ir: dict[str, Any]) -> bytes:
+    """One byte string per IR: sorted keys, no whitespace, UTF-8."""
+    return json.dumps(module_ir, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False).encode()
+
+
+def module_hash(module_ir: dict[str, Any]) -> str:
+    """sha256 (hex) of the module IR's canonical JSON: a cache key for loaded modules."""
+    return hashlib.sha256(canonical_json(module_ir)).hexdigest()
+
+
+__all__ = ["BUILTINS", "DTYPES", "DTYPE_ALIASES", "KernelCompileError", "canonical_json",
+           "compile_module", "module_hash", "normalize_dtype", "validate"]
