@@ -16,6 +16,7 @@ import struct
 
 from bench.core import Benchmark, Env, Row, interleave, middle_half, timed_row
 from bench.memory import allocator_and_copies, daemon_memory_per_context
+from bench.kernels import kernels
 from bench.submission import idle_cpu, submission
 from kmod_emul import uapi
 
@@ -192,4 +193,5 @@ BENCHMARKS: list[tuple[str, Benchmark]] = [
     ("daemon_memory_per_context", daemon_memory_per_context),
     ("submission", submission),
     ("idle_cpu", idle_cpu),
+    ("kernels", kernels),
 ]

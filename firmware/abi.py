@@ -91,6 +91,10 @@ class Op(enum.IntEnum):
     FENCE = 12
     #: debugfs sched_hold: a0 = 1 stops the scheduler taking packets, 0 resumes it
     HOLD = 13
+    #: a0 module id, a1 token of its file (uapi.module_name); the firmware validates it
+    MODULE_LOAD = 14
+    #: a0 module id
+    MODULE_UNLOAD = 15
 
 
 def host_backing_name(kind: int, handle: int, token: int) -> str:
@@ -110,7 +114,7 @@ assert PAYLOAD_SIZE == 64
 STAT_NAMES: Final = (
     "managed_resident", "managed_faults", "managed_bytes_to_device", "managed_bytes_to_host",
     "managed_evictions", "copies", "copy_bytes", "packets", "faults",
-    "copy_engines_busy_peak", "preemptions",
+    "copy_engines_busy_peak", "preemptions", "launches", "jit_compiles", "jit_hits",
 )
 _STATS = struct.Struct(f"<{len(STAT_NAMES)}Q")
 

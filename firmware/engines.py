@@ -27,6 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -95,6 +97,8 @@ class FwContext:
     space: memory.AddressSpace = field(default_factory=memory.AddressSpace)
     queues: dict[int, Ring] = field(default_factory=dict)
     doorbell: int = -1  # the FIFO's read end (-1 before it is opened)
+    #: loaded modules: module id -> [(kernel name, kernel IR)] in the module's order
+    modules: dict[int, list[tuple[str, dict]]] = field(default_factory=dict)
     _doorbell_keepalive: int = -1  # a write end of our own, so the FIFO never reads EOF
 
 
@@ -147,9 +151,18 @@ class EnginePool:
 class Scheduler:
     """Owns the rings of every context and decides what runs where."""
 
-    def __init__(self, copy_engines: int, residency: memory.Residency, stats: dict[str, int],
-                 on_irq: Callable[[Ring, int], None]) -> None:
-        self.copy = EnginePool("copy", copy_engines, stats)
+    def __init__(self, config: dict, residency: memory.Residency, stats: dict[str, int],
+                 on_irq: Callable[[Ring, int], None], jit_cache_dir: str) -> None:
+        self.copy = EnginePool("copy", config["copy_engines"], stats)
+        self.compute = EnginePool("compute", config["compute_engines"], stats)
+        self.compute_engines = config["compute_engines"]
+        self.max_threads = config["max_threads_per_block"]
+        self.watchdog_s = config.get("watchdog_ms", 10_000) / 1000
+        self._jit_cache_dir = jit_cache_dir
+        self._jit: Any = None
+        self._jit_lock = threading.Lock()
+        self._running: dict[int, tuple[np.ndarray, float]] = {}  # id(abort) -> (abort, deadline)
+        threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
         self.residency = residency
         self.stats = stats
         self.on_irq = on_irq
@@ -230,7 +243,7 @@ class Scheduler:
         if job is _BLOCKED:
             return False
         ring.busy = True
-        self.copy.submit(ring.priority, job)
+        (self.compute if opcode == Op.LAUNCH else self.copy).submit(ring.priority, job)
         return False
 
     def _prepare(self, ring: Ring, seqno: int, opcode: int,
@@ -272,7 +285,106 @@ class Scheduler:
                 self._finish(ring, seqno, 0, 0, opcode, from_engine=True)
                 return True
             return prefetch
+        if opcode == Op.LAUNCH:
+            return self._launch(ring, seqno, a)
         raise memory.Fault(0, errno.EINVAL)
+
+    # --- kernels ------------------------------------------------------------------------
+    def jit(self) -> Any:
+        """The kernel cache, created on first use: numba loads only when kernels run."""
+        with self._jit_lock:
+            if self._jit is None:
+                from firmware.jit import KernelCache
+
+                self._jit = KernelCache(Path(self._jit_cache_dir))
+            return self._jit
+
+    def _launch(self, ring: Ring, seqno: int, a: list[int]) -> Callable[[], bool]:
+        handle, grid_w, block_w, dynamic, args_va, args_len = a[:6]
+        kernels = ring.ctx.modules.get(handle >> 16)
+        if kernels is None or (handle & 0xFFFF) >= len(kernels) or dynamic:
+            raise memory.Fault(0, errno.EINVAL)
+        name, kir = kernels[handle & 0xFFFF]
+        grid, block = uapi.unpack_dims(grid_w), uapi.unpack_dims(block_w)
+        threads = block[0] * block[1] * block[2]
+        if min(grid) < 1 or min(block) < 1 or threads > self.max_threads:
+            raise memory.Fault(0, errno.EINVAL)
+        m, off = ring.ctx.space.resolve(args_va, args_len)
+        values, types, buffers = decode_args(ring.ctx.space, bytes(m.data[off : off + args_len]),
+                                             kir["params"])
+        launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block)
+        nblocks = grid[0] * grid[1] * grid[2]
+        parts = max(1, min(self.compute_engines, nblocks))
+        bounds = [nblocks * i // parts for i in range(parts + 1)]
+        launch.remaining = parts
+        jobs = [self._block_job(launch, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+        for job in jobs[1:]:
+            self.compute.submit(ring.priority, job)
+        return jobs[0]  # the scheduler submits the first, marking the ring busy
+
+    def _block_job(self, launch: Launch, lo: int, hi: int) -> Callable[[], bool]:
+        """Engine work over blocks [lo, hi): in slices, yielding to higher-priority work
+        between slices (preemption between blocks), stopped by the watchdog."""
+        nblocks = hi - lo
+        slice_size = max(1, nblocks // 16)
+        state = {"next": lo}
+
+        def run() -> bool:
+            try:
+                jit = self.jit()
+                kernel = jit.get(launch.kernel_ir, launch.arg_types, _options())
+                self.stats["jit_compiles"], self.stats["jit_hits"] = jit.compiles, jit.hits
+                abort = np.zeros(1, np.int64)
+                while state["next"] < hi and launch.fault is None:
+                    end = min(hi, state["next"] + slice_size)
+                    self._running[id(abort)] = (abort, time.monotonic() + self.watchdog_s)
+                    try:
+                        done_to = kernel.run(state["next"], end, launch.grid, launch.block,
+                                             launch.args, abort)
+                    finally:
+                        self._running.pop(id(abort), None)
+                    if abort[0] == 2:
+                        raise _Watchdog()
+                    state["next"] = done_to
+                    if state["next"] < hi and self.compute.higher_waiting(launch.ring.priority):
+                        return False  # preempted between blocks
+            except _Watchdog:
+                self._launch_fault(launch, errno.ETIMEDOUT, 0)
+            except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
+                self._launch_fault(launch, *self._fault_of(launch, exc))
+            with launch.lock:
+                launch.remaining -= 1
+                last = launch.remaining == 0
+            if last:
+                status, addr = launch.fault or (0, 0)
+                if not status:
+                    self.stats["launches"] += 1
+                self._finish(launch.ring, launch.seqno, status, addr, Op.LAUNCH, from_engine=True)
+            return True
+        return run
+
+    def _fault_of(self, launch: Launch, exc: Exception) -> tuple[int, int]:
+        kind = getattr(exc, "kind", None)
+        if kind == "bounds":
+            for pname, va, itemsize in launch.buffers:
+                if pname == exc.param:  # type: ignore[attr-defined]
+                    return errno.EFAULT, va + exc.index * itemsize  # type: ignore[attr-defined]
+            return errno.EFAULT, 0
+        return errno.EINVAL, 0  # the kernel did not validate or compile
+
+    def _launch_fault(self, launch: Launch, code: int, addr: int) -> None:
+        with launch.lock:
+            if launch.fault is None:
+                launch.fault = (code, addr)
+                self.stats["faults"] += 1
+
+    def _watchdog(self) -> None:
+        while True:
+            time.sleep(0.05)
+            now = time.monotonic()
+            for abort, deadline in list(self._running.values()):
+                if now > deadline:
+                    abort[0] = 2  # the kernel checks it in every loop and at every block
 
     def _copy_job(self, ring: Ring, seqno: int, opcode: int, n: int,
                   move: Callable[[int, int], object],
@@ -322,3 +434,73 @@ class Scheduler:
 
 
 _BLOCKED = object()
+
+
+class _Watchdog(Exception):
+    pass
+
+
+def _options() -> Any:
+    from firmware.jit import Options
+
+    return Options()
+
+
+# --- kernels --------------------------------------------------------------------------------
+@dataclass
+class Launch:
+    """One LAUNCH packet in flight: its blocks are split across the compute engines."""
+
+    ring: Ring
+    seqno: int
+    name: str
+    kernel_ir: dict
+    arg_types: tuple[str, ...]
+    args: list
+    buffers: list[tuple[str, int, int]]  # (param, va, itemsize) to turn a fault into an address
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    remaining: int = 0  # engine jobs not finished
+    fault: tuple[int, int] | None = None  # (errno, address)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def decode_args(space: memory.AddressSpace, raw: bytes, params: list[dict]
+                ) -> tuple[list, tuple[str, ...], list[tuple[str, int, int]]]:
+    """The argument block of a launch -> (values, types for the JIT, buffer addresses)."""
+    recs = [uapi.ARG_RECORD.unpack_from(raw, off)
+            for off in range(0, len(raw) - len(raw) % uapi.ARG_RECORD.size, uapi.ARG_RECORD.size)]
+    values: list = []
+    types: list[str] = []
+    buffers: list[tuple[str, int, int]] = []
+    i = 0
+    for p in params:
+        if i >= len(recs):
+            raise memory.Fault(0, errno.EINVAL)
+        kind, code, value, nbytes = recs[i]
+        i += 1
+        dtype_name = uapi.DTYPE_NAMES.get(code)
+        if dtype_name is None or (p.get("dtype") not in (None, dtype_name)):
+            raise memory.Fault(0, errno.EINVAL)
+        dtype = np.dtype(dtype_name)
+        if kind == uapi.ARG_SCALAR and p["kind"] == "scalar":
+            values.append(np.frombuffer(value.to_bytes(8, "little")[: dtype.itemsize], dtype)[0])
+            types.append(dtype_name)
+        elif kind == uapi.ARG_BUFFER and p["kind"] == "buffer":
+            shape: list[int] = []
+            while i < len(recs) and recs[i][0] == uapi.ARG_SHAPE:
+                shape += [int(recs[i][2]), int(recs[i][3])][: max(0, recs[i][1])]
+                i += 1
+            m, off = space.resolve(value, nbytes)
+            view = m.data[off : off + nbytes].view(dtype)
+            shape = shape or [len(view)]
+            if int(np.prod(shape)) * dtype.itemsize != nbytes:
+                raise memory.Fault(value, errno.EINVAL)
+            values.append(view.reshape(shape))
+            types.append(f"{dtype_name}[{len(shape)}d]")
+            buffers.append((p["name"], value, dtype.itemsize))
+        else:
+            raise memory.Fault(0, errno.EINVAL)
+    if i != len(recs):
+        raise memory.Fault(0, errno.EINVAL)
+    return values, tuple(types), buffers

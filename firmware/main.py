@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import mmap
 import os
 import select
@@ -41,13 +42,15 @@ CROSS_DEVICE_POLL_S = 0.001
 
 class Firmware:
     def __init__(self, mbx: abi.Mailbox, doorbell_fd: int, irq_fd: int,
-                 backings: memory.Backings, vram_size: int, shm_dir: str) -> None:
+                 backings: memory.Backings, vram_size: int, shm_dir: str,
+                 jit_cache_dir: str) -> None:
         self.mbx = mbx
         self.doorbell_fd = doorbell_fd
         self.irq_fd = irq_fd
         self.backings = backings
         self.vram_size = vram_size
         self.shm_dir = shm_dir
+        self.jit_cache_dir = jit_cache_dir
         self.contexts: dict[int, FwContext] = {}
         self.heartbeat_s = 0.05
         self.stats = dict.fromkeys(abi.STAT_NAMES, 0)
@@ -79,7 +82,7 @@ class Firmware:
         config = img.config
         self.heartbeat_s = config.get("heartbeat_interval_ms", 50) / 1000
         residency = memory.Residency(self.stats, self.vram_size)
-        self.sched = Scheduler(config["copy_engines"], residency, self.stats, self._fence_irq)
+        self.sched = Scheduler(config, residency, self.stats, self._fence_irq, self.jit_cache_dir)
         self.mbx.set_versions(img.version, str(img.manifest["isa_version"]))
         self.mbx.beat(time.monotonic_ns())
         self.mbx.set_fw_state(abi.FwState.READY)
@@ -166,6 +169,16 @@ class Firmware:
             except OSError:
                 return  # the peer queue is gone; a WAIT_QUEUE naming it faults as unknown
             ctx.queues[local] = ring
+        elif op == abi.Op.MODULE_LOAD:
+            path = os.path.join(self.shm_dir, uapi.module_name(a[0], a[1]))
+            try:
+                with open(path, "rb") as f:
+                    module = json.load(f)
+            except (OSError, ValueError):
+                return  # unloaded before we read it; launches naming it fault as unknown
+            ctx.modules[a[0]] = list(module["kernels"].items())
+        elif op == abi.Op.MODULE_UNLOAD:
+            ctx.modules.pop(a[0], None)
         elif op == abi.Op.QUEUE_DESTROY:
             ring = ctx.queues.get(a[0])
             if ring is not None:
@@ -292,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="DEV:FD,... every device's VRAM memfd (peers included)")
     parser.add_argument("--vram-size", type=int, required=True)
     parser.add_argument("--shm-dir", required=True, help="where host-visible backings live")
+    parser.add_argument("--jit-cache", required=True, help="the persistent kernel cache")
     args = parser.parse_args(argv)
     # The driver stops us by closing the doorbell or with SIGTERM/SIGKILL; a Ctrl-C meant
     # for the daemon's terminal must not crash the device.
@@ -302,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     buf = mmap.mmap(args.mailbox_fd, abi.MAILBOX_SIZE)
     backings = memory.Backings.open(args.shm_dir, args.vram_fds, args.vram_size)
     fw = Firmware(abi.Mailbox(memoryview(buf)), args.doorbell_fd, args.irq_fd, backings,
-                  args.vram_size, args.shm_dir)
+                  args.vram_size, args.shm_dir, args.jit_cache)
     if not fw.boot():
         return 1
     return fw.run()

@@ -21,6 +21,7 @@ from kmod_emul.errors import DriverError
 if TYPE_CHECKING:
     from kmod_emul.device import AccelDevice
     from kmod_emul.memory import Allocation
+    from kmod_emul.modules import Module
 
 
 def tgid_of(tid: int) -> int:
@@ -101,6 +102,8 @@ class Context:
     #: indices of devices whose memory this context's work may reach (PEER_ENABLE)
     peers: set[int] = field(default_factory=set)
     doorbell_path: str = ""
+    #: loaded device modules, by module id
+    modules: dict[int, Module] = field(default_factory=dict)
     #: destroyed queues: no new work, but their fences stay waitable until the context goes
     retired_queues: dict[int, Queue] = field(default_factory=dict)
     #: files (rings, doorbell) to unlink once the firmware has let go of the context

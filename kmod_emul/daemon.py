@@ -48,6 +48,8 @@ class DaemonConfig:
     driver: drv.DriverInfo = drv.DriverInfo()
     #: device-local bytes one process may hold per device; 0 for no limit
     process_memory_limit: int = 0
+    #: where the firmware keeps compiled kernels (default: STATE_DIR/jit-cache)
+    jit_cache: Path | None = None
 
 
 class AlreadyServed(Exception):
@@ -141,7 +143,9 @@ def make_devices(config: DaemonConfig, shm_dir: Path) -> list[AccelDevice]:
     for i in range(config.devices):  # sparse: pages exist only once written
         vram_fds[i] = os.memfd_create(f"accel{i}-vram", os.MFD_CLOEXEC)
         os.ftruncate(vram_fds[i], config.memory)
-    mem = MemoryConfig(vram_fds, str(shm_dir), config.process_memory_limit)
+    jit_cache = config.jit_cache or config.state_dir / "jit-cache"
+    jit_cache.mkdir(parents=True, exist_ok=True)
+    mem = MemoryConfig(vram_fds, str(shm_dir), config.process_memory_limit, str(jit_cache))
     devices = [
         AccelDevice(i, identities[slot], config.memory, config.firmware_dir,
                     config.heartbeat_timeout_s, mem)

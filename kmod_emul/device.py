@@ -61,6 +61,7 @@ class MemoryConfig:
     vram_fds: dict[int, int]  # every device's VRAM memfd, by device index
     shm_dir: str
     process_limit: int = 0
+    jit_cache: str = ""  # the firmware's persistent kernel cache
 
 
 class AccelDevice:

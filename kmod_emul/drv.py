@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from kmod_emul import uapi
+from kmod_emul import modules, uapi
 from kmod_emul.context import OpenFile
 from kmod_emul.device import DRIVER_VERSION
 from kmod_emul.errors import DriverError
@@ -186,6 +186,29 @@ async def queue_import(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_impo
     return arg
 
 
+async def module_load(info: DriverInfo, f: OpenFile, arg: uapi.accel_module_load) -> Any:
+    _no_flags(arg)
+    ctx = f.context(arg.ctx_id)
+    f.device.check_usable()
+    mod = modules.load(f.device, ctx, arg.src_handle, arg.size)
+    arg.module_id, arg.kernel_count = mod.id, len(mod.kernels)
+    return arg
+
+
+async def module_unload(info: DriverInfo, f: OpenFile, arg: uapi.accel_module_unload) -> None:
+    modules.unload(f.device, f.context(arg.ctx_id), arg.module_id)
+
+
+async def kernel_get(info: DriverInfo, f: OpenFile, arg: uapi.accel_kernel_get) -> Any:
+    ctx = f.context(arg.ctx_id)
+    try:
+        name = arg.name.decode()
+    except UnicodeDecodeError:
+        raise DriverError(errno.EINVAL, "kernel name is not UTF-8") from None
+    arg.handle, arg.param_count, arg.shared_mem = modules.get_kernel(ctx, arg.module_id, name)
+    return arg
+
+
 TABLE: dict[int, Handler] = {
     uapi.ACCEL_CMD_GET_VERSION.code: get_version,
     uapi.ACCEL_CMD_DEVICE_QUERY.code: device_query,
@@ -202,6 +225,9 @@ TABLE: dict[int, Handler] = {
     uapi.ACCEL_CMD_QUEUE_CREATE.code: queue_create,
     uapi.ACCEL_CMD_QUEUE_DESTROY.code: queue_destroy,
     uapi.ACCEL_CMD_QUEUE_IMPORT.code: queue_import,
+    uapi.ACCEL_CMD_MODULE_LOAD.code: module_load,
+    uapi.ACCEL_CMD_MODULE_UNLOAD.code: module_unload,
+    uapi.ACCEL_CMD_KERNEL_GET.code: kernel_get,
 }
 assert TABLE.keys() == uapi.COMMANDS.keys(), "every uAPI command needs a handler"
 

@@ -102,7 +102,8 @@ class FirmwareProcess:
             proc = await trio.lowlevel.open_process(
                 [sys.executable, "-m", "firmware", "--mailbox-fd", str(memfd),
                  "--doorbell-fd", str(doorbell_r), "--irq-fd", str(irq_w), "--vram-fds", vram,
-                 "--vram-size", str(vram_size), "--shm-dir", memcfg.shm_dir],
+                 "--vram-size", str(vram_size), "--shm-dir", memcfg.shm_dir,
+                 "--jit-cache", memcfg.jit_cache],
                 pass_fds=(memfd, doorbell_r, irq_w, *memcfg.vram_fds.values()),
                 start_new_session=True,  # a Ctrl-C on the daemon's terminal is not a device crash
             )

@@ -393,6 +393,76 @@ class accel_peer_enable(_Struct):
     ]
 
 
+# --- modules and kernels ------------------------------------------------------------------------
+#: The instruction set this device model runs (a module must name it).
+ACCEL_ISA: Final = "aemu-isa"
+ACCEL_ISA_VERSION: Final = "1.0"
+ACCEL_KERNEL_NAME_MAX: Final = 64
+#: Most bytes a module's IR may have.
+ACCEL_MODULE_MAX: Final = 4 << 20
+
+
+class accel_module_load(_Struct):
+    """ACCEL_CMD_MODULE_LOAD: load a device module (its IR, JSON, docs/kernels.md).
+
+    The caller puts the module's bytes at the start of one of its host-pinned allocations
+    (``src_handle``); the driver validates the target and the capabilities the kernels
+    need, and hands a copy to the firmware, which validates again before compiling.
+    """
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("src_handle", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("flags", ctypes.c_uint32),
+        ("kernel_count", ctypes.c_uint32),  # out
+        ("module_id", ctypes.c_uint64),  # out
+    ]
+
+
+class accel_module_unload(_Struct):
+    """ACCEL_CMD_MODULE_UNLOAD: its kernel handles die with it."""
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("module_id", ctypes.c_uint64),
+    ]
+
+
+class accel_kernel_get(_Struct):
+    """ACCEL_CMD_KERNEL_GET: resolve a kernel by name in a loaded module (a symbol)."""
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("module_id", ctypes.c_uint64),
+        ("name", _S * ACCEL_KERNEL_NAME_MAX),
+        ("handle", ctypes.c_uint64),  # out: what LAUNCH packets name
+        ("param_count", ctypes.c_uint32),  # out
+        ("shared_mem", ctypes.c_uint32),  # out: static block-shared bytes
+    ]
+
+
+def pack_dims(dims: tuple[int, int, int]) -> int:
+    """Grid or block dimensions in one packet word (21 bits each)."""
+    x, y, z = dims
+    return x | (y << 21) | (z << 42)
+
+
+def unpack_dims(word: int) -> tuple[int, int, int]:
+    mask = (1 << 21) - 1
+    return word & mask, (word >> 21) & mask, (word >> 42) & mask
+
+
+#: Argument records of a launch's argument block (docs/kernels.md "Launch ABI").
+ARG_SCALAR, ARG_BUFFER, ARG_SHAPE = 0, 1, 2
+ARG_RECORD = struct.Struct("<IIQQ")
+DTYPE_CODES: Final[dict[str, int]] = {
+    "int8": 1, "uint8": 2, "int16": 3, "uint16": 4, "int32": 5, "uint32": 6, "int64": 7,
+    "uint64": 8, "float32": 9, "float64": 10, "bool": 11,
+}
+DTYPE_NAMES: Final[dict[int, str]] = {v: k for k, v in DTYPE_CODES.items()}
+
+
 # --- queues and packets ------------------------------------------------------------------------
 
 
@@ -409,6 +479,9 @@ class Op(enum.IntEnum):
     WAIT_QUEUE = 3
     #: a0 = va, a1 = bytes, a2 = 0 to host, 1 to device (managed memory only)
     PREFETCH = 4
+    #: a0 = kernel handle, a1 = grid, a2 = block (each x | y << 21 | z << 42), a3 = dynamic
+    #: shared bytes (0), a4 = va of the argument block, a5 = its length (docs/kernels.md)
+    LAUNCH = 5
 
 
 class accel_packet(_Struct):
@@ -559,6 +632,11 @@ def ring_name(queue_id: int, token: int) -> str:
     return f"ring-{queue_id}-{token:016x}"
 
 
+def module_name(module_id: int, token: int) -> str:
+    """File name of a loaded module's copy for the firmware, in the daemon's shm directory."""
+    return f"module-{module_id}-{token:016x}.json"
+
+
 def doorbell_name(ctx_id: int, token: int) -> str:
     """File name of a context's doorbell FIFO in the daemon's shm directory."""
     return f"doorbell-{ctx_id}-{token:016x}"
@@ -599,6 +677,9 @@ ACCEL_CMD_PEER_ENABLE = _cmd("PEER_ENABLE", IOC_WRITE, 0x0B, accel_peer_enable)
 ACCEL_CMD_QUEUE_CREATE = _cmd("QUEUE_CREATE", IOC_READ | IOC_WRITE, 0x0C, accel_queue_create)
 ACCEL_CMD_QUEUE_DESTROY = _cmd("QUEUE_DESTROY", IOC_WRITE, 0x0D, accel_queue_destroy)
 ACCEL_CMD_QUEUE_IMPORT = _cmd("QUEUE_IMPORT", IOC_READ | IOC_WRITE, 0x0E, accel_queue_import)
+ACCEL_CMD_MODULE_LOAD = _cmd("MODULE_LOAD", IOC_READ | IOC_WRITE, 0x0F, accel_module_load)
+ACCEL_CMD_MODULE_UNLOAD = _cmd("MODULE_UNLOAD", IOC_WRITE, 0x10, accel_module_unload)
+ACCEL_CMD_KERNEL_GET = _cmd("KERNEL_GET", IOC_READ | IOC_WRITE, 0x11, accel_kernel_get)
 
 COMMANDS: Final[dict[int, Command]] = {
     c.code: c
@@ -618,6 +699,9 @@ COMMANDS: Final[dict[int, Command]] = {
         ACCEL_CMD_QUEUE_CREATE,
         ACCEL_CMD_QUEUE_DESTROY,
         ACCEL_CMD_QUEUE_IMPORT,
+        ACCEL_CMD_MODULE_LOAD,
+        ACCEL_CMD_MODULE_UNLOAD,
+        ACCEL_CMD_KERNEL_GET,
     )
 }
 COMMANDS_BY_NR: Final[dict[int, Command]] = {ioc_nr(c.code): c for c in COMMANDS.values()}

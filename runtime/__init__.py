@@ -40,6 +40,7 @@ from runtime.memory import (
     to_device,
 )
 from runtime.graphs import Graph, graph
+from runtime.launch import Kernel, Module, compile, kernel
 from runtime.stream import Event, Stream, current_stream, default_stream, set_stream, stream
 from runtime.errors import (
     AccelError,
@@ -61,7 +62,7 @@ from runtime.errors import (
 )
 
 __all__ = [
-    "Graph", "graph",
+    "Graph", "graph", "Kernel", "Module", "compile", "kernel",
     "DeviceArray", "DeviceFaultError", "Event", "HostArray", "IpcHandle", "Stream",
     "current_stream", "default_stream", "empty", "empty_cache", "enable_peer_access",
     "managed_empty", "max_memory_allocated", "max_memory_reserved", "mem_get_info",

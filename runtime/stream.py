@@ -51,6 +51,7 @@ class Stream:
         self.queue_id: int = reply.queue_id
         self._ring = uapi.RingView(uapi.cstr(reply.ring_path))
         self._closed = False
+        self._kernels: dict[int, str] = {}  # seqno -> kernel name, for fault records
         self.last_seqno = 0
         self._lock = threading.Lock()
         #: graph capture in progress on this stream (see runtime.graphs)
@@ -91,6 +92,13 @@ class Stream:
         uapi.full_barrier()
         if self._ring.get(uapi.RING_SLEEPING):
             self.ctx.ring_doorbell()
+
+    def note_kernel(self, seqno: int, name: str) -> None:
+        """Remember which kernel a launch was, so its fault can name it."""
+        self._kernels[seqno] = name
+        if len(self._kernels) > 4 * uapi.RING_SLOTS:
+            for old in list(self._kernels)[: uapi.RING_SLOTS]:
+                del self._kernels[old]
 
     def submit_nop(self) -> int:
         """Queue a no-op (a marker); return its seqno."""
@@ -220,14 +228,22 @@ def _op_name(opcode: int) -> str:
 def fault_error(stream: Stream, seqno: int, code: int, opcode: int,
                 addr: int) -> errors.DeviceFaultError:
     record = {
-        "device": stream.device, "queue": stream.queue_id, "seqno": seqno,
-        "errno": errno.errorcode.get(code, str(code)), "opcode": _op_name(opcode),
-        "address": addr,
+        "device": stream.device, "context": stream.ctx.id, "queue": stream.queue_id,
+        "seqno": seqno, "errno": errno.errorcode.get(code, str(code)),
+        "opcode": _op_name(opcode), "address": addr,
     }
-    return errors.DeviceFaultError(
-        f"accel:{stream.device} queue {stream.queue_id}: {record['opcode']} (seqno "
-        f"{seqno}) failed with {record['errno']} at address {addr:#x}; later work on this "
-        "stream was cancelled, create a new stream", code, record)
+    what = record["opcode"]
+    cls: type[errors.DeviceFaultError] = errors.DeviceFaultError
+    if opcode == uapi.Op.LAUNCH:
+        cls = errors.KernelFaultError
+        record["kernel"] = stream._kernels.get(seqno, "?")
+        what = f"kernel {record['kernel']}"
+        if code == errno.ETIMEDOUT:
+            what += " (stopped by the watchdog)"
+    return cls(
+        f"accel:{stream.device} queue {stream.queue_id}: {what} (seqno {seqno}) failed with "
+        f"{record['errno']} at address {addr:#x}; later work on this stream was cancelled, "
+        "create a new stream", code, record)
 
 
 class Event:

@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="declare a device failed after this long without a heartbeat")
     start.add_argument("--process-memory-limit", type=parse_size, default=0, metavar="SIZE",
                        help="device-local memory one process may hold per device (default: none)")
+    start.add_argument("--jit-cache", type=Path, default=None, metavar="DIR",
+                       help="persistent kernel cache (default STATE_DIR/jit-cache)")
     start.add_argument("--driver-abi", type=parse_abi, default=None, metavar="MAJOR.MINOR",
                        help="emulate a driver of another uAPI version (version-skew testing)")
     start.add_argument("--log-file", type=Path, default=None,
@@ -109,6 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
         state_dir=args.state_dir.resolve(), firmware_dir=args.firmware_dir.resolve(),
         heartbeat_timeout_s=args.heartbeat_timeout, driver=driver,
         process_memory_limit=args.process_memory_limit,
+        jit_cache=args.jit_cache.resolve() if args.jit_cache else None,
     )
 
     def ready() -> None:

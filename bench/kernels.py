@@ -1,0 +1,194 @@
+"""Kernel benchmarks (bring-up 4), each against a baseline measured in the same run.
+
+* saxpy over 16 Mi float32 on the device vs the same loop as a plain numba ``njit``
+  function in this process (goal: at least 0.8x its speed, i.e. time ratio <= 1.25);
+* GEMM 1024x1024 float32 (the library's tiled SIMT kernel) vs numpy's matmul (goal 0.5x);
+* a SIMT saxpy kernel vs the same kernel under numba's CUDA simulator (small n; goal at
+  least 10,000x);
+* the first launch of a kernel with a cold JIT cache vs after a firmware restart with a
+  warm one (goal: warm at most 5% of cold);
+* a kernel and a copy on two streams at once vs one after the other (copy/compute overlap).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+from bench.core import Env, Row, Samples, timed_row
+
+SIM_N = 16 * 1024
+
+
+def _timed(fn, reps: int) -> Samples:  # type: ignore[no-untyped-def]
+    s = Samples("x")
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        fn()
+        s.ns.append(time.perf_counter_ns() - t0)
+    s.block_medians = [sorted(s.ns)[len(s.ns) // 2]]
+    return s
+
+
+def kernels(env: Env) -> list[Row]:
+    import numba
+    import numpy as np
+
+    rows: list[Row] = []
+    with env.accel_root_env():
+        import runtime
+        from runtime import kernel_lib
+
+        runtime.init()
+        lib = runtime.compile(kernel_lib.SOURCE)
+        n = (1 << 22) if env.quick else (16 << 20)
+        x = np.random.default_rng(0).random(n, dtype=np.float32)
+        y = np.random.default_rng(1).random(n, dtype=np.float32)
+        dx, dy, dout = runtime.to_device(x), runtime.to_device(y), runtime.empty(n, np.float32)
+        s = runtime.Stream()
+
+        def dev_saxpy() -> None:
+            lib.saxpy[n // 256, 256](np.float32(2.0), dx, dy, dout, stream=s)
+            s.synchronize()
+
+        @numba.njit(nogil=True)
+        def njit_saxpy(a, xs, ys, out):  # type: ignore[no-untyped-def]
+            for i in range(xs.size):
+                out[i] = a * xs[i] + ys[i]
+
+        out = np.empty_like(x)
+        njit_saxpy(np.float32(2.0), x, y, out)
+        dev_saxpy()  # compile outside the timing
+        if not np.allclose(dout.copy_to_host(), out):
+            raise RuntimeError("device saxpy disagrees with njit")
+        reps = 3 if env.quick else 8
+        dev = _timed(dev_saxpy, reps)
+        ref = _timed(lambda: njit_saxpy(np.float32(2.0), x, y, out), reps)
+        rows.append(timed_row(f"saxpy {n >> 20} Mi float32 (SIMT kernel)", dev,
+                              "numba njit loop, in process", ref, goal=1.25,
+                              note="time ratio <= 1.25 is at least 0.8x njit's speed; includes "
+                                   "launch and synchronize"))
+
+        m = 256 if env.quick else 1024
+        a = np.random.default_rng(2).random((m, m), dtype=np.float32)
+        b = np.random.default_rng(3).random((m, m), dtype=np.float32)
+        da, db, dc = runtime.to_device(a), runtime.to_device(b), runtime.empty((m, m), np.float32)
+
+        def dev_gemm() -> None:
+            lib.gemm[(m // 16, m // 16), (16, 16)](da, db, dc, m, stream=s)
+            s.synchronize()
+
+        dev_gemm()
+        if not np.allclose(dc.copy_to_host(), a @ b, rtol=1e-3):
+            raise RuntimeError("device gemm disagrees with numpy")
+        g = _timed(dev_gemm, 2 if env.quick else 3)
+        npm = _timed(lambda: a @ b, 5)
+        rows.append(timed_row(f"GEMM {m}x{m} float32 (tiled SIMT kernel)", g, "numpy matmul", npm,
+                              goal=2.0, note="time ratio <= 2 is at least 0.5x numpy's speed"))
+
+        small = runtime.to_device(x[:SIM_N])
+        small_out = runtime.empty(SIM_N, np.float32)
+
+        def dev_small() -> None:
+            lib.saxpy[SIM_N // 256, 256](np.float32(2.0), small, small, small_out, stream=s)
+            s.synchronize()
+
+        dev_small()
+        ours = _timed(dev_small, 20)
+        sim_s = _cuda_simulator_saxpy()
+        sim = Samples("sim", ns=[int(sim_s * 1e9)], block_medians=[sim_s * 1e9])
+        rows.append(Row(f"SIMT saxpy, {SIM_N} elements", ours.median_us, "numba CUDA simulator, "
+                        "same kernel", sim.median_us, "us", None, None,
+                        note=f"{sim.median_us / ours.median_us:,.0f}x faster than the simulator; "
+                             "goal: at least 10,000x"))
+
+        # copy/compute overlap
+        big = runtime.empty(64 << 20, np.uint8)
+        big2 = runtime.empty(64 << 20, np.uint8)
+        cs = runtime.Stream()
+
+        def kernel_only() -> None:
+            dev_saxpy()
+
+        def copy_only() -> None:
+            big2.copy_(big, stream=cs)
+            cs.synchronize()
+
+        def both() -> None:
+            big2.copy_(big, stream=cs)
+            lib.saxpy[n // 256, 256](np.float32(2.0), dx, dy, dout, stream=s)
+            cs.synchronize()
+            s.synchronize()
+
+        copy_only()
+        k1, c1, b1 = (_timed(f, reps) for f in (kernel_only, copy_only, both))
+        seq = Samples("seq", ns=[k + c for k, c in zip(k1.ns, c1.ns)])
+        seq.block_medians = [sorted(seq.ns)[len(seq.ns) // 2]]
+        rows.append(timed_row("kernel + 64 MiB copy on two streams at once", b1,
+                              "the same one after the other", seq, goal=None,
+                              note="ratio below 1: the copy engine and compute engines overlap"))
+    rows.append(_cold_vs_warm(env))
+    return rows
+
+
+def _cuda_simulator_saxpy() -> float:
+    code = textwrap.dedent(f"""
+        import os, time
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+        import numpy as np
+        from numba import cuda
+        @cuda.jit
+        def saxpy(a, x, y, out):
+            i = cuda.grid(1)
+            if i < out.size:
+                out[i] = a * x[i] + y[i]
+        n = {SIM_N}
+        x = np.ones(n, np.float32); out = np.empty_like(x)
+        saxpy[n // 256, 256](np.float32(2), x[:256], x[:256], out[:256])
+        t = time.perf_counter()
+        saxpy[n // 256, 256](np.float32(2), x, x, out)
+        print(time.perf_counter() - t)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"NUMBA_ENABLE_CUDASIM": "1", "PATH": "/usr/bin:/bin"}, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr)
+    return float(out.stdout.split()[-1])
+
+
+def _cold_vs_warm(env: Env) -> Row:
+    """First launch with an empty JIT cache vs after a restart (fresh firmware, warm disk)."""
+    d = env.new_accel(devices=1)
+    code = textwrap.dedent("""
+        import time, numpy as np, runtime
+        from runtime import kernel_lib
+        lib = runtime.compile(kernel_lib.SOURCE)
+        x = runtime.to_device(np.ones(1 << 16, np.float32))
+        t = time.perf_counter()
+        lib.saxpy[256, 256](np.float32(2), x, x, x)
+        runtime.current_stream().synchronize()
+        print(time.perf_counter() - t)
+    """)
+    import os
+
+    def first_launch() -> float:
+        env_vars = dict(os.environ, ACCEL_EMU_ROOT=str(d.root))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env_vars, timeout=600)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr)
+        return float(out.stdout.split()[-1])
+
+    d.start()
+    try:
+        cold = first_launch()
+        d.stop()
+        d.start()
+        warm = first_launch()
+    finally:
+        d.stop()
+    return Row("first launch, warm JIT cache (fresh firmware)", warm * 1e3,
+               "first launch, cold JIT cache", cold * 1e3, "ms", 0.05, None,
+               note="the firmware loads the compiled kernel from its on-disk cache")

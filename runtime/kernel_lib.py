@@ -1,0 +1,92 @@
+"""A small kernel library in the device language, used by the demo, tests and benchmarks.
+
+Each is the SIMT way of writing it (one thread per element or per output), so it
+exercises the language and the engine rather than hiding work in the host: fill, copy,
+saxpy, a block reduction (shared memory, barriers, one atomic per block), a tiled GEMM
+(shared-memory tiles, barriers inside a uniform loop) and a row softmax.
+"""
+
+from __future__ import annotations
+
+SOURCE = '''
+def fill(out, value):
+    i = global_id(0)
+    if i < out.size:
+        out[i] = value
+
+
+def copy(dst, src):
+    i = global_id(0)
+    if i < dst.size:
+        dst[i] = src[i]
+
+
+def saxpy(a, x, y, out):
+    i = global_id(0)
+    if i < out.size:
+        out[i] = a * x[i] + y[i]
+
+
+def reduce_sum(x, total):
+    part = shared_array(256, "float64")
+    t = local_id(0)
+    i = global_id(0)
+    acc = 0.0
+    while i < x.size:
+        acc += x[i]
+        i += local_size(0) * num_groups(0)
+    part[t] = acc
+    barrier()
+    step = 128
+    while step > 0:
+        if t < step:
+            part[t] += part[t + step]
+        barrier()
+        step = step // 2
+    if t == 0:
+        atomic_add(total, 0, part[0])
+
+
+def gemm(a, b, c, n):
+    ta = shared_array((16, 16), "float32")
+    tb = shared_array((16, 16), "float32")
+    tx = local_id(0)
+    ty = local_id(1)
+    col = group_id(0) * 16 + tx
+    row = group_id(1) * 16 + ty
+    acc = 0.0
+    for t in range(0, n, 16):
+        if row < n and t + tx < n:
+            ta[ty, tx] = a[row, t + tx]
+        else:
+            ta[ty, tx] = 0.0
+        if col < n and t + ty < n:
+            tb[ty, tx] = b[t + ty, col]
+        else:
+            tb[ty, tx] = 0.0
+        barrier()
+        for k in range(16):
+            acc += ta[ty, k] * tb[k, tx]
+        barrier()
+    if row < n and col < n:
+        c[row, col] = acc
+
+
+def softmax_rows(x, out, rows, cols):
+    r = global_id(0)
+    if r < rows:
+        m = x[r, 0]
+        for j in range(1, cols):
+            m = max(m, x[r, j])
+        s = 0.0
+        for j in range(cols):
+            e = exp(x[r, j] - m)
+            out[r, j] = e
+            s += e
+        for j in range(cols):
+            out[r, j] = out[r, j] / s
+'''
+
+#: Block size the reduction is written for (its shared array holds one value per thread).
+REDUCE_BLOCK = 256
+GEMM_TILE = 16

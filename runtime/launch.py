@@ -1,0 +1,247 @@
+"""Modules and launches: ``runtime.compile(src)`` and ``module.name[grid, block](*args)``.
+
+``compile`` runs the front end (:mod:`runtime.kernels`: validation, the module IR), then
+loads the module on a device: the IR goes to the driver in a pinned buffer, the driver
+checks target and capabilities, the firmware validates and JIT-compiles it. A launch
+checks its arguments against the kernel's parameters and the device's limits on the host,
+writes an argument block (docs/kernels.md "Launch ABI") into a pinned arena, and queues
+one LAUNCH packet: no driver call. Kernel handles belong to the context that loaded them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kmod_emul import uapi
+from runtime import devices as _device
+from runtime import errors
+from runtime.memory import DeviceArray, HostArray, _packet, pinned_empty
+from runtime.stream import Stream, current_stream
+
+ARG_SLOT = 1024  # bytes of one launch's argument block
+ARG_SLOTS = 256
+
+
+def _dims(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
+    dims = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
+    if not 1 <= len(dims) <= 3 or any(not isinstance(d, (int, np.integer)) or d < 1
+                                      or d >= 1 << 21 for d in dims):
+        raise errors.InvalidValueError(f"{what} must be 1 to 3 positive ints below 2**21, "
+                                       f"got {value!r}")
+    return tuple(int(d) for d in (*dims, 1, 1)[:3])  # type: ignore[return-value]
+
+
+class _ArgArena:
+    """Pinned slots for argument blocks; a slot is reused only after its launch completed."""
+
+    def __init__(self, device: int) -> None:
+        self.buf = pinned_empty(ARG_SLOT * ARG_SLOTS, np.uint8, device)
+        self.last: list[tuple[Stream, int] | None] = [None] * ARG_SLOTS
+        self.next = 0
+        self.lock = threading.Lock()
+
+    def take(self) -> tuple[int, np.ndarray]:
+        with self.lock:
+            i = self.next
+            self.next = (i + 1) % ARG_SLOTS
+            prev = self.last[i]
+            if prev is not None and prev[0].completed < prev[1]:
+                prev[0].wait_seqno(prev[1])
+            return i, self.buf[i * ARG_SLOT : (i + 1) * ARG_SLOT]
+
+    def used(self, i: int, stream: Stream, seqno: int) -> None:
+        self.last[i] = (stream, seqno)
+
+
+_arenas: dict[int, _ArgArena] = {}
+_arena_lock = threading.Lock()
+
+
+def _arena(device: int) -> _ArgArena:
+    with _arena_lock:
+        a = _arenas.get(device)
+        if a is None or a.buf._accel.ctx is not _device.primary_context(device):  # type: ignore[union-attr]
+            a = _arenas[device] = _ArgArena(device)
+        return a
+
+
+class Kernel:
+    """One kernel of a loaded module; ``kernel[grid, block](*args, stream=None)`` launches."""
+
+    def __init__(self, module: Module, name: str, ir: dict[str, Any], handle: int) -> None:
+        self.module, self.name, self.ir, self.handle = module, name, ir, handle
+        self.params: list[dict[str, Any]] = ir["params"]
+
+    def __repr__(self) -> str:
+        return f"<Kernel {self.name} on accel:{self.module.device}>"
+
+    def __getitem__(self, config: tuple[Any, Any]) -> Callable[..., int]:
+        grid, block = config
+        return lambda *args, stream=None, shared_mem=0: self.launch(grid, block, args,
+                                                                     stream, shared_mem)
+
+    def _record_args(self, args: Sequence[Any], into: np.ndarray) -> tuple[int, list[Any]]:
+        if len(args) != len(self.params):
+            names = ", ".join(p["name"] for p in self.params)
+            raise errors.InvalidValueError(f"{self.name} takes {len(self.params)} arguments "
+                                           f"({names}), got {len(args)}")
+        records: list[bytes] = []
+        uses: list[Any] = []
+        for p, value in zip(self.params, args):
+            records += self._arg(p, value, uses)
+        raw = b"".join(records)
+        if len(raw) > ARG_SLOT:
+            raise errors.InvalidValueError(f"{self.name}: too many or too large arguments")
+        into[: len(raw)] = np.frombuffer(raw, np.uint8)
+        return len(raw), uses
+
+    def _arg(self, p: dict[str, Any], value: Any, uses: list[Any]) -> list[bytes]:
+        want = p.get("dtype")
+        if p["kind"] == "buffer":
+            if isinstance(value, DeviceArray):
+                va, dtype, shape = value.va, value.dtype, value.shape
+                if value.device != self.module.device:
+                    raise errors.InvalidValueError(
+                        f"{self.name}: argument {p['name']} lives on accel:{value.device}, the "
+                        f"kernel runs on accel:{self.module.device}")
+            elif isinstance(value, HostArray) and value._accel is not None:
+                va, dtype, shape = value.device_va, value.dtype, value.shape
+            else:
+                raise errors.InvalidValueError(
+                    f"{self.name}: argument {p['name']} must be a device array (or pinned or "
+                    f"managed memory), got {type(value).__name__}")
+            if want is not None and dtype.name != want:
+                raise errors.InvalidValueError(f"{self.name}: argument {p['name']} must be "
+                                               f"{want}, got {dtype.name}")
+            if p.get("ndim") not in (None, len(shape)):
+                raise errors.InvalidValueError(f"{self.name}: argument {p['name']} must have "
+                                               f"{p['ndim']} dimensions, got {len(shape)}")
+            code = uapi.DTYPE_CODES[dtype.name]
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            out = [uapi.ARG_RECORD.pack(uapi.ARG_BUFFER, code, va, nbytes)]
+            dims = [int(d) for d in shape] if shape else [1]
+            for i in range(0, len(dims), 2):
+                pair = dims[i : i + 2]
+                out.append(uapi.ARG_RECORD.pack(uapi.ARG_SHAPE, len(pair), pair[0],
+                                                pair[1] if len(pair) > 1 else 0))
+            uses.append(value)
+            return out
+        if not isinstance(value, (int, float, bool, np.number, np.bool_)):
+            raise errors.InvalidValueError(f"{self.name}: argument {p['name']} must be a "
+                                           f"number, got {type(value).__name__}")
+        dtype = np.dtype(want) if want else (np.dtype(value.dtype) if isinstance(
+            value, (np.number, np.bool_)) else np.dtype(type(value)))
+        bits = int.from_bytes(np.array(value, dtype).tobytes().ljust(8, b"\0"), "little")
+        return [uapi.ARG_RECORD.pack(uapi.ARG_SCALAR, uapi.DTYPE_CODES[dtype.name], bits, 0)]
+
+    def launch(self, grid: Any, block: Any, args: Sequence[Any], stream: Stream | None = None,
+               shared_mem: int = 0) -> int:
+        """Queue the launch; return its seqno on the stream."""
+        g, b = _dims(grid, "grid"), _dims(block, "block")
+        props = self.module.properties
+        if b[0] * b[1] * b[2] > props.max_threads_per_block:
+            raise errors.InvalidValueError(
+                f"{self.name}: block of {b[0] * b[1] * b[2]} threads; accel:{self.module.device} "
+                f"allows {props.max_threads_per_block}")
+        if shared_mem:
+            raise errors.InvalidValueError(f"{self.name}: dynamic shared memory is not "
+                                           "supported; use shared_array in the kernel")
+        s = stream or current_stream(self.module.device)
+        if s.device != self.module.device:
+            raise errors.InvalidValueError(f"{self.name}: stream is on accel:{s.device}")
+        if s.capturing is not None:
+            raise errors.InvalidValueError("kernel launches are not captured into graphs yet "
+                                           "(their argument blocks would need the graph's pool)")
+        arena = _arena(self.module.device)
+        slot, buf = arena.take()
+        length, uses = self._record_args(args, buf)
+        pkt = _packet(uapi.Op.LAUNCH, self.handle, uapi.pack_dims(g), uapi.pack_dims(b), 0,
+                      buf.device_va, length)
+        seqno = s.submit([pkt], uses=uses)
+        s.note_kernel(seqno, self.name)
+        arena.used(slot, s, seqno)
+        return seqno
+
+
+class Module:
+    """A device module loaded on one device (through this process's primary context)."""
+
+    def __init__(self, ir: dict[str, Any], device: _device.DeviceLike = None) -> None:
+        self.device = _device._index(device)
+        self.ir = ir
+        self.properties = _device.get_device_properties(self.device)
+        ctx = _device.primary_context(self.device)
+        raw = json.dumps(ir, sort_keys=True).encode()
+        staging = pinned_empty(len(raw), np.uint8, self.device)
+        staging[:] = np.frombuffer(raw, np.uint8)
+        try:
+            reply = ctx.channel.call(uapi.ACCEL_CMD_MODULE_LOAD, uapi.accel_module_load(
+                ctx_id=ctx.id, src_handle=staging._accel.handle, size=len(raw)))  # type: ignore[union-attr]
+        except errors.FirmwareCorruptError as exc:  # ENOEXEC here: a module for another target
+            raise errors.InvalidValueError(f"module not loadable on accel:{self.device}: "
+                                           "built for another instruction set", exc.errno) from None
+        self.id: int = reply.module_id
+        self._ctx = ctx
+        self._kernels: dict[str, Kernel] = {}
+
+    def __getattr__(self, name: str) -> Kernel:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self.get_kernel(name)
+
+    def get_kernel(self, name: str) -> Kernel:
+        k = self._kernels.get(name)
+        if k is None:
+            if name not in self.ir["kernels"]:
+                raise errors.InvalidValueError(f"module has no kernel {name!r} (it has "
+                                               f"{', '.join(self.ir['kernels'])})")
+            reply = self._ctx.channel.call(uapi.ACCEL_CMD_KERNEL_GET, uapi.accel_kernel_get(
+                ctx_id=self._ctx.id, module_id=self.id, name=name.encode()))
+            k = self._kernels[name] = Kernel(self, name, self.ir["kernels"][name], reply.handle)
+        return k
+
+    @property
+    def kernels(self) -> list[str]:
+        return list(self.ir["kernels"])
+
+
+def compile(source_or_function: Any, device: _device.DeviceLike = None) -> Module:  # noqa: A001
+    """Compile kernel source (or functions) to a module and load it on ``device``."""
+    from runtime.kernels import compile_module
+
+    return Module(compile_module(source_or_function), device)
+
+
+class kernel:  # noqa: N801 - a decorator, named like torch's and numba's
+    """``@runtime.kernel``: compile on first launch, per device; then ``f[grid, block](...)``."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+        self._modules: dict[int, Module] = {}
+        self._ir: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    def _kernel(self, device: int) -> Kernel:
+        with self._lock:
+            if self._ir is None:
+                from runtime.kernels import compile_module
+
+                self._ir = compile_module(self.fn)
+            mod = self._modules.get(device)
+            if mod is None or mod._ctx is not _device.primary_context(device):
+                mod = self._modules[device] = Module(self._ir, device)
+        return mod.get_kernel(self.name)
+
+    def __getitem__(self, config: tuple[Any, Any]) -> Callable[..., int]:
+        grid, block = config
+
+        def launch(*args: Any, stream: Stream | None = None, shared_mem: int = 0) -> int:
+            dev = stream.device if stream is not None else _device.current_device()
+            return self._kernel(dev).launch(grid, block, args, stream, shared_mem)
+        return launch
