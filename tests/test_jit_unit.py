@@ -1,0 +1,555 @@
+"""Unit tests of the firmware's kernel JIT (firmware/jit.py), without a daemon.
+
+Numba compiles are slow on the 2-core test machines, so the compiled kernels are shared:
+one module-scoped cache directory, one KernelCache, kernels compiled once and reused by
+every test that needs them. Tests that must see a *fresh* process (the persistent cache,
+two compiling processes) run a small script in a subprocess.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from firmware import jit
+from firmware.jit import (ABORT_PREEMPT, ABORT_WATCHDOG, KernelCache, KernelFault, Options,
+                          compat_key)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def ir_of(src: str, ndims: dict[str, int] | None = None) -> dict[str, Any]:
+    """A kernel IR as the runtime's front end would produce it: parameters used with
+    ``[...]``/``.shape``/``.size`` are buffers (ndim from ``ndims``, default 1)."""
+    src = textwrap.dedent(src)
+    fn = ast.parse(src).body[0]
+    assert isinstance(fn, ast.FunctionDef)
+    used = {n.value.id for n in ast.walk(fn)
+            if isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.value, ast.Name)}
+    used |= {n.args[0].id for n in ast.walk(fn) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Name) and n.func.id == "atomic_add"}  # type: ignore
+    params = []
+    for a in fn.args.args:
+        if a.arg in used:
+            params.append({"name": a.arg, "kind": "buffer", "dtype": None,
+                           "ndim": (ndims or {}).get(a.arg, 1)})
+        else:
+            params.append({"name": a.arg, "kind": "scalar", "dtype": None})
+    return {"name": fn.name, "params": params, "source": ast.unparse(fn), "shared_mem": 0,
+            "uses_barrier": "barrier()" in src, "uses_atomics": "atomic_add" in src}
+
+
+SAXPY = ir_of("""
+    def saxpy(a, x, y, out):
+        i = global_id(0)
+        if i < out.shape[0]:
+            out[i] = a * x[i] + y[i]
+""")
+SAXPY_T = ("float32", "float32[1d]", "float32[1d]", "float32[1d]")
+
+ADD2D = ir_of("""
+    def add2d(a, b, out):
+        r = global_id(1)
+        c = global_id(0)
+        if r < out.shape[0] and c < out.shape[1]:
+            out[r, c] = a[r, c] * 2.0 + b[r, c]
+""", {"a": 2, "b": 2, "out": 2})
+
+BLOCK_SUM = ir_of("""
+    def block_sum(x, partial):
+        s = shared_array(256, "float64")
+        lid = local_id(0)
+        i = global_id(0)
+        if i < x.shape[0]:
+            s[lid] = x[i]
+        else:
+            s[lid] = 0.0
+        barrier()
+        for k in range(7, -1, -1):
+            if lid < (1 << k):
+                s[lid] += s[lid + (1 << k)]
+            barrier()
+        if lid == 0:
+            partial[group_id(0)] = s[0]
+""")
+
+MATMUL = ir_of("""
+    def matmul(a, b, c, n):
+        tx = local_id(0)
+        ty = local_id(1)
+        col = global_id(0)
+        row = global_id(1)
+        sa = shared_array((16, 16), "float32")
+        sb = shared_array((16, 16), "float32")
+        acc = 0.0
+        for t in range(n // 16):
+            sa[ty, tx] = a[row, t * 16 + tx]
+            sb[ty, tx] = b[t * 16 + ty, col]
+            barrier()
+            for k in range(16):
+                acc += sa[ty, k] * sb[k, tx]
+            barrier()
+        c[row, col] = acc
+""", {"a": 2, "b": 2, "c": 2})
+
+ATOMICS = ir_of("""
+    def hist(x, bins, total, count):
+        i = global_id(0)
+        if i >= x.shape[0]:
+            return
+        atomic_add(bins, x[i] % 16, 1)
+        atomic_add(total, 0, float(x[i]))
+        atomic_add(count, 0, 1)
+""")
+
+COPY = ir_of("""
+    def copy(x, out):
+        i = global_id(0)
+        out[i] = x[i]
+""")
+
+SPIN = ir_of("""
+    def spin(x):
+        while True:
+            x[0] += 1.0
+""")
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("jitcache")
+
+
+@pytest.fixture(scope="module")
+def cache(cache_root: Path) -> KernelCache:
+    return KernelCache(cache_root)
+
+
+def grid1(n: int, bs: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    return ((n + bs - 1) // bs, 1, 1), (bs, 1, 1)
+
+
+def nblocks(grid: tuple[int, int, int]) -> int:
+    return grid[0] * grid[1] * grid[2]
+
+
+def no_abort() -> np.ndarray:
+    return np.zeros(1, np.int64)
+
+
+def run_script(code: str, *args: str, timeout: float = 120) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+# --------------------------------------------------------------------------- correctness
+
+
+def test_saxpy(cache: KernelCache) -> None:
+    k = cache.get(SAXPY, SAXPY_T, Options())
+    n = 10_000  # not a multiple of the block
+    rng = np.random.default_rng(1)
+    x, y = rng.random(n, np.float32), rng.random(n, np.float32)
+    out = np.zeros(n, np.float32)
+    grid, block = grid1(n, 256)
+    assert k.run(0, nblocks(grid), grid, block, [np.float32(3), x, y, out], no_abort()) \
+        == nblocks(grid)
+    np.testing.assert_allclose(out, np.float32(3) * x + y, rtol=1e-6)
+    assert k.needs_serial is False
+
+
+def test_2d(cache: KernelCache) -> None:
+    k = cache.get(ADD2D, ("float64[2d]", "float64[2d]", "float64[2d]"), Options())
+    rng = np.random.default_rng(2)
+    a, b = rng.random((37, 53)), rng.random((37, 53))
+    out = np.zeros((37, 53))
+    grid, block = ((53 + 7) // 8, (37 + 7) // 8, 1), (8, 8, 1)
+    assert k.run(0, nblocks(grid), grid, block, [a, b, out], no_abort()) == nblocks(grid)
+    np.testing.assert_allclose(out, a * 2 + b)
+
+
+def test_shared_array_and_barrier_block_reduction(cache: KernelCache) -> None:
+    k = cache.get(BLOCK_SUM, ("float64[1d]", "float64[1d]"), Options())
+    n = 256 * 9 + 17
+    x = np.random.default_rng(3).random(n)
+    grid, block = grid1(n, 256)
+    partial = np.zeros(nblocks(grid))
+    k.run(0, nblocks(grid), grid, block, [x, partial], no_abort())
+    want = [x[i:i + 256].sum() for i in range(0, n, 256)]
+    np.testing.assert_allclose(partial, want)
+
+
+def test_barrier_in_uniform_loop_tiled_matmul(cache: KernelCache) -> None:
+    k = cache.get(MATMUL, ("float32[2d]", "float32[2d]", "float32[2d]", "int64"), Options())
+    rng = np.random.default_rng(4)
+    a, b = rng.random((64, 64), np.float32), rng.random((64, 64), np.float32)
+    c = np.zeros((64, 64), np.float32)
+    grid, block = (4, 4, 1), (16, 16, 1)
+    assert k.run(0, 16, grid, block, [a, b, c, np.int64(64)], no_abort()) == 16
+    np.testing.assert_allclose(c, a @ b, rtol=1e-4)
+
+
+def test_atomic_add_from_two_threads(cache: KernelCache) -> None:
+    k = cache.get(ATOMICS, ("int64[1d]", "int64[1d]", "float64[1d]", "int32[1d]"), Options())
+    n = 1 << 20
+    x = np.random.default_rng(5).integers(0, 1000, n)
+    bins, total, count = np.zeros(16, np.int64), np.zeros(1), np.zeros(1, np.int32)
+    grid, block = grid1(n, 128)
+    nb = nblocks(grid)
+    errors: list[BaseException] = []
+
+    def part(lo: int, hi: int) -> None:
+        try:
+            k.run(lo, hi, grid, block, [x, bins, total, count], no_abort())
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=part, args=(0, nb // 2)),
+               threading.Thread(target=part, args=(nb // 2, nb))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    np.testing.assert_array_equal(bins, np.bincount(x % 16, minlength=16))
+    assert total[0] == float(x.sum())
+    assert count[0] == n
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def test_bounds_miss_on_store_names_buffer_and_index(cache: KernelCache) -> None:
+    k = cache.get(COPY, ("float32[1d]", "float32[1d]"), Options())
+    x = np.arange(512, dtype=np.float32)
+    backing = np.full(512, -1.0, np.float32)
+    out = backing[:100]  # memory past the buffer exists: it must stay untouched
+    grid, block = grid1(512, 64)
+    with pytest.raises(KernelFault) as ei:
+        k.run(0, nblocks(grid), grid, block, [x, out], no_abort())
+    assert (ei.value.kind, ei.value.param, ei.value.index) == ("bounds", "out", 100)
+    assert ei.value.block == 1
+    np.testing.assert_array_equal(out, x[:100])
+    assert (backing[100:] == -1.0).all()
+
+
+def test_bounds_miss_on_load(cache: KernelCache) -> None:
+    k = cache.get(COPY, ("float32[1d]", "float32[1d]"), Options())
+    x = np.arange(70, dtype=np.float32)
+    out = np.zeros(128, np.float32)
+    grid, block = grid1(128, 64)
+    with pytest.raises(KernelFault) as ei:
+        k.run(0, 2, grid, block, [x, out], no_abort())
+    assert (ei.value.kind, ei.value.param, ei.value.index) == ("bounds", "x", 70)
+    assert (out[70:] == 0).all()
+
+
+def test_bounds_miss_on_shared_array_and_negative_index(cache: KernelCache) -> None:
+    ir = ir_of("""
+        def neg(x, out):
+            s = shared_array(8, "int32")
+            i = global_id(0)
+            s[i % 8] = 1
+            if i == 3:
+                out[i - 10] = s[0] + x[0]
+    """)
+    k = cache.get(ir, ("int32[1d]", "int32[1d]"), Options())
+    out = np.zeros(16, np.int32)
+    with pytest.raises(KernelFault) as ei:
+        k.run(0, 1, (1, 1, 1), (8, 1, 1), [np.ones(4, np.int32), out], no_abort())
+    assert (ei.value.param, ei.value.index) == ("out", -7)
+    assert (out == 0).all()
+
+
+def test_watchdog_stops_an_infinite_loop(cache: KernelCache) -> None:
+    k = cache.get(SPIN, ("float64[1d]",), Options())
+    x = np.zeros(1)
+    abort = no_abort()
+    result: list[BaseException | int] = []
+
+    def go() -> None:
+        try:
+            result.append(k.run(0, 1, (1, 1, 1), (1, 1, 1), [x], abort))
+        except BaseException as exc:  # noqa: BLE001
+            result.append(exc)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive() and x[0] > 0  # spinning, and the GIL is free
+    abort[0] = ABORT_WATCHDOG
+    t.join(10)
+    assert not t.is_alive(), "the kernel did not see the abort word"
+    assert isinstance(result[0], KernelFault) and result[0].kind == "watchdog"
+
+
+def test_preemption_between_blocks_and_resume(cache: KernelCache) -> None:
+    k = cache.get(ATOMICS, ("int64[1d]", "int64[1d]", "float64[1d]", "int32[1d]"), Options())
+    n = 1 << 21
+    x = np.ones(n, np.int64)
+    bins, total, count = np.zeros(16, np.int64), np.zeros(1), np.zeros(1, np.int32)
+    grid, block = grid1(n, 64)
+    nb = nblocks(grid)
+    abort = np.array([ABORT_PREEMPT], np.int64)
+    # Preempted before it starts: nothing runs, the resume point is block_lo.
+    assert k.run(10, nb, grid, block, [x, bins, total, count], abort) == 10
+    assert count[0] == 0
+    # Preempted while running (as soon as the first atomics land): the running block
+    # finishes, and exactly the blocks before the resume point have run.
+    abort[0] = 0
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(
+        k.run(0, nb, grid, block, [x, bins, total, count], abort)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while count[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0)
+    abort[0] = ABORT_PREEMPT
+    t.join()
+    r = result[0]
+    assert 0 < r < nb
+    assert count[0] == r * 64
+    abort[0] = 0
+    assert k.run(r, nb, grid, block, [x, bins, total, count], abort) == nb
+    assert count[0] == n and total[0] == n
+
+
+def test_return_before_barrier_and_break_of_uniform_loop(cache: KernelCache) -> None:
+    ret = ir_of("""
+        def ret(out):
+            s = shared_array(64, "int64")
+            lid = local_id(0)
+            s[lid] = lid
+            if lid >= 32:
+                return
+            barrier()
+            out[global_id(0)] = s[63 - lid]
+    """)
+    k = cache.get(ret, ("int64[1d]",), Options())
+    out = np.full(128, -1, np.int64)
+    k.run(0, 2, (2, 1, 1), (64, 1, 1), [out], no_abort())
+    lid = np.arange(128) % 64
+    np.testing.assert_array_equal(out, np.where(lid < 32, 63 - lid, -1))
+
+    brk = ir_of("""
+        def brk(n, out):
+            lid = local_id(0)
+            acc = 0
+            for t in range(n):
+                if t == 3:
+                    break
+                acc += t
+                barrier()
+            out[global_id(0)] = acc + lid * 100
+    """)
+    k = cache.get(brk, ("int32", "int64[1d]"), Options())
+    out = np.zeros(16, np.int64)
+    k.run(0, 2, (2, 1, 1), (8, 1, 1), [np.int32(10), out], no_abort())
+    np.testing.assert_array_equal(out, 3 + (np.arange(16) % 8) * 100)
+
+
+def test_run_checks_argument_types(cache: KernelCache) -> None:
+    k = cache.get(SAXPY, SAXPY_T, Options())
+    x = np.zeros(64, np.float32)
+    with pytest.raises(TypeError):  # wrong dtype would be read as float32 by the native code
+        k.run(0, 1, (1, 1, 1), (64, 1, 1), [np.float32(1), x.astype(np.float64), x, x],
+              no_abort())
+    with pytest.raises(TypeError):  # not contiguous
+        k.run(0, 1, (1, 1, 1), (64, 1, 1), [np.float32(1), np.zeros(128, np.float32)[::2],
+                                            x, x], no_abort())
+    with pytest.raises(ValueError):
+        k.run(0, 2, (1, 1, 1), (64, 1, 1), [np.float32(1), x, x, x], no_abort())
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+_LOAD_SCRIPT = """
+import json, sys, time
+import numpy as np
+t0 = time.perf_counter()
+from firmware.jit import KernelCache, Options
+ir = json.loads(sys.argv[2])
+c = KernelCache(sys.argv[1])
+t1 = time.perf_counter()
+k = c.get(ir, tuple(json.loads(sys.argv[3])), Options())
+t2 = time.perf_counter()
+x = np.arange(1000, dtype=np.float32); y = np.ones(1000, np.float32)
+out = np.zeros(1000, np.float32)
+k.run(0, 4, (4, 1, 1), (256, 1, 1), [np.float32(2), x, y, out], np.zeros(1, np.int64))
+print(json.dumps({"hits": c.hits, "misses": c.misses, "compiles": c.compiles,
+                  "ok": bool(np.allclose(out, 2 * x + 1)), "get_s": t2 - t1,
+                  "import_s": t1 - t0}))
+"""
+
+
+def _result(p: subprocess.Popen[str]) -> dict[str, Any]:
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_persistent_cache_hit_in_new_process(cache: KernelCache, cache_root: Path) -> None:
+    cache.get(SAXPY, SAXPY_T, Options())  # compiled (and saved) in this process
+    r = _result(run_script(_LOAD_SCRIPT, str(cache_root), json.dumps(SAXPY),
+                           json.dumps(SAXPY_T)))
+    assert r == {**r, "hits": 1, "misses": 0, "compiles": 0, "ok": True}
+    key = cache.key(SAXPY, SAXPY_T, Options())
+    entry = cache.entry_dir(key)
+    manifest = json.loads((entry / "manifest.json").read_text())
+    assert manifest["key"] == key and (entry / manifest["module"]).exists()
+    assert any(p.suffix == ".nbi" for p in (entry / "__pycache__").iterdir())
+
+
+def test_two_processes_compile_once(tmp_path: Path) -> None:
+    procs = [run_script(_LOAD_SCRIPT, str(tmp_path), json.dumps(SAXPY), json.dumps(SAXPY_T))
+             for _ in range(2)]
+    results = [_result(p) for p in procs]
+    assert all(r["ok"] for r in results)
+    assert sorted(r["compiles"] for r in results) == [0, 1]
+    assert sorted((r["misses"], r["hits"]) for r in results) == [(0, 1), (1, 0)]
+    assert not list(tmp_path.glob("*/.tmp-*"))
+
+
+def test_every_compatibility_input_changes_the_key(cache: KernelCache, cache_root: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    base = cache.key(SAXPY, SAXPY_T, Options())
+    other_source = ir_of("""
+        def saxpy(a, x, y, out):
+            i = global_id(0)
+            if i < out.shape[0]:
+                out[i] = x[i] * a + y[i]
+    """)
+    variants = {
+        "source": cache.key(other_source, SAXPY_T, Options()),
+        "dtype": cache.key(SAXPY, ("float64", "float64[1d]", "float64[1d]", "float64[1d]"),
+                           Options()),
+        "boundscheck": cache.key(SAXPY, SAXPY_T, Options(boundscheck=False)),
+        "fastmath": cache.key(SAXPY, SAXPY_T, Options(fastmath=True)),
+        "stepping": KernelCache(cache_root, stepping="B0").key(SAXPY, SAXPY_T, Options()),
+        "isa": KernelCache(cache_root, isa="aemu-isa 2.0").key(SAXPY, SAXPY_T, Options()),
+    }
+    for name, value in [("FIRMWARE_JIT_ABI", 2)]:
+        with monkeypatch.context() as m:
+            m.setattr(jit, name, value)
+            variants[name] = cache.key(SAXPY, SAXPY_T, Options())
+    for mod, label in [(jit.numba, "numba"), (jit.llvmlite, "llvmlite"), (jit.np, "numpy")]:
+        with monkeypatch.context() as m:
+            m.setattr(mod, "__version__", "0.0.0")
+            variants[label] = cache.key(SAXPY, SAXPY_T, Options())
+    with monkeypatch.context() as m:
+        m.setattr(jit.platform, "python_version", lambda: "3.99.0")
+        variants["python"] = cache.key(SAXPY, SAXPY_T, Options())
+    with monkeypatch.context() as m:
+        m.setattr(jit.numba.config, "CPU_NAME", "some-other-cpu")
+        variants["cpu"] = cache.key(SAXPY, SAXPY_T, Options())
+    assert base not in variants.values()
+    assert len(set(variants.values())) == len(variants), variants
+    assert set(compat_key()) >= {"python", "numba", "llvmlite", "numpy", "firmware_jit_abi",
+                                 "isa", "stepping", "cpu", "options"}
+
+    # Irrelevant inputs: the kernel's flags/name in the module and other kernels.
+    moved = {**SAXPY, "uses_atomics": True, "index": 7}
+    assert cache.key(moved, SAXPY_T, Options()) == base
+    module = {"format": 1, "kernels": {"other": COPY, "saxpy": SAXPY}}
+    assert cache.key(module["kernels"]["saxpy"], SAXPY_T, Options()) == base
+
+    # A changed input really recompiles rather than reusing machine code.
+    before = cache.compiles
+    k = cache.get(SAXPY, SAXPY_T, Options(boundscheck=False))
+    assert cache.compiles == before + 1 and k.key == variants["boundscheck"]
+
+
+@pytest.mark.parametrize("damage", ["truncate_module", "garble_manifest", "numba_cache"])
+def test_corrupt_entry_is_rebuilt(tmp_path: Path, damage: str) -> None:
+    ir, types = COPY, ("int16[1d]", "int16[1d]")
+    KernelCache(tmp_path).get(ir, types, Options())
+    c1 = KernelCache(tmp_path)
+    key = c1.key(ir, types, Options())
+    entry = c1.entry_dir(key)
+    if damage == "truncate_module":
+        path = entry / f"kernel_{key[:16]}.py"
+        path.write_text(path.read_text()[:200])
+    elif damage == "garble_manifest":
+        (entry / "manifest.json").write_text("{not json")
+    else:
+        for p in (entry / "__pycache__").glob("*.nb*"):
+            p.write_bytes(b"\0garbage")
+    c2 = KernelCache(tmp_path)
+    k = c2.get(ir, types, Options())
+    if damage == "numba_cache":
+        assert c2.compiles == 1  # numba's files unreadable: recompiled (entry kept or rebuilt)
+    else:
+        assert (c2.misses, c2.compiles, c2.hits) == (1, 1, 0)
+    x = np.arange(64, dtype=np.int16)
+    out = np.zeros(64, np.int16)
+    k.run(0, 1, (1, 1, 1), (64, 1, 1), [x, out], no_abort())
+    np.testing.assert_array_equal(out, x)
+    c3 = KernelCache(tmp_path)
+    c3.get(ir, types, Options())
+    assert (c3.hits, c3.compiles) == (1, 0)
+
+
+def test_in_memory_hits(cache: KernelCache) -> None:
+    cache.get(SAXPY, SAXPY_T, Options())
+    hits, compiles = cache.hits, cache.compiles
+    assert cache.get(dict(SAXPY), SAXPY_T, Options()) is cache.get(SAXPY, SAXPY_T, Options())
+    assert (cache.hits, cache.compiles) == (hits + 2, compiles)
+
+
+# --------------------------------------------------------------------------- rejections
+
+
+@pytest.mark.parametrize("src, why", [
+    ("def k(x):\n    import os\n", "imports"),
+    ("def k(x):\n    from os import path\n", "imports"),
+    ("def k(x):\n    x[0] = x.dtype\n", "attribute"),
+    ("def k(x):\n    x[0] = x.__class__\n", "attribute|dunder"),
+    ("def k(x):\n    x[0] = len(x)\n", "len"),
+    ("def k(x):\n    x[0] = open(1)\n", "open"),
+    ("def k(x):\n    global y\n", "global"),
+    ("def k(x):\n    f = lambda: 1\n", "lambda"),
+    ("def k(x):\n    y = [i for i in range(3)]\n", "comprehension"),
+    ("def k(x):\n    with x:\n        pass\n", "with"),
+    ("def k(x):\n    try:\n        pass\n    except:\n        pass\n", "try"),
+    ("def k(x):\n    yield 1\n", "yield"),
+    ("def k(x):\n    def g():\n        pass\n", "nested"),
+    ("def k(x):\n    class C:\n        pass\n", "class"),
+    ("def k(x):\n    del x\n", "del"),
+    ("def k(x):\n    x[0] = y\n", "free name"),
+    ("def k(x):\n    f = sqrt\n", "only be called"),
+    ("def k(x):\n    x[0] = 'hello'\n", "string"),
+    ("def k(x):\n    if global_id(0) > 3:\n        barrier()\n", "barrier"),
+    ("def k(x):\n    for i in range(global_id(0)):\n        barrier()\n", "barrier"),
+    ("def k(x):\n    y = x[0]\n    while y > 0:\n        barrier()\n", "barrier"),
+    ("def k(x):\n    x[0] = global_id(3)\n", "dimension"),
+    ("import os\ndef k(x):\n    pass\n", "one function"),
+    ("async def k(x):\n    pass\n", "one function"),
+])
+def test_rejected_constructs(src: str, why: str, cache: KernelCache) -> None:
+    ir = {"name": "k", "params": [{"name": "x", "kind": "buffer", "dtype": None, "ndim": 1}],
+          "source": src, "shared_mem": 0}
+    with pytest.raises(ValueError, match=why):
+        cache.get(ir, ("float32[1d]",), Options())
+
+
+def test_rejects_mismatched_types(cache: KernelCache) -> None:
+    with pytest.raises(ValueError):
+        cache.get(SAXPY, ("float32", "float32[1d]", "float32[1d]"), Options())
+    with pytest.raises(ValueError):
+        cache.get(SAXPY, ("float32[1d]", "float32[1d]", "float32[1d]", "float32[1d]"),
+                  Options())
+    with pytest.raises(ValueError):
+        cache.get(ADD2D, ("float64[1d]", "float64[2d]", "float64[2d]"), Options())
