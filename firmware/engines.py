@@ -23,6 +23,7 @@ import heapq
 import itertools
 import os
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -351,6 +352,9 @@ class Scheduler:
             except _Watchdog:
                 self._launch_fault(launch, errno.ETIMEDOUT, 0)
             except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
+                if getattr(exc, "kind", None) is None:  # not a bounds/watchdog fault: say why
+                    print(f"firmware: kernel {launch.name} failed: {exc!r}", file=sys.stderr,
+                          flush=True)
                 self._launch_fault(launch, *self._fault_of(launch, exc))
             with launch.lock:
                 launch.remaining -= 1
@@ -365,6 +369,8 @@ class Scheduler:
 
     def _fault_of(self, launch: Launch, exc: Exception) -> tuple[int, int]:
         kind = getattr(exc, "kind", None)
+        if kind == "watchdog":
+            return errno.ETIMEDOUT, 0
         if kind == "bounds":
             for pname, va, itemsize in launch.buffers:
                 if pname == exc.param:  # type: ignore[attr-defined]

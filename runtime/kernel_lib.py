@@ -37,12 +37,11 @@ def reduce_sum(x, total):
         i += local_size(0) * num_groups(0)
     part[t] = acc
     barrier()
-    step = 128
-    while step > 0:
+    for k in range(8):  # a uniform loop: every thread meets every barrier
+        step = 128 >> k
         if t < step:
             part[t] += part[t + step]
         barrier()
-        step = step // 2
     if t == 0:
         atomic_add(total, 0, part[0])
 

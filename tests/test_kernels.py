@@ -1,0 +1,232 @@
+"""Kernels end to end: compile, load, launch, results against numpy, launch checks, faults,
+the watchdog, preemption between blocks, and the persistent JIT cache across processes.
+
+Numba compiles take seconds on this machine, so the scenarios share one daemon (and its
+JIT cache) per module and run several kernels per process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from firmware import image
+
+# Scenario bodies are dedented and appended to this; they must not start inside ``stat``.
+PRELUDE = """
+import os, sys, time, numpy as np, runtime
+from runtime import kernel_lib
+ROOT = os.environ["ACCEL_EMU_ROOT"]
+def stat(name, dev=0, at_least=0):
+    deadline = time.monotonic() + 5
+    while True:
+        v = int(open(f"{ROOT}/sys/class/accel/accel{dev}/{name}").read())
+        if v >= at_least or time.monotonic() > deadline:
+            return v
+        time.sleep(0.02)
+
+"""
+
+
+@pytest.fixture(scope="module")
+def kdaemon(tmp_path_factory):
+    """A daemon whose firmware has a short watchdog (the image's payload sets it)."""
+    from conftest import Daemon
+
+    base = tmp_path_factory.mktemp("kernels")
+    fw_dir = base / "firmware"
+    fw_dir.mkdir()
+    payload = dict(image.DEFAULT_PAYLOAD, watchdog_ms=1500)
+    (fw_dir / image.IMAGE_NAME).write_bytes(
+        image.build(image.DEFAULT_MANIFEST, json.dumps(payload, sort_keys=True).encode()))
+    d = Daemon(base / "root", base / "state", fw_dir, 1)
+    d.start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def run(d, body: str, timeout: float = 240, tmp_path=None) -> list[str]:
+    """Run a scenario in a fresh process (from a file when given ``tmp_path``: the
+    decorator reads its function's source, which ``python -c`` does not keep)."""
+    code = PRELUDE + textwrap.dedent(body)
+    if tmp_path is None:
+        out = d.run_py(code, timeout=timeout)
+    else:
+        script = tmp_path / "scenario.py"
+        script.write_text(code)
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                             env=d.env(), timeout=timeout)
+    assert out.returncode == 0, out.stderr + out.stdout
+    return out.stdout.split("\n")[:-1]
+
+
+def test_library_kernels_match_numpy(kdaemon):
+    lines = run(kdaemon, """
+        lib = runtime.compile(kernel_lib.SOURCE)
+        rng = np.random.default_rng(0)
+        n = 10_000
+        x, y = rng.random(n, dtype=np.float32), rng.random(n, dtype=np.float32)
+        dx, dy, out = runtime.to_device(x), runtime.to_device(y), runtime.empty(n, np.float32)
+        grid = (n + 255) // 256
+        lib.saxpy[grid, 256](np.float32(2.5), dx, dy, out)
+        print("saxpy", np.allclose(out.copy_to_host(), 2.5 * x + y))
+        lib.fill[grid, 256](out, np.float32(7))
+        print("fill", np.all(out.copy_to_host() == 7))
+        lib.copy[grid, 256](out, dx)
+        print("copy", np.array_equal(out.copy_to_host(), x))
+        xd = runtime.to_device(rng.random(100_000))
+        total = runtime.to_device(np.zeros(1))
+        lib.reduce_sum[32, 256](xd, total)
+        print("reduce", np.isclose(total.copy_to_host()[0], xd.copy_to_host().sum()))
+        m = 64
+        a, b = rng.random((m, m), dtype=np.float32), rng.random((m, m), dtype=np.float32)
+        c = runtime.empty((m, m), np.float32)
+        lib.gemm[(m // 16, m // 16), (16, 16)](runtime.to_device(a), runtime.to_device(b), c, m)
+        print("gemm", np.allclose(c.copy_to_host(), a @ b, rtol=1e-4))
+        s = rng.random((50, 30))
+        so = runtime.empty(s.shape, np.float64)
+        lib.softmax_rows[1, 64](runtime.to_device(s), so, 50, 30)
+        e = np.exp(s - s.max(axis=1, keepdims=True))
+        print("softmax", np.allclose(so.copy_to_host(), e / e.sum(axis=1, keepdims=True)))
+    """)
+    assert lines == ["saxpy True", "fill True", "copy True", "reduce True", "gemm True",
+                     "softmax True"]
+
+
+def test_decorator_and_launch_checks(kdaemon, tmp_path):
+    lines = run(kdaemon, tmp_path=tmp_path, body="""
+        @runtime.kernel
+        def scale(x: "float32", k):
+            i = global_id(0)
+            if i < x.size:
+                x[i] = x[i] * k
+        d = runtime.to_device(np.ones(100, np.float32))
+        scale[1, 128](d, 3.0)
+        print(d.copy_to_host()[:2])
+        checks = [
+            ("arity", lambda: scale[1, 128](d)),
+            ("host array", lambda: scale[1, 128](np.ones(4, np.float32), 1.0)),
+            ("dtype", lambda: scale[1, 128](runtime.empty(4, np.float64), 1.0)),
+            ("block", lambda: scale[1, 2048](d, 1.0)),
+            ("grid", lambda: scale[0, 32](d, 1.0)),
+            ("dims", lambda: scale[(1, 1, 1, 1), 32](d, 1.0)),
+            ("shared", lambda: scale[1, 32](d, 1.0, shared_mem=1024)),
+        ]
+        for name, bad in checks:
+            try:
+                bad()
+                print(name, "allowed")
+            except runtime.InvalidValueError as e:
+                print(name, "refused")
+        try:
+            runtime.compile("def bad(x):\\n    import os\\n")
+        except runtime.InvalidValueError as e:
+            print("compile refused, line", e.lineno)
+        from kmod_emul import uapi
+        mod = runtime.compile(kernel_lib.SOURCE)
+        other = runtime.new_context(0)                 # handles belong to their context
+        try:
+            other.channel.call(uapi.ACCEL_CMD_KERNEL_GET, uapi.accel_kernel_get(
+                ctx_id=other.id, module_id=mod.id, name=b"saxpy"))
+        except runtime.InvalidValueError as e:
+            print("foreign module", e.errno)
+    """)
+    assert lines[0] == "[3. 3.]"
+    assert lines[1:8] == [f"{n} refused" for n in ("arity", "host array", "dtype", "block",
+                                                     "grid", "dims", "shared")]
+    assert lines[8] == "compile refused, line 2"
+    assert lines[9] == "foreign module 2"
+
+
+def test_out_of_bounds_is_a_device_fault_with_a_record(kdaemon):
+    lines = run(kdaemon, """
+        mod = runtime.compile('''
+            def oob(x, n):
+                i = global_id(0)
+                x[i + n] = 1.0
+        ''')
+        x = runtime.to_device(np.zeros(64, np.float32))
+        s = runtime.Stream()
+        mod.oob[1, 64](x, 10, stream=s)
+        try:
+            s.synchronize()
+        except runtime.KernelFaultError as e:
+            r = e.record
+            print(r["kernel"], r["errno"], r["address"] - x.va >= 64 * 4, r["queue"] == s.queue_id)
+        print(np.count_nonzero(x.copy_to_host()) <= 64)   # nothing past the buffer
+        other = runtime.Stream()
+        mod.oob[1, 8](x, 0, stream=other); other.synchronize()    # other streams still work
+        print("alive", np.count_nonzero(x.copy_to_host(stream=other)) >= 8)
+    """)
+    assert lines == ["oob EFAULT True True", "True", "alive True"]
+
+
+def test_watchdog_stops_a_runaway_kernel(kdaemon):
+    lines = run(kdaemon, """
+        mod = runtime.compile('''
+            def spin(x):
+                i = 0
+                while i >= 0:
+                    i = i + 1
+                    x[0] = i
+        ''')
+        x = runtime.empty(1, np.int64)
+        s = runtime.Stream()
+        t = time.monotonic()
+        mod.spin[1, 1](x, stream=s)
+        try:
+            s.synchronize(timeout=60)
+        except runtime.KernelFaultError as e:
+            print(e.record["errno"], "watchdog" in str(e), time.monotonic() - t < 30)
+        ok = runtime.Stream()
+        ok.submit_nop(); ok.synchronize(timeout=10)
+        print(open(f"{ROOT}/sys/class/accel/accel0/state").read().strip())
+    """)
+    assert lines == ["ETIMEDOUT True True", "operational"]
+
+
+def test_high_priority_kernel_preempts_a_long_one_between_blocks(kdaemon):
+    lines = run(kdaemon, """
+        lib = runtime.compile(kernel_lib.SOURCE)
+        n = 1 << 22
+        x = runtime.to_device(np.ones(n, np.float32))
+        low, high = runtime.Stream(priority=0), runtime.Stream(priority=-1)
+        small = runtime.empty(256, np.float32)
+        lib.fill[1, 256](small, np.float32(0)); runtime.current_stream().synchronize()
+        for _ in range(30):       # 65536 blocks each: tens of ms of low-priority work
+            lib.saxpy[n // 64, 64](np.float32(1.0), x, x, x, stream=low)
+        while low.completed < 1:  # it is running (shared-memory fence: no delay)
+            pass
+        lib.fill[1, 256](small, np.float32(5), stream=high)
+        hi = high.record_event(); lo = low.record_event()
+        high.synchronize(); low.synchronize()
+        # the high-priority launch ran before the low stream's queued launches finished:
+        # it took an engine at the next block-slice boundary (or between two launches)
+        print(high.timestamp(hi.seqno) < low.timestamp(lo.seqno))
+    """)
+    assert lines == ["True"]
+
+
+def test_jit_cache_is_persistent_across_firmware_restarts(kdaemon):
+    body = """
+        mod = runtime.compile(kernel_lib.SOURCE)
+        x = runtime.to_device(np.arange(1000, dtype=np.float32))
+        out = runtime.empty(1000, np.float32)
+        mod.saxpy[4, 256](np.float32(3), x, x, out)
+        print(np.allclose(out.copy_to_host(), 4 * np.arange(1000)))
+        print(stat("jit_compiles"), stat("jit_hits", at_least=1))
+    """
+    first = run(kdaemon, body)
+    kdaemon.stop()
+    kdaemon.start()  # a fresh firmware: only the on-disk cache remembers
+    second = run(kdaemon, body)
+    assert first[0] == second[0] == "True"
+    assert second[1].split()[0] == "0"  # nothing compiled: loaded from the cache
+    assert int(second[1].split()[1]) >= 1
+    assert any((kdaemon.state_dir / "jit-cache").rglob("manifest.json"))
