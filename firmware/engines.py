@@ -40,6 +40,8 @@ from kmod_emul.uapi import Op
 _PKT = struct.Struct("<II7Q")
 #: Copies and memsets up to this size run inline on the scheduler; larger on an engine.
 INLINE_BYTES = 256 * 1024
+#: Launches of at most this many threads, already compiled, run inline on the scheduler.
+INLINE_THREADS = 16 * 1024
 #: Engines move large copies in chunks of this size and check for higher-priority work
 #: between chunks: the worst-case wait a high-priority packet sees on a busy copy engine.
 COPY_CHUNK = 4 * 1024 * 1024
@@ -300,7 +302,7 @@ class Scheduler:
                 self._jit = KernelCache(Path(self._jit_cache_dir))
             return self._jit
 
-    def _launch(self, ring: Ring, seqno: int, a: list[int]) -> Callable[[], bool]:
+    def _launch(self, ring: Ring, seqno: int, a: list[int]) -> Callable[[], bool] | None:
         handle, grid_w, block_w, dynamic, args_va, args_len = a[:6]
         kernels = ring.ctx.modules.get(handle >> 16)
         if kernels is None or (handle & 0xFFFF) >= len(kernels) or dynamic:
@@ -315,6 +317,11 @@ class Scheduler:
                                              kir["params"])
         launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block)
         nblocks = grid[0] * grid[1] * grid[2]
+        if nblocks * threads <= INLINE_THREADS and self._jit is not None:
+            kernel = self._jit.cached(kir, types, _options())
+            if kernel is not None:  # small and compiled: no engine hand-off (no GIL ping-pong)
+                self._run_inline(launch, kernel, nblocks)
+                return None  # type: ignore[return-value]
         parts = max(1, min(self.compute_engines, nblocks))
         bounds = [nblocks * i // parts for i in range(parts + 1)]
         launch.remaining = parts
@@ -322,6 +329,26 @@ class Scheduler:
         for job in jobs[1:]:
             self.compute.submit(ring.priority, job)
         return jobs[0]  # the scheduler submits the first, marking the ring busy
+
+    def warm_up(self) -> None:
+        """Create the JIT (importing numba takes a few hundred ms) on a side thread."""
+        if self._jit is None:
+            threading.Thread(target=self.jit, name="jit-warm-up", daemon=True).start()
+
+    def _run_inline(self, launch: Launch, kernel: Any, nblocks: int) -> None:
+        """Run a small launch on the scheduler thread; faults raise as packet faults."""
+        abort = np.zeros(1, np.int64)
+        self._running[id(abort)] = (abort, time.monotonic() + self.watchdog_s)
+        try:
+            kernel.run(0, nblocks, launch.grid, launch.block, launch.args, abort)
+        except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
+            code, addr = self._fault_of(launch, exc)
+            raise memory.Fault(addr, code) from None
+        finally:
+            self._running.pop(id(abort), None)
+        if abort[0] == 2:
+            raise memory.Fault(0, errno.ETIMEDOUT)
+        self.stats["launches"] += 1
 
     def _block_job(self, launch: Launch, lo: int, hi: int) -> Callable[[], bool]:
         """Engine work over blocks [lo, hi): in slices, yielding to higher-priority work

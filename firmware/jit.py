@@ -1313,6 +1313,17 @@ class KernelCache:
             self._fast.setdefault(fast, []).append((copy.deepcopy(params), shared_mem, key))
             return ck
 
+    def cached(self, ir: dict[str, Any], arg_types: tuple[str, ...],
+               options: Options = Options()) -> CompiledKernel | None:
+        """The compiled kernel if it is already in memory, else None (never compiles: the
+        scheduler may run small launches inline only when this costs no compile)."""
+        with self._lock:
+            for p, s, key in self._fast.get((ir.get("source"), tuple(arg_types), options), ()):
+                if p == ir.get("params") and s == ir.get("shared_mem", 0):
+                    self.hits += 1
+                    return self._mem[key]
+        return None
+
     @contextlib.contextmanager
     def _flock(self, key: str) -> Iterator[None]:
         with open(self.root / f"{key}.lock", "a+b") as f:

@@ -177,6 +177,7 @@ class Firmware:
             except (OSError, ValueError):
                 return  # unloaded before we read it; launches naming it fault as unknown
             ctx.modules[a[0]] = list(module["kernels"].items())
+            self.sched.warm_up()  # kernels are coming: load the JIT (numba) off the hot path
         elif op == abi.Op.MODULE_UNLOAD:
             ctx.modules.pop(a[0], None)
         elif op == abi.Op.QUEUE_DESTROY:
