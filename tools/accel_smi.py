@@ -72,7 +72,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Compute": ("compute_engines", "copy_engines", "max_threads_per_block",
                 "max_shared_mem_per_block", "max_contexts", "capabilities"),
     "Clients": ("contexts", "open_files", "clients", "exclusive_owner", "processes"),
-    "Engines": ("completions", "packets", "copies", "copy_bytes", "faults"),
+    "Engines": ("completions", "packets", "copies", "copy_bytes", "launches", "faults",
+                "preemptions", "copy_engines_busy_peak", "jit_compiles", "jit_hits"),
 }
 
 
