@@ -96,6 +96,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kmod_emul import uapi
+
 #: The firmware's JIT compatibility boundary. Bump it whenever anything the generated code
 #: depends on outside itself changes meaning (the intrinsics below, the ``_grid`` calling
 #: convention, the fault-array layout): every cached entry then misses.
@@ -111,12 +113,9 @@ ABORT_KILL = 3
 FAULT_BOUNDS = 1
 FAULT_ABORT = 2
 
-DTYPE_NAMES: frozenset[str] = frozenset({
-    "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-    "float32", "float64", "bool"})
-DTYPE_ALIASES: dict[str, str] = {
-    "i8": "int8", "u8": "uint8", "i16": "int16", "u16": "uint16", "i32": "int32",
-    "u32": "uint32", "i64": "int64", "u64": "uint64", "f32": "float32", "f64": "float64"}
+#: The language's element types and aliases are the launch ABI's (the shared uAPI header).
+DTYPE_NAMES: frozenset[str] = frozenset(uapi.DTYPES)
+DTYPE_ALIASES: dict[str, str] = uapi.DTYPE_ALIASES
 
 _ID_BUILTINS = {"global_id": "_gid", "local_id": "_l", "group_id": "_g",
                 "local_size": "_ls", "num_groups": "_ng"}

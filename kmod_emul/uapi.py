@@ -456,11 +456,20 @@ def unpack_dims(word: int) -> tuple[int, int, int]:
 #: Argument records of a launch's argument block (docs/kernels.md "Launch ABI").
 ARG_SCALAR, ARG_BUFFER, ARG_SHAPE = 0, 1, 2
 ARG_RECORD = struct.Struct("<IIQQ")
-DTYPE_CODES: Final[dict[str, int]] = {
-    "int8": 1, "uint8": 2, "int16": 3, "uint16": 4, "int32": 5, "uint32": 6, "int64": 7,
-    "uint64": 8, "float32": 9, "float64": 10, "bool": 11,
+#: The kernel language's element types: name -> (argument-record code, itemsize).
+DTYPES: Final[dict[str, tuple[int, int]]] = {
+    "int8": (1, 1), "uint8": (2, 1), "int16": (3, 2), "uint16": (4, 2),
+    "int32": (5, 4), "uint32": (6, 4), "int64": (7, 8), "uint64": (8, 8),
+    "float32": (9, 4), "float64": (10, 8), "bool": (11, 1),
 }
-DTYPE_NAMES: Final[dict[int, str]] = {v: k for k, v in DTYPE_CODES.items()}
+#: Short spellings users may write in annotations and ``shared_array``.
+DTYPE_ALIASES: Final[dict[str, str]] = {
+    "i8": "int8", "u8": "uint8", "i16": "int16", "u16": "uint16",
+    "i32": "int32", "u32": "uint32", "i64": "int64", "u64": "uint64",
+    "f32": "float32", "f64": "float64",
+}
+DTYPE_CODES: Final[dict[str, int]] = {name: code for name, (code, _) in DTYPES.items()}
+DTYPE_NAMES: Final[dict[int, str]] = {code: name for name, code in DTYPE_CODES.items()}
 
 
 # --- queues and packets ------------------------------------------------------------------------

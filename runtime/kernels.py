@@ -26,24 +26,18 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from kmod_emul import uapi
+
 from runtime.errors import InvalidValueError
 
 FORMAT = 1
-ISA = "aemu-isa"
-ISA_VERSION = "1.0"
+ISA = uapi.ACCEL_ISA
+ISA_VERSION = uapi.ACCEL_ISA_VERSION
 
 #: dtype name -> (launch-ABI dtype code, itemsize in bytes). Codes are docs/kernels.md's.
-DTYPES: dict[str, tuple[int, int]] = {
-    "int8": (1, 1), "uint8": (2, 1), "int16": (3, 2), "uint16": (4, 2),
-    "int32": (5, 4), "uint32": (6, 4), "int64": (7, 8), "uint64": (8, 8),
-    "float32": (9, 4), "float64": (10, 8), "bool": (11, 1),
-}
-#: Short spellings users may write in annotations and ``shared_array``.
-DTYPE_ALIASES: dict[str, str] = {
-    "i8": "int8", "u8": "uint8", "i16": "int16", "u16": "uint16",
-    "i32": "int32", "u32": "uint32", "i64": "int64", "u64": "uint64",
-    "f32": "float32", "f64": "float64",
-}
+#: The element types and their short spellings are the launch ABI's (kmod_emul.uapi).
+DTYPES = uapi.DTYPES
+DTYPE_ALIASES = uapi.DTYPE_ALIASES
 
 _ID_BUILTINS = frozenset({"global_id", "local_id", "group_id", "local_size", "num_groups"})
 #: Built-ins whose value differs between the threads of one block.
