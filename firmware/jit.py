@@ -697,6 +697,8 @@ class _Rewrite(ast.NodeTransformer):
             return ast.Subscript(self.visit(n.value), n.slice, ast.Load())
         name = n.value.id  # type: ignore[attr-defined]
         idx = [self.visit(i) for i in _indices(n)]
+        if self.checked and self.low.fast and getattr(n, "_aff", False):
+            return _subscript(name, idx, n.ctx)  # range checked once for the block
         if self.checked and (self.cond or self.pre is None):
             self.cond_loads = True
             return ast.Call(ast.Name(f"_ld_{name}", ast.Load()),
@@ -741,6 +743,12 @@ class _Lowering:
         self.phases: list[tuple[list[ast.stmt], bool]] = []  # (stmts, inside a block loop)
         self.uniform_vars: list[str] = []
         self.returns = _contains(k.fn.body, lambda n: isinstance(n, ast.Return))
+        self.fast = False  # generating a phase's block-range-checked variant
+        self.fast_phases: set[int] = set()
+        self.stores: dict[str, int] = {}
+        for n in ast.walk(k.fn):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                self.stores[n.id] = self.stores.get(n.id, 0) + 1
 
     # -- helpers --------------------------------------------------------------------------
     def fresh(self, prefix: str) -> str:
@@ -792,8 +800,9 @@ class _Lowering:
                 f"{ind}    fault[0] = {FAULT_ABORT}", f"{ind}    return {ret}"]
 
     def access(self, name: str, idx_nodes: list[ast.expr], ind: str,
-               out: list[str]) -> tuple[list[str], bool]:
-        """The index texts of a store/atomic target (checked when bounds-checking)."""
+               out: list[str], node: ast.AST | None = None) -> tuple[list[str], bool]:
+        """The index texts of a store/atomic target (checked when bounds-checking,
+        unless ``node`` is an access whose range the block checked already)."""
         texts, loads = [], False
         for i in idx_nodes:
             t, c = self.hexpr(i, ind, out)
@@ -801,6 +810,10 @@ class _Lowering:
             loads = loads or c
         if not self.checked:
             return texts, loads
+        if self.fast and getattr(node, "_aff", False):
+            if loads:
+                out += self.fault_check(ind)
+            return texts, False
         if loads:
             out += self.fault_check(ind)
             loads = False
@@ -809,7 +822,7 @@ class _Lowering:
     def target(self, t: ast.expr, ind: str, out: list[str]) -> str:
         if isinstance(t, ast.Subscript):
             name = t.value.id  # type: ignore[attr-defined]
-            idx, _ = self.access(name, _indices(t), ind, out)
+            idx, _ = self.access(name, _indices(t), ind, out, t)
             return ast.unparse(_subscript(name, [ast.parse(i, mode="eval").body for i in idx],
                                           ast.Store()))
         return ast.unparse(_Rewrite(self).visit(copy.deepcopy(t)))
@@ -848,7 +861,7 @@ class _Lowering:
             value, loads = self.hexpr(call.args[2], ind, out)
             if loads:
                 out += self.fault_check(ind)
-            ivars, _ = self.access(name, idx, ind, out)
+            ivars, _ = self.access(name, idx, ind, out, call)
             v = self.fresh("v")
             out.append(f"{ind}{v} = {value}")
             out.append(f"{ind}_rt_atomic_add({_u(name)}, ({', '.join(ivars)},), {v})")
@@ -951,6 +964,16 @@ class _Lowering:
     def thread_loop(self, stmts: list[ast.stmt], ind: str, in_loop: bool) -> list[str]:
         idx = len(self.phases)
         self.phases.append((stmts, in_loop))
+        conds = self.affine_ranges(stmts) if self.checked else []
+        if not conds:
+            return self.thread_loop_text(f"_ph{idx}", idx, ind)
+        self.fast_phases.add(idx)
+        return ([f"{ind}if {' and '.join(conds)}:"]
+                + self.thread_loop_text(f"_phf{idx}", idx, ind + "    ")
+                + [f"{ind}else:"]
+                + self.thread_loop_text(f"_ph{idx}", idx, ind + "    "))
+
+    def thread_loop_text(self, fn: str, idx: int, ind: str) -> list[str]:
         skip = [f"{ind}            if _done[_t]:", f"{ind}                continue"] \
             if self.returns and idx > 0 else []
         return [f"{ind}for _l2 in range(_ls2):",
@@ -958,8 +981,109 @@ class _Lowering:
                 f"{ind}        for _l0 in range(_ls0):",
                 f"{ind}            _t = (_l2 * _ls1 + _l1) * _ls0 + _l0",
                 *skip,
-                f"{ind}            if _ph{idx}(@ARGS@) != 0:",
+                f"{ind}            if {fn}(@ARGS@) != 0:",
                 f"{ind}                return _blk"]
+
+    # -- block-level range checks of affine accesses -----------------------------------------
+    _OFFSET_LIMIT = 1 << 40  # |offset| bound: the range arithmetic cannot overflow int64
+
+    def affine_offset(self, e: ast.AST, guards: dict[str, None]) -> str | None:
+        """An offset that is the same for every thread of the launch: an int constant or
+        an integer scalar parameter the kernel never assigns (its magnitude is checked at
+        block level, ``guards``)."""
+        c = _const_int(e)
+        if c is not None:
+            return str(c) if abs(c) < self._OFFSET_LIMIT else None
+        if isinstance(e, ast.Name) and e.id in self.k.scalars and not self.stores.get(e.id):
+            dt = self.k.arg_types[self.k.params.index(e.id)].dtype
+            if dt in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"):
+                lim = self._OFFSET_LIMIT
+                guards[f"-{lim} < {_u(e.id)} < {lim}"] = None
+                return _u(e.id)
+        return None
+
+    def affine(self, e: ast.AST, defs: dict[str, tuple[str, int, tuple[str, ...]]],
+               guards: dict[str, None]) -> tuple[str, int, tuple[str, ...]] | None:
+        """``(kind, d, offsets)`` when ``e`` is ``global_id(d)`` (kind "g") or
+        ``local_id(d)`` ("l") plus/minus offsets, directly or through locals in ``defs``."""
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) \
+                and e.func.id in ("global_id", "local_id") and len(e.args) == 1:
+            d = _const_int(e.args[0])
+            if d is not None and 0 <= d <= 2:
+                return ("g" if e.func.id == "global_id" else "l", d, ())
+            return None
+        if isinstance(e, ast.Name):
+            return defs.get(e.id)
+        if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Add, ast.Sub)):
+            left = self.affine(e.left, defs, guards)
+            if left is not None:
+                off = self.affine_offset(e.right, guards)
+                if off is None:
+                    return None
+                return left[0], left[1], left[2] + ((off if isinstance(e.op, ast.Add)
+                                                     else f"-{off}"),)
+            if isinstance(e.op, ast.Add):
+                right = self.affine(e.right, defs, guards)
+                off = self.affine_offset(e.left, guards) if right is not None else None
+                if right is not None and off is not None:
+                    return right[0], right[1], right[2] + (off,)
+        return None
+
+    def affine_ranges(self, stmts: list[ast.stmt]) -> list[str]:
+        """Mark the phase's accesses whose every index is affine in a thread index (and
+        the same for every thread otherwise): over a block's threads such an index spans
+        ``[first, first + local_size - 1]``, which the block checks once before the thread
+        loop. Returns those block-level conditions (empty: no fast variant). A superset of
+        the indices the threads really use is checked (guards and control flow are
+        ignored), so a block that passes cannot miss; one that does not runs the
+        per-element checked loop, which faults exactly as without this."""
+        k = self.k
+        defs: dict[str, tuple[str, int, tuple[str, ...]]] = {}
+        conds: dict[str, None] = {}
+        for s in stmts:
+            for n in ast.walk(s):
+                if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name):
+                    name, idx, node = n.value.id, _indices(n), n
+                elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) \
+                        and n.func.id == "atomic_add" and isinstance(n.args[0], ast.Name):
+                    name, node = n.args[0].id, n
+                    idx = list(n.args[1].elts) if isinstance(n.args[1], ast.Tuple) \
+                        else [n.args[1]]
+                else:
+                    continue
+                if name not in k.buffers and name not in k.shared:
+                    continue
+                if len(idx) != _buffer_ndim(k, name):
+                    continue
+                guards: dict[str, None] = {}
+                ranges = [self.affine(i, defs, guards) for i in idx]
+                if any(r is None for r in ranges):
+                    continue
+                here: list[str] = list(guards)
+                for dim, r in enumerate(ranges):
+                    assert r is not None
+                    kind, d, offs = r
+                    first = " + ".join(([f"_g{d} * _ls{d}"] if kind == "g" else [])
+                                       + list(offs)) or "0"
+                    here.append(f"({first}) >= 0")
+                    here.append(f"({first}) + _ls{d} - 1 < {_u(name)}.shape[{dim}]")
+                node._aff = True  # type: ignore[attr-defined]
+                for c in here:
+                    conds[c] = None
+            # a local assigned once in the whole kernel, here, keeps its value for the rest
+            # of the phase
+            if isinstance(s, ast.Assign) and len(s.targets) == 1 \
+                    and isinstance(s.targets[0], ast.Name):
+                v = s.targets[0].id
+                if v in k.locals and self.stores.get(v) == 1:
+                    guards = {}
+                    r = self.affine(s.value, defs, guards)
+                    if r is not None and not guards:
+                        defs[v] = r
+                    elif r is not None:
+                        # the offset guards belong to the accesses that use v
+                        defs[v] = r
+        return list(conds)
 
     def phase_args(self) -> str:
         return ", ".join(self.phase_params())
@@ -1092,6 +1216,12 @@ class _Lowering:
         # phase functions
         for i, (stmts, _in_loop) in enumerate(self.phases):
             lines += self.phase_function(i, stmts, pt)
+            if i in self.fast_phases:
+                self.fast = True
+                try:
+                    lines += self.phase_function(i, stmts, pt, "_phf")
+                finally:
+                    self.fast = False
         # the grid function
         sig = ["block_lo", "block_hi", "_ng0", "_ng1", "_ng2", "_ls0", "_ls1", "_ls2",
                "abort", "fault"] + [_u(p) for p in k.params]
@@ -1136,11 +1266,12 @@ class _Lowering:
                 f"        return {zero}",
                 f"    return a[{sub}]", ""]
 
-    def phase_function(self, i: int, stmts: list[ast.stmt], pt: dict[str, str]) -> list[str]:
+    def phase_function(self, i: int, stmts: list[ast.stmt], pt: dict[str, str],
+                       prefix: str = "_ph") -> list[str]:
         used = _names(stmts) & set(pt)
         assigned = _assigned(stmts) & set(pt)
         writeback = [f"_pt_{n}[_t] = {_u(n)}" for n in sorted(assigned)]
-        lines = ["", "@njit(**_NJ)", f"def _ph{i}({', '.join(self.phase_params())}):"]
+        lines = ["", "@njit(**_NJ)", f"def {prefix}{i}({', '.join(self.phase_params())}):"]
         for d in range(3):
             lines.append(f"    _gid{d} = _g{d} * _ls{d} + _l{d}")
         for n in sorted(used):
