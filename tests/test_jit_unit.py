@@ -256,6 +256,63 @@ def test_bounds_miss_on_load(cache: KernelCache) -> None:
     assert (out[70:] == 0).all()
 
 
+SHIFT = ir_of("""
+    def shift(x, out, off):
+        i = global_id(0)
+        if i < out.size:
+            out[i] = x[i + off]
+""")
+SHIFT_T = ("float32[1d]", "float32[1d]", "int64")
+
+
+def _phase_source(source: str, fn: str) -> str:
+    return source.split(f"def {fn}(")[1].split("@njit")[0]
+
+
+def test_affine_accesses_are_range_checked_once_per_block(cache: KernelCache) -> None:
+    # saxpy's accesses are all global_id(0) (+ a scalar offset): the block checks their
+    # range once and runs a thread loop without per-element checks.
+    for ir, types in ((SAXPY, SAXPY_T), (SHIFT, SHIFT_T)):
+        src = cache.get(ir, types, Options()).source
+        assert "_miss(" not in _phase_source(src, "_phf0")
+        assert "_miss(" in _phase_source(src, "_ph0")  # the fallback keeps its checks
+        assert "if _phf0(" in src and "if _ph0(" in src
+    assert "u_off < " in cache.get(SHIFT, SHIFT_T, Options()).source  # offset bounded
+    # a gather is not affine: that load keeps its per-element check in the fast variant
+    gather = ir_of("""
+        def gather(x, idx, out):
+            i = global_id(0)
+            out[i] = x[idx[i]]
+    """)
+    src = cache.get(gather, ("float32[1d]", "int64[1d]", "float32[1d]"), Options()).source
+    fast = _phase_source(src, "_phf0")
+    assert "_miss(fault, 0," in fast and "_miss(fault, 1," not in fast \
+        and "_miss(fault, 2," not in fast
+    # without bounds checks there is nothing to hoist
+    assert "_phf0" not in jit.lower(SAXPY, SAXPY_T, Options(boundscheck=False))
+
+
+def test_affine_miss_in_one_block_still_faults_with_the_index(cache: KernelCache) -> None:
+    k = cache.get(SHIFT, SHIFT_T, Options())
+    x = np.arange(300, dtype=np.float32)
+    out = np.zeros(512, np.float32)
+    grid, block = grid1(512, 64)
+    with pytest.raises(KernelFault) as ei:  # block 4 reads x[261..324]: x[300] misses
+        k.run(0, nblocks(grid), grid, block, [x, out, np.int64(5)], no_abort())
+    assert (ei.value.kind, ei.value.param, ei.value.index, ei.value.block) == \
+        ("bounds", "x", 300, 4)
+    np.testing.assert_array_equal(out[:295], x[5:])  # blocks 0-3 (fast) and block 4's
+    assert (out[295:] == 0).all()                     # threads before the miss ran
+    out[:] = 0
+    with pytest.raises(KernelFault) as ei:  # a negative first index faults in block 0
+        k.run(0, nblocks(grid), grid, block, [x, out, np.int64(-1)], no_abort())
+    assert (ei.value.param, ei.value.index, ei.value.block) == ("x", -1, 0)
+    assert (out == 0).all()
+    out[:] = 0  # in bounds everywhere: every block takes the fast path
+    assert k.run(0, 4, grid, block, [x, out, np.int64(44)], no_abort()) == 4
+    np.testing.assert_array_equal(out[:256], x[44:300])
+
+
 def test_bounds_miss_on_shared_array_and_negative_index(cache: KernelCache) -> None:
     ir = ir_of("""
         def neg(x, out):
