@@ -9,7 +9,9 @@ What cannot be captured is refused with InvalidValueError at the call:
   needs the host to wait: copies to or from pageable memory (pinned memory is capturable);
 * events recorded on or waited for by the capturing stream;
 * allocations outside the graph's pool: pinned, managed and IPC memory. Device arrays
-  created during capture come from the graph's own pool and live as long as the graph.
+  created during capture come from the graph's own pool and live as long as the graph,
+  as do the argument blocks of captured kernel launches (replays use the arguments as
+  they were at capture).
 
 A replay checks that every array the captured work touches is still alive: replaying after
 captured memory was freed is refused rather than writing into memory someone else owns.
@@ -23,6 +25,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
+from kmod_emul import uapi
 from runtime import errors
 from runtime.stream import Stream, current_stream
 
@@ -41,13 +46,28 @@ class Graph:
         self.packets: list[bytes] = []
         self._uses: list[weakref.ref[Any]] = []
         self._names: list[str] = []
-        #: device arrays allocated during capture: the graph keeps them (its pool)
+        #: device arrays allocated during capture, and the argument blocks of captured
+        #: launches: the graph keeps them (its pool)
         self.owned: list[Any] = []
+        #: packet index -> kernel name, so a fault in a replay names its kernel
+        self.kernel_names: dict[int, str] = {}
         self.stream: Stream | None = None
         self.captured = False
 
     def __len__(self) -> int:
         return len(self.packets)
+
+    def argument_block(self, size: int, device: int) -> Any:
+        """Pinned storage for one captured launch's arguments, owned by the graph: replays
+        read the arguments as they were at capture, like CUDA graph kernel nodes."""
+        from runtime.memory import _map_host
+
+        buf = _map_host(size, np.uint8, device, uapi.MemKind.HOST_PINNED)
+        self.owned.append(buf)
+        return buf
+
+    def record_kernel(self, name: str) -> None:
+        self.kernel_names[len(self.packets) - 1] = name
 
     def record(self, stream: Stream, packets: Sequence[Any], uses: Sequence[Any]) -> int:
         if stream is not self.stream:
@@ -70,7 +90,11 @@ class Graph:
         assert target is not None
         if target.device != self.stream.device:  # type: ignore[union-attr]
             raise errors.InvalidValueError("a graph replays on a stream of the device it was captured on")
-        return target._write(self.packets)
+        last = target._write(self.packets)
+        first = last - len(self.packets) + 1
+        for index, name in self.kernel_names.items():
+            target.note_kernel(first + index, name)
+        return last
 
 
 @contextmanager

@@ -154,18 +154,24 @@ class Kernel:
         s = stream or current_stream(self.module.device)
         if s.device != self.module.device:
             raise errors.InvalidValueError(f"{self.name}: stream is on accel:{s.device}")
-        if s.capturing is not None:
-            raise errors.InvalidValueError("kernel launches are not captured into graphs yet "
-                                           "(their argument blocks would need the graph's pool)")
+        if s.capturing is not None:  # the graph owns this launch's argument block
+            buf = s.capturing.argument_block(ARG_SLOT, self.module.device)
+            length, uses = self._record_args(args, buf)
+            seqno = s.submit([self._packet(g, b, buf.device_va, length)], uses=uses)
+            s.capturing.record_kernel(self.name)
+            return seqno
         arena = _arena(self.module.device)
         slot, buf = arena.take()
         length, uses = self._record_args(args, buf)
-        pkt = _packet(uapi.Op.LAUNCH, self.handle, uapi.pack_dims(g), uapi.pack_dims(b), 0,
-                      buf.device_va, length)
-        seqno = s.submit([pkt], uses=uses)
+        seqno = s.submit([self._packet(g, b, buf.device_va, length)], uses=uses)
         s.note_kernel(seqno, self.name)
         arena.used(slot, s, seqno)
         return seqno
+
+    def _packet(self, grid: tuple[int, int, int], block: tuple[int, int, int], args_va: int,
+                length: int) -> uapi.accel_packet:
+        return _packet(uapi.Op.LAUNCH, self.handle, uapi.pack_dims(grid), uapi.pack_dims(block),
+                       0, args_va, length)
 
 
 class Module:

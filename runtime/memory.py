@@ -349,6 +349,11 @@ def host_va(arr: np.ndarray) -> int | None:
 
 def _host_empty(shape: Any, dtype: Any, device: _device.DeviceLike, kind: uapi.MemKind) -> HostArray:
     _refuse_allocation_in_capture(f"allocating {kind.name.lower()} memory")
+    return _map_host(shape, dtype, device, kind)
+
+
+def _map_host(shape: Any, dtype: Any, device: _device.DeviceLike, kind: uapi.MemKind) -> HostArray:
+    """A host-visible allocation as a numpy array (graphs use it for their own pool)."""
     dt = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize

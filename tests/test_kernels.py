@@ -230,3 +230,29 @@ def test_jit_cache_is_persistent_across_firmware_restarts(kdaemon):
     assert second[1].split()[0] == "0"  # nothing compiled: loaded from the cache
     assert int(second[1].split()[1]) >= 1
     assert any((kdaemon.state_dir / "jit-cache").rglob("manifest.json"))
+
+
+def test_graph_captures_kernel_launches(kdaemon):
+    lines = run(kdaemon, """
+        lib = runtime.compile(kernel_lib.SOURCE)
+        n = 4096
+        x = runtime.to_device(np.arange(n, dtype=np.float32))
+        acc = runtime.to_device(np.zeros(n, np.float32))
+        s = runtime.Stream()
+        g = runtime.Graph()
+        with runtime.graph(g, s):
+            lib.saxpy[n // 256, 256](np.float32(2), x, acc, acc, stream=s)   # acc += 2x
+            lib.saxpy[n // 256, 256](np.float32(1), x, acc, acc, stream=s)   # acc += x
+        print(len(g), np.count_nonzero(acc.copy_to_host()))  # captured, nothing ran yet
+        runtime.current_stream().synchronize()
+        for _ in range(5):
+            g.replay()
+        s.synchronize()
+        print(np.allclose(acc.copy_to_host(stream=s), 15 * np.arange(n)))
+        del x
+        try:
+            g.replay()
+        except runtime.InvalidValueError:
+            print("replay after free refused")
+    """)
+    assert lines == ["2 0", "True", "replay after free refused"]
