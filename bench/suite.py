@@ -13,8 +13,10 @@ import itertools
 import os
 import statistics
 import struct
+from collections.abc import Callable
 
 from bench.core import Benchmark, Env, Row, interleave, middle_half, timed_row
+from bench.procs import AccelDaemon, EchoServer
 from bench.memory import allocator_and_copies, daemon_memory_per_context
 from bench.kernels import kernels
 from bench.submission import idle_cpu, submission
@@ -116,23 +118,20 @@ def daemon_start(env: Env) -> list[Row]:
     accel_s: list[float] = []
     echo_s: list[float] = []
 
-    def start_accel(record: bool) -> None:
-        d = env.new_accel(devices=2)
-        try:
-            t = d.start()
-        finally:
-            d.stop()
-        if record:
-            accel_s.append(t)
+    def timed_start(new: Callable[[], AccelDaemon | EchoServer], out: list[float]
+                    ) -> Callable[[bool], None]:
+        def start(record: bool) -> None:
+            server = new()
+            try:
+                t = server.start()
+            finally:
+                server.stop()
+            if record:
+                out.append(t)
+        return start
 
-    def start_echo(record: bool) -> None:
-        e = env.new_echo()
-        try:
-            t = e.start()
-        finally:
-            e.stop()
-        if record:
-            echo_s.append(t)
+    start_accel = timed_start(lambda: env.new_accel(devices=2), accel_s)
+    start_echo = timed_start(env.new_echo, echo_s)
 
     if not env.quick:  # one untimed start each: warm the page cache and mint identities
         start_accel(False)

@@ -65,6 +65,33 @@ class Context:
         """Wait for everything this context submitted so far."""
         self.submit_noop().wait(timeout)
 
+    def wait_slice(self, queue_id: int, seqno: int, timeout_ns: int) -> uapi.accel_wait | None:
+        """One bounded driver wait on a queue of this context (0: the default queue);
+        None when the slice ended first."""
+        try:
+            return self.channel.call(uapi.ACCEL_CMD_WAIT, uapi.accel_wait(
+                ctx_id=self.id, queue_id=queue_id, seqno=seqno, timeout_ns=timeout_ns))
+        except errors.AccelTimeoutError as exc:
+            if exc.errno == errno.ETIME:
+                return None
+            raise
+
+    def wait_queue(self, queue_id: int, seqno: int, timeout: float | None,
+                   what: str) -> uapi.accel_wait:
+        """Sleep in the driver until ``seqno`` completes: a loop of bounded waits, so Ctrl-C
+        lands within a slice and ``timeout`` is honoured to within one."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            slice_ns = uapi.ACCEL_WAIT_SLICE_NS
+            if deadline is not None:
+                slice_ns = max(0, min(slice_ns, int((deadline - time.monotonic()) * 1e9)))
+            reply = self.wait_slice(queue_id, seqno, slice_ns)
+            if reply is not None:
+                return reply
+            if deadline is not None and time.monotonic() >= deadline:
+                raise errors.AccelTimeoutError(f"{what}: seqno {seqno} not complete after "
+                                               f"{timeout} s", errno.ETIME)
+
     def ring_doorbell(self) -> None:
         """Wake the firmware (it marked a ring of this context "sleeping")."""
         if self._doorbell < 0:
@@ -116,32 +143,11 @@ class Fence:
     context: Context
     seqno: int
 
-    def _wait_once(self, timeout_ns: int) -> uapi.accel_wait | None:
-        try:
-            return self.context.channel.call(
-                uapi.ACCEL_CMD_WAIT,
-                uapi.accel_wait(ctx_id=self.context.id, seqno=self.seqno, timeout_ns=timeout_ns),
-            )
-        except errors.AccelTimeoutError as exc:
-            if exc.errno == errno.ETIME:
-                return None
-            raise
-
     def query(self) -> bool:
         """True once the device has completed this fence (never blocks)."""
-        return self._wait_once(0) is not None
+        return self.context.wait_slice(0, self.seqno, 0) is not None
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until complete; return its device timestamp (ns). Raises on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            remaining_ns = uapi.ACCEL_WAIT_SLICE_NS
-            if deadline is not None:
-                remaining_ns = max(0, min(remaining_ns, int((deadline - time.monotonic()) * 1e9)))
-            reply = self._wait_once(remaining_ns)
-            if reply is not None:
-                return reply.timestamp_ns
-            if deadline is not None and time.monotonic() >= deadline:
-                raise errors.AccelTimeoutError(
-                    f"fence {self.seqno} on {self.context.physical} not complete after "
-                    f"{timeout} s", errno.ETIME)
+        return self.context.wait_queue(0, self.seqno, timeout,
+                                       f"fence on {self.context.physical}").timestamp_ns

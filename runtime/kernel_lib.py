@@ -85,7 +85,3 @@ def softmax_rows(x, out, rows, cols):
         for j in range(cols):
             out[r, j] = out[r, j] / s
 '''
-
-#: Block size the reduction is written for (its shared array holds one value per thread).
-REDUCE_BLOCK = 256
-GEMM_TILE = 16

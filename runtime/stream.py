@@ -172,20 +172,8 @@ class Stream:
             polls += 1
             if polls > 64:  # a short wait spins; a longer one shares the CPU
                 os.sched_yield()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.completed < seqno:
-            slice_ns = uapi.ACCEL_WAIT_SLICE_NS
-            if deadline is not None:
-                slice_ns = max(0, min(slice_ns, int((deadline - time.monotonic()) * 1e9)))
-            try:
-                self.ctx.channel.call(uapi.ACCEL_CMD_WAIT, uapi.accel_wait(
-                    ctx_id=self.ctx.id, queue_id=self.queue_id, seqno=seqno,
-                    timeout_ns=slice_ns))
-            except errors.AccelTimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise errors.AccelTimeoutError(
-                        f"{self!r}: seqno {seqno} not complete after {timeout} s",
-                        errno.ETIME) from None
+        if self.completed < seqno:
+            self.ctx.wait_queue(self.queue_id, seqno, timeout, repr(self))
         self._raise_fault(seqno)
         return self.timestamp(seqno)
 

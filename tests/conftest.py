@@ -88,6 +88,13 @@ class Daemon:
                 raise AssertionError(f"accel{dev} shows {now}, wanted {expected}")
             time.sleep(0.02)
 
+    def popen_py(self, code: str, *args: str) -> subprocess.Popen[str]:
+        """Start a snippet in a fresh interpreter against this root, with text pipes on
+        stdin, stdout and stderr (for processes a test holds open, signals or kills)."""
+        return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args],
+                                env=self.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=REPO)
+
     def run_py(self, code: str, *, timeout: float = 60, **env: str
                ) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],

@@ -105,8 +105,7 @@ def test_sigkill_while_holding_contexts_leaves_nothing(daemon):
         print("holding", flush=True)
         sys.stdin.readline()
     """
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=daemon.env(),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = daemon.popen_py(code)
     try:
         assert proc.stdout.readline().strip() == "holding"
         assert int(daemon.attr(0, "contexts")) == int(baseline[0]["contexts"]) + 4

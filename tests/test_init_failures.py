@@ -8,9 +8,6 @@ failure_code, which accel-smi shows).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 from rawdev import RawDev, errname
 
@@ -102,8 +99,7 @@ def test_device_held_exclusively_by_another_process(daemon):
         print("held", flush=True)
         sys.stdin.readline()
     """
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=daemon.env(),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = daemon.popen_py(code)
     try:
         assert proc.stdout.readline().strip() == "held"
         assert daemon.attr(1, "exclusive_owner") == str(proc.pid)

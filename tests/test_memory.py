@@ -12,7 +12,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -254,13 +253,11 @@ print(np.array_equal(b.copy_to_host(), np.arange(1 << 16, dtype=np.int32)), flus
 @pytest.mark.parametrize("exporter_fate", ["frees", "dies"])
 def test_ipc_lifetime_outlives_the_exporter(daemon, exporter_fate):
     daemon.wait_attrs(0, IDLE)
-    exp = subprocess.Popen([sys.executable, "-c", IPC_EXPORTER], env=daemon.env(),
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    exp = daemon.popen_py(IPC_EXPORTER)
     imp = None
     try:
         handle = exp.stdout.readline().strip()
-        imp = subprocess.Popen([sys.executable, "-c", IPC_IMPORTER, handle], env=daemon.env(),
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        imp = daemon.popen_py(IPC_IMPORTER, handle)
         assert imp.stdout.readline().strip() == "True"
         if exporter_fate == "frees":
             exp.stdin.write("free\n")
@@ -318,8 +315,7 @@ for _ in range(50):
 print("copying", flush=True)
 import time; time.sleep(60)
 """
-    proc = subprocess.Popen([sys.executable, "-c", code], env=daemon.env(), stdout=subprocess.PIPE,
-                            text=True)
+    proc = daemon.popen_py(code)
     try:
         assert proc.stdout.readline().strip() == "copying"
         assert int(daemon.attr(0, "memory_used")) >= 128 << 20
@@ -354,8 +350,7 @@ free, total = runtime.mem_get_info()
 print(free, total, runtime.memory_reserved(), os.getpid(), flush=True)
 sys.stdin.readline()
 """
-    proc = subprocess.Popen([sys.executable, "-c", code], env=daemon.env(), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = daemon.popen_py(code)
     try:
         free, total, reserved, pid = map(int, proc.stdout.readline().split())
         used = int(daemon.attr(0, "memory_used"))

@@ -97,9 +97,7 @@ def test_random_sequences_every_byte_checked(daemon):
 
 
 def test_several_processes_at_once_then_idle(daemon):
-    procs = [subprocess.Popen([sys.executable, "-c", STRESS, str(seed), "600"], env=daemon.env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for seed in (2, 3, 4)]
+    procs = [daemon.popen_py(STRESS, str(seed), "600") for seed in (2, 3, 4)]
     results = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, results):
         assert p.returncode == 0, err

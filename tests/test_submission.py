@@ -8,8 +8,6 @@ several streams first and then watch the order it runs in, without relying on ti
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -145,6 +143,7 @@ def test_freeing_memory_while_queued_work_uses_it_is_safe(daemon):
     lines = run(daemon, """
         s = runtime.Stream()
         src = runtime.to_device(np.full(16 << 20, 7, np.uint8))
+        runtime.current_stream().synchronize()  # its upload ran on the default stream
         pin = runtime.pinned_empty(16 << 20, np.uint8)
         hold(True)
         tmp = runtime.empty(16 << 20, np.uint8, stream=s)
@@ -253,8 +252,7 @@ try:
 except KeyboardInterrupt:
     print("interrupted", flush=True)
 """
-    proc = subprocess.Popen([sys.executable, "-c", code], env=d.env(), stdout=subprocess.PIPE,
-                            text=True)
+    proc = d.popen_py(code)
     try:
         assert proc.stdout.readline().strip() == "waiting"
         time.sleep(0.3)
