@@ -65,6 +65,7 @@ DEFAULT_PAYLOAD: dict[str, Any] = {
         "timestamps",
         "exclusive_mode",
         "multi_context",
+        "matrix",
     ],
 }
 

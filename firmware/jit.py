@@ -100,12 +100,13 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from firmware import matrix
 from kmod_emul import uapi
 
 #: The firmware's JIT compatibility boundary. Bump it whenever anything the generated code
 #: depends on outside itself changes meaning (the intrinsics below, the ``_grid`` calling
 #: convention, the fault-array layout): every cached entry then misses.
-FIRMWARE_JIT_ABI = 1
+FIRMWARE_JIT_ABI = 2
 DEFAULT_ISA = "aemu-isa 1.0"
 DEFAULT_STEPPING = "A1"
 
@@ -128,7 +129,12 @@ _MATH_BUILTINS = {"sqrt": "math.sqrt", "exp": "math.exp", "log": "math.log",
                   "floor": "math.floor"}
 _PLAIN_BUILTINS = {"abs", "min", "max", "float", "int"}
 BUILTINS: frozenset[str] = frozenset(set(_ID_BUILTINS) | set(_MATH_BUILTINS) | _PLAIN_BUILTINS
-                                     | {"barrier", "shared_array", "atomic_add"})
+                                     | {"barrier", "shared_array", "atomic_add", "mma"})
+#: Block-collective built-ins: every thread of a block issues them together, so they
+#: follow the barrier rule and are phase boundaries in the lowering.
+_COLLECTIVES = frozenset({"barrier", "mma"})
+#: mma(c, a, b, row, col, k0, tm, tn, tk, beta): the matrix unit (firmware/matrix.py).
+_MMA_NARGS = 10
 _AUG_SYMBOL: dict[type, str] = {
     ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//",
     ast.Mod: "%", ast.Pow: "**", ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^",
@@ -332,9 +338,15 @@ def _contains(node: ast.AST | list[ast.stmt], pred: Any) -> bool:
     return any(pred(n) for top in nodes for n in ast.walk(top))
 
 
-def _is_barrier(n: ast.AST) -> bool:
+def _is_collective(n: ast.AST) -> bool:
+    """A call of barrier() or mma(): the barrier rule applies to both."""
     return (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-            and n.func.id == "barrier")
+            and n.func.id in _COLLECTIVES)
+
+
+def _is_mma(s: ast.stmt) -> bool:
+    return (isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
+            and isinstance(s.value.func, ast.Name) and s.value.func.id == "mma")
 
 
 def validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> _Kernel:
@@ -444,8 +456,9 @@ def validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> _Kernel:
             _check_subscript(n, k)
         elif isinstance(n, ast.Expr):
             if not (isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
-                    and n.value.func.id in ("barrier", "atomic_add")):
-                raise _reject(n, "only barrier() and atomic_add() may be used as statements")
+                    and n.value.func.id in ("barrier", "atomic_add", "mma")):
+                raise _reject(n, "only barrier(), atomic_add() and mma() may be used as "
+                                 "statements")
         elif isinstance(n, ast.Assign):
             if isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name) \
                     and n.value.func.id == "shared_array":
@@ -511,6 +524,8 @@ def _check_call(n: ast.Call, k: _Kernel) -> None:
         t = _buffer_dtype(k, n.args[0].id)
         if t == "bool":
             raise _reject(n, "atomic_add on a bool buffer")
+    elif name == "mma":
+        _check_mma(n, k)
     elif name == "shared_array":
         pass  # checked with its Assign; a shared_array elsewhere fails _check_shared
     elif name in ("min", "max"):
@@ -518,6 +533,24 @@ def _check_call(n: ast.Call, k: _Kernel) -> None:
             raise _reject(n, f"{name}() needs at least two arguments")
     elif nargs != 1:
         raise _reject(n, f"{name}() takes one argument")
+
+
+def _check_mma(n: ast.Call, k: _Kernel) -> None:
+    """mma's operands: three 2-D buffer parameters of one float dtype (the matrix unit's
+    types); the other arguments are evaluated with thread 0's values (the front end
+    rejects any that may differ between threads)."""
+    if len(n.args) != _MMA_NARGS:
+        raise _reject(n, f"mma() takes {_MMA_NARGS} arguments")
+    names = [a.id if isinstance(a, ast.Name) and a.id in k.buffers else None
+             for a in n.args[:3]]
+    if None in names:
+        raise _reject(n, "the first three arguments of mma must be buffer parameters")
+    dtypes = {_buffer_dtype(k, m) for m in names if m}
+    if any(_buffer_ndim(k, m) != 2 for m in names if m):
+        raise _reject(n, "mma operands must be 2-D buffers")
+    if len(dtypes) != 1 or not dtypes <= {"float32", "float64"}:
+        raise _reject(n, "mma operands must all be float32 or all float64, not "
+                         f"{', '.join(sorted(dtypes))}")
 
 
 def _buffer_dtype(k: _Kernel, name: str) -> str:
@@ -598,9 +631,9 @@ def _binds_outer_loop(stmt: ast.stmt) -> bool:
 def _structural(stmt: ast.stmt, in_structural_loop: bool) -> bool:
     """Whether a statement must stay at block level: it holds a barrier, or it is (or
     holds) a break/continue of a block-level loop."""
-    if isinstance(stmt, ast.Expr) and _is_barrier(stmt.value):
+    if isinstance(stmt, ast.Expr) and _is_collective(stmt.value):
         return True
-    if _contains(stmt, _is_barrier):
+    if _contains(stmt, _is_collective):
         return True
     return in_structural_loop and _binds_outer_loop(stmt)
 
@@ -854,6 +887,8 @@ class _Lowering:
                 out += self.fault_check(ind)
             tgt = self.target(s.target, ind, out)
             return out + [f"{ind}{tgt} {op}= {value}"]
+        if _is_mma(s):  # its own phase, run by thread 0 (see collective())
+            return self.mma(s.value, ind)  # type: ignore[arg-type]
         if isinstance(s, ast.Expr):  # atomic_add (barrier() is structural)
             call = s.value
             assert isinstance(call, ast.Call) and call.func.id == "atomic_add"  # type: ignore
@@ -912,6 +947,22 @@ class _Lowering:
             return [f"{ind}{type(s).__name__.lower()}"]
         raise _reject(s, f"{type(s).__name__} cannot be lowered")
 
+    def mma(self, call: ast.Call, ind: str) -> list[str]:
+        """The matrix unit's call: operands, then the seven scalar arguments evaluated
+        (with thread 0's locals), then the BLAS entry point for the dtype."""
+        out: list[str] = []
+        names = [a.id for a in call.args[:3]]  # type: ignore[attr-defined]
+        values = []
+        for a in call.args[3:]:
+            text, loads = self.hexpr(a, ind, out)
+            if loads:
+                out += self.fault_check(ind)
+            values.append(text)
+        slot = matrix.SLOT[_buffer_dtype(self.k, names[0])]
+        args = ([_u(n) for n in names] + values
+                + [f"_blas[{slot}]", "abort", "fault"] + [str(self.pos_of(n)) for n in names])
+        return out + [f"{ind}if _mma({', '.join(args)}) != 0:", f"{ind}    return 1"]
+
     def block(self, stmts: list[ast.stmt], ind: str, writeback: list[str]) -> list[str]:
         out: list[str] = []
         for s in stmts:
@@ -941,6 +992,9 @@ class _Lowering:
                 pending.append(s)
                 continue
             flush()
+            if _is_mma(s):
+                out.extend(self.collective(s, ind, in_loop))
+                continue
             if isinstance(s, ast.Expr):
                 continue  # barrier(): the phase boundary is the barrier
             if isinstance(s, (ast.Break, ast.Continue)):
@@ -977,6 +1031,18 @@ class _Lowering:
                 + self.thread_loop_text(f"_phf{idx}", idx, ind + "    ")
                 + [f"{ind}else:"]
                 + self.thread_loop_text(f"_ph{idx}", idx, ind + "    "))
+
+    def collective(self, s: ast.stmt, ind: str, in_loop: bool) -> list[str]:
+        """A block-collective statement (mma) as a phase of its own that runs once per
+        block, as thread 0: its arguments are uniform, so thread 0's locals are the
+        block's. Skipped when the block has returned (only a uniform return can precede
+        it: the barrier rule)."""
+        idx = len(self.phases)
+        self.phases.append(([s], in_loop))
+        skip = [f"{ind}if not _done[0]:"] if self.returns and idx > 0 else []
+        inner = ind + "    " if skip else ind
+        return skip + [f"{inner}_l0 = 0", f"{inner}_l1 = 0", f"{inner}_l2 = 0", f"{inner}_t = 0",
+                       f"{inner}if _ph{idx}(@ARGS@) != 0:", f"{inner}    return _blk"]
 
     def thread_loop_text(self, fn: str, idx: int, ind: str) -> list[str]:
         skip = [f"{ind}            if _done[_t]:", f"{ind}                continue"] \
@@ -1096,7 +1162,7 @@ class _Lowering:
 
     def phase_params(self) -> list[str]:
         return (["_l0", "_l1", "_l2", "_g0", "_g1", "_g2", "_ls0", "_ls1", "_ls2",
-                 "_ng0", "_ng1", "_ng2", "_t", "_done", "abort", "fault"]
+                 "_ng0", "_ng1", "_ng2", "_t", "_done", "abort", "fault", "_blas"]
                 + [_u(v) for v in self.uniform_vars]
                 + [_u(s) for s in self.k.shared]
                 + [f"_pt_{v}" for v in self.per_thread_order]
@@ -1187,6 +1253,7 @@ class _Lowering:
     def module(self) -> str:
         k = self.k
         body = [s for s in k.fn.body]
+        uses_mma = _contains(body, lambda n: isinstance(n, ast.stmt) and _is_mma(n))
         block_code = self.structure(body, "        ", False)
         pt = self.per_thread()
         self.per_thread_order = list(pt)
@@ -1202,6 +1269,7 @@ class _Lowering:
             "import numpy as np",
             "from numba import njit",
             "from firmware.jit import _rt_abort_word, _rt_atomic_add",
+            *(["from firmware.matrix import _rt_gemm, _rt_span"] if uses_mma else []),
             "",
             f"_NJ = {nj}",
             "",
@@ -1214,6 +1282,8 @@ class _Lowering:
             "        fault[2] = flat",
             "",
         ]
+        if uses_mma:
+            lines += matrix.helper_source(ABORT_PREEMPT, FAULT_ABORT).splitlines()
         loaded = {n.value.id for n in ast.walk(k.fn)  # type: ignore[attr-defined]
                   if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)}
         if self.checked:
@@ -1230,7 +1300,7 @@ class _Lowering:
                     self.fast = False
         # the grid function
         sig = ["block_lo", "block_hi", "_ng0", "_ng1", "_ng2", "_ls0", "_ls1", "_ls2",
-               "abort", "fault"] + [_u(p) for p in k.params]
+               "abort", "fault", "_blas"] + [_u(p) for p in k.params]
         lines += ["", "@njit(**_NJ)", f"def _grid({', '.join(sig)}):",
                   "    _nt = _ls0 * _ls1 * _ls2",
                   "    _done = np.zeros(max(_nt, 1), np.uint8)"]
@@ -1309,7 +1379,7 @@ class CompiledKernel:
 
     def __init__(self, key: str, name: str, params: list[str], arg_types: list[ArgType],
                  shared: list[str], dispatcher: Any, signature: tuple[Any, ...],
-                 source: str, module_path: Path) -> None:
+                 source: str, module_path: Path, blas: np.ndarray) -> None:
         self.key = key
         self.name = name
         self.params = params
@@ -1319,6 +1389,7 @@ class CompiledKernel:
         self.signature = signature
         self.source = source
         self.module_path = module_path
+        self.blas = blas  # the matrix unit's entry points (firmware/matrix.py)
         # The native entry point skips numba's per-call type dispatch (a few us per launch);
         # run() checks the buffers itself, since it would not.
         try:
@@ -1350,7 +1421,8 @@ class CompiledKernel:
                 raise TypeError(f"argument {self.params[i]!r} must be a C-contiguous "
                                 f"{dt}[{nd}d] array")
         fault = np.zeros(4, np.int64)
-        done = self._entry(block_lo, block_hi, gx, gy, gz, bx, by, bz, abort, fault, *args)
+        done = self._entry(block_lo, block_hi, gx, gy, gz, bx, by, bz, abort, fault,
+                           self.blas, *args)
         kind = int(fault[0])
         if kind == FAULT_BOUNDS:
             pos = int(fault[1])
@@ -1369,6 +1441,17 @@ class CompiledKernel:
 # --------------------------------------------------------------------------- the cache
 
 
+def warm_up() -> None:
+    """Load numba's CPU target now: its typing and lowering registries load on first use
+    (~0.1-0.2 s, importing much of numba), which would otherwise land on the first kernel
+    loaded from the cache and make it cost ~10x the cache read itself."""
+    from numba.core.registry import cpu_target
+
+    cpu_target.typing_context.refresh()
+    cpu_target.target_context.refresh()
+
+
+
 def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -1385,11 +1468,14 @@ class KernelCache:
     loading machine code from its cache."""
 
     def __init__(self, root: Path, isa: str = DEFAULT_ISA,
-                 stepping: str = DEFAULT_STEPPING) -> None:
+                 stepping: str = DEFAULT_STEPPING, use_blas: bool = True) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.isa = isa
         self.stepping = stepping
+        #: mma's BLAS entry points; zeros make kernels run mma as plain loops (tests
+        #: compare the two). Not a key input: the pointers are arguments, not code.
+        self.blas = matrix.blas_pointers() if use_blas else np.zeros(len(matrix.SLOT), np.int64)
         self.hits = 0
         self.misses = 0
         self.compiles = 0
@@ -1548,7 +1634,7 @@ class KernelCache:
         parsed = [ArgType.parse(t) for t in arg_types]
         abort_t = types.Array(types.int64, 1, "C")
         sig = (types.int64, types.int64, types.int64, types.int64, types.int64,
-               types.int64, types.int64, types.int64, abort_t, abort_t,
+               types.int64, types.int64, types.int64, abort_t, abort_t, abort_t,
                *[t.numba_type() for t in parsed])
         disp = mod._grid
         try:
@@ -1560,7 +1646,7 @@ class KernelCache:
         compiled = 1 if sum(disp.stats.cache_misses.values()) else 0
         k = validate(ir, arg_types)
         ck = CompiledKernel(key, k.fn.name, k.params, parsed, list(k.shared), disp, sig,
-                            source, path)
+                            source, path, self.blas)
         return ck, compiled
 
 

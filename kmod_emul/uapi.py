@@ -145,6 +145,8 @@ class Cap(enum.IntFlag):
     TIMESTAMPS = 1 << 6
     EXCLUSIVE_MODE = 1 << 7
     MULTI_CONTEXT = 1 << 8
+    #: A matrix unit: kernels may use mma() (float32/float64 tiles, firmware/matrix.py).
+    MATRIX = 1 << 9
 
 
 _CAP_BITS: Final[dict[str, int]] = {c.name.lower(): int(c) for c in Cap if c.name}

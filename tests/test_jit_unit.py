@@ -39,6 +39,8 @@ def ir_of(src: str, ndims: dict[str, int] | None = None) -> dict[str, Any]:
             if isinstance(n, (ast.Subscript, ast.Attribute)) and isinstance(n.value, ast.Name)}
     used |= {n.args[0].id for n in ast.walk(fn) if isinstance(n, ast.Call)
              and isinstance(n.func, ast.Name) and n.func.id == "atomic_add"}  # type: ignore
+    used |= {a.id for n in ast.walk(fn) if isinstance(n, ast.Call)  # type: ignore
+             and isinstance(n.func, ast.Name) and n.func.id == "mma" for a in n.args[:3]}
     params = []
     for a in fn.args.args:
         if a.arg in used:
@@ -47,7 +49,8 @@ def ir_of(src: str, ndims: dict[str, int] | None = None) -> dict[str, Any]:
         else:
             params.append({"name": a.arg, "kind": "scalar", "dtype": None})
     return {"name": fn.name, "params": params, "source": ast.unparse(fn), "shared_mem": 0,
-            "uses_barrier": "barrier()" in src, "uses_atomics": "atomic_add" in src}
+            "uses_barrier": "barrier()" in src, "uses_atomics": "atomic_add" in src,
+            "uses_mma": "mma(" in src}
 
 
 SAXPY = ir_of("""
@@ -498,7 +501,7 @@ def test_every_compatibility_input_changes_the_key(cache: KernelCache, cache_roo
         "stepping": KernelCache(cache_root, stepping="B0").key(SAXPY, SAXPY_T, Options()),
         "isa": KernelCache(cache_root, isa="aemu-isa 2.0").key(SAXPY, SAXPY_T, Options()),
     }
-    for name, value in [("FIRMWARE_JIT_ABI", 2)]:
+    for name, value in [("FIRMWARE_JIT_ABI", jit.FIRMWARE_JIT_ABI + 1)]:
         with monkeypatch.context() as m:
             m.setattr(jit, name, value)
             variants[name] = cache.key(SAXPY, SAXPY_T, Options())
@@ -610,3 +613,134 @@ def test_rejects_mismatched_types(cache: KernelCache) -> None:
                   Options())
     with pytest.raises(ValueError):
         cache.get(ADD2D, ("float64[1d]", "float64[2d]", "float64[2d]"), Options())
+
+
+# --------------------------------------------------------------------------- the matrix unit
+
+MMA_MATMUL = ir_of("""
+    def matmul(a, b, c, beta):
+        i = group_id(1) * 32
+        j = group_id(0) * 32
+        mma(c, a, b, i, j, 0, min(32, c.shape[0] - i), min(32, c.shape[1] - j), a.shape[1],
+            beta)
+""", ndims={"a": 2, "b": 2, "c": 2})
+#: One mma per block over the whole of k, with the row range a parameter (bounds tests).
+TILE = ir_of("""
+    def tile(a, b, c, row, tm, tk):
+        mma(c, a, b, row, 0, 0, tm, c.shape[1], tk, 0.0)
+""", ndims={"a": 2, "b": 2, "c": 2})
+
+
+def _mm_types(dtype: str) -> tuple[str, ...]:
+    return (f"{dtype}[2d]",) * 3 + (dtype,)
+
+
+def _matmul(k: Any, a: np.ndarray, b: np.ndarray, c: np.ndarray, beta: float) -> None:
+    grid = ((c.shape[1] + 31) // 32, (c.shape[0] + 31) // 32, 1)
+    assert k.run(0, nblocks(grid), grid, (4, 2, 1), [a, b, c, c.dtype.type(beta)],
+                 no_abort()) == nblocks(grid)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("use_blas", [True, False], ids=["blas", "loops"])
+def test_mma_matches_numpy(cache_root: Path, dtype: str, use_blas: bool) -> None:
+    """Both matrix-unit paths (host BLAS, and the loops used without one) compute
+    c = beta * c + a @ b over edge tiles; beta 0 ignores what c held (NaN included)."""
+    kc = KernelCache(cache_root, use_blas=use_blas)
+    assert bool(kc.blas.all()) is use_blas
+    k = kc.get(MMA_MATMUL, _mm_types(dtype), Options())
+    rng = np.random.default_rng(7)
+    a, b = rng.random((70, 45)).astype(dtype), rng.random((45, 37)).astype(dtype)
+    c = np.full((70, 37), np.nan, dtype)
+    _matmul(k, a, b, c, 0.0)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    np.testing.assert_allclose(c, a @ b, rtol=tol)
+    c0 = rng.random((70, 37)).astype(dtype)
+    c = c0.copy()
+    _matmul(k, a, b, c, 0.5)
+    np.testing.assert_allclose(c, 0.5 * c0 + a @ b, rtol=tol)
+
+
+def test_mma_bounds_miss_names_operand_and_corner_and_writes_nothing(
+        cache: KernelCache) -> None:
+    k = cache.get(TILE, ("float32[2d]",) * 3 + ("int64",) * 3, Options())
+    a, b = np.ones((8, 4), np.float32), np.ones((4, 5), np.float32)
+    c = np.full((8, 5), -1.0, np.float32)
+    cases = [((6, 4, 4), "c", (9 * 5 + 4)),   # rows 6..9 of an 8-row c: the far corner
+             ((-1, 2, 4), "c", -5),           # a negative row: the tile's start
+             ((0, 8, 5), "a", 7 * 4 + 4),     # k = 5 > a's 4 columns
+             ((0, 2, -1), "a", 0 * 4 + 0 - 0)]  # a negative extent: a's tile start
+    for (row, tm, tk), param, index in cases:
+        with pytest.raises(KernelFault) as ei:
+            k.run(0, 1, (1, 1, 1), (1, 1, 1),
+                  [a, b, c, np.int64(row), np.int64(tm), np.int64(tk)], no_abort())
+        assert (ei.value.kind, ei.value.param, ei.value.index) == ("bounds", param, index)
+        assert (c == -1.0).all()
+    b_short = np.ones((3, 5), np.float32)  # k = 4 rows of b needed, 3 there
+    with pytest.raises(KernelFault) as ei:
+        k.run(0, 1, (1, 1, 1), (1, 1, 1),
+              [a, b_short, c, np.int64(0), np.int64(2), np.int64(4)], no_abort())
+    assert (ei.value.param, ei.value.index) == ("b", 3 * 5 + 4)
+    assert (c == -1.0).all()
+
+
+def test_mma_operands_that_alias_c_read_the_old_values(cache: KernelCache) -> None:
+    """c and a are one array: one mma reads a's tile before writing c (as from a copy),
+    where BLAS itself would read half-written data. (Across blocks, in place is a race,
+    as on any device.)"""
+    k = cache.get(TILE, ("float64[2d]",) * 3 + ("int64",) * 3, Options())
+    rng = np.random.default_rng(3)
+    x, b = rng.random((40, 40)), rng.random((40, 40))
+    want = x @ b
+    k.run(0, 1, (1, 1, 1), (1, 1, 1), [x, b, x, np.int64(0), np.int64(40), np.int64(40)],
+          no_abort())
+    np.testing.assert_allclose(x, want, rtol=1e-12)
+
+
+def test_mma_sees_the_watchdog_between_chunks(cache_root: Path) -> None:
+    k = KernelCache(cache_root, use_blas=False).get(TILE, ("float64[2d]",) * 3
+                                                    + ("int64",) * 3, Options())
+    n = 2048  # ~8.6e9 multiply-adds as loops: seconds, unless stopped
+    a, b, c = np.ones((n, n)), np.ones((n, n)), np.zeros((n, n))
+    abort = no_abort()
+    result: list[BaseException | int] = []
+
+    def go() -> None:
+        try:
+            result.append(k.run(0, 1, (1, 1, 1), (1, 1, 1),
+                                [a, b, c, np.int64(0), np.int64(n), np.int64(n)], abort))
+        except BaseException as exc:  # noqa: BLE001
+            result.append(exc)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    time.sleep(0.1)
+    assert not result, "finished before the abort: the test proves nothing"
+    abort[0] = ABORT_WATCHDOG
+    t.join(10)
+    assert not t.is_alive(), "mma did not see the abort word"
+    assert isinstance(result[0], KernelFault) and result[0].kind == "watchdog"
+
+
+@pytest.mark.parametrize("src, types, why", [
+    ("def k(a, b, c):\n    mma(c, a, b, 0, 0, 0, 1, 1, 1, 0.0)\n",
+     ("int32[2d]",) * 3, "float32 or all float64"),
+    ("def k(a, b, c):\n    mma(c, a, b, 0, 0, 0, 1, 1, 1, 0.0)\n",
+     ("float32[2d]", "float64[2d]", "float32[2d]"), "float32 or all float64"),
+    ("def k(a, b, c):\n    mma(c, a, b, 0, 0, 0, 1, 1, 1)\n", ("float32[2d]",) * 3,
+     "takes 10 arguments"),
+    ("def k(a, b, c):\n    if global_id(0) == 0:\n        mma(c, a, b, 0, 0, 0, 1, 1, 1, 0.0)\n",
+     ("float32[2d]",) * 3, "barrier"),
+    ("def k(a, b, c):\n    x = mma(c, a, b, 0, 0, 0, 1, 1, 1, 0.0)\n", ("float32[2d]",) * 3,
+     "statement|assign"),
+])
+def test_mma_rejections(src: str, types: tuple[str, ...], why: str, cache: KernelCache) -> None:
+    ir = ir_of(src, ndims={"a": 2, "b": 2, "c": 2})
+    with pytest.raises(ValueError, match=why):
+        cache.get(ir, types, Options())
+
+
+def test_mma_needs_2d_buffers(cache: KernelCache) -> None:
+    ir = ir_of("def k(a, b, c):\n    mma(c, a, b, 0, 0, 0, 1, 1, 1, 0.0)\n")  # 1-D
+    with pytest.raises(ValueError, match="2-D"):
+        cache.get(ir, ("float32[1d]",) * 3, Options())

@@ -1,0 +1,222 @@
+"""The compute engines' matrix unit: what a kernel's ``mma(...)`` runs on.
+
+``mma(c, a, b, row, col, k0, tm, tn, tk, beta)`` is block-collective (docs/kernels.md):
+once per block, ``c[row:row+tm, col:col+tn] = beta * c[...] + a[row:row+tm, k0:k0+tk] @
+b[k0:k0+tk, col:col+tn]``. Real accelerators do this in a matrix engine (tensor cores,
+MFMA, XMX, an MME) fed straight from memory; the emulated one is the host's BLAS
+``sgemm``/``dgemm``, called as a native function pointer from the kernel's machine code
+(no GIL, no Python): the OpenBLAS that numpy already loads into the firmware process, in
+its ILP64 build (64-bit integer arguments, ``*64_`` symbols). Each engine thread calls it
+single-threaded: the engines are the parallelism, as a matrix unit belongs to one core.
+
+Without such a BLAS (another numpy build), the pointers are 0 and the generated code runs
+the same contraction as plain loops (correct, much slower); tests run both paths.
+
+Why pointers are arguments, not constants: numba's on-disk cache would bake a constant
+address from the compiling process into machine code that another process loads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+#: Symbol names of the ILP64 CBLAS entry points, in order of preference.
+_GEMM_SYMBOLS = {
+    "float32": ("scipy_cblas_sgemm64_", "cblas_sgemm64_"),
+    "float64": ("scipy_cblas_dgemm64_", "cblas_dgemm64_"),
+}
+_THREADS_SYMBOLS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_")
+#: Index of each dtype's entry point in the pointer array the kernels receive.
+SLOT = {"float32": 0, "float64": 1}
+#: Work per BLAS call: tiles are cut into row and k chunks of these sizes so that the
+#: watchdog and a kill are seen between chunks (one chunk is well under a millisecond).
+ROW_CHUNK = 256
+K_CHUNK = 512
+
+_lock = threading.Lock()
+_pointers: np.ndarray | None = None
+
+
+def _loaded_blas_paths() -> list[str]:
+    """Shared objects mapped into this process whose file name says OpenBLAS (numpy's)."""
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                path = fields[5].strip() if len(fields) == 6 else ""
+                name = path.rsplit("/", 1)[-1].lower()
+                if "openblas" in name and ".so" in name and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    return paths
+
+
+def blas_pointers() -> np.ndarray:
+    """``[sgemm, dgemm]`` entry points (0 where none was found), looked up once per
+    process; also limits that BLAS to one thread per call."""
+    global _pointers
+    with _lock:
+        if _pointers is None:
+            ptrs = np.zeros(len(SLOT), np.int64)
+            for path in _loaded_blas_paths():
+                try:
+                    lib = ctypes.CDLL(path)
+                except OSError:
+                    continue
+                for dtype, names in _GEMM_SYMBOLS.items():
+                    for name in names:
+                        fn = getattr(lib, name, None)
+                        if fn is not None and not ptrs[SLOT[dtype]]:
+                            ptrs[SLOT[dtype]] = ctypes.cast(fn, ctypes.c_void_p).value or 0
+                for name in _THREADS_SYMBOLS:
+                    setter = getattr(lib, name, None)
+                    if setter is not None:
+                        setter.argtypes = [ctypes.c_int64]
+                        setter(1)
+                        break
+                if ptrs.all():
+                    break
+            _pointers = ptrs
+        return _pointers
+
+
+# --------------------------------------------------------------------------- intrinsics
+# Imported by generated modules: a change here must bump jit.FIRMWARE_JIT_ABI.
+
+
+@intrinsic
+def _rt_gemm(typingctx: Any, fn: Any, m: Any, n: Any, k: Any, a: Any, a_off: Any, lda: Any,
+             b: Any, b_off: Any, ldb: Any, beta: Any, c: Any, c_off: Any, ldc: Any) -> Any:
+    """``cblas_?gemm(RowMajor, NoTrans, NoTrans, m, n, k, 1, a+a_off, lda, b+b_off, ldb,
+    beta, c+c_off, ldc)`` through the function pointer ``fn`` (ILP64: int64 sizes).
+    Offsets are in elements; the generated code has checked every range."""
+    arrays = (a, b, c)
+    if not all(isinstance(x, types.Array) and x.dtype in (types.float32, types.float64)
+               for x in arrays) or len({x.dtype for x in arrays}) != 1:
+        return None
+    sig = types.none(fn, m, n, k, a, a_off, lda, b, b_off, ldb, beta, c, c_off, ldc)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        (fnv, mv, nv, kv, av, ao, lda_v, bv, bo, ldb_v, beta_v, cv, co, ldc_v) = args
+        aty = signature.args[4]
+        fty = ir.FloatType() if aty.dtype == types.float32 else ir.DoubleType()
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        ptr_t = fty.as_pointer()
+        gemm_t = ir.FunctionType(ir.VoidType(), [i32, i32, i32, i64, i64, i64, fty, ptr_t,
+                                                 i64, ptr_t, i64, fty, ptr_t, i64])
+
+        def at(arr: Any, arrty: Any, off: Any, offty: Any) -> Any:
+            data = context.make_array(arrty)(context, builder, arr).data
+            return builder.gep(data, [context.cast(builder, off, offty, types.int64)])
+
+        def i64v(v: Any, t: Any) -> Any:
+            return context.cast(builder, v, t, types.int64)
+
+        st = signature.args
+        call = builder.inttoptr(i64v(fnv, st[0]), gemm_t.as_pointer())
+        row_major, no_trans = ir.Constant(i32, 101), ir.Constant(i32, 111)
+        builder.call(call, [row_major, no_trans, no_trans,
+                            i64v(mv, st[1]), i64v(nv, st[2]), i64v(kv, st[3]),
+                            ir.Constant(fty, 1.0), at(av, st[4], ao, st[5]), i64v(lda_v, st[6]),
+                            at(bv, st[7], bo, st[8]), i64v(ldb_v, st[9]),
+                            context.cast(builder, beta_v, st[10], aty.dtype),
+                            at(cv, st[11], co, st[12]), i64v(ldc_v, st[13])])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _rt_span(typingctx: Any, ary: Any) -> Any:
+    """``(first byte address, one past the last)`` of a C-contiguous array: operands of
+    one mma may alias (two arguments naming one allocation), which BLAS does not allow."""
+    if not isinstance(ary, types.Array):
+        return None
+    sig = types.UniTuple(types.int64, 2)(ary)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        start = builder.ptrtoint(arr.data, ir.IntType(64))
+        end = builder.add(start, builder.mul(arr.nitems, arr.itemsize))
+        return context.make_tuple(builder, signature.return_type, [start, end])
+
+    return sig, codegen
+
+
+#: The block-level helper a kernel that uses mma gets in its generated module (the text is
+#: part of the generated source, so its hash is in the cache key). Returns 1 when the
+#: launch must stop (a bounds miss, recorded in ``fault``, or the abort word).
+HELPER = '''
+@njit(**_NJ)
+def _mma_tile_miss(rows, cols, r0, nr, c0, nc):
+    """-1 when [r0, r0+nr) x [c0, c0+nc) lies in a rows x cols matrix, else the flat
+    index of the tile corner that does not (the start if it is negative, else the end)."""
+    if nr < 0 or nc < 0 or r0 < 0 or c0 < 0:
+        return r0 * cols + c0
+    if r0 + nr > rows or c0 + nc > cols:
+        return (r0 + nr - 1) * cols + (c0 + nc - 1)
+    return -1
+
+
+@njit(**_NJ)
+def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, fn, abort, fault, pc, pa, pb):
+    for arr, pos, r0, nr, q0, nq in ((c, pc, row, tm, col, tn), (a, pa, row, tm, k0, tk),
+                                      (b, pb, k0, tk, col, tn)):
+        miss = _mma_tile_miss(arr.shape[0], arr.shape[1], r0, nr, q0, nq)
+        if miss != -1:
+            _miss(fault, pos, miss)
+            return 1
+    if tm == 0 or tn == 0:
+        return 0
+    cs, ce = _rt_span(c)
+    as_, ae = _rt_span(a)
+    bs, be = _rt_span(b)
+    if (as_ < ce and cs < ae) or (bs < ce and cs < be):  # aliasing c: read from copies
+        a = a[row:row + tm, k0:k0 + tk].copy()
+        b = b[k0:k0 + tk, col:col + tn].copy()
+        ar, ak, bk, bc = 0, 0, 0, 0
+    else:
+        ar, ak, bk, bc = row, k0, k0, col
+    lda, ldb, ldc = a.shape[1], b.shape[1], c.shape[1]
+    for r in range(0, tm, @ROWS@):
+        mr = min(@ROWS@, tm - r)
+        kk = 0
+        while True:
+            if _rt_abort_word(abort) > @PREEMPT@:
+                fault[0] = @ABORT@
+                return 1
+            kr = min(@KS@, tk - kk)
+            bb = beta if kk == 0 else 1.0
+            if fn != 0:
+                _rt_gemm(fn, mr, tn, kr, a, (ar + r) * lda + ak + kk, lda,
+                         b, (bk + kk) * ldb + bc, ldb, bb, c, (row + r) * ldc + col, ldc)
+            else:
+                for i in range(row + r, row + r + mr):
+                    for j in range(col, col + tn):
+                        c[i, j] = 0 if bb == 0 else c[i, j] * bb
+                    for q in range(kr):
+                        av = a[ar + i - row, ak + kk + q]
+                        for j in range(tn):
+                            c[i, col + j] += av * b[bk + kk + q, bc + j]
+            kk += kr
+            if kk >= tk:
+                break
+    return 0
+'''
+
+
+def helper_source(preempt: int, abort_fault: int) -> str:
+    return (HELPER.replace("@ROWS@", str(ROW_CHUNK)).replace("@KS@", str(K_CHUNK))
+            .replace("@PREEMPT@", str(preempt)).replace("@ABORT@", str(abort_fault)))
+
+
+__all__ = ["K_CHUNK", "ROW_CHUNK", "SLOT", "blas_pointers", "helper_source"]
