@@ -115,6 +115,7 @@ STAT_NAMES: Final = (
     "managed_resident", "managed_faults", "managed_bytes_to_device", "managed_bytes_to_host",
     "managed_evictions", "copies", "copy_bytes", "packets", "faults",
     "copy_engines_busy_peak", "preemptions", "launches", "jit_compiles", "jit_hits",
+    "jit_ready",
 )
 _STATS = struct.Struct(f"<{len(STAT_NAMES)}Q")
 

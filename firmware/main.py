@@ -83,6 +83,8 @@ class Firmware:
         self.heartbeat_s = config.get("heartbeat_interval_ms", 50) / 1000
         residency = memory.Residency(self.stats, self.vram_size)
         self.sched = Scheduler(config, residency, self.stats, self._fence_irq, self.jit_cache_dir)
+        if _has_entries(self.jit_cache_dir):
+            self.sched.warm_up()  # kernels ran here before: have the JIT ready for them
         self.mbx.set_versions(img.version, str(img.manifest["isa_version"]))
         self.mbx.beat(time.monotonic_ns())
         self.mbx.set_fw_state(abi.FwState.READY)
@@ -289,6 +291,17 @@ class Firmware:
         ready, _, _ = select.select([self.doorbell_fd], [], [], 0)
         if ready:
             self._drain_fd(self.doorbell_fd)
+
+
+def _has_entries(cache_dir: str) -> bool:
+    """Whether the persistent kernel cache holds anything (its entries live in
+    two-character shard directories). Then the JIT warms up at boot, off the hot path:
+    a firmware on a machine that never ran a kernel does not pay for numba."""
+    try:
+        with os.scandir(cache_dir) as it:
+            return any(e.is_dir() and len(e.name) == 2 for e in it)
+    except OSError:
+        return False
 
 
 def _vram_fds(text: str) -> dict[int, int]:
