@@ -45,8 +45,20 @@ _THREAD_IDS = frozenset({"global_id", "local_id"})
 _UNARY_BUILTINS = frozenset({"sqrt", "exp", "log", "sin", "cos", "tanh", "abs", "floor",
                              "float", "int"})
 _VARIADIC_BUILTINS = frozenset({"min", "max"})
+#: Block-collective built-ins: every thread of a block issues them together, so the
+#: barrier rule (same trip count in every thread, no thread-dependent early return)
+#: applies to each of them, not only to barrier().
+_COLLECTIVES = frozenset({"barrier", "mma"})
+#: Built-ins that return nothing: legal only as expression statements.
+_STATEMENT_BUILTINS = frozenset({"barrier", "atomic_add", "mma"})
+#: mma(c, a, b, row, col, k0, tm, tn, tk, beta): the matrix unit, once per block,
+#: ``c[row:row+tm, col:col+tn] = beta * c[...] + a[row:row+tm, k0:k0+tk] @ b[k0:k0+tk,
+#: col:col+tn]``. The operands are 2-D buffer parameters; the rest are uniform scalars.
+_MMA_NARGS = 10
+_MMA_OPERANDS = 3
+_MMA_DTYPES = ("float32", "float64")
 BUILTINS: frozenset[str] = (_ID_BUILTINS | _UNARY_BUILTINS | _VARIADIC_BUILTINS
-                            | {"barrier", "shared_array", "atomic_add"})
+                            | {"shared_array"} | _STATEMENT_BUILTINS)
 #: Names a kernel can never bind (``range`` is only legal as a for loop's iterable).
 _RESERVED = BUILTINS | {"range"}
 #: Host built-ins that are worth a pointed message rather than "not a built-in".
@@ -206,7 +218,9 @@ class _Checker:
 
     Passes: a pre-scan that classifies names (buffer parameters, shared arrays, locals),
     a structural pass in source order that enforces the whitelist and the built-ins'
-    signatures, then the ndim and barrier-uniformity checks that need the whole body."""
+    signatures (barrier, atomic_add, mma, shared_array, the id and math built-ins), then
+    the checks that need the whole body: shape ranges, and the placement and argument
+    uniformity of the block-collective built-ins (barrier() and mma())."""
 
     def __init__(self, unit: _Unit) -> None:
         self.fn = unit.fn
@@ -222,6 +236,7 @@ class _Checker:
         self.shared_mem = 0
         self.uses_barrier = False
         self.uses_atomics = False
+        self.uses_mma = False
         self.loop_depth = 0
 
     # -- helpers ---------------------------------------------------------------
@@ -251,7 +266,7 @@ class _Checker:
         self._prescan(body)
         self._stmts(body)
         self._check_shape_refs()
-        self._check_barriers(body)
+        self._check_collectives(body)
         return self._ir()
 
     def _body(self) -> list[ast.stmt]:
@@ -296,16 +311,34 @@ class _Checker:
 
     def _prescan(self, body: list[ast.stmt]) -> None:
         """Classify names before the ordered pass, so a use can be judged by what the
-        name is anywhere in the kernel (a parameter indexed anywhere is a buffer)."""
+        name is anywhere in the kernel (a parameter indexed anywhere is a buffer).
+
+        An mma operand makes its parameter a buffer too, unless the kernel also uses that
+        parameter as a plain scalar value: then the operand is the likelier mistake
+        (``mma(c, a, n, ...)``), and mma's own check names it at the call rather than
+        the scalar use being reported as a misused array somewhere else."""
+        array_uses: set[int] = set()  # id() of the Name nodes in an array position
+        operands: list[str] = []      # parameters named as mma operands
+        names: list[ast.Name] = []
         for node in (n for s in body for n in ast.walk(s)):
-            base = None
+            bases: list[ast.expr] = []
             if isinstance(node, (ast.Subscript, ast.Attribute)):
-                base = node.value
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                  and node.func.id == "atomic_add" and node.args):
-                base = node.args[0]
-            if isinstance(base, ast.Name) and base.id in self.params:
-                self.buffers.add(base.id)
+                bases = [node.value]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                if node.func.id == "atomic_add":
+                    bases = node.args[:1]
+                elif node.func.id == "mma":
+                    for a in node.args[:_MMA_OPERANDS]:
+                        if isinstance(a, ast.Name):
+                            array_uses.add(id(a))
+                            operands.append(a.id)
+            elif isinstance(node, ast.Name):
+                names.append(node)
+            for base in bases:
+                if isinstance(base, ast.Name):
+                    array_uses.add(id(base))
+                    if base.id in self.params:
+                        self.buffers.add(base.id)
             targets: list[ast.expr] = []
             if isinstance(node, ast.Assign):
                 targets = node.targets
@@ -319,6 +352,8 @@ class _Checker:
             for t in targets:
                 if isinstance(t, ast.Name) and t.id not in self.params:
                     self.locals.add(t.id)
+        scalars = {n.id for n in names if id(n) not in array_uses}
+        self.buffers.update(p for p in operands if p in self.params and p not in scalars)
 
     # -- statements ------------------------------------------------------------
 
@@ -445,16 +480,16 @@ class _Checker:
         v = s.value
         if isinstance(v, ast.Call):
             name = self._call(v, statement=True)
-            if name not in ("barrier", "atomic_add"):
-                self.fail(s, f"the result of {name}() is unused; only barrier() and "
-                             "atomic_add(...) may stand alone as statements")
+            if name not in _STATEMENT_BUILTINS:
+                self.fail(s, f"the result of {name}() is unused; only barrier(), "
+                             "atomic_add(...) and mma(...) may stand alone as statements")
             return
         if isinstance(v, ast.Constant) and isinstance(v.value, str):
             self.fail(s, "string constants are only allowed as dtype names (a docstring "
                          "must be the first statement)")
         self._expr(v)
-        self.fail(s, "an expression statement has no effect; only barrier() and "
-                     "atomic_add(...) may stand alone as statements")
+        self.fail(s, "an expression statement has no effect; only barrier(), "
+                     "atomic_add(...) and mma(...) may stand alone as statements")
 
     # -- expressions -------------------------------------------------------------
 
@@ -489,7 +524,7 @@ class _Checker:
             self.fail(e, f"built-in `{name}` can only be called")
         if name in self.arrays:
             self.fail(e, f"array `{name}` can only be indexed (`{name}[i]`), passed to "
-                         "atomic_add, or used through .shape[k]/.size")
+                         "atomic_add or mma, or used through .shape[k]/.size")
         if name not in self.params and name not in self.locals:
             self._free_name(e)
 
@@ -697,6 +732,8 @@ class _Checker:
             self.uses_barrier = True
         elif name == "atomic_add":
             self._atomic_add(c, statement)
+        elif name == "mma":
+            self._mma(c, statement)
         elif name == "shared_array":
             self.fail(c, "shared_array(...) is only allowed as the right side of a plain "
                          "`name = shared_array(...)`")
@@ -726,6 +763,40 @@ class _Checker:
         self._expr(value)
         self.uses_atomics = True
 
+    def _mma(self, c: ast.Call, statement: bool) -> None:
+        """mma(c, a, b, row, col, k0, tm, tn, tk, beta): the operands must be 2-D float
+        buffer parameters of one dtype (the matrix unit reads and writes global memory
+        only, in float32 or float64). The scalar arguments are checked here as
+        expressions; that they are uniform across the block needs the whole body's taint
+        analysis, so :meth:`_check_collectives` does it."""
+        self._nargs(c, "mma", _MMA_NARGS)
+        if not statement:
+            self.fail(c, "mma() returns nothing; call it as a statement")
+        operands = c.args[:_MMA_OPERANDS]
+        for arg in operands:
+            if not (isinstance(arg, ast.Name) and arg.id in self.buffers):
+                if (isinstance(arg, ast.Name) and arg.id not in self.arrays
+                        and arg.id not in self.locals):
+                    self._load_name(arg)  # free names, built-ins, dunders: their reasons
+                self.fail(c, "the first three arguments of mma must be buffer parameters, "
+                             f"not `{ast.unparse(arg)}`")
+        names = [arg.id for arg in operands if isinstance(arg, ast.Name)]
+        dtypes: set[str] = set()
+        for name in names:
+            dtype = self.params[name]
+            if dtype is not None and dtype not in _MMA_DTYPES:
+                self.fail(c, f"mma() operands must be float32 or float64 buffers, "
+                             f"`{name}` is {dtype}")
+            if dtype is not None:
+                dtypes.add(dtype)
+        if len(dtypes) > 1:
+            self.fail(c, "mma() operands must share one dtype")
+        for name in names:
+            self._record_ndim(name, 2, c)
+        for arg in c.args[_MMA_OPERANDS:]:
+            self._expr(arg)
+        self.uses_mma = True
+
     def _shared_array(self, target: ast.Name, c: ast.Call) -> None:
         self._call_shape(c, "shared_array")
         self._nargs(c, "shared_array", 2)
@@ -747,7 +818,7 @@ class _Checker:
         self.shared_mem += count * DTYPES[canonical][1]
         self.shared[target.id] = len(dims)
 
-    # -- barrier uniformity ---------------------------------------------------------
+    # -- block-collective uniformity ---------------------------------------------------
 
     def _varying(self, e: ast.AST | None, tainted: set[str]) -> str | None:
         """Why ``e`` may differ between the threads of a block, or None if uniform.
@@ -822,29 +893,35 @@ class _Checker:
             if len(tainted) == before:
                 return tainted
 
-    def _check_barriers(self, body: list[ast.stmt]) -> None:
-        """The barrier rule: every thread of a block reaches each barrier() equally often.
+    def _check_collectives(self, body: list[ast.stmt]) -> None:
+        """The barrier rule, for every block-collective built-in (barrier() and mma()):
+        every thread of a block reaches each of them equally often, with the same
+        arguments.
 
-        A barrier under thread-dependent control flow is rejected, and so is one that can
-        run after a thread-dependent ``return`` (earlier in the body, or in a loop that
-        also holds the barrier): the returned threads would never arrive."""
-        if not self.uses_barrier:
+        A collective under thread-dependent control flow is rejected, and so is one that
+        can run after a thread-dependent ``return`` (earlier in the body, or in a loop
+        that also holds it): the returned threads would never arrive. mma's scalar
+        arguments must be uniform too: the block issues one matrix operation."""
+        if not (self.uses_barrier or self.uses_mma):
             return
         tainted = self._taint(body)
-        barriers: list[tuple[int, ast.stmt, tuple[int, ...]]] = []
+        collectives: list[tuple[int, ast.stmt, tuple[int, ...], str]] = []
         returns: list[tuple[int, ast.stmt, tuple[int, ...]]] = []
 
         def walk(stmts: list[ast.stmt], ctx: str | None, loops: tuple[int, ...]) -> None:
             for s in stmts:
                 if (isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
                         and isinstance(s.value.func, ast.Name)
-                        and s.value.func.id == "barrier"):
+                        and s.value.func.id in _COLLECTIVES):
+                    name = s.value.func.id
                     if ctx:
-                        self.fail(s, f"barrier() under control flow that depends on the "
+                        self.fail(s, f"{name}() under control flow that depends on the "
                                      f"thread: {ctx}")
-                    barriers.append((len(barriers) + len(returns), s, loops))
+                    if name == "mma":
+                        self._check_mma_uniform(s.value, tainted)
+                    collectives.append((len(collectives) + len(returns), s, loops, name))
                 elif isinstance(s, ast.Return) and ctx:
-                    returns.append((len(barriers) + len(returns), s, loops))
+                    returns.append((len(collectives) + len(returns), s, loops))
                 elif isinstance(s, (ast.If, ast.While, ast.For)):
                     inner = ctx or self._control_reason(s, tainted)
                     inner_loops = loops if isinstance(s, ast.If) else loops + (id(s),)
@@ -852,12 +929,22 @@ class _Checker:
                     walk(s.orelse, inner, inner_loops)
 
         walk(body, None, ())
-        for b_order, b, b_loops in barriers:
+        for c_order, c, c_loops, name in collectives:
             for r_order, r, r_loops in returns:
-                if r_order < b_order or set(b_loops) & set(r_loops):
-                    self.fail(b, f"barrier() can run after the `return` at line "
+                if r_order < c_order or set(c_loops) & set(r_loops):
+                    self.fail(c, f"{name}() can run after the `return` at line "
                                  f"{self.line(r)}, which depends on the thread: the "
                                  "threads that returned would never reach it")
+
+    def _check_mma_uniform(self, c: ast.Call, tainted: set[str]) -> None:
+        """mma's scalar arguments (tile origin, sizes, beta) must be the same in every
+        thread of the block: the matrix unit runs one operation for the whole block, so
+        a per-thread value has no meaning there."""
+        for i, arg in enumerate(c.args[_MMA_OPERANDS:], start=_MMA_OPERANDS):
+            why = self._varying(arg, tainted)
+            if why:
+                self.fail(c, f"mma() argument {i + 1} (`{ast.unparse(arg)}`) differs "
+                             f"between the threads of a block: {why}")
 
     # -- IR ------------------------------------------------------------------------
 
@@ -876,6 +963,7 @@ class _Checker:
             "shared_mem": self.shared_mem,
             "uses_barrier": self.uses_barrier,
             "uses_atomics": self.uses_atomics,
+            "uses_mma": self.uses_mma,
         }
 
 

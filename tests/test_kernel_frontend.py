@@ -14,6 +14,7 @@ import pytest
 
 from runtime.errors import InvalidValueError
 from runtime.kernels import (
+    BUILTINS,
     KernelCompileError,
     compile_module,
     module_hash,
@@ -92,6 +93,15 @@ def control(x, out, n: "int64", lim):
     out[i] += x[i] * True
 '''
 
+MMA = '''\
+def mma_gemm(c: "float32", a: "f32", b, k: "int32"):
+    """c += a @ b: one 64x64 tile of c per block, through the matrix unit"""
+    i = group_id(1) * 64
+    j = group_id(0) * 64
+    for k0 in range(0, k, 64):
+        mma(c, a, b, i, j, k0, 64, 64, 64, 1.0)
+'''
+
 
 def _err(source: str) -> KernelCompileError:
     with pytest.raises(KernelCompileError) as info:
@@ -115,6 +125,7 @@ def test_saxpy_ir() -> None:
         "shared_mem": 0,
         "uses_barrier": False,
         "uses_atomics": False,
+        "uses_mma": False,
     }
 
 
@@ -145,7 +156,46 @@ def test_control_flow_operators_and_casts() -> None:
     assert not ir["uses_barrier"]
 
 
-@pytest.mark.parametrize("source", [SAXPY, GEMM, REDUCE, CONTROL])
+def test_mma_gemm_ir() -> None:
+    """mma's operands become 2-D buffer parameters; the uniform locals and the loop
+    over k0 pass the barrier rule, which applies to mma as a block collective."""
+    ir = validate(MMA)
+    assert ir["params"] == [
+        {"name": "c", "kind": "buffer", "dtype": "float32", "ndim": 2},
+        {"name": "a", "kind": "buffer", "dtype": "float32", "ndim": 2},
+        {"name": "b", "kind": "buffer", "dtype": None, "ndim": 2},
+        {"name": "k", "kind": "scalar", "dtype": "int32"}]
+    assert ir["uses_mma"] and not ir["uses_barrier"] and not ir["uses_atomics"]
+    assert ir["shared_mem"] == 0
+    assert list(ir)[-1] == "uses_mma"  # after uses_atomics, as docs/kernels.md lists it
+    assert "mma(c, a, b, i, j, k0, 64, 64, 64, 1.0)" in ir["source"]
+    assert "mma" in BUILTINS
+
+
+ACCEPTED_MMA = [
+    # uniform bounds from .shape, a uniform `if`, beta from a scalar parameter
+    "def k(c, a, b, beta):\n    for k0 in range(0, a.shape[1], 16):\n"
+    "        mma(c, a, b, 0, 0, k0, 16, 16, 16, beta)\n",
+    "def k(c, a, b, n):\n    if group_id(0) < n:\n"
+    "        mma(c, a, b, group_id(0) * 16, 0, 0, 16, 16, 16, 0.0)\n",
+    # mma next to ordinary element code and a barrier; the same buffer twice
+    "def k(c: 'float64', a: 'f64', s, n):\n    barrier()\n"
+    "    mma(c, a, a, 0, 0, 0, n, n, n, 0.0)\n    i = global_id(0)\n"
+    "    s[i] = c[i, 0]\n",
+    # a thread-dependent return after the last mma is fine
+    "def k(c, a, b, n):\n    mma(c, a, b, 0, 0, 0, 16, 16, 16, 0.0)\n"
+    "    if global_id(0) >= n:\n        return\n",
+]
+
+
+@pytest.mark.parametrize("source", ACCEPTED_MMA)
+def test_uniform_mma_accepted(source: str) -> None:
+    ir = validate(source)
+    assert ir["uses_mma"]
+    assert all(p["ndim"] == 2 for p in ir["params"] if p["name"] in ("a", "b", "c"))
+
+
+@pytest.mark.parametrize("source", [SAXPY, GEMM, REDUCE, CONTROL, MMA])
 def test_source_revalidates_to_the_same_ir(source: str) -> None:
     """The firmware validates ``source`` again: it must pass and describe the same kernel
     (except the annotation dtypes, which the IR's params carry)."""
@@ -153,7 +203,7 @@ def test_source_revalidates_to_the_same_ir(source: str) -> None:
     again = validate(ir["source"])
     assert again["source"] == ir["source"]
     assert [p["kind"] for p in again["params"]] == [p["kind"] for p in ir["params"]]
-    for key in ("shared_mem", "uses_barrier", "uses_atomics"):
+    for key in ("shared_mem", "uses_barrier", "uses_atomics", "uses_mma"):
         assert again[key] == ir[key]
 
 
@@ -306,8 +356,10 @@ REJECTED = [
     ("def k(x):\n    x[0] = 1 in x\n", 2, "the comparison `in`"),
     ("def k(x):\n    x[0] = x[1] @ x[2]\n", 2, "the operator `@`"),
     ("def k(x):\n    i = 2\n    i **= 2\n", 3, "augmented assignment `**=`"),
-    ("def k(x):\n    x[0] + 1\n", 2, "has no effect"),
-    ("def k(x):\n    sqrt(x[0])\n", 2, "the result of sqrt() is unused"),
+    ("def k(x):\n    x[0] + 1\n", 2, "an expression statement has no effect; only barrier(), "
+     "atomic_add(...) and mma(...) may stand alone as statements"),
+    ("def k(x):\n    sqrt(x[0])\n", 2, "the result of sqrt() is unused; only barrier(), "
+     "atomic_add(...) and mma(...) may stand alone as statements"),
     ("def k(x):\n    i = 0\n    'note'\n", 3, "string constants are only allowed"),
     ("def k(x):\n    assert x[0]\n", 2, "`assert`"),
     ("def k(x):\n    raise ValueError\n", 2, "`raise`"),
@@ -403,3 +455,86 @@ ACCEPTED_BARRIERS = [
 @pytest.mark.parametrize("source", ACCEPTED_BARRIERS)
 def test_uniform_barriers_accepted(source: str) -> None:
     assert validate(source)["uses_barrier"]
+
+
+_MMA_CALL = "mma(c, a, b, 0, 0, 0, 16, 16, 16, 0.0)"
+
+#: (source, line, the exact reason): mma's rules, and barrier's messages, which the
+#: shared block-collective check must keep byte for byte.
+REJECTED_EXACT = [
+    # barrier's messages, unchanged by the generalisation to mma
+    ("def k(x, n):\n    if global_id(0) < n:\n        barrier()\n", 3,
+     "barrier() under control flow that depends on the thread: the `if` at line 2 uses "
+     "global_id()"),
+    ("def k(x, n):\n    if global_id(0) >= n:\n        return\n    barrier()\n", 4,
+     "barrier() can run after the `return` at line 3, which depends on the thread: the "
+     "threads that returned would never reach it"),
+    # arguments that differ between the threads of a block
+    ("def k(c, a, b):\n    mma(c, a, b, local_id(0), 0, 0, 64, 64, 64, 1.0)\n", 2,
+     "mma() argument 4 (`local_id(0)`) differs between the threads of a block: "
+     "uses local_id()"),
+    ("def k(c, a, b, n):\n    j = global_id(0) * 64\n    for k0 in range(0, n, 64):\n"
+     "        mma(c, a, b, 0, j, k0, 64, 64, 64, 1.0)\n", 4,
+     "mma() argument 5 (`j`) differs between the threads of a block: uses `j`, which "
+     "depends on the thread"),
+    ("def k(c, a, b, s):\n    mma(c, a, b, 0, 0, 0, 16, 16, 16, s[0])\n", 2,
+     "mma() argument 10 (`s[0]`) differs between the threads of a block: reads `s[...]` "
+     "(a loaded value)"),
+    # placement: the barrier rule
+    (f"def k(c, a, b):\n    if local_id(0) == 0:\n        {_MMA_CALL}\n", 3,
+     "mma() under control flow that depends on the thread: the `if` at line 2 uses "
+     "local_id()"),
+    (f"def k(c, a, b, n):\n    for i in range(n):\n        if local_id(0) == i:\n"
+     f"            break\n        {_MMA_CALL}\n", 5,
+     "mma() under control flow that depends on the thread: the `for` at line 2 has a "
+     "`break` at line 4 that depends on the thread (the `if` at line 3 uses local_id())"),
+    (f"def k(c, a, b, n):\n    if global_id(0) >= n:\n        return\n    {_MMA_CALL}\n", 4,
+     "mma() can run after the `return` at line 3, which depends on the thread: the "
+     "threads that returned would never reach it"),
+    (f"def k(c, a, b, n):\n    for t in range(n):\n        {_MMA_CALL}\n"
+     "        if c[t, 0] > 0:\n            return\n", 3,
+     "mma() can run after the `return` at line 5, which depends on the thread: the "
+     "threads that returned would never reach it"),
+    # operands that are not buffer parameters
+    ("def k(c, a, n):\n    for k0 in range(0, n, 16):\n"
+     "        mma(c, a, n, 0, 0, k0, 16, 16, 16, 1.0)\n", 3,
+     "the first three arguments of mma must be buffer parameters, not `n`"),
+    ("def k(c, b):\n    t = shared_array((16, 16), 'f32')\n"
+     "    mma(c, t, b, 0, 0, 0, 16, 16, 16, 0.0)\n", 3,
+     "the first three arguments of mma must be buffer parameters, not `t`"),
+    ("def k(c, a):\n    b = 0.0\n    mma(c, a, b, 0, 0, 0, 16, 16, 16, 0.0)\n", 3,
+     "the first three arguments of mma must be buffer parameters, not `b`"),
+    ("def k(c, a, b):\n    mma(c[0], a, b, 0, 0, 0, 16, 16, 16, 0.0)\n", 2,
+     "the first three arguments of mma must be buffer parameters, not `c[0]`"),
+    ("def k(c, a):\n    mma(c, a, B, 0, 0, 0, 16, 16, 16, 0.0)\n", 2,
+     "free name `B`: a kernel can only use its parameters, its locals and the kernel "
+     "built-ins (no globals, closures or host objects)"),
+    # signature, statement-only, dtypes
+    ("def k(c, a, b):\n    mma(c, a, b, 0, 0, 0, 16, 16, 16)\n", 2,
+     "mma() takes 10 argument(s), not 9"),
+    (f"def k(c, a, b):\n    y = {_MMA_CALL}\n", 2,
+     "mma() returns nothing; call it as a statement"),
+    (f"def k(c, a, b):\n    c[0, 0] = 1.0 + {_MMA_CALL}\n", 2,
+     "mma() returns nothing; call it as a statement"),
+    (f"def k(c, a: 'int32', b):\n    {_MMA_CALL}\n", 2,
+     "mma() operands must be float32 or float64 buffers, `a` is int32"),
+    (f"def k(c: 'f32', a: 'float64', b):\n    {_MMA_CALL}\n", 2,
+     "mma() operands must share one dtype"),
+    # mma's operands are 2-D, whichever use comes first
+    (f"def k(c, a, b):\n    i = global_id(0)\n    c[i] = 0.0\n    {_MMA_CALL}\n", 4,
+     "inconsistent ndim for buffer `c`: indexed with 2 index(es) here but with 1 at line 3"),
+    (f"def k(c, a, b):\n    {_MMA_CALL}\n    c[global_id(0)] = 0.0\n", 3,
+     "inconsistent ndim for buffer `c`: indexed with 1 index(es) here but with 2 at line 2"),
+    # a built-in name
+    ("def k(x, mma):\n    pass\n", 1, "parameter `mma` shadows a kernel built-in"),
+    ("def k(x):\n    mma = 1\n", 2, "cannot assign to `mma`: it is a kernel built-in"),
+]
+
+
+@pytest.mark.parametrize("source,line,reason", REJECTED_EXACT,
+                         ids=[f"{i}-{r[2][:30]}" for i, r in enumerate(REJECTED_EXACT)])
+def test_rejected_exact(source: str, line: int, reason: str) -> None:
+    e = _err(source)
+    assert e.reason == reason
+    assert e.lineno == line, str(e)
+    assert str(e) == f"kernel k, line {line}: {reason}"
