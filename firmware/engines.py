@@ -200,13 +200,22 @@ class Scheduler:
         return any(r.ready() for r in self.rings)
 
     # --- the scheduler's loop body -----------------------------------------------------
-    def poll(self) -> int:
-        """Run or dispatch what can go now; return how many packets were taken."""
+    def published(self) -> dict[Ring, int]:
+        """Each ring's write pointer now. Read *before* the mailbox is drained, and passed
+        to poll(): a packet may rely on control messages its producer sent before writing
+        it (a pinned allocation's MAP before a launch whose arguments live there), and
+        those are then processed before the packet starts."""
+        return {ring: ring.wptr for ring in self.rings}
+
+    def poll(self, published: dict[Ring, int]) -> int:
+        """Run or dispatch what can go now, up to the ``published`` write pointers;
+        return how many packets were taken."""
         if self.hung or self.held:
             return 0
         done = 0
         for ring in list(self.rings):
-            while ring.ready():
+            limit = published.get(ring, ring.taken)
+            while ring.ready() and ring.taken < limit:
                 if ring.blocked is not None:
                     other, target = ring.blocked
                     if other.completed < target and not ring.closing:

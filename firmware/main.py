@@ -270,7 +270,8 @@ class Firmware:
         last_beat = time.monotonic()
         last_work = 0.0
         while True:
-            work = self.drain_mailbox() + self.sched.poll()
+            published = self.sched.published()  # before the mailbox: see poll()
+            work = self.drain_mailbox() + self.sched.poll(published)
             if self._deferred_unmaps or self._closing or self._teardowns:
                 self._housekeeping()
             now = time.monotonic()
