@@ -76,8 +76,7 @@ def check_module(raw: bytes, dev: AccelDevice) -> list[tuple[str, int, int]]:
         if shared > limit:
             raise _invalid(f"kernel {name} needs {shared} bytes of block-shared memory; "
                            f"{dev.name} has {limit} per block")
-        for flag, cap in (("uses_atomics", "atomics"), ("uses_barrier", "shared_mem"),
-                          ("uses_mma", "matrix")):
+        for flag, cap in uapi.KERNEL_FLAG_CAPS:
             if k.get(flag) and cap not in caps:
                 raise DriverError(errno.EOPNOTSUPP, f"kernel {name} needs {cap}; {dev.name} "
                                                     "lacks it")

@@ -149,6 +149,10 @@ class Cap(enum.IntFlag):
     MATRIX = 1 << 9
 
 
+#: What a kernel's IR flag requires of the device (MODULE_LOAD refuses with EOPNOTSUPP).
+KERNEL_FLAG_CAPS: Final[tuple[tuple[str, str], ...]] = (
+    ("uses_atomics", "atomics"), ("uses_barrier", "shared_mem"), ("uses_mma", "matrix"))
+
 _CAP_BITS: Final[dict[str, int]] = {c.name.lower(): int(c) for c in Cap if c.name}
 
 

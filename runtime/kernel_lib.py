@@ -3,7 +3,9 @@
 Each is the SIMT way of writing it (one thread per element or per output), so it
 exercises the language and the engine rather than hiding work in the host: fill, copy,
 saxpy, a block reduction (shared memory, barriers, one atomic per block), a tiled GEMM
-(shared-memory tiles, barriers inside a uniform loop) and a row softmax.
+(shared-memory tiles, barriers inside a uniform loop) and a row softmax. ``matmul`` is the
+GEMM a real library would ship: each block hands one output tile to the device's matrix
+unit (``mma``, the "matrix" capability), the way CUDA GEMMs use tensor cores.
 """
 
 from __future__ import annotations
@@ -69,6 +71,14 @@ def gemm(a, b, c, n):
         barrier()
     if row < n and col < n:
         c[row, col] = acc
+
+
+def matmul(a, b, c):
+    # c = a @ b on the matrix unit: one 128x128 tile of c per block, the whole k at once;
+    # grid (ceil(n / 128), ceil(m / 128)), any block size (mma is issued once per block).
+    i = group_id(1) * 128
+    j = group_id(0) * 128
+    mma(c, a, b, i, j, 0, min(128, c.shape[0] - i), min(128, c.shape[1] - j), a.shape[1], 0.0)
 
 
 def softmax_rows(x, out, rows, cols):

@@ -10,6 +10,7 @@ one LAUNCH packet: no driver call. Kernel handles belong to the context that loa
 
 from __future__ import annotations
 
+import errno
 import json
 import threading
 from collections.abc import Callable, Sequence
@@ -191,6 +192,14 @@ class Module:
         except errors.FirmwareCorruptError as exc:  # ENOEXEC here: a module for another target
             raise errors.InvalidValueError(f"module not loadable on accel:{self.device}: "
                                            "built for another instruction set", exc.errno) from None
+        except errors.AccelError as exc:  # EOPNOTSUPP: a kernel needs a missing capability
+            if exc.errno != errno.EOPNOTSUPP:
+                raise
+            have = self.properties.capabilities
+            needs = [f"{name} needs {cap}" for name, k in ir["kernels"].items()
+                     for flag, cap in uapi.KERNEL_FLAG_CAPS if k.get(flag) and cap not in have]
+            raise errors.InvalidValueError(f"module not loadable on accel:{self.device}: "
+                                           f"{'; '.join(needs) or exc}", exc.errno) from None
         self.id: int = reply.module_id
         self._ctx = ctx
         self._kernels: dict[str, Kernel] = {}

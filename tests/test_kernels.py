@@ -225,6 +225,8 @@ def test_jit_cache_is_persistent_across_firmware_restarts(kdaemon):
     first = run(kdaemon, body)
     kdaemon.stop()
     kdaemon.start()  # a fresh firmware: only the on-disk cache remembers
+    # kernels ran here before: the firmware warms its JIT at boot, before any launch
+    kdaemon.wait_attrs(0, {"jit_ready": "1", "launches": "0"}, timeout=60)
     second = run(kdaemon, body)
     assert first[0] == second[0] == "True"
     assert second[1].split()[0] == "0"  # nothing compiled: loaded from the cache
@@ -256,3 +258,55 @@ def test_graph_captures_kernel_launches(kdaemon):
             print("replay after free refused")
     """)
     assert lines == ["2 0", "True", "replay after free refused"]
+
+
+def test_matrix_unit_matmul_matches_numpy_and_faults_with_a_record(kdaemon):
+    lines = run(kdaemon, """
+        lib = runtime.compile(kernel_lib.SOURCE)
+        rng = np.random.default_rng(5)
+        for dt in (np.float32, np.float64):
+            a, b = rng.random((300, 200)).astype(dt), rng.random((200, 170)).astype(dt)
+            c = runtime.to_device(np.full((300, 170), np.nan, dt))
+            lib.matmul[(2, 3), 32](runtime.to_device(a), runtime.to_device(b), c)
+            print(dt.__name__, np.allclose(c.copy_to_host(), a @ b, rtol=1e-5))
+        a = runtime.to_device(np.ones((64, 32), np.float32))
+        short = runtime.to_device(np.ones((16, 64), np.float32))  # a needs 32 rows of b
+        c = runtime.to_device(np.full((64, 64), -1, np.float32))
+        s = runtime.Stream()
+        lib.matmul[(1, 1), 32](a, short, c, stream=s)
+        try:
+            s.synchronize()
+        except runtime.KernelFaultError as e:
+            r = e.record
+            print(r["kernel"], r["errno"], r["address"] >= short.va + 16 * 64 * 4)
+        print("c untouched", bool((c.copy_to_host(stream=runtime.Stream()) == -1).all()))
+    """)
+    assert lines == ["float32 True", "float64 True", "matmul EFAULT True", "c untouched True"]
+
+
+def test_a_device_without_a_matrix_unit_refuses_mma_modules(tmp_path):
+    from conftest import Daemon
+
+    fw_dir = tmp_path / "firmware"
+    fw_dir.mkdir()
+    caps = [c for c in image.DEFAULT_PAYLOAD["capabilities"] if c != "matrix"]
+    payload = dict(image.DEFAULT_PAYLOAD, capabilities=caps)
+    (fw_dir / image.IMAGE_NAME).write_bytes(
+        image.build(image.DEFAULT_MANIFEST, json.dumps(payload, sort_keys=True).encode()))
+    d = Daemon(tmp_path / "root", tmp_path / "state", fw_dir, 1)
+    d.start()
+    try:
+        assert "matrix" not in d.attr(0, "capabilities").split()
+        lines = run(d, """
+            try:
+                runtime.compile(kernel_lib.SOURCE)
+            except runtime.AccelError as e:
+                print(type(e).__name__, e.errno, "matmul needs matrix" in str(e))
+            mod = runtime.compile(kernel_lib.SOURCE.split("def matmul")[0])  # the rest loads
+            x = runtime.to_device(np.ones(256, np.float32))
+            mod.fill[1, 256](x, np.float32(2))
+            print(x.copy_to_host().sum())
+        """)
+    finally:
+        d.stop()
+    assert lines == ["InvalidValueError 95 True", "512.0"]
