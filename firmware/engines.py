@@ -331,7 +331,9 @@ class Scheduler:
         nblocks = grid[0] * grid[1] * grid[2]
         if nblocks * threads <= INLINE_THREADS and self._jit is not None:
             kernel = self._jit.cached(kir, types, _options())
-            if kernel is not None:  # small and compiled: no engine hand-off (no GIL ping-pong)
+            # small and compiled: no engine hand-off (no GIL ping-pong). Not with mma: its
+            # work grows with the tiles, not with the thread count.
+            if kernel is not None and not kernel.uses_mma:
                 self._run_inline(launch, kernel, nblocks)
                 return None  # type: ignore[return-value]
         parts = max(1, min(self.compute_engines, nblocks))

@@ -1390,6 +1390,9 @@ class CompiledKernel:
         self.source = source
         self.module_path = module_path
         self.blas = blas  # the matrix unit's entry points (firmware/matrix.py)
+        #: Whether it calls the matrix unit: its work then grows with the tiles, not with
+        #: the thread count (the scheduler's inline heuristic).
+        self.uses_mma = "\ndef _mma(" in source
         # The native entry point skips numba's per-call type dispatch (a few us per launch);
         # run() checks the buffers itself, since it would not.
         try:
