@@ -325,6 +325,7 @@ class _Kernel:
     scalars: set[str]
     locals: set[str]
     shared: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    tainted: set[str] = field(default_factory=set)  # locals that may differ between threads
 
 
 def _const_int(node: ast.AST) -> int | None:
@@ -487,6 +488,7 @@ def validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> _Kernel:
             if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) \
                     and n.value.id == name:
                 raise _reject(n, f"{name!r} is not a buffer and cannot be indexed")
+    k.tainted = _tainted(fn, k)
     _check_barriers(fn.body, k, uniform=set(), loop_depth_structural=False)
     return k
 
@@ -602,10 +604,13 @@ def _check_shared(n: ast.Assign, k: _Kernel) -> None:
 
 
 def _uniform_expr(node: ast.AST, k: _Kernel, uniform: set[str]) -> bool:
-    """True when every thread of a block computes the same value (the barrier rule)."""
+    """Whether every thread of a block computes the same value (the barrier rule): no thread
+    ids, no loaded values, no locals tainted by either. Block-level code reads a uniform
+    local as thread 0's value."""
     for n in ast.walk(node):
         if isinstance(n, ast.Name):
             if not (n.id in k.scalars or n.id in uniform or n.id in k.buffers
+                    or (n.id in k.locals and n.id not in k.tainted)
                     or n.id in BUILTINS or n.id == "range"):
                 return False
         elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
@@ -615,6 +620,38 @@ def _uniform_expr(node: ast.AST, k: _Kernel, uniform: set[str]) -> bool:
             if not isinstance(n.value, ast.Attribute):
                 return False  # a loaded value
     return True
+
+
+def _tainted(fn: ast.FunctionDef, k: _Kernel) -> set[str]:
+    """Locals that may differ between the threads of a block: assigned from thread ids,
+    loaded values or tainted locals, or under control flow that depends on those (the
+    front end's analysis, repeated: the firmware does not trust the runtime)."""
+    tainted: set[str] = set(k.shared)
+
+    def varying(e: ast.AST) -> bool:
+        return not _uniform_expr(e, k, set())
+
+    def walk(stmts: list[ast.stmt], ctx: bool) -> None:
+        for s in stmts:
+            if isinstance(s, (ast.Assign, ast.AugAssign)):
+                targets = s.targets if isinstance(s, ast.Assign) else [s.target]
+                if ctx or varying(s.value) or isinstance(s, ast.AugAssign) and varying(s.target):
+                    tainted.update(n.id for t in targets for n in ast.walk(t)
+                                   if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+            elif isinstance(s, (ast.If, ast.While, ast.For)):
+                cond = s.iter if isinstance(s, ast.For) else s.test
+                inner = ctx or varying(cond)
+                if isinstance(s, ast.For) and inner:
+                    tainted.add(s.target.id)  # type: ignore[attr-defined]
+                walk(s.body, inner)
+                walk(s.orelse, inner)
+
+    k.tainted = tainted
+    while True:
+        before = len(tainted)
+        walk(fn.body, False)
+        if len(tainted) == before:
+            return tainted
 
 
 def _binds_outer_loop(stmt: ast.stmt) -> bool:
@@ -694,8 +731,13 @@ class _Rewrite(ast.NodeTransformer):
         self.ind = ""
         self.cond = 0
         self.cond_loads = False
+        self.block_level = False
 
     def visit_Name(self, n: ast.Name) -> ast.AST:
+        if (self.block_level and n.id in self.k.locals and n.id not in self.k.shared
+                and n.id not in self.low.uniform_vars):
+            self.low.block_locals.add(n.id)
+            return ast.parse(f"_pt_{n.id}[0]", mode="eval").body
         return ast.copy_location(ast.Name(_u(n.id), n.ctx), n)
 
     def visit_Call(self, n: ast.Call) -> ast.AST:
@@ -779,6 +821,7 @@ class _Lowering:
         self.tmp = 0
         self.phases: list[tuple[list[ast.stmt], bool]] = []  # (stmts, inside a block loop)
         self.uniform_vars: list[str] = []
+        self.block_locals: set[str] = set()  # locals read by block-level code (as thread 0's)
         self.returns = _contains(k.fn.body, lambda n: isinstance(n, ast.Return))
         self.fast = False  # generating a phase's block-range-checked variant
         self.fast_phases: set[int] = set()
@@ -794,8 +837,10 @@ class _Lowering:
         return f"_{prefix}{self.tmp}"
 
     def expr(self, node: ast.AST) -> str:
-        """A block-level (uniform) expression: no loads to check."""
+        """A block-level (uniform) expression: no loads to check; a local is read as thread
+        0's value from its per-thread array (see _uniform_expr)."""
         rw = _Rewrite(self)
+        rw.block_level = True
         return ast.unparse(rw.visit(copy.deepcopy(node)))
 
     def hexpr(self, node: ast.AST, ind: str, out: list[str]) -> tuple[str, bool]:
@@ -1183,6 +1228,7 @@ class _Lowering:
                 if in_loop:
                     result.add(name)
         result |= {n for n, c in count.items() if c > 1}
+        result |= self.block_locals
         kinds = self.infer_kinds()
         return {n: kinds.get(n, "float") for n in sorted(result)}
 

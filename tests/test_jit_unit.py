@@ -744,3 +744,34 @@ def test_mma_needs_2d_buffers(cache: KernelCache) -> None:
     ir = ir_of("def k(a, b, c):\n    mma(c, a, b, 0, 0, 0, 1, 1, 1, 0.0)\n")  # 1-D
     with pytest.raises(ValueError, match="2-D"):
         cache.get(ir, ("float32[1d]",) * 3, Options())
+
+
+UNIFORM_LOCALS = ir_of("""
+    def k(x, n):
+        s = shared_array(64, "float32")
+        steps = n // 2
+        t = 0
+        while t < steps:
+            s[local_id(0)] = x[local_id(0)]
+            barrier()
+            x[local_id(0)] = s[63 - local_id(0)] + 1.0
+            barrier()
+            t += 1
+        for r in range(steps + 1):
+            barrier()
+            x[local_id(0)] += 100.0
+""")
+
+
+def test_barrier_loops_bounded_by_uniform_locals(cache: KernelCache) -> None:
+    """Locals computed from uniform values may steer barrier loops (the front end's rule):
+    block-level code reads them as thread 0's values."""
+    k = cache.get(UNIFORM_LOCALS, ("float32[1d]", "int64"), Options())
+    for n in (0, 2, 4):  # 0, 1 and 2 reversals, then n // 2 + 1 additions of 100
+        x = np.arange(64, dtype=np.float32)
+        want = x.copy()
+        for _ in range(n // 2):
+            want = want[::-1] + 1.0
+        want += 100.0 * (n // 2 + 1)
+        assert k.run(0, 1, (1, 1, 1), (64, 1, 1), [x, np.int64(n)], no_abort()) == 1
+        np.testing.assert_array_equal(x, want)
