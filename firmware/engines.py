@@ -56,6 +56,7 @@ class Ring(uapi.RingView):
         self.ctx, self.id, self.priority = ctx, qid, priority
         self.fence_only = fence_only  # another device's queue, imported to wait on
         self.taken = self.rptr
+        self.published = self.taken  # what the scheduler may take (Scheduler.publish)
         self.busy = False  # an engine runs its current packet
         self.blocked: tuple[Ring, int] | None = None  # waiting for (ring, seqno)
         self.faulted = self.read_fault()[0] != 0
@@ -200,22 +201,22 @@ class Scheduler:
         return any(r.ready() for r in self.rings)
 
     # --- the scheduler's loop body -----------------------------------------------------
-    def published(self) -> dict[Ring, int]:
-        """Each ring's write pointer now. Read *before* the mailbox is drained, and passed
-        to poll(): a packet may rely on control messages its producer sent before writing
-        it (a pinned allocation's MAP before a launch whose arguments live there), and
-        those are then processed before the packet starts."""
-        return {ring: ring.wptr for ring in self.rings}
+    def publish(self) -> None:
+        """Note each ring's write pointer now, as what poll() may take. Called *before* the
+        mailbox is drained: a packet may rely on control messages its producer sent before
+        writing it (a pinned allocation's MAP before a launch whose arguments live there),
+        and those are then processed before the packet starts."""
+        for ring in self.rings:
+            ring.published = ring.wptr
 
-    def poll(self, published: dict[Ring, int]) -> int:
-        """Run or dispatch what can go now, up to the ``published`` write pointers;
-        return how many packets were taken."""
+    def poll(self) -> int:
+        """Run or dispatch what can go now, up to the published write pointers; return how
+        many packets were taken."""
         if self.hung or self.held:
             return 0
         done = 0
         for ring in list(self.rings):
-            limit = published.get(ring, ring.taken)
-            while ring.ready() and ring.taken < limit:
+            while ring.ready() and ring.taken < ring.published:
                 if ring.blocked is not None:
                     other, target = ring.blocked
                     if other.completed < target and not ring.closing:

@@ -270,8 +270,8 @@ class Firmware:
         last_beat = time.monotonic()
         last_work = 0.0
         while True:
-            published = self.sched.published()  # before the mailbox: see poll()
-            work = self.drain_mailbox() + self.sched.poll(published)
+            self.sched.publish()  # before the mailbox is drained: see publish()
+            work = self.drain_mailbox() + self.sched.poll()
             if self._deferred_unmaps or self._closing or self._teardowns:
                 self._housekeeping()
             now = time.monotonic()
