@@ -65,6 +65,14 @@ def main() -> int:
             print(f"  saxpy kernel over 1 Mi elements (JIT-compiled in the firmware, cached): "
                   f"{'matches numpy' if ok else 'DIFFERS from numpy'} "
                   f"({(time.perf_counter() - start) * 1e3:.0f} ms including compile or cache load)")
+            if "matrix" in runtime.get_device_properties(0).capabilities:
+                a = np.random.default_rng(0).random((512, 256), dtype=np.float32)
+                b = np.random.default_rng(1).random((256, 384), dtype=np.float32)
+                c = runtime.empty((512, 384), np.float32)
+                lib.matmul[(3, 4), 32](runtime.to_device(a), runtime.to_device(b), c)
+                ok = np.allclose(c.copy_to_host(), a @ b, rtol=1e-4)
+                print(f"  matmul 512x256 @ 256x384 on the matrix unit (mma, one 128x128 tile "
+                      f"per block): {'matches numpy' if ok else 'DIFFERS from numpy'}")
     print()
     return 0
 
