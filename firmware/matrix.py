@@ -80,7 +80,7 @@ def blas_pointers() -> np.ndarray:
                 for name in _THREADS_SYMBOLS:
                     setter = getattr(lib, name, None)
                     if setter is not None:
-                        setter.argtypes = [ctypes.c_int64]
+                        setter.argtypes = [ctypes.c_int]
                         setter(1)
                         break
                 if ptrs.all():
@@ -215,6 +215,9 @@ def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, fn, abort, fault, pc, pa, pb):
 
 
 def helper_source(preempt: int, abort_fault: int) -> str:
+    """HELPER with its constants: the chunk sizes, the abort word's preemption value (a
+    preemption waits for the block; anything above it stops the tile) and the fault code
+    an abort records."""
     return (HELPER.replace("@ROWS@", str(ROW_CHUNK)).replace("@KS@", str(K_CHUNK))
             .replace("@PREEMPT@", str(preempt)).replace("@ABORT@", str(abort_fault)))
 
