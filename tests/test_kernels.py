@@ -177,9 +177,24 @@ def test_watchdog_stops_a_runaway_kernel(kdaemon):
                     x[0] = i
         ''')
         x = runtime.empty(1, np.int64)
+        warm = runtime.to_device(np.ones(256, np.float32))  # saxpy compiled before the spin
+        runtime.compile(kernel_lib.SOURCE).saxpy[1, 256](np.float32(1), warm, warm, warm)
+        runtime.current_stream().synchronize()
         s = runtime.Stream()
         t = time.monotonic()
         mod.spin[1, 1](x, stream=s)
+        # another process (another context) computes on the other engine meanwhile
+        import subprocess
+        other = subprocess.run([sys.executable, "-c", '''if True:
+            import numpy as np, runtime
+            from runtime import kernel_lib
+            lib = runtime.compile(kernel_lib.SOURCE)
+            x = np.arange(4096, dtype=np.float32)
+            out = runtime.empty(4096, np.float32)
+            lib.saxpy[16, 256](np.float32(2), runtime.to_device(x), runtime.to_device(x), out)
+            print(np.array_equal(out.copy_to_host(), 3 * x))
+        '''], capture_output=True, text=True, timeout=120)
+        print("other context while spinning", other.stdout.strip(), s.completed < s.last_seqno)
         try:
             s.synchronize(timeout=60)
         except runtime.KernelFaultError as e:
@@ -188,7 +203,8 @@ def test_watchdog_stops_a_runaway_kernel(kdaemon):
         ok.submit_nop(); ok.synchronize(timeout=10)
         print(open(f"{ROOT}/sys/class/accel/accel0/state").read().strip())
     """)
-    assert lines == ["ETIMEDOUT True True", "operational"]
+    assert lines == ["other context while spinning True True", "ETIMEDOUT True True",
+                     "operational"]
 
 
 def test_high_priority_kernel_preempts_a_long_one_between_blocks(kdaemon):
