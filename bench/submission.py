@@ -15,7 +15,7 @@ import os
 import statistics
 import time
 
-from bench.core import Env, Row, Samples, interleave, middle_half, timed_row
+from bench.core import Env, Row, Samples, interleave, timed_row
 from bench.floors import PingPong, PipeWake, bare_ring_rate
 from kmod_emul import uapi
 

@@ -1,0 +1,800 @@
+"""Lowering: one validated kernel + argument types + :class:`Options` -> the text of a
+Python module that numba compiles (firmware/jit.py writes, imports and caches it).
+
+Why the generated code looks the way it does
+--------------------------------------------
+* One entry point, ``_grid(block_lo, block_hi, gx, gy, gz, bx, by, bz, abort, fault,
+  *args)``, runs a *range of blocks*, so the engines can split a launch across threads
+  and preempt it between blocks: it returns the first block it did not run.
+* A block's threads run as loops (the CPU-OpenCL / POCL scheme). The kernel body is cut at
+  every ``barrier()`` into *phases*; each phase is its own ``@njit`` function called in a
+  loop over the block's threads (LLVM inlines it). Putting a phase in a function makes a
+  user ``return`` ("this thread is done") a plain ``return`` at any loop depth. Locals that
+  live across phases become per-thread arrays; a ``for``/``while``/``if`` that contains a
+  barrier stays at block level (it must be uniform across the block) and the phases inside
+  it are thread loops.
+* Bounds checks are explicit generated code, not numba's ``boundscheck`` (whose failure is
+  an exception with no buffer name, and which numba's cache does not key on): a miss
+  records ``fault = [1, param position, flat index]`` and stops the launch.
+* Every user loop reads the abort word once per iteration with an atomic load (a plain
+  load of a value the loop never writes may be hoisted out of the loop by LLVM, which would
+  make a ``while True:`` kernel unkillable).
+* ``atomic_add`` is a real LLVM ``atomicrmw add``/``fadd`` (a numba ``@intrinsic``):
+  blocks of one launch run on several engine threads at once, so
+  :attr:`CompiledKernel.needs_serial` is always False.
+* ``error_model="numpy"``: a division by zero gives inf/nan/0 as on a GPU instead of
+  raising inside the engine thread.
+* Buffer elements are indexed with ``np.uint64`` indices: with a signed index numba emits
+  Python's negative-index wraparound, which stops LLVM vectorising and made a bounds-free
+  saxpy ~4x slower; here a negative index is a bounds miss (checked) or undefined
+  (``boundscheck=False``, the caller's choice of an unsafe kernel).
+* Cost (16 Mi float32 saxpy, 2-core machine): ``boundscheck=False`` runs as fast as a
+  plain numba loop (~6.5 vs 7 ms); with checks ~18 ms, because a check that can stop the
+  thread is an early exit that LLVM will not vectorise. So an access whose every index is
+  affine in a thread index within a phase (``global_id(d)``/``local_id(d)`` plus/minus int
+  constants or never-assigned int scalar parameters, directly or through a local assigned
+  once) has its index range over the block checked once before the thread loop: in range,
+  the block runs the phase's ``_phf`` variant without those checks; otherwise the checked
+  ``_ph`` loop, which faults exactly as before. Checked saxpy: ~6.6-7 ms instead of ~18.
+* ``shared_array``: allocated (zeroed) once per block at block level, passed to the
+  phases. Bounds misses on it report the local's name as ``param``.
+* Per-thread arrays for locals live across phases are float64 unless every value ever
+  assigned to the local is an integer/bool (then int64): a conservative static guess,
+  since the phase functions are typed by numba only after the arrays are declared.
+* Loops with an ``else`` clause are rejected (the contract does not list them).
+
+The abort word
+--------------
+``abort`` is an int64 array of one element, written by other threads:
+
+* ``0`` -- run;
+* :data:`ABORT_PREEMPT` (1) -- stop at the next block boundary: the running block finishes
+  and :meth:`CompiledKernel.run` returns the first block not run, so the launch can resume;
+* any other nonzero value (:data:`ABORT_WATCHDOG` = 2, :data:`ABORT_KILL` = 3) -- stop as
+  soon as possible, also inside a running block's loops. Stopped between blocks, ``run``
+  returns the resume block like a preemption; stopped inside a block (not resumable), it
+  raises :class:`KernelFault` with kind ``"watchdog"`` (value 2) or ``"abort"``.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from firmware import matrix
+from firmware.kernel_check import (ID_BUILTINS, MATH_BUILTINS, Kernel, buffer_dtype,
+                                   buffer_ndim, const_int, contains, is_mma, reject,
+                                   structural, validate)
+
+#: Values of the abort word (see "The abort word" above).
+ABORT_PREEMPT = 1
+ABORT_WATCHDOG = 2
+ABORT_KILL = 3
+
+#: fault[0] values written by generated code.
+FAULT_BOUNDS = 1
+FAULT_ABORT = 2
+
+_AUG_SYMBOL: dict[type, str] = {
+    ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//",
+    ast.Mod: "%", ast.Pow: "**", ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^",
+    ast.LShift: "<<", ast.RShift: ">>"}
+
+
+@dataclass(frozen=True)
+class Options:
+    """Code-generation options; each is part of the cache key (numba's own cache index
+    does not key on them)."""
+
+    boundscheck: bool = True
+    fastmath: bool = False
+
+
+# --------------------------------------------------------------------------- lowering
+
+
+def _u(name: str) -> str:
+    return "u_" + name
+
+
+class _Rewrite(ast.NodeTransformer):
+    """Expression rewriting: user names get a ``u_`` prefix (so they never collide with
+    the generated code's names or modules) and built-ins become loop variables or ``math``
+    calls. Buffer loads are indexed with ``np.uint64`` (numba then emits no negative-index
+    wraparound, which would block vectorisation; a negative index is a bounds miss here
+    anyway). With bounds checks, a load that is always evaluated is *hoisted*: its index
+    goes to a temporary, checked before the statement (a miss stops the thread at once);
+    a load under short-circuit evaluation (``and``/``or``, a conditional expression, the
+    tail of a chained comparison) must not be hoisted, and calls a helper that records the
+    miss and yields zero, the statement then checking ``fault[0]``."""
+
+    def __init__(self, low: "_Lowering") -> None:
+        self.low = low
+        self.k = low.k
+        self.checked = low.checked
+        self.pre: list[str] | None = None  # hoisted lines, when hoisting
+        self.ind = ""
+        self.cond = 0
+        self.cond_loads = False
+        self.block_level = False
+
+    def visit_Name(self, n: ast.Name) -> ast.AST:
+        if (self.block_level and n.id in self.k.locals and n.id not in self.k.shared
+                and n.id not in self.low.uniform_vars):
+            self.low.block_locals.add(n.id)
+            return ast.parse(f"_pt_{n.id}[0]", mode="eval").body
+        return ast.copy_location(ast.Name(_u(n.id), n.ctx), n)
+
+    def visit_Call(self, n: ast.Call) -> ast.AST:
+        name = n.func.id  # type: ignore[attr-defined]
+        if name in ID_BUILTINS:
+            return ast.Name(f"{ID_BUILTINS[name]}{const_int(n.args[0])}", ast.Load())
+        args = [self.visit(a) for a in n.args]
+        if name in MATH_BUILTINS:
+            return ast.Call(ast.parse(MATH_BUILTINS[name], mode="eval").body, args, [])
+        return ast.Call(ast.Name(name, ast.Load()), args, [])
+
+    def _conditional(self, nodes: list[ast.AST]) -> list[ast.AST]:
+        self.cond += 1
+        try:
+            return [self.visit(x) for x in nodes]
+        finally:
+            self.cond -= 1
+
+    def visit_BoolOp(self, n: ast.BoolOp) -> ast.AST:
+        return ast.BoolOp(n.op, [self.visit(n.values[0])] + self._conditional(n.values[1:]))
+
+    def visit_IfExp(self, n: ast.IfExp) -> ast.AST:
+        body, orelse = self._conditional([n.body, n.orelse])
+        return ast.IfExp(self.visit(n.test), body, orelse)
+
+    def visit_Compare(self, n: ast.Compare) -> ast.AST:
+        left = self.visit(n.left)
+        first = self.visit(n.comparators[0])
+        return ast.Compare(left, n.ops, [first] + self._conditional(n.comparators[1:]))
+
+    def visit_Attribute(self, n: ast.Attribute) -> ast.AST:
+        return ast.Attribute(self.visit(n.value), n.attr, ast.Load())
+
+    def visit_Subscript(self, n: ast.Subscript) -> ast.AST:
+        if isinstance(n.value, ast.Attribute):  # buf.shape[k]
+            return ast.Subscript(self.visit(n.value), n.slice, ast.Load())
+        name = n.value.id  # type: ignore[attr-defined]
+        idx = [self.visit(i) for i in _indices(n)]
+        if self.checked and self.low.fast and getattr(n, "_aff", False):
+            return _subscript(name, idx, n.ctx)  # range checked once for the block
+        if self.checked and (self.cond or self.pre is None):
+            self.cond_loads = True
+            return ast.Call(ast.Name(f"_ld_{name}", ast.Load()),
+                            [ast.Name(_u(name), ast.Load()), *idx,
+                             ast.Name("fault", ast.Load())], [])
+        if self.checked:
+            assert self.pre is not None
+            idx = [ast.Name(v, ast.Load()) for v in self.low.hoist_index(
+                name, [ast.unparse(i) for i in idx], self.pre, self.ind)]
+        return _subscript(name, idx, n.ctx)
+
+
+def _indices(n: ast.Subscript) -> list[ast.expr]:
+    return list(n.slice.elts) if isinstance(n.slice, ast.Tuple) else [n.slice]
+
+
+def _subscript(name: str, idx: list[ast.expr], ctx: ast.expr_context) -> ast.Subscript:
+    """``u_name[np.uint64(i), ...]``."""
+    cast = [ast.Call(ast.parse("np.uint64", mode="eval").body, [i], []) for i in idx]
+    sl = ast.Tuple(cast, ast.Load()) if len(cast) > 1 else cast[0]
+    return ast.Subscript(ast.Name(_u(name), ast.Load()), sl, ctx)
+
+
+def _names(stmts: list[ast.stmt]) -> set[str]:
+    return {n.id for s in stmts for n in ast.walk(s) if isinstance(n, ast.Name)}
+
+
+def _assigned(stmts: list[ast.stmt]) -> set[str]:
+    return {n.id for s in stmts for n in ast.walk(s)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+class _Lowering:
+    """Generates the module text for one validated kernel."""
+
+    def __init__(self, k: Kernel, options: Options) -> None:
+        self.per_thread_order: list[str] = []
+        self.k = k
+        self.opt = options
+        self.checked = options.boundscheck
+        self.tmp = 0
+        self.phases: list[tuple[list[ast.stmt], bool]] = []  # (stmts, inside a block loop)
+        self.uniform_vars: list[str] = []
+        self.block_locals: set[str] = set()  # locals read by block-level code (as thread 0's)
+        self.returns = contains(k.fn.body, lambda n: isinstance(n, ast.Return))
+        self.fast = False  # generating a phase's block-range-checked variant
+        self.fast_phases: set[int] = set()
+        self.def_guards: dict[str, list[str]] = {}
+        self.stores: dict[str, int] = {}
+        for n in ast.walk(k.fn):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                self.stores[n.id] = self.stores.get(n.id, 0) + 1
+
+    # -- helpers --------------------------------------------------------------------------
+    def fresh(self, prefix: str) -> str:
+        self.tmp += 1
+        return f"_{prefix}{self.tmp}"
+
+    def expr(self, node: ast.AST) -> str:
+        """A block-level (uniform) expression: no loads to check; a local is read as thread
+        0's value from its per-thread array (see _uniform_expr)."""
+        rw = _Rewrite(self)
+        rw.block_level = True
+        return ast.unparse(rw.visit(copy.deepcopy(node)))
+
+    def hexpr(self, node: ast.AST, ind: str, out: list[str]) -> tuple[str, bool]:
+        """A thread-level expression: hoisted checks go to ``out``; returns the text and
+        whether it loads under short-circuit evaluation (then ``fault`` needs a check)."""
+        rw = _Rewrite(self)
+        rw.pre, rw.ind = out, ind
+        text = ast.unparse(rw.visit(copy.deepcopy(node)))
+        return text, rw.cond_loads
+
+    def pos_of(self, name: str) -> int:
+        if name in self.k.buffers:
+            return self.k.buffers[name]
+        return len(self.k.params) + list(self.k.shared).index(name)
+
+    # -- phase functions: thread-level code ------------------------------------------------
+    def hoist_index(self, name: str, idx: list[str], out: list[str], ind: str) -> list[str]:
+        """Evaluate an access's indices into temporaries and check them (unsigned compare:
+        a negative index is a miss too); a miss records the fault and stops the thread."""
+        u = _u(name)
+        ivars = []
+        for i in idx:
+            v = self.fresh("k")
+            out.append(f"{ind}{v} = {i}")
+            ivars.append(v)
+        conds = " or ".join(f"np.uint64({v}) >= np.uint64({u}.shape[{d}])"
+                            for d, v in enumerate(ivars))
+        flat = ivars[0]
+        for d, v in enumerate(ivars[1:], 1):
+            flat = f"({flat}) * {u}.shape[{d}] + {v}"
+        out += [f"{ind}if {conds}:", f"{ind}    _miss(fault, {self.pos_of(name)}, {flat})",
+                f"{ind}    return 1"]
+        return ivars
+
+    def fault_check(self, ind: str) -> list[str]:
+        return [f"{ind}if fault[0] != 0:", f"{ind}    return 1"]
+
+    def abort_check(self, ind: str, ret: str) -> list[str]:
+        return [f"{ind}if _rt_abort_word(abort) > {ABORT_PREEMPT}:",
+                f"{ind}    fault[0] = {FAULT_ABORT}", f"{ind}    return {ret}"]
+
+    def access(self, name: str, idx_nodes: list[ast.expr], ind: str,
+               out: list[str], node: ast.AST | None = None) -> tuple[list[str], bool]:
+        """The index texts of a store/atomic target (checked when bounds-checking,
+        unless ``node`` is an access whose range the block checked already)."""
+        texts, loads = [], False
+        for i in idx_nodes:
+            t, c = self.hexpr(i, ind, out)
+            texts.append(t)
+            loads = loads or c
+        if not self.checked:
+            return texts, loads
+        if self.fast and getattr(node, "_aff", False):
+            if loads:
+                out += self.fault_check(ind)
+            return texts, False
+        if loads:
+            out += self.fault_check(ind)
+            loads = False
+        return self.hoist_index(name, texts, out, ind), loads
+
+    def target(self, t: ast.expr, ind: str, out: list[str]) -> str:
+        if isinstance(t, ast.Subscript):
+            name = t.value.id  # type: ignore[attr-defined]
+            idx, _ = self.access(name, _indices(t), ind, out, t)
+            return ast.unparse(_subscript(name, [ast.parse(i, mode="eval").body for i in idx],
+                                          ast.Store()))
+        return ast.unparse(_Rewrite(self).visit(copy.deepcopy(t)))
+
+    def stmt(self, s: ast.stmt, ind: str, writeback: list[str]) -> list[str]:
+        out: list[str] = []
+        if isinstance(s, ast.Assign):
+            value, loads = self.hexpr(s.value, ind, out)
+            if loads:
+                out += self.fault_check(ind)
+            if len(s.targets) == 1:
+                tgt = self.target(s.targets[0], ind, out)
+                return out + [f"{ind}{tgt} = {value}"]
+            v = self.fresh("v")
+            out.append(f"{ind}{v} = {value}")
+            for t in s.targets:
+                tgt = self.target(t, ind, out)
+                out.append(f"{ind}{tgt} = {v}")
+            return out
+        if isinstance(s, ast.AugAssign):
+            op = _AUG_SYMBOL[type(s.op)]
+            value, loads = self.hexpr(s.value, ind, out)
+            if loads:
+                out += self.fault_check(ind)
+            tgt = self.target(s.target, ind, out)
+            return out + [f"{ind}{tgt} {op}= {value}"]
+        if is_mma(s):  # its own phase, run by thread 0 (see collective())
+            return self.mma(s.value, ind)  # type: ignore[arg-type]
+        if isinstance(s, ast.Expr):  # atomic_add (barrier() is structural)
+            call = s.value
+            assert isinstance(call, ast.Call) and call.func.id == "atomic_add"  # type: ignore
+            name = call.args[0].id  # type: ignore[attr-defined]
+            idx_node = call.args[1]
+            idx = list(idx_node.elts) if isinstance(idx_node, ast.Tuple) else [idx_node]
+            if len(idx) != buffer_ndim(self.k, name):
+                raise reject(s, f"atomic_add index of {name!r} needs "
+                                f"{buffer_ndim(self.k, name)} components")
+            value, loads = self.hexpr(call.args[2], ind, out)
+            if loads:
+                out += self.fault_check(ind)
+            ivars, _ = self.access(name, idx, ind, out, call)
+            v = self.fresh("v")
+            out.append(f"{ind}{v} = {value}")
+            out.append(f"{ind}_rt_atomic_add({_u(name)}, ({', '.join(ivars)},), {v})")
+            return out
+        if isinstance(s, ast.If):
+            test, loads = self.hexpr(s.test, ind, out)
+            if loads:
+                c = self.fresh("c")
+                out += [f"{ind}{c} = {test}"] + self.fault_check(ind)
+                test = c
+            out.append(f"{ind}if {test}:")
+            out += self.block(s.body, ind + "    ", writeback)
+            if s.orelse:
+                out.append(f"{ind}else:")
+                out += self.block(s.orelse, ind + "    ", writeback)
+            return out
+        if isinstance(s, ast.For):
+            names = []
+            any_loads = False
+            for a in s.iter.args:  # type: ignore[attr-defined]
+                text, loads = self.hexpr(a, ind, out)
+                any_loads = any_loads or loads
+                r = self.fresh("r")
+                out.append(f"{ind}{r} = {text}")
+                names.append(r)
+            if any_loads:
+                out += self.fault_check(ind)
+            out.append(f"{ind}for {_u(s.target.id)} in range({', '.join(names)}):")  # type: ignore
+            out += self.abort_check(ind + "    ", "1")
+            return out + self.block(s.body, ind + "    ", writeback)
+        if isinstance(s, ast.While):
+            inner = ind + "    "
+            out = [f"{ind}while True:"] + self.abort_check(inner, "1")
+            test, loads = self.hexpr(s.test, inner, out)
+            if loads:
+                out += self.fault_check(inner)
+            out += [f"{inner}if not ({test}):", f"{inner}    break"]
+            return out + self.block(s.body, inner, writeback)
+        if isinstance(s, ast.Return):
+            out = [f"{ind}_done[_t] = 1"] if self.returns else []
+            return out + [f"{ind}{w}" for w in writeback] + [f"{ind}return 0"]
+        if isinstance(s, (ast.Break, ast.Continue, ast.Pass)):
+            return [f"{ind}{type(s).__name__.lower()}"]
+        raise reject(s, f"{type(s).__name__} cannot be lowered")
+
+    def mma(self, call: ast.Call, ind: str) -> list[str]:
+        """The matrix unit's call: operands, then the seven scalar arguments evaluated
+        (with thread 0's locals), then the BLAS entry point for the dtype."""
+        out: list[str] = []
+        names = [a.id for a in call.args[:3]]  # type: ignore[attr-defined]
+        values = []
+        for a in call.args[3:]:
+            text, loads = self.hexpr(a, ind, out)
+            if loads:
+                out += self.fault_check(ind)
+            values.append(text)
+        slot = matrix.SLOT[buffer_dtype(self.k, names[0])]
+        args = ([_u(n) for n in names] + values
+                + [f"_blas[{slot}]", "abort", "fault"] + [str(self.pos_of(n)) for n in names])
+        return out + [f"{ind}if _mma({', '.join(args)}) != 0:", f"{ind}    return 1"]
+
+    def block(self, stmts: list[ast.stmt], ind: str, writeback: list[str]) -> list[str]:
+        out: list[str] = []
+        for s in stmts:
+            out += self.stmt(s, ind, writeback)
+        return out or [f"{ind}pass"]
+
+    # -- block-level structure ---------------------------------------------------------------
+    def is_shared_decl(self, s: ast.stmt) -> bool:
+        return (isinstance(s, ast.Assign) and isinstance(s.value, ast.Call)
+                and isinstance(s.value.func, ast.Name) and s.value.func.id == "shared_array")
+
+    def structure(self, stmts: list[ast.stmt], ind: str, in_loop: bool) -> list[str]:
+        """Block-level code: thread loops over phases, with block-level (uniform) control
+        flow around the phases that contain barriers."""
+        out: list[str] = []
+        pending: list[ast.stmt] = []
+
+        def flush() -> None:
+            if pending:
+                out.extend(self.thread_loop(list(pending), ind, in_loop))
+                pending.clear()
+
+        for s in stmts:
+            if self.is_shared_decl(s):
+                continue  # hoisted: allocated per block
+            if not structural(s, in_loop):
+                pending.append(s)
+                continue
+            flush()
+            if is_mma(s):
+                out.extend(self.collective(s, ind, in_loop))
+                continue
+            if isinstance(s, ast.Expr):
+                continue  # barrier(): the phase boundary is the barrier
+            if isinstance(s, (ast.Break, ast.Continue)):
+                out.append(f"{ind}{type(s).__name__.lower()}")
+            elif isinstance(s, ast.If):
+                out.append(f"{ind}if {self.expr(s.test)}:")
+                out += self.structure(s.body, ind + "    ", in_loop) or [f"{ind}    pass"]
+                if s.orelse:
+                    out.append(f"{ind}else:")
+                    out += self.structure(s.orelse, ind + "    ", in_loop) or [f"{ind}    pass"]
+            elif isinstance(s, ast.For):
+                var = s.target.id  # type: ignore[attr-defined]
+                if var not in self.uniform_vars:
+                    self.uniform_vars.append(var)
+                rng = ", ".join(self.expr(a) for a in s.iter.args)  # type: ignore
+                out.append(f"{ind}for {_u(var)} in range({rng}):")
+                out += self.abort_check(ind + "    ", "_blk")
+                out += self.structure(s.body, ind + "    ", True)
+            elif isinstance(s, ast.While):
+                out.append(f"{ind}while {self.expr(s.test)}:")
+                out += self.abort_check(ind + "    ", "_blk")
+                out += self.structure(s.body, ind + "    ", True)
+        flush()
+        return out
+
+    def thread_loop(self, stmts: list[ast.stmt], ind: str, in_loop: bool) -> list[str]:
+        idx = len(self.phases)
+        self.phases.append((stmts, in_loop))
+        conds = self.affine_ranges(stmts) if self.checked else []
+        if not conds:
+            return self.thread_loop_text(f"_ph{idx}", idx, ind)
+        self.fast_phases.add(idx)
+        return ([f"{ind}if {' and '.join(conds)}:"]
+                + self.thread_loop_text(f"_phf{idx}", idx, ind + "    ")
+                + [f"{ind}else:"]
+                + self.thread_loop_text(f"_ph{idx}", idx, ind + "    "))
+
+    def collective(self, s: ast.stmt, ind: str, in_loop: bool) -> list[str]:
+        """A block-collective statement (mma) as a phase of its own that runs once per
+        block, as thread 0: its arguments are uniform, so thread 0's locals are the
+        block's. Skipped when the block has returned (only a uniform return can precede
+        it: the barrier rule)."""
+        idx = len(self.phases)
+        self.phases.append(([s], in_loop))
+        skip = [f"{ind}if not _done[0]:"] if self.returns and idx > 0 else []
+        inner = ind + "    " if skip else ind
+        return skip + [f"{inner}_l0 = 0", f"{inner}_l1 = 0", f"{inner}_l2 = 0", f"{inner}_t = 0",
+                       f"{inner}if _ph{idx}(@ARGS@) != 0:", f"{inner}    return _blk"]
+
+    def thread_loop_text(self, fn: str, idx: int, ind: str) -> list[str]:
+        skip = [f"{ind}            if _done[_t]:", f"{ind}                continue"] \
+            if self.returns and idx > 0 else []
+        return [f"{ind}for _l2 in range(_ls2):",
+                f"{ind}    for _l1 in range(_ls1):",
+                f"{ind}        for _l0 in range(_ls0):",
+                f"{ind}            _t = (_l2 * _ls1 + _l1) * _ls0 + _l0",
+                *skip,
+                f"{ind}            if {fn}(@ARGS@) != 0:",
+                f"{ind}                return _blk"]
+
+    # -- block-level range checks of affine accesses -----------------------------------------
+    _OFFSET_LIMIT = 1 << 40  # |offset| bound: the range arithmetic cannot overflow int64
+
+    def affine_offset(self, e: ast.AST, guards: dict[str, None]) -> str | None:
+        """An offset that is the same for every thread of the launch: an int constant or
+        an integer scalar parameter the kernel never assigns (its magnitude is checked at
+        block level, ``guards``)."""
+        c = const_int(e)
+        if c is not None:
+            return str(c) if abs(c) < self._OFFSET_LIMIT else None
+        if isinstance(e, ast.Name) and e.id in self.k.scalars and not self.stores.get(e.id):
+            dt = self.k.arg_types[self.k.params.index(e.id)].dtype
+            if dt in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"):
+                lim = self._OFFSET_LIMIT
+                guards[f"-{lim} < {_u(e.id)} < {lim}"] = None
+                return _u(e.id)
+        return None
+
+    def affine(self, e: ast.AST, defs: dict[str, tuple[str, int, tuple[str, ...]]],
+               guards: dict[str, None]) -> tuple[str, int, tuple[str, ...]] | None:
+        """``(kind, d, offsets)`` when ``e`` is ``global_id(d)`` (kind "g") or
+        ``local_id(d)`` ("l") plus/minus offsets, directly or through locals in ``defs``."""
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) \
+                and e.func.id in ("global_id", "local_id") and len(e.args) == 1:
+            d = const_int(e.args[0])
+            if d is not None and 0 <= d <= 2:
+                return ("g" if e.func.id == "global_id" else "l", d, ())
+            return None
+        if isinstance(e, ast.Name):
+            if e.id in defs:
+                for g in self.def_guards.get(e.id, ()):
+                    guards[g] = None
+            return defs.get(e.id)
+        if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Add, ast.Sub)):
+            left = self.affine(e.left, defs, guards)
+            if left is not None:
+                off = self.affine_offset(e.right, guards)
+                if off is None:
+                    return None
+                return left[0], left[1], left[2] + ((off if isinstance(e.op, ast.Add)
+                                                     else f"-{off}"),)
+            if isinstance(e.op, ast.Add):
+                right = self.affine(e.right, defs, guards)
+                off = self.affine_offset(e.left, guards) if right is not None else None
+                if right is not None and off is not None:
+                    return right[0], right[1], right[2] + (off,)
+        return None
+
+    def affine_ranges(self, stmts: list[ast.stmt]) -> list[str]:
+        """Mark the phase's accesses whose every index is affine in a thread index (and
+        the same for every thread otherwise): over a block's threads such an index spans
+        ``[first, first + local_size - 1]``, which the block checks once before the thread
+        loop. Returns those block-level conditions (empty: no fast variant). A superset of
+        the indices the threads really use is checked (guards and control flow are
+        ignored), so a block that passes cannot miss; one that does not runs the
+        per-element checked loop, which faults exactly as without this."""
+        k = self.k
+        defs: dict[str, tuple[str, int, tuple[str, ...]]] = {}
+        conds: dict[str, None] = {}
+        for s in stmts:
+            for n in ast.walk(s):
+                if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name):
+                    name, idx, node = n.value.id, _indices(n), n
+                elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) \
+                        and n.func.id == "atomic_add" and isinstance(n.args[0], ast.Name):
+                    name, node = n.args[0].id, n
+                    idx = list(n.args[1].elts) if isinstance(n.args[1], ast.Tuple) \
+                        else [n.args[1]]
+                else:
+                    continue
+                if name not in k.buffers and name not in k.shared:
+                    continue
+                if len(idx) != buffer_ndim(k, name):
+                    continue
+                guards: dict[str, None] = {}
+                ranges = [self.affine(i, defs, guards) for i in idx]
+                if any(r is None for r in ranges):
+                    continue
+                here: list[str] = list(guards)
+                for dim, r in enumerate(ranges):
+                    assert r is not None
+                    kind, d, offs = r
+                    first = " + ".join(([f"_g{d} * _ls{d}"] if kind == "g" else [])
+                                       + list(offs)) or "0"
+                    here.append(f"({first}) >= 0")
+                    here.append(f"({first}) + _ls{d} - 1 < {_u(name)}.shape[{dim}]")
+                node._aff = True  # type: ignore[attr-defined]
+                for c in here:
+                    conds[c] = None
+            # a local assigned once in the whole kernel, here, keeps its value for the rest
+            # of the phase
+            if isinstance(s, ast.Assign) and len(s.targets) == 1 \
+                    and isinstance(s.targets[0], ast.Name):
+                v = s.targets[0].id
+                if v in k.locals and self.stores.get(v) == 1:
+                    guards = {}
+                    r = self.affine(s.value, defs, guards)
+                    if r is not None:
+                        defs[v] = r
+                        self.def_guards[v] = list(guards)  # for the accesses that use v
+        return list(conds)
+
+    def phase_args(self) -> str:
+        return ", ".join(self.phase_params())
+
+    def phase_params(self) -> list[str]:
+        return (["_l0", "_l1", "_l2", "_g0", "_g1", "_g2", "_ls0", "_ls1", "_ls2",
+                 "_ng0", "_ng1", "_ng2", "_t", "_done", "abort", "fault", "_blas"]
+                + [_u(v) for v in self.uniform_vars]
+                + [_u(s) for s in self.k.shared]
+                + [f"_pt_{v}" for v in self.per_thread_order]
+                + [_u(p) for p in self.k.params])
+
+    # -- per-thread locals -----------------------------------------------------------------
+    def per_thread(self) -> dict[str, str]:
+        """Locals that must survive from one phase to another (or from one iteration of a
+        block-level loop to the next) -> 'int' or 'float' (their per-thread array type)."""
+        exclude = set(self.k.params) | set(self.k.shared) | set(self.uniform_vars)
+        count: dict[str, int] = {}
+        result: set[str] = set()
+        for stmts, in_loop in self.phases:
+            for name in _names(stmts) - exclude:
+                if name not in self.k.locals:
+                    continue
+                count[name] = count.get(name, 0) + 1
+                if in_loop:
+                    result.add(name)
+        result |= {n for n, c in count.items() if c > 1}
+        result |= self.block_locals
+        kinds = self.infer_kinds()
+        return {n: kinds.get(n, "float") for n in sorted(result)}
+
+    def infer_kinds(self) -> dict[str, str]:
+        """'float' unless every value ever assigned to the local is an integer (or bool):
+        a conservative type for per-thread arrays, iterated to a fixed point."""
+        k = self.k
+        kinds: dict[str, str] = {n: "int" for n in k.locals}
+        assigns: list[tuple[str, ast.AST | None, ast.operator | None]] = []
+        for n in ast.walk(k.fn):
+            if isinstance(n, ast.Assign):
+                for t in n.targets:
+                    if isinstance(t, ast.Name):
+                        assigns.append((t.id, n.value, None))
+                    elif isinstance(t, ast.Tuple):
+                        for e in t.elts:  # a, b = x, y: be conservative
+                            if isinstance(e, ast.Name):
+                                assigns.append((e.id, None, None))
+            elif isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name):
+                assigns.append((n.target.id, n.value, n.op))
+        changed = True
+        while changed:
+            changed = False
+            for name, value, op in assigns:
+                kind = "float" if value is None else self.kind(value, kinds)
+                if isinstance(op, (ast.Div, ast.Pow)):
+                    kind = "float"
+                if kind == "float" and kinds.get(name) != "float":
+                    kinds[name] = "float"
+                    changed = True
+        return kinds
+
+    def kind(self, e: ast.AST, kinds: dict[str, str]) -> str:
+        k = self.k
+        if isinstance(e, ast.Constant):
+            return "float" if isinstance(e.value, float) else "int"
+        if isinstance(e, ast.Name):
+            if e.id in k.scalars:
+                return k.arg_types[k.params.index(e.id)].kind
+            return kinds.get(e.id, "int")
+        if isinstance(e, ast.BinOp):
+            if isinstance(e.op, (ast.Div, ast.Pow)):
+                return "float"
+            return _join(self.kind(e.left, kinds), self.kind(e.right, kinds))
+        if isinstance(e, ast.UnaryOp):
+            return "int" if isinstance(e.op, ast.Not) else self.kind(e.operand, kinds)
+        if isinstance(e, ast.Compare):
+            return "int"
+        if isinstance(e, ast.BoolOp):
+            return _join(*(self.kind(v, kinds) for v in e.values))
+        if isinstance(e, ast.IfExp):
+            return _join(self.kind(e.body, kinds), self.kind(e.orelse, kinds))
+        if isinstance(e, ast.Subscript):
+            if isinstance(e.value, ast.Attribute):
+                return "int"
+            return "float" if buffer_dtype(k, e.value.id).startswith("float") else "int"  # type: ignore
+        if isinstance(e, ast.Attribute):
+            return "int"
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Name):
+            f = e.func.id
+            if f in ID_BUILTINS or f in ("int", "floor"):
+                return "int"
+            if f in ("abs", "min", "max"):
+                return _join(*(self.kind(a, kinds) for a in e.args))
+        return "float"
+
+    # -- the module --------------------------------------------------------------------------
+    def module(self) -> str:
+        k = self.k
+        body = [s for s in k.fn.body]
+        uses_mma = contains(body, lambda n: isinstance(n, ast.stmt) and is_mma(n))
+        block_code = self.structure(body, "        ", False)
+        pt = self.per_thread()
+        self.per_thread_order = list(pt)
+        # Calls were emitted before the uniform loop variables and per-thread arrays were
+        # all known: fill in the (now final) argument list.
+        block_code = [line.replace("@ARGS@", self.phase_args()) for line in block_code]
+        nj = (f"dict(nogil=True, cache=True, fastmath={self.opt.fastmath}, "
+              f"boundscheck=False, error_model='numpy')")
+        lines = [
+            f'"""Generated by firmware.jit from kernel {k.fn.name!r}. '
+            'Do not edit: the manifest checksums this file."""',
+            "import math",
+            "import numpy as np",
+            "from numba import njit",
+            "from firmware.intrinsics import _rt_abort_word, _rt_atomic_add",
+            *(["from firmware.matrix import _rt_gemm, _rt_span"] if uses_mma else []),
+            "",
+            f"_NJ = {nj}",
+            "",
+            "",
+            "@njit(**_NJ)",
+            "def _miss(fault, pos, flat):",
+            "    if fault[0] == 0:",
+            f"        fault[0] = {FAULT_BOUNDS}",
+            "        fault[1] = pos",
+            "        fault[2] = flat",
+            "",
+        ]
+        if uses_mma:
+            lines += matrix.helper_source(ABORT_PREEMPT, FAULT_ABORT).splitlines()
+        loaded = {n.value.id for n in ast.walk(k.fn)  # type: ignore[attr-defined]
+                  if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)}
+        if self.checked:
+            for name in sorted(loaded):
+                lines += self.load_helper(name)
+        # phase functions
+        for i, (stmts, _in_loop) in enumerate(self.phases):
+            lines += self.phase_function(i, stmts, pt)
+            if i in self.fast_phases:
+                self.fast = True
+                try:
+                    lines += self.phase_function(i, stmts, pt, "_phf")
+                finally:
+                    self.fast = False
+        # the grid function
+        sig = ["block_lo", "block_hi", "_ng0", "_ng1", "_ng2", "_ls0", "_ls1", "_ls2",
+               "abort", "fault", "_blas"] + [_u(p) for p in k.params]
+        lines += ["", "@njit(**_NJ)", f"def _grid({', '.join(sig)}):",
+                  "    _nt = _ls0 * _ls1 * _ls2",
+                  "    _done = np.zeros(max(_nt, 1), np.uint8)"]
+        for name, kind in pt.items():
+            dt = "np.float64" if kind == "float" else "np.int64"
+            lines.append(f"    _pt_{name} = np.zeros(max(_nt, 1), {dt})")
+        for v in self.uniform_vars:
+            lines.append(f"    {_u(v)} = 0")
+        lines += ["    for _blk in range(block_lo, block_hi):",
+                  "        if _rt_abort_word(abort) != 0:",
+                  "            return _blk",
+                  "        _g0 = _blk % _ng0",
+                  "        _g1 = (_blk // _ng0) % _ng1",
+                  "        _g2 = _blk // (_ng0 * _ng1)"]
+        if self.returns and len(self.phases) > 1:
+            lines.append("        _done[:] = 0")
+        for name, (shape, dtype) in k.shared.items():
+            np_dt = "np.bool_" if dtype == "bool" else f"np.{dtype}"
+            lines.append(f"        {_u(name)} = np.zeros({shape!r}, {np_dt})")
+        lines += block_code
+        lines += ["    return block_hi", ""]
+        return "\n".join(lines)
+
+    def load_helper(self, name: str) -> list[str]:
+        """A load under short-circuit evaluation: a miss is recorded and reads zero."""
+        ndim = buffer_ndim(self.k, name)
+        dtype = buffer_dtype(self.k, name)
+        zero = "False" if dtype == "bool" else f"np.{dtype}(0)"
+        ivars = [f"i{d}" for d in range(ndim)]
+        conds = " or ".join(f"np.uint64({v}) >= np.uint64(a.shape[{d}])"
+                            for d, v in enumerate(ivars))
+        flat = ivars[0]
+        for d, v in enumerate(ivars[1:], 1):
+            flat = f"({flat}) * a.shape[{d}] + {v}"
+        sub = ", ".join(f"np.uint64({v})" for v in ivars)
+        return ["", "@njit(**_NJ)", f"def _ld_{name}(a, {', '.join(ivars)}, fault):",
+                f"    if {conds}:",
+                f"        _miss(fault, {self.pos_of(name)}, {flat})",
+                f"        return {zero}",
+                f"    return a[{sub}]", ""]
+
+    def phase_function(self, i: int, stmts: list[ast.stmt], pt: dict[str, str],
+                       prefix: str = "_ph") -> list[str]:
+        used = _names(stmts) & set(pt)
+        assigned = _assigned(stmts) & set(pt)
+        writeback = [f"_pt_{n}[_t] = {_u(n)}" for n in sorted(assigned)]
+        lines = ["", "@njit(**_NJ)", f"def {prefix}{i}({', '.join(self.phase_params())}):"]
+        for d in range(3):
+            lines.append(f"    _gid{d} = _g{d} * _ls{d} + _l{d}")
+        for n in sorted(used):
+            lines.append(f"    {_u(n)} = _pt_{n}[_t]")
+        lines += self.block(stmts, "    ", writeback)
+        lines += [f"    {w}" for w in writeback] + ["    return 0", ""]
+        return lines
+
+
+def _join(*kinds: str) -> str:
+    return "float" if "float" in kinds else "int"
+
+
+def lower(ir: dict[str, Any], arg_types: tuple[str, ...], options: Options) -> str:
+    """Validate and lower one kernel: the text of the generated module."""
+    k = validate(ir, tuple(arg_types))
+    return _Lowering(k, options).module()
