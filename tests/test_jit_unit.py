@@ -775,3 +775,19 @@ def test_barrier_loops_bounded_by_uniform_locals(cache: KernelCache) -> None:
         want += 100.0 * (n // 2 + 1)
         assert k.run(0, 1, (1, 1, 1), (64, 1, 1), [x, np.int64(n)], no_abort()) == 1
         np.testing.assert_array_equal(x, want)
+
+
+SCALE_ONLY = ir_of("""
+    def scale_only(a, b, c, beta):
+        mma(c, a, b, 0, 0, 0, c.shape[0], c.shape[1], 0, beta)
+""", ndims={"a": 2, "b": 2, "c": 2})
+
+
+@pytest.mark.parametrize("use_blas", [True, False], ids=["blas", "loops"])
+def test_mma_with_empty_k_only_scales_c(cache_root: Path, use_blas: bool) -> None:
+    k = KernelCache(cache_root, use_blas=use_blas).get(SCALE_ONLY, _mm_types("float64"),
+                                                       Options())
+    a, b = np.ones((3, 4)), np.ones((4, 5))
+    c = np.arange(15.0).reshape(3, 5)
+    k.run(0, 1, (1, 1, 1), (1, 1, 1), [a, b, c, np.float64(0.5)], no_abort())
+    np.testing.assert_array_equal(c, np.arange(15.0).reshape(3, 5) * 0.5)
