@@ -83,7 +83,9 @@ def compat_key(options: Options = Options(), isa: str = DEFAULT_ISA,
     """Every input outside the kernel that decides whether cached machine code may be
     reused: interpreter, compiler and framework versions, the firmware's JIT ABI, the
     target ISA and stepping, the host CPU (numba compiles for the host; an override via
-    ``NUMBA_CPU_NAME`` counts) and the code-generation options."""
+    ``NUMBA_CPU_NAME`` counts), the code-generation options, and the environment settings
+    that change numba's code generation (``NUMBA_OPT``, ``NUMBA_BOUNDSCHECK``, the
+    vectorisers, AVX, SVML, debug info): numba's own cache index does not key on those."""
     cpu = numba.config.CPU_NAME or llvm_binding.get_host_cpu_name()
     features = numba.config.CPU_FEATURES
     if features is None:
@@ -100,7 +102,19 @@ def compat_key(options: Options = Options(), isa: str = DEFAULT_ISA,
         "cpu": cpu,
         "cpu_features": features,
         "options": asdict(options),
+        "codegen_env": {name: _config_value(name) for name in _CODEGEN_CONFIG},
     }
+
+
+#: numba.config settings (each from a NUMBA_* environment variable) that alter the machine
+#: code of a kernel, or its behaviour (BOUNDSCHECK overrides the per-function setting).
+_CODEGEN_CONFIG = ("OPT", "BOUNDSCHECK", "LOOP_VECTORIZE", "SLP_VECTORIZE", "ENABLE_AVX",
+                   "USING_SVML", "DEBUGINFO_DEFAULT")
+
+
+def _config_value(name: str) -> Any:
+    value = getattr(numba.config, name, None)
+    return value if value is None or isinstance(value, (bool, str)) else int(value)
 
 
 # --------------------------------------------------------------------------- compiled kernel

@@ -515,10 +515,16 @@ def test_every_compatibility_input_changes_the_key(cache: KernelCache, cache_roo
     with monkeypatch.context() as m:
         m.setattr(jit.numba.config, "CPU_NAME", "some-other-cpu")
         variants["cpu"] = cache.key(SAXPY, SAXPY_T, Options())
+    # environment settings that change numba's code generation (NUMBA_OPT=0, ...)
+    for setting, value in [("OPT", 0), ("BOUNDSCHECK", 1), ("LOOP_VECTORIZE", 0),
+                           ("SLP_VECTORIZE", 1)]:
+        with monkeypatch.context() as m:
+            m.setattr(jit.numba.config, setting, value)
+            variants[f"NUMBA_{setting}"] = cache.key(SAXPY, SAXPY_T, Options())
     assert base not in variants.values()
     assert len(set(variants.values())) == len(variants), variants
     assert set(compat_key()) >= {"python", "numba", "llvmlite", "numpy", "firmware_jit_abi",
-                                 "isa", "stepping", "cpu", "options"}
+                                 "isa", "stepping", "cpu", "options", "codegen_env"}
 
     # Irrelevant inputs: the kernel's flags/name in the module and other kernels.
     moved = {**SAXPY, "uses_atomics": True, "index": 7}
