@@ -57,8 +57,19 @@ _STATEMENT_BUILTINS = frozenset({"barrier", "atomic_add", "mma"})
 _MMA_NARGS = 10
 _MMA_OPERANDS = 3
 _MMA_DTYPES = ("float32", "float64")
+#: Block-shared memory declarations -> their arity; the dtype name is the last argument.
+#: Each is legal only as the right side of a plain ``name = ...(...)``, which binds
+#: ``name`` to a block-shared array:
+#:
+#: - ``shared_array(shape, dtype)``: static; its bytes count in the IR's ``shared_mem``.
+#: - ``dynamic_shared(dtype)``: CUDA's ``extern __shared__``, a 1-D array over the block's
+#:   dynamic shared memory, whose size each launch chooses
+#:   (``kernel[grid, block](..., shared_mem=NBYTES)``); it adds 0 bytes to ``shared_mem``
+#:   and sets the IR's ``dynamic_shared``. Several declarations in one kernel are allowed
+#:   and, as in CUDA, alias the same per-block memory, each viewed with its own dtype.
+_SHARED_DECLS: dict[str, int] = {"shared_array": 2, "dynamic_shared": 1}
 BUILTINS: frozenset[str] = (_ID_BUILTINS | _UNARY_BUILTINS | _VARIADIC_BUILTINS
-                            | {"shared_array"} | _STATEMENT_BUILTINS)
+                            | frozenset(_SHARED_DECLS) | _STATEMENT_BUILTINS)
 #: Names a kernel can never bind (``range`` is only legal as a for loop's iterable).
 _RESERVED = BUILTINS | {"range"}
 #: Host built-ins that are worth a pointed message rather than "not a built-in".
@@ -133,6 +144,15 @@ def normalize_dtype(name: str) -> str | None:
 
 def _is_dunder(name: str) -> bool:
     return len(name) > 4 and name.startswith("__") and name.endswith("__")
+
+
+def _shared_decl_name(node: ast.AST) -> str | None:
+    """The shared-memory declaration built-in ``node`` calls (shared_array or
+    dynamic_shared), or None."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in _SHARED_DECLS):
+        return node.func.id
+    return None
 
 
 def _is_const_int(node: ast.AST) -> bool:
@@ -218,9 +238,10 @@ class _Checker:
 
     Passes: a pre-scan that classifies names (buffer parameters, shared arrays, locals),
     a structural pass in source order that enforces the whitelist and the built-ins'
-    signatures (barrier, atomic_add, mma, shared_array, the id and math built-ins), then
-    the checks that need the whole body: shape ranges, and the placement and argument
-    uniformity of the block-collective built-ins (barrier() and mma())."""
+    signatures (barrier, atomic_add, mma, shared_array, dynamic_shared, the id and math
+    built-ins), then the checks that need the whole body: shape ranges, and the
+    placement and argument uniformity of the block-collective built-ins (barrier() and
+    mma())."""
 
     def __init__(self, unit: _Unit) -> None:
         self.fn = unit.fn
@@ -233,7 +254,8 @@ class _Checker:
         self.locals: set[str] = set()             # assigned names that are not params
         self.ndims: dict[str, tuple[int, int]] = {}  # buffer -> (ndim, first line)
         self.shape_refs: list[tuple[str, int, ast.AST]] = []
-        self.shared_mem = 0
+        self.shared_mem = 0                       # static shared bytes (shared_array)
+        self.dynamic_shared = False               # declares dynamic_shared(...)
         self.uses_barrier = False
         self.uses_atomics = False
         self.uses_mma = False
@@ -342,11 +364,10 @@ class _Checker:
             targets: list[ast.expr] = []
             if isinstance(node, ast.Assign):
                 targets = node.targets
-                if (len(targets) == 1 and isinstance(targets[0], ast.Name)
-                        and isinstance(node.value, ast.Call)
-                        and isinstance(node.value.func, ast.Name)
-                        and node.value.func.id == "shared_array"):
-                    self.shared.setdefault(targets[0].id, 0)
+                decl = _shared_decl_name(node.value)
+                if len(targets) == 1 and isinstance(targets[0], ast.Name) and decl:
+                    # ndim 0: not known until the declaration is checked (dynamic: 1-D)
+                    self.shared.setdefault(targets[0].id, int(decl == "dynamic_shared"))
             elif isinstance(node, ast.For):
                 targets = [node.target]
             for t in targets:
@@ -372,13 +393,12 @@ class _Checker:
         value = s.value
         if not isinstance(target, (ast.Name, ast.Subscript)):
             self._store(target, is_shared=False)  # rejects it with its own reason
-        is_shared = (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
-                     and value.func.id == "shared_array")
+        decl = _shared_decl_name(value)
+        is_shared = decl is not None
         if is_shared:
             if not isinstance(target, ast.Name):
-                self.fail(s, "shared_array(...) is only allowed as the right side of a plain "
-                             "`name = shared_array(...)`")
-            self._shared_array(target, value)
+                self._misplaced_shared_decl(s, decl)
+            self._shared_decl(target, value, decl)
         else:
             self._expr(value)
         self._store(target, is_shared=is_shared)
@@ -509,7 +529,7 @@ class _Checker:
             return
         if isinstance(v, str):
             self.fail(e, "string constants are only allowed as dtype names "
-                         "(the dtype of shared_array)")
+                         "(the dtype of shared_array or dynamic_shared)")
         self.fail(e, f"the constant {v!r} is not allowed in a kernel "
                      "(only int, float and bool constants)")
 
@@ -734,9 +754,8 @@ class _Checker:
             self._atomic_add(c, statement)
         elif name == "mma":
             self._mma(c, statement)
-        elif name == "shared_array":
-            self.fail(c, "shared_array(...) is only allowed as the right side of a plain "
-                         "`name = shared_array(...)`")
+        elif name in _SHARED_DECLS:
+            self._misplaced_shared_decl(c, name)
         elif name in _VARIADIC_BUILTINS:
             self._nargs(c, name, 2, -1)
             for a in c.args:
@@ -797,21 +816,36 @@ class _Checker:
             self._expr(arg)
         self.uses_mma = True
 
-    def _shared_array(self, target: ast.Name, c: ast.Call) -> None:
-        self._call_shape(c, "shared_array")
-        self._nargs(c, "shared_array", 2)
-        shape, dtype = c.args
-        dims = shape.elts if isinstance(shape, ast.Tuple) else [shape]
-        if not dims or not all(_is_const_int(d) and d.value > 0 for d in dims):
-            self.fail(c, "the shape of shared_array must be a positive constant int or a "
-                         f"tuple of them, not `{ast.unparse(shape)}`")
+    def _misplaced_shared_decl(self, node: ast.AST, name: str) -> None:
+        self.fail(node, f"{name}(...) is only allowed as the right side of a plain "
+                        f"`name = {name}(...)`")
+
+    def _shared_decl(self, target: ast.Name, c: ast.Call, name: str) -> None:
+        """``target = shared_array(shape, dtype)`` or ``target = dynamic_shared(dtype)``
+        (see _SHARED_DECLS): bind ``target`` to a block-shared array. A static one adds
+        its bytes to ``shared_mem``; a dynamic one is 1-D, adds nothing (the launch
+        sizes it) and may alias other dynamic_shared declarations."""
+        self._call_shape(c, name)
+        self._nargs(c, name, _SHARED_DECLS[name])
+        dims: list[ast.expr] | None = None
+        if name == "shared_array":
+            shape = c.args[0]
+            dims = shape.elts if isinstance(shape, ast.Tuple) else [shape]
+            if not dims or not all(_is_const_int(d) and d.value > 0 for d in dims):
+                self.fail(c, "the shape of shared_array must be a positive constant int or "
+                             f"a tuple of them, not `{ast.unparse(shape)}`")
+        dtype = c.args[-1]
         if not (isinstance(dtype, ast.Constant) and isinstance(dtype.value, str)):
-            self.fail(c, "the dtype of shared_array must be a dtype name string such as "
+            self.fail(c, f"the dtype of {name} must be a dtype name string such as "
                          f"\"float32\", not `{ast.unparse(dtype)}`")
         canonical = normalize_dtype(dtype.value)
         if canonical is None:
-            self.fail(c, f"unknown dtype \"{dtype.value}\" in shared_array "
+            self.fail(c, f"unknown dtype \"{dtype.value}\" in {name} "
                          f"(known: {', '.join(DTYPES)})")
+        if dims is None:
+            self.dynamic_shared = True
+            self.shared[target.id] = 1
+            return
         count = 1
         for d in dims:
             count *= d.value
@@ -964,12 +998,14 @@ class _Checker:
             "uses_barrier": self.uses_barrier,
             "uses_atomics": self.uses_atomics,
             "uses_mma": self.uses_mma,
+            "dynamic_shared": self.dynamic_shared,
         }
 
 
 def _clean_source(fn: ast.FunctionDef) -> str:
     """The validated function re-printed: no decorators, annotations or docstring, and
-    shared_array dtypes spelled canonically ("f32" -> "float32")."""
+    the dtypes of shared_array and dynamic_shared spelled canonically ("f32" ->
+    "float32")."""
     fn = copy.deepcopy(fn)
     fn.decorator_list = []
     fn.returns = None
@@ -983,10 +1019,10 @@ def _clean_source(fn: ast.FunctionDef) -> str:
         body = body[1:]
     fn.body = body or [ast.Pass()]
     for node in ast.walk(fn):  # the firmware need not know the dtype aliases
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id == "shared_array" and len(node.args) == 2
-                and isinstance(node.args[1], ast.Constant)):
-            node.args[1].value = normalize_dtype(node.args[1].value)
+        decl = _shared_decl_name(node)
+        if (decl and len(node.args) == _SHARED_DECLS[decl]
+                and isinstance(node.args[-1], ast.Constant)):
+            node.args[-1].value = normalize_dtype(node.args[-1].value)
     return ast.unparse(ast.fix_missing_locations(fn))
 
 

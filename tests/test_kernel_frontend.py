@@ -15,6 +15,7 @@ import pytest
 from runtime.errors import InvalidValueError
 from runtime.kernels import (
     BUILTINS,
+    DTYPES,
     KernelCompileError,
     compile_module,
     module_hash,
@@ -102,6 +103,15 @@ def mma_gemm(c: "float32", a: "f32", b, k: "int32"):
         mma(c, a, b, i, j, k0, 64, 64, 64, 1.0)
 '''
 
+DYNAMIC = '''\
+def dyn_reverse(x, out, n: "int32"):
+    tile = dynamic_shared("f32")
+    lid = local_id(0)
+    tile[lid] = x[global_id(0)]
+    barrier()
+    out[global_id(0)] = tile[local_size(0) - 1 - lid]
+'''
+
 
 def _err(source: str) -> KernelCompileError:
     with pytest.raises(KernelCompileError) as info:
@@ -126,6 +136,7 @@ def test_saxpy_ir() -> None:
         "uses_barrier": False,
         "uses_atomics": False,
         "uses_mma": False,
+        "dynamic_shared": False,
     }
 
 
@@ -167,9 +178,43 @@ def test_mma_gemm_ir() -> None:
         {"name": "k", "kind": "scalar", "dtype": "int32"}]
     assert ir["uses_mma"] and not ir["uses_barrier"] and not ir["uses_atomics"]
     assert ir["shared_mem"] == 0
-    assert list(ir)[-1] == "uses_mma"  # after uses_atomics, as docs/kernels.md lists it
+    # after uses_atomics, as docs/kernels.md lists it; dynamic_shared comes last
+    assert list(ir)[-2:] == ["uses_mma", "dynamic_shared"] and not ir["dynamic_shared"]
     assert "mma(c, a, b, i, j, k0, 64, 64, 64, 1.0)" in ir["source"]
     assert "mma" in BUILTINS
+
+
+def test_dynamic_shared_ir() -> None:
+    """dynamic_shared(dtype): a 1-D block-shared array sized by the launch
+    (shared_mem=NBYTES), so it adds nothing to the static shared_mem."""
+    ir = validate(DYNAMIC)
+    assert ir["dynamic_shared"] is True
+    assert ir["shared_mem"] == 0
+    assert ir["uses_barrier"] and not ir["uses_atomics"] and not ir["uses_mma"]
+    assert list(ir)[-1] == "dynamic_shared"
+    assert [(p["name"], p["kind"]) for p in ir["params"]] == [
+        ("x", "buffer"), ("out", "buffer"), ("n", "scalar")]
+    # the alias is spelled canonically for the firmware (ast.unparse quotes with ')
+    assert "    tile = dynamic_shared('float32')\n" in ir["source"]
+    assert "f32" not in ir["source"]
+    assert "dynamic_shared" in BUILTINS
+
+
+def test_dynamic_shared_aliases_and_mixes_with_static() -> None:
+    """Several dynamic_shared declarations alias the same per-block memory (each with
+    its own dtype); a static shared_array next to them still counts its bytes; atomics
+    work on a dynamic_shared array like on any shared array."""
+    ir = validate("def k(x):\n    f = dynamic_shared('f64')\n"
+                  "    u = dynamic_shared('uint8')\n    s = shared_array(8, 'int32')\n"
+                  "    lid = local_id(0)\n    f[lid] = 1.0\n    u[lid] = 2\n"
+                  "    s[lid] = 3\n    atomic_add(f, 0, x[lid])\n")
+    assert ir["dynamic_shared"] is True and ir["shared_mem"] == 8 * 4
+    assert ir["uses_atomics"]
+    assert "f = dynamic_shared('float64')" in ir["source"]
+    assert "u = dynamic_shared('uint8')" in ir["source"]
+    assert "s = shared_array(8, 'int32')" in ir["source"]
+    for source in (SAXPY, GEMM, REDUCE, CONTROL, MMA):
+        assert validate(source)["dynamic_shared"] is False
 
 
 ACCEPTED_MMA = [
@@ -195,7 +240,7 @@ def test_uniform_mma_accepted(source: str) -> None:
     assert all(p["ndim"] == 2 for p in ir["params"] if p["name"] in ("a", "b", "c"))
 
 
-@pytest.mark.parametrize("source", [SAXPY, GEMM, REDUCE, CONTROL, MMA])
+@pytest.mark.parametrize("source", [SAXPY, GEMM, REDUCE, CONTROL, MMA, DYNAMIC])
 def test_source_revalidates_to_the_same_ir(source: str) -> None:
     """The firmware validates ``source`` again: it must pass and describe the same kernel
     (except the annotation dtypes, which the IR's params carry)."""
@@ -203,7 +248,7 @@ def test_source_revalidates_to_the_same_ir(source: str) -> None:
     again = validate(ir["source"])
     assert again["source"] == ir["source"]
     assert [p["kind"] for p in again["params"]] == [p["kind"] for p in ir["params"]]
-    for key in ("shared_mem", "uses_barrier", "uses_atomics", "uses_mma"):
+    for key in ("shared_mem", "uses_barrier", "uses_atomics", "uses_mma", "dynamic_shared"):
         assert again[key] == ir[key]
 
 
@@ -528,6 +573,71 @@ REJECTED_EXACT = [
     # a built-in name
     ("def k(x, mma):\n    pass\n", 1, "parameter `mma` shadows a kernel built-in"),
     ("def k(x):\n    mma = 1\n", 2, "cannot assign to `mma`: it is a kernel built-in"),
+    # dynamic_shared(dtype): only as `name = dynamic_shared(...)`, one dtype name string
+    ("def k(x):\n    x[0] = dynamic_shared('f32')[0]\n", 2,
+     "dynamic_shared(...) is only allowed as the right side of a plain "
+     "`name = dynamic_shared(...)`"),
+    ("def k(x):\n    t = 1.0 + dynamic_shared('f32')\n", 2,
+     "dynamic_shared(...) is only allowed as the right side of a plain "
+     "`name = dynamic_shared(...)`"),
+    ("def k(x):\n    t = 0\n    t += dynamic_shared('f32')\n", 3,
+     "dynamic_shared(...) is only allowed as the right side of a plain "
+     "`name = dynamic_shared(...)`"),
+    ("def k(x):\n    x[0] = dynamic_shared('f32')\n", 2,
+     "dynamic_shared(...) is only allowed as the right side of a plain "
+     "`name = dynamic_shared(...)`"),
+    ("def k(x):\n    i = 0\n    dynamic_shared('f32')\n", 3,
+     "dynamic_shared(...) is only allowed as the right side of a plain "
+     "`name = dynamic_shared(...)`"),
+    ("def k(x):\n    t = dynamic_shared(4, 'f32')\n", 2,
+     "dynamic_shared() takes 1 argument(s), not 2"),
+    ("def k(x):\n    t = dynamic_shared()\n", 2,
+     "dynamic_shared() takes 1 argument(s), not 0"),
+    ("def k(x):\n    t = dynamic_shared(dtype='f32')\n", 2,
+     "keyword arguments are not allowed (`dtype=` in dynamic_shared())"),
+    ("def k(x):\n    t = dynamic_shared(float)\n", 2,
+     "the dtype of dynamic_shared must be a dtype name string such as \"float32\", "
+     "not `float`"),
+    ("def k(x):\n    t = dynamic_shared(4)\n", 2,
+     "the dtype of dynamic_shared must be a dtype name string such as \"float32\", "
+     "not `4`"),
+    ("def k(x):\n    t = dynamic_shared('float16')\n", 2,
+     "unknown dtype \"float16\" in dynamic_shared (known: "
+     + ", ".join(DTYPES) + ")"),
+    ("def k(x):\n    t = dynamic_shared('f32')\n    t[0, 1] = 1.0\n", 3,
+     "shared array `t` has 1 dimension(s) but is indexed with 2"),
+    ("def k(x):\n    t = dynamic_shared('f32')\n    atomic_add(t, (0, 1), 1.0)\n", 3,
+     "shared array `t` has 1 dimension(s) but is indexed with 2"),
+    ("def k(x):\n    t = dynamic_shared('f32')\n    t = 1.0\n", 3,
+     "cannot rebind shared array `t`"),
+    ("def k(x):\n    t = dynamic_shared('f32')\n    t = dynamic_shared('i32')\n", 3,
+     "shared array `t` is already defined at line 2"),
+    ("def k(x):\n    t = shared_array(4, 'f32')\n    t = dynamic_shared('f32')\n", 3,
+     "shared array `t` is already defined at line 2"),
+    ("def k(x):\n    x = dynamic_shared('f32')\n", 2,
+     "parameter `x` cannot be bound to a shared array"),
+    ("def k(x):\n    t = dynamic_shared('f32')\n    x[0] = t\n", 3,
+     "array `t` can only be indexed (`t[i]`), passed to atomic_add or mma, or used "
+     "through .shape[k]/.size"),
+    ("def k(x):\n    t = dynamic_shared('f32')\n    x[0] = t.size\n", 3,
+     "`.size` is only allowed on a buffer parameter, not on `t`"),
+    ("def k(x, dynamic_shared):\n    pass\n", 1,
+     "parameter `dynamic_shared` shadows a kernel built-in"),
+    ("def k(x):\n    dynamic_shared = 1\n", 2,
+     "cannot assign to `dynamic_shared`: it is a kernel built-in"),
+    ("def k(x):\n    f = dynamic_shared\n", 2, "built-in `dynamic_shared` can only be called"),
+    # shared_array's messages, unchanged by the generalisation to dynamic_shared
+    ("def k(x):\n    x[0] = shared_array(4, 'f32')[0]\n", 2,
+     "shared_array(...) is only allowed as the right side of a plain "
+     "`name = shared_array(...)`"),
+    ("def k(x):\n    t = shared_array(4, float)\n", 2,
+     "the dtype of shared_array must be a dtype name string such as \"float32\", "
+     "not `float`"),
+    ("def k(x):\n    t = shared_array(4, 'float16')\n", 2,
+     "unknown dtype \"float16\" in shared_array (known: " + ", ".join(DTYPES) + ")"),
+    ("def k(x):\n    t = shared_array(0, 'f32')\n", 2,
+     "the shape of shared_array must be a positive constant int or a tuple of them, "
+     "not `0`"),
 ]
 
 
