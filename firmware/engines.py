@@ -161,6 +161,7 @@ class Scheduler:
         self.compute = EnginePool("compute", config["compute_engines"], stats)
         self.compute_engines = config["compute_engines"]
         self.max_threads = config["max_threads_per_block"]
+        self.max_shared = config["max_shared_mem_per_block"]
         self.watchdog_s = config.get("watchdog_ms", 10_000) / 1000
         self._jit_cache_dir = jit_cache_dir
         self._jit: Any = None
@@ -318,9 +319,11 @@ class Scheduler:
     def _launch(self, ring: Ring, seqno: int, a: list[int]) -> Callable[[], bool] | None:
         handle, grid_w, block_w, dynamic, args_va, args_len = a[:6]
         kernels = ring.ctx.modules.get(handle >> 16)
-        if kernels is None or (handle & 0xFFFF) >= len(kernels) or dynamic:
+        if kernels is None or (handle & 0xFFFF) >= len(kernels):
             raise memory.Fault(0, errno.EINVAL)
         name, kir = kernels[handle & 0xFFFF]
+        if kir.get("shared_mem", 0) + dynamic > self.max_shared:  # the IR's figure: checked
+            raise memory.Fault(0, errno.EINVAL)  # against its source when it compiles
         grid, block = uapi.unpack_dims(grid_w), uapi.unpack_dims(block_w)
         threads = block[0] * block[1] * block[2]
         if min(grid) < 1 or min(block) < 1 or threads > self.max_threads:
@@ -328,7 +331,7 @@ class Scheduler:
         m, off = ring.ctx.space.resolve(args_va, args_len)
         values, types, buffers = decode_args(ring.ctx.space, bytes(m.data[off : off + args_len]),
                                              kir["params"])
-        launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block)
+        launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block, dynamic)
         nblocks = grid[0] * grid[1] * grid[2]
         if nblocks * threads <= INLINE_THREADS and self._jit is not None:
             kernel = self._jit.cached(kir, types, _options())
@@ -356,7 +359,8 @@ class Scheduler:
         abort = np.zeros(1, np.int64)
         self._running[id(abort)] = (abort, time.monotonic() + self.watchdog_s)
         try:
-            kernel.run(0, nblocks, launch.grid, launch.block, launch.args, abort)
+            kernel.run(0, nblocks, launch.grid, launch.block, launch.args, abort,
+                       launch.dynamic_shared)
         except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
             code, addr = self._fault_of(launch, exc)
             raise memory.Fault(addr, code) from None
@@ -384,7 +388,7 @@ class Scheduler:
                     self._running[id(abort)] = (abort, time.monotonic() + self.watchdog_s)
                     try:
                         done_to = kernel.run(state["next"], end, launch.grid, launch.block,
-                                             launch.args, abort)
+                                             launch.args, abort, launch.dynamic_shared)
                     finally:
                         self._running.pop(id(abort), None)
                     if abort[0] == 2:
@@ -509,6 +513,7 @@ class Launch:
     buffers: list[tuple[str, int, int]]  # (param, va, itemsize) to turn a fault into an address
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
+    dynamic_shared: int  # bytes per block for its dynamic_shared arrays
     remaining: int = 0  # engine jobs not finished
     fault: tuple[int, int] | None = None  # (errno, address)
     lock: threading.Lock = field(default_factory=threading.Lock)

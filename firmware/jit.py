@@ -56,7 +56,7 @@ from firmware.kernel_lower import (ABORT_KILL, ABORT_PREEMPT, ABORT_WATCHDOG, FA
 #: The firmware's JIT compatibility boundary. Bump it whenever anything the generated code
 #: depends on outside itself changes meaning (firmware/intrinsics.py, the ``_grid`` calling
 #: convention, the fault-array layout): every cached entry then misses.
-FIRMWARE_JIT_ABI = 2
+FIRMWARE_JIT_ABI = 3
 DEFAULT_ISA = "aemu-isa 1.0"
 DEFAULT_STEPPING = "A1"
 
@@ -152,12 +152,14 @@ class CompiledKernel:
         self._checks = [(i, np.dtype(t.dtype), t.ndim) for i, t in enumerate(arg_types) if t.ndim]
 
     def run(self, block_lo: int, block_hi: int, grid: tuple[int, int, int],
-            block: tuple[int, int, int], args: list[Any], abort: np.ndarray) -> int:
+            block: tuple[int, int, int], args: list[Any], abort: np.ndarray,
+            dynamic_shared: int = 0) -> int:
         """Run blocks ``[block_lo, block_hi)`` (linear ids, x fastest) of a launch of
-        ``grid`` blocks of ``block`` threads. Returns the first block not run
-        (``block_hi`` when all ran; less only when the abort word stopped it between
-        blocks). Raises :class:`KernelFault` on a bounds miss or when the abort word
-        stopped a block in the middle."""
+        ``grid`` blocks of ``block`` threads, each with ``dynamic_shared`` bytes for its
+        ``dynamic_shared`` arrays (the caller checks it against the device's limit).
+        Returns the first block not run (``block_hi`` when all ran; less only when the
+        abort word stopped it between blocks). Raises :class:`KernelFault` on a bounds miss
+        or when the abort word stopped a block in the middle."""
         gx, gy, gz = grid
         bx, by, bz = block
         if not 0 <= block_lo <= block_hi <= gx * gy * gz or min(bx, by, bz) < 1:
@@ -174,8 +176,10 @@ class CompiledKernel:
                 raise TypeError(f"argument {self.params[i]!r} must be a C-contiguous "
                                 f"{dt}[{nd}d] array")
         fault = np.zeros(4, np.int64)
+        if dynamic_shared < 0:
+            raise ValueError(f"negative dynamic shared memory {dynamic_shared}")
         done = self._entry(block_lo, block_hi, gx, gy, gz, bx, by, bz, abort, fault,
-                           self.blas, *args)
+                           self.blas, dynamic_shared, *args)
         kind = int(fault[0])
         if kind == FAULT_BOUNDS:
             pos = int(fault[1])
@@ -386,7 +390,7 @@ class KernelCache:
         parsed = [ArgType.parse(t) for t in arg_types]
         abort_t = types.Array(types.int64, 1, "C")
         sig = (types.int64, types.int64, types.int64, types.int64, types.int64,
-               types.int64, types.int64, types.int64, abort_t, abort_t, abort_t,
+               types.int64, types.int64, types.int64, abort_t, abort_t, abort_t, types.int64,
                *[t.numba_type() for t in parsed])
         disp = mod._grid
         try:

@@ -10,9 +10,11 @@ through the driver). Where the two differ, the firmware may be stricter, never l
 from __future__ import annotations
 
 import ast
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from numba import types
 
 from kmod_emul import uapi
@@ -21,6 +23,11 @@ from kmod_emul import uapi
 DTYPE_NAMES: frozenset[str] = frozenset(uapi.DTYPES)
 DTYPE_ALIASES: dict[str, str] = uapi.DTYPE_ALIASES
 
+#: Built-ins that declare block-shared arrays: only as ``name = <call>``.
+DECLARATIONS = ("shared_array", "dynamic_shared")
+#: The shape recorded for a ``dynamic_shared`` array: 1-D, its length set by the launch
+#: (its ``shared_mem`` bytes over the itemsize; every such array aliases the same bytes).
+DYNAMIC_SHAPE = (-1,)
 #: Thread/block id built-ins -> the generated code's variable prefix (dimension appended).
 ID_BUILTINS = {"global_id": "_gid", "local_id": "_l", "group_id": "_g",
               "local_size": "_ls", "num_groups": "_ng"}
@@ -30,7 +37,7 @@ MATH_BUILTINS = {"sqrt": "math.sqrt", "exp": "math.exp", "log": "math.log",
                 "floor": "math.floor"}
 _PLAIN_BUILTINS = {"abs", "min", "max", "float", "int"}
 BUILTINS: frozenset[str] = frozenset(set(ID_BUILTINS) | set(MATH_BUILTINS) | _PLAIN_BUILTINS
-                                     | {"barrier", "shared_array", "atomic_add", "mma"})
+                                     | {"barrier", "atomic_add", "mma"} | set(DECLARATIONS))
 #: Block-collective built-ins: every thread of a block issues them together, so they
 #: follow the barrier rule and are phase boundaries in the lowering.
 _COLLECTIVES = frozenset({"barrier", "mma"})
@@ -205,6 +212,9 @@ def validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> Kernel:
         fn.body = body = body[1:] or [ast.Pass()]
 
     callees = {id(n.func) for n in ast.walk(fn) if isinstance(n, ast.Call)}
+    declared = {id(n.value) for n in ast.walk(fn) if isinstance(n, ast.Assign)
+                and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
+                and n.value.func.id in DECLARATIONS}
     for n in ast.walk(fn):  # constructs the language does not have, first
         for bad, what in _REJECT_REASONS.items():
             if isinstance(n, bad):
@@ -248,7 +258,7 @@ def validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> Kernel:
             if not isinstance(n.value, (bool, int, float, str)):
                 raise reject(n, f"constant {n.value!r} is not allowed")
         elif isinstance(n, ast.Call):
-            _check_call(n, k)
+            _check_call(n, k, declared)
         elif isinstance(n, ast.Subscript):
             _check_subscript(n, k)
         elif isinstance(n, ast.Expr):
@@ -257,8 +267,7 @@ def validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> Kernel:
                 raise reject(n, "only barrier(), atomic_add() and mma() may be used as "
                                 "statements")
         elif isinstance(n, ast.Assign):
-            if isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name) \
-                    and n.value.func.id == "shared_array":
+            if id(n.value) in declared:
                 _check_shared(n, k)
             for t in n.targets:
                 elts = t.elts if isinstance(t, ast.Tuple) else [t]
@@ -277,6 +286,11 @@ def validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> Kernel:
                   and isinstance(n.ctx, ast.Store)]
         if len(stores) != 1:
             raise KernelCompileError(f"shared array {name!r} is assigned more than once")
+    static = sum(math.prod(shape) * np.dtype(dtype).itemsize
+                 for shape, dtype in k.shared.values() if shape != DYNAMIC_SHAPE)
+    if ir.get("shared_mem", 0) != static:  # the driver checked the IR's figure at load
+        raise KernelCompileError(f"IR shared_mem {ir.get('shared_mem')!r} does not match the "
+                                 f"{static} bytes of the kernel's shared arrays")
     for name in k.locals:
         if name in k.shared:
             continue
@@ -291,13 +305,13 @@ def validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> Kernel:
 
 def _is_dtype_const(node: ast.Constant, fn: ast.FunctionDef) -> bool:
     for n in ast.walk(fn):
-        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                and n.func.id == "shared_array" and len(n.args) == 2 and n.args[1] is node):
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.args
+                and (n.func.id, n.args[-1]) in (("shared_array", node), ("dynamic_shared", node))):
             return True
     return False
 
 
-def _check_call(n: ast.Call, k: Kernel) -> None:
+def _check_call(n: ast.Call, k: Kernel, declared: set[int]) -> None:
     if not isinstance(n.func, ast.Name):
         raise reject(n, "only built-in functions may be called")
     name = n.func.id
@@ -324,8 +338,9 @@ def _check_call(n: ast.Call, k: Kernel) -> None:
             raise reject(n, "atomic_add on a bool buffer")
     elif name == "mma":
         _check_mma(n, k)
-    elif name == "shared_array":
-        pass  # checked with its Assign; a shared_array elsewhere fails _check_shared
+    elif name in DECLARATIONS:
+        if id(n) not in declared:
+            raise reject(n, f"{name}() may only be the right side of `name = {name}(...)`")
     elif name in ("min", "max"):
         if nargs < 2:
             raise reject(n, f"{name}() needs at least two arguments")
@@ -382,17 +397,25 @@ def _check_subscript(n: ast.Subscript, k: Kernel) -> None:
 
 
 def _check_shared(n: ast.Assign, k: Kernel) -> None:
+    """``name = shared_array(shape, dtype)`` or ``name = dynamic_shared(dtype)``."""
     call = n.value
-    assert isinstance(call, ast.Call)
-    if len(n.targets) != 1 or not isinstance(n.targets[0], ast.Name) or len(call.args) != 2:
-        raise reject(n, "shared_array(shape, dtype) must be assigned to one name")
-    shape_node, dtype_node = call.args
-    dims = shape_node.elts if isinstance(shape_node, ast.Tuple) else [shape_node]
-    shape = tuple(const_int(d) for d in dims)
-    if not shape or len(shape) > _MAX_NDIM or any(s is None or s < 1 for s in shape):
-        raise reject(n, "shared_array shape must be positive integer constants")
+    assert isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+    what = call.func.id
+    nargs = 2 if what == "shared_array" else 1
+    if len(n.targets) != 1 or not isinstance(n.targets[0], ast.Name) or len(call.args) != nargs:
+        sig = "shape, dtype" if nargs == 2 else "dtype"
+        raise reject(n, f"{what}({sig}) must be assigned to one name")
+    dtype_node = call.args[-1]
+    if what == "shared_array":
+        shape_node = call.args[0]
+        dims = shape_node.elts if isinstance(shape_node, ast.Tuple) else [shape_node]
+        shape = tuple(const_int(d) for d in dims)
+        if not shape or len(shape) > _MAX_NDIM or any(s is None or s < 1 for s in shape):
+            raise reject(n, "shared_array shape must be positive integer constants")
+    else:
+        shape = DYNAMIC_SHAPE
     if not (isinstance(dtype_node, ast.Constant) and isinstance(dtype_node.value, str)):
-        raise reject(n, "shared_array dtype must be a dtype name")
+        raise reject(n, f"{what} dtype must be a dtype name")
     dtype = DTYPE_ALIASES.get(dtype_node.value, dtype_node.value)
     if dtype not in DTYPE_NAMES:
         raise reject(n, f"unknown dtype {dtype_node.value!r}")

@@ -37,7 +37,10 @@ Why the generated code looks the way it does
   the block runs the phase's ``_phf`` variant without those checks; otherwise the checked
   ``_ph`` loop, which faults exactly as before. Checked saxpy: ~6.6-7 ms instead of ~18.
 * ``shared_array``: allocated (zeroed) once per block at block level, passed to the
-  phases. Bounds misses on it report the local's name as ``param``.
+  phases. Bounds misses on it report the local's name as ``param``. ``dynamic_shared``
+  arrays are views of one zeroed block of the launch's dynamic bytes (``_dyn``, a
+  ``_grid`` argument), each with its own dtype: they alias, as CUDA's ``extern
+  __shared__`` arrays do.
 * Per-thread arrays for locals live across phases are float64 unless every value ever
   assigned to the local is an integer/bool (then int64): a conservative static guess,
   since the phase functions are typed by numba only after the arrays are declared.
@@ -63,8 +66,11 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from firmware import matrix
-from firmware.kernel_check import (ID_BUILTINS, MATH_BUILTINS, Kernel, buffer_dtype,
+from firmware.kernel_check import (DECLARATIONS, DYNAMIC_SHAPE, ID_BUILTINS, MATH_BUILTINS,
+                                   Kernel, buffer_dtype,
                                    buffer_ndim, const_int, contains, is_mma, reject,
                                    structural, validate)
 
@@ -404,7 +410,7 @@ class _Lowering:
     # -- block-level structure ---------------------------------------------------------------
     def is_shared_decl(self, s: ast.stmt) -> bool:
         return (isinstance(s, ast.Assign) and isinstance(s.value, ast.Call)
-                and isinstance(s.value.func, ast.Name) and s.value.func.id == "shared_array")
+                and isinstance(s.value.func, ast.Name) and s.value.func.id in DECLARATIONS)
 
     def structure(self, stmts: list[ast.stmt], ind: str, in_loop: bool) -> list[str]:
         """Block-level code: thread loops over phases, with block-level (uniform) control
@@ -733,7 +739,7 @@ class _Lowering:
                     self.fast = False
         # the grid function
         sig = ["block_lo", "block_hi", "_ng0", "_ng1", "_ng2", "_ls0", "_ls1", "_ls2",
-               "abort", "fault", "_blas"] + [_u(p) for p in k.params]
+               "abort", "fault", "_blas", "_dyn"] + [_u(p) for p in k.params]
         lines += ["", "@njit(**_NJ)", f"def _grid({', '.join(sig)}):",
                   "    _nt = _ls0 * _ls1 * _ls2",
                   "    _done = np.zeros(max(_nt, 1), np.uint8)"]
@@ -750,9 +756,15 @@ class _Lowering:
                   "        _g2 = _blk // (_ng0 * _ng1)"]
         if self.returns and len(self.phases) > 1:
             lines.append("        _done[:] = 0")
+        if any(shape == DYNAMIC_SHAPE for shape, _ in k.shared.values()):
+            lines.append("        _dsh = np.zeros(_dyn, np.uint8)")  # the launch's bytes
         for name, (shape, dtype) in k.shared.items():
             np_dt = "np.bool_" if dtype == "bool" else f"np.{dtype}"
-            lines.append(f"        {_u(name)} = np.zeros({shape!r}, {np_dt})")
+            if shape == DYNAMIC_SHAPE:  # whole elements of the launch's dynamic bytes
+                size = np.dtype(dtype).itemsize
+                lines.append(f"        {_u(name)} = _dsh[:_dyn // {size} * {size}].view({np_dt})")
+            else:
+                lines.append(f"        {_u(name)} = np.zeros({shape!r}, {np_dt})")
         lines += block_code
         lines += ["    return block_hi", ""]
         return "\n".join(lines)

@@ -495,7 +495,8 @@ class Op(enum.IntEnum):
     #: a0 = va, a1 = bytes, a2 = 0 to host, 1 to device (managed memory only)
     PREFETCH = 4
     #: a0 = kernel handle, a1 = grid, a2 = block (each x | y << 21 | z << 42), a3 = dynamic
-    #: shared bytes (0), a4 = va of the argument block, a5 = its length (docs/kernels.md)
+    #: shared bytes per block (static + dynamic within the device's limit, else EINVAL),
+    #: a4 = va of the argument block, a5 = its length (docs/kernels.md)
     LAUNCH = 5
 
 

@@ -149,30 +149,36 @@ class Kernel:
             raise errors.InvalidValueError(
                 f"{self.name}: block of {b[0] * b[1] * b[2]} threads; accel:{self.module.device} "
                 f"allows {props.max_threads_per_block}")
-        if shared_mem:
-            raise errors.InvalidValueError(f"{self.name}: dynamic shared memory is not "
-                                           "supported; use shared_array in the kernel")
+        static = self.ir.get("shared_mem", 0)
+        if not isinstance(shared_mem, (int, np.integer)) or isinstance(shared_mem, bool) \
+                or shared_mem < 0 or static + shared_mem > props.max_shared_mem_per_block:
+            raise errors.InvalidValueError(
+                f"{self.name}: shared_mem={shared_mem!r} dynamic bytes per block on top of its "
+                f"{static} static bytes; accel:{self.module.device} allows "
+                f"{props.max_shared_mem_per_block} per block")
         s = stream or current_stream(self.module.device)
         if s.device != self.module.device:
             raise errors.InvalidValueError(f"{self.name}: stream is on accel:{s.device}")
         if s.capturing is not None:  # the graph owns this launch's argument block
             buf = s.capturing.argument_block(ARG_SLOT, self.module.device)
             length, uses = self._record_args(args, buf)
-            seqno = s.submit([self._packet(g, b, buf.device_va, length)], uses=uses)
+            seqno = s.submit([self._packet(g, b, int(shared_mem), buf.device_va, length)],
+                             uses=uses)
             s.capturing.record_kernel(self.name)
             return seqno
         arena = _arena(self.module.device)
         slot, buf = arena.take()
         length, uses = self._record_args(args, buf)
-        seqno = s.submit([self._packet(g, b, buf.device_va, length)], uses=uses)
+        seqno = s.submit([self._packet(g, b, int(shared_mem), buf.device_va, length)],
+                         uses=uses)
         s.note_kernel(seqno, self.name)
         arena.used(slot, s, seqno)
         return seqno
 
-    def _packet(self, grid: tuple[int, int, int], block: tuple[int, int, int], args_va: int,
-                length: int) -> uapi.accel_packet:
+    def _packet(self, grid: tuple[int, int, int], block: tuple[int, int, int], dynamic: int,
+                args_va: int, length: int) -> uapi.accel_packet:
         return _packet(uapi.Op.LAUNCH, self.handle, uapi.pack_dims(grid), uapi.pack_dims(block),
-                       0, args_va, length)
+                       dynamic, args_va, length)
 
 
 class Module:

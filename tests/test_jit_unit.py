@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from firmware import jit
+from kmod_emul import uapi
 from firmware.jit import (ABORT_PREEMPT, ABORT_WATCHDOG, KernelCache, KernelFault, Options,
                           compat_key)
 
@@ -48,7 +49,15 @@ def ir_of(src: str, ndims: dict[str, int] | None = None) -> dict[str, Any]:
                            "ndim": (ndims or {}).get(a.arg, 1)})
         else:
             params.append({"name": a.arg, "kind": "scalar", "dtype": None})
-    return {"name": fn.name, "params": params, "source": ast.unparse(fn), "shared_mem": 0,
+    shared_mem = 0  # what the front end counts: static shared_array bytes
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) \
+                and n.func.id == "shared_array":
+            dims = n.args[0].elts if isinstance(n.args[0], ast.Tuple) else [n.args[0]]
+            dtype = uapi.DTYPE_ALIASES.get(n.args[1].value, n.args[1].value)  # type: ignore
+            shared_mem += int(np.prod([d.value for d in dims])) * np.dtype(dtype).itemsize  # type: ignore
+    return {"name": fn.name, "params": params, "source": ast.unparse(fn),
+            "shared_mem": shared_mem,
             "uses_barrier": "barrier()" in src, "uses_atomics": "atomic_add" in src,
             "uses_mma": "mma(" in src}
 
@@ -601,6 +610,9 @@ def test_in_memory_hits(cache: KernelCache) -> None:
     ("def k(x):\n    for i in range(global_id(0)):\n        barrier()\n", "barrier"),
     ("def k(x):\n    y = x[0]\n    while y > 0:\n        barrier()\n", "barrier"),
     ("def k(x):\n    x[0] = global_id(3)\n", "dimension"),
+    ("def k(x):\n    y = 1.0 + dynamic_shared('float32')\n", "right side"),
+    ("def k(x):\n    t = dynamic_shared('float32', 4)\n", "dynamic_shared.dtype. must be"),
+    ("def k(x):\n    t = dynamic_shared(4)\n", "dtype must be a dtype name"),
     ("import os\ndef k(x):\n    pass\n", "one function"),
     ("async def k(x):\n    pass\n", "one function"),
 ])
@@ -797,3 +809,47 @@ def test_mma_with_empty_k_only_scales_c(cache_root: Path, use_blas: bool) -> Non
     c = np.arange(15.0).reshape(3, 5)
     k.run(0, 1, (1, 1, 1), (1, 1, 1), [a, b, c, np.float64(0.5)], no_abort())
     np.testing.assert_array_equal(c, np.arange(15.0).reshape(3, 5) * 0.5)
+
+
+# --------------------------------------------------------------------------- dynamic shared
+
+DYN_REVERSE = ir_of("""
+    def rev(x):
+        t = dynamic_shared("float32")
+        bits = dynamic_shared("int32")
+        i = local_id(0)
+        t[i] = x[group_id(0) * local_size(0) + i]
+        barrier()
+        x[group_id(0) * local_size(0) + i] = t[local_size(0) - 1 - i]
+        barrier()
+        if i == 0:
+            t[0] = 1.0
+            x[group_id(0) * local_size(0)] = float(bits[0])
+""")
+
+
+def test_dynamic_shared_memory_is_sized_by_the_launch_and_aliases(cache: KernelCache) -> None:
+    k = cache.get(DYN_REVERSE, ("float32[1d]",), Options())
+    x = np.arange(128, dtype=np.float32)
+    assert k.run(0, 2, (2, 1, 1), (64, 1, 1), [x], no_abort(), dynamic_shared=64 * 4) == 2
+    want = np.concatenate([np.arange(63, -1, -1), np.arange(127, 63, -1)]).astype(np.float32)
+    want[[0, 64]] = float(np.float32(1.0).view(np.int32))  # int32 view of the same bytes
+    np.testing.assert_array_equal(x, want)
+
+
+def test_dynamic_shared_memory_too_small_for_the_block_faults(cache: KernelCache) -> None:
+    k = cache.get(DYN_REVERSE, ("float32[1d]",), Options())
+    x = np.arange(64, dtype=np.float32)
+    with pytest.raises(KernelFault) as ei:
+        k.run(0, 1, (1, 1, 1), (64, 1, 1), [x], no_abort(), dynamic_shared=40 * 4)
+    assert (ei.value.kind, ei.value.param, ei.value.index) == ("bounds", "t", 40)
+    with pytest.raises(ValueError, match="negative"):
+        k.run(0, 1, (1, 1, 1), (64, 1, 1), [x], no_abort(), dynamic_shared=-4)
+
+
+def test_ir_shared_mem_must_match_the_shared_arrays(cache: KernelCache) -> None:
+    """The driver checks the IR's shared_mem against the device at load; the firmware checks
+    that figure against the source, so an IR cannot understate what a block allocates."""
+    lying = {**BLOCK_SUM, "shared_mem": 0}
+    with pytest.raises(ValueError, match="does not match"):
+        cache.get(lying, ("float64[1d]", "float64[1d]"), Options())

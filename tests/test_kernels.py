@@ -116,7 +116,8 @@ def test_decorator_and_launch_checks(kdaemon, tmp_path):
             ("block", lambda: scale[1, 2048](d, 1.0)),
             ("grid", lambda: scale[0, 32](d, 1.0)),
             ("dims", lambda: scale[(1, 1, 1, 1), 32](d, 1.0)),
-            ("shared", lambda: scale[1, 32](d, 1.0, shared_mem=1024)),
+            ("shared", lambda: scale[1, 32](d, 1.0, shared_mem=48 * 1024 + 1)),
+            ("negative shared", lambda: scale[1, 32](d, 1.0, shared_mem=-1)),
         ]
         for name, bad in checks:
             try:
@@ -138,10 +139,11 @@ def test_decorator_and_launch_checks(kdaemon, tmp_path):
             print("foreign module", e.errno)
     """)
     assert lines[0] == "[3. 3.]"
-    assert lines[1:8] == [f"{n} refused" for n in ("arity", "host array", "dtype", "block",
-                                                     "grid", "dims", "shared")]
-    assert lines[8] == "compile refused, line 2"
-    assert lines[9] == "foreign module 2"
+    assert lines[1:9] == [f"{n} refused" for n in ("arity", "host array", "dtype", "block",
+                                                     "grid", "dims", "shared",
+                                                     "negative shared")]
+    assert lines[9] == "compile refused, line 2"
+    assert lines[10] == "foreign module 2"
 
 
 def test_out_of_bounds_is_a_device_fault_with_a_record(kdaemon):
@@ -326,3 +328,42 @@ def test_a_device_without_a_matrix_unit_refuses_mma_modules(tmp_path):
     finally:
         d.stop()
     assert lines == ["InvalidValueError 95 True", "512.0"]
+
+
+def test_dynamic_shared_memory_sized_per_launch(kdaemon):
+    lines = run(kdaemon, """
+        mod = runtime.compile('''
+            def rev(x):
+                t = dynamic_shared("float32")
+                i = local_id(0)
+                base = group_id(0) * local_size(0)
+                t[i] = x[base + i]
+                barrier()
+                x[base + i] = t[local_size(0) - 1 - i]
+        ''')
+        x = runtime.to_device(np.arange(256, dtype=np.float32))
+        mod.rev[2, 128](x, shared_mem=128 * 4)
+        want = np.concatenate([np.arange(127, -1, -1), np.arange(255, 127, -1)])
+        print("reversed", np.array_equal(x.copy_to_host(), want))
+        s = runtime.Stream()
+        mod.rev[2, 128](x, shared_mem=64 * 4, stream=s)     # too small for the block
+        try:
+            s.synchronize()
+        except runtime.KernelFaultError as e:
+            print("short", e.record["errno"], e.record["kernel"])
+        # the firmware checks a3 itself: a raw packet over the limit faults EINVAL
+        from runtime.launch import pinned_empty
+        k = mod.rev
+        buf = pinned_empty(4096, np.uint8)
+        length, _ = k._record_args([x], buf)
+        raw = runtime.Stream()
+        raw.submit([k._packet((1, 1, 1), (1, 1, 1), 48 * 1024 + 4, buf.device_va, length)])
+        try:
+            raw.synchronize()
+        except runtime.DeviceFaultError as e:
+            print("raw", e.record["errno"])
+        ok = runtime.Stream()
+        mod.rev[2, 128](x, shared_mem=128 * 4, stream=ok); ok.synchronize()
+        print("again", np.array_equal(x.copy_to_host(stream=ok), np.arange(256)))
+    """)
+    assert lines == ["reversed True", "short EFAULT rev", "raw EINVAL", "again True"]
