@@ -853,3 +853,25 @@ def test_ir_shared_mem_must_match_the_shared_arrays(cache: KernelCache) -> None:
     lying = {**BLOCK_SUM, "shared_mem": 0}
     with pytest.raises(ValueError, match="does not match"):
         cache.get(lying, ("float64[1d]", "float64[1d]"), Options())
+
+
+@pytest.mark.parametrize("use_blas", [True, False], ids=["blas", "loops"])
+def test_mma_tile_larger_than_a_chunk_in_every_dimension(cache_root: Path,
+                                                        use_blas: bool) -> None:
+    """Rows, columns and k each span several of the unit's chunks (firmware/matrix.py)."""
+    from firmware import matrix
+
+    m, n, kk = matrix.ROW_CHUNK + 44, matrix.COL_CHUNK * 2 + 76, matrix.K_CHUNK + 88
+    k = KernelCache(cache_root, use_blas=use_blas).get(SCALE_ONLY_FULL, _mm_types("float64"),
+                                                       Options())
+    rng = np.random.default_rng(11)
+    a, b, c0 = rng.random((m, kk)), rng.random((kk, n)), rng.random((m, n))
+    c = c0.copy()
+    k.run(0, 1, (1, 1, 1), (1, 1, 1), [a, b, c, np.float64(0.25)], no_abort())
+    np.testing.assert_allclose(c, 0.25 * c0 + a @ b, rtol=1e-10)
+
+
+SCALE_ONLY_FULL = ir_of("""
+    def whole(a, b, c, beta):
+        mma(c, a, b, 0, 0, 0, c.shape[0], c.shape[1], a.shape[1], beta)
+""", ndims={"a": 2, "b": 2, "c": 2})
