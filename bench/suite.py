@@ -151,25 +151,23 @@ def daemon_start(env: Env) -> list[Row]:
     )]
 
 
+def _open_read_close(path: str) -> Callable[[], bytes]:
+    """One attribute read the way a monitoring tool does it: open, read 4 KiB, close."""
+
+    def read() -> bytes:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.read(fd, 4096)
+        finally:
+            os.close(fd)
+
+    return read
+
+
 def sysfs_read(env: Env) -> list[Row]:
     """open + read + close of ``sys/class/accel/accel0/state`` vs the echo fs ``attr`` file."""
-    state = str(env.accel.attr(0, "state"))
-    attr = str(env.echo.attr)
-    flags = os.O_RDONLY | os.O_CLOEXEC
-
-    def read_state() -> bytes:
-        fd = os.open(state, flags)
-        try:
-            return os.read(fd, 4096)
-        finally:
-            os.close(fd)
-
-    def read_echo_attr() -> bytes:
-        fd = os.open(attr, flags)
-        try:
-            return os.read(fd, 4096)
-        finally:
-            os.close(fd)
+    read_state = _open_read_close(str(env.accel.attr(0, "state")))
+    read_echo_attr = _open_read_close(str(env.echo.attr))
 
     if read_state() != b"operational\n":
         raise RuntimeError(f"accel0 state reads {read_state()!r}")

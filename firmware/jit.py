@@ -49,9 +49,9 @@ import numpy as np
 from numba import types
 
 from firmware import matrix
-from firmware.kernel_check import ArgType, KernelCompileError, validate
+from firmware.kernel_check import ArgType, Kernel, KernelCompileError, calls_mma, validate
 from firmware.kernel_lower import (ABORT_KILL, ABORT_PREEMPT, ABORT_WATCHDOG, FAULT_ABORT,
-                                   FAULT_BOUNDS, Options, lower)
+                                   FAULT_BOUNDS, Options, lower, lower_kernel)
 
 #: The firmware's JIT compatibility boundary. Bump it whenever anything the generated code
 #: depends on outside itself changes meaning (firmware/intrinsics.py, the ``_grid`` calling
@@ -129,7 +129,7 @@ class CompiledKernel:
 
     def __init__(self, key: str, name: str, params: list[str], arg_types: list[ArgType],
                  shared: list[str], dispatcher: Any, signature: tuple[Any, ...],
-                 source: str, module_path: Path, blas: np.ndarray) -> None:
+                 source: str, module_path: Path, blas: np.ndarray, uses_mma: bool) -> None:
         self.key = key
         self.name = name
         self.params = params
@@ -142,7 +142,7 @@ class CompiledKernel:
         self.blas = blas  # the matrix unit's entry points (firmware/matrix.py)
         #: Whether it calls the matrix unit: its work then grows with the tiles, not with
         #: the thread count (the scheduler's inline heuristic).
-        self.uses_mma = "\ndef _mma(" in source
+        self.uses_mma = uses_mma
         # The native entry point skips numba's per-call type dispatch (a few us per launch);
         # run() checks the buffers itself, since it would not.
         try:
@@ -272,23 +272,22 @@ class KernelCache:
         """The compiled kernel, from memory, from disk, or compiled now (eagerly, so the
         first launch does not pay for it). Raises :class:`KernelCompileError`."""
         arg_types = tuple(arg_types)
-        fast = (ir.get("source"), arg_types, options)
-        params, shared_mem = ir.get("params"), ir.get("shared_mem", 0)
         with self._lock:
-            for p, s, key in self._fast.get(fast, ()):
-                if p == params and s == shared_mem:
-                    self.hits += 1
-                    return self._mem[key]
+            ck = self._in_memory(ir, arg_types, options)
+            if ck is not None:
+                return ck
+            k = validate(ir, arg_types)
             inputs = self.key_inputs(ir, arg_types, options)
-            source = lower(ir, arg_types, options)
+            source = lower_kernel(k, options)
             key = self._key(inputs, source)
             ck = self._mem.get(key)
             if ck is None:
-                ck = self._get_disk(key, inputs, source, ir, arg_types)
+                ck = self._get_disk(key, inputs, source, k)
                 self._mem[key] = ck
             else:
                 self.hits += 1
-            self._fast.setdefault(fast, []).append((copy.deepcopy(params), shared_mem, key))
+            self._fast.setdefault((ir.get("source"), arg_types, options), []).append(
+                (copy.deepcopy(ir.get("params")), ir.get("shared_mem", 0), key))
             return ck
 
     def cached(self, ir: dict[str, Any], arg_types: tuple[str, ...],
@@ -296,10 +295,16 @@ class KernelCache:
         """The compiled kernel if it is already in memory, else None (never compiles: the
         scheduler may run small launches inline only when this costs no compile)."""
         with self._lock:
-            for p, s, key in self._fast.get((ir.get("source"), tuple(arg_types), options), ()):
-                if p == ir.get("params") and s == ir.get("shared_mem", 0):
-                    self.hits += 1
-                    return self._mem[key]
+            return self._in_memory(ir, tuple(arg_types), options)
+
+    def _in_memory(self, ir: dict[str, Any], arg_types: tuple[str, ...],
+                   options: Options) -> CompiledKernel | None:
+        """The fast path: a kernel seen before with this exact source, params and shared
+        memory, without validating or lowering it again (caller holds the lock)."""
+        for p, s, key in self._fast.get((ir.get("source"), arg_types, options), ()):
+            if p == ir.get("params") and s == ir.get("shared_mem", 0):
+                self.hits += 1
+                return self._mem[key]
         return None
 
     @contextlib.contextmanager
@@ -311,15 +316,15 @@ class KernelCache:
             finally:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
-    def _get_disk(self, key: str, inputs: dict[str, Any], source: str, ir: dict[str, Any],
-                  arg_types: tuple[str, ...]) -> CompiledKernel:
+    def _get_disk(self, key: str, inputs: dict[str, Any], source: str,
+                  k: Kernel) -> CompiledKernel:
         entry = self.entry_dir(key)
         module_name = f"kernel_{key[:16]}.py"
         with self._flock(key):
             if entry.exists():
                 if self._valid(entry, key, module_name, source):
                     try:
-                        ck, compiled = self._load(entry, key, module_name, source, ir, arg_types)
+                        ck, compiled = self._load(entry, key, module_name, source, k)
                     except Exception:  # noqa: BLE001 - e.g. numba's cache files unreadable
                         ck = None  # rebuilt below; a real compile error shows up there
                     if ck is not None:
@@ -330,7 +335,7 @@ class KernelCache:
             self.misses += 1
             self._build(entry, key, inputs, module_name, source)
             try:
-                ck, compiled = self._load(entry, key, module_name, source, ir, arg_types)
+                ck, compiled = self._load(entry, key, module_name, source, k)
             except BaseException:
                 shutil.rmtree(entry, ignore_errors=True)  # never keep an entry that fails
                 raise
@@ -369,8 +374,8 @@ class KernelCache:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _load(self, entry: Path, key: str, module_name: str, source: str, ir: dict[str, Any],
-              arg_types: tuple[str, ...]) -> tuple[CompiledKernel, int]:
+    def _load(self, entry: Path, key: str, module_name: str, source: str,
+              k: Kernel) -> tuple[CompiledKernel, int]:
         """Import the entry's module and compile ``_grid`` eagerly: numba loads it from its
         ``__pycache__`` when it can (returns compiled=0) or compiles and saves it (1)."""
         mod_name = f"aemu_jit_kernel_{key[:16]}"
@@ -387,22 +392,20 @@ class KernelCache:
         except BaseException:
             sys.modules.pop(mod_name, None)
             raise
-        parsed = [ArgType.parse(t) for t in arg_types]
         abort_t = types.Array(types.int64, 1, "C")
         sig = (types.int64, types.int64, types.int64, types.int64, types.int64,
                types.int64, types.int64, types.int64, abort_t, abort_t, abort_t, types.int64,
-               *[t.numba_type() for t in parsed])
+               *[t.numba_type() for t in k.arg_types])
         disp = mod._grid
         try:
             disp.compile(sig)
         except Exception as exc:  # numba typing/lowering errors are the kernel's
             sys.modules.pop(mod_name, None)
-            raise KernelCompileError(f"kernel {ir.get('name', '?')!r} does not compile: "
+            raise KernelCompileError(f"kernel {k.fn.name!r} does not compile: "
                                      f"{str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
         compiled = 1 if sum(disp.stats.cache_misses.values()) else 0
-        k = validate(ir, arg_types)
-        ck = CompiledKernel(key, k.fn.name, k.params, parsed, list(k.shared), disp, sig,
-                            source, path, self.blas)
+        ck = CompiledKernel(key, k.fn.name, k.params, k.arg_types, list(k.shared), disp, sig,
+                            source, path, self.blas, calls_mma(k.fn.body))
         return ck, compiled
 
 __all__ = ["ABORT_KILL", "ABORT_PREEMPT", "ABORT_WATCHDOG", "FIRMWARE_JIT_ABI",

@@ -153,6 +153,11 @@ def is_mma(s: ast.stmt) -> bool:
             and isinstance(s.value.func, ast.Name) and s.value.func.id == "mma")
 
 
+def calls_mma(stmts: list[ast.stmt]) -> bool:
+    """Whether the kernel body issues mma() anywhere (it then gets the matrix helper)."""
+    return contains(stmts, lambda n: isinstance(n, ast.stmt) and is_mma(n))
+
+
 def validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> Kernel:
     """Re-validate the IR's source against docs/kernels.md's whitelist (defence in depth:
     the firmware never trusts the runtime) and check it against the launch's types.

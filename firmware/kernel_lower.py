@@ -70,9 +70,8 @@ import numpy as np
 
 from firmware import matrix
 from firmware.kernel_check import (DECLARATIONS, DYNAMIC_SHAPE, ID_BUILTINS, MATH_BUILTINS,
-                                   Kernel, buffer_dtype,
-                                   buffer_ndim, const_int, contains, is_mma, reject,
-                                   structural, validate)
+                                   Kernel, buffer_dtype, buffer_ndim, calls_mma, const_int,
+                                   contains, is_mma, reject, structural, validate)
 
 #: Values of the abort word (see "The abort word" above).
 ABORT_PREEMPT = 1
@@ -692,7 +691,7 @@ class _Lowering:
     def module(self) -> str:
         k = self.k
         body = [s for s in k.fn.body]
-        uses_mma = contains(body, lambda n: isinstance(n, ast.stmt) and is_mma(n))
+        uses_mma = calls_mma(body)
         block_code = self.structure(body, "        ", False)
         pt = self.per_thread()
         self.per_thread_order = list(pt)
@@ -806,7 +805,11 @@ def _join(*kinds: str) -> str:
     return "float" if "float" in kinds else "int"
 
 
+def lower_kernel(k: Kernel, options: Options) -> str:
+    """The text of the generated module for an already validated kernel."""
+    return _Lowering(k, options).module()
+
+
 def lower(ir: dict[str, Any], arg_types: tuple[str, ...], options: Options) -> str:
     """Validate and lower one kernel: the text of the generated module."""
-    k = validate(ir, tuple(arg_types))
-    return _Lowering(k, options).module()
+    return lower_kernel(validate(ir, tuple(arg_types)), options)
