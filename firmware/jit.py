@@ -21,6 +21,12 @@ machine code). Each entry is ``root/<key[:2]>/<key>/`` with the generated module
 directory and renamed into place under an exclusive ``flock`` on ``root/<key>.lock``, so
 two processes never corrupt an entry and never both compile it; a corrupt entry (manifest
 unreadable, checksum mismatch, a cache file numba cannot load) is deleted and rebuilt.
+
+Locking within a process: a short lock guards only the in-memory tables and counters, and
+one build lock is held while a kernel is validated, lowered and compiled (seconds), so
+:meth:`KernelCache.cached` -- the scheduler's lookup on its control thread -- never waits
+for a compile, while two threads asking for one new kernel still compile it once (numba
+serialises compiles behind its own global lock anyway, so one build lock loses nothing).
 """
 
 from __future__ import annotations
@@ -49,33 +55,59 @@ import numpy as np
 from numba import types
 
 from firmware import matrix
-from firmware.kernel_check import ArgType, Kernel, KernelCompileError, calls_mma, validate
+from firmware.kernel_check import (SHARED_LIMIT, ArgType, Kernel, KernelCompileError,
+                                   bounded_work, calls_mma, validate)
 from firmware.kernel_lower import (ABORT_KILL, ABORT_PREEMPT, ABORT_WATCHDOG, FAULT_ABORT,
-                                   FAULT_BOUNDS, Options, lower, lower_kernel)
+                                   FAULT_BOUNDS, FAULT_INDEX, FAULT_NDIM, FAULT_SHAPE,
+                                   FAULT_WORDS, MAX_BLOCK_THREADS, MAX_DIM, Options, lower,
+                                   lower_kernel)
 
 #: The firmware's JIT compatibility boundary. Bump it whenever anything the generated code
 #: depends on outside itself changes meaning (firmware/intrinsics.py, the ``_grid`` calling
 #: convention, the fault-array layout): every cached entry then misses.
-FIRMWARE_JIT_ABI = 3
+FIRMWARE_JIT_ABI = 4
 DEFAULT_ISA = "aemu-isa 1.0"
 DEFAULT_STEPPING = "A1"
 
 
+#: The range of KernelFault.index: a flat index that does not fit is clamped to it.
+INDEX_MIN = -(1 << 63)
+INDEX_MAX = (1 << 63) - 1
+_U64_MAX = (1 << 64) - 1
+
+
 class KernelFault(Exception):
-    """A launch stopped by the kernel itself (``kind="bounds"``: ``param`` is the buffer's
-    name -- or a ``shared_array`` local's -- and ``index`` the flat element index) or by
-    the abort word inside a block (``"watchdog"`` / ``"abort"``). ``block`` is the block
-    that was running: blocks before it completed."""
+    """A launch stopped by the kernel itself or by the abort word inside a block.
+
+    ``kind="bounds"``: ``param`` is the buffer's name (or a shared array local's) and
+    ``index`` the flat, row-major element index of the access -- for ``mma`` the tile
+    corner that misses (docs/kernels.md) -- as a Python int in ``[INDEX_MIN, INDEX_MAX]``.
+    It is exact, computed in Python from the per-dimension indices the kernel recorded,
+    except that it is clamped to that range and ``saturated`` is then True -- as it is when
+    a recorded index is 2**63-1, the bound to which a uint64 index of 2**63 or more and an
+    mma tile end past it saturate. A negative index (the access's start) stays negative: a
+    clamp to 0 would name an element inside the buffer. The device address of the miss is
+    :meth:`address`, which the caller must use (or clamp likewise) to fit a 64-bit field.
+    ``"watchdog"`` / ``"abort"``: stopped by the abort word. ``"error"``: the kernel raised
+    an error numba defines as an exception (a ``range()`` step of 0). ``block`` is the block
+    that was running when known: blocks before it completed."""
 
     def __init__(self, kind: str, param: str | None = None, index: int | None = None,
-                 message: str = "", block: int | None = None) -> None:
+                 message: str = "", block: int | None = None, saturated: bool = False) -> None:
         self.kind = kind
         self.param = param
         self.index = index
+        self.saturated = saturated
         self.block = block
         self.message = message or (f"{kind} fault" + (f" on {param}[{index}]"
                                                       if param is not None else ""))
         super().__init__(self.message)
+
+    def address(self, va: int, itemsize: int) -> int:
+        """``va + index * itemsize`` (``va`` without an index) clamped to ``[0, 2**64 - 1]``:
+        the device address a fault record's u64 field can hold."""
+        addr = va + (self.index or 0) * itemsize
+        return min(max(addr, 0), _U64_MAX)
 
 
 def compat_key(options: Options = Options(), isa: str = DEFAULT_ISA,
@@ -129,7 +161,8 @@ class CompiledKernel:
 
     def __init__(self, key: str, name: str, params: list[str], arg_types: list[ArgType],
                  shared: list[str], dispatcher: Any, signature: tuple[Any, ...],
-                 source: str, module_path: Path, blas: np.ndarray, uses_mma: bool) -> None:
+                 source: str, module_path: Path, blas: np.ndarray, uses_mma: bool,
+                 inline_ok: bool) -> None:
         self.key = key
         self.name = name
         self.params = params
@@ -141,8 +174,14 @@ class CompiledKernel:
         self.module_path = module_path
         self.blas = blas  # the matrix unit's entry points (firmware/matrix.py)
         #: Whether it calls the matrix unit: its work then grows with the tiles, not with
-        #: the thread count (the scheduler's inline heuristic).
+        #: the thread count.
         self.uses_mma = uses_mma
+        #: Whether its work per thread is statically bounded and small
+        #: (kernel_check.bounded_work: no loops, no mma, at most INLINE_MAX_NODES nodes),
+        #: so that a launch of a bounded number of threads is bounded work whatever its
+        #: arguments: the scheduler may then run it on its control thread, which must do
+        #: bounded work per pass (a kernel with a loop could hold it until the watchdog).
+        self.inline_ok = inline_ok
         # The native entry point skips numba's per-call type dispatch (a few us per launch);
         # run() checks the buffers itself, since it would not.
         try:
@@ -158,13 +197,19 @@ class CompiledKernel:
         ``grid`` blocks of ``block`` threads, each with ``dynamic_shared`` bytes for its
         ``dynamic_shared`` arrays (the caller checks it against the device's limit).
         Returns the first block not run (``block_hi`` when all ran; less only when the
-        abort word stopped it between blocks). Raises :class:`KernelFault` on a bounds miss
-        or when the abort word stopped a block in the middle."""
+        abort word stopped it between blocks). Raises :class:`KernelFault` on a bounds miss,
+        when the abort word stopped a block in the middle, or when the kernel raised.
+
+        Every dimension must be in ``[1, MAX_DIM]`` and a block at most
+        ``MAX_BLOCK_THREADS`` threads, ``dynamic_shared`` at most ``SHARED_LIMIT`` (the
+        generated code's arithmetic relies on these; ValueError otherwise)."""
         gx, gy, gz = grid
         bx, by, bz = block
-        if not 0 <= block_lo <= block_hi <= gx * gy * gz or min(bx, by, bz) < 1:
-            raise ValueError(f"blocks [{block_lo}, {block_hi}) outside grid {grid} "
-                             f"or bad block {block}")
+        if not all(isinstance(d, int) and 1 <= d <= MAX_DIM for d in (*grid, *block)) \
+                or bx * by * bz > MAX_BLOCK_THREADS:
+            raise ValueError(f"grid {grid} or block {block} outside the launch limits")
+        if not 0 <= block_lo <= block_hi <= gx * gy * gz:
+            raise ValueError(f"blocks [{block_lo}, {block_hi}) outside grid {grid}")
         if not (type(abort) is np.ndarray and abort.dtype == np.int64 and abort.shape == (1,)):
             raise TypeError("abort must be an int64 array of shape (1,)")
         if len(args) != len(self.params):
@@ -175,24 +220,45 @@ class CompiledKernel:
                     and a.flags.c_contiguous):
                 raise TypeError(f"argument {self.params[i]!r} must be a C-contiguous "
                                 f"{dt}[{nd}d] array")
-        fault = np.zeros(4, np.int64)
+        fault = np.zeros(FAULT_WORDS, np.int64)
         if dynamic_shared < 0:
             raise ValueError(f"negative dynamic shared memory {dynamic_shared}")
-        done = self._entry(block_lo, block_hi, gx, gy, gz, bx, by, bz, abort, fault,
-                           self.blas, dynamic_shared, *args)
+        if dynamic_shared > SHARED_LIMIT:
+            raise ValueError(f"dynamic shared memory {dynamic_shared} above {SHARED_LIMIT}")
+        try:
+            done = self._entry(block_lo, block_hi, gx, gy, gz, bx, by, bz, abort, fault,
+                               self.blas, dynamic_shared, *args)
+        except Exception as exc:  # noqa: BLE001 - raised by the kernel's code (numba's)
+            raise KernelFault("error", message=f"{self.name}: {exc!r}") from exc
         kind = int(fault[0])
         if kind == FAULT_BOUNDS:
             pos = int(fault[1])
             names = self.params + self.shared
             param = names[pos] if 0 <= pos < len(names) else f"#{pos}"
-            raise KernelFault("bounds", param, int(fault[2]), block=int(done),
-                              message=f"{self.name}: out-of-bounds access {param}"
-                                      f"[{int(fault[2])}] in block {int(done)}")
+            index, saturated = _flat_index(fault)
+            where = f"[{index}{' (saturated)' if saturated else ''}]"
+            raise KernelFault("bounds", param, index, block=int(done), saturated=saturated,
+                              message=f"{self.name}: out-of-bounds access {param}{where} "
+                                      f"in block {int(done)}")
         if kind == FAULT_ABORT:
             why = "watchdog" if int(abort[0]) == ABORT_WATCHDOG else "abort"
             raise KernelFault(why, block=int(done),
                               message=f"{self.name}: stopped by {why} in block {int(done)}")
         return int(done)
+
+
+def _flat_index(fault: np.ndarray) -> tuple[int, bool]:
+    """The flat index of a recorded bounds miss (kernel_lower's fault layout), exact in
+    Python ints, clamped to ``[INDEX_MIN, INDEX_MAX]``, and whether it is a bound (clamped,
+    or computed from a recorded index that was itself saturated)."""
+    n = int(fault[FAULT_NDIM])
+    idx = [int(v) for v in fault[FAULT_INDEX:FAULT_INDEX + n]]
+    shape = [int(v) for v in fault[FAULT_SHAPE:FAULT_SHAPE + n]]
+    flat = 0
+    for i, dim in zip(idx, shape):
+        flat = flat * dim + i
+    index = min(max(flat, INDEX_MIN), INDEX_MAX)
+    return index, index != flat or INDEX_MAX in idx
 
 
 # --------------------------------------------------------------------------- the cache
@@ -235,18 +301,22 @@ class KernelCache:
         self.hits = 0
         self.misses = 0
         self.compiles = 0
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # the tables and counters only: held for microseconds
+        self._build_lock = threading.Lock()  # validating, lowering, compiling (see module doc)
         self._mem: dict[str, CompiledKernel] = {}
         self._fast: dict[tuple[str, tuple[str, ...], Options], list[tuple[Any, Any, str]]] = {}
 
     # -- keys -------------------------------------------------------------------------------
     def key_inputs(self, ir: dict[str, Any], arg_types: tuple[str, ...],
                    options: Options) -> dict[str, Any]:
-        """What the key hashes (the generated source's hash is added at build time). Only
-        the kernel's own source, params and shared_mem: not its name in the module, its
-        position, nor the module's other kernels."""
+        """What the key hashes (the generated source's hash is added at build time), for an
+        IR that validated. Only the kernel's own source, params (the fields the contract
+        defines) and shared_mem: not its name in the module, its position, nor the module's
+        other kernels."""
+        params = [{f: p.get(f) for f in ("name", "kind", "dtype", "ndim")}
+                  for p in ir["params"]]
         return {
-            "kernel": {"source": ir.get("source"), "params": ir.get("params"),
+            "kernel": {"source": ir["source"], "params": params,
                        "shared_mem": ir.get("shared_mem", 0)},
             "arg_types": list(arg_types),
             "options": asdict(options),
@@ -255,9 +325,8 @@ class KernelCache:
 
     def key(self, ir: dict[str, Any], arg_types: tuple[str, ...], options: Options) -> str:
         """The persistent cache key: sha256 over the inputs and the generated source."""
-        inputs = self.key_inputs(ir, arg_types, options)
-        source = lower(ir, tuple(arg_types), options)
-        return self._key(inputs, source)
+        source = lower(ir, tuple(arg_types), options)  # validates the IR first
+        return self._key(self.key_inputs(ir, arg_types, options), source)
 
     @staticmethod
     def _key(inputs: dict[str, Any], source: str) -> str:
@@ -270,42 +339,53 @@ class KernelCache:
     def get(self, ir: dict[str, Any], arg_types: tuple[str, ...],
             options: Options = Options()) -> CompiledKernel:
         """The compiled kernel, from memory, from disk, or compiled now (eagerly, so the
-        first launch does not pay for it). Raises :class:`KernelCompileError`."""
+        first launch does not pay for it). Raises :class:`KernelCompileError`, and nothing
+        else for any IR."""
         arg_types = tuple(arg_types)
-        with self._lock:
-            ck = self._in_memory(ir, arg_types, options)
+        ck = self.cached(ir, arg_types, options)
+        if ck is not None:
+            return ck
+        with self._build_lock:
+            ck = self.cached(ir, arg_types, options)  # built while this thread waited
             if ck is not None:
                 return ck
             k = validate(ir, arg_types)
             inputs = self.key_inputs(ir, arg_types, options)
             source = lower_kernel(k, options)
             key = self._key(inputs, source)
-            ck = self._mem.get(key)
+            with self._lock:
+                ck = self._mem.get(key)
             if ck is None:
                 ck = self._get_disk(key, inputs, source, k)
-                self._mem[key] = ck
             else:
-                self.hits += 1
-            self._fast.setdefault((ir.get("source"), arg_types, options), []).append(
-                (copy.deepcopy(ir.get("params")), ir.get("shared_mem", 0), key))
+                self._count(hits=1)
+            with self._lock:
+                self._mem[key] = ck
+                self._fast.setdefault((ir["source"], arg_types, options), []).append(
+                    (copy.deepcopy(ir["params"]), ir.get("shared_mem", 0), key))
             return ck
 
     def cached(self, ir: dict[str, Any], arg_types: tuple[str, ...],
                options: Options = Options()) -> CompiledKernel | None:
-        """The compiled kernel if it is already in memory, else None (never compiles: the
-        scheduler may run small launches inline only when this costs no compile)."""
+        """The compiled kernel if it is already in memory, else None: never compiles, and
+        never waits for a compile in progress (only the short table lock), so the
+        scheduler's control thread may call it per launch."""
+        source = ir.get("source") if isinstance(ir, dict) else None
+        arg_types = tuple(arg_types)
+        if not (isinstance(source, str) and all(isinstance(t, str) for t in arg_types)):
+            return None  # not a kernel seen before (get() says why it is none at all)
         with self._lock:
-            return self._in_memory(ir, tuple(arg_types), options)
-
-    def _in_memory(self, ir: dict[str, Any], arg_types: tuple[str, ...],
-                   options: Options) -> CompiledKernel | None:
-        """The fast path: a kernel seen before with this exact source, params and shared
-        memory, without validating or lowering it again (caller holds the lock)."""
-        for p, s, key in self._fast.get((ir.get("source"), arg_types, options), ()):
-            if p == ir.get("params") and s == ir.get("shared_mem", 0):
-                self.hits += 1
-                return self._mem[key]
+            for p, s, key in self._fast.get((source, arg_types, options), ()):
+                if p == ir.get("params") and s == ir.get("shared_mem", 0):
+                    self.hits += 1
+                    return self._mem[key]
         return None
+
+    def _count(self, hits: int = 0, misses: int = 0, compiles: int = 0) -> None:
+        with self._lock:
+            self.hits += hits
+            self.misses += misses
+            self.compiles += compiles
 
     @contextlib.contextmanager
     def _flock(self, key: str) -> Iterator[None]:
@@ -328,18 +408,17 @@ class KernelCache:
                     except Exception:  # noqa: BLE001 - e.g. numba's cache files unreadable
                         ck = None  # rebuilt below; a real compile error shows up there
                     if ck is not None:
-                        self.hits += 1
-                        self.compiles += compiled
+                        self._count(hits=1, compiles=compiled)
                         return ck
                 shutil.rmtree(entry, ignore_errors=True)  # corrupt or half-written: rebuild
-            self.misses += 1
+            self._count(misses=1)
             self._build(entry, key, inputs, module_name, source)
             try:
                 ck, compiled = self._load(entry, key, module_name, source, k)
             except BaseException:
                 shutil.rmtree(entry, ignore_errors=True)  # never keep an entry that fails
                 raise
-            self.compiles += compiled
+            self._count(compiles=compiled)
             return ck
 
     def _valid(self, entry: Path, key: str, module_name: str, source: str) -> bool:
@@ -389,6 +468,11 @@ class KernelCache:
         sys.modules[mod_name] = mod
         try:
             spec.loader.exec_module(mod)
+        except Exception as exc:  # e.g. Python's limit of 20 nested blocks: the kernel's
+            sys.modules.pop(mod_name, None)
+            why = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+            raise KernelCompileError(f"kernel {k.fn.name!r} does not compile: "
+                                     f"{type(exc).__name__}: {why}") from exc
         except BaseException:
             sys.modules.pop(mod_name, None)
             raise
@@ -402,12 +486,25 @@ class KernelCache:
         except Exception as exc:  # numba typing/lowering errors are the kernel's
             sys.modules.pop(mod_name, None)
             raise KernelCompileError(f"kernel {k.fn.name!r} does not compile: "
-                                     f"{str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
+                                     f"{_reason(exc)}") from exc
         compiled = 1 if sum(disp.stats.cache_misses.values()) else 0
         ck = CompiledKernel(key, k.fn.name, k.params, k.arg_types, list(k.shared), disp, sig,
-                            source, path, self.blas, calls_mma(k.fn.body))
+                            source, path, self.blas, calls_mma(k.fn.body),
+                            bounded_work(k) is not None)
         return ck, compiled
 
-__all__ = ["ABORT_KILL", "ABORT_PREEMPT", "ABORT_WATCHDOG", "FIRMWARE_JIT_ABI",
-           "CompiledKernel", "KernelCache", "KernelCompileError", "KernelFault", "Options",
-           "compat_key", "lower", "validate"]
+
+def _reason(exc: Exception) -> str:
+    """The line of a numba error that says what failed: the signature it found no
+    implementation for (e.g. ``_rt_index(float64)``: a float used as an index), else its
+    first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith(">>> "):
+            return f"no implementation of {line[4:]}"
+    return lines[0] if lines else repr(exc)
+
+
+__all__ = ["ABORT_KILL", "ABORT_PREEMPT", "ABORT_WATCHDOG", "FIRMWARE_JIT_ABI", "INDEX_MAX",
+           "INDEX_MIN", "CompiledKernel", "KernelCache", "KernelCompileError", "KernelFault",
+           "Options", "compat_key", "lower", "validate"]

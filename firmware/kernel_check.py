@@ -5,12 +5,24 @@ docs/kernels.md is the language. The runtime's front end (runtime/kernels.py) ch
 first, with line-and-reason messages for users; the firmware checks again with its own
 code because it never trusts the runtime (defence in depth: a hand-made IR reaches here
 through the driver). Where the two differ, the firmware may be stricter, never looser.
+
+It is stricter in size: a source, its syntax tree, the tree's depth, loop nesting and a
+kernel's static shared memory have firmware limits (:data:`MAX_SOURCE_CHARS`,
+:data:`MAX_NODES`, :data:`MAX_DEPTH`, :data:`MAX_LOOP_NESTING`, :data:`SHARED_LIMIT`),
+because the lowering and Python's compiler recurse over the tree (and Python allows 20
+nested blocks), numba's compile time grows faster than linearly with it (~5 s for 1,200
+nodes on the 2-core test machine), and the JIT itself must bound what a block allocates
+where no driver checked the IR. :func:`validate` is total: whatever the IR holds, it
+returns a :class:`Kernel` or raises :class:`KernelCompileError`. The language's types are
+stricter too: an index or an integer argument of ``mma`` must be an integer (a float does
+not compile; numba would convert it unchecked).
 """
 
 from __future__ import annotations
 
 import ast
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +46,7 @@ ID_BUILTINS = {"global_id": "_gid", "local_id": "_l", "group_id": "_g",
 #: Math built-ins -> what the generated code calls.
 MATH_BUILTINS = {"sqrt": "math.sqrt", "exp": "math.exp", "log": "math.log",
                 "sin": "math.sin", "cos": "math.cos", "tanh": "math.tanh",
-                "floor": "math.floor"}
+                "floor": "_rt_floor"}  # defined for every float (firmware/intrinsics.py)
 _PLAIN_BUILTINS = {"abs", "min", "max", "float", "int"}
 BUILTINS: frozenset[str] = frozenset(set(ID_BUILTINS) | set(MATH_BUILTINS) | _PLAIN_BUILTINS
                                      | {"barrier", "atomic_add", "mma"} | set(DECLARATIONS))
@@ -43,7 +55,27 @@ BUILTINS: frozenset[str] = frozenset(set(ID_BUILTINS) | set(MATH_BUILTINS) | _PL
 _COLLECTIVES = frozenset({"barrier", "mma"})
 #: mma(c, a, b, row, col, k0, tm, tn, tk, beta): the matrix unit (firmware/matrix.py).
 _MMA_NARGS = 10
-_MAX_NDIM = 8
+#: Most dimensions of a buffer or shared array (the fault array has room for this many).
+MAX_NDIM = 8
+#: Firmware limits on one kernel (see the module doc): source characters, syntax-tree
+#: nodes (ast.walk's count; ~20 s of numba compile time on the 2-core test machine at the
+#: limit; the kernel library's largest, gemm, has 265), and tree depth (ast.unparse and
+#: copy.deepcopy in the lowering recurse ~3 frames per level; Python allows 1000 frames).
+MAX_SOURCE_CHARS = 256 * 1024
+MAX_NODES = 4096
+MAX_DEPTH = 100
+#: Most loops nested in one another: Python's compiler allows 20 nested blocks, and the
+#: generated ``_grid`` puts a block loop and three thread loops around block-level ones.
+MAX_LOOP_NESTING = 16
+#: Most bytes of block-shared memory a kernel may declare statically (and a launch may
+#: ask for dynamically): 20x this ISA's 48 KiB per block. The driver checks the IR's
+#: figure against the device; this bounds what the JIT allocates per block without it.
+SHARED_LIMIT = 1 << 20
+#: Integer constants must fit in 64 bits (numba cannot type larger ones).
+_CONST_LIMIT = 1 << 64
+#: A loop-free kernel body of at most this many syntax-tree nodes is "bounded work" (see
+#: bounded_work): each thread evaluates each node at most once.
+INLINE_MAX_NODES = 256
 
 
 class KernelCompileError(ValueError):
@@ -70,12 +102,12 @@ class ArgType:
             try:
                 ndim = int(rest[:-2])
             except ValueError:
-                raise KernelCompileError(f"bad argument type {text!r}") from None
-            if not 1 <= ndim <= _MAX_NDIM:
-                raise KernelCompileError(f"bad buffer rank in argument type {text!r}")
+                raise KernelCompileError(f"bad argument type {text[:40]!r}") from None
+            if not 1 <= ndim <= MAX_NDIM:
+                raise KernelCompileError(f"bad buffer rank in argument type {text[:40]!r}")
         name = DTYPE_ALIASES.get(name, name)
         if name not in DTYPE_NAMES:
-            raise KernelCompileError(f"unknown dtype in argument type {text!r}")
+            raise KernelCompileError(f"unknown dtype in argument type {text[:40]!r}")
         return ArgType(name, ndim)
 
     def numba_type(self) -> Any:
@@ -161,14 +193,89 @@ def calls_mma(stmts: list[ast.stmt]) -> bool:
 def validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> Kernel:
     """Re-validate the IR's source against docs/kernels.md's whitelist (defence in depth:
     the firmware never trusts the runtime) and check it against the launch's types.
-    Raises :class:`KernelCompileError` (a ValueError) naming the line and the reason."""
+    Raises :class:`KernelCompileError` (a ValueError) naming the line and the reason, and
+    nothing else, whatever the IR holds: the explicit checks reject malformed fields, and
+    an error they did not foresee (a recursion or memory limit of Python's parser, a field
+    of an unexpected type deep inside) is turned into one here, at the boundary."""
+    try:
+        return _validate(ir, arg_types)
+    except KernelCompileError:
+        raise
+    except (RecursionError, MemoryError, TypeError, AttributeError, KeyError, IndexError,
+            ValueError, OverflowError) as exc:
+        raise KernelCompileError(f"malformed kernel IR ({type(exc).__name__}: "
+                                 f"{str(exc)[:200]})") from None
+
+
+def _check_ir_fields(ir: Any, arg_types: Any) -> None:
+    """The IR's fields have the types docs/kernels.md gives them (the driver checked some at
+    load; a hand-made IR may reach the JIT without it)."""
+    if not isinstance(ir, dict):
+        raise KernelCompileError("kernel IR is not an object")
     source = ir.get("source")
     if not isinstance(source, str):
         raise KernelCompileError("kernel IR has no source")
+    if len(source) > MAX_SOURCE_CHARS:
+        raise KernelCompileError(f"kernel source of {len(source)} characters exceeds the "
+                                 f"firmware's {MAX_SOURCE_CHARS}")
+    params = ir.get("params")
+    if not isinstance(params, list):
+        raise KernelCompileError("IR params is not a list")
+    for p in params:
+        if not (isinstance(p, dict) and isinstance(p.get("name"), str)):
+            raise KernelCompileError(f"IR parameter {str(p)[:60]} is not an object with a name")
+        if p.get("kind") not in ("buffer", "scalar"):
+            raise KernelCompileError(f"parameter {p['name']!r} has an unknown kind")
+        if not (p.get("dtype") is None or isinstance(p.get("dtype"), str)):
+            raise KernelCompileError(f"parameter {p['name']!r} has a malformed dtype")
+        ndim = p.get("ndim", 1)
+        if p["kind"] == "buffer" and not (type(ndim) is int and 1 <= ndim <= MAX_NDIM):
+            raise KernelCompileError(f"buffer {p['name']!r} has a malformed ndim")
+    shared = ir.get("shared_mem", 0)
+    if not (type(shared) is int and 0 <= shared <= SHARED_LIMIT):
+        raise KernelCompileError(f"IR shared_mem {str(shared)[:40]} is not a byte count of at "
+                                 f"most {SHARED_LIMIT}")
+    if not (isinstance(arg_types, (tuple, list)) and all(isinstance(t, str) for t in arg_types)):
+        raise KernelCompileError("argument types must be a sequence of strings")
+
+
+def _check_tree_size(tree: ast.AST) -> None:
+    """At most MAX_NODES nodes and MAX_DEPTH levels (counted without recursion)."""
+    count = 0
+    todo: deque[tuple[ast.AST, int, int]] = deque([(tree, 1, 0)])
+    while todo:
+        node, depth, line = todo.popleft()
+        line = getattr(node, "lineno", line)  # operators and contexts have none
+        count += 1
+        if count > MAX_NODES:
+            raise KernelCompileError(f"kernel has more than the firmware's {MAX_NODES} "
+                                     "syntax-tree nodes")
+        if depth > MAX_DEPTH:
+            raise KernelCompileError(f"line {line}: expression or statement nesting deeper "
+                                     f"than the firmware's {MAX_DEPTH} levels")
+        todo.extend((child, depth + 1, line) for child in ast.iter_child_nodes(node))
+
+
+def _loop_nesting(stmts: list[ast.stmt]) -> int:
+    """How deeply loops nest in ``stmts`` (recursion bounded by MAX_DEPTH)."""
+    deepest = 0
+    for s in stmts:
+        inner = [b for b in (getattr(s, "body", None), getattr(s, "orelse", None))
+                 if isinstance(b, list)]
+        depth = max((_loop_nesting(b) for b in inner), default=0)
+        deepest = max(deepest, depth + isinstance(s, (ast.For, ast.While)))
+    return deepest
+
+
+def _validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> Kernel:
+    _check_ir_fields(ir, arg_types)
     try:
-        tree = ast.parse(source)
-    except SyntaxError as exc:
+        tree = ast.parse(ir["source"])
+    except (SyntaxError, ValueError) as exc:  # ValueError: e.g. a NUL byte
         raise KernelCompileError(f"kernel source does not parse: {exc}") from None
+    _check_tree_size(tree)
+    if _loop_nesting(tree.body) > MAX_LOOP_NESTING:
+        raise KernelCompileError(f"loops nested deeper than the firmware's {MAX_LOOP_NESTING}")
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef):
         raise KernelCompileError("kernel source must be exactly one function definition")
     fn = tree.body[0]
@@ -178,8 +285,8 @@ def validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> Kernel:
     if a.posonlyargs or a.kwonlyargs or a.vararg or a.kwarg or a.defaults or a.kw_defaults:
         raise reject(fn, "only plain positional parameters are allowed")
     params = [arg.arg for arg in a.args]
-    ir_params = ir.get("params")
-    if not isinstance(ir_params, list) or [p.get("name") for p in ir_params] != params:
+    ir_params = ir["params"]
+    if [p["name"] for p in ir_params] != params:
         raise KernelCompileError("IR params do not match the kernel's parameters")
     if len(arg_types) != len(params):
         raise KernelCompileError(f"{len(params)} parameters but {len(arg_types)} argument types")
@@ -262,6 +369,8 @@ def validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> Kernel:
                 raise reject(n, "string constants are only allowed as dtype names")
             if not isinstance(n.value, (bool, int, float, str)):
                 raise reject(n, f"constant {n.value!r} is not allowed")
+            if type(n.value) is int and n.value >= _CONST_LIMIT:
+                raise reject(n, "integer constant does not fit in 64 bits")
         elif isinstance(n, ast.Call):
             _check_call(n, k, declared)
         elif isinstance(n, ast.Subscript):
@@ -293,6 +402,9 @@ def validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> Kernel:
             raise KernelCompileError(f"shared array {name!r} is assigned more than once")
     static = sum(math.prod(shape) * np.dtype(dtype).itemsize
                  for shape, dtype in k.shared.values() if shape != DYNAMIC_SHAPE)
+    if static > SHARED_LIMIT:
+        raise KernelCompileError(f"the kernel's shared arrays take {static} bytes, more than "
+                                 f"the firmware's {SHARED_LIMIT}")
     if ir.get("shared_mem", 0) != static:  # the driver checked the IR's figure at load
         raise KernelCompileError(f"IR shared_mem {ir.get('shared_mem')!r} does not match the "
                                  f"{static} bytes of the kernel's shared arrays")
@@ -388,6 +500,8 @@ def _check_subscript(n: ast.Subscript, k: Kernel) -> None:
     if isinstance(v, ast.Attribute):  # buf.shape[k]
         if v.attr != "shape" or const_int(n.slice) is None:
             raise reject(n, "only buf.shape[constant] may be indexed")
+        if not (isinstance(v.value, ast.Name) and v.value.id in k.buffers):
+            raise reject(n, "only the .shape of a buffer parameter may be indexed")
         if not 0 <= const_int(n.slice) < buffer_ndim(k, v.value.id):  # type: ignore
             raise reject(n, "shape index out of range")
         return
@@ -415,7 +529,7 @@ def _check_shared(n: ast.Assign, k: Kernel) -> None:
         shape_node = call.args[0]
         dims = shape_node.elts if isinstance(shape_node, ast.Tuple) else [shape_node]
         shape = tuple(const_int(d) for d in dims)
-        if not shape or len(shape) > _MAX_NDIM or any(s is None or s < 1 for s in shape):
+        if not shape or len(shape) > MAX_NDIM or any(s is None or s < 1 for s in shape):
             raise reject(n, "shared_array shape must be positive integer constants")
     else:
         shape = DYNAMIC_SHAPE
@@ -527,3 +641,20 @@ def _check_barriers(stmts: list[ast.stmt], k: Kernel, uniform: set[str],
             _check_barriers(s.body, k, uniform, True)
         else:
             raise reject(s, "barrier() may only be a statement")
+
+
+def bounded_work(k: Kernel) -> int | None:
+    """The number of syntax-tree nodes of the kernel's body when its work per thread is
+    statically bounded and small, else None: no ``for`` or ``while`` anywhere (so no
+    barrier in a loop either), no ``mma`` (its work grows with its tiles) and at most
+    :data:`INLINE_MAX_NODES` nodes. Such a body evaluates each node at most once per
+    thread (each built-in is bounded too: ``**`` on integers by 63 squarings), so a launch
+    of T threads costs O(T * nodes) whatever its arguments; the scheduler may run it on
+    its control thread, which must do bounded work per pass."""
+    nodes = 0
+    for stmt in k.fn.body:
+        for n in ast.walk(stmt):
+            if isinstance(n, (ast.For, ast.While)) or (isinstance(n, ast.stmt) and is_mma(n)):
+                return None
+            nodes += 1
+    return nodes if nodes <= INLINE_MAX_NODES else None

@@ -15,7 +15,19 @@ Why the generated code looks the way it does
   it are thread loops.
 * Bounds checks are explicit generated code, not numba's ``boundscheck`` (whose failure is
   an exception with no buffer name, and which numba's cache does not key on): a miss
-  records ``fault = [1, param position, flat index]`` and stops the launch.
+  records the buffer's position, its shape and the index per dimension in the fault array
+  (layout: :data:`FAULT_NDIM` and below) and stops the launch; firmware/jit.py computes the
+  flat index from those in Python ints, so no report can wrap around.
+* No range arithmetic that guards memory can wrap: indices are int64 by ``_rt_index``
+  (firmware/intrinsics.py: a uint64 beyond int64 saturates, a float does not compile) and
+  are compared unsigned against the shape; the block-level range checks of affine
+  accesses add at most ``_Lowering._MAX_OFFSETS`` offsets below 2**40 to ``group *
+  local_size`` with every grid and block dimension at most :data:`MAX_DIM` (checked by
+  ``CompiledKernel.run`` before any compiled code runs), so they stay below 2**46;
+  mma's checks are in firmware/matrix.py. Operations whose numba lowering can be LLVM
+  poison (out-of-range shifts, float-to-int conversions, numba's integer power) go through
+  the defined versions in firmware/intrinsics.py, including the conversion of a value
+  stored into an integer buffer.
 * Every user loop reads the abort word once per iteration with an atomic load (a plain
   load of a value the loop never writes may be hoisted out of the loop by LLVM, which would
   make a ``while True:`` kernel unkillable).
@@ -70,8 +82,9 @@ import numpy as np
 
 from firmware import matrix
 from firmware.kernel_check import (DECLARATIONS, DYNAMIC_SHAPE, ID_BUILTINS, MATH_BUILTINS,
-                                   Kernel, buffer_dtype, buffer_ndim, calls_mma, const_int,
-                                   contains, is_mma, reject, structural, validate)
+                                   MAX_NDIM, Kernel, KernelCompileError, buffer_dtype,
+                                   buffer_ndim, calls_mma, const_int, contains, is_mma, reject,
+                                   structural, validate)
 
 #: Values of the abort word (see "The abort word" above).
 ABORT_PREEMPT = 1
@@ -81,11 +94,28 @@ ABORT_KILL = 3
 #: fault[0] values written by generated code.
 FAULT_BOUNDS = 1
 FAULT_ABORT = 2
+#: The rest of the fault array after a bounds miss: fault[1] is the buffer's position
+#: (parameters, then shared arrays), fault[FAULT_NDIM] its number of dimensions n, then n
+#: int64 indices from fault[FAULT_INDEX] and the n dimensions of its shape from
+#: fault[FAULT_SHAPE]. FAULT_WORDS is the array's length.
+FAULT_NDIM = 2
+FAULT_INDEX = 3
+FAULT_SHAPE = FAULT_INDEX + MAX_NDIM
+FAULT_WORDS = FAULT_SHAPE + MAX_NDIM
+#: Largest grid or block dimension of a launch (the launch ABI packs each in 21 bits),
+#: and most threads per block (64x the 1024 of this ISA's devices): the generated code's
+#: block-level arithmetic and per-thread arrays rely on these bounds, which
+#: CompiledKernel.run checks before any compiled code runs.
+MAX_DIM = (1 << 21) - 1
+MAX_BLOCK_THREADS = 1 << 16
 
 _AUG_SYMBOL: dict[type, str] = {
     ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//",
     ast.Mod: "%", ast.Pow: "**", ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^",
     ast.LShift: "<<", ast.RShift: ">>"}
+#: Operators whose numba lowering can be poison: the generated code calls these instead.
+_DEFINED_BINOPS: dict[type, str] = {ast.LShift: "_rt_shl", ast.RShift: "_rt_shr",
+                                    ast.Pow: "_rt_pow"}
 
 
 @dataclass(frozen=True)
@@ -113,7 +143,8 @@ class _Rewrite(ast.NodeTransformer):
     goes to a temporary, checked before the statement (a miss stops the thread at once);
     a load under short-circuit evaluation (``and``/``or``, a conditional expression, the
     tail of a chained comparison) must not be hoisted, and calls a helper that records the
-    miss and yields zero, the statement then checking ``fault[0]``."""
+    miss and yields zero, the statement then checking ``fault[0]``. Shifts, powers and
+    ``int()`` become the defined intrinsics (see the module doc)."""
 
     def __init__(self, low: "_Lowering") -> None:
         self.low = low
@@ -139,7 +170,14 @@ class _Rewrite(ast.NodeTransformer):
         args = [self.visit(a) for a in n.args]
         if name in MATH_BUILTINS:
             return ast.Call(ast.parse(MATH_BUILTINS[name], mode="eval").body, args, [])
-        return ast.Call(ast.Name(name, ast.Load()), args, [])
+        return ast.Call(ast.Name("_rt_int" if name == "int" else name, ast.Load()), args, [])
+
+    def visit_BinOp(self, n: ast.BinOp) -> ast.AST:
+        left, right = self.visit(n.left), self.visit(n.right)
+        helper = _DEFINED_BINOPS.get(type(n.op))
+        if helper is not None:
+            return ast.Call(ast.Name(helper, ast.Load()), [left, right], [])
+        return ast.BinOp(left, n.op, right)
 
     def _conditional(self, nodes: list[ast.AST]) -> list[ast.AST]:
         self.cond += 1
@@ -187,8 +225,10 @@ def _indices(n: ast.Subscript) -> list[ast.expr]:
 
 
 def _subscript(name: str, idx: list[ast.expr], ctx: ast.expr_context) -> ast.Subscript:
-    """``u_name[np.uint64(i), ...]``."""
-    cast = [ast.Call(ast.parse("np.uint64", mode="eval").body, [i], []) for i in idx]
+    """``u_name[np.uint64(_rt_index(i)), ...]`` (an index is an integer; see the module
+    doc)."""
+    cast = [ast.Call(ast.parse("np.uint64", mode="eval").body,
+                     [ast.Call(ast.Name("_rt_index", ast.Load()), [i], [])], []) for i in idx]
     sl = ast.Tuple(cast, ast.Load()) if len(cast) > 1 else cast[0]
     return ast.Subscript(ast.Name(_u(name), ast.Load()), sl, ctx)
 
@@ -250,20 +290,19 @@ class _Lowering:
 
     # -- phase functions: thread-level code ------------------------------------------------
     def hoist_index(self, name: str, idx: list[str], out: list[str], ind: str) -> list[str]:
-        """Evaluate an access's indices into temporaries and check them (unsigned compare:
-        a negative index is a miss too); a miss records the fault and stops the thread."""
+        """Evaluate an access's indices into int64 temporaries and check them (unsigned
+        compare: a negative index is a miss too); a miss records the fault and stops the
+        thread."""
         u = _u(name)
         ivars = []
         for i in idx:
             v = self.fresh("k")
-            out.append(f"{ind}{v} = {i}")
+            out.append(f"{ind}{v} = _rt_index({i})")
             ivars.append(v)
         conds = " or ".join(f"np.uint64({v}) >= np.uint64({u}.shape[{d}])"
                             for d, v in enumerate(ivars))
-        flat = ivars[0]
-        for d, v in enumerate(ivars[1:], 1):
-            flat = f"({flat}) * {u}.shape[{d}] + {v}"
-        out += [f"{ind}if {conds}:", f"{ind}    _miss(fault, {self.pos_of(name)}, {flat})",
+        out += [f"{ind}if {conds}:",
+                f"{ind}    _miss(fault, {self.pos_of(name)}, ({', '.join(ivars)},), {u}.shape)",
                 f"{ind}    return 1"]
         return ivars
 
@@ -302,6 +341,16 @@ class _Lowering:
                                           ast.Store()))
         return ast.unparse(_Rewrite(self).visit(copy.deepcopy(t)))
 
+    def conversion(self, t: ast.expr) -> str:
+        """``"_rt_int"`` when ``t`` is an element of an integer buffer (a float stored there
+        would go through numba's poison-prone fptosi), else ``""``."""
+        if isinstance(t, ast.Subscript):
+            t = t.value
+        if not (isinstance(t, ast.Name) and (t.id in self.k.buffers or t.id in self.k.shared)):
+            return ""
+        dtype = buffer_dtype(self.k, t.id)
+        return "" if dtype == "bool" or dtype.startswith("float") else "_rt_int"
+
     def stmt(self, s: ast.stmt, ind: str, writeback: list[str]) -> list[str]:
         out: list[str] = []
         if isinstance(s, ast.Assign):
@@ -310,12 +359,12 @@ class _Lowering:
                 out += self.fault_check(ind)
             if len(s.targets) == 1:
                 tgt = self.target(s.targets[0], ind, out)
-                return out + [f"{ind}{tgt} = {value}"]
+                return out + [f"{ind}{tgt} = {self.conversion(s.targets[0])}({value})"]
             v = self.fresh("v")
             out.append(f"{ind}{v} = {value}")
             for t in s.targets:
                 tgt = self.target(t, ind, out)
-                out.append(f"{ind}{tgt} = {v}")
+                out.append(f"{ind}{tgt} = {self.conversion(t)}({v})")
             return out
         if isinstance(s, ast.AugAssign):
             op = _AUG_SYMBOL[type(s.op)]
@@ -323,7 +372,12 @@ class _Lowering:
             if loads:
                 out += self.fault_check(ind)
             tgt = self.target(s.target, ind, out)
-            return out + [f"{ind}{tgt} {op}= {value}"]
+            helper = _DEFINED_BINOPS.get(type(s.op))
+            conv = self.conversion(s.target)
+            if helper is None and not conv:
+                return out + [f"{ind}{tgt} {op}= {value}"]
+            new = f"{helper}({tgt}, {value})" if helper else f"{tgt} {op} ({value})"
+            return out + [f"{ind}{tgt} = {conv}({new})"]
         if is_mma(s):  # its own phase, run by thread 0 (see collective())
             return self.mma(s.value, ind)  # type: ignore[arg-type]
         if isinstance(s, ast.Expr):  # atomic_add (barrier() is structural)
@@ -340,7 +394,7 @@ class _Lowering:
                 out += self.fault_check(ind)
             ivars, _ = self.access(name, idx, ind, out, call)
             v = self.fresh("v")
-            out.append(f"{ind}{v} = {value}")
+            out.append(f"{ind}{v} = {self.conversion(call.args[0])}({value})")
             out.append(f"{ind}_rt_atomic_add({_u(name)}, ({', '.join(ivars)},), {v})")
             return out
         if isinstance(s, ast.If):
@@ -386,15 +440,17 @@ class _Lowering:
 
     def mma(self, call: ast.Call, ind: str) -> list[str]:
         """The matrix unit's call: operands, then the seven scalar arguments evaluated
-        (with thread 0's locals), then the BLAS entry point for the dtype."""
+        (with thread 0's locals; the six integer ones as int64 through ``_rt_index``, which
+        firmware/matrix.py's range checks rely on), then the BLAS entry point for the
+        dtype."""
         out: list[str] = []
         names = [a.id for a in call.args[:3]]  # type: ignore[attr-defined]
         values = []
-        for a in call.args[3:]:
+        for i, a in enumerate(call.args[3:]):
             text, loads = self.hexpr(a, ind, out)
             if loads:
                 out += self.fault_check(ind)
-            values.append(text)
+            values.append(text if i == 6 else f"_rt_index({text})")  # beta stays a number
         slot = matrix.SLOT[buffer_dtype(self.k, names[0])]
         args = ([_u(n) for n in names] + values
                 + [f"_blas[{slot}]", "abort", "fault"] + [str(self.pos_of(n)) for n in names])
@@ -493,7 +549,8 @@ class _Lowering:
                 f"{ind}                return _blk"]
 
     # -- block-level range checks of affine accesses -----------------------------------------
-    _OFFSET_LIMIT = 1 << 40  # |offset| bound: the range arithmetic cannot overflow int64
+    _OFFSET_LIMIT = 1 << 40  # |offset| bound, and how many: with MAX_DIM, the block's
+    _MAX_OFFSETS = 16  # range arithmetic stays below 2**46 (no int64 wrap-around)
 
     def affine_offset(self, e: ast.AST, guards: dict[str, None]) -> str | None:
         """An offset that is the same for every thread of the launch: an int constant or
@@ -529,14 +586,14 @@ class _Lowering:
             left = self.affine(e.left, defs, guards)
             if left is not None:
                 off = self.affine_offset(e.right, guards)
-                if off is None:
+                if off is None or len(left[2]) >= self._MAX_OFFSETS:
                     return None
                 return left[0], left[1], left[2] + ((off if isinstance(e.op, ast.Add)
                                                      else f"-{off}"),)
             if isinstance(e.op, ast.Add):
                 right = self.affine(e.right, defs, guards)
                 off = self.affine_offset(e.left, guards) if right is not None else None
-                if right is not None and off is not None:
+                if right is not None and off is not None and len(right[2]) < self._MAX_OFFSETS:
                     return right[0], right[1], right[2] + (off,)
         return None
 
@@ -706,18 +763,22 @@ class _Lowering:
             "import math",
             "import numpy as np",
             "from numba import njit",
-            "from firmware.intrinsics import _rt_abort_word, _rt_atomic_add",
+            "from firmware.intrinsics import (_rt_abort_word, _rt_atomic_add, _rt_floor, "
+            "_rt_index, _rt_int, _rt_pow, _rt_shl, _rt_shr)",
             *(["from firmware.matrix import _rt_gemm, _rt_span"] if uses_mma else []),
             "",
             f"_NJ = {nj}",
             "",
             "",
             "@njit(**_NJ)",
-            "def _miss(fault, pos, flat):",
+            "def _miss(fault, pos, idx, shape):",
             "    if fault[0] == 0:",
             f"        fault[0] = {FAULT_BOUNDS}",
             "        fault[1] = pos",
-            "        fault[2] = flat",
+            f"        fault[{FAULT_NDIM}] = len(idx)",
+            "        for d in range(len(idx)):",
+            f"            fault[{FAULT_INDEX} + d] = idx[d]",
+            f"            fault[{FAULT_SHAPE} + d] = shape[d]",
             "",
         ]
         if uses_mma:
@@ -774,15 +835,13 @@ class _Lowering:
         dtype = buffer_dtype(self.k, name)
         zero = "False" if dtype == "bool" else f"np.{dtype}(0)"
         ivars = [f"i{d}" for d in range(ndim)]
-        conds = " or ".join(f"np.uint64({v}) >= np.uint64(a.shape[{d}])"
-                            for d, v in enumerate(ivars))
-        flat = ivars[0]
-        for d, v in enumerate(ivars[1:], 1):
-            flat = f"({flat}) * a.shape[{d}] + {v}"
-        sub = ", ".join(f"np.uint64({v})" for v in ivars)
+        conds = " or ".join(f"np.uint64(j{d}) >= np.uint64(a.shape[{d}])" for d in range(ndim))
+        jvars = ", ".join(f"j{d}" for d in range(ndim))
+        sub = ", ".join(f"np.uint64(j{d})" for d in range(ndim))
         return ["", "@njit(**_NJ)", f"def _ld_{name}(a, {', '.join(ivars)}, fault):",
+                *[f"    j{d} = _rt_index(i{d})" for d in range(ndim)],
                 f"    if {conds}:",
-                f"        _miss(fault, {self.pos_of(name)}, {flat})",
+                f"        _miss(fault, {self.pos_of(name)}, ({jvars},), a.shape)",
                 f"        return {zero}",
                 f"    return a[{sub}]", ""]
 
@@ -806,8 +865,15 @@ def _join(*kinds: str) -> str:
 
 
 def lower_kernel(k: Kernel, options: Options) -> str:
-    """The text of the generated module for an already validated kernel."""
-    return _Lowering(k, options).module()
+    """The text of the generated module for an already validated kernel. Raises only
+    :class:`KernelCompileError`: the lowering recurses over the syntax tree, whose depth
+    validate() bounds; should Python's limits still be reached, that is the kernel's
+    error, not the firmware's."""
+    try:
+        return _Lowering(k, options).module()
+    except (RecursionError, MemoryError) as exc:
+        raise KernelCompileError(f"kernel {k.fn.name!r} is too large to lower "
+                                 f"({type(exc).__name__})") from None
 
 
 def lower(ir: dict[str, Any], arg_types: tuple[str, ...], options: Options) -> str:

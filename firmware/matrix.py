@@ -157,25 +157,40 @@ def _rt_span(typingctx: Any, ary: Any) -> Any:
 #: The block-level helper a kernel that uses mma gets in its generated module (the text is
 #: part of the generated source, so its hash is in the cache key). Returns 1 when the
 #: launch must stop (a bounds miss, recorded in ``fault``, or the abort word).
+#:
+#: The generated call passes the six integer arguments through ``_rt_index`` (int64; a
+#: float is a compile error, a uint64 beyond int64 saturates), so the range checks below
+#: compare int64 values only, and none of their arithmetic can wrap: each subtraction is
+#: of two non-negative values, and the reported far corner saturates. Once a tile passes,
+#: every offset below is inside an existing array (at most its element count).
 HELPER = '''
 @njit(**_NJ)
-def _mma_tile_miss(rows, cols, r0, nr, c0, nc):
-    """-1 when [r0, r0+nr) x [c0, c0+nc) lies in a rows x cols matrix, else the flat
-    index of the tile corner that does not (the start if it is negative, else the end)."""
+def _mma_far(start, extent):
+    """start + extent - 1 for start, extent >= 0, saturated at 2**63-1 (a fault record)."""
+    if extent - 1 > 9223372036854775807 - start:
+        return 9223372036854775807
+    return start + (extent - 1)
+
+
+@njit(**_NJ)
+def _mma_tile_miss(fault, pos, rows, cols, r0, nr, c0, nc):
+    """False when [r0, r0+nr) x [c0, c0+nc) lies in a rows x cols matrix; else True, the
+    miss recorded as the tile corner that does not (its start when anything is negative,
+    else its far end)."""
     if nr < 0 or nc < 0 or r0 < 0 or c0 < 0:
-        return r0 * cols + c0
-    if r0 + nr > rows or c0 + nc > cols:
-        return (r0 + nr - 1) * cols + (c0 + nc - 1)
-    return -1
+        _miss(fault, pos, (r0, c0), (rows, cols))
+        return True
+    if r0 > rows or nr > rows - r0 or c0 > cols or nc > cols - c0:
+        _miss(fault, pos, (_mma_far(r0, nr), _mma_far(c0, nc)), (rows, cols))
+        return True
+    return False
 
 
 @njit(**_NJ)
 def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, fn, abort, fault, pc, pa, pb):
     for arr, pos, r0, nr, q0, nq in ((c, pc, row, tm, col, tn), (a, pa, row, tm, k0, tk),
                                       (b, pb, k0, tk, col, tn)):
-        miss = _mma_tile_miss(arr.shape[0], arr.shape[1], r0, nr, q0, nq)
-        if miss != -1:
-            _miss(fault, pos, miss)
+        if _mma_tile_miss(fault, pos, arr.shape[0], arr.shape[1], r0, nr, q0, nq):
             return 1
     if tm == 0 or tn == 0:
         return 0
@@ -188,7 +203,8 @@ def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, fn, abort, fault, pc, pa, pb):
         ar, ak, bk, bc = 0, 0, 0, 0
     else:
         ar, ak, bk, bc = row, k0, k0, col
-    lda, ldb, ldc = a.shape[1], b.shape[1], c.shape[1]
+    # BLAS wants lda >= max(1, k) even when k is 0 (a has no columns): it then reads no a
+    lda, ldb, ldc = max(a.shape[1], 1), b.shape[1], c.shape[1]
     for r in range(0, tm, @ROWS@):
         mr = min(@ROWS@, tm - r)
         for q0 in range(0, tn, @COLS@):

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from firmware import jit
+from firmware import jit, kernel_check
 from kmod_emul import uapi
 from firmware.jit import (ABORT_PREEMPT, ABORT_WATCHDOG, KernelCache, KernelFault, Options,
                           compat_key)
@@ -875,3 +875,105 @@ SCALE_ONLY_FULL = ir_of("""
     def whole(a, b, c, beta):
         mma(c, a, b, 0, 0, 0, c.shape[0], c.shape[1], a.shape[1], beta)
 """, ndims={"a": 2, "b": 2, "c": 2})
+
+
+# --------------------------------------------------------------------------- inline work
+
+STRAIGHT = ir_of("def straight(x):\n    i = global_id(0)\n"
+                 + "".join(f"    x[i] = x[i] * 0.5 + {j}.0\n" for j in range(30)))
+
+
+@pytest.mark.parametrize("ir, types, bounded", [
+    (SAXPY, SAXPY_T, True),
+    (COPY, ("float32[1d]", "float32[1d]"), True),
+    (MATMUL, ("float32[2d]", "float32[2d]", "float32[2d]", "int64"), False),  # for loops
+    (SPIN, ("float64[1d]",), False),                                         # while loop
+    (UNIFORM_LOCALS, ("float32[1d]", "int64"), False),                       # barrier loops
+    (TILE, ("float32[2d]",) * 3 + ("int64",) * 3, False),                    # mma
+    (STRAIGHT, ("float64[1d]",), False),                     # no loop, but ~450 nodes
+])
+def test_bounded_work_says_which_kernels_may_run_inline(ir: dict[str, Any],
+                                                        types: tuple[str, ...],
+                                                        bounded: bool) -> None:
+    """Loop-free, mma-free bodies of at most INLINE_MAX_NODES nodes: their work per thread
+    is bounded whatever the arguments, so the scheduler may run them on its control
+    thread."""
+    work = kernel_check.bounded_work(jit.validate(ir, types))
+    assert (work is not None) is bounded
+    if work is not None:
+        assert 0 < work <= kernel_check.INLINE_MAX_NODES
+
+
+def test_compiled_kernels_carry_inline_ok(cache: KernelCache) -> None:
+    assert cache.get(SAXPY, SAXPY_T, Options()).inline_ok is True
+    assert cache.get(SPIN, ("float64[1d]",), Options()).inline_ok is False
+    k = cache.get(TILE, ("float32[2d]",) * 3 + ("int64",) * 3, Options())
+    assert (k.inline_ok, k.uses_mma) == (False, True)
+
+
+# --------------------------------------------------------------------------- cache locking
+
+
+def test_cached_never_waits_for_a_compile(cache: KernelCache) -> None:
+    """The scheduler's lookup takes only the table lock: a compile in progress (the build
+    lock held, as for seconds by numba) does not delay it."""
+    k = cache.get(SAXPY, SAXPY_T, Options())
+    held, release = threading.Event(), threading.Event()
+
+    def compiling() -> None:
+        with cache._build_lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=compiling)
+    t.start()
+    try:
+        assert held.wait(10)
+        t0 = time.perf_counter()
+        assert cache.cached(SAXPY, SAXPY_T, Options()) is k
+        assert cache.get(SAXPY, SAXPY_T, Options()) is k  # an in-memory hit: no build lock
+        assert time.perf_counter() - t0 < 0.1
+    finally:
+        release.set()
+        t.join()
+
+
+def test_one_compile_for_two_threads_while_cached_stays_prompt(cache: KernelCache) -> None:
+    k = cache.get(SAXPY, SAXPY_T, Options())
+    fresh = ir_of("""
+        def fresh(x, out):
+            i = global_id(0)
+            if i < out.size:
+                out[i] = x[i] * 3.0 - 1.0
+    """)
+    misses, compiles = cache.misses, cache.compiles
+    got: list[Any] = []
+    threads = [threading.Thread(target=lambda: got.append(
+        cache.get(fresh, ("float64[1d]", "float64[1d]"), Options()))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    slowest = 0.0
+    while any(t.is_alive() for t in threads):
+        t0 = time.perf_counter()
+        assert cache.cached(SAXPY, SAXPY_T, Options()) is k
+        slowest = max(slowest, time.perf_counter() - t0)
+        time.sleep(0.005)
+    for t in threads:
+        t.join()
+    assert len(got) == 2 and got[0] is got[1]
+    assert (cache.misses, cache.compiles) == (misses + 1, compiles + 1)
+    assert slowest < 0.1, f"cached() waited {slowest:.3f} s during a compile"
+
+
+# --------------------------------------------------------------------------- fault records
+
+
+def test_fault_address_fits_a_u64_field() -> None:
+    """KernelFault.index is exact (a Python int) or clamped to int64; the device address
+    va + index * itemsize is clamped to 64 bits by address() (x[1 << 62] of float64 at a
+    high va would otherwise not fit a fault record)."""
+    va = 0x7F00_0000_0000
+    assert KernelFault("bounds", "x", 1 << 62).address(va, 8) == (1 << 64) - 1
+    assert KernelFault("bounds", "x", -(1 << 63)).address(va, 8) == 0
+    assert KernelFault("bounds", "x", -2).address(va, 4) == va - 8
+    assert KernelFault("watchdog").address(va, 4) == va
