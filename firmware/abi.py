@@ -12,17 +12,24 @@ the driver creates and hands to the firmware process) holding:
 Doorbells (host to firmware) and interrupts (firmware to host) are one byte on a pipe:
 the ring carries the data, the byte only wakes the sleeper. The firmware reads EOF on its
 doorbell when the driver is gone and halts, so a killed daemon leaves no firmware behind.
+
+File descriptors (a context's pipes and doorbell page, rings, pinned memory, module
+images: all the client's own, imported by the driver) travel beside the mailbox on a
+socket pair, as SCM_RIGHTS (:class:`FdChannel`); the message that needs them names them
+by a cookie.
 """
 
 from __future__ import annotations
 
 import enum
+import os
+import socket
 import struct
 from typing import Final
 
 MAILBOX_MAGIC: Final = 0xACCE1E40
 #: The mailbox ABI this file describes. Images list the range they speak.
-MAILBOX_ABI: Final = 1
+MAILBOX_ABI: Final = 2
 
 MAILBOX_SIZE: Final = 1 << 20
 _BOOT_OFF: Final = 0
@@ -61,19 +68,24 @@ class BootFlag(enum.IntFlag):
 class Op(enum.IntEnum):
     """Messages on the command ring (host to firmware) and the completion ring.
 
-    Argument words ``a0..a5`` per op (host to firmware):
-      CTX_CREATE / CTX_DESTROY: -; the firmware answers CTX_DESTROY once the context's
-        queues have stopped and its mappings are gone.
+    Argument words ``a0..a5`` per op (host to firmware); "fds" travel on the
+    :class:`FdChannel` under the cookie the message names:
+      CTX_CREATE: a0 cookie; fds: doorbell pipe read end, event pipe write end, doorbell
+        page memfd.
+      CTX_DESTROY: -; the firmware answers CTX_DESTROY once the context's queues have
+        stopped and its mappings are gone.
       MAP: a0 va, a1 size, a2 MemKind, a3 owning device index, a4 VRAM offset (device
-        memory) or backing handle (host kinds), a5 backing token (host kinds' file name).
+        memory), a5 cookie (host kinds; fds: the memfd).
       UNMAP: a0 va. Answered once every packet queued before it has completed, so the
         driver reuses the memory only after the device is done with it.
-      CTX_CREATE: a0 doorbell token (the FIFO's name, see uapi.doorbell_name).
-      QUEUE_CREATE: a0 queue id, a1 priority, a2 ring token (uapi.ring_name).
-      QUEUE_IMPORT: a0 local queue id, a1 peer device, a2 peer queue id, a3 its ring token.
+      QUEUE_CREATE: a0 queue id, a1 priority, a2 doorbell slot, a3 cookie (fds: the ring).
+      QUEUE_IMPORT: a0 local queue id, a1 peer device, a2 peer queue id, a3 cookie (fds:
+        that queue's ring).
       QUEUE_DESTROY: a0 queue id: drained first, then forgotten.
-    Completions: FENCE: a0 queue id, a1 fence value (a queue reached the seqno the
-    driver armed in its ring). UNMAP: a0 va. CTX_DESTROY: -.
+      MODULE_LOAD: a0 module id, a1 size, a2 cookie (fds: the sealed image).
+    Completions: UNMAP: a0 va. CTX_DESTROY: -. MAP / QUEUE_CREATE / QUEUE_IMPORT with a
+    nonzero status (an errno): the firmware could not map it (a0 va / queue id); a queue
+    it could not map is faulted by the driver, which maps the ring too.
     """
 
     CTX_CREATE = 2
@@ -88,21 +100,65 @@ class Op(enum.IntEnum):
     #: may be resident only in what remains.
     SET_BUDGET = 10
     QUEUE_IMPORT = 11
-    FENCE = 12
     #: debugfs sched_hold: a0 = 1 stops the scheduler taking packets, 0 resumes it
     HOLD = 13
-    #: a0 module id, a1 token of its file (uapi.module_name); the firmware validates it
+    #: a0 module id, a1 size, a2 cookie; the firmware validates the module itself
     MODULE_LOAD = 14
     #: a0 module id
     MODULE_UNLOAD = 15
 
 
-def host_backing_name(kind: int, handle: int, token: int) -> str:
-    """File name (in the daemon's shm directory) of a host-visible allocation's backing.
+class FdChannel:
+    """Descriptors from the driver to the firmware: ``(cookie, fds)`` datagrams on a
+    SOCK_SEQPACKET socket pair. The driver sends a message's descriptors just before the
+    message enters the command ring, so the firmware, handling messages in order, finds
+    them at the head of the socket. Cookies grow: a datagram with a smaller cookie than
+    the one asked for belongs to a message the firmware dropped, and its fds are closed.
+    Either side owns the descriptors it received or was handed: ``send`` closes them."""
 
-    The token is 64 random bits, so the name cannot be guessed from the handle.
-    """
-    return f"{kind}-{handle}-{token:016x}"
+    MAX_FDS: Final = 4
+    _COOKIE = struct.Struct("<Q")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    @classmethod
+    def pair(cls) -> tuple[FdChannel, socket.socket]:
+        """The driver's end, and the firmware's socket (to pass to its process)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        return cls(ours), theirs
+
+    def send(self, cookie: int, fds: list[int]) -> bool:
+        """Send and close ``fds``; False (nothing sent or closed) if the socket is full."""
+        try:
+            socket.send_fds(self.sock, [self._COOKIE.pack(cookie)], fds)
+        except BlockingIOError:
+            return False
+        except OSError:  # the firmware is gone; its watchers report that
+            pass
+        for fd in fds:
+            os.close(fd)
+        return True
+
+    def take(self, cookie: int) -> list[int]:
+        """Firmware side: the descriptors sent under ``cookie`` (caller owns them).
+        Raises LookupError if they are not there (a driver bug)."""
+        while True:
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, 8, self.MAX_FDS)
+            except BlockingIOError:
+                raise LookupError(f"no descriptors for cookie {cookie}") from None
+            got = self._COOKIE.unpack(data)[0] if len(data) == 8 else -1
+            if got == cookie:
+                return list(fds)
+            for fd in fds:
+                os.close(fd)
+            if got > cookie:
+                raise LookupError(f"descriptors for cookie {cookie} were skipped")
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 # Message: op u32, status u32, ctx u64, a0..a5 u64 (64 bytes), then a 64-byte payload.
@@ -177,6 +233,9 @@ class Mailbox:
         self.buf = buf
         self.cmd = Ring(buf, CMD_RING_OFF)
         self.cpl = Ring(buf, CPL_RING_OFF)
+        # whole-word views: a reader never sees a half-written counter
+        self._stats = buf[STATS_OFF : STATS_OFF + _STATS.size].cast("Q")
+        self._heartbeat = buf[_OFF_HEARTBEAT : _OFF_HEARTBEAT + 16].cast("Q")
 
     # boot block ---------------------------------------------------------------
     def host_init(self, image: bytes, boot_flags: int) -> None:
@@ -191,10 +250,13 @@ class Mailbox:
         self.buf[IMAGE_OFF : IMAGE_OFF + len(image)] = image
 
     def stats(self) -> dict[str, int]:
-        return dict(zip(STAT_NAMES, _STATS.unpack_from(self.buf, STATS_OFF)))
+        return dict(zip(STAT_NAMES, self._stats.tolist()))
 
     def set_stats(self, values: dict[str, int]) -> None:
-        _STATS.pack_into(self.buf, STATS_OFF, *(values[n] for n in STAT_NAMES))
+        """Word by word (``struct.pack_into`` would zero the block first, and the driver
+        could read the zeros)."""
+        for i, name in enumerate(STAT_NAMES):
+            self._stats[i] = values[name] & 0xFFFFFFFFFFFFFFFF
 
     def boot_block(self) -> tuple:
         return _BOOT.unpack_from(self.buf, _BOOT_OFF)
@@ -226,8 +288,8 @@ class Mailbox:
     @property
     def heartbeat(self) -> tuple[int, int]:
         """(beat count, firmware monotonic ns at that beat)."""
-        return struct.unpack_from("<QQ", self.buf, _OFF_HEARTBEAT)  # type: ignore[return-value]
+        return self._heartbeat[0], self._heartbeat[1]
 
     def beat(self, now_ns: int) -> None:
-        count = struct.unpack_from("<Q", self.buf, _OFF_HEARTBEAT)[0]
-        struct.pack_into("<QQ", self.buf, _OFF_HEARTBEAT, count + 1, now_ns)
+        self._heartbeat[1] = now_ns
+        self._heartbeat[0] += 1

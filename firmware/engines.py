@@ -1,15 +1,22 @@
 """The queue scheduler and the engines: how the firmware runs user-mode rings.
 
 Every queue is a ring in shared memory (layout in :mod:`kmod_emul.uapi`, the shared ABI
-header). The scheduler (the firmware's control thread) takes packets in order, one queue at
-a time, high-priority queues first; cheap packets (no-ops, satisfied waits, small copies)
-run inline, so a no-op round trip costs no thread hand-off. Heavy ones go to an engine
-pool (copy engines for copies, memsets and migrations); the queue is then busy until the
-engine finishes, which keeps each queue in order while queues run side by side.
+header), memory of the process that owns it. The scheduler (the firmware's control thread)
+takes packets in order, one queue at a time, high-priority queues first; cheap packets
+(no-ops, satisfied waits, small copies, small launches of bounded kernels) run inline, so a
+no-op round trip costs no thread hand-off. Heavy ones go to an engine pool (copy engines for
+copies, memsets and migrations, compute engines for kernels); the queue is then busy until
+the engine finishes, which keeps each queue in order while queues run side by side.
 
-Engines take the highest-priority job first, and a long copy is done in chunks: between
-chunks an engine that sees higher-priority work waiting puts the rest of its copy back and
-takes that work (preemption at chunk granularity, see docs/submission.md).
+Nothing a process writes is trusted (docs/containment.md): ring words, packets, argument
+blocks and modules are checked in Python integers before anything runs, and any exception
+while decoding them faults the packet's own queue. The control thread does bounded work per
+pass, whatever a process writes: it looks only at rings whose doorbell slot moved (or that
+have work in flight), takes at most ``BATCH`` packets from a ring per pass, and faults a
+ring whose write pointer jumps (so a +2**63 jump costs one step, not 2**63). Engines take
+the highest-priority job first; a long copy moves in chunks and a long launch in time
+slices (``QUANTUM_S``), between which an engine gives way to higher-priority work and to
+any work waiting once its slice is up, so one giant grid cannot hold both compute engines.
 
 A packet is validated against its context's address space when it runs; a bad one faults
 *its own queue*: the ring records the first fault (seqno, errno, opcode, address), later
@@ -21,7 +28,9 @@ from __future__ import annotations
 import errno
 import heapq
 import itertools
+import json
 import os
+import queue
 import struct
 import sys
 import threading
@@ -40,32 +49,57 @@ from kmod_emul.uapi import Op
 _PKT = struct.Struct("<II7Q")
 #: Copies and memsets up to this size run inline on the scheduler; larger on an engine.
 INLINE_BYTES = 256 * 1024
-#: Launches of at most this many threads, already compiled, run inline on the scheduler.
+#: Launches of at most this many threads of an already-compiled kernel whose work is
+#: statically bounded (``CompiledKernel.inline_ok``: no loops) run inline on the scheduler.
 INLINE_THREADS = 16 * 1024
+#: An inline launch that still runs this long is stopped (it cannot happen for a bounded
+#: kernel; the control thread must never be held long).
+INLINE_WATCHDOG_S = 0.25
 #: Engines move large copies in chunks of this size and check for higher-priority work
 #: between chunks: the worst-case wait a high-priority packet sees on a busy copy engine.
 COPY_CHUNK = 4 * 1024 * 1024
+#: A launch runs in slices of about this long (a block is never cut): between slices its
+#: engine takes waiting work first.
+QUANTUM_S = 0.02
+#: Packets the scheduler takes from one ring per pass, so a ring full of no-ops cannot
+#: hold the control loop.
+BATCH = 64
+
+_LOG_LIMIT = 20  # unexpected errors logged per firmware, then only counted
+_log_count = itertools.count()
+
+
+def log_unexpected(what: str, exc: BaseException) -> None:
+    """A hostile input (or a firmware bug) raised something unexpected: it became a fault
+    of the packet's queue; say so in the firmware's log, a bounded number of times."""
+    if next(_log_count) < _LOG_LIMIT:
+        print(f"firmware: {what}: {exc!r}", file=sys.stderr, flush=True)
 
 
 class Ring(uapi.RingView):
     """One queue's ring as the firmware, its consumer, sees it."""
 
-    def __init__(self, ctx: FwContext, qid: int, priority: int, path: str,
+    def __init__(self, ctx: FwContext, qid: int, priority: int, slot: int, fd: int,
                  fence_only: bool = False) -> None:
-        super().__init__(path)
-        self.ctx, self.id, self.priority = ctx, qid, priority
+        super().__init__(fd)
+        self.ctx, self.id, self.priority, self.slot = ctx, qid, priority, slot
         self.fence_only = fence_only  # another device's queue, imported to wait on
         self.taken = self.rptr
         self.published = self.taken  # what the scheduler may take (Scheduler.publish)
         self.busy = False  # an engine runs its current packet
         self.blocked: tuple[Ring, int] | None = None  # waiting for (ring, seqno)
+        self.parked: tuple[int, tuple[int, ...]] | None = None  # a launch awaiting its module
         self.faulted = self.read_fault()[0] != 0
         self.closing = False
         self.last_irq = 0
 
     def ready(self) -> bool:
         """Has a packet the scheduler could take now."""
-        return not self.busy and not self.fence_only and self.taken < self.wptr
+        return not self.busy and not self.fence_only and self.taken < self.published
+
+    def idle(self) -> bool:
+        return (not self.busy and self.blocked is None and self.parked is None
+                and self.taken >= self.wptr)
 
     def take(self) -> tuple[int, tuple[int, ...]]:
         seqno = self.taken + 1
@@ -82,51 +116,140 @@ class Ring(uapi.RingView):
             self.faulted = True
         self.set(uapi.RING_COMPLETED, seqno)
 
-    def irq_due(self) -> int:
-        """The fence value to interrupt the driver with, or 0."""
+    def cancel_through(self, wptr: int) -> int:
+        """A faulted ring's published packets complete as cancelled, all in one step;
+        returns how many."""
+        n = wptr - self.taken
+        self.taken = wptr
+        self.set(uapi.RING_RPTR, wptr)
+        self.set(uapi.RING_COMPLETED, wptr)
+        return n
+
+    def irq_due(self) -> bool:
+        """Whether the fence passed the seqno a waiter armed (once per arming)."""
         armed = self.get(uapi.RING_IRQ_SEQNO)
         done = self.completed
         if armed and done >= armed and armed > self.last_irq:
             self.last_irq = done
-            return done
-        return 0
+            return True
+        return False
 
-    def set_sleeping(self, value: int) -> None:
-        self.set(uapi.RING_SLEEPING, value)
+
+@dataclass(eq=False)
+class FwModule:
+    """A loaded module: the image's bytes until the loader thread parsed them."""
+
+    raw: bytes
+    kernels: list[tuple[str, dict]] | None = None  # (name, IR) in the module's order
+    error: int = 0  # errno when the image did not parse
 
 
 @dataclass(eq=False)
 class FwContext:
     id: int
+    doorbell: int  # read end of the process's doorbell pipe
+    event: int  # write end of its event pipe
+    db: uapi.SharedWords  # its doorbell page
     space: memory.AddressSpace = field(default_factory=memory.AddressSpace)
     queues: dict[int, Ring] = field(default_factory=dict)
-    doorbell: int = -1  # the FIFO's read end (-1 before it is opened)
-    #: loaded modules: module id -> [(kernel name, kernel IR)] in the module's order
-    modules: dict[int, list[tuple[str, dict]]] = field(default_factory=dict)
-    _doorbell_keepalive: int = -1  # a write end of our own, so the FIFO never reads EOF
+    modules: dict[int, FwModule] = field(default_factory=dict)
+    #: doorbell slot -> ring, and for each slot what its ring had taken when it last went
+    #: idle: a slot that holds anything else has news (the comparison cannot be fooled by
+    #: a slot's previous queue having stopped at the value a new one reaches first)
+    slots: dict[int, Ring] = field(default_factory=dict)
+    consumed: np.ndarray = field(
+        default_factory=lambda: np.zeros(uapi.ACCEL_DB_SLOT_COUNT, np.uint64))
+    seen_seq: int = 0
+
+    def signal(self) -> None:
+        """One byte on the process's event pipe (never blocks; a full pipe already says
+        "look", a closed one has no reader)."""
+        try:
+            os.write(self.event, b"\1")
+        except (BlockingIOError, BrokenPipeError):
+            pass
+
+    def moved_slots(self) -> list[int]:
+        """Doorbell slots of known rings that hold news, if the page's sequence moved."""
+        seq = self.db.get(uapi.DB_SEQ)
+        if seq == self.seen_seq:
+            return []
+        self.seen_seq = seq
+        now = np.frombuffer(self.db.mem, np.uint64, uapi.ACCEL_DB_SLOT_COUNT, uapi.DB_SLOTS)
+        moved = np.flatnonzero(now != self.consumed)
+        del now  # the page's mapping must not stay exported
+        return [int(i) for i in moved if int(i) in self.slots]
+
+    def went_idle(self, ring: Ring) -> None:
+        self.consumed[ring.slot] = ring.taken
+
+    def close(self) -> None:
+        for fd in (self.doorbell, self.event):
+            if fd >= 0:
+                os.close(fd)
+        self.doorbell = self.event = -1
+        self.db.close()
+        for ring in self.queues.values():
+            ring.close()
+        self.queues.clear()
+        self.slots.clear()
+        self.modules.clear()
+
+
+# --- engines ---------------------------------------------------------------------------
+class Job:
+    """Engine work for one packet. ``run`` returns True when done, False when it gave
+    way (it is queued again, behind the work it yields to). It must not raise; should it,
+    the engine calls ``fail`` so the packet still completes (as a fault)."""
+
+    def run(self) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def fail(self, exc: BaseException) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class FnJob(Job):
+    """A job from a function; a failure completes its packet with EIO (an engine error)."""
+
+    def __init__(self, sched: Scheduler, ring: Ring, seqno: int, opcode: int,
+                 fn: Callable[[], bool]) -> None:
+        self.sched, self.ring, self.seqno, self.opcode, self.fn = sched, ring, seqno, opcode, fn
+
+    def run(self) -> bool:
+        try:
+            return self.fn()
+        except Exception as exc:  # noqa: BLE001 - an engine must outlive any packet
+            self.fail(exc)
+            return True
+
+    def fail(self, exc: BaseException) -> None:
+        log_unexpected(f"{Op(self.opcode).name} failed on an engine", exc)
+        self.sched.count("faults")
+        self.sched.finish(self.ring, self.seqno, errno.EIO, 0, self.opcode, from_engine=True)
 
 
 @dataclass(order=True)
-class _Job:
+class _Queued:
     rank: tuple[int, int]  # (-priority, arrival): higher priority first, then FIFO
-    run: Callable[[], bool] = field(compare=False)  # True: done; False: preempted, re-queue
+    job: Job = field(compare=False)
 
 
 class EnginePool:
     """N engines of one kind, taking the highest-priority job first."""
 
-    def __init__(self, name: str, count: int, stats: dict[str, int]) -> None:
-        self._heap: list[_Job] = []
+    def __init__(self, name: str, count: int, sched: Scheduler) -> None:
+        self._heap: list[_Queued] = []
         self._cond = threading.Condition()
         self._arrivals = itertools.count()
-        self._stats = stats
+        self._sched = sched
         self._busy = 0
         for i in range(count):
             threading.Thread(target=self._engine, name=f"{name}{i}", daemon=True).start()
 
-    def submit(self, priority: int, run: Callable[[], bool]) -> None:
+    def submit(self, priority: int, job: Job) -> None:
         with self._cond:
-            heapq.heappush(self._heap, _Job((-priority, next(self._arrivals)), run))
+            heapq.heappush(self._heap, _Queued((-priority, next(self._arrivals)), job))
             self._cond.notify()
 
     def higher_waiting(self, priority: int) -> bool:
@@ -134,54 +257,126 @@ class EnginePool:
         with self._cond:
             return bool(self._heap) and -self._heap[0].rank[0] > priority
 
+    def waiting(self, priority: int) -> bool:
+        """Is a job of at least ``priority`` waiting? (checked when a slice is up)"""
+        with self._cond:
+            return bool(self._heap) and -self._heap[0].rank[0] >= priority
+
     def _engine(self) -> None:
         while True:
             with self._cond:
                 while not self._heap:
                     self._cond.wait()
-                job = heapq.heappop(self._heap)
+                item = heapq.heappop(self._heap)
                 self._busy += 1
-                peak = self._stats.get("copy_engines_busy_peak", 0)
-                self._stats["copy_engines_busy_peak"] = max(peak, self._busy)
-            done = job.run()
+                self._sched.peak("copy_engines_busy_peak", self._busy)
+            try:
+                done = item.job.run()
+            except BaseException as exc:  # noqa: BLE001 - last resort: the engine lives on
+                item.job.fail(exc)
+                done = True
             with self._cond:
                 self._busy -= 1
-                if not done:  # preempted: back in line behind the higher-priority work
-                    self._stats["preemptions"] += 1
-                    heapq.heappush(self._heap, _Job((job.rank[0], next(self._arrivals)), job.run))
+                if not done:  # gave way: back in line behind the work it yields to
+                    self._sched.count("preemptions")
+                    heapq.heappush(self._heap, _Queued((item.rank[0], next(self._arrivals)),
+                                                       item.job))
                     self._cond.notify()
+
+
+class Deadlines:
+    """One timer thread for every running launch: the watchdog (stop a block that runs
+    too long) and the time slice (ask the launch to stop at its next block boundary).
+    ``preempt`` and ``watchdog`` are the abort word's values for the two (the generated
+    code's ABI, firmware/kernel_lower.py)."""
+
+    def __init__(self, preempt: int, watchdog: int) -> None:
+        self.preempt, self.watchdog = preempt, watchdog
+        self._cond = threading.Condition()
+        self._entries: dict[int, tuple[np.ndarray, float, float]] = {}
+        self._ids = itertools.count()
+        threading.Thread(target=self._run, name="deadlines", daemon=True).start()
+
+    def add(self, abort: np.ndarray, watchdog_s: float, quantum_s: float | None) -> int:
+        now = time.monotonic()
+        token = next(self._ids)
+        with self._cond:
+            self._entries[token] = (abort, now + watchdog_s,
+                                    now + quantum_s if quantum_s else float("inf"))
+            self._cond.notify()
+        return token
+
+    def remove(self, token: int) -> None:
+        with self._cond:
+            self._entries.pop(token, None)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                nearest = float("inf")
+                for abort, watchdog, quantum in self._entries.values():
+                    if now >= watchdog:
+                        abort[0] = self.watchdog
+                    elif now >= quantum:
+                        if abort[0] == 0:
+                            abort[0] = self.preempt
+                        nearest = min(nearest, watchdog)
+                    else:
+                        nearest = min(nearest, quantum, watchdog)
+                self._cond.wait(None if nearest == float("inf") else max(0.0, nearest - now))
 
 
 class Scheduler:
     """Owns the rings of every context and decides what runs where."""
 
     def __init__(self, config: dict, residency: memory.Residency, stats: dict[str, int],
-                 on_irq: Callable[[Ring, int], None], jit_cache_dir: str) -> None:
-        self.copy = EnginePool("copy", config["copy_engines"], stats)
-        self.compute = EnginePool("compute", config["compute_engines"], stats)
+                 jit_cache_dir: str) -> None:
+        self.stats = stats
+        self._stats_lock = threading.Lock()
+        self.copy = EnginePool("copy", config["copy_engines"], self)
+        self.compute = EnginePool("compute", config["compute_engines"], self)
         self.compute_engines = config["compute_engines"]
         self.max_threads = config["max_threads_per_block"]
         self.max_shared = config["max_shared_mem_per_block"]
         self.watchdog_s = config.get("watchdog_ms", 10_000) / 1000
+        self.deadlines: Deadlines | None = None  # with the JIT (its thread, its constants)
         self._jit_cache_dir = jit_cache_dir
         self._jit: Any = None
         self._jit_lock = threading.Lock()
-        self._running: dict[int, tuple[np.ndarray, float]] = {}  # id(abort) -> (abort, deadline)
-        threading.Thread(target=self._watchdog, name="watchdog", daemon=True).start()
         self.residency = residency
-        self.stats = stats
-        self.on_irq = on_irq
-        self.rings: list[Ring] = []  # high priority first
+        self.rings: list[Ring] = []  # every ring with a doorbell slot
+        #: rings that may have work: their doorbell slot moved, or they have work in flight
+        self.active: dict[Ring, None] = {}
+        self.contexts: dict[int, FwContext] = {}
         self.hung = False
         self.held = False  # debugfs sched_hold: take no packets (tests of ordering use it)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._lock = threading.Lock()  # engines finishing vs the scheduler's bookkeeping
+        self._modules: queue.SimpleQueue[FwModule] = queue.SimpleQueue()
+        threading.Thread(target=self._module_loader, name="module-loader", daemon=True).start()
 
+    # --- counters, updated from every thread ----------------------------------------------
+    def count(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[name] += n
+
+    def peak(self, name: str, value: int) -> None:
+        with self._stats_lock:
+            self.stats[name] = max(self.stats.get(name, 0), value)
+
+    # --- wake-ups --------------------------------------------------------------------------
     @property
     def wake_fd(self) -> int:
         return self._wake_r
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\1")  # the scheduler may have work now
+        except BlockingIOError:
+            pass
 
     def drain_wakeups(self) -> None:
         try:
@@ -190,78 +385,144 @@ class Scheduler:
         except BlockingIOError:
             pass
 
+    # --- rings -------------------------------------------------------------------------------
     def add(self, ring: Ring) -> None:
+        """A new ring: it may hold work already (its producer did not wait for us)."""
         self.rings.append(ring)
-        self.rings.sort(key=lambda r: -r.priority)
+        ring.ctx.slots[ring.slot] = ring
+        ring.ctx.went_idle(ring)  # what it had taken: anything else in its slot is news
+        self.active[ring] = None
 
     def remove(self, ring: Ring) -> None:
         if ring in self.rings:
             self.rings.remove(ring)
+        self.active.pop(ring, None)
+        if ring.ctx.slots.get(ring.slot) is ring:
+            del ring.ctx.slots[ring.slot]
 
     def pending(self) -> bool:
-        return any(r.ready() for r in self.rings)
+        """Work the scheduler can start now (a launch parked for its module is woken by
+        the loader)."""
+        return any(r.ready() for r in self.active)
+
+    def doorbells_moved(self) -> bool:
+        return any(c.db.get(uapi.DB_SEQ) != c.seen_seq for c in self.contexts.values())
 
     # --- the scheduler's loop body -----------------------------------------------------
+    def scan_doorbells(self) -> None:
+        """Activate the rings whose doorbell slots moved: one word per context, and the
+        slots only of contexts whose sequence word moved."""
+        for ctx in self.contexts.values():
+            for slot in ctx.moved_slots():
+                self.active[ctx.slots[slot]] = None
+
     def publish(self) -> None:
-        """Note each ring's write pointer now, as what poll() may take. Called *before* the
-        mailbox is drained: a packet may rely on control messages its producer sent before
-        writing it (a pinned allocation's MAP before a launch whose arguments live there),
-        and those are then processed before the packet starts."""
-        for ring in self.rings:
-            ring.published = ring.wptr
+        """Note each active ring's write pointer now, as what poll() may take. Called
+        *before* the mailbox is drained: a packet may rely on control messages its producer
+        sent before writing it (a pinned allocation's MAP before a launch whose arguments
+        live there), and those are then processed before the packet starts. A write
+        pointer that went back, or ran more than a ring ahead of what was taken, is a
+        protocol violation: the ring faults (EINVAL) and is cancelled in one step."""
+        for ring in self.active:
+            if ring.busy:
+                continue
+            w = ring.wptr
+            if not ring.faulted and (w < ring.taken or w - ring.taken > uapi.RING_SLOTS):
+                self.count("faults")
+                with self._lock:
+                    ring.write_fault(ring.taken + 1, errno.EINVAL, 0, 0)
+                    ring.faulted = True
+            if ring.faulted:
+                ring.blocked = ring.parked = None
+                if w > ring.taken:
+                    with self._lock:
+                        cancelled = ring.cancel_through(w)
+                        irq = ring.irq_due()
+                    self.count("packets", min(cancelled, uapi.RING_SLOTS))
+                    if irq:
+                        ring.ctx.signal()
+                w = ring.taken
+            ring.published = w
 
     def poll(self) -> int:
-        """Run or dispatch what can go now, up to the published write pointers; return how
-        many packets were taken."""
+        """Run or dispatch what can go now, up to the published write pointers and at most
+        ``BATCH`` packets a ring; return how many packets were taken."""
         if self.hung or self.held:
             return 0
         done = 0
-        for ring in list(self.rings):
-            while ring.ready() and ring.taken < ring.published:
-                if ring.blocked is not None:
-                    other, target = ring.blocked
-                    if other.completed < target and not ring.closing:
-                        break
-                    ring.blocked = None
-                    self._finish(ring, ring.taken, 0, 0, Op.WAIT_QUEUE)
-                    continue
-                seqno, pkt = ring.take()
-                done += 1
-                if not self._start(ring, seqno, pkt):
-                    break  # busy on an engine or blocked: next ring
-            if ring.blocked is not None and not ring.busy:
-                other, target = ring.blocked
-                if other.completed >= target:
-                    ring.blocked = None
-                    self._finish(ring, ring.taken, 0, 0, Op.WAIT_QUEUE)
-                    done += 1
+        for ring in sorted(self.active, key=lambda r: -r.priority):
+            done += self._poll_ring(ring)
+            if ring.idle() and not ring.closing:
+                self.active.pop(ring, None)
+                ring.ctx.went_idle(ring)
         return done
+
+    def _poll_ring(self, ring: Ring) -> int:
+        done = 0
+        if ring.parked is not None and not ring.busy:
+            if not self._module_ready(ring, ring.parked[1]):
+                return 0
+            seqno, pkt = ring.parked
+            ring.parked = None
+            done += 1
+            if not self._start(ring, seqno, pkt):
+                return done
+        while done < BATCH and ring.ready():
+            if ring.blocked is not None:
+                other, target = ring.blocked
+                if other.completed < target and not ring.closing:
+                    break
+                ring.blocked = None
+                self.finish(ring, ring.taken, 0, 0, Op.WAIT_QUEUE)
+                continue
+            seqno, pkt = ring.take()
+            done += 1
+            if not self._start(ring, seqno, pkt):
+                break  # busy on an engine, blocked or parked: next ring
+        if ring.blocked is not None and not ring.busy:
+            other, target = ring.blocked
+            if other.completed >= target:
+                ring.blocked = None
+                self.finish(ring, ring.taken, 0, 0, Op.WAIT_QUEUE)
+                done += 1
+        return done
+
+    def _module_ready(self, ring: Ring, pkt: tuple[int, ...]) -> bool:
+        mod = ring.ctx.modules.get(pkt[2] >> 16)
+        return mod is None or mod.kernels is not None or mod.error != 0
 
     def _start(self, ring: Ring, seqno: int, pkt: tuple[int, ...]) -> bool:
         """Begin one packet. True if it finished inline (the ring may go on)."""
         opcode, flags, *a = pkt
         if ring.faulted:
-            self._finish(ring, seqno, errno.ECANCELED, 0, opcode)
+            self.finish(ring, seqno, errno.ECANCELED, 0, opcode)
             return True
         try:
             if flags:
                 raise memory.Fault(0, errno.EINVAL)
             job = self._prepare(ring, seqno, opcode, a)
         except memory.Fault as f:
-            self.stats["faults"] += 1
-            self._finish(ring, seqno, f.code, f.addr, opcode)
+            self.count("faults")
+            self.finish(ring, seqno, f.code, f.addr, opcode)
+            return True
+        except Exception as exc:  # noqa: BLE001 - whatever a packet does, its queue pays
+            log_unexpected(f"packet {opcode} of queue {ring.id}", exc)
+            self.count("faults")
+            self.finish(ring, seqno, errno.EINVAL, 0, opcode)
             return True
         if job is None:
-            self._finish(ring, seqno, 0, 0, opcode)
+            self.finish(ring, seqno, 0, 0, opcode)
             return True
         if job is _BLOCKED:
+            return False
+        if job is _PARKED:
+            ring.parked = (seqno, tuple(pkt))
             return False
         ring.busy = True
         (self.compute if opcode == Op.LAUNCH else self.copy).submit(ring.priority, job)
         return False
 
-    def _prepare(self, ring: Ring, seqno: int, opcode: int,
-                 a: list[int]) -> Callable[[], bool] | object | None:
+    def _prepare(self, ring: Ring, seqno: int, opcode: int, a: list[int]) -> Any:
         """Validate a packet; run it now (return None) or return the engine job for it."""
         space = ring.ctx.space
         if opcode == Op.NOP:
@@ -296,12 +557,35 @@ class Scheduler:
             def prefetch() -> bool:
                 if n:
                     move(m, off, off + n)
-                self._finish(ring, seqno, 0, 0, opcode, from_engine=True)
+                self.finish(ring, seqno, 0, 0, opcode, from_engine=True)
                 return True
-            return prefetch
+            return FnJob(self, ring, seqno, opcode, prefetch)
         if opcode == Op.LAUNCH:
             return self._launch(ring, seqno, a)
         raise memory.Fault(0, errno.EINVAL)
+
+    # --- modules --------------------------------------------------------------------------
+    def load_module(self, ctx: FwContext, module_id: int, raw: bytes) -> None:
+        """Parse a module's image off the control thread (its launches wait for it)."""
+        mod = ctx.modules[module_id] = FwModule(raw)
+        self._modules.put(mod)
+        self.warm_up()  # kernels are coming: load the JIT (numba) off the hot path
+
+    def _module_loader(self) -> None:
+        while True:
+            mod = self._modules.get()
+            try:
+                kernels = json.loads(mod.raw)["kernels"]
+                if not isinstance(kernels, dict):
+                    raise ValueError("kernels is not an object")
+                parsed = [(str(name), k) for name, k in kernels.items()]
+                if not all(isinstance(k, dict) for _, k in parsed):
+                    raise ValueError("a kernel is not an object")
+                mod.kernels = parsed
+            except Exception:  # noqa: BLE001 - a module that does not parse is the module's
+                mod.error = errno.EINVAL
+            mod.raw = b""
+            self.wake()
 
     # --- kernels ------------------------------------------------------------------------
     def jit(self) -> Any:
@@ -312,38 +596,50 @@ class Scheduler:
                 from firmware import jit
 
                 jit.warm_up()
+                self.deadlines = Deadlines(jit.ABORT_PREEMPT, jit.ABORT_WATCHDOG)
                 self._jit = jit.KernelCache(Path(self._jit_cache_dir))
                 self.stats["jit_ready"] = 1
             return self._jit
 
-    def _launch(self, ring: Ring, seqno: int, a: list[int]) -> Callable[[], bool] | None:
+    def _launch(self, ring: Ring, seqno: int, a: list[int]) -> Any:
+        """Check a LAUNCH (everything the process wrote, in Python integers), decode its
+        arguments, and run it inline or return its first engine job."""
         handle, grid_w, block_w, dynamic, args_va, args_len = a[:6]
-        kernels = ring.ctx.modules.get(handle >> 16)
-        if kernels is None or (handle & 0xFFFF) >= len(kernels):
+        mod = ring.ctx.modules.get(handle >> 16)
+        if mod is None:
             raise memory.Fault(0, errno.EINVAL)
-        name, kir = kernels[handle & 0xFFFF]
-        if kir.get("shared_mem", 0) + dynamic > self.max_shared:  # the IR's figure: checked
-            raise memory.Fault(0, errno.EINVAL)  # against its source when it compiles
+        if mod.kernels is None:
+            if mod.error:
+                raise memory.Fault(0, mod.error)
+            return _PARKED
+        if (handle & 0xFFFF) >= len(mod.kernels):
+            raise memory.Fault(0, errno.EINVAL)
+        name, kir = mod.kernels[handle & 0xFFFF]
+        static = kir.get("shared_mem", 0)
+        if type(static) is not int or not 0 <= static <= self.max_shared \
+                or dynamic > self.max_shared - static:  # checked again against the source
+            raise memory.Fault(0, errno.EINVAL)
         grid, block = uapi.unpack_dims(grid_w), uapi.unpack_dims(block_w)
         threads = block[0] * block[1] * block[2]
         if min(grid) < 1 or min(block) < 1 or threads > self.max_threads:
             raise memory.Fault(0, errno.EINVAL)
+        if args_len > uapi.ACCEL_ARGS_MAX:
+            raise memory.Fault(args_va, errno.EINVAL)
         m, off = ring.ctx.space.resolve(args_va, args_len)
         values, types, buffers = decode_args(ring.ctx.space, bytes(m.data[off : off + args_len]),
-                                             kir["params"])
+                                             kir.get("params"))
         launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block, dynamic)
         nblocks = grid[0] * grid[1] * grid[2]
         if nblocks * threads <= INLINE_THREADS and self._jit is not None:
             kernel = self._jit.cached(kir, types, _options())
-            # small and compiled: no engine hand-off (no GIL ping-pong). Not with mma: its
-            # work grows with the tiles, not with the thread count.
-            if kernel is not None and not kernel.uses_mma:
+            # small, compiled and statically bounded: no engine hand-off (no GIL ping-pong)
+            if kernel is not None and kernel.inline_ok:
                 self._run_inline(launch, kernel, nblocks)
-                return None  # type: ignore[return-value]
+                return None
         parts = max(1, min(self.compute_engines, nblocks))
         bounds = [nblocks * i // parts for i in range(parts + 1)]
         launch.remaining = parts
-        jobs = [self._block_job(launch, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+        jobs = [_BlockJob(self, launch, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
         for job in jobs[1:]:
             self.compute.submit(ring.priority, job)
         return jobs[0]  # the scheduler submits the first, marking the ring busy
@@ -356,99 +652,39 @@ class Scheduler:
 
     def _run_inline(self, launch: Launch, kernel: Any, nblocks: int) -> None:
         """Run a small launch on the scheduler thread; faults raise as packet faults."""
+        deadlines = self.deadlines
+        assert deadlines is not None  # the JIT exists
         abort = np.zeros(1, np.int64)
-        self._running[id(abort)] = (abort, time.monotonic() + self.watchdog_s)
+        token = deadlines.add(abort, INLINE_WATCHDOG_S, None)
         try:
             kernel.run(0, nblocks, launch.grid, launch.block, launch.args, abort,
                        launch.dynamic_shared)
         except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
-            code, addr = self._fault_of(launch, exc)
+            code, addr = fault_of(launch, exc)
             raise memory.Fault(addr, code) from None
         finally:
-            self._running.pop(id(abort), None)
-        if abort[0] == 2:
+            deadlines.remove(token)
+        if abort[0] > deadlines.preempt:
             raise memory.Fault(0, errno.ETIMEDOUT)
-        self.stats["launches"] += 1
+        self.count("launches")
 
-    def _block_job(self, launch: Launch, lo: int, hi: int) -> Callable[[], bool]:
-        """Engine work over blocks [lo, hi): in slices, yielding to higher-priority work
-        between slices (preemption between blocks), stopped by the watchdog."""
-        nblocks = hi - lo
-        slice_size = max(1, nblocks // 16)
-        state = {"next": lo}
-
-        def run() -> bool:
-            try:
-                jit = self.jit()
-                kernel = jit.get(launch.kernel_ir, launch.arg_types, _options())
-                self.stats["jit_compiles"], self.stats["jit_hits"] = jit.compiles, jit.hits
-                abort = np.zeros(1, np.int64)
-                while state["next"] < hi and launch.fault is None:
-                    end = min(hi, state["next"] + slice_size)
-                    self._running[id(abort)] = (abort, time.monotonic() + self.watchdog_s)
-                    try:
-                        done_to = kernel.run(state["next"], end, launch.grid, launch.block,
-                                             launch.args, abort, launch.dynamic_shared)
-                    finally:
-                        self._running.pop(id(abort), None)
-                    if abort[0] == 2:
-                        raise _Watchdog()
-                    state["next"] = done_to
-                    if state["next"] < hi and self.compute.higher_waiting(launch.ring.priority):
-                        return False  # preempted between blocks
-            except _Watchdog:
-                self._launch_fault(launch, errno.ETIMEDOUT, 0)
-            except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
-                if getattr(exc, "kind", None) is None:  # not a bounds/watchdog fault: say why
-                    print(f"firmware: kernel {launch.name} failed: {exc!r}", file=sys.stderr,
-                          flush=True)
-                self._launch_fault(launch, *self._fault_of(launch, exc))
-            with launch.lock:
-                launch.remaining -= 1
-                last = launch.remaining == 0
-            if last:
-                status, addr = launch.fault or (0, 0)
-                if not status:
-                    self.stats["launches"] += 1
-                self._finish(launch.ring, launch.seqno, status, addr, Op.LAUNCH, from_engine=True)
-            return True
-        return run
-
-    def _fault_of(self, launch: Launch, exc: Exception) -> tuple[int, int]:
-        kind = getattr(exc, "kind", None)
-        if kind == "watchdog":
-            return errno.ETIMEDOUT, 0
-        if kind == "bounds":
-            for pname, va, itemsize in launch.buffers:
-                if pname == exc.param:  # type: ignore[attr-defined]
-                    return errno.EFAULT, va + exc.index * itemsize  # type: ignore[attr-defined]
-            return errno.EFAULT, 0
-        return errno.EINVAL, 0  # the kernel did not validate or compile
-
-    def _launch_fault(self, launch: Launch, code: int, addr: int) -> None:
+    def launch_fault(self, launch: Launch, code: int, addr: int) -> None:
         with launch.lock:
             if launch.fault is None:
                 launch.fault = (code, addr)
-                self.stats["faults"] += 1
+                self.count("faults")
 
-    def _watchdog(self) -> None:
-        while True:
-            time.sleep(0.05)
-            now = time.monotonic()
-            for abort, deadline in list(self._running.values()):
-                if now > deadline:
-                    abort[0] = 2  # the kernel checks it in every loop and at every block
-
+    # --- copies ---------------------------------------------------------------------------
     def _copy_job(self, ring: Ring, seqno: int, opcode: int, n: int,
                   move: Callable[[int, int], object],
-                  *touched: tuple[memory.Mapping, int]) -> Callable[[], bool] | None:
+                  *touched: tuple[memory.Mapping, int]) -> Job | None:
         """Copy-engine work over ``n`` bytes in chunks; inline when small."""
         for m, off in touched:
             if m.resident is not None and n:
                 self.residency.touch_device(m, off, off + n)
         if n <= INLINE_BYTES:
             move(0, n)
-            self._count(opcode, n)
+            self._count_copy(opcode, n)
             return None
         progress = [0]
 
@@ -459,44 +695,118 @@ class Scheduler:
                 progress[0] = hi
                 if progress[0] < n and self.copy.higher_waiting(ring.priority):
                     return False  # preempted between chunks
-            self._count(opcode, n)
-            self._finish(ring, seqno, 0, 0, opcode, from_engine=True)
+            self._count_copy(opcode, n)
+            self.finish(ring, seqno, 0, 0, opcode, from_engine=True)
             return True
-        return run
+        return FnJob(self, ring, seqno, opcode, run)
 
-    def _count(self, opcode: int, n: int) -> None:
+    def _count_copy(self, opcode: int, n: int) -> None:
         if opcode == Op.COPY:
-            self.stats["copies"] += 1
-            self.stats["copy_bytes"] += n
+            with self._stats_lock:
+                self.stats["copies"] += 1
+                self.stats["copy_bytes"] += n
 
-    def _finish(self, ring: Ring, seqno: int, status: int, addr: int, opcode: int,
-                from_engine: bool = False) -> None:
+    def finish(self, ring: Ring, seqno: int, status: int, addr: int, opcode: int,
+               from_engine: bool = False) -> None:
         with self._lock:
             ring.complete(seqno, status, addr, opcode)
-            self.stats["packets"] += 1
             if from_engine:
                 ring.busy = False
+            uapi.full_barrier()  # store the fence, then load what waiters armed (they mirror)
             irq = ring.irq_due()
+        self.count("packets")
         if irq:
-            self.on_irq(ring, irq)
+            ring.ctx.signal()
         if from_engine:
-            try:
-                os.write(self._wake_w, b"\1")  # the scheduler may have work for this ring
-            except BlockingIOError:
-                pass
+            self.wake()
 
 
 _BLOCKED = object()
-
-
-class _Watchdog(Exception):
-    pass
+_PARKED = object()
 
 
 def _options() -> Any:
     from firmware.jit import Options
 
     return Options()
+
+
+def fault_of(launch: Launch, exc: Exception) -> tuple[int, int]:
+    """(errno, device address) of a launch stopped by ``exc``. A bounds miss names the
+    address it tried, saturated into the 64-bit space (``x[1 << 62]`` of a float32 buffer
+    is past 2**64: the ring then reads U64_MAX)."""
+    kind = getattr(exc, "kind", None)
+    if kind == "watchdog":
+        return errno.ETIMEDOUT, 0
+    if kind == "bounds":
+        index = getattr(exc, "index", None)
+        for pname, va, itemsize in launch.buffers:
+            if pname == getattr(exc, "param", None) and isinstance(index, int):
+                return errno.EFAULT, min(max(0, va + index * itemsize), uapi.U64_MAX)
+        return errno.EFAULT, 0
+    if kind is None:
+        log_unexpected(f"kernel {launch.name} failed", exc)
+    return errno.EINVAL, 0  # the kernel did not validate or compile
+
+
+class _Watchdog(Exception):
+    pass
+
+
+class _BlockJob(Job):
+    """Engine work over blocks [lo, hi) of a launch: in time slices, giving way between
+    slices to higher-priority work, and to any waiting work once a slice is up; a block
+    running longer than the watchdog is stopped."""
+
+    def __init__(self, sched: Scheduler, launch: Launch, lo: int, hi: int) -> None:
+        self.sched, self.launch, self.next, self.hi = sched, launch, lo, hi
+
+    def run(self) -> bool:
+        sched, launch = self.sched, self.launch
+        try:
+            jit = sched.jit()
+            kernel = jit.get(launch.kernel_ir, launch.arg_types, _options())
+            with sched._stats_lock:
+                sched.stats["jit_compiles"], sched.stats["jit_hits"] = jit.compiles, jit.hits
+            deadlines = sched.deadlines
+            assert deadlines is not None  # made with the JIT
+            abort = np.zeros(1, np.int64)
+            while self.next < self.hi and launch.fault is None:
+                abort[0] = 0
+                token = deadlines.add(abort, sched.watchdog_s, QUANTUM_S)
+                try:
+                    done_to = kernel.run(self.next, self.hi, launch.grid, launch.block,
+                                         launch.args, abort, launch.dynamic_shared)
+                finally:
+                    deadlines.remove(token)
+                if abort[0] > deadlines.preempt:  # the watchdog, between blocks
+                    raise _Watchdog()
+                self.next = done_to
+                if self.next < self.hi and sched.compute.waiting(launch.ring.priority):
+                    return False  # the slice is up and work waits: give way
+        except _Watchdog:
+            sched.launch_fault(launch, errno.ETIMEDOUT, 0)
+        except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
+            sched.launch_fault(launch, *fault_of(launch, exc))
+        self._part_done()
+        return True
+
+    def fail(self, exc: BaseException) -> None:
+        log_unexpected(f"kernel {self.launch.name} failed on an engine", exc)
+        self.sched.launch_fault(self.launch, errno.EIO, 0)
+        self._part_done()
+
+    def _part_done(self) -> None:
+        launch = self.launch
+        with launch.lock:
+            launch.remaining -= 1
+            last = launch.remaining == 0
+        if last:
+            status, addr = launch.fault or (0, 0)
+            if not status:
+                self.sched.count("launches")
+            self.sched.finish(launch.ring, launch.seqno, status, addr, Op.LAUNCH,
+                              from_engine=True)
 
 
 # --- kernels --------------------------------------------------------------------------------
@@ -519,40 +829,53 @@ class Launch:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def decode_args(space: memory.AddressSpace, raw: bytes, params: list[dict]
+def decode_args(space: memory.AddressSpace, raw: bytes, params: Any
                 ) -> tuple[list, tuple[str, ...], list[tuple[str, int, int]]]:
-    """The argument block of a launch -> (values, types for the JIT, buffer addresses)."""
-    recs = [uapi.ARG_RECORD.unpack_from(raw, off)
-            for off in range(0, len(raw) - len(raw) % uapi.ARG_RECORD.size, uapi.ARG_RECORD.size)]
+    """The argument block of a launch -> (values, types for the JIT, buffer addresses).
+    Everything is the process's: a record that does not fit its kernel's parameters, a
+    shape whose product is not the buffer's element count (checked in Python integers,
+    so it cannot overflow) or a buffer outside the context's memory faults the launch."""
+    if not isinstance(params, list) or len(raw) % uapi.ARG_RECORD.size:
+        raise memory.Fault(0, errno.EINVAL)
+    recs = [uapi.ARG_RECORD.unpack_from(raw, off) for off in range(0, len(raw), uapi.ARG_RECORD.size)]
     values: list = []
     types: list[str] = []
     buffers: list[tuple[str, int, int]] = []
     i = 0
     for p in params:
-        if i >= len(recs):
+        if i >= len(recs) or not isinstance(p, dict):
             raise memory.Fault(0, errno.EINVAL)
         kind, code, value, nbytes = recs[i]
         i += 1
         dtype_name = uapi.DTYPE_NAMES.get(code)
-        if dtype_name is None or (p.get("dtype") not in (None, dtype_name)):
+        want = p.get("dtype")
+        if dtype_name is None or not (want is None or want == dtype_name):
             raise memory.Fault(0, errno.EINVAL)
         dtype = np.dtype(dtype_name)
-        if kind == uapi.ARG_SCALAR and p["kind"] == "scalar":
+        if kind == uapi.ARG_SCALAR and p.get("kind") == "scalar":
             values.append(np.frombuffer(value.to_bytes(8, "little")[: dtype.itemsize], dtype)[0])
             types.append(dtype_name)
-        elif kind == uapi.ARG_BUFFER and p["kind"] == "buffer":
+        elif kind == uapi.ARG_BUFFER and p.get("kind") == "buffer":
             shape: list[int] = []
             while i < len(recs) and recs[i][0] == uapi.ARG_SHAPE:
-                shape += [int(recs[i][2]), int(recs[i][3])][: max(0, recs[i][1])]
+                count = recs[i][1]
+                if count not in (1, 2):
+                    raise memory.Fault(0, errno.EINVAL)
+                shape += [int(recs[i][2]), int(recs[i][3])][:count]
                 i += 1
-            m, off = space.resolve(value, nbytes)
-            view = m.data[off : off + nbytes].view(dtype)
-            shape = shape or [len(view)]
-            if int(np.prod(shape)) * dtype.itemsize != nbytes:
+            if nbytes % dtype.itemsize or len(shape) > 8:
                 raise memory.Fault(value, errno.EINVAL)
-            values.append(view.reshape(shape))
+            m, off = space.resolve(value, nbytes)
+            elements = nbytes // dtype.itemsize
+            shape = shape or [elements]
+            product = 1
+            for d in shape:
+                product *= d
+            if product != elements:
+                raise memory.Fault(value, errno.EINVAL)
+            values.append(m.data[off : off + nbytes].view(dtype).reshape(shape))
             types.append(f"{dtype_name}[{len(shape)}d]")
-            buffers.append((p["name"], value, dtype.itemsize))
+            buffers.append((str(p.get("name")), value, dtype.itemsize))
         else:
             raise memory.Fault(0, errno.EINVAL)
     if i != len(recs):

@@ -44,8 +44,8 @@ DEFAULT_MANIFEST: dict[str, Any] = {
     "version": "1.0.0",
     "isa_version": "1.0",
     "isa_stepping": "A1",
-    "abi_min": 1,
-    "abi_max": 1,
+    "abi_min": 2,
+    "abi_max": 2,
 }
 
 DEFAULT_PAYLOAD: dict[str, Any] = {
@@ -54,6 +54,8 @@ DEFAULT_PAYLOAD: dict[str, Any] = {
     "max_threads_per_block": 1024,
     "max_shared_mem_per_block": 48 * 1024,
     "max_contexts": 64,
+    "max_queues": 4096,
+    "max_host_allocations": 8192,
     "heartbeat_interval_ms": 50,
     "capabilities": [
         "noop",

@@ -4,26 +4,29 @@ Boot: the driver has copied an image into the mailbox; the boot ROM verifies it 
 checksum, mailbox ABI range), publishes its versions, sets READY and raises an interrupt.
 
 Run: one loop consumes the mailbox (contexts, mappings, queues) and runs the queue
-scheduler (:mod:`firmware.engines`) over the user-mode rings. After activity it keeps
-polling for a while, yielding the CPU, so back-to-back work costs no wake-up; then it
-marks every ring "sleeping" and sleeps in poll(2) on the driver's doorbell pipe, the
-contexts' doorbell FIFOs and the engines' wake-up pipe (the machine has two cores: an idle
-firmware must not burn one). A producer that sees "sleeping" writes one byte to its
-context's FIFO.
+scheduler (:mod:`firmware.engines`) over the user-mode rings. Every pass does bounded work
+(docs/containment.md): at most ``MAILBOX_BATCH`` control messages, and the scheduler's own
+bounds; its cost grows with the rings that have work, not with idle ones. After activity
+it keeps polling for a while, yielding the CPU, so back-to-back work costs no wake-up;
+then it marks every context's doorbell page "sleeping" and sleeps in poll(2) (no limit on
+descriptor numbers) on the driver's doorbell pipe, the contexts' doorbell pipes and the
+engines' wake-up pipe (the machine has two cores: an idle firmware must not burn one). A
+producer that sees "sleeping" writes one byte to its context's doorbell pipe.
 
 Memory is released only when the device is done with it: an UNMAP is answered once every
 packet written before it has completed, and a context's teardown once its queues stopped.
+Everything a context held (mappings, rings, pipes) is closed when it is torn down.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
-import json
 import mmap
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -31,25 +34,28 @@ import time
 import numpy as np
 
 from firmware import abi, image, memory
-from firmware.engines import FwContext, Ring, Scheduler
+from firmware.engines import FwContext, Ring, Scheduler, log_unexpected
 from kmod_emul import uapi
 
 #: Keep polling this long after the last work before sleeping.
 SPIN_AFTER_ACTIVITY_S = 500e-6
 #: While a ring waits on another device's fence nothing here wakes us: poll this often.
 CROSS_DEVICE_POLL_S = 0.001
+#: Control messages handled per pass of the loop.
+MAILBOX_BATCH = 256
+_POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR
 
 
 class Firmware:
     def __init__(self, mbx: abi.Mailbox, doorbell_fd: int, irq_fd: int,
-                 backings: memory.Backings, vram_size: int, shm_dir: str,
+                 backings: memory.Backings, vram_size: int, fdchan: abi.FdChannel,
                  jit_cache_dir: str) -> None:
         self.mbx = mbx
         self.doorbell_fd = doorbell_fd
         self.irq_fd = irq_fd
         self.backings = backings
         self.vram_size = vram_size
-        self.shm_dir = shm_dir
+        self.fdchan = fdchan
         self.jit_cache_dir = jit_cache_dir
         self.contexts: dict[int, FwContext] = {}
         self.heartbeat_s = 0.05
@@ -62,6 +68,10 @@ class Firmware:
         self._teardowns: list[FwContext] = []
         self.sched: Scheduler | None = None
         self.hung = False
+        self._poller = select.poll()
+        self._poller.register(doorbell_fd, select.POLLIN)
+        #: context doorbells whose writers are all gone (EOF): no longer polled
+        self._dead_doorbells: set[int] = set()
 
     # boot -------------------------------------------------------------------------
     def boot(self) -> bool:
@@ -82,7 +92,9 @@ class Firmware:
         config = img.config
         self.heartbeat_s = config.get("heartbeat_interval_ms", 50) / 1000
         residency = memory.Residency(self.stats, self.vram_size)
-        self.sched = Scheduler(config, residency, self.stats, self._fence_irq, self.jit_cache_dir)
+        self.sched = Scheduler(config, residency, self.stats, self.jit_cache_dir)
+        self.sched.contexts = self.contexts
+        self._poller.register(self.sched.wake_fd, select.POLLIN)
         if _has_entries(self.jit_cache_dir):
             self.sched.warm_up()  # kernels ran here before: have the JIT ready for them
         self.mbx.set_versions(img.version, str(img.manifest["isa_version"]))
@@ -116,9 +128,6 @@ class Firmware:
             self.mbx.set_stats(self.stats)
             self.interrupt()
 
-    def _fence_irq(self, ring: Ring, value: int) -> None:
-        self.post(abi.Op.FENCE, ring.ctx.id, (ring.id, value))
-
     # control messages ----------------------------------------------------------------
     def handle(self, msg: tuple[int, ...], payload: bytes) -> None:
         op, _status, ctx_id, *a = msg
@@ -130,66 +139,105 @@ class Firmware:
         elif op == abi.Op.SET_BUDGET:
             self.sched.residency.device_bytes = a[0]
         elif op == abi.Op.CTX_CREATE:
-            ctx = self.contexts[ctx_id] = FwContext(ctx_id)
-            path = os.path.join(self.shm_dir, uapi.doorbell_name(ctx_id, a[0]))
-            ctx.doorbell = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-            ctx._doorbell_keepalive = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            self._create_context(ctx_id, self.fdchan.take(a[0]))
         elif (ctx := self.contexts.get(ctx_id)) is None:
-            return  # the driver never names a context it did not create; ignore a stray
+            self._drop(op, a)  # the driver never names a context it did not create
         elif op == abi.Op.CTX_DESTROY:
             del self.contexts[ctx_id]
             for ring in ctx.queues.values():
                 ring.faulted = True  # what is still queued completes as cancelled, unrun
             self._teardowns.append(ctx)
         elif op == abi.Op.MAP:
-            va, size, kind, owner, where, token = a
-            try:
-                data = self.backings.view(kind, owner, size, where, token)
-            except (OSError, memory.Fault):
-                return  # the driver created the backing; unreachable means it is gone
-            resident = None
-            if kind == uapi.MemKind.MANAGED:
-                resident = np.zeros(-(-size // memory.MANAGED_PAGE), bool)
-            ctx.space.add(memory.Mapping(va, size, kind, owner, data, resident))
+            self._map(ctx, *a)
         elif op == abi.Op.UNMAP:
             targets = {r: r.wptr for r in ctx.queues.values() if not r.fence_only}
             self._deferred_unmaps.append((ctx, a[0], targets))
         elif op == abi.Op.QUEUE_CREATE:
-            qid, priority, token = a[0], a[1], a[2]
-            try:
-                ring = Ring(ctx, qid, priority,
-                            os.path.join(self.shm_dir, uapi.ring_name(qid, token)))
-            except OSError:
-                return  # destroyed before we got to it: the driver already removed the file
-            ctx.queues[qid] = ring
-            self.sched.add(ring)
+            self._add_ring(op, ctx, a[0], a[1], a[2], a[3], fence_only=False)
         elif op == abi.Op.QUEUE_IMPORT:
-            local, _peer_dev, peer_qid, token = a[0], a[1], a[2], a[3]
-            try:
-                ring = Ring(ctx, local, 0, os.path.join(self.shm_dir, uapi.ring_name(peer_qid, token)),
-                            fence_only=True)
-            except OSError:
-                return  # the peer queue is gone; a WAIT_QUEUE naming it faults as unknown
-            ctx.queues[local] = ring
+            self._add_ring(op, ctx, a[0], 0, -1, a[3], fence_only=True)
         elif op == abi.Op.MODULE_LOAD:
-            path = os.path.join(self.shm_dir, uapi.module_name(a[0], a[1]))
-            try:
-                with open(path, "rb") as f:
-                    module = json.load(f)
-            except (OSError, ValueError):
-                return  # unloaded before we read it; launches naming it fault as unknown
-            ctx.modules[a[0]] = list(module["kernels"].items())
-            self.sched.warm_up()  # kernels are coming: load the JIT (numba) off the hot path
+            self._load_module(ctx, a[0], a[1], a[2])
         elif op == abi.Op.MODULE_UNLOAD:
             ctx.modules.pop(a[0], None)
         elif op == abi.Op.QUEUE_DESTROY:
             ring = ctx.queues.get(a[0])
-            if ring is not None:
+            if ring is not None and ring.fence_only:  # a name for another device's queue
+                del ctx.queues[a[0]]
+                ring.close()
+            elif ring is not None:
                 ring.closing = True
                 self._closing.append(ring)
 
+    def _drop(self, op: int, a: list[int]) -> None:
+        """A message for a context that is gone: its descriptors are closed, unused."""
+        cookie = {abi.Op.MAP: a[5], abi.Op.QUEUE_CREATE: a[3], abi.Op.QUEUE_IMPORT: a[3],
+                  abi.Op.MODULE_LOAD: a[2]}.get(op, 0)
+        if cookie and (op != abi.Op.MAP or a[2] != uapi.MemKind.DEVICE):
+            for fd in self.fdchan.take(cookie):
+                os.close(fd)
+
+    def _create_context(self, ctx_id: int, fds: list[int]) -> None:
+        doorbell, event, db_fd = fds
+        try:
+            db = uapi.SharedWords(db_fd, uapi.ACCEL_DB_PAGE_SIZE)
+        finally:
+            os.close(db_fd)
+        ctx = self.contexts[ctx_id] = FwContext(ctx_id, doorbell, event, db)
+        self._poller.register(doorbell, select.POLLIN)
+        ctx.seen_seq = db.get(uapi.DB_SEQ)
+
+    def _map(self, ctx: FwContext, va: int, size: int, kind: int, owner: int, offset: int,
+             cookie: int) -> None:
+        try:
+            if kind == uapi.MemKind.DEVICE:
+                data = self.backings.vram_window(owner, size, offset)
+            else:
+                (fd,) = self.fdchan.take(cookie)
+                try:
+                    data = memory.Backings.host(fd, size)
+                finally:
+                    os.close(fd)
+        except (OSError, ValueError, memory.Fault) as exc:
+            # unmappable (the firmware's address space is full?): say so; packets that
+            # touch it fault with EFAULT, as for any address the context lacks
+            code = exc.errno if isinstance(exc, OSError) and exc.errno else errno.ENOMEM
+            self.post(abi.Op.MAP, ctx.id, (va,), status=code)
+            return
+        resident = None
+        if kind == uapi.MemKind.MANAGED:
+            resident = np.zeros(-(-size // memory.MANAGED_PAGE), bool)
+        ctx.space.add(memory.Mapping(va, size, kind, owner, data, resident))
+
+    def _add_ring(self, op: int, ctx: FwContext, qid: int, priority: int, slot: int,
+                  cookie: int, fence_only: bool) -> None:
+        assert self.sched is not None
+        (fd,) = self.fdchan.take(cookie)
+        try:
+            ring = Ring(ctx, qid, priority, slot, fd, fence_only=fence_only)
+        except (OSError, ValueError) as exc:
+            self.post(op, ctx.id, (qid,), status=getattr(exc, "errno", 0) or errno.ENOMEM)
+            return
+        finally:
+            os.close(fd)
+        ctx.queues[qid] = ring
+        if not fence_only:
+            self.sched.add(ring)
+
+    def _load_module(self, ctx: FwContext, module_id: int, size: int, cookie: int) -> None:
+        """Read the (sealed, checked) image now -- a bounded copy, ACCEL_MODULE_MAX -- and
+        leave the parsing to the scheduler's loader thread."""
+        assert self.sched is not None
+        (fd,) = self.fdchan.take(cookie)
+        try:
+            raw = os.pread(fd, min(size, uapi.ACCEL_MODULE_MAX), 0)
+        finally:
+            os.close(fd)
+        self.sched.load_module(ctx, module_id, raw)
+
     def _housekeeping(self) -> None:
         """Unmaps, queue closes and context teardowns whose work has completed."""
+        assert self.sched is not None
         for ctx in [c for c in self._teardowns if not any(r.busy for r in c.queues.values())]:
             self._teardowns.remove(ctx)
             self._teardown(ctx)
@@ -201,9 +249,10 @@ class Firmware:
             self.post(abi.Op.UNMAP, d[0].id, (d[1],))
         for ring in [r for r in self._closing if r.completed >= r.wptr and not r.busy]:
             self._closing.remove(ring)
-            assert self.sched is not None
             self.sched.remove(ring)
-            ring.ctx.queues.pop(ring.id, None)
+            if ring.ctx.queues.get(ring.id) is ring:
+                del ring.ctx.queues[ring.id]
+            ring.close()
 
     def _unmap(self, ctx: FwContext, va: int) -> None:
         m = ctx.space.remove(va)
@@ -212,23 +261,29 @@ class Firmware:
             self.sched.residency.drop(m)
 
     def _teardown(self, ctx: FwContext) -> None:
-        """Forget a stopped context: its rings, mappings and doorbell; report it gone."""
+        """Forget a stopped context and give back everything it held: rings, mappings,
+        pipes, its doorbell page (the driver settles the unmaps it still owed)."""
         assert self.sched is not None
         for ring in ctx.queues.values():
             self.sched.remove(ring)
+        self._closing = [r for r in self._closing if r.ctx is not ctx]
         self._deferred_unmaps = [d for d in self._deferred_unmaps if d[0] is not ctx]
         for m in ctx.space.mappings():
             self._unmap(ctx, m.va)
-        for fd in (ctx.doorbell, ctx._doorbell_keepalive):
-            if fd >= 0:
-                os.close(fd)
+        if ctx.doorbell not in self._dead_doorbells:
+            self._poller.unregister(ctx.doorbell)
+        self._dead_doorbells.discard(ctx.doorbell)
+        ctx.close()
         self.post(abi.Op.CTX_DESTROY, ctx.id, ())
 
     # run ----------------------------------------------------------------------------
     def drain_mailbox(self) -> int:
         done = 0
-        while not self.hung and (item := self.mbx.cmd.pop()) is not None:
-            self.handle(*item)
+        while not self.hung and done < MAILBOX_BATCH and (item := self.mbx.cmd.pop()) is not None:
+            try:
+                self.handle(*item)
+            except Exception as exc:  # noqa: BLE001 - one bad message must not stop the device
+                log_unexpected(f"control message {item[0][0]}", exc)
             done += 1
         if self._backlog:
             with self._cpl_lock:
@@ -236,23 +291,22 @@ class Firmware:
         return done
 
     def _sleep(self, timeout: float) -> None:
-        """Mark the rings sleeping, re-check, and sleep until a doorbell or the timeout."""
+        """Mark the contexts sleeping, re-check, and sleep until a doorbell or the timeout."""
         assert self.sched is not None
         self.mbx.set_stats(self.stats)  # counters are current whenever the device idles
-        rings = self.sched.rings
-        for r in rings:
-            r.set_sleeping(1)
-        uapi.full_barrier()  # producers store wptr then load "sleeping"; we store then load
-        if not self.sched.pending() and self.mbx.cmd.pending() == 0:
-            if any(r.blocked and r.blocked[0].fence_only for r in rings):
+        contexts = list(self.contexts.values())
+        for c in contexts:
+            c.db.set(uapi.DB_FW_SLEEPING, 1)
+        uapi.full_barrier()  # producers store their slot then load "sleeping"; we store, load
+        if not (self.sched.pending() or self.sched.doorbells_moved()
+                or self.mbx.cmd.pending()):
+            if any(r.blocked and r.blocked[0].fence_only for r in self.sched.active):
                 timeout = min(timeout, CROSS_DEVICE_POLL_S)
-            fds = [self.doorbell_fd, self.sched.wake_fd] + [
-                c.doorbell for c in self.contexts.values() if c.doorbell >= 0]
-            ready, _, _ = select.select(fds, [], [], timeout)
-            for fd in ready:
+            for fd, _events in self._poller.poll(timeout * 1000):
                 self._drain_fd(fd)
-        for r in rings:
-            r.set_sleeping(0)
+        for c in contexts:
+            if not c.db.mem.closed:
+                c.db.set(uapi.DB_FW_SLEEPING, 0)
 
     def _drain_fd(self, fd: int) -> None:
         try:
@@ -264,12 +318,18 @@ class Firmware:
             sys.exit(0)  # the driver closed the doorbell: it is gone or resetting us
         if self.sched is not None and fd == self.sched.wake_fd:
             self.sched.drain_wakeups()
+        elif data == b"" and fd != self.doorbell_fd:
+            # every writer of a context's doorbell is gone (its process exited): stop
+            # polling it, or poll(2) would report it readable forever
+            self._poller.unregister(fd)
+            self._dead_doorbells.add(fd)
 
     def run(self) -> int:
         assert self.sched is not None
         last_beat = time.monotonic()
         last_work = 0.0
         while True:
+            self.sched.scan_doorbells()
             self.sched.publish()  # before the mailbox is drained: see publish()
             work = self.drain_mailbox() + self.sched.poll()
             if self._deferred_unmaps or self._closing or self._teardowns:
@@ -319,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vram-fds", type=_vram_fds, required=True,
                         help="DEV:FD,... every device's VRAM memfd (peers included)")
     parser.add_argument("--vram-size", type=int, required=True)
-    parser.add_argument("--shm-dir", required=True, help="where host-visible backings live")
+    parser.add_argument("--fd-channel", type=int, required=True,
+                        help="socket on which the driver hands over client descriptors")
     parser.add_argument("--jit-cache", required=True, help="the persistent kernel cache")
     args = parser.parse_args(argv)
     # The driver stops us by closing the doorbell or with SIGTERM/SIGKILL; a Ctrl-C meant
@@ -329,9 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     os.set_blocking(args.irq_fd, False)
     os.set_blocking(args.doorbell_fd, False)
     buf = mmap.mmap(args.mailbox_fd, abi.MAILBOX_SIZE)
-    backings = memory.Backings.open(args.shm_dir, args.vram_fds, args.vram_size)
+    backings = memory.Backings.open(args.vram_fds, args.vram_size)
+    chan = socket.socket(fileno=args.fd_channel)
+    chan.setblocking(False)  # what a message names was sent before it: never wait for it
+    fdchan = abi.FdChannel(chan)
     fw = Firmware(abi.Mailbox(memoryview(buf)), args.doorbell_fd, args.irq_fd, backings,
-                  args.vram_size, args.shm_dir, args.jit_cache)
+                  args.vram_size, fdchan, args.jit_cache)
     if not fw.boot():
         return 1
     return fw.run()

@@ -4,7 +4,8 @@ Each context has its own address space: the driver maps every allocation into it
 and the firmware resolves each packet's addresses against it, so a packet can only reach
 memory its context owns, imported or was granted as a peer. Device-local memory is a
 window into a device's VRAM (a memfd the driver created and handed to every firmware at
-boot, so peers can reach it); host-visible kinds are tmpfs files the firmware maps.
+boot, so peers can reach it); host-visible kinds are the process's own memfds, sealed so
+that their size never changes under the device, handed over by the driver.
 
 Managed memory is host memory the device migrates in 64 KiB pages on first device access
 (a "page fault"), within a residency budget of the device's free memory; exceeding it
@@ -25,8 +26,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from firmware import abi
-from kmod_emul import uapi
 
 MANAGED_PAGE = 64 * 1024
 
@@ -159,31 +158,29 @@ class AddressSpace:
 
 @dataclass
 class Backings:
-    """Where the bytes live: every device's VRAM and the host files mapped so far."""
+    """Where the bytes live: every device's VRAM, and the host memory handed over."""
 
-    shm_dir: str
     vram: dict[int, np.ndarray] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, shm_dir: str, vram_fds: dict[int, int], vram_size: int) -> Backings:
-        b = cls(shm_dir)
+    def open(cls, vram_fds: dict[int, int], vram_size: int) -> Backings:
+        b = cls()
         for dev, fd in vram_fds.items():
             mem = mmap.mmap(fd, vram_size)
             os.close(fd)
             b.vram[dev] = np.frombuffer(mem, np.uint8)
         return b
 
-    def view(self, kind: int, owner: int, size: int, where: int, token: int) -> np.ndarray:
-        """The bytes of one allocation: a VRAM window, or a host file mapped whole."""
-        if kind == uapi.MemKind.DEVICE:
-            vram = self.vram.get(owner)
-            if vram is None or where + size > len(vram):
-                raise Fault(where, errno.EINVAL)
-            return vram[where : where + size]
-        path = os.path.join(self.shm_dir, abi.host_backing_name(kind, where, token))
-        fd = os.open(path, os.O_RDWR)
-        try:
-            mem = mmap.mmap(fd, size) if size else bytearray()
-        finally:
-            os.close(fd)
+    def vram_window(self, owner: int, size: int, offset: int) -> np.ndarray:
+        """The bytes of a device-local allocation: a window of its device's VRAM."""
+        vram = self.vram.get(owner)
+        if vram is None or offset < 0 or size < 0 or offset + size > len(vram):
+            raise Fault(offset, errno.EINVAL)
+        return vram[offset : offset + size]
+
+    @staticmethod
+    def host(fd: int, size: int) -> np.ndarray:
+        """The first ``size`` bytes of a process's sealed memfd ``fd``, mapped (the caller
+        closes ``fd``; the mapping keeps what it needs). Raises OSError."""
+        mem = mmap.mmap(fd, size) if size else bytearray()
         return np.frombuffer(mem, np.uint8)

@@ -3,17 +3,24 @@
 One open of ``dev/accel/accelN`` is one ``OpenFile``; ``CTX_CREATE`` turns it into a
 context. Contexts of one process share the device (its memory capacity, engines and
 firmware) and its virtual address space; handles, queues, fences and allocations are per
-context.
-The owner (tgid and uid) is bound at open, the only request on which FUSE says who calls.
+context. The owner (tgid and uid) is bound at open, the only request on which FUSE says
+who calls.
+
+A context's shared objects are the process's own (docs/containment.md): its doorbell page
+(the driver writes the "lost" word there), its event pipe (the driver writes a byte when
+it has news for a waiter: the context was lost, a module finished loading, memory came
+back) and its queues' rings. The driver maps none of a process's rings; it keeps their
+descriptors only to hand them to another device's firmware (QUEUE_IMPORT). Everything a
+context holds is closed when it is destroyed, not when the garbage collector runs.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import trio
 
 from kmod_emul import uapi
 from kmod_emul.errors import DriverError
@@ -36,17 +43,19 @@ def tgid_of(tid: int) -> int:
     return tid
 
 
-class Queue(uapi.RingView):
-    """A user-mode queue's ring as the driver sees it: it reads the fence and the fault the
-    firmware writes, arms the completion interrupt for waiters, and is the producer of the
-    context's default queue (SUBMIT_NOOP)."""
+def new_ring_memfd(label: str) -> int:
+    """A ring of the driver's own (a context's default queue), sealed like a client's."""
+    fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, uapi.RING_FILE_SIZE)
+    fcntl.fcntl(fd, uapi.F_ADD_SEALS, uapi.ACCEL_SEALS_PINNED)
+    return fd
 
-    def __init__(self, qid: int, ctx: Context, priority: int, path: str,
-                 fence_only: bool = False) -> None:
-        super().__init__(path)
-        self.id, self.ctx, self.priority, self.path = qid, ctx, priority, path
-        self.fence_only = fence_only
-        self._progress = trio.Event()
+
+class DefaultQueue(uapi.RingView):
+    """A context's default queue: the driver's own ring, the driver its producer
+    (SUBMIT_NOOP) and its waiter (WAIT, which never blocks: it arms the interrupt)."""
+
+    id = 0
 
     @property
     def submitted(self) -> int:
@@ -59,55 +68,59 @@ class Queue(uapi.RingView):
         return (seqno, code, addr, opcode) if seqno else None
 
     def push(self, packet: bytes) -> int:
-        """Driver as producer (the default queue only): write one packet, publish it."""
         wptr = self.wptr
         if wptr - self.rptr >= uapi.RING_SLOTS:
-            raise DriverError(errno.EAGAIN, f"queue {self.id} is full")
+            raise DriverError(errno.EBUSY, f"the default queue is full ({uapi.RING_SLOTS} "
+                                          "no-ops not yet taken)")
         self.write_packet(wptr, packet)
         self.set(uapi.RING_WPTR, wptr + 1)
         return wptr + 1
 
-    def _arm(self, seqno: int) -> None:
+    def arm(self, seqno: int) -> None:
+        """Ask for an event when the fence reaches ``seqno`` (the lowest armed wins)."""
         armed = self.get(uapi.RING_IRQ_SEQNO)
         if armed == 0 or armed > seqno or armed <= self.completed:
             self.set(uapi.RING_IRQ_SEQNO, seqno)
+            uapi.full_barrier()  # store the arming, then load the fence (the firmware mirrors)
 
-    def wake(self) -> None:
-        self._progress.set()
-        self._progress = trio.Event()
 
-    async def wait(self, seqno: int, timeout_s: float) -> bool:
-        """Wait until ``seqno`` completes; False on timeout. Raises if the context dies."""
-        with trio.move_on_after(timeout_s):
-            while self.completed < seqno:
-                self.ctx.check_live()
-                self._arm(seqno)
-                if self.completed >= seqno:  # completed while arming: no interrupt comes
-                    break
-                await self._progress.wait()
-        self.ctx.check_live()
-        return self.completed >= seqno
+@dataclass(eq=False)
+class Queue:
+    """A queue of the context: the process's ring, known by our descriptor of it.
+    ``imported``: only a local name for another device's queue (QUEUE_IMPORT), waitable
+    by this context's WAIT_QUEUE packets; it has no ring and no doorbell slot here."""
+
+    id: int
+    priority: int
+    slot: int
+    fd: int
+    imported: bool = False
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 @dataclass(eq=False)
 class Context:
-    """A context: its queues, allocations and fate. Torn down by ``AccelDevice``."""
+    """A context: its queues, allocations, modules and fate. Torn down by ``AccelDevice``."""
 
     id: int
     file: OpenFile
     exclusive: bool
+    #: the process's doorbell page, mapped (the driver writes DB_LOST and the default
+    #: queue's slot)
+    db: uapi.SharedWords
+    #: our descriptor of the write end of the process's event pipe
+    event_fd: int
+    default_queue: DefaultQueue
     queues: dict[int, Queue] = field(default_factory=dict)
-    default_queue: Queue | None = None
     allocations: dict[int, Allocation] = field(default_factory=dict)
     #: indices of devices whose memory this context's work may reach (PEER_ENABLE)
     peers: set[int] = field(default_factory=set)
-    doorbell_path: str = ""
     #: loaded device modules, by module id
     modules: dict[int, Module] = field(default_factory=dict)
-    #: destroyed queues: no new work, but their fences stay waitable until the context goes
-    retired_queues: dict[int, Queue] = field(default_factory=dict)
-    #: files (rings, doorbell) to unlink once the firmware has let go of the context
-    files: list[str] = field(default_factory=list)
     #: Why the context can no longer be used (device reset or failure); None while live.
     lost: str | None = None
 
@@ -115,18 +128,26 @@ class Context:
         if self.lost is not None:
             raise DriverError(errno.ENODEV, f"context {self.id} lost: {self.lost}")
 
+    def signal(self) -> None:
+        """One byte on the process's event pipe: "look again". Never blocks: a full pipe
+        already says so, a closed one has no reader left."""
+        if self.event_fd >= 0:
+            try:
+                os.write(self.event_fd, b"\1")
+            except (BlockingIOError, BrokenPipeError):
+                pass
+
     def lose(self, reason: str) -> None:
+        """The device was reset or failed: every later command answers ENODEV, and the
+        process's waiters see the "lost" word of their doorbell page at once."""
         if self.lost is None:
             self.lost = reason
-            for q in self.queues.values():
-                q.wake()
+            if not self.db.mem.closed:
+                self.db.set(uapi.DB_LOST, errno.ENODEV)
+            self.signal()
 
-    def queue(self, queue_id: int, *, retired_too: bool = False) -> Queue:
-        """The queue a command names (0: the default queue); ENOENT if not this context's.
-        ``retired_too``: also a destroyed queue, whose fence can still be waited for."""
-        q = self.default_queue if queue_id == 0 else self.queues.get(queue_id)
-        if q is None and retired_too:
-            q = self.retired_queues.get(queue_id)
+    def queue(self, queue_id: int) -> Queue:
+        q = self.queues.get(queue_id)
         if q is None:
             raise DriverError(errno.ENOENT, f"queue {queue_id} does not belong to context {self.id}")
         return q
@@ -136,6 +157,20 @@ class Context:
         if a is None:
             raise DriverError(errno.ENOENT, f"allocation {handle} does not belong to context {self.id}")
         return a
+
+    def ring_slots_used(self) -> set[int]:
+        return {q.slot for q in self.queues.values() if not q.imported}
+
+    def close(self) -> None:
+        """Give back every descriptor and mapping the driver holds for this context."""
+        for q in self.queues.values():
+            q.close()
+        self.queues.clear()
+        if self.event_fd >= 0:
+            os.close(self.event_fd)
+            self.event_fd = -1
+        self.db.close()
+        self.default_queue.close()
 
 
 @dataclass(eq=False)

@@ -15,8 +15,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import time
@@ -31,6 +29,7 @@ from kmod_emul import drv
 from kmod_emul.device import AccelDevice, MemoryConfig
 from kmod_emul.fs import AccelFS, build_tree
 from kmod_emul.identity import IdentityStore, pci_bus_id
+from kmod_emul.limits import raise_fd_limit
 
 log = logging.getLogger(__name__)
 
@@ -116,27 +115,7 @@ def prepare_root(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
 
 
-SHM_BASE = Path("/dev/shm")
-SHM_PREFIX = "accel-emu-"
-
-
-def make_shm_dir() -> Path:
-    """The daemon's private tmpfs directory for host-visible backings.
-
-    Mode 0711: users reach their own files by (unguessable) name but cannot list others'.
-    Directories left by daemons that died are removed first.
-    """
-    for old in SHM_BASE.glob(f"{SHM_PREFIX}*"):
-        pid_text = old.name[len(SHM_PREFIX):].split("-", 1)[0]
-        if pid_text.isdigit() and not pid_alive(int(pid_text)):
-            shutil.rmtree(old, ignore_errors=True)
-    path = SHM_BASE / f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-    path.mkdir(mode=0o711)
-    path.chmod(0o711)
-    return path
-
-
-def make_devices(config: DaemonConfig, shm_dir: Path) -> list[AccelDevice]:
+def make_devices(config: DaemonConfig) -> list[AccelDevice]:
     slots = [pci_bus_id(i) for i in range(config.devices)]
     identities = IdentityStore(config.state_dir).identities(slots)
     vram_fds = {}
@@ -145,7 +124,8 @@ def make_devices(config: DaemonConfig, shm_dir: Path) -> list[AccelDevice]:
         os.ftruncate(vram_fds[i], config.memory)
     jit_cache = config.jit_cache or config.state_dir / "jit-cache"
     jit_cache.mkdir(parents=True, exist_ok=True)
-    mem = MemoryConfig(vram_fds, str(shm_dir), config.process_memory_limit, str(jit_cache))
+    mem = MemoryConfig(vram_fds, config.process_memory_limit, str(jit_cache), config.devices,
+                       raise_fd_limit())
     devices = [
         AccelDevice(i, identities[slot], config.memory, config.firmware_dir,
                     config.heartbeat_timeout_s, mem)
@@ -159,15 +139,7 @@ def make_devices(config: DaemonConfig, shm_dir: Path) -> list[AccelDevice]:
 async def serve(config: DaemonConfig, on_ready: Callable[[], None]) -> None:
     """Boot every device, mount the tree, call ``on_ready``, serve until signalled."""
     prepare_root(config.root)
-    shm_dir = make_shm_dir()
-    try:
-        await _serve(config, shm_dir, on_ready)
-    finally:
-        shutil.rmtree(shm_dir, ignore_errors=True)
-
-
-async def _serve(config: DaemonConfig, shm_dir: Path, on_ready: Callable[[], None]) -> None:
-    devices = make_devices(config, shm_dir)
+    devices = make_devices(config)
     fs = AccelFS(build_tree(config.driver, devices), config.driver)
     options = set(pyfuse3.default_options) | {
         f"fsname={FSNAME_PREFIX}{os.getpid()}",

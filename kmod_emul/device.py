@@ -9,10 +9,13 @@ Lifecycle (sysfs ``state``)::
        +--firmware stopped, hold released--> booting
 
 Every open file, context and firmware process belongs to exactly one device. A reset or a
-failure loses every context (their next command answers ENODEV) but keeps the open files,
-so the processes holding them see the loss instead of a vanished fd. Initialisation
-failures keep their own errno (ENOPKG, ENOEXEC, EIO) so that nothing collapses into
-"no accelerator".
+failure loses every context (their next command answers ENODEV, and their waiters see the
+"lost" word of their doorbell page) but keeps the open files, so the processes holding them
+see the loss instead of a vanished fd. Initialisation failures keep their own errno
+(ENOPKG, ENOEXEC, EIO) so that nothing collapses into "no accelerator".
+
+Every table a tenant fills is bounded (:mod:`kmod_emul.limits`): contexts, queues, pinned
+memory, host allocations and modules, device-wide (ENOSPC) and per tenant (EDQUOT).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import errno
 import itertools
 import logging
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,24 +32,17 @@ import trio
 
 from firmware import abi, image
 from kmod_emul import uapi
-from kmod_emul.context import Context, OpenFile, Queue, tgid_of
+from kmod_emul import limits, userfd
+from kmod_emul.context import Context, DefaultQueue, OpenFile, Queue, new_ring_memfd, tgid_of
 from kmod_emul.errors import DriverError
 from kmod_emul.fw import FirmwareProcess, load_image
 from kmod_emul.identity import Identity, pci_bus_id
-from kmod_emul.memory import DeviceMemory, create_user_file
+from kmod_emul.memory import DeviceMemory
 
 log = logging.getLogger(__name__)
 
 DEVICE_NAME = "Accel-Emu A1"
 DRIVER_VERSION = "1.0.0"
-
-
-def _unlink_all(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def fabric_endpoint(index: int) -> str:
@@ -59,9 +54,10 @@ class MemoryConfig:
     """Where the device's bytes live and what a process may hold (from the daemon)."""
 
     vram_fds: dict[int, int]  # every device's VRAM memfd, by device index
-    shm_dir: str
     process_limit: int = 0
     jit_cache: str = ""  # the firmware's persistent kernel cache
+    devices: int = 1  # how many devices the daemon serves (they share its descriptors)
+    fd_limit: int = 1024  # the daemon's descriptor limit (its children inherit it)
 
 
 class AccelDevice:
@@ -82,7 +78,7 @@ class AccelDevice:
         self.contexts: dict[int, Context] = {}
         self._ids = itertools.count(1)
         self.mem_config = mem
-        self.memory = DeviceMemory(self, mem.vram_fds[index], mem.shm_dir, mem.process_limit)
+        self.memory = DeviceMemory(self, mem.vram_fds[index], mem.process_limit)
         #: every device of the daemon (peers), set by the daemon once all exist
         self.all_devices: list[AccelDevice] = [self]
         self.reset_count = 0
@@ -92,9 +88,10 @@ class AccelDevice:
         self.sched_hold = False
         self._hold_changed = trio.Event()
         self._reset_requested = trio.Event()
+        #: module images are checked one at a time (each holds the interpreter lock a while)
+        self.module_checks = trio.CapacityLimiter(1)
         self._static_info: bytes | None = None
-        #: destroyed contexts whose teardown the firmware has not confirmed yet
-        self._dying: dict[int, Context] = {}
+        self.limits = limits.Limits.for_device(self.config, mem.devices, mem.fd_limit)
 
     def new_id(self) -> int:
         """Handles of every kind (contexts, queues, allocations) are unique on the device
@@ -109,11 +106,15 @@ class AccelDevice:
         return self.fw.mbx.stats() if self.fw is not None else {}
 
     def fw_send(self, op: abi.Op, ctx_id: int, args: tuple[int, ...] = (),
-                payload: bytes = b"") -> None:
-        """Send a control message to the running firmware (dropped when none runs: a reset
-        or failure has already voided the state it was about)."""
+                fds: list[int] | None = None) -> None:
+        """Send a control message to the running firmware, handing it ``fds`` (owned by
+        the call: closed once sent). Dropped, descriptors closed, when no firmware runs:
+        a reset or failure has already voided the state it was about."""
         if self.fw is not None:
-            self.fw.send(op, ctx_id, args, payload)
+            self.fw.send(op, ctx_id, args, fds)
+        else:
+            for fd in fds or ():
+                os.close(fd)
 
     def send_budget(self) -> None:
         self.fw_send(abi.Op.SET_BUDGET, 0, (self.memory.vram.used,))
@@ -139,6 +140,7 @@ class AccelDevice:
 
     def _describe_static(self) -> uapi.accel_device_info:
         cfg = self.config
+        lim = self.limits
         manifest = self.fw_image.manifest if self.fw_image else {}
         return uapi.accel_device_info(
             index=self.index, numa_node=0, package_id=self.index, partition_id=0,
@@ -155,6 +157,13 @@ class AccelDevice:
             firmware_version=str(manifest.get("version", "")).encode(),
             isa_version=str(manifest.get("isa_version", "")).encode(),
             isa_stepping=str(manifest.get("isa_stepping", "")).encode(),
+            max_contexts_per_process=lim.max_contexts_per_process,
+            max_queues_per_context=lim.max_queues_per_context, max_queues=lim.max_queues,
+            max_modules_per_context=lim.max_modules_per_context,
+            max_pinned_bytes_per_process=lim.max_pinned_bytes_per_process,
+            max_pinned_bytes=lim.max_pinned_bytes,
+            max_host_allocations_per_process=lim.max_host_allocations_per_process,
+            max_module_bytes_per_context=lim.max_module_bytes_per_context,
         )
 
     @property
@@ -205,8 +214,19 @@ class AccelDevice:
         f.replies.clear()
         self.files.discard(f)
 
+    # --- usage, for the limits ---------------------------------------------------------------
+    def live_contexts(self) -> list[Context]:
+        return [c for c in self.contexts.values() if c.lost is None]
+
+    def queue_count(self, pid: int | None = None) -> int:
+        """Queues (rings and imported names) of live contexts, of ``pid`` or of everyone."""
+        return sum(len(c.queues) for c in self.live_contexts() if pid in (None, c.file.pid))
+
     # --- contexts ------------------------------------------------------------------------
-    def create_context(self, f: OpenFile, exclusive: bool) -> Context:
+    def create_context(self, f: OpenFile, exclusive: bool, doorbell_fd: int, event_fd: int,
+                       db_page_fd: int) -> Context:
+        """CTX_CREATE: the process brings its doorbell pipe, event pipe and doorbell page
+        (imported here); the driver adds the default queue, a ring of its own."""
         self.check_usable()
         if exclusive:
             others = sorted(p for p in self.client_pids() if p != f.pid)
@@ -215,40 +235,56 @@ class AccelDevice:
         owner = self.exclusive_owner()
         if owner is not None and owner.file.pid != f.pid:
             raise DriverError(errno.EBUSY, f"{self.name} is held exclusively by pid {owner.file.pid}")
-        ctx = Context(self.new_id(), f, exclusive)
-        token = secrets.randbits(64)
-        ctx.doorbell_path = os.path.join(self.mem_config.shm_dir, uapi.doorbell_name(ctx.id, token))
-        os.mkfifo(ctx.doorbell_path, 0o600)
-        os.chown(ctx.doorbell_path, f.uid, f.gid)
-        ctx.files.append(ctx.doorbell_path)
-        self.fw_send(abi.Op.CTX_CREATE, ctx.id, (token,))
+        live = self.live_contexts()
+        lim = self.limits
+        limits.check(len(live), 1, lim.max_contexts, f"{self.name} contexts", device_wide=True)
+        limits.check(sum(c.file.pid == f.pid for c in live), 1, lim.max_contexts_per_process,
+                     f"contexts of process {f.pid} on {self.name}", device_wide=False)
+        mine: list[int] = []
+        try:
+            mine.append(userfd.import_pipe(f.pid, doorbell_fd, False, "doorbell pipe"))
+            mine.append(userfd.import_pipe(f.pid, event_fd, True, "event pipe"))
+            mine.append(userfd.import_memfd(f.pid, db_page_fd, uapi.ACCEL_DB_PAGE_SIZE,
+                                            uapi.ACCEL_SEALS_PINNED, "doorbell page"))
+            db = uapi.SharedWords(mine[2], uapi.ACCEL_DB_PAGE_SIZE)
+            ring_fd = new_ring_memfd(f"{self.name}-default-queue")
+            mine.append(ring_fd)
+            ring = DefaultQueue(ring_fd)
+            event_keep = os.dup(mine[1])
+        except BaseException:
+            for fd in mine:
+                os.close(fd)
+            raise
+        ctx = Context(self.new_id(), f, exclusive, db, event_keep, ring)
+        self.fw_send(abi.Op.CTX_CREATE, ctx.id, (), fds=mine[:3])
+        self.fw_send(abi.Op.QUEUE_CREATE, ctx.id, (0, uapi.ACCEL_QUEUE_PRIORITY_LOW,
+                                                   uapi.ACCEL_DB_DEFAULT_SLOT), fds=[ring_fd])
         self.contexts[ctx.id] = ctx
         f.ctx = ctx
-        ctx.default_queue = self.create_queue(ctx, uapi.ACCEL_QUEUE_PRIORITY_LOW)
         return ctx
 
     def destroy_context(self, ctx: Context) -> None:
         """Tear down in reverse order of creation: queues and mappings go with the firmware
-        context, whose teardown the firmware confirms before memory and files are reused."""
+        context, whose teardown the firmware confirms before the memory is reused. The
+        driver's own descriptors and mappings of the context go at once."""
         firmware_has_it = ctx.lost is None and self.fw is not None
         self.contexts.pop(ctx.id, None)
         ctx.file.ctx = None
         self.memory.release_context(ctx, firmware_has_it)
+        for mod in ctx.modules.values():
+            mod.release()
+        ctx.modules.clear()
         if firmware_has_it:
-            self._dying[ctx.id] = ctx
             self.fw_send(abi.Op.CTX_DESTROY, ctx.id)
-        else:
-            _unlink_all(ctx.files)
         ctx.lose("context destroyed")
+        ctx.close()
 
     def enable_peer(self, ctx: Context, peer_index: int) -> None:
         """Let ``ctx``'s work reach device ``peer_index``'s memory held by the same process:
         map that process's device-local allocations there into ``ctx`` (and later ones as
         they are made, see ``DeviceMemory.alloc``)."""
-        peer = next((d for d in self.all_devices if d.index == peer_index), None)
-        if peer is None or peer is self:
-            raise DriverError(errno.EINVAL, f"no peer device {peer_index} for {self.name}")
-        holders = [c for c in peer.contexts.values() if c.file.pid == ctx.file.pid and c.lost is None]
+        peer = self.peer(peer_index)
+        holders = [c for c in peer.live_contexts() if c.file.pid == ctx.file.pid]
         if not holders:
             raise DriverError(errno.EPERM, f"process {ctx.file.pid} holds no context on {peer.name}")
         if peer_index in ctx.peers:
@@ -259,49 +295,61 @@ class AccelDevice:
                 if alloc.backing.kind == uapi.MemKind.DEVICE and alloc.backing.owner is peer:
                     peer.memory.map_into(alloc, self, ctx)
 
+    def peer(self, index: int) -> AccelDevice:
+        peer = next((d for d in self.all_devices if d.index == index), None)
+        if peer is None or peer is self:
+            raise DriverError(errno.EINVAL, f"no peer device {index} for {self.name}")
+        return peer
+
     # --- queues ---------------------------------------------------------------------------
-    def create_queue(self, ctx: Context, priority: int) -> Queue:
-        qid, token = self.new_id(), secrets.randbits(64)
-        path = os.path.join(self.mem_config.shm_dir, uapi.ring_name(qid, token))
-        create_user_file(path, uapi.RING_FILE_SIZE, ctx.file.uid, ctx.file.gid)
-        ctx.files.append(path)
-        q = Queue(qid, ctx, priority, path)
+    def _check_queue_limits(self, ctx: Context) -> None:
+        lim = self.limits
+        limits.check(self.queue_count(), 1, lim.max_queues, f"{self.name} queues",
+                     device_wide=True)
+        limits.check(self.queue_count(ctx.file.pid), 1, lim.max_queues_per_process,
+                     f"queues of process {ctx.file.pid} on {self.name}", device_wide=False)
+        limits.check(len(ctx.queues), 1, lim.max_queues_per_context,
+                     f"queues of context {ctx.id}", device_wide=False)
+
+    def create_queue(self, ctx: Context, priority: int, ring_fd: int) -> Queue:
+        """QUEUE_CREATE: import the process's ring; give it a doorbell slot."""
+        self._check_queue_limits(ctx)
+        used = ctx.ring_slots_used()
+        slot = next(i for i in range(1, uapi.ACCEL_DB_SLOT_COUNT) if i not in used)
+        fd = userfd.import_memfd(ctx.file.pid, ring_fd, uapi.RING_FILE_SIZE,
+                                 uapi.ACCEL_SEALS_PINNED, "ring")
+        q = Queue(self.new_id(), priority, slot, fd)
         ctx.queues[q.id] = q
-        self.fw_send(abi.Op.QUEUE_CREATE, ctx.id, (q.id, priority, token))
+        self.fw_send(abi.Op.QUEUE_CREATE, ctx.id, (q.id, priority, slot), fds=[os.dup(fd)])
         return q
 
-    def destroy_queue(self, q: Queue) -> None:
-        """The queue's work already queued still runs; waits on its fence keep working.
-        Retired queues that have drained are forgotten here, files and all (a wait on one
-        is already satisfied in shared memory and never reaches the driver)."""
-        ctx = q.ctx
+    def destroy_queue(self, ctx: Context, q: Queue) -> None:
+        """The queue's work already queued still runs (its process waits for it in its own
+        ring); the firmware forgets the queue once it drained. An imported name just goes."""
         del ctx.queues[q.id]
-        ctx.retired_queues[q.id] = q
-        for old in [r for r in ctx.retired_queues.values() if r.completed >= r.submitted]:
-            del ctx.retired_queues[old.id]
-            ctx.files.remove(old.path)
-            _unlink_all([old.path])
-        self.fw_send(abi.Op.QUEUE_DESTROY, q.ctx.id, (q.id,))
+        q.close()
+        self.fw_send(abi.Op.QUEUE_DESTROY, ctx.id, (q.id,))
 
     def import_queue(self, ctx: Context, peer_index: int, peer_qid: int) -> Queue:
         """Make a queue of this process on another device waitable by ``ctx``'s queues."""
-        peer = next((d for d in self.all_devices if d.index == peer_index), None)
-        if peer is None or peer is self:
-            raise DriverError(errno.EINVAL, f"no peer device {peer_index} for {self.name}")
-        source = next((q for c in peer.contexts.values() if c.file.pid == ctx.file.pid
-                       and c.lost is None for q in c.queues.values() if q.id == peer_qid), None)
+        peer = self.peer(peer_index)
+        source = next((q for c in peer.live_contexts() if c.file.pid == ctx.file.pid
+                       for q in c.queues.values() if q.id == peer_qid and not q.imported), None)
         if source is None:
             raise DriverError(errno.ENOENT, f"queue {peer_qid} on {peer.name} is not this process's")
-        token = int(os.path.basename(source.path).rsplit("-", 1)[1], 16)
-        local = Queue(self.new_id(), ctx, 0, source.path, fence_only=True)
+        self._check_queue_limits(ctx)
+        local = Queue(self.new_id(), 0, -1, -1, imported=True)
         ctx.queues[local.id] = local
-        self.fw_send(abi.Op.QUEUE_IMPORT, ctx.id, (local.id, peer_index, peer_qid, token))
+        self.fw_send(abi.Op.QUEUE_IMPORT, ctx.id, (local.id, peer_index, peer_qid),
+                     fds=[os.dup(source.fd)])
         return local
 
     def submit_noop(self, ctx: Context) -> int:
-        """The driver as producer on the context's default queue."""
-        assert ctx.default_queue is not None
+        """The driver as producer on the context's default queue: the packet, its doorbell
+        slot, the page's sequence word, then the firmware's doorbell."""
         seqno = ctx.default_queue.push(bytes(uapi.accel_packet(opcode=uapi.Op.NOP)))
+        ctx.db.set(uapi.DB_SLOTS + 8 * uapi.ACCEL_DB_DEFAULT_SLOT, seqno)
+        ctx.db.set(uapi.DB_SEQ, ctx.db.get(uapi.DB_SEQ) + 1)
         if self.fw is not None:
             self.fw.ring_doorbell()
         return seqno
@@ -373,6 +421,8 @@ class AccelDevice:
             return
         self.fw_image = img
         self._static_info = None
+        self.limits = limits.Limits.for_device(img.config, self.mem_config.devices,
+                                               self.mem_config.fd_limit)
         if self._reset_requested.is_set():
             return  # a reset arrived while booting; serve() is skipped by the state check
         self.state = uapi.DeviceState.OPERATIONAL
@@ -382,9 +432,6 @@ class AccelDevice:
         if self.fw is not None:
             fw, self.fw = self.fw, None
             self.memory.firmware_gone()
-            for ctx in self._dying.values():
-                _unlink_all(ctx.files)
-            self._dying.clear()
             await fw.stop()
 
     async def _serve(self) -> None:
@@ -411,17 +458,31 @@ class AccelDevice:
                     log.exception("%s: driver bug handling completion %s", self.name, item[0])
 
     def _completion(self, op: int, status: int, ctx_id: int, *a: int) -> None:
-        if op == abi.Op.FENCE:
-            ctx = self.contexts.get(ctx_id)
-            if ctx is not None and (q := ctx.queues.get(a[0]) or ctx.retired_queues.get(a[0])):
-                q.wake()
+        if status:  # the firmware could not take something on (it could not map it)
+            log.warning("%s: firmware refused %s of context %d (%s, a0=%d)", self.name,
+                        abi.Op(op).name, ctx_id, errno.errorcode.get(status, status), a[0])
+            if op in (abi.Op.QUEUE_CREATE, abi.Op.QUEUE_IMPORT):
+                self._fault_queue(ctx_id, a[0], status)
         elif op == abi.Op.UNMAP:
             self.memory.unmapped(ctx_id, a[0])
         elif op == abi.Op.CTX_DESTROY:
             self.memory.context_destroyed(ctx_id)
-            dead = self._dying.pop(ctx_id, None)
-            if dead is not None:
-                _unlink_all(dead.files)
+
+    def _fault_queue(self, ctx_id: int, qid: int, code: int) -> None:
+        """A queue the firmware could not map never runs: say so in its ring (the process
+        then raises at its next submission or wait) and wake the process."""
+        ctx = self.contexts.get(ctx_id)
+        q = ctx.queues.get(qid) if ctx is not None else None
+        if ctx is None or q is None:
+            return
+        if q.fd >= 0:
+            ring = uapi.RingView(q.fd)
+            try:
+                if not ring.read_fault()[0]:
+                    ring.write_fault(max(1, ring.completed + 1), code, 0, 0)
+            finally:
+                ring.close()
+        ctx.signal()
 
     async def _watch_exit(self, scope: trio.CancelScope) -> None:
         assert self.fw is not None

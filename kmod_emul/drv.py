@@ -4,6 +4,10 @@
 (header, command number, size, reserved fields, flags, handles), runs the handler and
 stores the reply under the caller's tag. Each handler is a small function over the
 caller's ``OpenFile``; the table pairs commands (from :mod:`kmod_emul.uapi`) with them.
+
+No handler waits for the device: the kernel holds the device node's lock for every
+tenant while a write runs (FUSE direct I/O), so a handler that slept would stall them all.
+Waiting happens in the caller (docs/containment.md).
 """
 
 from __future__ import annotations
@@ -14,13 +18,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import trio
-
 from kmod_emul import modules, uapi
 from kmod_emul.context import OpenFile
 from kmod_emul.device import DRIVER_VERSION
 from kmod_emul.errors import DriverError
-from kmod_emul.memory import Allocation
 
 _HDR = ctypes.sizeof(uapi.accel_cmd_hdr)
 
@@ -62,8 +63,9 @@ async def ctx_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_create) 
         )
     if f.ctx is not None:
         raise DriverError(errno.EEXIST, f"this open file already holds context {f.ctx.id}")
-    ctx = f.device.create_context(f, bool(arg.flags & uapi.ACCEL_CTX_EXCLUSIVE))
-    arg.ctx_id, arg.doorbell_path = ctx.id, ctx.doorbell_path.encode()
+    ctx = f.device.create_context(f, bool(arg.flags & uapi.ACCEL_CTX_EXCLUSIVE),
+                                  arg.doorbell_fd, arg.event_fd, arg.db_page_fd)
+    arg.ctx_id = ctx.id
     return arg
 
 
@@ -83,25 +85,23 @@ async def submit_noop(info: DriverInfo, f: OpenFile, arg: uapi.accel_submit_noop
 
 
 async def wait(info: DriverInfo, f: OpenFile, arg: uapi.accel_wait) -> Any:
+    """Never blocks (see the module doc): complete, or ETIME with the interrupt armed."""
     _no_flags(arg)
-    q = f.context(arg.ctx_id).queue(arg.queue_id, retired_too=True)
+    q = f.context(arg.ctx_id).default_queue
     if arg.seqno > q.submitted:
         raise DriverError(
             errno.EINVAL, f"seqno {arg.seqno} was never submitted (last is {q.submitted})"
         )
-    timeout_ns = min(arg.timeout_ns, uapi.ACCEL_WAIT_SLICE_NS)
-    if not await q.wait(arg.seqno, timeout_ns / 1e9):
-        raise DriverError(errno.ETIME, f"seqno {arg.seqno} not complete")
+    if q.completed < arg.seqno:
+        q.arm(arg.seqno)
+        if q.completed < arg.seqno:  # completed while arming: no event comes, answer now
+            raise DriverError(errno.ETIME, f"seqno {arg.seqno} not complete yet")
     arg.completed = q.completed
     arg.timestamp_ns = q.timestamp(arg.seqno)
     fault = q.fault
     if fault is not None and fault[0] <= arg.seqno:
         arg.error_seqno, arg.error_code, arg.error_addr, arg.error_opcode = fault
     return arg
-
-
-def _host_path(alloc: Allocation) -> bytes:
-    return alloc.backing.path.encode() if alloc.backing.kind != uapi.MemKind.DEVICE else b""
 
 
 async def mem_alloc(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_alloc) -> Any:
@@ -112,20 +112,18 @@ async def mem_alloc(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_alloc) ->
         kind = uapi.MemKind(arg.kind)
     except ValueError:
         raise DriverError(errno.EINVAL, f"unknown memory kind {arg.kind}") from None
-    alloc = f.device.memory.alloc(ctx, arg.size, kind)
-    arg.handle, arg.va, arg.shm_path = alloc.handle, alloc.va, _host_path(alloc)
+    alloc = f.device.memory.alloc(ctx, arg.size, kind, arg.fd)
+    arg.handle, arg.va = alloc.handle, alloc.va
     return arg
 
 
 async def mem_free(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_free) -> None:
-    """Like cudaFree, return once the device is done with the memory and it is free again
-    (so an allocator that frees its cache and retries finds the room), but never block the
-    caller longer than one wait slice: past that the bytes come back in the background."""
+    """Drop the handle now; the bytes come back once the device is done with them (work
+    queued before the free still uses them), with a byte on the process's event pipe.
+    MEM_INFO's ``pending_free`` says how much is still on its way back, so an allocator
+    that frees its cache and retries knows whether waiting can help."""
     ctx = f.context(arg.ctx_id)
-    backing = f.device.memory.free(ctx, ctx.allocation(arg.handle))
-    if backing.refs == 0:
-        with trio.move_on_after(uapi.ACCEL_WAIT_SLICE_NS / 1e9):
-            await backing.released.wait()
+    f.device.memory.free(ctx, ctx.allocation(arg.handle))
 
 
 async def mem_export(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_export) -> Any:
@@ -140,7 +138,7 @@ async def mem_import(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_import) 
     f.device.check_usable()
     alloc = f.device.memory.import_(ctx, arg.export_handle, arg.token)
     arg.handle, arg.va, arg.size = alloc.handle, alloc.va, alloc.backing.size
-    arg.kind, arg.shm_path = alloc.backing.kind, _host_path(alloc)
+    arg.kind = alloc.backing.kind
     return arg
 
 
@@ -152,6 +150,8 @@ async def mem_info(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_info) -> A
     arg.process_bytes = mem.process_bytes(f.pid)
     arg.process_limit = mem.process_limit
     arg.managed_resident = f.device.fw_stats().get("managed_resident", 0)
+    arg.pending_free = mem.pending_free(f.pid)
+    arg.pinned_bytes = mem.pinned_bytes(f.pid)
     return arg
 
 
@@ -167,17 +167,16 @@ async def queue_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_crea
     f.device.check_usable()
     if arg.priority not in (uapi.ACCEL_QUEUE_PRIORITY_LOW, uapi.ACCEL_QUEUE_PRIORITY_HIGH):
         raise DriverError(errno.EINVAL, f"priority {arg.priority} is neither low (0) nor high (1)")
-    q = f.device.create_queue(ctx, arg.priority)
-    arg.queue_id, arg.ring_path = q.id, q.path.encode()
+    q = f.device.create_queue(ctx, arg.priority, arg.ring_fd)
+    arg.queue_id, arg.doorbell = q.id, q.slot
     return arg
 
 
 async def queue_destroy(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_destroy) -> None:
     ctx = f.context(arg.ctx_id)
-    q = ctx.queue(arg.queue_id)
-    if q is ctx.default_queue:
+    if arg.queue_id == 0:
         raise DriverError(errno.EINVAL, "the context's default queue lives as long as it does")
-    f.device.destroy_queue(q)
+    f.device.destroy_queue(ctx, ctx.queue(arg.queue_id))
 
 
 async def queue_import(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_import) -> Any:
@@ -190,7 +189,7 @@ async def module_load(info: DriverInfo, f: OpenFile, arg: uapi.accel_module_load
     _no_flags(arg)
     ctx = f.context(arg.ctx_id)
     f.device.check_usable()
-    mod = modules.load(f.device, ctx, arg.src_handle, arg.size)
+    mod = await modules.load(f.device, ctx, arg.fd, arg.size)
     arg.module_id, arg.kernel_count = mod.id, len(mod.kernels)
     return arg
 

@@ -5,8 +5,12 @@ transaction and a read at offset ``tag`` fetches its reply (see :mod:`kmod_emul.
 Attribute files render their value when opened and are served with ``direct_io`` so that
 readers never see a stale page-cache copy of a changing value.
 
-Handlers never block: everything slow is an ``await`` on the device, so one process's wait
-never stalls another's command.
+Handlers never wait for the device (:mod:`kmod_emul.drv`): the kernel serialises the writes
+of every tenant on one device node, so a command that slept would stall them all.
+
+Permissions are the driver's own checks (the mount has no ``default_permissions``): writing
+an attribute needs root, as does anything under ``sys/kernel/debug`` (see
+:mod:`kmod_emul.sysfs`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from kmod_emul import drv
 from kmod_emul.context import OpenFile
 from kmod_emul.device import AccelDevice
 from kmod_emul.errors import DriverError
-from kmod_emul.sysfs import Attr, debug_attrs, device_attrs, module_attrs
+from kmod_emul.sysfs import Attr, debug_attrs, device_attrs, limit_attrs, module_attrs
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,7 @@ class Node:
     children: dict[bytes, Node] = field(default_factory=dict)
     attr: Attr | None = None
     device: AccelDevice | None = None
+    root_only: bool = False  # debugfs: neither listed nor opened by anyone but root
 
 
 class Tree:
@@ -57,20 +62,22 @@ class Tree:
         self.nodes[node.inode] = node
         return node
 
-    def mkdir(self, path: str) -> Node:
+    def mkdir(self, path: str, root_only: bool = False) -> Node:
         node = self.root
         for part in path.split("/"):
             key = part.encode()
             if key not in node.children:
-                node.children[key] = self._new(stat.S_IFDIR | 0o755)
+                node.children[key] = self._new(stat.S_IFDIR | (0o700 if root_only else 0o755),
+                                               root_only=root_only)
             node = node.children[key]
         return node
 
-    def add_attrs(self, path: str, attrs: dict[str, Attr]) -> None:
-        parent = self.mkdir(path)
+    def add_attrs(self, path: str, attrs: dict[str, Attr], root_only: bool = False) -> None:
+        parent = self.mkdir(path, root_only)
         for name, attr in attrs.items():
-            perm = (0o444 if attr.read else 0) | (0o200 if attr.write else 0)
-            parent.children[name.encode()] = self._new(stat.S_IFREG | perm, attr=attr)
+            perm = ((0o400 if root_only else 0o444) if attr.read else 0) | (0o200 if attr.write else 0)
+            parent.children[name.encode()] = self._new(stat.S_IFREG | perm, attr=attr,
+                                                       root_only=root_only)
 
     def add_device(self, dev: AccelDevice) -> None:
         parent = self.mkdir("dev/accel")
@@ -81,10 +88,12 @@ def build_tree(info: drv.DriverInfo, devices: list[AccelDevice]) -> Tree:
     tree = Tree()
     tree.mkdir("dev/accel")
     tree.mkdir("sys/class/accel")
+    tree.mkdir("sys/kernel/debug", root_only=True)
     for dev in devices:
         tree.add_device(dev)
         tree.add_attrs(f"sys/class/accel/{dev.name}", device_attrs(dev))
-        tree.add_attrs(f"sys/kernel/debug/accel/{dev.name}", debug_attrs(dev))
+        tree.add_attrs(f"sys/class/accel/{dev.name}/limits", limit_attrs(dev))
+        tree.add_attrs(f"sys/kernel/debug/accel/{dev.name}", debug_attrs(dev), root_only=True)
     tree.add_attrs("sys/module/accel_emu", module_attrs(info, devices))
     return tree
 
@@ -148,8 +157,11 @@ class AccelFS(pyfuse3.Operations):
         return await self.getattr(inode)
 
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        if not stat.S_ISDIR(self._node(inode).mode):
+        node = self._node(inode)
+        if not stat.S_ISDIR(node.mode):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
+        if node.root_only and ctx.uid != 0:
+            raise pyfuse3.FUSEError(errno.EACCES)
         return inode
 
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
@@ -170,8 +182,10 @@ class AccelFS(pyfuse3.Operations):
             reading = flags & os.O_ACCMODE != os.O_WRONLY
             if (writing and node.attr.write is None) or (reading and node.attr.read is None):
                 raise pyfuse3.FUSEError(errno.EACCES)
+            if (writing or node.root_only) and ctx.uid != 0:
+                raise pyfuse3.FUSEError(errno.EACCES)
             try:
-                text = node.attr.read() if reading and node.attr.read else ""
+                text = node.attr.render(ctx.uid) if reading else ""
             except Exception as exc:  # noqa: BLE001 - see _fuse_error
                 raise _fuse_error(exc) from None
             handle = AttrHandle(node, (text + "\n").encode() if reading else b"")

@@ -3,8 +3,9 @@
 ``load_image`` is ``request_firmware`` plus verification: it tells a missing image
 (ENOPKG) from a corrupt or incompatible one (ENOEXEC). ``FirmwareProcess.boot`` copies the
 verified image into a fresh mailbox (a memfd), starts the device's firmware process with
-only the mailbox, doorbell and interrupt fds, and waits for the READY handshake; a firmware
-that exits or reports failure during boot is a boot failure (EIO).
+only the mailbox, doorbell, interrupt and descriptor-channel fds (and every device's VRAM),
+and waits for the READY handshake; a firmware that exits or reports failure during boot is
+a boot failure (EIO).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import signal
 import sys
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,18 +65,32 @@ def load_image(firmware_dir: Path, name: str = image.IMAGE_NAME) -> image.Firmwa
     return img
 
 
+@dataclass(eq=False)
+class _Message:
+    """A message on its way to the firmware, with the descriptors it carries (owned here
+    until sent: the channel closes them once they are in flight)."""
+
+    op: int
+    ctx_id: int
+    args: tuple[int, ...]
+    fds: list[int] = field(default_factory=list)
+    fds_sent: bool = False
+
+
 class FirmwareProcess:
-    """A running firmware: its process, mailbox and the two wake-up pipes."""
+    """A running firmware: its process, mailbox, descriptor channel and wake-up pipes."""
 
     def __init__(self, proc: trio.Process, mbx: abi.Mailbox, mem: mmap.mmap,
-                 doorbell_w: int, irq_r: int) -> None:
+                 doorbell_w: int, irq_r: int, fdchan: abi.FdChannel) -> None:
         self.proc = proc
         self.mbx = mbx
         self._mem = mem
         self._doorbell_w = doorbell_w
         self.irq_r = irq_r
-        #: messages that found the command ring full, sent in order as it drains
-        self._backlog: deque[tuple[int, int, tuple[int, ...], bytes]] = deque()
+        self._fdchan = fdchan
+        self._cookies = iter(range(1, 1 << 63))
+        #: messages that found the command ring (or the channel) full, sent in order
+        self._backlog: deque[_Message] = deque()
 
     @property
     def pid(self) -> int:
@@ -86,7 +102,7 @@ class FirmwareProcess:
         """Start a firmware process on ``img``; return once it reports READY.
 
         It gets every device's VRAM memfd (so peer access needs no fd passing later), the
-        shm directory of host-visible backings, and nothing else of the daemon's.
+        descriptor channel for what clients bring, and nothing else of the daemon's.
         """
         memfd = os.memfd_create(f"accel-emu-{label}-mailbox", os.MFD_CLOEXEC)
         os.ftruncate(memfd, abi.MAILBOX_SIZE)
@@ -97,20 +113,25 @@ class FirmwareProcess:
         irq_r, irq_w = os.pipe()
         os.set_blocking(irq_r, False)
         os.set_blocking(doorbell_w, False)  # a full pipe means "already rung", never a stall
+        fdchan, theirs = abi.FdChannel.pair()
         vram = ",".join(f"{dev}:{fd}" for dev, fd in memcfg.vram_fds.items())
         try:
             proc = await trio.lowlevel.open_process(
                 [sys.executable, "-m", "firmware", "--mailbox-fd", str(memfd),
                  "--doorbell-fd", str(doorbell_r), "--irq-fd", str(irq_w), "--vram-fds", vram,
-                 "--vram-size", str(vram_size), "--shm-dir", memcfg.shm_dir,
+                 "--vram-size", str(vram_size), "--fd-channel", str(theirs.fileno()),
                  "--jit-cache", memcfg.jit_cache],
-                pass_fds=(memfd, doorbell_r, irq_w, *memcfg.vram_fds.values()),
+                pass_fds=(memfd, doorbell_r, irq_w, theirs.fileno(), *memcfg.vram_fds.values()),
                 start_new_session=True,  # a Ctrl-C on the daemon's terminal is not a device crash
             )
+        except BaseException:
+            fdchan.close()
+            raise
         finally:
             for fd in (memfd, doorbell_r, irq_w):
                 os.close(fd)
-        fw = cls(proc, mbx, mem, doorbell_w, irq_r)
+            theirs.close()
+        fw = cls(proc, mbx, mem, doorbell_w, irq_r, fdchan)
         try:
             await fw._handshake()
         except BaseException:
@@ -146,17 +167,25 @@ class FirmwareProcess:
         return False
 
     def send(self, op: abi.Op, ctx_id: int, args: tuple[int, ...] = (),
-             payload: bytes = b"") -> None:
+             fds: list[int] | None = None) -> None:
         """Queue a message and ring the doorbell. Never drops one: a message that finds the
-        ring full waits in the backlog, which drains (in order) on the next interrupt."""
-        self._backlog.append((op, ctx_id, args, payload))
+        ring full waits in the backlog, which drains (in order) on the next interrupt.
+        ``fds`` (owned by the call from here on) travel on the descriptor channel; the
+        message's last argument word is then their cookie."""
+        if fds:
+            args = (*args, next(self._cookies))
+        self._backlog.append(_Message(op, ctx_id, args, list(fds or ())))
         self.flush()
 
     def flush(self) -> None:
         sent = False
         while self._backlog:
-            op, ctx_id, args, payload = self._backlog[0]
-            if not self.mbx.cmd.push(op, ctx_id, args, payload=payload):
+            msg = self._backlog[0]
+            if msg.fds and not msg.fds_sent:
+                if not self._fdchan.send(msg.args[-1], msg.fds):
+                    break  # the channel is full: the firmware drains it as it goes
+                msg.fds_sent = True
+            if not self.mbx.cmd.push(msg.op, msg.ctx_id, msg.args):
                 break
             self._backlog.popleft()
             sent = True
@@ -178,6 +207,12 @@ class FirmwareProcess:
             if fd >= 0:
                 os.close(fd)
         self._doorbell_w = self.irq_r = -1
+        for msg in self._backlog:  # never sent: their descriptors are still ours
+            if not msg.fds_sent:
+                for fd in msg.fds:
+                    os.close(fd)
+        self._backlog.clear()
+        self._fdchan.close()
         with trio.CancelScope(shield=True):
             with trio.move_on_after(STOP_GRACE_S):
                 await self.proc.wait()

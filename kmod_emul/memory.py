@@ -4,8 +4,10 @@ The driver's ``gem``: it owns the books, the firmware owns the bytes' use.
 
 * **Backings** are where bytes live. Device-local memory is a range of the device's VRAM
   (one memfd per device, handed to every firmware at boot so peers can reach it; never
-  mapped into a user process). Host-visible kinds are tmpfs files in the daemon's private
-  shm directory, owned by the caller, mode 0600, with an unguessable name.
+  mapped into a user process). Host-visible kinds are the caller's own memory: a memfd it
+  sealed against shrinking (:mod:`kmod_emul.userfd`), handed to the firmware, which maps
+  it; the driver keeps no descriptor of it. Pinned bytes and host allocations are
+  counted per process and per device against :mod:`kmod_emul.limits`.
 * **Allocations** are a context's handle on a backing, at a device virtual address. VAs are
   unique per (device, process), so a process's contexts never alias and peer devices can
   map the same address.
@@ -25,10 +27,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import trio
-
 from firmware import abi
-from kmod_emul import uapi
+from kmod_emul import limits, uapi, userfd
 from kmod_emul.errors import DriverError
 
 if TYPE_CHECKING:
@@ -38,16 +38,6 @@ if TYPE_CHECKING:
 _libc = ctypes.CDLL(None, use_errno=True)
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 VA_GUARD = 64 * 1024  # unmapped gap after each allocation: an overrun faults
-
-
-def create_user_file(path: str, size: int, uid: int, gid: int) -> None:
-    """A new tmpfs file for one user: created exclusively, mode 0600, owned by them."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        os.fchown(fd, uid, gid)
-    finally:
-        os.close(fd)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -93,27 +83,23 @@ class Backing:
     size: int
     owner: AccelDevice
     offset: int = 0  # VRAM offset (device-local)
-    token: int = 0  # host kinds: part of the file name; every kind: the export secret
-    path: str = ""  # host kinds
+    token: int = 0  # the export secret (device-local)
+    #: host kinds: our descriptor of the process's memfd until the firmware took it
+    fd: int = -1
     exported: bool = False
     pid: int = 0  # the allocating process, charged until the bytes are released
     refs: int = 0  # allocations referring to it
     pending: int = 0  # firmware mappings whose removal is not yet confirmed
-    #: set once the bytes are back in the pool (MEM_FREE waits a little for it)
-    released: trio.Event = field(default_factory=trio.Event)
+    released: bool = False
 
     def release_if_unused(self) -> None:
-        if self.refs or self.pending or self.released.is_set():
+        if self.refs or self.pending or self.released:
             return
-        self.released.set()
-        if self.kind == uapi.MemKind.DEVICE:
-            self.owner.memory.release_vram(self.offset, self.size, self.pid)
-        else:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-        self.owner.memory.backings.pop(self.id, None)
+        self.released = True
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.owner.memory.release(self)
 
 
 @dataclass(eq=False)
@@ -129,12 +115,10 @@ class Allocation:
 class DeviceMemory:
     """One device's memory books."""
 
-    def __init__(self, device: AccelDevice, vram_fd: int, shm_dir: str,
-                 process_limit: int) -> None:
+    def __init__(self, device: AccelDevice, vram_fd: int, process_limit: int) -> None:
         self.device = device
         self.vram_fd = vram_fd
         self.vram = VramAllocator(device.memory_total)
-        self.shm_dir = shm_dir
         self.process_limit = process_limit
         self.backings: dict[int, Backing] = {}
         #: (ctx id, va) -> backing, for UNMAPs the firmware has not confirmed yet
@@ -142,7 +126,11 @@ class DeviceMemory:
         #: ctx id -> backings, for context teardowns the firmware has not confirmed yet
         self.teardown: dict[int, list[Backing]] = {}
         self._va_next: dict[int, int] = {}
+        #: per pid: device-local bytes, pinned (host) bytes, host allocations, all until
+        #: released (after the firmware let go)
         self._pid_bytes: dict[int, int] = {}
+        self._pid_pinned: dict[int, int] = {}
+        self._pid_host_allocs: dict[int, int] = {}
 
     # --- accounting ----------------------------------------------------------------------
     def process_bytes(self, pid: int) -> int:
@@ -152,19 +140,49 @@ class DeviceMemory:
     def pid_bytes(self) -> dict[int, int]:
         return dict(self._pid_bytes)
 
+    def pinned_bytes(self, pid: int | None = None) -> int:
+        """Host memory pinned here (by ``pid``, or by everyone) and not yet released."""
+        if pid is None:
+            return sum(self._pid_pinned.values())
+        return self._pid_pinned.get(pid, 0)
+
+    def host_allocations(self, pid: int | None = None) -> int:
+        if pid is None:
+            return sum(self._pid_host_allocs.values())
+        return self._pid_host_allocs.get(pid, 0)
+
+    def pending_free(self, pid: int) -> int:
+        """Bytes ``pid`` freed that are not back yet (the firmware has not let go)."""
+        return sum(b.size for b in self.backings.values()
+                   if b.pid == pid and b.refs == 0 and not b.released)
+
     def context_bytes(self, ctx: Context) -> int:
         return sum(a.backing.size for a in ctx.allocations.values()
                    if a.backing.kind == uapi.MemKind.DEVICE)
 
-    def release_vram(self, offset: int, size: int, pid: int) -> None:
-        self._pid_bytes[pid] -= size
-        if not self._pid_bytes[pid]:
-            del self._pid_bytes[pid]
-        if _libc.fallocate(self.vram_fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
-                           ctypes.c_long(offset), ctypes.c_long(size)) != 0:
-            os.pwrite(self.vram_fd, bytes(size), offset)  # no hole punching: zero it
-        self.vram.free(offset, size)
-        self.device.send_budget()
+    @staticmethod
+    def _charge(books: dict[int, int], pid: int, amount: int) -> None:
+        books[pid] = books.get(pid, 0) + amount
+        if not books[pid]:
+            del books[pid]
+
+    def release(self, b: Backing) -> None:
+        """A backing's bytes are unused by everyone: give them back, tell the process."""
+        size = _round_up(max(b.size, 1), uapi.ACCEL_PAGE_SIZE)
+        if b.kind == uapi.MemKind.DEVICE:
+            self._charge(self._pid_bytes, b.pid, -b.size)
+            if _libc.fallocate(self.vram_fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                               ctypes.c_long(b.offset), ctypes.c_long(size)) != 0:
+                os.pwrite(self.vram_fd, bytes(size), b.offset)  # no hole punching: zero it
+            self.vram.free(b.offset, b.size)
+            self.device.send_budget()
+        else:
+            self._charge(self._pid_pinned, b.pid, -size)
+            self._charge(self._pid_host_allocs, b.pid, -1)
+        self.backings.pop(b.id, None)
+        for ctx in self.device.live_contexts():  # a waiter for free memory looks again
+            if ctx.file.pid == b.pid:
+                ctx.signal()
 
     # --- allocate / free ----------------------------------------------------------------------
     def _new_va(self, pid: int, size: int) -> int:
@@ -173,15 +191,19 @@ class DeviceMemory:
         self._va_next[pid] = nxt + _round_up(max(size, 1), VA_GUARD) + VA_GUARD
         return base + nxt
 
-    def alloc(self, ctx: Context, size: int, kind: uapi.MemKind) -> Allocation:
+    def alloc(self, ctx: Context, size: int, kind: uapi.MemKind, fd: int) -> Allocation:
+        """MEM_ALLOC: device-local memory from the VRAM (``fd`` -1), or the process's own
+        sealed memfd ``fd`` pinned for the device."""
         dev = self.device
         if size == 0 or size > 1 << 44:
             raise DriverError(errno.EINVAL, f"allocation size {size} out of range")
+        pid = ctx.file.pid
         handle = dev.new_id()
-        token = secrets.randbits(64)
-        backing = Backing(handle, kind, size, dev, token=token)
+        backing = Backing(handle, kind, size, dev, token=secrets.randbits(64), pid=pid)
         if kind == uapi.MemKind.DEVICE:
-            pid = ctx.file.pid
+            if fd != -1:
+                raise DriverError(errno.EINVAL, f"device-local memory takes no descriptor "
+                                                f"(fd must be -1, got {fd})")
             if self.process_limit and self.process_bytes(pid) + size > self.process_limit:
                 raise DriverError(
                     errno.ENOMEM, f"process {pid} would hold {self.process_bytes(pid) + size} "
@@ -190,11 +212,23 @@ class DeviceMemory:
             if offset is None:
                 raise DriverError(errno.ENOMEM, f"{dev.name}: {size} bytes requested, "
                                                 f"{self.free_bytes()} free")
-            backing.offset, backing.pid = offset, pid
-            self._pid_bytes[pid] = self._pid_bytes.get(pid, 0) + size
+            backing.offset = offset
+            self._charge(self._pid_bytes, pid, size)
         else:
-            backing.path = os.path.join(self.shm_dir, abi.host_backing_name(kind, handle, token))
-            create_user_file(backing.path, size, ctx.file.uid, ctx.file.gid)
+            pinned = _round_up(size, uapi.ACCEL_PAGE_SIZE)
+            lim = dev.limits
+            limits.check(self.pinned_bytes(), pinned, lim.max_pinned_bytes,
+                         f"bytes pinned on {dev.name}", device_wide=True)
+            limits.check(self.pinned_bytes(pid), pinned, lim.max_pinned_bytes_per_process,
+                         f"bytes pinned by process {pid} on {dev.name}", device_wide=False)
+            limits.check(self.host_allocations(), 1, lim.max_host_allocations,
+                         f"host allocations on {dev.name}", device_wide=True)
+            limits.check(self.host_allocations(pid), 1, lim.max_host_allocations_per_process,
+                         f"host allocations of process {pid} on {dev.name}", device_wide=False)
+            backing.fd = userfd.import_memfd(pid, fd, size, uapi.ACCEL_SEALS_PINNED,
+                                             f"{kind.name.lower()} memory")
+            self._charge(self._pid_pinned, pid, pinned)
+            self._charge(self._pid_host_allocs, pid, 1)
         self.backings[handle] = backing
         alloc = self._attach(ctx, backing)
         if kind == uapi.MemKind.DEVICE:
@@ -212,10 +246,16 @@ class DeviceMemory:
         return alloc
 
     def map_into(self, alloc: Allocation, dev: AccelDevice, ctx: Context) -> None:
+        """Map into a context's address space: VRAM by offset; host memory by handing the
+        firmware the process's memfd (the driver keeps no copy: host memory is mapped into
+        its allocating context only, never a peer's)."""
         b = alloc.backing
-        where = b.offset if b.kind == uapi.MemKind.DEVICE else b.id
-        dev.fw_send(abi.Op.MAP, ctx.id, (alloc.va, b.size, int(b.kind), b.owner.index, where,
-                                         b.token))
+        args = (alloc.va, b.size, int(b.kind), b.owner.index, b.offset)
+        if b.kind == uapi.MemKind.DEVICE:
+            dev.fw_send(abi.Op.MAP, ctx.id, args)
+        else:
+            fd, b.fd = b.fd, -1
+            dev.fw_send(abi.Op.MAP, ctx.id, args, fds=[fd])
         alloc.maps.append((dev, ctx))
 
     def free(self, ctx: Context, alloc: Allocation) -> Backing:
@@ -259,8 +299,13 @@ class DeviceMemory:
             self.teardown[ctx.id] = held
 
     def context_destroyed(self, ctx_id: int) -> None:
-        """The firmware confirmed a context teardown."""
-        for b in self.teardown.pop(ctx_id, []):
+        """The firmware confirmed a context teardown: its mappings are all gone, so the
+        unmaps still owed in it are settled too (a peer's memory freed while the dying
+        context had work queued would otherwise stay pending forever)."""
+        owed = self.teardown.pop(ctx_id, [])
+        for key in [k for k in self.unmapping if k[0] == ctx_id]:
+            owed.append(self.unmapping.pop(key))
+        for b in owed:
             b.pending -= 1
             b.release_if_unused()
 
@@ -275,6 +320,9 @@ class DeviceMemory:
 
     # --- IPC and peers ---------------------------------------------------------------------------
     def export(self, alloc: Allocation) -> int:
+        if alloc.backing.kind != uapi.MemKind.DEVICE:
+            raise DriverError(errno.EINVAL, "only device-local memory is exported; host memory "
+                                            "is the process's own to share")
         alloc.backing.exported = True
         return alloc.backing.token
 

@@ -3,8 +3,15 @@
 The driver never runs user code and does not compile it; it checks what a real driver's
 loader checks: size, format, the target instruction set, and that the device has what the
 kernels need (shared memory within the per-block limit, atomics, barriers). Then it hands
-a copy to the firmware, which validates the kernels' code itself before lowering it.
+the image to the firmware, which validates the kernels' code itself before lowering it.
 Module and kernel handles belong to their context: another context's handle is unknown.
+
+The image is the process's memfd, sealed against writing (:mod:`kmod_emul.userfd`): what
+the driver checked is what the firmware gets, and no copy lands in a shared directory.
+Checking is JSON parsing, which holds the daemon's interpreter lock, so it runs on a worker
+thread, one load at a time per device, and its cost is bounded by ``ACCEL_MODULE_MAX``.
+Every value is type-checked before it is used: a malformed module is EINVAL, never a
+driver error.
 """
 
 from __future__ import annotations
@@ -13,12 +20,13 @@ import errno
 import json
 import os
 import re
-import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import trio
+
 from firmware import abi
-from kmod_emul import uapi
+from kmod_emul import limits, uapi, userfd
 from kmod_emul.errors import DriverError
 
 if TYPE_CHECKING:
@@ -33,7 +41,11 @@ _KINDS = {"scalar", "buffer"}
 class Module:
     id: int
     kernels: list[tuple[str, int, int]]  # (name, parameter count, static shared bytes)
-    path: str  # the firmware's copy
+    size: int  # bytes of the image, charged to the context
+
+    def release(self) -> None:
+        """Nothing to remove: the image lives in the process's memfd and the firmware's
+        memory, and goes with them."""
 
 
 def kernel_handle(module_id: int, index: int) -> int:
@@ -44,23 +56,24 @@ def _invalid(message: str) -> DriverError:
     return DriverError(errno.EINVAL, f"module rejected: {message}")
 
 
-def check_module(raw: bytes, dev: AccelDevice) -> list[tuple[str, int, int]]:
-    """Validate a module's IR against this device; return its kernels' (name, params, shared)."""
+def check_module(raw: bytes, caps: set[str], limit: int,
+                 device_name: str) -> list[tuple[str, int, int]]:
+    """Validate a module's IR for a device with capabilities ``caps`` and ``limit`` bytes
+    of shared memory per block (``device_name`` for messages); return its kernels' (name,
+    params, shared). Runs on a worker thread: it reads no device state."""
     try:
         mod = json.loads(raw)
-    except ValueError as exc:
-        raise _invalid(f"not JSON ({exc})") from None
+    except (ValueError, RecursionError, MemoryError) as exc:  # Recursion: nesting too deep
+        raise _invalid(f"not JSON ({type(exc).__name__})") from None
     if not isinstance(mod, dict) or mod.get("format") != 1:
         raise _invalid("unknown module format (expected format 1)")
     if (mod.get("isa"), mod.get("isa_version")) != (uapi.ACCEL_ISA, uapi.ACCEL_ISA_VERSION):
-        raise DriverError(errno.ENOEXEC, f"module built for {mod.get('isa')} "
-                                         f"{mod.get('isa_version')}; {dev.name} runs "
+        raise DriverError(errno.ENOEXEC, f"module built for {mod.get('isa')!r:.40} "
+                                         f"{mod.get('isa_version')!r:.40}; {device_name} runs "
                                          f"{uapi.ACCEL_ISA} {uapi.ACCEL_ISA_VERSION}")
     kernels = mod.get("kernels")
     if not isinstance(kernels, dict) or not kernels or len(kernels) > 0xFFFF:
         raise _invalid("a module holds 1 to 65535 kernels")
-    caps = set(dev.config["capabilities"])
-    limit = dev.config["max_shared_mem_per_block"]
     out = []
     for name, k in kernels.items():
         if not isinstance(name, str) or not _NAME.fullmatch(name) or not isinstance(k, dict):
@@ -68,47 +81,65 @@ def check_module(raw: bytes, dev: AccelDevice) -> list[tuple[str, int, int]]:
         params = k.get("params")
         if not isinstance(params, list) or not all(_param_ok(p) for p in params):
             raise _invalid(f"kernel {name}: malformed parameters")
-        if not isinstance(k.get("source"), str):
-            raise _invalid(f"kernel {name}: no source")
+        source = k.get("source")
+        if not isinstance(source, str) or len(source) > uapi.ACCEL_KERNEL_SOURCE_MAX:
+            raise _invalid(f"kernel {name}: no source, or over {uapi.ACCEL_KERNEL_SOURCE_MAX} "
+                           "characters")
         shared = k.get("shared_mem")
-        if not isinstance(shared, int) or shared < 0:
+        if type(shared) is not int or shared < 0:
             raise _invalid(f"kernel {name}: bad shared_mem")
         if shared > limit:
             raise _invalid(f"kernel {name} needs {shared} bytes of block-shared memory; "
-                           f"{dev.name} has {limit} per block")
+                           f"{device_name} has {limit} per block")
         for flag, cap in uapi.KERNEL_FLAG_CAPS:
             if k.get(flag) and cap not in caps:
-                raise DriverError(errno.EOPNOTSUPP, f"kernel {name} needs {cap}; {dev.name} "
+                raise DriverError(errno.EOPNOTSUPP, f"kernel {name} needs {cap}; {device_name} "
                                                     "lacks it")
         out.append((name, len(params), shared))
     return out
 
 
 def _param_ok(p: Any) -> bool:
-    return (isinstance(p, dict) and isinstance(p.get("name"), str) and p.get("kind") in _KINDS
-            and (p.get("dtype") is None or p.get("dtype") in uapi.DTYPE_CODES))
+    if not isinstance(p, dict) or not isinstance(p.get("name"), str):
+        return False
+    kind, dtype = p.get("kind"), p.get("dtype")
+    return (isinstance(kind, str) and kind in _KINDS
+            and (dtype is None or (isinstance(dtype, str) and dtype in uapi.DTYPE_CODES)))
 
 
-def load(dev: AccelDevice, ctx: Context, src_handle: int, size: int) -> Module:
-    """MODULE_LOAD: read the IR from one of the caller's pinned allocations, check it, load it."""
+def _read_image(fd: int, size: int) -> bytes:
+    raw = os.pread(fd, size, 0)
+    if len(raw) != size:
+        raise DriverError(errno.EINVAL, f"module image has {len(raw)} bytes, {size} named")
+    return raw
+
+
+async def load(dev: AccelDevice, ctx: Context, fd: int, size: int) -> Module:
+    """MODULE_LOAD: import the process's sealed image, check it (off the event loop, one
+    load at a time per device), hand it to the firmware."""
     if not 0 < size <= uapi.ACCEL_MODULE_MAX:
         raise DriverError(errno.EINVAL, f"module size {size} not in 1..{uapi.ACCEL_MODULE_MAX}")
-    src = ctx.allocation(src_handle)
-    if src.backing.kind != uapi.MemKind.HOST_PINNED or src.backing.size < size:
-        raise DriverError(errno.EINVAL, "the module must lie in a host-pinned allocation of "
-                                        "at least its size")
-    with open(src.backing.path, "rb") as f:
-        raw = f.read(size)
-    kernels = check_module(raw, dev)
-    module_id, token = dev.new_id(), secrets.randbits(64)
-    path = os.path.join(dev.mem_config.shm_dir, uapi.module_name(module_id, token))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(raw)
-    mod = Module(module_id, kernels, path)
-    ctx.modules[module_id] = mod
-    ctx.files.append(path)
-    dev.fw_send(abi.Op.MODULE_LOAD, ctx.id, (module_id, token))
+    lim = dev.limits
+    limits.check(len(ctx.modules), 1, lim.max_modules_per_context,
+                 f"modules of context {ctx.id}", device_wide=False)
+    limits.check(sum(m.size for m in ctx.modules.values()), size,
+                 lim.max_module_bytes_per_context, f"module bytes of context {ctx.id}",
+                 device_wide=False)
+    mine = userfd.import_memfd(ctx.file.pid, fd, size, uapi.ACCEL_SEALS_IMMUTABLE, "module")
+    try:
+        caps = set(dev.config["capabilities"])
+        shared_limit = dev.config["max_shared_mem_per_block"]
+        async with dev.module_checks:
+            raw = await trio.to_thread.run_sync(_read_image, mine, size)
+            kernels = await trio.to_thread.run_sync(check_module, raw, caps, shared_limit,
+                                                    dev.name)
+        ctx.check_live()  # lost (reset, or destroyed by a release) while we checked
+    except BaseException:
+        os.close(mine)
+        raise
+    mod = Module(dev.new_id(), kernels, size)
+    ctx.modules[mod.id] = mod
+    dev.fw_send(abi.Op.MODULE_LOAD, ctx.id, (mod.id, size), fds=[mine])
     return mod
 
 
@@ -116,6 +147,7 @@ def unload(dev: AccelDevice, ctx: Context, module_id: int) -> None:
     mod = ctx.modules.pop(module_id, None)
     if mod is None:
         raise DriverError(errno.ENOENT, f"module {module_id} does not belong to context {ctx.id}")
+    mod.release()
     dev.fw_send(abi.Op.MODULE_UNLOAD, ctx.id, (module_id,))
 
 

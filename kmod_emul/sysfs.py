@@ -4,6 +4,11 @@ One small text file per value, as in Linux sysfs. Identity attributes come from 
 ``AccelDevice.describe`` that answers DEVICE_QUERY, so the two can never disagree. Writable
 attributes take one value per write: ``reset`` (write 1), and the debugfs fault-injection
 knobs ``fw_boot_fail``, ``fw_hang`` and ``reset_hold``.
+
+Who sees what (docs/containment.md): writing any attribute is root's, as sysfs files are
+root's 0200 and 0644; debugfs is root's alone, as ``/sys/kernel/debug`` is 0700; and an
+attribute that names other tenants' processes (``processes``, ``exclusive_owner``) shows a
+user only their own, as DRM fdinfo shows a process only to who may ptrace it.
 """
 
 from __future__ import annotations
@@ -23,10 +28,22 @@ from kmod_emul.errors import DriverError
 
 @dataclass(frozen=True)
 class Attr:
-    """One attribute file; ``read`` renders it, ``write`` parses and applies one value."""
+    """One attribute file; ``read`` renders it, ``write`` parses and applies one value.
+    ``per_viewer``: ``read`` takes the reading user's uid and shows them what is theirs
+    (root sees everything)."""
 
-    read: Callable[[], str] | None = None
+    read: Callable[..., str] | None = None
     write: Callable[[str], None] | None = None
+    per_viewer: bool = False
+
+    def render(self, uid: int) -> str:
+        assert self.read is not None
+        return self.read(uid) if self.per_viewer else self.read()
+
+
+def _visible(dev: AccelDevice, uid: int) -> set[int]:
+    """The pids whose details ``uid`` may see: all for root, else that user's own."""
+    return {f.pid for f in dev.files if uid == 0 or f.uid == uid}
 
 
 def _bool(text: str) -> bool:
@@ -88,7 +105,7 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         failure_code=Attr(
             read=lambda: errno.errorcode.get(dev.failure[0], "") if dev.failure else ""
         ),
-        exclusive_owner=Attr(read=lambda: str(o.file.pid) if (o := dev.exclusive_owner()) else ""),
+        exclusive_owner=Attr(read=functools.partial(_exclusive_owner, dev), per_viewer=True),
         contexts=Attr(read=lambda: str(len(dev.contexts))),
         open_files=Attr(read=lambda: str(len(dev.files))),
         clients=Attr(read=lambda: str(len(dev.client_pids()))),
@@ -97,11 +114,34 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         heartbeat=Attr(read=lambda: str(dev.fw.mbx.heartbeat[0]) if dev.fw else "0"),
         reset=Attr(write=reset),
         memory_free=Attr(read=lambda: str(dev.memory.free_bytes())),
-        processes=Attr(read=lambda: "\n".join(
-            ["pid device_bytes"] + [f"{pid} {n}" for pid, n in sorted(dev.memory.pid_bytes().items())])),
+        processes=Attr(read=functools.partial(_processes, dev), per_viewer=True),
+        queues=Attr(read=lambda: str(dev.queue_count())),
+        pinned_bytes=Attr(read=lambda: str(dev.memory.pinned_bytes())),
+        host_allocations=Attr(read=lambda: str(dev.memory.host_allocations())),
     )
     attrs.update({name: Attr(read=functools.partial(_fw_stat, dev, name)) for name in abi.STAT_NAMES})
     return attrs
+
+
+def limit_attrs(dev: AccelDevice) -> dict[str, Attr]:
+    """``sys/class/accel/accelN/limits/*``: every limit the driver enforces."""
+    return {name: Attr(read=functools.partial(lambda n: str(getattr(dev.limits, n)), name))
+            for name in dev.limits.__dataclass_fields__}
+
+
+def _exclusive_owner(dev: AccelDevice, uid: int) -> str:
+    owner = dev.exclusive_owner()
+    if owner is None:
+        return ""
+    return str(owner.file.pid) if owner.file.pid in _visible(dev, uid) else "another user"
+
+
+def _processes(dev: AccelDevice, uid: int) -> str:
+    """pid and device-local bytes of each process holding memory, as ``uid`` may see."""
+    seen = _visible(dev, uid)
+    rows = [f"{pid} {n}" for pid, n in sorted(dev.memory.pid_bytes().items())
+            if pid in seen or uid == 0]
+    return "\n".join(["pid device_bytes", *rows])
 
 
 def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
@@ -116,7 +156,7 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
         rows = ["id pid uid exclusive queues allocations state"]
         for c in dev.contexts.values():
             rows.append(
-                f"{c.id} {c.file.pid} {c.file.uid} {int(c.exclusive)} {len(c.queues)} "
+                f"{c.id} {c.file.pid} {c.file.uid} {int(c.exclusive)} {1 + len(c.queues)} "
                 f"{len(c.allocations)} {'lost' if c.lost else 'live'}"
             )
         return "\n".join(rows)

@@ -49,7 +49,8 @@ def open_error(physical: str, err: int) -> errors.AccelError:
             owner = discovery.read_attr(physical, "exclusive_owner")
         except OSError:
             owner = "?"
-        detail = (f"{physical} is held exclusively by process {owner} (another tenant); wait "
+        holder = f"process {owner}" if owner.isdigit() else f"a process of {owner}"
+        detail = (f"{physical} is held exclusively by {holder} (another tenant); wait "
                   "for it to release the device or ask its owner")
     elif err == errno.EAGAIN:
         detail = (f"{physical} is in reset; retry when `accel-smi` shows it operational")
@@ -82,17 +83,21 @@ class Channel:
                 return None
             return cmd.struct.from_buffer_copy(os.pread(self.fd, ctypes.sizeof(cmd.struct), tag))
         except OSError as exc:
-            raise self._error(cmd, exc.errno) from None
+            raise self.error(cmd, exc.errno) from None
 
-    def _error(self, cmd: uapi.Command, err: int) -> errors.AccelError:
+    def error(self, cmd: uapi.Command, err: int, cause: str | None = None) -> errors.AccelError:
+        """The exception for ``err`` answering ``cmd``; for ENODEV it names why the
+        context was lost (``cause``, else the device's failure text)."""
         where = f"{cmd.name} on {self.physical}"
+        if err in (errno.ENOTCONN, errno.ECONNABORTED):  # the daemon died under the mount
+            err, cause = errno.ENODEV, cause or "the driver is gone (the daemon died)"
         if err == errno.ENODEV:
             try:
                 state = discovery.read_attr(self.physical, "state")
                 failure = discovery.read_attr(self.physical, "failure")
             except OSError:
                 state, failure = "unknown", ""
-            cause = failure or ("it was reset" if state != "failed" else "it failed")
+            cause = cause or failure or ("it was reset" if state != "failed" else "it failed")
             return errors.from_errno(
                 err, f"{where}: context lost because {cause} (device now {state}); "
                      "create a new context once the device is operational")

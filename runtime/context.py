@@ -1,105 +1,241 @@
-"""Contexts and fences.
+"""Contexts, their event pipe, and fences.
 
 A ``Context`` is one open of a device node turned into a driver context. Each process gets
 a primary context per device on first use (as CUDA's primary context); more can be made
 with ``Context(device)``. Contexts of one process share the device's memory capacity,
-engines and firmware; handles, fences and (later) allocations and queues belong to one
-context and mean nothing in another.
+engines and firmware; handles, fences, allocations and queues belong to one context and
+mean nothing in another.
 
-A ``Fence`` is a point on a context's timeline. Waiting on it is a loop of bounded driver
-waits, so Ctrl-C interrupts a waiting program and a timeout is honoured to the slice.
+A context brings three objects of this process's own to the driver (docs/containment.md):
+the doorbell page (a sealed memfd: each queue's write pointer goes into its slot, and the
+firmware says there whether it sleeps), a doorbell pipe (one byte wakes a sleeping
+firmware) and an event pipe (the device writes one byte when a fence a waiter armed passes,
+and the driver when the context is lost or memory it freed came back). Waiting never
+happens inside the driver, where it would hold the device node for every tenant: a waiter
+arms what it waits for and sleeps in poll(2) on the event pipe (:class:`Events`), so
+Ctrl-C interrupts it, a timeout is honoured, a lost context is seen at once (the driver
+writes the "lost" word of the doorbell page) and a dead daemon too (the pipe hangs up).
+
+A ``Fence`` is a point on the context's default queue, the driver's own (SUBMIT_NOOP).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import select
+import threading
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kmod_emul import uapi
 from runtime import discovery, errors
-from runtime._channel import Channel
+from runtime._channel import Channel, fork_message
+from runtime._shm import sealed_memfd
+
+#: Longest one sleep on the event pipe before the condition is looked at again anyway.
+_RECHECK_S = 0.1
+
+
+class Events:
+    """A context's event pipe, shared by every thread of the process that waits on it.
+
+    One waiter at a time polls the pipe and drains it; the others wait on a condition it
+    broadcasts after every wake-up, and every waiter looks at its own condition after
+    every broadcast. A condition is always looked at after it was armed and before
+    sleeping, so no event is lost."""
+
+    def __init__(self, ctx: Context, fd: int) -> None:
+        self._ctx = weakref.ref(ctx)
+        self.fd = fd
+        self._cond = threading.Condition()
+        self._polling = False
+
+    def wait(self, ready: Callable[[], bool], timeout: float | None, what: str,
+             arm: Callable[[], None] | None = None) -> None:
+        """Return once ``ready()``; ``arm()`` first asks the device for an event."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if arm is not None:
+                    arm()
+                if ready():
+                    return
+                ctx = self._ctx()
+                if ctx is not None:
+                    ctx.check_live(what)
+                left = _RECHECK_S if deadline is None else min(_RECHECK_S,
+                                                               deadline - time.monotonic())
+                if left <= 0:
+                    raise errors.AccelTimeoutError(f"{what}: not complete after {timeout} s",
+                                                   errno.ETIME)
+                if self._polling:
+                    self._cond.wait(left)
+                    continue
+                self._polling = True
+                self._cond.release()
+                try:
+                    hung_up = self._sleep(left)
+                finally:
+                    self._cond.acquire()
+                    self._polling = False
+                    self._cond.notify_all()
+                if hung_up and ctx is not None:
+                    raise ctx.lost_error(what, "the driver and the device are gone (the "
+                                               "daemon died)")
+
+    def _sleep(self, timeout: float) -> bool:
+        """Sleep until a byte arrives or ``timeout``; True when every writer is gone."""
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        for _fd, flags in poller.poll(timeout * 1000):
+            data = b""
+            if flags & select.POLLIN:
+                try:
+                    data = os.read(self.fd, 4096)
+                except BlockingIOError:
+                    return False
+            return not data and bool(flags & (select.POLLHUP | select.POLLERR))
+        return False
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class Context:
     """A driver context on one physical device (``accelN``)."""
 
+    #: every context of this process (synchronize() covers each on its device)
+    live: weakref.WeakSet[Context] = weakref.WeakSet()
+
     def __init__(self, physical: str, *, exclusive: bool = False) -> None:
         self.physical = physical
         self.channel = Channel(physical)
+        db_fd = sealed_memfd("doorbell-page", uapi.ACCEL_DB_PAGE_SIZE)
+        bell_r, bell_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        event_r, event_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         try:
+            self.db = uapi.SharedWords(db_fd, uapi.ACCEL_DB_PAGE_SIZE)
             reply = self.channel.call(
                 uapi.ACCEL_CMD_CTX_CREATE,
                 uapi.accel_ctx_create(
                     abi_major=uapi.ACCEL_ABI_MAJOR, abi_minor=uapi.ACCEL_ABI_MINOR,
                     flags=uapi.ACCEL_CTX_EXCLUSIVE if exclusive else 0,
-                ),
+                    doorbell_fd=bell_r, event_fd=event_w, db_page_fd=db_fd),
             )
         except errors.DriverVersionMismatchError as exc:
-            self.channel.close()
+            self._abandon(bell_w, event_r)
             raise errors.DriverVersionMismatchError(_abi_message(physical), exc.errno) from None
         except BaseException:
-            self.channel.close()
+            self._abandon(bell_w, event_r)
             raise
+        finally:  # the driver holds its own: ours of what only the device uses can go
+            for fd in (db_fd, bell_r, event_w):
+                os.close(fd)
         self.id: int = reply.ctx_id
         self.exclusive = exclusive
-        self._doorbell_path = uapi.cstr(reply.doorbell_path)
-        self._doorbell = -1
+        self._bell = bell_w
+        self.events = Events(self, event_r)
+        self._knock_lock = threading.Lock()
         self._imports: dict[tuple[str, int], int] = {}
+        #: this context's streams (synchronize() covers them), and its last no-op fence
+        self.streams: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._last_fence: Fence | None = None
+        Context.live.add(self)
+
+    def _abandon(self, *fds: int) -> None:
+        for fd in fds:
+            os.close(fd)
+        if hasattr(self, "db"):
+            self.db.close()
+        self.channel.close()
 
     def __repr__(self) -> str:
         return f"<Context {self.id} on {self.physical}>"
 
+    # --- liveness -------------------------------------------------------------------------
+    def check_fork(self) -> None:
+        if os.getpid() != self.channel.pid:
+            raise errors.UseAfterForkError(fork_message(self.channel.pid))
+
+    def check_live(self, what: str) -> None:
+        """Raise if this process forked since, or the driver marked the context lost."""
+        self.check_fork()
+        if self.db.get(uapi.DB_LOST):
+            raise self.lost_error(what)
+
+    def lost_error(self, what: str, cause: str | None = None) -> errors.DeviceLostError:
+        err = self.channel.error(uapi.ACCEL_CMD_WAIT, errno.ENODEV, cause)
+        assert isinstance(err, errors.DeviceLostError)
+        err.args = (f"{what}: {err}",)
+        return err
+
+    # --- submission helpers ---------------------------------------------------------------
+    def knock(self, slot: int, wptr: int) -> None:
+        """Tell the firmware a queue moved: its doorbell slot, the page's sequence word,
+        and -- only if the firmware sleeps -- one byte on the doorbell pipe."""
+        db = self.db
+        with self._knock_lock:
+            db.set(uapi.DB_SLOTS + 8 * slot, wptr)
+            db.set(uapi.DB_SEQ, db.get(uapi.DB_SEQ) + 1)
+        uapi.full_barrier()  # store the slot, then load "sleeping" (the firmware mirrors it)
+        if db.get(uapi.DB_FW_SLEEPING):
+            self.ring_doorbell()
+
+    def ring_doorbell(self) -> None:
+        """Wake the firmware (it marked this context's doorbell page "sleeping")."""
+        try:
+            os.write(self._bell, b"\1")
+        except BlockingIOError:
+            pass  # the pipe is full of unread rings: the firmware is being woken already
+        except BrokenPipeError:
+            raise self.lost_error(f"{self!r}", "the device is gone (nothing reads its "
+                                               "doorbell)") from None
+
     def query_device(self) -> uapi.accel_device_info:
         return self.channel.call(uapi.ACCEL_CMD_DEVICE_QUERY, uapi.accel_device_info())
 
+    # --- the default queue (the driver's) ---------------------------------------------------
     def submit_noop(self) -> Fence:
         """Queue a no-op on the device; the fence completes when the firmware ran it."""
         reply = self.channel.call(uapi.ACCEL_CMD_SUBMIT_NOOP,
                                   uapi.accel_submit_noop(ctx_id=self.id))
-        return Fence(self, reply.seqno)
+        self._last_fence = Fence(self, reply.seqno)
+        return self._last_fence
 
-    def synchronize(self, timeout: float | None = None) -> None:
-        """Wait for everything this context submitted so far."""
-        self.submit_noop().wait(timeout)
-
-    def wait_slice(self, queue_id: int, seqno: int, timeout_ns: int) -> uapi.accel_wait | None:
-        """One bounded driver wait on a queue of this context (0: the default queue);
-        None when the slice ended first."""
+    def wait_reply(self, seqno: int) -> uapi.accel_wait | None:
+        """One WAIT on the default queue: its reply once ``seqno`` completed, else None
+        (the driver then armed an event for it)."""
         try:
-            return self.channel.call(uapi.ACCEL_CMD_WAIT, uapi.accel_wait(
-                ctx_id=self.id, queue_id=queue_id, seqno=seqno, timeout_ns=timeout_ns))
+            return self.channel.call(uapi.ACCEL_CMD_WAIT,
+                                     uapi.accel_wait(ctx_id=self.id, seqno=seqno))
         except errors.AccelTimeoutError as exc:
             if exc.errno == errno.ETIME:
                 return None
             raise
 
-    def wait_queue(self, queue_id: int, seqno: int, timeout: float | None,
-                   what: str) -> uapi.accel_wait:
-        """Sleep in the driver until ``seqno`` completes: a loop of bounded waits, so Ctrl-C
-        lands within a slice and ``timeout`` is honoured to within one."""
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait for everything queued on this context so far, on every stream (like
+        ``torch.cuda.synchronize`` for one context); raise the first fault found, or
+        AccelTimeoutError once ``timeout`` passes."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            slice_ns = uapi.ACCEL_WAIT_SLICE_NS
-            if deadline is not None:
-                slice_ns = max(0, min(slice_ns, int((deadline - time.monotonic()) * 1e9)))
-            reply = self.wait_slice(queue_id, seqno, slice_ns)
-            if reply is not None:
-                return reply
-            if deadline is not None and time.monotonic() >= deadline:
-                raise errors.AccelTimeoutError(f"{what}: seqno {seqno} not complete after "
-                                               f"{timeout} s", errno.ETIME)
-
-    def ring_doorbell(self) -> None:
-        """Wake the firmware (it marked a ring of this context "sleeping")."""
-        if self._doorbell < 0:
-            self._doorbell = os.open(self._doorbell_path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            os.write(self._doorbell, b"\1")
-        except BlockingIOError:
-            pass  # the FIFO is full of unread rings: the firmware is being woken already
+        first: errors.DeviceFaultError | None = None
+        for s in list(self.streams):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                s.synchronize(left)
+            except errors.DeviceFaultError as exc:
+                first = first or exc
+        if self._last_fence is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._last_fence.wait(left)
+        if first is not None:
+            raise first
 
     def import_queue(self, stream: Any) -> int:
         """The local name of another device's stream, for device-side waits (cached)."""
@@ -114,9 +250,12 @@ class Context:
 
     def close(self) -> None:
         """Destroy the context (closing the fd does it too, even if the process dies)."""
-        if self._doorbell >= 0 and os.getpid() == self.channel.pid:
-            os.close(self._doorbell)
-        self._doorbell = -1
+        Context.live.discard(self)
+        if os.getpid() == self.channel.pid:
+            if self._bell >= 0:
+                os.close(self._bell)
+            self.events.close()
+        self._bell = -1
         self.channel.close()
 
     def __enter__(self) -> Context:
@@ -145,9 +284,17 @@ class Fence:
 
     def query(self) -> bool:
         """True once the device has completed this fence (never blocks)."""
-        return self.context.wait_slice(0, self.seqno, 0) is not None
+        return self.context.wait_reply(self.seqno) is not None
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until complete; return its device timestamp (ns). Raises on timeout."""
-        return self.context.wait_queue(0, self.seqno, timeout,
-                                       f"fence on {self.context.physical}").timestamp_ns
+        got: list[uapi.accel_wait] = []
+
+        def done() -> bool:
+            reply = self.context.wait_reply(self.seqno)  # arms the event when not done
+            if reply is not None:
+                got.append(reply)
+            return reply is not None
+
+        self.context.events.wait(done, timeout, f"fence {self.seqno} on {self.context.physical}")
+        return got[0].timestamp_ns

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Union
 
@@ -185,8 +186,21 @@ def get_device_name(dev: DeviceLike = None) -> str:
 
 
 def synchronize(dev: DeviceLike = None, timeout: float | None = None) -> None:
-    """Wait until the device has finished everything this process's primary context queued."""
-    primary_context(_index(dev)).synchronize(timeout)
+    """Like ``torch.cuda.synchronize``: wait until the device has finished everything every
+    context of this process queued on it before the call, on every stream; raise the first
+    fault found (a ``DeviceFaultError`` with its record), or ``AccelTimeoutError`` once
+    ``timeout`` seconds pass."""
+    physical = primary_context(_index(dev)).physical
+    deadline = None if timeout is None else time.monotonic() + timeout
+    first: errors.DeviceFaultError | None = None
+    for ctx in [c for c in list(Context.live) if c.physical == physical]:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            ctx.synchronize(left)
+        except errors.DeviceFaultError as exc:
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 def new_context(dev: DeviceLike = None, *, exclusive: bool = False) -> Context:

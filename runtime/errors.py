@@ -56,6 +56,12 @@ class OutOfMemoryError(AccelError, MemoryError):
     """The device cannot satisfy an allocation."""
 
 
+class ResourceLimitError(OutOfMemoryError):
+    """A limit the driver enforces was reached: a device-wide table is full (ENOSPC) or
+    this process or context is over its share (EDQUOT) of contexts, queues, pinned
+    memory, host allocations or modules (``sys/class/accel/accelN/limits`` lists them)."""
+
+
 class DeviceFaultError(AccelError):
     """Queued work faulted on the device; ``record`` is the fault record (device, queue,
     seqno, errno, opcode, address). Raised at the synchronisation point that covers it."""
@@ -101,8 +107,11 @@ ERRNO_CLASSES: dict[int, type[AccelError]] = {
     _errno.ENOTTY: InvalidValueError,
     _errno.EBADFD: InvalidValueError,
     _errno.ENOMEM: OutOfMemoryError,
-    _errno.ENOSPC: OutOfMemoryError,
+    _errno.ENOSPC: ResourceLimitError,
+    _errno.EDQUOT: ResourceLimitError,
     _errno.EPERM: InvalidValueError,
+    _errno.EBADF: InvalidValueError,
+    _errno.EMEDIUMTYPE: InvalidValueError,
 }
 
 

@@ -1,8 +1,8 @@
 """Modules and launches: ``runtime.compile(src)`` and ``module.name[grid, block](*args)``.
 
 ``compile`` runs the front end (:mod:`runtime.kernels`: validation, the module IR), then
-loads the module on a device: the IR goes to the driver in a pinned buffer, the driver
-checks target and capabilities, the firmware validates and JIT-compiles it. A launch
+loads the module on a device: the IR goes to the driver in a sealed, immutable memfd, the
+driver checks target and capabilities, the firmware validates and JIT-compiles it. A launch
 checks its arguments against the kernel's parameters and the device's limits on the host,
 writes an argument block (docs/kernels.md "Launch ABI") into a pinned arena, and queues
 one LAUNCH packet: no driver call. Kernel handles belong to the context that loaded them.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ import numpy as np
 from kmod_emul import uapi
 from runtime import devices as _device
 from runtime import errors
+from runtime._shm import sealed_memfd
 from runtime.memory import DeviceArray, HostArray, _packet, pinned_empty
 from runtime.stream import Stream, current_stream
 
@@ -190,11 +192,13 @@ class Module:
         self.properties = _device.get_device_properties(self.device)
         ctx = _device.primary_context(self.device)
         raw = json.dumps(ir, sort_keys=True).encode()
-        staging = pinned_empty(len(raw), np.uint8, self.device)
-        staging[:] = np.frombuffer(raw, np.uint8)
+        if len(raw) > uapi.ACCEL_MODULE_MAX:
+            raise errors.InvalidValueError(f"module of {len(raw)} bytes; the driver takes at "
+                                           f"most {uapi.ACCEL_MODULE_MAX}")
+        image = sealed_memfd("module", len(raw), raw)
         try:
             reply = ctx.channel.call(uapi.ACCEL_CMD_MODULE_LOAD, uapi.accel_module_load(
-                ctx_id=ctx.id, src_handle=staging._accel.handle, size=len(raw)))  # type: ignore[union-attr]
+                ctx_id=ctx.id, fd=image, size=len(raw)))
         except errors.FirmwareCorruptError as exc:  # ENOEXEC here: a module for another target
             raise errors.InvalidValueError(f"module not loadable on accel:{self.device}: "
                                            "built for another instruction set", exc.errno) from None
@@ -206,6 +210,8 @@ class Module:
                      for flag, cap in uapi.KERNEL_FLAG_CAPS if k.get(flag) and cap not in have]
             raise errors.InvalidValueError(f"module not loadable on accel:{self.device}: "
                                            f"{'; '.join(needs) or exc}", exc.errno) from None
+        finally:
+            os.close(image)
         self.id: int = reply.module_id
         self._ctx = ctx
         self._kernels: dict[str, Kernel] = {}

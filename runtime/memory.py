@@ -3,7 +3,8 @@
 * ``empty``/``to_device`` give a ``DeviceArray``: device-local memory from the caching
   allocator, never mapped into this process (as on real hardware); reached by copies.
 * ``pinned_empty`` gives a numpy array in host memory the copy engines reach directly, so
-  copies from and to it are asynchronous and run at memory bandwidth.
+  copies from and to it are asynchronous and run at memory bandwidth. The memory is this
+  process's own (a sealed memfd, :mod:`runtime._shm`), pinned for the device by the driver.
 * ``managed_empty`` gives a numpy array the device can also use: pages migrate to the
   device on device access and back on ``prefetch(to_device=False)``; the driver counts
   faults, bytes moved and evictions (``sys/class/accel/accelN/managed_*``).
@@ -19,10 +20,11 @@ rather than touch memory the context cannot reach.
 from __future__ import annotations
 
 import bisect
+import errno
 import math
-import mmap
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +33,15 @@ import numpy as np
 from kmod_emul import uapi
 from runtime import devices as _device
 from runtime import discovery, errors
+from runtime._shm import map_memfd, sealed_memfd
 from runtime.allocator import CachingAllocator
 from runtime.context import Context
 from runtime.stream import Stream, current_stream
 
 STAGING_CHUNK = 8 << 20
+#: How long an allocation that found the device full waits for memory this process freed
+#: (the device gives it back once work queued before the free completed).
+PENDING_FREE_WAIT_S = 5.0
 
 
 @dataclass
@@ -58,8 +64,22 @@ class DriverBackend:
         self._lock = threading.Lock()
 
     def raw_alloc(self, size: int) -> Segment:
-        reply = self.ctx.channel.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
-            ctx_id=self.ctx.id, size=size, kind=uapi.MemKind.DEVICE))
+        """MEM_ALLOC; when the device is full but memory this process freed is still on
+        its way back (work queued before the free is finishing), wait for it and retry."""
+        deadline = time.monotonic() + PENDING_FREE_WAIT_S
+        while True:
+            try:
+                reply = self.ctx.channel.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
+                    ctx_id=self.ctx.id, size=size, kind=uapi.MemKind.DEVICE, fd=-1))
+                break
+            except errors.OutOfMemoryError as exc:
+                if exc.errno != errno.ENOMEM or time.monotonic() >= deadline:
+                    raise
+                pending = self.info().pending_free
+                if not pending:
+                    raise
+                self.ctx.events.wait(lambda: self.info().pending_free < pending,
+                                     deadline - time.monotonic(), "memory being freed")
         seg = Segment(reply.va, size, reply.handle)
         with self._lock:
             bisect.insort(self._starts, seg.va)
@@ -77,6 +97,16 @@ class DriverBackend:
     def mem_get_info(self) -> tuple[int, int]:
         info = self.info()
         return info.free, info.total
+
+    def settle(self, timeout: float = PENDING_FREE_WAIT_S) -> None:
+        """Wait (at most ``timeout``) until the memory this process freed is back in the
+        device's pool, as a cudaFree that synchronises would: the driver answers MEM_FREE at
+        once and gives the bytes back when work queued before the free has completed."""
+        try:
+            self.ctx.events.wait(lambda: self.info().pending_free == 0, timeout,
+                                 "memory being freed")
+        except errors.AccelTimeoutError:
+            pass  # still in use by long work: it comes back when that work completes
 
     def info(self) -> uapi.accel_mem_info:
         return self.ctx.channel.call(uapi.ACCEL_CMD_MEM_INFO, uapi.accel_mem_info(ctx_id=self.ctx.id))
@@ -291,18 +321,19 @@ def open_ipc_handle(handle: IpcHandle) -> DeviceArray:
 
 # --- host-visible memory -------------------------------------------------------------------
 class _HostAllocation:
-    """A pinned or managed driver allocation mapped into this process; freed on GC."""
+    """Host memory of this process (a sealed memfd) pinned for the device, mapped here;
+    unpinned on GC."""
 
     def __init__(self, ctx: Context, nbytes: int, kind: uapi.MemKind) -> None:
         self.ctx = ctx
-        reply = ctx.channel.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
-            ctx_id=ctx.id, size=max(nbytes, 1), kind=kind))
-        self.handle, self.va, self.kind = reply.handle, reply.va, kind
-        fd = os.open(uapi.cstr(reply.shm_path), os.O_RDWR | os.O_CLOEXEC)
+        fd = sealed_memfd(kind.name.lower(), max(nbytes, 1))
         try:
-            self.mem = mmap.mmap(fd, max(nbytes, 1))
+            self.mem = map_memfd(fd, nbytes)
+            reply = ctx.channel.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
+                ctx_id=ctx.id, size=max(nbytes, 1), kind=kind, fd=fd))
         finally:
-            os.close(fd)
+            os.close(fd)  # the mapping and the driver keep the memory
+        self.handle, self.va, self.kind = reply.handle, reply.va, kind
         self.base = np.frombuffer(self.mem, np.uint8).ctypes.data
 
     def __del__(self) -> None:
@@ -465,7 +496,10 @@ def reset_peak_memory_stats(device: _device.DeviceLike = None) -> None:
 
 
 def empty_cache(device: _device.DeviceLike = None) -> None:
+    """Give the cached, unused device memory back to the device (torch's ``empty_cache``),
+    and wait until it is free there (so ``mem_get_info`` sees it)."""
     _allocator(device).empty_cache()
+    _backends[_device._index(device)].settle()
 
 
 def mem_get_info(device: _device.DeviceLike = None) -> tuple[int, int]:

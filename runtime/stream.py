@@ -24,33 +24,41 @@ from typing import Any
 from kmod_emul import uapi
 from runtime import devices as _device
 from runtime import errors
+from runtime._shm import sealed_memfd
 from runtime.context import Context
 
 
 _NOP = bytes(uapi.accel_packet(opcode=uapi.Op.NOP))
 #: Poll the fence in shared memory this long (yielding the CPU, which the firmware may
-#: need on a 2-core machine) before sleeping in the driver: waking a sleeping firmware
-#: takes a few hundred microseconds here, a FUSE round trip to sleep ~60 us more.
+#: need on a 2-core machine) before sleeping on the context's event pipe: waking a
+#: sleeping firmware takes a few hundred microseconds here.
 SPIN_WAIT_S = 2e-3
 
 
 class Stream:
-    """An in-order queue of device work: a user-mode ring this process writes directly."""
+    """An in-order queue of device work: a ring of this process's own memory, which it
+    writes directly (the driver imports it; the firmware maps it)."""
 
     def __init__(self, device: _device.DeviceLike = None, priority: int = 0) -> None:
         self.device = _device._index(device)
         self.priority = priority
         self.ctx: Context = _device.primary_context(self.device)
-        reply = self.ctx.channel.call(
-            uapi.ACCEL_CMD_QUEUE_CREATE,
-            uapi.accel_queue_create(
-                ctx_id=self.ctx.id,
-                priority=uapi.ACCEL_QUEUE_PRIORITY_HIGH if priority < 0
-                else uapi.ACCEL_QUEUE_PRIORITY_LOW),
-        )
+        fd = sealed_memfd("ring", uapi.RING_FILE_SIZE)
+        try:
+            self._ring = uapi.RingView(fd)
+            reply = self.ctx.channel.call(
+                uapi.ACCEL_CMD_QUEUE_CREATE,
+                uapi.accel_queue_create(
+                    ctx_id=self.ctx.id, ring_fd=fd,
+                    priority=uapi.ACCEL_QUEUE_PRIORITY_HIGH if priority < 0
+                    else uapi.ACCEL_QUEUE_PRIORITY_LOW),
+            )
+        finally:
+            os.close(fd)  # the mapping and the driver keep the ring
         self.queue_id: int = reply.queue_id
-        self._ring = uapi.RingView(uapi.cstr(reply.ring_path))
+        self._slot: int = reply.doorbell
         self._closed = False
+        self.ctx.streams.add(self)
         self._kernels: dict[int, str] = {}  # seqno -> kernel name, for fault records
         self.last_seqno = 0
         self._lock = threading.Lock()
@@ -78,20 +86,41 @@ class Stream:
                 self._raise_fault(self.last_seqno, refusing=True)
             wptr = self.last_seqno
             for pkt in packets:
-                while wptr - ring.rptr >= uapi.RING_SLOTS:
+                if wptr - ring.rptr >= uapi.RING_SLOTS:
                     self._publish(wptr)  # full: let the firmware see what is there, wait
-                    time.sleep(20e-6)
+                    self._wait_room(wptr)
                 ring.write_packet(wptr, pkt if isinstance(pkt, bytes) else bytes(pkt))
                 wptr += 1
             self._publish(wptr)
             self.last_seqno = wptr
             return wptr
 
+    def _wait_room(self, wptr: int) -> None:
+        """The ring is full: sleep until the firmware took a packet (its completion is
+        armed), the queue faulted (nothing will be taken) or the context is lost."""
+        ring = self._ring
+        oldest = wptr - uapi.RING_SLOTS + 1
+
+        def room() -> bool:
+            if ring.read_fault()[0]:
+                self._raise_fault(wptr, refusing=True)
+            return wptr - ring.rptr < uapi.RING_SLOTS
+
+        self.ctx.events.wait(room, None, f"{self!r} (ring full)",
+                             arm=lambda: self._arm(oldest))
+
     def _publish(self, wptr: int) -> None:
         self._ring.set(uapi.RING_WPTR, wptr)
-        uapi.full_barrier()
-        if self._ring.get(uapi.RING_SLEEPING):
-            self.ctx.ring_doorbell()
+        self.ctx.knock(self._slot, wptr)
+
+    def _arm(self, seqno: int) -> None:
+        """Ask the firmware for an event when the fence reaches ``seqno`` (the lowest
+        armed wins: other threads may wait for earlier points of this stream)."""
+        ring = self._ring
+        armed = ring.get(uapi.RING_IRQ_SEQNO)
+        if armed == 0 or armed > seqno or armed <= ring.completed:
+            ring.set(uapi.RING_IRQ_SEQNO, seqno)
+            uapi.full_barrier()  # store the arming, then load the fence (the firmware mirrors)
 
     def note_kernel(self, seqno: int, name: str) -> None:
         """Remember which kernel a launch was, so its fault can name it."""
@@ -151,6 +180,7 @@ class Stream:
         return self._ring.timestamp(seqno)
 
     def _check_host_wait(self) -> None:
+        self.ctx.check_fork()
         if self.capturing is not None:
             raise errors.InvalidValueError(
                 f"{self!r} is capturing a graph: synchronizing or querying it is not "
@@ -159,9 +189,9 @@ class Stream:
     def wait_seqno(self, seqno: int, timeout: float | None = None) -> int:
         """Block until ``seqno`` completed; return its device timestamp (ns).
 
-        Spins on the fence in shared memory briefly, then sleeps in bounded driver waits
-        (so Ctrl-C interrupts it and a timeout is honoured). Raises the fault that covers
-        ``seqno``.
+        Spins on the fence in shared memory briefly, then sleeps on the context's event
+        pipe with the fence armed (so Ctrl-C interrupts it, a timeout is honoured and a
+        lost device is noticed). Raises the fault that covers ``seqno``.
         """
         self._check_host_wait()
         if seqno == 0:
@@ -173,7 +203,11 @@ class Stream:
             if polls > 64:  # a short wait spins; a longer one shares the CPU
                 os.sched_yield()
         if self.completed < seqno:
-            self.ctx.wait_queue(self.queue_id, seqno, timeout, repr(self))
+            # a fault cancels what follows it (those complete too); a queue the device
+            # could not map at all has only its fault record
+            self.ctx.events.wait(
+                lambda: self.completed >= seqno or self._ring.read_fault()[0] != 0,
+                timeout, repr(self), arm=lambda: self._arm(seqno))
         self._raise_fault(seqno)
         return self.timestamp(seqno)
 
@@ -189,12 +223,12 @@ class Stream:
         self.wait_seqno(self.last_seqno, timeout)
 
     def __del__(self) -> None:
-        if hasattr(self, "_ring"):
+        if hasattr(self, "queue_id"):
             self.close()
 
     def close(self) -> None:
         """Give the queue back; work already queued still runs to completion (and its
-        events stay waitable)."""
+        events stay waitable: the ring is this process's memory)."""
         if self._closed:
             return
         self._closed = True

@@ -1,4 +1,9 @@
-"""A raw client of the device node for tests that must send exactly the bytes they mean."""
+"""A raw client of the device node for tests that must send exactly the bytes they mean.
+
+It brings what a context needs as the runtime does (``runtime._shm``): the doorbell and
+event pipes and a sealed doorbell page, a sealed ring per queue, sealed memfds for host
+memory and module images.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,14 @@ import ctypes
 import errno
 import itertools
 import os
+import select
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kmod_emul import uapi
+from runtime._shm import sealed_memfd
 
 _tags = itertools.count(1000)
 
@@ -31,6 +39,9 @@ def header(cmd: int, tag: int, flags: int = 0) -> bytes:
 class RawDev:
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_RDWR)
+        self.bell_w = self.event_r = -1
+        self.db: uapi.SharedWords | None = None
+        self.rings: dict[int, tuple[int, uapi.RingView]] = {}  # queue id -> (slot, ring)
 
     def write(self, raw: bytes) -> int:
         return os.pwrite(self.fd, raw, 0)
@@ -48,24 +59,111 @@ class RawDev:
     def query(self) -> uapi.accel_device_info:
         return self.call(uapi.ACCEL_CMD_DEVICE_QUERY, uapi.accel_device_info())
 
+    def ctx_args(self, flags: int = 0, major: int = uapi.ACCEL_ABI_MAJOR,
+                 minor: int = uapi.ACCEL_ABI_MINOR) -> uapi.accel_ctx_create:
+        """A CTX_CREATE struct naming fresh pipes and a doorbell page of this process
+        (kept here: the test may wait on the event pipe)."""
+        db_fd = sealed_memfd("doorbell-page", uapi.ACCEL_DB_PAGE_SIZE)
+        bell_r, self.bell_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self.event_r, event_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self.db = uapi.SharedWords(db_fd, uapi.ACCEL_DB_PAGE_SIZE)
+        self._lend = [db_fd, bell_r, event_w]
+        return uapi.accel_ctx_create(abi_major=major, abi_minor=minor, flags=flags,
+                                     doorbell_fd=bell_r, event_fd=event_w, db_page_fd=db_fd)
+
     def ctx_create(self, flags: int = 0, major: int = uapi.ACCEL_ABI_MAJOR,
                    minor: int = uapi.ACCEL_ABI_MINOR) -> int:
-        arg = uapi.accel_ctx_create(abi_major=major, abi_minor=minor, flags=flags)
-        return self.call(uapi.ACCEL_CMD_CTX_CREATE, arg).ctx_id
+        arg = self.ctx_args(flags, major, minor)
+        try:
+            return self.call(uapi.ACCEL_CMD_CTX_CREATE, arg).ctx_id
+        finally:
+            for fd in self._lend:
+                os.close(fd)
 
     def noop(self, ctx_id: int) -> int:
         return self.call(uapi.ACCEL_CMD_SUBMIT_NOOP, uapi.accel_submit_noop(ctx_id=ctx_id)).seqno
 
-    def wait(self, ctx_id: int, seqno: int, timeout_ns: int = uapi.ACCEL_WAIT_SLICE_NS,
-             queue_id: int = 0) -> Any:
-        return self.call(uapi.ACCEL_CMD_WAIT,
-                         uapi.accel_wait(ctx_id=ctx_id, queue_id=queue_id, seqno=seqno,
-                                         timeout_ns=timeout_ns))
+    def wait(self, ctx_id: int, seqno: int) -> Any:
+        """One WAIT: the reply once ``seqno`` completed, else OSError ETIME."""
+        return self.call(uapi.ACCEL_CMD_WAIT, uapi.accel_wait(ctx_id=ctx_id, seqno=seqno))
+
+    def wait_done(self, ctx_id: int, seqno: int, timeout: float = 10.0) -> Any:
+        """WAIT until complete, sleeping on the event pipe in between."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.wait(ctx_id, seqno)
+            except OSError as exc:
+                if exc.errno != errno.ETIME or time.monotonic() > deadline:
+                    raise
+            self.sleep_event(0.1)
+
+    def sleep_event(self, timeout: float) -> None:
+        ready, _, _ = select.select([self.event_r], [], [], timeout)
+        if ready:
+            try:
+                os.read(self.event_r, 4096)
+            except BlockingIOError:
+                pass
+
+    def queue_create(self, ctx_id: int, priority: int = 0) -> int:
+        fd = sealed_memfd("ring", uapi.RING_FILE_SIZE)
+        try:
+            reply = self.call(uapi.ACCEL_CMD_QUEUE_CREATE, uapi.accel_queue_create(
+                ctx_id=ctx_id, priority=priority, ring_fd=fd))
+            self.rings[reply.queue_id] = (reply.doorbell, uapi.RingView(fd))
+        finally:
+            os.close(fd)
+        return reply.queue_id
+
+    def submit(self, queue_id: int, packets: list[bytes]) -> int:
+        """Write packets into a queue's ring and ring its doorbell; the last seqno."""
+        slot, ring = self.rings[queue_id]
+        wptr = ring.wptr
+        for pkt in packets:
+            ring.write_packet(wptr, pkt)
+            wptr += 1
+        self.publish(queue_id, wptr)
+        return wptr
+
+    def publish(self, queue_id: int, wptr: int) -> None:
+        """Set a ring's write pointer (any value: tests lie with it) and knock."""
+        slot, ring = self.rings[queue_id]
+        ring.set(uapi.RING_WPTR, wptr)
+        assert self.db is not None
+        self.db.set(uapi.DB_SLOTS + 8 * slot, wptr)
+        self.db.set(uapi.DB_SEQ, self.db.get(uapi.DB_SEQ) + 1)
+        uapi.full_barrier()
+        if self.db.get(uapi.DB_FW_SLEEPING):
+            try:
+                os.write(self.bell_w, b"\1")
+            except BlockingIOError:
+                pass
+
+    def mem_alloc(self, ctx_id: int, size: int, kind: uapi.MemKind = uapi.MemKind.DEVICE
+                  ) -> Any:
+        fd = -1 if kind == uapi.MemKind.DEVICE else sealed_memfd("host", size)
+        try:
+            return self.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
+                ctx_id=ctx_id, size=size, kind=kind, fd=fd))
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        for fd in (self.bell_w, self.event_r):
+            if fd >= 0:
+                os.close(fd)
+        self.bell_w = self.event_r = -1
+        for _slot, ring in self.rings.values():
+            ring.close()
+        self.rings.clear()
+        if self.db is not None:
+            self.db.close()
+            self.db = None
 
     def __enter__(self) -> RawDev:
         return self

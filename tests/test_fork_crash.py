@@ -130,7 +130,7 @@ def test_firmware_crash_marks_failed_and_tells_contexts(make_daemon):
         assert "firmware process exited unexpectedly" in d.attr(0, "failure")
         assert errname(lambda: dev.noop(ctx)) == "ENODEV"
         assert dev.query().state == 4  # queries still answer, and say FAILED
-        assert other.wait(other_ctx, other.noop(other_ctx)).completed == 1  # accel1 unharmed
+        assert other.wait_done(other_ctx, other.noop(other_ctx)).completed == 1  # accel1 unharmed
     out = d.run_py("""
         import runtime
         try:

@@ -12,6 +12,7 @@ import os
 from rawdev import RawDev, errname
 
 from firmware.image import IMAGE_NAME
+from kmod_emul import uapi
 
 #: Prints "<exception class>|<message>" for runtime.init() in a fresh process.
 INIT_PROBE = """
@@ -83,11 +84,13 @@ def test_firmware_boot_failure(make_daemon):
 
 
 def test_driver_abi_mismatch(make_daemon):
-    d = make_daemon(extra=["--driver-abi", "2.0"])
+    newer = f"{uapi.ACCEL_ABI_MAJOR + 1}.0"
+    d = make_daemon(extra=["--driver-abi", newer])
     assert d.attr(0, "state") == "operational"  # the device is fine; the versions are not
     cls, msg = probe(d)
     assert cls == "DriverVersionMismatchError"
-    assert "driver speaks uAPI 2.0" in msg and "runtime speaks 1.0" in msg
+    assert f"driver speaks uAPI {newer}" in msg
+    assert f"runtime speaks {uapi.ACCEL_ABI_MAJOR}.{uapi.ACCEL_ABI_MINOR}" in msg
     with RawDev(d.node(0)) as dev:
         assert errname(lambda: dev.ctx_create()) == "EPROTO"
 

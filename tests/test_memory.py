@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import stat
 import subprocess
 import sys
 import textwrap
@@ -34,23 +33,29 @@ def test_device_local_memory_is_never_mapped_into_the_process(daemon):
         x = np.arange(1 << 18, dtype=np.float64)
         d = runtime.to_device(x)
         maps = open("/proc/self/maps").read()
-        print("vram" in maps, "/dev/shm/accel-emu" in maps)   # staging is pinned, VRAM never
+        print("vram" in maps, "memfd:accel-host_pinned" in maps)  # staging is pinned, VRAM never
         print(np.array_equal(d.copy_to_host(), x))
     """)
     assert lines == ["False True", "True"]
 
 
-def test_pinned_backing_is_private_and_unguessable(daemon):
+def test_pinned_memory_is_the_process_own_sealed_memfd(daemon):
+    """Pinned memory is a memfd of the process (no path anyone else could open), sealed so
+    that nobody can shrink it under the device; the daemon creates no file for it."""
+    before = set(os.listdir("/dev/shm"))
     lines = run(daemon, """
+        import errno
         p = runtime.pinned_empty(1000, np.uint8)
-        path = [l.split()[-1] for l in open("/proc/self/maps") if "accel-emu" in l and "1-" in l.split()[-1]]
-        st = os.stat(path[0]); dst = os.stat(os.path.dirname(path[0]))
-        print(oct(st.st_mode & 0o777), st.st_uid == os.getuid(), oct(dst.st_mode & 0o777))
-        print(os.path.basename(path[0]))
+        line = next(l.split() for l in open("/proc/self/maps") if "accel-host_pinned" in l)
+        print(line[5])
+        try:  # the mapping's file, as root may reach it: still sealed
+            os.truncate(f"/proc/self/map_files/{line[0]}", 0)
+        except OSError as e:
+            print(errno.errorcode[e.errno])
     """)
-    assert lines[0] == "0o600 True 0o711"
-    kind, handle, token = lines[1].split("-")
-    assert kind == "1" and handle.isdigit() and len(token) == 16  # 64 random bits
+    assert lines[0].startswith("/memfd:accel-host_pinned")
+    assert lines[1] == "EPERM"  # sealed: not even the owner shrinks it
+    assert set(os.listdir("/dev/shm")) == before
 
 
 def test_copies_h2d_d2h_d2d_memset_ordered_on_one_stream(daemon):
@@ -322,24 +327,21 @@ import time; time.sleep(60)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    daemon.wait_attrs(0, IDLE, timeout=30)
-    leftovers = [f for f in os.listdir(_shm_dir(daemon)) if f.startswith(("1-", "2-"))]
-    assert leftovers == []
+    daemon.wait_attrs(0, {**IDLE, "pinned_bytes": "0", "host_allocations": "0"}, timeout=30)
 
 
-def _shm_dir(d) -> str:
-    pid = d.pid
-    return next(os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm")
-                if n.startswith(f"accel-emu-{pid}-"))
-
-
-def test_shm_directory_mode_and_cleanup(make_daemon):
+def test_daemon_creates_no_shared_files(make_daemon):
+    """Everything shared with a process is the process's own memfd or pipe: the driver
+    puts nothing in /dev/shm (where another process of the user could open it by name)."""
+    before = set(os.listdir("/dev/shm"))
     d = make_daemon()
-    path = _shm_dir(d)
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o711
-    d.stop()
-    assert not os.path.exists(path)
-
+    out = d.run_py(PRELUDE + """
+s = runtime.Stream(); p = runtime.pinned_empty(1 << 20, np.uint8); m = runtime.managed_empty(4096)
+a = runtime.to_device(np.ones(1000, np.float32)); s.synchronize()
+print(sorted(os.listdir("/dev/shm")))
+""")
+    assert out.returncode == 0, out.stderr
+    assert set(eval(out.stdout)) == before
 
 def test_mem_get_info_sysfs_and_smi_agree_per_process(daemon):
     daemon.wait_attrs(0, IDLE)

@@ -110,12 +110,32 @@ def test_fence_timeout_on_hung_device(make_daemon):
     assert out.stdout.split() == ["AccelError", "True", "62", "True"], out.stderr
 
 
-def test_synchronize_counts_on_the_device(daemon):
-    before = int(daemon.attr(0, "completions"))
+def test_synchronize_waits_for_every_stream_and_raises_the_first_fault(daemon):
+    """Like torch.cuda.synchronize: every stream of the process on the device has finished
+    what was queued before the call, and a pending fault is raised with its record."""
     out = daemon.run_py("""
-        import runtime
-        for _ in range(20):
-            runtime.synchronize(0)
+        import numpy as np, runtime
+        from kmod_emul import uapi
+        streams = [runtime.Stream(0) for _ in range(2)]
+        bufs = [runtime.empty(96 << 20, np.uint8) for _ in streams]
+        for s, b in zip(streams, bufs):
+            for _ in range(4):
+                b.memset(7, stream=s)
+        runtime.synchronize(0)
+        print(all(s.query() for s in streams), int(bufs[1].copy_to_host()[-1]))
+        streams[1].submit([uapi.accel_packet(opcode=uapi.Op.MEMSET, a=(0x10, 64, 0, 0, 0, 0, 0))])
+        for _ in range(2):  # sticky, as CUDA's: the stream keeps its fault
+            try:
+                runtime.synchronize(0)
+                print("no fault")
+            except runtime.DeviceFaultError as exc:
+                print(exc.record["errno"], exc.record["queue"] == streams[1].queue_id)
+        try:
+            runtime.synchronize(1, timeout=10)  # the other device has nothing of it
+            print("device 1 clean")
+        except runtime.AccelError as exc:
+            print(repr(exc))
     """)
     assert out.returncode == 0, out.stderr
-    assert int(daemon.attr(0, "completions")) >= before + 20
+    assert out.stdout.split("\n")[:-1] == ["True 7", "EFAULT True", "EFAULT True",
+                                            "device 1 clean"]

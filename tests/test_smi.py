@@ -8,7 +8,6 @@ in (ENOPKG, ENOEXEC, EIO, ENODEV, in_reset) must be visible with the driver's ow
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -30,10 +29,11 @@ def smi(d, *args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 
 
 def readable_attrs(d, dev: int) -> dict[str, str]:
-    """Every readable sysfs attribute of accel<dev>, read directly."""
+    """Every readable sysfs attribute of accel<dev> (``limits/max_queues`` for those of a
+    subdirectory), read directly."""
     path = d.root / uapi.CLASS_DIR / f"accel{dev}"
-    return {n: (path / n).read_text().strip() for n in sorted(os.listdir(path))
-            if os.stat(path / n).st_mode & 0o444}
+    return {str(p.relative_to(path)): p.read_text().strip() for p in sorted(path.rglob("*"))
+            if p.is_file() and p.stat().st_mode & 0o444}
 
 
 def table(out: str) -> tuple[list[str], list[list[str]], list[str]]:

@@ -402,8 +402,10 @@ def noop_stream(d: Diag) -> str:
             pending = [f.seqno for f in fences if not f.query()]
             _check(not pending, f"{name}: fence {seqnos[-1]} done before {pending[:5]}")
             stamps = [f.wait(timeout=FENCE_TIMEOUT_S) for f in fences]
-            _check(all(a <= b for a, b in zip(stamps, stamps[1:])),
-                   f"{name}: completion timestamps go backwards")
+            back = next((i for i, (a, b) in enumerate(zip(stamps, stamps[1:])) if a > b), None)
+            _check(back is None, f"{name}: completion timestamps go backwards at seqno "
+                                 f"{seqnos[back or 0]}: {stamps[back or 0]} then "
+                                 f"{stamps[(back or 0) + 1]}")
             rates.append(f"{name} {STREAM_NOOPS / (time.monotonic() - start):.0f}/s")
     return f"{STREAM_NOOPS} no-ops each: " + ", ".join(rates)
 

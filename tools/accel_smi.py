@@ -32,6 +32,7 @@ import argparse
 import ctypes
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -108,8 +109,9 @@ class Tree:
         return _read_dir(self.class_dir / name)
 
 
-def _read_dir(path: Path) -> dict[str, str]:
-    """Every readable attribute in ``path``; write-only ones (``reset``) are skipped unopened."""
+def _read_dir(path: Path, prefix: str = "") -> dict[str, str]:
+    """Every readable attribute in ``path``, those of subdirectories (``limits/``) as
+    ``dir/name``; write-only ones (``reset``) are skipped unopened."""
     values: dict[str, str] = {}
     try:
         names = sorted(os.listdir(path))
@@ -117,9 +119,11 @@ def _read_dir(path: Path) -> dict[str, str]:
         return values
     for name in names:
         try:
-            if not os.stat(path / name).st_mode & 0o444:
-                continue
-            values[name] = (path / name).read_text().strip()
+            mode = os.stat(path / name).st_mode
+            if stat.S_ISDIR(mode):
+                values.update(_read_dir(path / name, f"{prefix}{name}/"))
+            elif mode & 0o444:
+                values[prefix + name] = (path / name).read_text().strip()
         except OSError:
             continue  # vanished or unreadable mid-scan: report what could be read
     return values

@@ -1,0 +1,91 @@
+"""What one device lets each tenant hold: the limits the driver enforces.
+
+Every limit a device advertises is enforced, with an errno that says which kind it is:
+``ENOSPC`` when a device-wide table is full (contexts, queues or pinned memory of all
+processes together), ``EDQUOT`` when one process or context is over its share. The shares
+are smaller than the tables, so one tenant cannot take a whole table from the others
+(docs/containment.md has the figures and why). They are reported by DEVICE_QUERY and as
+``sys/class/accel/accelN/limits/*``, next to the current use (``.../usage/*``).
+
+Descriptors bound two of them: every queue and every pinned allocation costs the firmware
+one descriptor (its mapping), and every queue one in the daemon, so the device-wide
+tables are cut to fit the process's descriptor limit (raised to its hard limit at start).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+from dataclasses import dataclass
+from typing import Any
+
+from kmod_emul.errors import DriverError
+
+#: Descriptors kept free for everything else (sockets, numba, logs, the mount).
+_FD_RESERVE = 512
+#: Each context costs the firmware and the daemon this many descriptors (pipes, pages).
+_FDS_PER_CONTEXT = 3
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's descriptor limit to its hard limit (children inherit it);
+    return it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_contexts: int
+    max_contexts_per_process: int
+    max_queues: int
+    max_queues_per_process: int
+    max_queues_per_context: int
+    max_modules_per_context: int
+    max_module_bytes_per_context: int
+    max_pinned_bytes: int
+    max_pinned_bytes_per_process: int
+    max_host_allocations: int
+    max_host_allocations_per_process: int
+
+    @classmethod
+    def for_device(cls, config: dict[str, Any], devices: int, fd_limit: int) -> Limits:
+        """The image's tables (``max_contexts``, ``max_queues``), the driver's shares, all
+        cut to the descriptors there are: the daemon serves ``devices`` devices."""
+        max_contexts = int(config["max_contexts"])
+        want_queues = int(config.get("max_queues", 4096))
+        want_host = int(config.get("max_host_allocations", 8192))
+        budget = max(64, fd_limit - _FD_RESERVE - _FDS_PER_CONTEXT * max_contexts * devices)
+        # the daemon keeps one descriptor per queue of every device; each firmware one
+        # per queue and per pinned allocation of its own device
+        max_queues = max(16, min(want_queues, budget // max(1, devices), budget // 2))
+        max_host = max(16, min(want_host, budget - max_queues))
+        ram = physical_memory()
+        return cls(
+            max_contexts=max_contexts,
+            max_contexts_per_process=max(1, min(16, max_contexts // 2)),
+            max_queues=max_queues,
+            max_queues_per_process=max(1, max_queues // 4),
+            max_queues_per_context=max(1, min(1023, max_queues // 4)),
+            max_modules_per_context=256,
+            max_module_bytes_per_context=64 << 20,
+            max_pinned_bytes=ram,
+            max_pinned_bytes_per_process=ram // 2,
+            max_host_allocations=max_host,
+            max_host_allocations_per_process=max(1, max_host // 4),
+        )
+
+
+def check(used: int, more: int, limit: int, what: str, *, device_wide: bool) -> None:
+    """Refuse ``more`` on top of ``used`` past ``limit``: ENOSPC for a device-wide table,
+    EDQUOT for a tenant's share."""
+    if used + more > limit:
+        raise DriverError(errno.ENOSPC if device_wide else errno.EDQUOT,
+                          f"{what}: {used} in use + {more} > limit {limit}")
