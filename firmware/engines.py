@@ -282,6 +282,9 @@ class EnginePool:
                     heapq.heappush(self._heap, _Queued((item.rank[0], next(self._arrivals)),
                                                        item.job))
                     self._cond.notify()
+            # a finished job holds its packet's memory (a mapping and its descriptor):
+            # let it go now, not when the next job comes
+            del item
 
 
 class Deadlines:

@@ -15,7 +15,7 @@ from kmod_emul import daemon as kdaemon
 from kmod_emul import uapi
 from kmod_emul.daemon import pid_alive
 
-from conftest import REPO
+from stress.harness import REPO
 
 
 def firmware_pids(d, devices: int) -> list[int]:

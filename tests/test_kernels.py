@@ -35,7 +35,7 @@ def stat(name, dev=0, at_least=0):
 @pytest.fixture(scope="module")
 def kdaemon(tmp_path_factory):
     """A daemon whose firmware has a short watchdog (the image's payload sets it)."""
-    from conftest import Daemon
+    from stress.harness import Daemon
 
     base = tmp_path_factory.mktemp("kernels")
     fw_dir = base / "firmware"
@@ -303,7 +303,7 @@ def test_matrix_unit_matmul_matches_numpy_and_faults_with_a_record(kdaemon):
 
 
 def test_a_device_without_a_matrix_unit_refuses_mma_modules(tmp_path):
-    from conftest import Daemon
+    from stress.harness import Daemon
 
     fw_dir = tmp_path / "firmware"
     fw_dir.mkdir()

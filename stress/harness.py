@@ -1,0 +1,238 @@
+"""A real daemon and the checks made after every attack, shared by the tests and the
+stress runs.
+
+``Daemon`` is one ``accel-emud`` on a root of its own (started and stopped by the caller,
+always stopped: tests use the fixtures in tests/conftest.py). After every attack the
+containment checks ask (docs/containment.md): are the daemon and every firmware the same
+live processes, is every device operational, are a bystander tenant's data and work intact
+(``Bystander``), and did nothing leak -- the driver's books in sysfs, the daemon's and the
+firmwares' descriptors, /dev/shm (``snapshot`` then ``assert_contained``). ``as_user``
+turns a snippet into one that drops to another uid first, after its imports (the
+interpreter lives under /root, which other users cannot read).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kmod_emul import daemon as kdaemon
+from kmod_emul import uapi
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Daemon:
+    root: Path
+    state_dir: Path
+    firmware_dir: Path
+    devices: int
+    extra: list[str] = field(default_factory=list)
+
+    def start(self, check: bool = True) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "tools.accel_emud", "--root", str(self.root),
+               "--devices", str(self.devices), "--memory", "256M",
+               "--state-dir", str(self.state_dir), "--firmware-dir", str(self.firmware_dir),
+               *self.extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"accel-emud failed to start:\n{proc.stdout}{proc.stderr}")
+        return proc
+
+    def stop(self) -> None:
+        kdaemon.stop(self.root)
+
+    @property
+    def pid(self) -> int:
+        mount = kdaemon.find_mount(self.root)
+        assert mount is not None and mount.pid is not None
+        return mount.pid
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ, ACCEL_EMU_ROOT=str(self.root), PYTHONPATH=str(REPO))
+        env.pop("ACCEL_VISIBLE_DEVICES", None)
+        env.update(extra)
+        return env
+
+    def attr(self, dev: int, name: str) -> str:
+        return (self.root / uapi.CLASS_DIR / f"accel{dev}" / name).read_text().strip()
+
+    def debug(self, dev: int, name: str) -> Path:
+        return self.root / uapi.DEBUG_DIR / f"accel{dev}" / name
+
+    def node(self, dev: int) -> Path:
+        return self.root / uapi.DEV_DIR / f"accel{dev}"
+
+    def wait_state(self, dev: int, state: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.attr(dev, "state") != state:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"accel{dev} stayed {self.attr(dev, 'state')!r}, wanted {state!r} "
+                    f"(failure: {self.attr(dev, 'failure')!r})")
+            time.sleep(0.02)
+
+    def wait_attrs(self, dev: int, expected: dict[str, str], timeout: float = 20.0) -> None:
+        """Wait until sysfs shows ``expected`` (teardown is asynchronous: the firmware
+        confirms it after the process is gone)."""
+        deadline = time.monotonic() + timeout
+        while (now := {k: self.attr(dev, k) for k in expected}) != expected:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"accel{dev} shows {now}, wanted {expected}")
+            time.sleep(0.02)
+
+    def popen_py(self, code: str, *args: str) -> subprocess.Popen[str]:
+        """Start a snippet in a fresh interpreter against this root, with text pipes on
+        stdin, stdout and stderr (for processes a test holds open, signals or kills)."""
+        return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args],
+                                env=self.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+    def run_py(self, code: str, *, timeout: float = 60, **env: str
+               ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                              capture_output=True, text=True, env=self.env(**env),
+                              timeout=timeout, cwd=REPO)
+
+
+#: sysfs counters that must come back to what they were once an attacker is gone
+BOOKS = ("contexts", "open_files", "clients", "memory_used", "pinned_bytes",
+         "host_allocations", "queues", "exclusive_owner")
+#: uid and gid of the other tenant
+NOBODY = 65534
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@dataclass
+class Snapshot:
+    daemon_pid: int
+    fw_pids: list[int]
+    daemon_fds: int
+    fw_fds: list[int]
+    books: list[dict[str, str]]
+    shm: set[str]
+
+
+def snapshot(d) -> Snapshot:
+    fw = [int(d.debug(i, "fw_pid").read_text()) for i in range(d.devices)]
+    return Snapshot(d.pid, fw, fd_count(d.pid), [fd_count(p) for p in fw],
+                    [{k: d.attr(i, k) for k in BOOKS} for i in range(d.devices)],
+                    set(os.listdir("/dev/shm")))
+
+
+def assert_contained(d, before: Snapshot, timeout: float = 30.0) -> None:
+    """The same daemon and firmwares live, every device is operational, and the books,
+    descriptors and /dev/shm are back to ``before`` (teardown is asynchronous: the
+    firmware confirms it after the attacker is gone, so this waits for it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = snapshot(d)
+        states = [d.attr(i, "state") for i in range(d.devices)]
+        problems = []
+        if (now.daemon_pid, now.fw_pids) != (before.daemon_pid, before.fw_pids):
+            problems.append(f"processes {before.daemon_pid}/{before.fw_pids} -> "
+                            f"{now.daemon_pid}/{now.fw_pids}")
+        if not all(alive(p) for p in [now.daemon_pid, *now.fw_pids]):
+            problems.append("a daemon or firmware process died")
+        if states != ["operational"] * d.devices:
+            problems.append(f"states {states}")
+        if now.books != before.books:
+            problems.append(f"books {before.books} -> {now.books}")
+        if now.daemon_fds != before.daemon_fds or now.fw_fds != before.fw_fds:
+            problems.append(f"descriptors daemon {before.daemon_fds} -> {now.daemon_fds}, "
+                            f"firmware {before.fw_fds} -> {now.fw_fds}")
+        if now.shm != before.shm:
+            problems.append(f"/dev/shm gained {sorted(now.shm - before.shm)}")
+        if not problems:
+            return
+        if time.monotonic() > deadline or "processes" in problems[0]:
+            raise AssertionError("not contained: " + "; ".join(problems))
+        time.sleep(0.05)
+
+
+_BYSTANDER = """
+import sys, numpy as np, runtime
+dev = int(sys.argv[1])
+rng = np.random.default_rng(dev + 7)
+pattern = rng.integers(0, 255, 4 << 20, dtype=np.uint8)
+s = runtime.Stream(dev)
+keep = runtime.to_device(pattern, device=dev, stream=s)
+pin = runtime.pinned_empty(pattern.shape, np.uint8, device=dev)
+s.synchronize()
+print("ready", flush=True)
+for line in sys.stdin:
+    try:
+        keep.copy_to_host(pin, stream=s)
+        scratch = runtime.empty(pattern.shape, np.uint8, device=dev, stream=s)
+        scratch.copy_(keep, stream=s)
+        back = scratch.copy_to_host(stream=s)
+        s.synchronize(timeout=30)
+        ok = np.array_equal(pin, pattern) and np.array_equal(back, pattern)
+        print("ok" if ok else "corrupt", flush=True)
+    except Exception as exc:
+        print(f"error {exc!r}", flush=True)
+"""
+
+
+class Bystander:
+    """Another tenant on device ``dev``: its data must stay intact and its work must run
+    through whatever an attacker does."""
+
+    def __init__(self, d, dev: int = 0) -> None:
+        self.proc = d.popen_py(_BYSTANDER, str(dev))
+        line = self.proc.stdout.readline().strip()
+        if line != "ready":
+            self.close()
+            raise AssertionError(f"bystander did not start: {line!r} {self.proc.stderr.read()}")
+
+    def check(self) -> None:
+        assert self.proc.poll() is None, "the bystander died"
+        self.proc.stdin.write("check\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline().strip()
+        assert answer == "ok", f"bystander: {answer!r}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> Bystander:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def as_user(code: str, uid: int = NOBODY, imports: str = "") -> str:
+    """``code`` run as ``uid`` after importing what it needs as root (``imports``: extra
+    import lines; runtime, its kernel front end and numpy are always imported)."""
+    return (f"import os, sys, errno, json, numpy as np, runtime, runtime.kernels\n"
+            f"from kmod_emul import uapi\n{imports}\n"
+            f"os.setgroups([]); os.setresgid({uid}, {uid}, {uid}); os.setresuid({uid}, {uid}, {uid})\n"
+            + textwrap.dedent(code))
+
+
+__all__ = ["BOOKS", "Bystander", "Daemon", "NOBODY", "REPO", "Snapshot", "alive", "as_user",
+           "assert_contained", "fd_count", "snapshot"]
