@@ -298,12 +298,17 @@ class Firmware:
         for c in contexts:
             c.db.set(uapi.DB_FW_SLEEPING, 1)
         uapi.full_barrier()  # producers store their slot then load "sleeping"; we store, load
-        if not (self.sched.pending() or self.sched.doorbells_moved()
-                or self.mbx.cmd.pending()):
-            if any(r.blocked and r.blocked[0].fence_only for r in self.sched.active):
-                timeout = min(timeout, CROSS_DEVICE_POLL_S)
-            for fd, _events in self._poller.poll(timeout * 1000):
-                self._drain_fd(fd)
+        # Always poll, if only for a moment: a held or hung firmware with work queued must
+        # still notice the driver going away (the doorbell's EOF), or it would outlive a
+        # killed daemon spinning a CPU.
+        runnable = not (self.hung or self.sched.held) and (
+            self.sched.pending() or self.sched.doorbells_moved() or self.mbx.cmd.pending())
+        if runnable:
+            timeout = 0.0
+        elif any(r.blocked and r.blocked[0].fence_only for r in self.sched.active):
+            timeout = min(timeout, CROSS_DEVICE_POLL_S)
+        for fd, _events in self._poller.poll(timeout * 1000):
+            self._drain_fd(fd)
         for c in contexts:
             if not c.db.mem.closed:
                 c.db.set(uapi.DB_FW_SLEEPING, 0)

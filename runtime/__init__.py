@@ -58,6 +58,7 @@ from runtime.errors import (
     KernelFaultError,
     NoDeviceError,
     OutOfMemoryError,
+    ResourceLimitError,
     UseAfterForkError,
 )
 
@@ -67,7 +68,7 @@ __all__ = [
     "DriverVersionMismatchError", "Event", "Fence", "FirmwareBootError",
     "FirmwareCorruptError", "FirmwareError", "FirmwareMissingError", "Graph", "HostArray",
     "InvalidValueError", "IpcHandle", "Kernel", "KernelFaultError", "Module",
-    "NoDeviceError", "OutOfMemoryError", "Stream", "UseAfterForkError", "compile",
+    "NoDeviceError", "OutOfMemoryError", "ResourceLimitError", "Stream", "UseAfterForkError", "compile",
     "current_device", "current_stream", "default_stream", "device", "device_count", "empty",
     "empty_cache", "enable_peer_access", "get_device_name", "get_device_properties",
     "graph", "init", "is_available", "is_initialized", "kernel", "managed_empty",
