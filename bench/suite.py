@@ -18,6 +18,7 @@ from collections.abc import Callable
 from bench.core import Benchmark, Env, Row, interleave, middle_half, timed_row
 from bench.procs import AccelDaemon, EchoServer
 from bench.memory import allocator_and_copies, daemon_memory_per_context
+from bench.floods import bystander_under_floods
 from bench.kernels import kernels
 from bench.submission import idle_cpu, submission
 from kmod_emul import uapi
@@ -190,5 +191,6 @@ BENCHMARKS: list[tuple[str, Benchmark]] = [
     ("daemon_memory_per_context", daemon_memory_per_context),
     ("submission", submission),
     ("idle_cpu", idle_cpu),
+    ("bystander_under_floods", bystander_under_floods),
     ("kernels", kernels),
 ]

@@ -53,6 +53,8 @@ class Events:
         self.fd = fd
         self._cond = threading.Condition()
         self._polling = False
+        #: a thread spins on a fence before sleeping here (Stream.wait_seqno): only one
+        self.spinner = False
 
     def wait(self, ready: Callable[[], bool], timeout: float | None, what: str,
              arm: Callable[[], None] | None = None) -> None:

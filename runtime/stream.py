@@ -196,12 +196,20 @@ class Stream:
         self._check_host_wait()
         if seqno == 0:
             return 0
-        spin_until = time.perf_counter() + SPIN_WAIT_S
-        polls = 0
-        while self.completed < seqno and time.perf_counter() < spin_until:
-            polls += 1
-            if polls > 64:  # a short wait spins; a longer one shares the CPU
-                os.sched_yield()
+        events = self.ctx.events
+        if self.completed < seqno and not events.spinner:
+            # one thread of a context spins at a time: many spinning threads would take the
+            # CPUs the device (and everyone else) needs, on a machine with two
+            events.spinner = True
+            try:
+                spin_until = time.perf_counter() + SPIN_WAIT_S
+                polls = 0
+                while self.completed < seqno and time.perf_counter() < spin_until:
+                    polls += 1
+                    if polls > 64:  # a short wait spins; a longer one shares the CPU
+                        os.sched_yield()
+            finally:
+                events.spinner = False
         if self.completed < seqno:
             # a fault cancels what follows it (those complete too); a queue the device
             # could not map at all has only its fault record
