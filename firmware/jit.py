@@ -4,7 +4,7 @@ docs/kernels.md is the contract. One kernel's IR (``module["kernels"][name]``) p
 concrete argument types of a launch (``"float32[1d]"`` for a buffer, ``"float32"`` for a
 scalar) and the code-generation :class:`Options` are lowered to the text of a Python
 module, written to disk and imported as a real file so that numba's ``cache=True`` works
-(``exec``'d code cannot be cached, ARCHITECTURE.md "Numba facts").
+(``exec``'d code cannot be cached, docs/kernels.md "Numba facts").
 
 The pieces: firmware/kernel_check.py re-validates the IR, firmware/kernel_lower.py
 generates the module (and says why it looks the way it does), firmware/intrinsics.py and

@@ -820,7 +820,7 @@ def cstr(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode()
 
 
-# --- where the device tree lives (CONTRACT.md "Environment") ---------------------------------
+# --- where the device tree lives (docs/contract.md "Environment") ----------------------------
 def default_root() -> str:
     """``$ACCEL_EMU_ROOT``, else /run/accel-emu for root, else a per-user runtime dir."""
     if root := os.environ.get("ACCEL_EMU_ROOT"):

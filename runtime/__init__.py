@@ -1,6 +1,6 @@
 """accel-emu's user-space runtime: ``import runtime``.
 
-Names follow ``torch.accelerator`` / ``torch.cuda`` (see CONTRACT.md). Discovery
+Names follow ``torch.accelerator`` / ``torch.cuda`` (docs/contract.md). Discovery
 (``is_available``, ``device_count``) reads sysfs only and is safe before ``fork``;
 everything else initialises lazily. The runtime never imports the firmware or numba.
 """
@@ -67,7 +67,7 @@ __all__ = [
     "DeviceFaultError", "DeviceInResetError", "DeviceLostError", "DeviceProperties",
     "DriverVersionMismatchError", "Event", "Fence", "FirmwareBootError",
     "FirmwareCorruptError", "FirmwareError", "FirmwareMissingError", "Graph", "HostArray",
-    "InvalidValueError", "IpcHandle", "Kernel", "KernelFaultError", "Module",
+    "InvalidValueError", "IpcHandle", "Kernel", "KernelCompileError", "KernelFaultError", "Module",
     "NoDeviceError", "OutOfMemoryError", "ResourceLimitError", "Stream", "UseAfterForkError", "compile",
     "current_device", "current_stream", "default_stream", "device", "device_count", "empty",
     "empty_cache", "enable_peer_access", "get_device_name", "get_device_properties",
@@ -77,3 +77,13 @@ __all__ = [
     "primary_context", "reset_peak_memory_stats", "set_device", "set_stream", "stream",
     "synchronize", "to_device",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``runtime.KernelCompileError`` without importing the kernel front end (and its ~15 ms)
+    until it is used."""
+    if name == "KernelCompileError":
+        from runtime.kernels import KernelCompileError
+
+        return KernelCompileError
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -43,7 +43,7 @@ class _ArgArena:
     """Pinned slots for argument blocks; a slot is reused only after its launch completed."""
 
     def __init__(self, device: int) -> None:
-        self.buf = pinned_empty(ARG_SLOT * ARG_SLOTS, np.uint8, device)
+        self.buf = pinned_empty(ARG_SLOT * ARG_SLOTS, np.uint8, device=device)
         self.last: list[tuple[Stream, int] | None] = [None] * ARG_SLOTS
         self.next = 0
         self.lock = threading.Lock()

@@ -184,6 +184,13 @@ class DeviceArray:
     def __repr__(self) -> str:
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, device=accel:{self.device})"
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """Refused, as torch refuses ``np.asarray`` of a device tensor: the bytes are in
+        device memory, which this process never maps (numpy would otherwise build an
+        object array holding this array)."""
+        raise TypeError(f"{self!r} lives in device memory; copy it to the host first with "
+                        ".copy_to_host()")
+
     def __del__(self) -> None:
         block = getattr(self, "_block", None)
         if block is not None:
@@ -394,11 +401,15 @@ def _map_host(shape: Any, dtype: Any, device: _device.DeviceLike, kind: uapi.Mem
     return arr
 
 
-def pinned_empty(shape: Any, dtype: Any = np.float32, device: _device.DeviceLike = None) -> HostArray:
+def pinned_empty(shape: Any, dtype: Any = np.float32, *,
+                 device: _device.DeviceLike = None) -> HostArray:
+    """Host memory the device's copy engines reach directly (torch's ``pin_memory``)."""
     return _host_empty(shape, dtype, device, uapi.MemKind.HOST_PINNED)
 
 
-def managed_empty(shape: Any, dtype: Any = np.float32, device: _device.DeviceLike = None) -> HostArray:
+def managed_empty(shape: Any, dtype: Any = np.float32, *,
+                  device: _device.DeviceLike = None) -> HostArray:
+    """Host memory the device migrates pages of on access (CUDA's managed memory)."""
     return _host_empty(shape, dtype, device, uapi.MemKind.MANAGED)
 
 
@@ -407,7 +418,7 @@ class _Staging:
     """Two pinned buffers that pipeline pageable copies chunk by chunk."""
 
     def __init__(self, device: int) -> None:
-        self.bufs = [pinned_empty(STAGING_CHUNK, np.uint8, device) for _ in range(2)]
+        self.bufs = [pinned_empty(STAGING_CHUNK, np.uint8, device=device) for _ in range(2)]
         self.done: list[tuple[Stream, int] | None] = [None, None]
         self.lock = threading.Lock()
 
@@ -460,12 +471,18 @@ def _staging(device: int) -> _Staging:
 
 
 # --- the torch-style module functions ------------------------------------------------------------
-def empty(shape: Any, dtype: Any = np.float32, device: _device.DeviceLike = None,
+def empty(shape: Any, dtype: Any = np.float32, *, device: _device.DeviceLike = None,
           stream: Stream | None = None) -> DeviceArray:
+    """An uninitialised device array (``torch.empty``: ``device`` and ``stream`` are
+    keyword-only, as torch's ``device`` is)."""
     return DeviceArray(shape, dtype, device=device, stream=stream)
 
 
-def to_device(host: np.ndarray, stream: Stream | None = None, device: _device.DeviceLike = None) -> DeviceArray:
+def to_device(host: np.ndarray, *, device: _device.DeviceLike = None,
+              stream: Stream | None = None) -> DeviceArray:
+    """A copy of ``host`` in device memory, queued on ``stream`` (the current stream):
+    ``x.to(device)`` in torch. ``device`` and ``stream`` are keyword-only: a positional
+    ``to_device(x, 1)`` would otherwise silently make ``1`` the stream."""
     if not (isinstance(host, np.ndarray) and host.flags.c_contiguous):
         host = np.ascontiguousarray(host)
     return DeviceArray(host.shape, host.dtype, device=device, stream=stream).copy_from_host(host, stream)

@@ -7,8 +7,10 @@ return once work is queued: a failing operation's error surfaces at the next
 synchronisation point on that stream (``synchronize``, an event's ``synchronize``, or
 ``query``) as a ``DeviceFaultError`` that names the failed packet.
 
-Priorities follow ``torch.cuda``: lower numbers are higher priority; ``priority < 0``
-asks for the device's high-priority queues.
+Priorities follow ``torch.cuda``: lower numbers are higher priority; the device has two,
+0 (the default) and -1 (high), and ``Stream.priority_range()`` says so. A priority outside
+that range raises InvalidValueError (torch maps it to the nearest one silently, which hides
+a mistake: asking for -5 on a device with two levels).
 """
 
 from __future__ import annotations
@@ -39,7 +41,16 @@ class Stream:
     """An in-order queue of device work: a ring of this process's own memory, which it
     writes directly (the driver imports it; the firmware maps it)."""
 
+    #: (lowest, highest) priority, as ``torch.cuda.Stream.priority_range()``
+    PRIORITY_RANGE = (0, -1)
+
     def __init__(self, device: _device.DeviceLike = None, priority: int = 0) -> None:
+        low, high = self.PRIORITY_RANGE
+        if isinstance(priority, bool) or not isinstance(priority, int) \
+                or not high <= priority <= low:
+            raise errors.InvalidValueError(
+                f"stream priority {priority!r} is outside the device's range: {low} "
+                f"(default) to {high} (highest); see Stream.priority_range()")
         self.device = _device._index(device)
         self.priority = priority
         self.ctx: Context = _device.primary_context(self.device)
@@ -67,6 +78,11 @@ class Stream:
 
     def __repr__(self) -> str:
         return f"<Stream queue {self.queue_id} on accel:{self.device} priority {self.priority}>"
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        """(lowest, highest) stream priority: lower numbers run first."""
+        return Stream.PRIORITY_RANGE
 
     # --- submission -------------------------------------------------------------------
     def submit(self, packets: Sequence[uapi.accel_packet], uses: Sequence[Any] = ()) -> int:

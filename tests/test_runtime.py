@@ -139,3 +139,59 @@ def test_synchronize_waits_for_every_stream_and_raises_the_first_fault(daemon):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:-1] == ["True 7", "EFAULT True", "EFAULT True",
                                             "device 1 clean"]
+
+
+def test_torch_habits_are_refused_loudly(daemon):
+    """Positional device/stream, np.asarray of device memory, out-of-range priorities and
+    the kernel compiler's error class behave as a torch user expects, or say why not."""
+    out = daemon.run_py("""
+        import numpy as np, runtime
+        x = np.arange(8, dtype=np.float32)
+        for call in (lambda: runtime.to_device(x, 1), lambda: runtime.empty(8, np.float32, 0),
+                     lambda: runtime.pinned_empty(8, np.float32, 0)):
+            try:
+                call(); print("accepted")
+            except TypeError:
+                print("TypeError")
+        d = runtime.to_device(x, device=1)
+        try:
+            np.asarray(d)
+        except TypeError as exc:
+            print("asarray", "copy_to_host" in str(exc))
+        print(runtime.Stream.priority_range(), runtime.Stream(priority=-1).priority)
+        for p in (1, -2, 0.5, True):
+            try:
+                runtime.Stream(priority=p); print("accepted", p)
+            except runtime.InvalidValueError as exc:
+                print("refused", "priority_range" in str(exc))
+        try:
+            runtime.compile("def k(x):\\n    import os\\n")
+        except runtime.KernelCompileError as exc:
+            print("compile", isinstance(exc, runtime.InvalidValueError), exc.lineno)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["TypeError"] * 3 + [
+        "asarray True", "(0, -1) -1"] + ["refused True"] * 4 + ["compile True 2"]
+
+
+def test_synchronize_honours_its_timeout(daemon):
+    out = daemon.run_py("""
+        import os, time, numpy as np, runtime
+        hold = os.environ["ACCEL_EMU_ROOT"] + "/sys/kernel/debug/accel/accel0/sched_hold"
+        s = runtime.Stream(0)
+        open(hold, "w").write("1")
+        try:
+            s.submit_nop()
+            t0 = time.monotonic()
+            try:
+                runtime.synchronize(0, timeout=0.3)
+                print("returned")
+            except runtime.AccelTimeoutError as exc:
+                print("timeout", round(time.monotonic() - t0, 1) >= 0.3, exc.errno == 62)
+        finally:
+            open(hold, "w").write("0")
+        runtime.synchronize(0, timeout=10)
+        print(s.query())
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["timeout True True", "True"]
