@@ -4,6 +4,12 @@
 failures early. It records the initialising pid; a forked child that inherited initialised
 state gets UseAfterForkError from every device call, while discovery keeps working. The
 current device is per thread (``set_device``/``device``), as in ``torch.cuda``.
+
+Everything this process holds on one visible device hangs off one :class:`Device`: its
+primary context and the parts built on it (the caching allocator, staging buffers, the
+launch-argument arena, the default stream, the modules of ``@runtime.kernel`` functions).
+Each part's module makes it on first use (``Device.part``); dropping the ``Device`` drops
+them all, so a rebuilt device never mixes old and new state.
 """
 
 from __future__ import annotations
@@ -11,8 +17,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, TypeVar, Union
 
 from kmod_emul import uapi
 from runtime import discovery, errors
@@ -22,7 +29,36 @@ from runtime.context import Context
 _lock = threading.RLock()
 _init_pid: int | None = None
 _visible: list[str] = []
-_primary: dict[int, Context] = {}
+T = TypeVar("T")
+
+
+class Device:
+    """This process's hold on one visible device (``index`` in the runtime's numbering,
+    ``physical`` the driver's ``accelN``): its primary context, as CUDA's, and the parts
+    built on it, each made once by the module that owns it."""
+
+    def __init__(self, index: int, physical: str) -> None:
+        self.index = index
+        self.physical = physical
+        self.context = Context(physical)
+        self._parts: dict[Any, Any] = {}
+        self._lock = threading.RLock()  # making a part may need another (allocator: backend)
+
+    def __repr__(self) -> str:
+        return f"<Device accel:{self.index} ({self.physical})>"
+
+    def part(self, key: Any, make: Callable[[], T]) -> T:
+        """The part ``key`` of this device, made by ``make()`` on first use."""
+        got = self._parts.get(key)
+        if got is None:
+            with self._lock:
+                got = self._parts.get(key)
+                if got is None:
+                    got = self._parts[key] = make()
+        return got
+
+
+_devices: dict[int, Device] = {}
 class _ThreadState(threading.local):
     device = 0  # a class default: reading it costs no AttributeError on the hot path
 
@@ -78,20 +114,25 @@ def _physical(index: int) -> str:
     return _visible[index]
 
 
-def primary_context(index: int | None = None) -> Context:
-    """This process's primary context on device ``index`` (created on first use)."""
+def get(index: int | None = None) -> Device:
+    """This process's :class:`Device` for visible device ``index`` (made on first use)."""
     idx = current_device() if index is None else index
-    ctx = _primary.get(idx)
-    if ctx is not None and _init_pid == _pid:
-        return ctx  # the hot path: every allocation and copy asks
+    dev = _devices.get(idx)
+    if dev is not None and _init_pid == _pid:
+        return dev  # the hot path: every allocation and copy asks
     _check_fork()
     if _init_pid is None:
         init()
     with _lock:
-        ctx = _primary.get(idx)
-        if ctx is None:
-            ctx = _primary[idx] = Context(_physical(idx))
-        return ctx
+        dev = _devices.get(idx)
+        if dev is None:
+            dev = _devices[idx] = Device(idx, _physical(idx))
+        return dev
+
+
+def primary_context(index: int | None = None) -> Context:
+    """This process's primary context on device ``index`` (created on first use)."""
+    return get(index).context
 
 
 DeviceLike = Union[int, "device", None]

@@ -61,16 +61,8 @@ class _ArgArena:
         self.last[i] = (stream, seqno)
 
 
-_arenas: dict[int, _ArgArena] = {}
-_arena_lock = threading.Lock()
-
-
 def _arena(device: int) -> _ArgArena:
-    with _arena_lock:
-        a = _arenas.get(device)
-        if a is None or a.buf._accel.ctx is not _device.primary_context(device):  # type: ignore[union-attr]
-            a = _arenas[device] = _ArgArena(device)
-        return a
+    return _device.get(device).part("arguments", lambda: _ArgArena(device))
 
 
 class Kernel:
@@ -250,19 +242,18 @@ class kernel:  # noqa: N801 - a decorator, named like torch's and numba's
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.name = fn.__name__
-        self._modules: dict[int, Module] = {}
         self._ir: dict[str, Any] | None = None
         self._lock = threading.Lock()
 
     def _kernel(self, device: int) -> Kernel:
+        """Compiled once per process, loaded once per device (a part of its Device)."""
         with self._lock:
             if self._ir is None:
                 from runtime.kernels import compile_module
 
                 self._ir = compile_module(self.fn)
-            mod = self._modules.get(device)
-            if mod is None or mod._ctx is not _device.primary_context(device):
-                mod = self._modules[device] = Module(self._ir, device)
+        ir = self._ir
+        mod = _device.get(device).part(("kernel", self), lambda: Module(ir, device))
         return mod.get_kernel(self.name)
 
     def __getitem__(self, config: tuple[Any, Any]) -> Callable[..., int]:

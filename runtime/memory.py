@@ -120,23 +120,14 @@ class DriverBackend:
         return seg
 
 
-_allocators: dict[int, CachingAllocator] = {}
-_backends: dict[int, DriverBackend] = {}
-_alloc_lock = threading.Lock()
+def _backend(device: _device.DeviceLike = None) -> DriverBackend:
+    idx = device if type(device) is int else _device._index(device)
+    return _device.get(idx).part("memory_backend", lambda: DriverBackend(idx))
 
 
 def _allocator(device: _device.DeviceLike = None) -> CachingAllocator:
     idx = device if type(device) is int else _device._index(device)
-    ctx = _device.primary_context(idx)
-    backend = _backends.get(idx)
-    if backend is not None and backend.ctx is ctx:
-        return _allocators[idx]
-    with _alloc_lock:
-        backend = _backends.get(idx)
-        if backend is None or backend.ctx is not ctx:
-            backend = _backends[idx] = DriverBackend(idx)
-            _allocators[idx] = CachingAllocator(backend)
-        return _allocators[idx]
+    return _device.get(idx).part("allocator", lambda: CachingAllocator(_backend(idx)))
 
 
 def _refuse_in_capture(s: Stream, what: str) -> None:
@@ -262,7 +253,7 @@ class DeviceArray:
     def ipc_handle(self) -> IpcHandle:
         """A handle another process opens with ``open_ipc_handle`` (it maps the segment)."""
         _refuse_allocation_in_capture("exporting memory")
-        backend = _backends[self.device]
+        backend = _backend(self.device)
         seg = backend.segment_of(self.va)
         reply = backend.ctx.channel.call(uapi.ACCEL_CMD_MEM_EXPORT, uapi.accel_mem_export(
             ctx_id=backend.ctx.id, handle=seg.handle))
@@ -459,15 +450,8 @@ class _Staging:
         dst[off : off + length] = self.bufs[i][:length]
 
 
-_staging_buffers: dict[int, _Staging] = {}
-
-
 def _staging(device: int) -> _Staging:
-    with _alloc_lock:
-        st = _staging_buffers.get(device)
-        if st is None or st.bufs[0]._accel.ctx is not _device.primary_context(device):  # type: ignore[union-attr]
-            st = _staging_buffers[device] = _Staging(device)
-        return st
+    return _device.get(device).part("staging", lambda: _Staging(device))
 
 
 # --- the torch-style module functions ------------------------------------------------------------
@@ -516,13 +500,12 @@ def empty_cache(device: _device.DeviceLike = None) -> None:
     """Give the cached, unused device memory back to the device (torch's ``empty_cache``),
     and wait until it is free there (so ``mem_get_info`` sees it)."""
     _allocator(device).empty_cache()
-    _backends[_device._index(device)].settle()
+    _backend(device).settle()
 
 
 def mem_get_info(device: _device.DeviceLike = None) -> tuple[int, int]:
     """(free, total) bytes of device memory, as the driver counts them (all processes)."""
-    _allocator(device)
-    return _backends[_device._index(device)].mem_get_info()
+    return _backend(device).mem_get_info()
 
 
 def enable_peer_access(peer: int, device: _device.DeviceLike = None) -> None:

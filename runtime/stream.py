@@ -340,8 +340,6 @@ class Event:
 
 
 # --- default and current streams ---------------------------------------------------------
-_defaults: dict[int, Stream] = {}
-_defaults_lock = threading.Lock()
 class _ThreadStreams(threading.local):
     def __init__(self) -> None:
         self.streams: dict[int, Stream] = {}  # device index -> this thread's current stream
@@ -352,15 +350,7 @@ _tls = _ThreadStreams()
 
 def default_stream(device: _device.DeviceLike = None) -> Stream:
     idx = device if type(device) is int else _device._index(device)
-    ctx = _device.primary_context(idx)  # the fork check and lazy init
-    s = _defaults.get(idx)
-    if s is not None and s.ctx is ctx:
-        return s
-    with _defaults_lock:
-        s = _defaults.get(idx)
-        if s is None or s.ctx is not _device.primary_context(idx):
-            s = _defaults[idx] = Stream(idx)
-        return s
+    return _device.get(idx).part("default_stream", lambda: Stream(idx))
 
 
 def current_stream(device: _device.DeviceLike = None) -> Stream:
