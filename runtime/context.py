@@ -38,6 +38,9 @@ from runtime._shm import sealed_memfd
 
 #: Longest one sleep on the event pipe before the condition is looked at again anyway.
 _RECHECK_S = 0.1
+#: doorbell-page words, as indices of ``SharedWords.words``
+_DB_SEQ, _DB_SLEEPING, _DB_SLOTS = (uapi.DB_SEQ >> 3, uapi.DB_FW_SLEEPING >> 3,
+                                    uapi.DB_SLOTS >> 3)
 
 
 class Events:
@@ -180,13 +183,14 @@ class Context:
     # --- submission helpers ---------------------------------------------------------------
     def knock(self, slot: int, wptr: int) -> None:
         """Tell the firmware a queue moved: its doorbell slot, the page's sequence word,
-        and -- only if the firmware sleeps -- one byte on the doorbell pipe."""
-        db = self.db
+        and -- only if the firmware sleeps -- one byte on the doorbell pipe. (Releasing
+        the lock is a locked instruction, the full barrier the protocol needs between
+        storing the sequence and loading "sleeping"; the firmware mirrors it.)"""
+        words = self.db.words
         with self._knock_lock:
-            db.set(uapi.DB_SLOTS + 8 * slot, wptr)
-            db.set(uapi.DB_SEQ, db.get(uapi.DB_SEQ) + 1)
-        uapi.full_barrier()  # store the slot, then load "sleeping" (the firmware mirrors it)
-        if db.get(uapi.DB_FW_SLEEPING):
+            words[_DB_SLOTS + slot] = wptr
+            words[_DB_SEQ] += 1
+        if words[_DB_SLEEPING]:
             self.ring_doorbell()
 
     def ring_doorbell(self) -> None:
