@@ -25,6 +25,7 @@ packets complete as cancelled without running, and nothing else is touched.
 
 from __future__ import annotations
 
+import array
 import errno
 import heapq
 import itertools
@@ -64,6 +65,11 @@ QUANTUM_S = 0.02
 #: Packets the scheduler takes from one ring per pass, so a ring full of no-ops cannot
 #: hold the control loop.
 BATCH = 64
+#: A context with at most this many rings has its doorbell slots compared one by one;
+#: more are compared in one numpy operation.
+_SCAN_IN_PYTHON = 16
+#: The engine threads' nice value (see EnginePool._engine).
+ENGINE_NICE = 10
 
 _LOG_LIMIT = 20  # unexpected errors logged per firmware, then only counted
 _log_count = itertools.count()
@@ -92,14 +98,36 @@ class Ring(uapi.RingView):
         self.faulted = self.read_fault()[0] != 0
         self.closing = False
         self.last_irq = 0
+        #: the fence as this firmware wrote it: the word in the ring is the process's
+        #: memory, which it may overwrite (the ring's closing and unmaps go by this one)
+        self.fence = self.taken
+
+    @property
+    def completed(self) -> int:
+        """The fence: our own for a ring we run; for another device's ring (imported to
+        wait on) the word in it, and once closed the last value seen there (rings
+        blocked on it still read it)."""
+        if not self.fence_only:
+            return self.fence
+        if self.mem.closed:
+            return self.final_fence
+        return self.words[uapi.RING_COMPLETED >> 3]
+
+    def close(self) -> None:
+        if not self.mem.closed:
+            self.final_fence = self.words[uapi.RING_COMPLETED >> 3]
+            super().close()
 
     def ready(self) -> bool:
         """Has a packet the scheduler could take now."""
         return not self.busy and not self.fence_only and self.taken < self.published
 
     def idle(self) -> bool:
+        # a write pointer behind what was taken is a lie publish() must fault first (a
+        # new ring may come with one): such a ring is not idle until it faulted
+        w = self.wptr
         return (not self.busy and self.blocked is None and self.parked is None
-                and self.taken >= self.wptr)
+                and (self.taken == w or (self.faulted and self.taken > w)))
 
     def take(self) -> tuple[int, tuple[int, ...]]:
         seqno = self.taken + 1
@@ -114,13 +142,14 @@ class Ring(uapi.RingView):
         if status and not self.faulted:
             self.write_fault(seqno, status, opcode, addr)
             self.faulted = True
+        self.fence = seqno
         self.set(uapi.RING_COMPLETED, seqno)
 
     def cancel_through(self, wptr: int) -> int:
         """A faulted ring's published packets complete as cancelled, all in one step;
         returns how many."""
         n = wptr - self.taken
-        self.taken = wptr
+        self.taken = self.fence = wptr
         self.set(uapi.RING_RPTR, wptr)
         self.set(uapi.RING_COMPLETED, wptr)
         return n
@@ -157,8 +186,8 @@ class FwContext:
     #: idle: a slot that holds anything else has news (the comparison cannot be fooled by
     #: a slot's previous queue having stopped at the value a new one reaches first)
     slots: dict[int, Ring] = field(default_factory=dict)
-    consumed: np.ndarray = field(
-        default_factory=lambda: np.zeros(uapi.ACCEL_DB_SLOT_COUNT, np.uint64))
+    consumed: array.array = field(
+        default_factory=lambda: array.array("Q", bytes(8 * uapi.ACCEL_DB_SLOT_COUNT)))
     seen_seq: int = 0
 
     def signal(self) -> None:
@@ -175,8 +204,11 @@ class FwContext:
         if seq == self.seen_seq:
             return []
         self.seen_seq = seq
+        if len(self.slots) <= _SCAN_IN_PYTHON:  # a few rings: cheaper than numpy's calls
+            words, base, consumed = self.db.words, uapi.DB_SLOTS >> 3, self.consumed
+            return [slot for slot in self.slots if words[base + slot] != consumed[slot]]
         now = np.frombuffer(self.db.mem, np.uint64, uapi.ACCEL_DB_SLOT_COUNT, uapi.DB_SLOTS)
-        moved = np.flatnonzero(now != self.consumed)
+        moved = np.flatnonzero(now != np.frombuffer(self.consumed, np.uint64))
         del now  # the page's mapping must not stay exported
         return [int(i) for i in moved if int(i) in self.slots]
 
@@ -263,6 +295,14 @@ class EnginePool:
             return bool(self._heap) and -self._heap[0].rank[0] >= priority
 
     def _engine(self) -> None:
+        # The engines are the device's own hardware; here they are threads sharing the
+        # host's CPUs with the control loop and with every tenant's host code. A lower
+        # priority keeps a busy engine from delaying the control loop (and a tenant's
+        # submissions) by a scheduler time slice on every wake-up.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ENGINE_NICE)
+        except OSError:
+            pass
         while True:
             with self._cond:
                 while not self._heap:
@@ -342,6 +382,9 @@ class Scheduler:
         self.compute_engines = config["compute_engines"]
         self.max_threads = config["max_threads_per_block"]
         self.max_shared = config["max_shared_mem_per_block"]
+        #: what this device has: a kernel whose source uses anything else (mma, atomics,
+        #: block-shared memory) faults with EOPNOTSUPP, whatever its IR's flags claimed
+        self.capabilities = frozenset(config.get("capabilities", ()))
         self.watchdog_s = config.get("watchdog_ms", 10_000) / 1000
         self.deadlines: Deadlines | None = None  # with the JIT (its thread, its constants)
         self._jit_cache_dir = jit_cache_dir
@@ -484,7 +527,7 @@ class Scheduler:
                 break  # busy on an engine, blocked or parked: next ring
         if ring.blocked is not None and not ring.busy:
             other, target = ring.blocked
-            if other.completed >= target:
+            if other.completed >= target or ring.closing:  # a destroyed queue drains
                 ring.blocked = None
                 self.finish(ring, ring.taken, 0, 0, Op.WAIT_QUEUE)
                 done += 1
@@ -637,6 +680,8 @@ class Scheduler:
             kernel = self._jit.cached(kir, types, _options())
             # small, compiled and statically bounded: no engine hand-off (no GIL ping-pong)
             if kernel is not None and kernel.inline_ok:
+                if not kernel.capabilities <= self.capabilities:
+                    raise memory.Fault(0, errno.EOPNOTSUPP)
                 self._run_inline(launch, kernel, nblocks)
                 return None
         parts = max(1, min(self.compute_engines, nblocks))
@@ -747,9 +792,11 @@ def fault_of(launch: Launch, exc: Exception) -> tuple[int, int]:
             if pname == getattr(exc, "param", None) and isinstance(index, int):
                 return errno.EFAULT, min(max(0, va + index * itemsize), uapi.U64_MAX)
         return errno.EFAULT, 0
-    if kind is None:
-        log_unexpected(f"kernel {launch.name} failed", exc)
-    return errno.EINVAL, 0  # the kernel did not validate or compile
+    from firmware.kernel_check import KernelCompileError  # loaded: a kernel ran
+
+    if kind is None and not isinstance(exc, KernelCompileError):
+        log_unexpected(f"kernel {launch.name} failed", exc)  # a kernel that does not
+    return errno.EINVAL, 0  # validate or compile is the kernel's fault, not news
 
 
 class _Watchdog(Exception):
@@ -771,10 +818,17 @@ class _BlockJob(Job):
             kernel = jit.get(launch.kernel_ir, launch.arg_types, _options())
             with sched._stats_lock:
                 sched.stats["jit_compiles"], sched.stats["jit_hits"] = jit.compiles, jit.hits
+            if not kernel.capabilities <= sched.capabilities:
+                sched.launch_fault(launch, errno.EOPNOTSUPP, 0)
+                self._part_done()
+                return True
             deadlines = sched.deadlines
             assert deadlines is not None  # made with the JIT
             abort = np.zeros(1, np.int64)
             while self.next < self.hi and launch.fault is None:
+                if launch.ring.faulted:  # its context is being torn down: stop, unrun
+                    sched.launch_fault(launch, errno.ECANCELED, 0)
+                    break
                 abort[0] = 0
                 token = deadlines.add(abort, sched.watchdog_s, QUANTUM_S)
                 try:

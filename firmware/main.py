@@ -241,8 +241,8 @@ class Firmware:
         for ctx in [c for c in self._teardowns if not any(r.busy for r in c.queues.values())]:
             self._teardowns.remove(ctx)
             self._teardown(ctx)
-        done = [d for d in self._deferred_unmaps
-                if all(r.completed >= w for r, w in d[2].items())]
+        done = [d for d in self._deferred_unmaps  # a closed ring runs nothing any more
+                if all(r.mem.closed or r.completed >= w for r, w in d[2].items())]
         for d in done:
             self._deferred_unmaps.remove(d)
             self._unmap(d[0], d[1])
