@@ -18,9 +18,12 @@ input (kernel source/params/shared_mem, argument types, options, :func:`compat_k
 the sha256 of the generated source, so a change in the lowering can never reuse stale
 machine code). Each entry is ``root/<key[:2]>/<key>/`` with the generated module, a
 ``manifest.json`` and numba's own ``__pycache__``. Entries are built in a temporary
-directory and renamed into place under an exclusive ``flock`` on ``root/<key>.lock``, so
-two processes never corrupt an entry and never both compile it; a corrupt entry (manifest
-unreadable, checksum mismatch, a cache file numba cannot load) is deleted and rebuilt.
+directory and renamed into place under an exclusive ``flock`` on one of 256 lock files
+(``root/.locks/<key[:2]>.lock``), so two processes never corrupt an entry and never both
+compile it; a corrupt entry (manifest unreadable, checksum mismatch, a cache file numba
+cannot load) is deleted and rebuilt, and one that fails to compile leaves nothing. The
+cache keeps at most ``MAX_CACHE_ENTRIES`` entries, the least recently used going first:
+every tenant's distinct kernels land in it.
 
 Locking within a process: a short lock guards only the in-memory tables and counters, and
 one build lock is held while a kernel is validated, lowered and compiled (seconds), so
@@ -56,7 +59,7 @@ from numba import types
 
 from firmware import matrix
 from firmware.kernel_check import (SHARED_LIMIT, ArgType, Kernel, KernelCompileError,
-                                   bounded_work, calls_mma, validate)
+                                   bounded_work, calls_mma, capabilities_used, validate)
 from firmware.kernel_lower import (ABORT_KILL, ABORT_PREEMPT, ABORT_WATCHDOG, FAULT_ABORT,
                                    FAULT_BOUNDS, FAULT_INDEX, FAULT_NDIM, FAULT_SHAPE,
                                    FAULT_WORDS, MAX_BLOCK_THREADS, MAX_DIM, Options, lower,
@@ -67,6 +70,8 @@ from firmware.kernel_lower import (ABORT_KILL, ABORT_PREEMPT, ABORT_WATCHDOG, FA
 #: convention, the fault-array layout): every cached entry then misses.
 FIRMWARE_JIT_ABI = 4
 DEFAULT_ISA = "aemu-isa 1.0"
+#: Entries the persistent cache keeps on disk (about 150 KB each), least recently used out.
+MAX_CACHE_ENTRIES = 2048
 DEFAULT_STEPPING = "A1"
 
 
@@ -162,7 +167,7 @@ class CompiledKernel:
     def __init__(self, key: str, name: str, params: list[str], arg_types: list[ArgType],
                  shared: list[str], dispatcher: Any, signature: tuple[Any, ...],
                  source: str, module_path: Path, blas: np.ndarray, uses_mma: bool,
-                 inline_ok: bool) -> None:
+                 inline_ok: bool, capabilities: frozenset[str]) -> None:
         self.key = key
         self.name = name
         self.params = params
@@ -182,6 +187,9 @@ class CompiledKernel:
         #: arguments: the scheduler may then run it on its control thread, which must do
         #: bounded work per pass (a kernel with a loop could hold it until the watchdog).
         self.inline_ok = inline_ok
+        #: The device capabilities its source uses (kernel_check.capabilities_used): the
+        #: scheduler refuses a launch on a device that lacks one, whatever the IR claimed.
+        self.capabilities = capabilities
         # The native entry point skips numba's per-call type dispatch (a few us per launch);
         # run() checks the buffers itself, since it would not.
         try:
@@ -274,6 +282,17 @@ def warm_up() -> None:
     cpu_target.target_context.refresh()
 
 
+def _identical(a: Any, b: Any) -> bool:
+    """Equal with the same types throughout (JSON values: dicts, lists, scalars)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
 def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -290,8 +309,10 @@ class KernelCache:
     loading machine code from its cache."""
 
     def __init__(self, root: Path, isa: str = DEFAULT_ISA,
-                 stepping: str = DEFAULT_STEPPING, use_blas: bool = True) -> None:
+                 stepping: str = DEFAULT_STEPPING, use_blas: bool = True,
+                 max_entries: int = MAX_CACHE_ENTRIES) -> None:
         self.root = Path(root)
+        self.max_entries = max_entries
         self.root.mkdir(parents=True, exist_ok=True)
         self.isa = isa
         self.stepping = stepping
@@ -349,6 +370,7 @@ class KernelCache:
             ck = self.cached(ir, arg_types, options)  # built while this thread waited
             if ck is not None:
                 return ck
+            misses_before = self.misses
             k = validate(ir, arg_types)
             inputs = self.key_inputs(ir, arg_types, options)
             source = lower_kernel(k, options)
@@ -363,6 +385,8 @@ class KernelCache:
                 self._mem[key] = ck
                 self._fast.setdefault((ir["source"], arg_types, options), []).append(
                     (copy.deepcopy(ir["params"]), ir.get("shared_mem", 0), key))
+            if self.misses > misses_before:
+                self._evict()
             return ck
 
     def cached(self, ir: dict[str, Any], arg_types: tuple[str, ...],
@@ -376,7 +400,9 @@ class KernelCache:
             return None  # not a kernel seen before (get() says why it is none at all)
         with self._lock:
             for p, s, key in self._fast.get((source, arg_types, options), ()):
-                if p == ir.get("params") and s == ir.get("shared_mem", 0):
+                # identical, not just equal: True == 1 == 1.0, and an IR of ndim True must
+                # not pass as the validated IR of ndim 1
+                if _identical(p, ir.get("params")) and _identical(s, ir.get("shared_mem", 0)):
                     self.hits += 1
                     return self._mem[key]
         return None
@@ -389,7 +415,12 @@ class KernelCache:
 
     @contextlib.contextmanager
     def _flock(self, key: str) -> Iterator[None]:
-        with open(self.root / f"{key}.lock", "a+b") as f:
+        """The cross-process lock of ``key``'s entry: one of 256 lock files (by the key's
+        first two hex digits, as its shard directory), so kernels that fail to compile
+        cannot leave files behind without bound; keys sharing a lock file serialise."""
+        locks = self.root / ".locks"
+        locks.mkdir(exist_ok=True)
+        with open(locks / f"{key[:2]}.lock", "a+b") as f:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             try:
                 yield
@@ -409,6 +440,8 @@ class KernelCache:
                         ck = None  # rebuilt below; a real compile error shows up there
                     if ck is not None:
                         self._count(hits=1, compiles=compiled)
+                        with contextlib.suppress(OSError):  # used: last out of the cache
+                            os.utime(entry / "manifest.json")
                         return ck
                 shutil.rmtree(entry, ignore_errors=True)  # corrupt or half-written: rebuild
             self._count(misses=1)
@@ -417,9 +450,33 @@ class KernelCache:
                 ck, compiled = self._load(entry, key, module_name, source, k)
             except BaseException:
                 shutil.rmtree(entry, ignore_errors=True)  # never keep an entry that fails
+                with contextlib.suppress(OSError):
+                    entry.parent.rmdir()  # its shard directory too, when nothing else is in it
                 raise
             self._count(compiles=compiled)
             return ck
+
+    def entries(self) -> list[Path]:
+        return [e for shard in self.root.glob("??") if shard.is_dir() for e in shard.iterdir()
+                if not e.name.startswith(".")]
+
+    def _evict(self) -> None:
+        """Keep at most ``max_entries`` entries on disk, dropping the least recently used
+        (a load touches its manifest): every tenant's distinct kernels land here, and the
+        cache must not grow without bound. An entry another process is loading just misses
+        and is rebuilt there."""
+        entries = self.entries()
+        if len(entries) <= self.max_entries:
+            return
+
+        def last_used(e: Path) -> float:
+            try:
+                return (e / "manifest.json").stat().st_mtime
+            except OSError:
+                return 0.0
+
+        for e in sorted(entries, key=last_used)[: len(entries) - self.max_entries]:
+            shutil.rmtree(e, ignore_errors=True)
 
     def _valid(self, entry: Path, key: str, module_name: str, source: str) -> bool:
         """The manifest parses, names this key, and checksums the module file."""
@@ -490,7 +547,7 @@ class KernelCache:
         compiled = 1 if sum(disp.stats.cache_misses.values()) else 0
         ck = CompiledKernel(key, k.fn.name, k.params, k.arg_types, list(k.shared), disp, sig,
                             source, path, self.blas, calls_mma(k.fn.body),
-                            bounded_work(k) is not None)
+                            bounded_work(k) is not None, capabilities_used(k))
         return ck, compiled
 
 

@@ -190,6 +190,20 @@ def calls_mma(stmts: list[ast.stmt]) -> bool:
     return contains(stmts, lambda n: isinstance(n, ast.stmt) and is_mma(n))
 
 
+#: The device capability each built-in needs (the flags of the IR say the same, but a
+#: hand-made IR may lie: the firmware reads the source).
+_CAPABILITY_OF = {"mma": "matrix", "atomic_add": "atomics", "barrier": "shared_mem",
+                  "shared_array": "shared_mem", "dynamic_shared": "shared_mem"}
+
+
+def capabilities_used(k: Kernel) -> frozenset[str]:
+    """The device capabilities the kernel's source uses (``matrix``, ``atomics``,
+    ``shared_mem``), whatever its IR's ``uses_*`` flags claim."""
+    return frozenset(_CAPABILITY_OF[n.func.id] for stmt in k.fn.body for n in ast.walk(stmt)
+                     if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                     and n.func.id in _CAPABILITY_OF)
+
+
 def validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> Kernel:
     """Re-validate the IR's source against docs/kernels.md's whitelist (defence in depth:
     the firmware never trusts the runtime) and check it against the launch's types.
