@@ -50,6 +50,8 @@ class Limits:
     max_queues_per_context: int
     max_modules_per_context: int
     max_module_bytes_per_context: int
+    max_module_bytes_per_process: int
+    max_module_bytes: int
     max_pinned_bytes: int
     max_pinned_bytes_per_process: int
     max_host_allocations: int
@@ -76,6 +78,8 @@ class Limits:
             max_queues_per_context=max(1, min(1023, max_queues // 4)),
             max_modules_per_context=256,
             max_module_bytes_per_context=64 << 20,
+            max_module_bytes_per_process=256 << 20,
+            max_module_bytes=1 << 30,
             max_pinned_bytes=ram,
             max_pinned_bytes_per_process=ram // 2,
             max_host_allocations=max_host,

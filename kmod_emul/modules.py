@@ -107,6 +107,13 @@ def _param_ok(p: Any) -> bool:
             and (dtype is None or (isinstance(dtype, str) and dtype in uapi.DTYPE_CODES)))
 
 
+def module_bytes(dev: AccelDevice, pid: int | None = None) -> int:
+    """Bytes of the modules loaded on ``dev`` (by ``pid``, or by everyone): the firmware
+    keeps each image, so they are bounded per context, per process and per device."""
+    return sum(m.size for c in dev.live_contexts() if pid in (None, c.file.pid)
+               for m in c.modules.values())
+
+
 def _read_image(fd: int, size: int) -> bytes:
     raw = os.pread(fd, size, 0)
     if len(raw) != size:
@@ -125,6 +132,10 @@ async def load(dev: AccelDevice, ctx: Context, fd: int, size: int) -> Module:
     limits.check(sum(m.size for m in ctx.modules.values()), size,
                  lim.max_module_bytes_per_context, f"module bytes of context {ctx.id}",
                  device_wide=False)
+    limits.check(module_bytes(dev, ctx.file.pid), size, lim.max_module_bytes_per_process,
+                 f"module bytes of process {ctx.file.pid} on {dev.name}", device_wide=False)
+    limits.check(module_bytes(dev), size, lim.max_module_bytes,
+                 f"module bytes on {dev.name}", device_wide=True)
     mine = userfd.import_memfd(ctx.file.pid, fd, size, uapi.ACCEL_SEALS_IMMUTABLE, "module")
     try:
         caps = set(dev.config["capabilities"])

@@ -421,7 +421,7 @@ class accel_peer_enable(_Struct):
 ACCEL_ISA: Final = "aemu-isa"
 ACCEL_ISA_VERSION: Final = "1.0"
 ACCEL_KERNEL_NAME_MAX: Final = 64
-#: Most bytes a module's IR may have, and a kernel's source in it. Both are parsed by
+#: Most bytes a module's IR may have, and characters a kernel's source in it. Both are parsed by
 #: code that holds the interpreter lock of the driver and of the firmware, so their size
 #: bounds how long one tenant's load can hold them (docs/containment.md).
 ACCEL_MODULE_MAX: Final = 1 << 20
