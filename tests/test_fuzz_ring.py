@@ -1,0 +1,21 @@
+"""CI run of the ring fuzzer (stress/ring_fuzz.py): about 5,000 random and mutated packets
+with a fixed seed, written straight into a client's own rings, against a private 2-device
+daemon with a bystander tenant on each device. ``python -m stress`` runs it long
+(100,000)."""
+
+from __future__ import annotations
+
+import pytest
+
+from stress import ring_fuzz
+
+
+@pytest.mark.timeout(300)
+def test_ring_fuzz_is_contained(make_daemon):
+    d = make_daemon(devices=2)
+    rep = ring_fuzz.run(d, count=5_000, seed=1)
+    print(rep.line())
+    print("fault records and errnos:", dict(sorted(rep.errnos.items(), key=lambda kv: -kv[1])))
+    assert rep.ok, "\n".join([rep.line(), *rep.notes])
+    assert rep.done["packets"] >= 5_000 and rep.done["rings"] >= 300, rep.done
+    assert rep.errnos.get("EINVAL") and rep.errnos.get("EFAULT"), rep.errnos
