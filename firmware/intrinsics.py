@@ -97,6 +97,27 @@ def _rt_index(typingctx: Any, v: Any) -> Any:
     return types.int64(v), codegen
 
 
+@intrinsic
+def _rt_opaque(typingctx: Any, v: Any) -> Any:
+    """``v`` unchanged, as a value the optimiser cannot see through (an empty inline asm).
+
+    A checked access uses its index through this: LLVM would otherwise fold a constant
+    index into the address, and for an index whose byte range ends exactly at 2**63 (say
+    ``x[2**60 - 1]`` of a float64 buffer, refused by the check at run time) the assertion
+    build of LLVM that numba ships aborts the process compiling it -- one tenant's kernel
+    source killing the firmware. The check has proved the index in range, so hiding it
+    costs nothing but the folding (the fast, range-checked-per-block path does not use it)."""
+    if not isinstance(v, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ty = args[0].type
+        return builder.asm(ir.FunctionType(ty, [ty]), "", "=r,0", [args[0]],
+                           side_effect=False)
+
+    return v(v), codegen
+
+
 def _float_to_int64(builder: Any, x: Any) -> Any:
     """``x`` (an LLVM float or double) as a saturating int64: NaN is 0, beyond the range
     the nearest bound. Only in-range values reach ``fptosi``, so nothing is poison."""

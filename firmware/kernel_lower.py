@@ -304,6 +304,7 @@ class _Lowering:
         out += [f"{ind}if {conds}:",
                 f"{ind}    _miss(fault, {self.pos_of(name)}, ({', '.join(ivars)},), {u}.shape)",
                 f"{ind}    return 1"]
+        out += [f"{ind}{v} = _rt_opaque({v})" for v in ivars]  # see intrinsics._rt_opaque
         return ivars
 
     def fault_check(self, ind: str) -> list[str]:
@@ -764,7 +765,7 @@ class _Lowering:
             "import numpy as np",
             "from numba import njit",
             "from firmware.intrinsics import (_rt_abort_word, _rt_atomic_add, _rt_floor, "
-            "_rt_index, _rt_int, _rt_pow, _rt_shl, _rt_shr)",
+            "_rt_index, _rt_int, _rt_opaque, _rt_pow, _rt_shl, _rt_shr)",
             *(["from firmware.matrix import _rt_gemm, _rt_span"] if uses_mma else []),
             "",
             f"_NJ = {nj}",
@@ -837,7 +838,7 @@ class _Lowering:
         ivars = [f"i{d}" for d in range(ndim)]
         conds = " or ".join(f"np.uint64(j{d}) >= np.uint64(a.shape[{d}])" for d in range(ndim))
         jvars = ", ".join(f"j{d}" for d in range(ndim))
-        sub = ", ".join(f"np.uint64(j{d})" for d in range(ndim))
+        sub = ", ".join(f"np.uint64(_rt_opaque(j{d}))" for d in range(ndim))
         return ["", "@njit(**_NJ)", f"def _ld_{name}(a, {', '.join(ivars)}, fault):",
                 *[f"    j{d} = _rt_index(i{d})" for d in range(ndim)],
                 f"    if {conds}:",
