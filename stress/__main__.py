@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply every attacker's STRESS_COUNT by this")
     parser.add_argument("--list", action="store_true", help="list the attackers and exit")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the work directory (the daemons' logs and state)")
     args = parser.parse_args(argv)
     found = attackers()
     if args.list:
@@ -92,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             print(line, flush=True)
             lines.append(line.splitlines()[0])
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if args.keep:
+            print(f"stress: work directory kept: {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     print(f"\nstress: {len(chosen)} attacker(s) at seed {args.seed}, scale {args.scale:g}, "
           f"{time.monotonic() - t0:.0f} s")
     for line in lines:

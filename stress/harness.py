@@ -130,9 +130,15 @@ class Snapshot:
     shm: set[str]
 
 
+def _fw_pid(d, dev: int) -> int:
+    """The device's firmware process, or -1 when none runs (the device failed)."""
+    text = d.debug(dev, "fw_pid").read_text().strip()
+    return int(text) if text.isdigit() else -1
+
+
 def snapshot(d) -> Snapshot:
-    fw = [int(d.debug(i, "fw_pid").read_text()) for i in range(d.devices)]
-    return Snapshot(d.pid, fw, fd_count(d.pid), [fd_count(p) for p in fw],
+    fw = [_fw_pid(d, i) for i in range(d.devices)]
+    return Snapshot(d.pid, fw, fd_count(d.pid), [fd_count(p) if p > 0 else 0 for p in fw],
                     [{k: d.attr(i, k) for k in BOOKS} for i in range(d.devices)],
                     set(os.listdir("/dev/shm")))
 

@@ -47,6 +47,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
@@ -143,6 +144,9 @@ class Client:
         self.rng = random.Random(f"uapi/{seed}/{rnd}")
         self.progress, self.result_path = progress, result_path
         self.files: list[File] = []
+        #: files closed lately, with when: FUSE delivers a release after close() returned,
+        #: so the driver may still see their contexts (and queues) for a moment
+        self.closed: list[tuple[float, File]] = []
         self.stale: dict[str, list[int]] = {k: [] for k in ("ctx", "alloc", "export", "queue",
                                                             "module")}
         #: per device: export id -> [token, holders {(file, handle)}]
@@ -315,6 +319,13 @@ class Client:
     def live_files(self, dev: int | None = None) -> list[File]:
         return [g for g in self.files if g.ctx is not None and dev in (None, g.dev)]
 
+    def maybe_live_files(self, dev: int) -> list[File]:
+        """Files with a context on ``dev`` as the driver may still see them: the live ones
+        and those closed in the last 2 s (their release may not have arrived yet)."""
+        now = time.monotonic()
+        self.closed = [(t, g) for t, g in self.closed if now - t < 2.0]
+        return self.live_files(dev) + [g for _, g in self.closed if g.dev == dev]
+
     def judge(self, f: File, cmd: uapi.Command, arg: Any) -> None:
         """A command just succeeded: was it allowed to?"""
         name = cmd.name
@@ -352,12 +363,12 @@ class Client:
             if arg.queue_id not in f.queues | f.imported:
                 self.escape(f, cmd, f"queue {arg.queue_id} is not this context's")
         elif name == "QUEUE_IMPORT":
-            ok = any(arg.peer_queue_id in g.queues for g in self.live_files(arg.peer_index))
+            ok = any(arg.peer_queue_id in g.queues for g in self.maybe_live_files(arg.peer_index))
             if not ok or arg.peer_index == f.dev:
                 self.escape(f, cmd, f"imported queue {arg.peer_queue_id} of device "
                                     f"{arg.peer_index}, not this process's")
         elif name == "PEER_ENABLE":
-            if arg.peer_index == f.dev or not self.live_files(arg.peer_index):
+            if arg.peer_index == f.dev or not self.maybe_live_files(arg.peer_index):
                 self.escape(f, cmd, f"peer {arg.peer_index} without a context there")
         elif name in ("MODULE_UNLOAD", "KERNEL_GET"):
             kernels = f.modules.get(arg.module_id)
@@ -758,6 +769,7 @@ class Client:
         self.progress.step(f"#{self.done} close dev{f.dev} fd{f.fd} ctx {f.ctx}")
         self.files.remove(f)
         if f.ctx is not None:
+            self.closed.append((time.monotonic(), File(f.dev, -1, f.ctx, queues=set(f.queues))))
             self.forget_file_objects(f)
         os.close(f.fd)
 
