@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.list:
         for name, fn in BENCHMARKS:
-            print(f"{name}: {(fn.__doc__ or '').strip().splitlines()[0]}")
+            summary = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
+            print(f"{name}: {summary}")
         return 0
     selected = [(n, fn) for n, fn in BENCHMARKS
                 if not args.only or any(o in n for o in args.only)]

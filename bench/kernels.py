@@ -35,6 +35,10 @@ def _timed(fn, reps: int) -> Samples:  # type: ignore[no-untyped-def]
 
 
 def kernels(env: Env) -> list[Row]:
+    """Compiled kernels against numba's njit and numpy on the host, and the JIT cache.
+
+    Each kernel includes its launch and synchronize; the baselines do the same arithmetic
+    in this process with nothing in between."""
     import numba
     import numpy as np
 

@@ -30,6 +30,10 @@ def _rss_kib(pid: int) -> int:
 
 
 def allocator_and_copies(env: Env) -> list[Row]:
+    """The caching allocator against the driver's allocate+free, and copies against memcpy.
+
+    The allocator's worth is the driver round trips it saves, so its baseline is the
+    uncached MEM_ALLOC+MEM_FREE pair of the same size on the same context."""
     import numpy as np
 
     with env.accel_root_env():

@@ -54,6 +54,10 @@ def _alternate_with_pingpong(env: Env, noop: object) -> dict[str, Samples]:
 
 
 def submission(env: Env) -> list[Row]:
+    """Launch, submit-to-completion, event and priority costs of the doorbell path.
+
+    Baselines: the driver round trip of a no-op (what a launch would cost without the
+    user-mode ring) and the same work at idle or in order."""
     import numpy as np
 
     with env.accel_root_env():

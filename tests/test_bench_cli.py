@@ -1,0 +1,34 @@
+"""``python -m bench`` itself: a bench that cannot list or select its rows is found here, not
+at the end of a half-hour run (the figures themselves are never asserted: docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from bench.suite import BENCHMARKS
+from stress.harness import REPO
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+
+
+@pytest.mark.timeout(90)
+def test_list_names_every_benchmark_with_its_summary():
+    out = _bench("--list")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [ln.partition(":")[0] for ln in lines] == [name for name, _ in BENCHMARKS]
+    assert all(ln.partition(": ")[2].strip() for ln in lines), lines
+
+
+@pytest.mark.timeout(90)
+def test_only_matching_nothing_is_an_error_that_starts_no_server():
+    out = _bench("--only", "no-such-benchmark")
+    assert out.returncode == 1
+    assert out.stderr.strip() == "bench: nothing matches ['no-such-benchmark']"
+    assert out.stdout == ""
