@@ -5,7 +5,7 @@ PY := .venv/bin/python
 APT_PACKAGES := libfuse3-dev fuse3 pkg-config
 DEMO_ROOT ?= $(shell mktemp -u -d /tmp/accel-emu-demo.XXXXXX)
 
-.PHONY: setup run test bench stress firmware clean
+.PHONY: setup run test bench bench-compare stress firmware clean
 
 .venv/.installed: pyproject.toml
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -33,6 +33,10 @@ test: setup
 
 bench: setup
 	$(PY) -m bench
+
+# This checkout against commit BASE, benchmark by benchmark in alternating runs (bench/compare.py).
+bench-compare: setup
+	$(PY) -m bench.compare $(BASE) $(COMPARE_ARGS)
 
 # The adversarial suite, long (stress/__main__.py): every attacker against its own daemon.
 # STRESS_ARGS="--only uapi_fuzz --scale 0.1 --seed 2" picks, shortens, reseeds.

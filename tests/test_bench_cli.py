@@ -32,3 +32,15 @@ def test_only_matching_nothing_is_an_error_that_starts_no_server():
     assert out.returncode == 1
     assert out.stderr.strip() == "bench: nothing matches ['no-such-benchmark']"
     assert out.stdout == ""
+
+
+@pytest.mark.timeout(90)
+def test_compare_refuses_what_is_not_a_commit_before_making_a_worktree():
+    before = subprocess.run(["git", "worktree", "list"], capture_output=True, text=True,
+                            cwd=REPO, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "bench.compare", "no-such-commit"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 1
+    assert out.stderr.strip() == "bench.compare: 'no-such-commit' is not a commit"
+    assert subprocess.run(["git", "worktree", "list"], capture_output=True, text=True,
+                          cwd=REPO, check=True).stdout == before
