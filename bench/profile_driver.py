@@ -52,8 +52,9 @@ def _run_sync(coro_fn: Callable[[], object]) -> Callable[[], object]:
 
 
 def in_process() -> list[tuple[str, float]]:
+    from abi import uapi
     from firmware.image import IMAGE_DIR
-    from kmod_emul import drv, uapi
+    from kmod_emul import drv
     from kmod_emul.context import OpenFile
     from kmod_emul.device import AccelDevice
     from kmod_emul.fw import load_image
@@ -98,7 +99,7 @@ def in_process() -> list[tuple[str, float]]:
 
 def daemon_profile(queries: int) -> str:
     """Profile a real daemon answering ``queries`` DEVICE_QUERYs; return the top of it."""
-    from kmod_emul import uapi
+    from abi import uapi
 
     work = Path(tempfile.mkdtemp(prefix="accel-bench-prof-"))
     root, state, prof = work / "root", work / "state", work / "daemon.prof"

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from abi import uapi
 from kmod_emul import daemon as kdaemon
-from kmod_emul import uapi
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -235,7 +235,7 @@ def as_user(code: str, uid: int = NOBODY, imports: str = "") -> str:
     """``code`` run as ``uid`` after importing what it needs as root (``imports``: extra
     import lines; runtime, its kernel front end and numpy are always imported)."""
     return (f"import os, sys, errno, json, numpy as np, runtime, runtime.kernels\n"
-            f"from kmod_emul import uapi\n{imports}\n"
+            f"from abi import kernel_lang, uapi, userq\n{imports}\n"
             f"os.setgroups([]); os.setresgid({uid}, {uid}, {uid}); os.setresuid({uid}, {uid}, {uid})\n"
             + textwrap.dedent(code))
 

@@ -92,7 +92,7 @@ def test_sigkill_while_holding_contexts_leaves_nothing(daemon):
     baseline = {dev: counters(daemon, dev) for dev in (0, 1)}
     code = """
         import sys, runtime
-        from kmod_emul import uapi
+        from abi import uapi
         ctxs = [runtime.new_context(0) for _ in range(3)] + [runtime.new_context(1, exclusive=True)]
         for c in ctxs:
             for _ in range(50):

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 
+from abi import fwimage
 from firmware import image
 
 # Scenario bodies are dedented and appended to this; they must not start inside ``stat``.
@@ -41,8 +42,8 @@ def kdaemon(tmp_path_factory):
     fw_dir = base / "firmware"
     fw_dir.mkdir()
     payload = dict(image.DEFAULT_PAYLOAD, watchdog_ms=1500)
-    (fw_dir / image.IMAGE_NAME).write_bytes(
-        image.build(image.DEFAULT_MANIFEST, json.dumps(payload, sort_keys=True).encode()))
+    (fw_dir / fwimage.IMAGE_NAME).write_bytes(
+        fwimage.build(image.DEFAULT_MANIFEST, json.dumps(payload, sort_keys=True).encode()))
     d = Daemon(base / "root", base / "state", fw_dir, 1)
     d.start()
     try:
@@ -129,7 +130,7 @@ def test_decorator_and_launch_checks(kdaemon, tmp_path):
             runtime.compile("def bad(x):\\n    import os\\n")
         except runtime.InvalidValueError as e:
             print("compile refused, line", e.lineno)
-        from kmod_emul import uapi
+        from abi import uapi
         mod = runtime.compile(kernel_lib.SOURCE)
         other = runtime.new_context(0)                 # handles belong to their context
         try:
@@ -309,8 +310,8 @@ def test_a_device_without_a_matrix_unit_refuses_mma_modules(tmp_path):
     fw_dir.mkdir()
     caps = [c for c in image.DEFAULT_PAYLOAD["capabilities"] if c != "matrix"]
     payload = dict(image.DEFAULT_PAYLOAD, capabilities=caps)
-    (fw_dir / image.IMAGE_NAME).write_bytes(
-        image.build(image.DEFAULT_MANIFEST, json.dumps(payload, sort_keys=True).encode()))
+    (fw_dir / fwimage.IMAGE_NAME).write_bytes(
+        fwimage.build(image.DEFAULT_MANIFEST, json.dumps(payload, sort_keys=True).encode()))
     d = Daemon(tmp_path / "root", tmp_path / "state", fw_dir, 1)
     d.start()
     try:
