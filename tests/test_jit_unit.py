@@ -983,3 +983,33 @@ def test_fault_address_fits_a_u64_field() -> None:
     assert KernelFault("bounds", "x", -(1 << 63)).address(va, 8) == 0
     assert KernelFault("bounds", "x", -2).address(va, 4) == va - 8
     assert KernelFault("watchdog").address(va, 4) == va
+
+
+def test_the_disk_cache_keeps_its_bound_least_recently_used_out(tmp_path: Path) -> None:
+    """Every tenant's distinct kernels land in one cache: it keeps ``max_entries``, and a
+    load from disk counts as a use (the entry a new process just loaded stays)."""
+    types_ = ("float32[1d]", "float32[1d]")
+
+    def kernel(i: int) -> dict[str, Any]:
+        return ir_of(f"""
+            def scale(x, out):
+                j = global_id(0)
+                out[j] = x[j] * {i}.0
+        """)
+
+    first = KernelCache(tmp_path, max_entries=2)
+    keys = [first.key(kernel(i), types_, Options()) for i in range(3)]
+    for i in range(2):
+        first.get(kernel(i), types_, Options())
+    assert sorted(e.name for e in first.entries()) == sorted(keys[:2])
+    for e in first.entries():  # both entries last used long ago
+        os.utime(e / "manifest.json", (1_000_000, 1_000_000))
+
+    later = KernelCache(tmp_path, max_entries=2)  # another process: loads kernel 0 from disk
+    later.get(kernel(0), types_, Options())
+    assert (later.hits, later.misses) == (1, 0)
+    later.get(kernel(2), types_, Options())  # a third: kernel 1, the least recently used, goes
+    assert sorted(e.name for e in later.entries()) == sorted([keys[0], keys[2]])
+    again = KernelCache(tmp_path, max_entries=2)
+    again.get(kernel(1), types_, Options())
+    assert (again.hits, again.misses) == (0, 1)
