@@ -207,6 +207,10 @@ class Bystander:
         if line != "ready":
             self.close()
             raise AssertionError(f"bystander did not start: {line!r} {self.proc.stderr.read()}")
+        # one round before anyone takes a snapshot: what its checks create lazily (staging
+        # buffers, the firmware's copies of their descriptors) is then part of the baseline
+        # (without it, a snapshot under load could miss one descriptor that came later)
+        self.check()
 
     def check(self) -> None:
         assert self.proc.poll() is None, "the bystander died"

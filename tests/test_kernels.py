@@ -218,7 +218,9 @@ def test_high_priority_kernel_preempts_a_long_one_between_blocks(kdaemon):
         low, high = runtime.Stream(priority=0), runtime.Stream(priority=-1)
         small = runtime.empty(256, np.float32)
         lib.fill[1, 256](small, np.float32(0)); runtime.current_stream().synchronize()
-        for _ in range(30):       # 65536 blocks each: tens of ms of low-priority work
+        for _ in range(300):      # 65536 blocks each: ~0.5 s of low-priority work, so a
+                                  # client descheduled for tens of ms (a loaded CI) still
+                                  # submits its high-priority launch while it runs
             lib.saxpy[n // 64, 64](np.float32(1.0), x, x, x, stream=low)
         while low.completed < 1:  # it is running (shared-memory fence: no delay)
             pass
