@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 
+from abi import uapi
 from bench.core import Env, Row, interleave, middle_half, timed_row
-from kmod_emul import uapi
 
 COPY_BYTES = 64 << 20
 QUICK_COPY_BYTES = 16 << 20

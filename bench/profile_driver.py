@@ -19,7 +19,6 @@ import io
 import os
 import pstats
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -29,9 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.procs import REPO, lazy_unmount, mounts_under
-
-_HDR = struct.Struct("<IIQ")
-
 
 def _us(fn: Callable[[], object], number: int = 20000, repeat: int = 5) -> float:
     return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
@@ -52,8 +48,9 @@ def _run_sync(coro_fn: Callable[[], object]) -> Callable[[], object]:
 
 
 def in_process() -> list[tuple[str, float]]:
+    from abi import uapi
     from firmware.image import IMAGE_DIR
-    from kmod_emul import drv, uapi
+    from kmod_emul import drv
     from kmod_emul.context import OpenFile
     from kmod_emul.device import AccelDevice
     from kmod_emul.fw import load_image
@@ -68,7 +65,7 @@ def in_process() -> list[tuple[str, float]]:
     f = OpenFile(dev, os.getpid(), os.getuid())
     cmd = uapi.ACCEL_CMD_DEVICE_QUERY
     payload = bytes(uapi.accel_device_info())
-    raw = _HDR.pack(cmd.code, 0, 1) + payload
+    raw = uapi.CMD_HDR.pack(cmd.code, 0, 1) + payload
     size = ctypes.sizeof(uapi.accel_device_info)
     arg = uapi.accel_device_info()
     execute = _run_sync(lambda: drv.execute(info, f, raw))
@@ -84,8 +81,8 @@ def in_process() -> list[tuple[str, float]]:
         ("  drv._decode (header + struct + reserved check)", _us(lambda: drv._decode(raw))),
         ("    accel_cmd_hdr.from_buffer_copy", _us(lambda: uapi.accel_cmd_hdr.from_buffer_copy(raw))),
         ("    accel_device_info.from_buffer_copy", _us(
-            lambda: uapi.accel_device_info.from_buffer_copy(raw, _HDR.size))),
-        ("    reserved_clear()", _us(lambda: uapi.accel_device_info.reserved_clear(raw, _HDR.size))),
+            lambda: uapi.accel_device_info.from_buffer_copy(raw, uapi.CMD_HDR.size))),
+        ("    reserved_clear()", _us(lambda: uapi.accel_device_info.reserved_clear(raw, uapi.CMD_HDR.size))),
         ("  AccelDevice.describe", _us(dev.describe)),
         ("    dev.config (json.loads of the image payload)", _us(lambda: dev.config)),
         ("    uapi.names_to_caps", _us(lambda: uapi.names_to_caps(dev.config["capabilities"]))),
@@ -98,7 +95,7 @@ def in_process() -> list[tuple[str, float]]:
 
 def daemon_profile(queries: int) -> str:
     """Profile a real daemon answering ``queries`` DEVICE_QUERYs; return the top of it."""
-    from kmod_emul import uapi
+    from abi import uapi
 
     work = Path(tempfile.mkdtemp(prefix="accel-bench-prof-"))
     root, state, prof = work / "root", work / "state", work / "daemon.prof"
@@ -120,7 +117,7 @@ def daemon_profile(queries: int) -> str:
         size = ctypes.sizeof(uapi.accel_device_info)
         t0 = time.perf_counter()
         for tag in range(1, queries + 1):
-            os.pwrite(fd, _HDR.pack(code, 0, tag) + payload, 0)
+            os.pwrite(fd, uapi.CMD_HDR.pack(code, 0, tag) + payload, 0)
             os.pread(fd, size, tag)
         elapsed = time.perf_counter() - t0
         os.close(fd)

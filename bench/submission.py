@@ -15,9 +15,9 @@ import os
 import statistics
 import time
 
+from abi import userq
 from bench.core import Env, Row, Samples, interleave, timed_row
 from bench.floors import PingPong, PipeWake, bare_ring_rate
-from kmod_emul import uapi
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -65,7 +65,7 @@ def submission(env: Env) -> list[Row]:
 
         runtime.init()
         stream = runtime.Stream()
-        nop = bytes(uapi.accel_packet(opcode=uapi.Op.NOP))
+        nop = bytes(userq.accel_packet(opcode=userq.Op.NOP))
         wake = PipeWake()
         try:
             def noop_round_trip() -> None:
@@ -177,8 +177,8 @@ def _preemption(env: Env, runtime: object, np: object) -> Row:
                           "chunks, so the extra delay is about one chunk copy per engine")
 
 
-def _copy(dst: int, src: int, n: int) -> uapi.accel_packet:
-    return uapi.accel_packet(opcode=uapi.Op.COPY, a=(dst, src, n, 0, 0, 0, 0))
+def _copy(dst: int, src: int, n: int) -> userq.accel_packet:
+    return userq.accel_packet(opcode=userq.Op.COPY, a=(dst, src, n, 0, 0, 0, 0))
 
 
 def _taken(stream: object) -> int:

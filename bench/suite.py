@@ -12,20 +12,17 @@ import ctypes
 import itertools
 import os
 import statistics
-import struct
 from collections.abc import Callable
 
+from abi import uapi
 from bench.core import Benchmark, Env, Row, interleave, middle_half, timed_row
-from bench.procs import AccelDaemon, EchoServer
-from bench.memory import allocator_and_copies, daemon_memory_per_context
 from bench.floods import bystander_under_floods
 from bench.kernels import kernels
+from bench.memory import allocator_and_copies, daemon_memory_per_context
+from bench.procs import AccelDaemon, EchoServer
 from bench.submission import idle_cpu, submission
-from kmod_emul import uapi
 
 ECHO_TXN = "echo-fs pwrite+pread"
-_HDR = struct.Struct("<IIQ")
-assert _HDR.size == ctypes.sizeof(uapi.accel_cmd_hdr)
 
 
 def command_round_trips(env: Env) -> list[Row]:
@@ -37,12 +34,14 @@ def command_round_trips(env: Env) -> list[Row]:
     are lighter than ``runtime._channel.Channel`` (no pid check, no ctypes round trip, no
     exception mapping): their ratio is the driver's cost alone.
     """
-    from runtime.context import Context  # the runtime reads ACCEL_EMU_ROOT when it opens
+    from runtime.context import (
+        Context,  # the runtime reads ACCEL_EMU_ROOT when it opens
+    )
 
     cmd = uapi.ACCEL_CMD_DEVICE_QUERY
     payload = bytes(uapi.accel_device_info())
     size = ctypes.sizeof(uapi.accel_device_info)
-    pack = _HDR.pack
+    pack = uapi.CMD_HDR.pack
     tags = itertools.count(1)
     dev_fd = echo_fd = -1
     ctx = None

@@ -1,6 +1,6 @@
 """The queue scheduler and the engines: how the firmware runs user-mode rings.
 
-Every queue is a ring in shared memory (layout in :mod:`kmod_emul.uapi`, the shared ABI
+Every queue is a ring in shared memory (layout in :mod:`abi.userq`, the shared ABI
 header), memory of the process that owns it. The scheduler (the firmware's control thread)
 takes packets in order, one queue at a time, high-priority queues first; cheap packets
 (no-ops, satisfied waits, small copies, small launches of bounded kernels) run inline, so a
@@ -32,7 +32,6 @@ import itertools
 import json
 import os
 import queue
-import struct
 import sys
 import threading
 import time
@@ -43,11 +42,10 @@ from typing import Any
 
 import numpy as np
 
+from abi import kernel_lang, userq
+from abi.userq import Op
 from firmware import memory
-from kmod_emul import uapi
-from kmod_emul.uapi import Op
 
-_PKT = struct.Struct("<II7Q")
 #: Copies and memsets up to this size run inline on the scheduler; larger on an engine.
 INLINE_BYTES = 256 * 1024
 #: Launches of at most this many threads of an already-compiled kernel whose work is
@@ -82,7 +80,7 @@ def log_unexpected(what: str, exc: BaseException) -> None:
         print(f"firmware: {what}: {exc!r}", file=sys.stderr, flush=True)
 
 
-class Ring(uapi.RingView):
+class Ring(userq.RingView):
     """One queue's ring as the firmware, its consumer, sees it."""
 
     def __init__(self, ctx: FwContext, qid: int, priority: int, slot: int, fd: int,
@@ -111,11 +109,11 @@ class Ring(uapi.RingView):
             return self.fence
         if self.mem.closed:
             return self.final_fence
-        return self.words[uapi.RING_COMPLETED >> 3]
+        return self.words[userq.RING_COMPLETED >> 3]
 
     def close(self) -> None:
         if not self.mem.closed:
-            self.final_fence = self.words[uapi.RING_COMPLETED >> 3]
+            self.final_fence = self.words[userq.RING_COMPLETED >> 3]
             super().close()
 
     def ready(self) -> bool:
@@ -131,9 +129,9 @@ class Ring(uapi.RingView):
 
     def take(self) -> tuple[int, tuple[int, ...]]:
         seqno = self.taken + 1
-        pkt = _PKT.unpack_from(self.mem, uapi.RING_PACKETS + ((seqno - 1) % uapi.RING_SLOTS) * 64)
+        pkt = userq.PACKET.unpack_from(self.mem, userq.RING_PACKETS + ((seqno - 1) % userq.RING_SLOTS) * 64)
         self.taken = seqno
-        self.set(uapi.RING_RPTR, seqno)
+        self.set(userq.RING_RPTR, seqno)
         return seqno, pkt
 
     def complete(self, seqno: int, status: int, addr: int, opcode: int) -> None:
@@ -143,20 +141,20 @@ class Ring(uapi.RingView):
             self.write_fault(seqno, status, opcode, addr)
             self.faulted = True
         self.fence = seqno
-        self.set(uapi.RING_COMPLETED, seqno)
+        self.set(userq.RING_COMPLETED, seqno)
 
     def cancel_through(self, wptr: int) -> int:
         """A faulted ring's published packets complete as cancelled, all in one step;
         returns how many."""
         n = wptr - self.taken
         self.taken = self.fence = wptr
-        self.set(uapi.RING_RPTR, wptr)
-        self.set(uapi.RING_COMPLETED, wptr)
+        self.set(userq.RING_RPTR, wptr)
+        self.set(userq.RING_COMPLETED, wptr)
         return n
 
     def irq_due(self) -> bool:
         """Whether the fence passed the seqno a waiter armed (once per arming)."""
-        armed = self.get(uapi.RING_IRQ_SEQNO)
+        armed = self.get(userq.RING_IRQ_SEQNO)
         done = self.completed
         if armed and done >= armed and armed > self.last_irq:
             self.last_irq = done
@@ -178,7 +176,7 @@ class FwContext:
     id: int
     doorbell: int  # read end of the process's doorbell pipe
     event: int  # write end of its event pipe
-    db: uapi.SharedWords  # its doorbell page
+    db: userq.SharedWords  # its doorbell page
     space: memory.AddressSpace = field(default_factory=memory.AddressSpace)
     queues: dict[int, Ring] = field(default_factory=dict)
     modules: dict[int, FwModule] = field(default_factory=dict)
@@ -187,7 +185,7 @@ class FwContext:
     #: a slot's previous queue having stopped at the value a new one reaches first)
     slots: dict[int, Ring] = field(default_factory=dict)
     consumed: array.array = field(
-        default_factory=lambda: array.array("Q", bytes(8 * uapi.ACCEL_DB_SLOT_COUNT)))
+        default_factory=lambda: array.array("Q", bytes(8 * userq.ACCEL_DB_SLOT_COUNT)))
     seen_seq: int = 0
 
     def signal(self) -> None:
@@ -200,14 +198,14 @@ class FwContext:
 
     def moved_slots(self) -> list[int]:
         """Doorbell slots of known rings that hold news, if the page's sequence moved."""
-        seq = self.db.get(uapi.DB_SEQ)
+        seq = self.db.get(userq.DB_SEQ)
         if seq == self.seen_seq:
             return []
         self.seen_seq = seq
         if len(self.slots) <= _SCAN_IN_PYTHON:  # a few rings: cheaper than numpy's calls
-            words, base, consumed = self.db.words, uapi.DB_SLOTS >> 3, self.consumed
+            words, base, consumed = self.db.words, userq.DB_SLOTS >> 3, self.consumed
             return [slot for slot in self.slots if words[base + slot] != consumed[slot]]
-        now = np.frombuffer(self.db.mem, np.uint64, uapi.ACCEL_DB_SLOT_COUNT, uapi.DB_SLOTS)
+        now = np.frombuffer(self.db.mem, np.uint64, userq.ACCEL_DB_SLOT_COUNT, userq.DB_SLOTS)
         moved = np.flatnonzero(now != np.frombuffer(self.consumed, np.uint64))
         del now  # the page's mapping must not stay exported
         return [int(i) for i in moved if int(i) in self.slots]
@@ -452,7 +450,7 @@ class Scheduler:
         return any(r.ready() for r in self.active)
 
     def doorbells_moved(self) -> bool:
-        return any(c.db.get(uapi.DB_SEQ) != c.seen_seq for c in self.contexts.values())
+        return any(c.db.get(userq.DB_SEQ) != c.seen_seq for c in self.contexts.values())
 
     # --- the scheduler's loop body -----------------------------------------------------
     def scan_doorbells(self) -> None:
@@ -473,7 +471,7 @@ class Scheduler:
             if ring.busy:
                 continue
             w = ring.wptr
-            if not ring.faulted and (w < ring.taken or w - ring.taken > uapi.RING_SLOTS):
+            if not ring.faulted and (w < ring.taken or w - ring.taken > userq.RING_SLOTS):
                 self.count("faults")
                 with self._lock:
                     ring.write_fault(ring.taken + 1, errno.EINVAL, 0, 0)
@@ -484,7 +482,7 @@ class Scheduler:
                     with self._lock:
                         cancelled = ring.cancel_through(w)
                         irq = ring.irq_due()
-                    self.count("packets", min(cancelled, uapi.RING_SLOTS))
+                    self.count("packets", min(cancelled, userq.RING_SLOTS))
                     if irq:
                         ring.ctx.signal()
                 w = ring.taken
@@ -665,11 +663,11 @@ class Scheduler:
         if type(static) is not int or not 0 <= static <= self.max_shared \
                 or dynamic > self.max_shared - static:  # checked again against the source
             raise memory.Fault(0, errno.EINVAL)
-        grid, block = uapi.unpack_dims(grid_w), uapi.unpack_dims(block_w)
+        grid, block = userq.unpack_dims(grid_w), userq.unpack_dims(block_w)
         threads = block[0] * block[1] * block[2]
         if min(grid) < 1 or min(block) < 1 or threads > self.max_threads:
             raise memory.Fault(0, errno.EINVAL)
-        if args_len > uapi.ACCEL_ARGS_MAX:
+        if args_len > userq.ACCEL_ARGS_MAX:
             raise memory.Fault(args_va, errno.EINVAL)
         m, off = ring.ctx.space.resolve(args_va, args_len)
         values, types, buffers = decode_args(ring.ctx.space, bytes(m.data[off : off + args_len]),
@@ -760,7 +758,7 @@ class Scheduler:
             ring.complete(seqno, status, addr, opcode)
             if from_engine:
                 ring.busy = False
-            uapi.full_barrier()  # store the fence, then load what waiters armed (they mirror)
+            userq.full_barrier()  # store the fence, then load what waiters armed (they mirror)
             irq = ring.irq_due()
         self.count("packets")
         if irq:
@@ -790,7 +788,7 @@ def fault_of(launch: Launch, exc: Exception) -> tuple[int, int]:
         index = getattr(exc, "index", None)
         for pname, va, itemsize in launch.buffers:
             if pname == getattr(exc, "param", None) and isinstance(index, int):
-                return errno.EFAULT, min(max(0, va + index * itemsize), uapi.U64_MAX)
+                return errno.EFAULT, min(max(0, va + index * itemsize), userq.U64_MAX)
         return errno.EFAULT, 0
     from firmware.kernel_check import KernelCompileError  # loaded: a kernel ran
 
@@ -892,9 +890,9 @@ def decode_args(space: memory.AddressSpace, raw: bytes, params: Any
     Everything is the process's: a record that does not fit its kernel's parameters, a
     shape whose product is not the buffer's element count (checked in Python integers,
     so it cannot overflow) or a buffer outside the context's memory faults the launch."""
-    if not isinstance(params, list) or len(raw) % uapi.ARG_RECORD.size:
+    if not isinstance(params, list) or len(raw) % userq.ARG_RECORD.size:
         raise memory.Fault(0, errno.EINVAL)
-    recs = [uapi.ARG_RECORD.unpack_from(raw, off) for off in range(0, len(raw), uapi.ARG_RECORD.size)]
+    recs = [userq.ARG_RECORD.unpack_from(raw, off) for off in range(0, len(raw), userq.ARG_RECORD.size)]
     values: list = []
     types: list[str] = []
     buffers: list[tuple[str, int, int]] = []
@@ -904,17 +902,17 @@ def decode_args(space: memory.AddressSpace, raw: bytes, params: Any
             raise memory.Fault(0, errno.EINVAL)
         kind, code, value, nbytes = recs[i]
         i += 1
-        dtype_name = uapi.DTYPE_NAMES.get(code)
+        dtype_name = kernel_lang.DTYPE_NAMES.get(code)
         want = p.get("dtype")
         if dtype_name is None or not (want is None or want == dtype_name):
             raise memory.Fault(0, errno.EINVAL)
         dtype = np.dtype(dtype_name)
-        if kind == uapi.ARG_SCALAR and p.get("kind") == "scalar":
+        if kind == userq.ARG_SCALAR and p.get("kind") == "scalar":
             values.append(np.frombuffer(value.to_bytes(8, "little")[: dtype.itemsize], dtype)[0])
             types.append(dtype_name)
-        elif kind == uapi.ARG_BUFFER and p.get("kind") == "buffer":
+        elif kind == userq.ARG_BUFFER and p.get("kind") == "buffer":
             shape: list[int] = []
-            while i < len(recs) and recs[i][0] == uapi.ARG_SHAPE:
+            while i < len(recs) and recs[i][0] == userq.ARG_SHAPE:
                 count = recs[i][1]
                 if count not in (1, 2):
                     raise memory.Fault(0, errno.EINVAL)

@@ -29,34 +29,34 @@ from typing import Any
 import numpy as np
 from numba import types
 
-from kmod_emul import uapi
+from abi import kernel_lang
 
-#: The language's element types and aliases are the launch ABI's (the shared uAPI header).
-DTYPE_NAMES: frozenset[str] = frozenset(uapi.DTYPES)
-DTYPE_ALIASES: dict[str, str] = uapi.DTYPE_ALIASES
-
+#: The language itself (element types, built-ins, collectives, operators) is the
+#: contract's, abi/kernel_lang.py: the runtime's front end reads the same tables.
+DTYPE_NAMES: frozenset[str] = frozenset(kernel_lang.DTYPES)
+DTYPE_ALIASES: dict[str, str] = kernel_lang.DTYPE_ALIASES
 #: Built-ins that declare block-shared arrays: only as ``name = <call>``.
-DECLARATIONS = ("shared_array", "dynamic_shared")
+DECLARATIONS = tuple(sorted(kernel_lang.builtins_of("declaration")))
 #: The shape recorded for a ``dynamic_shared`` array: 1-D, its length set by the launch
 #: (its ``shared_mem`` bytes over the itemsize; every such array aliases the same bytes).
 DYNAMIC_SHAPE = (-1,)
 #: Thread/block id built-ins -> the generated code's variable prefix (dimension appended).
 ID_BUILTINS = {"global_id": "_gid", "local_id": "_l", "group_id": "_g",
-              "local_size": "_ls", "num_groups": "_ng"}
-#: Math built-ins -> what the generated code calls.
+               "local_size": "_ls", "num_groups": "_ng"}
+#: Math built-ins the generated code calls by another name (the rest keep theirs).
 MATH_BUILTINS = {"sqrt": "math.sqrt", "exp": "math.exp", "log": "math.log",
-                "sin": "math.sin", "cos": "math.cos", "tanh": "math.tanh",
-                "floor": "_rt_floor"}  # defined for every float (firmware/intrinsics.py)
-_PLAIN_BUILTINS = {"abs", "min", "max", "float", "int"}
-BUILTINS: frozenset[str] = frozenset(set(ID_BUILTINS) | set(MATH_BUILTINS) | _PLAIN_BUILTINS
-                                     | {"barrier", "atomic_add", "mma"} | set(DECLARATIONS))
+                 "sin": "math.sin", "cos": "math.cos", "tanh": "math.tanh",
+                 "floor": "_rt_floor"}  # defined for every float (firmware/intrinsics.py)
+assert set(ID_BUILTINS) == kernel_lang.builtins_of("id")
+assert set(MATH_BUILTINS) <= kernel_lang.builtins_of("math")
+BUILTINS: frozenset[str] = frozenset(kernel_lang.BUILTINS)
 #: Block-collective built-ins: every thread of a block issues them together, so they
 #: follow the barrier rule and are phase boundaries in the lowering.
-_COLLECTIVES = frozenset({"barrier", "mma"})
+_COLLECTIVES = kernel_lang.COLLECTIVES
 #: mma(c, a, b, row, col, k0, tm, tn, tk, beta): the matrix unit (firmware/matrix.py).
-_MMA_NARGS = 10
+_MMA_NARGS = kernel_lang.BUILTINS["mma"].nargs
 #: Most dimensions of a buffer or shared array (the fault array has room for this many).
-MAX_NDIM = 8
+MAX_NDIM = kernel_lang.MAX_NDIM
 #: Firmware limits on one kernel (see the module doc): source characters, syntax-tree
 #: nodes (ast.walk's count; ~20 s of numba compile time on the 2-core test machine at the
 #: limit; the kernel library's largest, gemm, has 265), and tree depth (ast.unparse and
@@ -142,7 +142,7 @@ _REJECT_REASONS: dict[type, str] = {
     ast.List: "lists", ast.Dict: "dicts", ast.Set: "sets", ast.JoinedStr: "f-strings",
     ast.Slice: "slices", ast.Assert: "`assert`",
 }
-_BAD_OPS = (ast.MatMult, ast.Is, ast.IsNot, ast.In, ast.NotIn)
+_OPERATOR_NODES = (ast.operator, ast.unaryop, ast.boolop, ast.cmpop)
 
 
 def reject(node: ast.AST, reason: str) -> KernelCompileError:
@@ -192,8 +192,7 @@ def calls_mma(stmts: list[ast.stmt]) -> bool:
 
 #: The device capability each built-in needs (the flags of the IR say the same, but a
 #: hand-made IR may lie: the firmware reads the source).
-_CAPABILITY_OF = {"mma": "matrix", "atomic_add": "atomics", "barrier": "shared_mem",
-                  "shared_array": "shared_mem", "dynamic_shared": "shared_mem"}
+_CAPABILITY_OF = kernel_lang.CAPABILITY_OF
 
 
 def capabilities_used(k: Kernel) -> frozenset[str]:
@@ -351,7 +350,8 @@ def _validate(ir: dict[str, Any], arg_types: tuple[str, ...]) -> Kernel:
             raise reject(n, f"built-in {n.id!r} may only be called")
         if isinstance(n, ast.FunctionDef) and n is not fn:
             raise reject(n, "nested functions are not allowed in a kernel")
-        if not isinstance(n, _ALLOWED_NODES) or isinstance(n, _BAD_OPS):
+        if not isinstance(n, _ALLOWED_NODES) or (isinstance(n, _OPERATOR_NODES)
+                                                 and type(n).__name__ not in kernel_lang.OPERATORS):
             raise reject(n, f"{type(n).__name__} is not allowed in a kernel")
         if isinstance(n, ast.Name):
             if n.id.startswith("__"):
@@ -472,7 +472,7 @@ def _check_call(n: ast.Call, k: Kernel, declared: set[int]) -> None:
     elif name in DECLARATIONS:
         if id(n) not in declared:
             raise reject(n, f"{name}() may only be the right side of `name = {name}(...)`")
-    elif name in ("min", "max"):
+    elif name in kernel_lang.builtins_of("minmax"):
         if nargs < 2:
             raise reject(n, f"{name}() needs at least two arguments")
     elif nargs != 1:
@@ -492,7 +492,7 @@ def _check_mma(n: ast.Call, k: Kernel) -> None:
     dtypes = {buffer_dtype(k, m) for m in names if m}
     if any(buffer_ndim(k, m) != 2 for m in names if m):
         raise reject(n, "mma operands must be 2-D buffers")
-    if len(dtypes) != 1 or not dtypes <= {"float32", "float64"}:
+    if len(dtypes) != 1 or not dtypes <= set(kernel_lang.MMA_DTYPES):
         raise reject(n, "mma operands must all be float32 or all float64, not "
                         f"{', '.join(sorted(dtypes))}")
 

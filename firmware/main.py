@@ -30,12 +30,15 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from firmware import abi, image, memory
+from abi import fwimage, mailbox, uapi, userq
+from abi._struct import Struct
+from firmware import memory
 from firmware.engines import FwContext, Ring, Scheduler, log_unexpected
-from kmod_emul import uapi
 
 #: Keep polling this long after the last work before sleeping.
 SPIN_AFTER_ACTIVITY_S = 500e-6
@@ -47,8 +50,8 @@ _POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR
 
 
 class Firmware:
-    def __init__(self, mbx: abi.Mailbox, doorbell_fd: int, irq_fd: int,
-                 backings: memory.Backings, vram_size: int, fdchan: abi.FdChannel,
+    def __init__(self, mbx: mailbox.Mailbox, doorbell_fd: int, irq_fd: int,
+                 backings: memory.Backings, vram_size: int, fdchan: mailbox.FdChannel,
                  jit_cache_dir: str) -> None:
         self.mbx = mbx
         self.doorbell_fd = doorbell_fd
@@ -59,9 +62,9 @@ class Firmware:
         self.jit_cache_dir = jit_cache_dir
         self.contexts: dict[int, FwContext] = {}
         self.heartbeat_s = 0.05
-        self.stats = dict.fromkeys(abi.STAT_NAMES, 0)
+        self.stats = dict.fromkeys(mailbox.STAT_NAMES, 0)
         self._cpl_lock = threading.Lock()
-        self._backlog: list[tuple[int, int, tuple[int, ...], int]] = []
+        self._backlog: list[tuple[mailbox.Op, int, Struct, int]] = []
         #: (ctx, va, {ring: wptr it must complete}) waiting for the device to finish
         self._deferred_unmaps: list[tuple[FwContext, int, dict[Ring, int]]] = []
         self._closing: list[Ring] = []
@@ -72,21 +75,47 @@ class Firmware:
         self._poller.register(doorbell_fd, select.POLLIN)
         #: context doorbells whose writers are all gone (EOF): no longer polled
         self._dead_doorbells: set[int] = set()
+        #: every message of mailbox.COMMANDS -> its handler; one missing fails the boot
+        self.device_handlers: dict[mailbox.Op, Callable[[int, Any], None]] = {
+            mailbox.Op.HANG: self._on_hang,
+            mailbox.Op.HOLD: self._on_hold,
+            mailbox.Op.SET_BUDGET: self._on_set_budget,
+            mailbox.Op.CTX_CREATE: self._on_ctx_create,
+        }
+        #: ... the messages about an existing context (one for a context that is gone is
+        #: dropped, its descriptors closed)
+        self.context_handlers: dict[mailbox.Op, Callable[[FwContext, Any], None]] = {
+            mailbox.Op.CTX_DESTROY: self._on_ctx_destroy,
+            mailbox.Op.MAP: self._on_map,
+            mailbox.Op.UNMAP: self._on_unmap,
+            mailbox.Op.QUEUE_CREATE: self._on_queue_create,
+            mailbox.Op.QUEUE_IMPORT: self._on_queue_import,
+            mailbox.Op.QUEUE_DESTROY: self._on_queue_destroy,
+            mailbox.Op.MODULE_LOAD: self._on_module_load,
+            mailbox.Op.MODULE_UNLOAD: self._on_module_unload,
+        }
 
     # boot -------------------------------------------------------------------------
     def boot(self) -> bool:
-        self.mbx.set_fw_state(abi.FwState.BOOTING)
+        self.mbx.set_fw_state(mailbox.FwState.BOOTING)
+        missing = set(mailbox.COMMANDS) - set(self.device_handlers) - set(self.context_handlers)
+        if missing:  # this firmware cannot serve the mailbox it claims to speak
+            names = ", ".join(sorted(op.name for op in missing))
+            self.mbx.set_fw_state(mailbox.FwState.BOOT_FAILED, errno.EIO,
+                                  f"boot ROM: no handler for mailbox message {names}")
+            self.interrupt()
+            return False
         try:
-            img = image.parse(self.mbx.image())
-            if not img.manifest["abi_min"] <= abi.MAILBOX_ABI <= img.manifest["abi_max"]:
-                raise image.ImageError(
+            img = fwimage.parse(self.mbx.image())
+            if not img.manifest["abi_min"] <= mailbox.MAILBOX_ABI <= img.manifest["abi_max"]:
+                raise fwimage.ImageError(
                     f"image speaks mailbox ABI {img.manifest['abi_min']}..{img.manifest['abi_max']}, "
-                    f"boot ROM {abi.MAILBOX_ABI}"
+                    f"boot ROM {mailbox.MAILBOX_ABI}"
                 )
-            if self.mbx.boot_flags & abi.BootFlag.FAIL_BOOT:
-                raise image.ImageError("injected boot failure (debugfs fw_boot_fail)")
-        except image.ImageError as exc:
-            self.mbx.set_fw_state(abi.FwState.BOOT_FAILED, errno.EIO, f"boot ROM: {exc}")
+            if self.mbx.boot_flags & mailbox.BootFlag.FAIL_BOOT:
+                raise fwimage.ImageError("injected boot failure (debugfs fw_boot_fail)")
+        except fwimage.ImageError as exc:
+            self.mbx.set_fw_state(mailbox.FwState.BOOT_FAILED, errno.EIO, f"boot ROM: {exc}")
             self.interrupt()
             return False
         config = img.config
@@ -99,7 +128,7 @@ class Firmware:
             self.sched.warm_up()  # kernels ran here before: have the JIT ready for them
         self.mbx.set_versions(img.version, str(img.manifest["isa_version"]))
         self.mbx.beat(time.monotonic_ns())
-        self.mbx.set_fw_state(abi.FwState.READY)
+        self.mbx.set_fw_state(mailbox.FwState.READY)
         self.interrupt()
         return True
 
@@ -110,17 +139,17 @@ class Firmware:
         except BlockingIOError:
             pass  # the driver has not drained earlier interrupts; it will see the ring
 
-    def post(self, op: int, ctx_id: int, args: tuple[int, ...], status: int = 0) -> None:
+    def post(self, op: mailbox.Op, ctx_id: int, payload: Struct, status: int = 0) -> None:
         """Queue a completion for the driver (any thread) and raise an interrupt."""
         with self._cpl_lock:
-            self._backlog.append((op, ctx_id, args, status))
+            self._backlog.append((op, ctx_id, payload, status))
             self._flush_locked()
 
     def _flush_locked(self) -> None:
         posted = 0
         while self._backlog:
-            op, ctx_id, args, status = self._backlog[0]
-            if not self.mbx.cpl.push(op, ctx_id, args, status):
+            op, ctx_id, payload, status = self._backlog[0]
+            if not self.mbx.cpl.push(op, ctx_id, payload, status):
                 break  # ring full: the driver drains it on this interrupt; retried later
             self._backlog.pop(0)
             posted += 1
@@ -129,63 +158,84 @@ class Firmware:
             self.interrupt()
 
     # control messages ----------------------------------------------------------------
-    def handle(self, msg: tuple[int, ...], payload: bytes) -> None:
-        op, _status, ctx_id, *a = msg
-        assert self.sched is not None
-        if op == abi.Op.HANG:
-            self.hung = self.sched.hung = True
-        elif op == abi.Op.HOLD:
-            self.sched.held = bool(a[0])
-        elif op == abi.Op.SET_BUDGET:
-            self.sched.residency.device_bytes = a[0]
-        elif op == abi.Op.CTX_CREATE:
-            self._create_context(ctx_id, self.fdchan.take(a[0]))
+    def handle(self, op: int, ctx_id: int, payload: bytes) -> None:
+        """Decode one message and run its handler."""
+        msg = mailbox.decode(mailbox.COMMANDS, op, payload)
+        handler = self.device_handlers.get(mailbox.Op(op))
+        if handler is not None:
+            handler(ctx_id, msg)
         elif (ctx := self.contexts.get(ctx_id)) is None:
-            self._drop(op, a)  # the driver never names a context it did not create
-        elif op == abi.Op.CTX_DESTROY:
-            del self.contexts[ctx_id]
-            for ring in ctx.queues.values():
-                ring.faulted = True  # what is still queued completes as cancelled, unrun
-            self._teardowns.append(ctx)
-        elif op == abi.Op.MAP:
-            self._map(ctx, *a)
-        elif op == abi.Op.UNMAP:
-            targets = {r: r.wptr for r in ctx.queues.values() if not r.fence_only}
-            self._deferred_unmaps.append((ctx, a[0], targets))
-        elif op == abi.Op.QUEUE_CREATE:
-            self._add_ring(op, ctx, a[0], a[1], a[2], a[3], fence_only=False)
-        elif op == abi.Op.QUEUE_IMPORT:
-            self._add_ring(op, ctx, a[0], 0, -1, a[3], fence_only=True)
-        elif op == abi.Op.MODULE_LOAD:
-            self._load_module(ctx, a[0], a[1], a[2])
-        elif op == abi.Op.MODULE_UNLOAD:
-            ctx.modules.pop(a[0], None)
-        elif op == abi.Op.QUEUE_DESTROY:
-            ring = ctx.queues.get(a[0])
-            if ring is not None and ring.fence_only:  # a name for another device's queue
-                del ctx.queues[a[0]]
-                ring.close()
-            elif ring is not None:
-                ring.closing = True
-                self._closing.append(ring)
+            self._drop(msg)  # the driver never names a context it did not create
+        else:
+            self.context_handlers[mailbox.Op(op)](ctx, msg)
 
-    def _drop(self, op: int, a: list[int]) -> None:
+    def _drop(self, msg: Struct) -> None:
         """A message for a context that is gone: its descriptors are closed, unused."""
-        cookie = {abi.Op.MAP: a[5], abi.Op.QUEUE_CREATE: a[3], abi.Op.QUEUE_IMPORT: a[3],
-                  abi.Op.MODULE_LOAD: a[2]}.get(op, 0)
-        if cookie and (op != abi.Op.MAP or a[2] != uapi.MemKind.DEVICE):
+        cookie = getattr(msg, "cookie", 0)
+        if cookie:
             for fd in self.fdchan.take(cookie):
                 os.close(fd)
+
+    def _on_hang(self, ctx_id: int, msg: mailbox.fw_hang) -> None:
+        assert self.sched is not None
+        self.hung = self.sched.hung = True
+
+    def _on_hold(self, ctx_id: int, msg: mailbox.fw_hold) -> None:
+        assert self.sched is not None
+        self.sched.held = bool(msg.hold)
+
+    def _on_set_budget(self, ctx_id: int, msg: mailbox.fw_set_budget) -> None:
+        assert self.sched is not None
+        self.sched.residency.device_bytes = msg.device_bytes
+
+    def _on_ctx_create(self, ctx_id: int, msg: mailbox.fw_ctx_create) -> None:
+        self._create_context(ctx_id, self.fdchan.take(msg.cookie))
+
+    def _on_ctx_destroy(self, ctx: FwContext, msg: mailbox.fw_ctx_destroy) -> None:
+        del self.contexts[ctx.id]
+        for ring in ctx.queues.values():
+            ring.faulted = True  # what is still queued completes as cancelled, unrun
+        self._teardowns.append(ctx)
+
+    def _on_map(self, ctx: FwContext, msg: mailbox.fw_map) -> None:
+        self._map(ctx, msg.va, msg.size, msg.kind, msg.owner, msg.offset, msg.cookie)
+
+    def _on_unmap(self, ctx: FwContext, msg: mailbox.fw_unmap) -> None:
+        targets = {r: r.wptr for r in ctx.queues.values() if not r.fence_only}
+        self._deferred_unmaps.append((ctx, msg.va, targets))
+
+    def _on_queue_create(self, ctx: FwContext, msg: mailbox.fw_queue_create) -> None:
+        self._add_ring(mailbox.Op.QUEUE_CREATE, ctx, msg.queue_id, msg.priority,
+                       msg.doorbell_slot, msg.cookie, fence_only=False)
+
+    def _on_queue_import(self, ctx: FwContext, msg: mailbox.fw_queue_import) -> None:
+        self._add_ring(mailbox.Op.QUEUE_IMPORT, ctx, msg.queue_id, 0, -1, msg.cookie,
+                       fence_only=True)
+
+    def _on_queue_destroy(self, ctx: FwContext, msg: mailbox.fw_queue_destroy) -> None:
+        ring = ctx.queues.get(msg.queue_id)
+        if ring is not None and ring.fence_only:  # a name for another device's queue
+            del ctx.queues[msg.queue_id]
+            ring.close()
+        elif ring is not None:
+            ring.closing = True
+            self._closing.append(ring)
+
+    def _on_module_load(self, ctx: FwContext, msg: mailbox.fw_module_load) -> None:
+        self._load_module(ctx, msg.module_id, msg.size, msg.cookie)
+
+    def _on_module_unload(self, ctx: FwContext, msg: mailbox.fw_module_unload) -> None:
+        ctx.modules.pop(msg.module_id, None)
 
     def _create_context(self, ctx_id: int, fds: list[int]) -> None:
         doorbell, event, db_fd = fds
         try:
-            db = uapi.SharedWords(db_fd, uapi.ACCEL_DB_PAGE_SIZE)
+            db = userq.SharedWords(db_fd, userq.ACCEL_DB_PAGE_SIZE)
         finally:
             os.close(db_fd)
         ctx = self.contexts[ctx_id] = FwContext(ctx_id, doorbell, event, db)
         self._poller.register(doorbell, select.POLLIN)
-        ctx.seen_seq = db.get(uapi.DB_SEQ)
+        ctx.seen_seq = db.get(userq.DB_SEQ)
 
     def _map(self, ctx: FwContext, va: int, size: int, kind: int, owner: int, offset: int,
              cookie: int) -> None:
@@ -202,7 +252,7 @@ class Firmware:
             # unmappable (the firmware's address space is full?): say so; packets that
             # touch it fault with EFAULT, as for any address the context lacks
             code = exc.errno if isinstance(exc, OSError) and exc.errno else errno.ENOMEM
-            self.post(abi.Op.MAP, ctx.id, (va,), status=code)
+            self.post(mailbox.Op.MAP, ctx.id, mailbox.fw_map_done(va=va), status=code)
             return
         resident = None
         if kind == uapi.MemKind.MANAGED:
@@ -216,7 +266,8 @@ class Firmware:
         try:
             ring = Ring(ctx, qid, priority, slot, fd, fence_only=fence_only)
         except (OSError, ValueError) as exc:
-            self.post(op, ctx.id, (qid,), status=getattr(exc, "errno", 0) or errno.ENOMEM)
+            self.post(op, ctx.id, mailbox.fw_queue_done(queue_id=qid),
+                      status=getattr(exc, "errno", 0) or errno.ENOMEM)
             return
         finally:
             os.close(fd)
@@ -246,7 +297,7 @@ class Firmware:
         for d in done:
             self._deferred_unmaps.remove(d)
             self._unmap(d[0], d[1])
-            self.post(abi.Op.UNMAP, d[0].id, (d[1],))
+            self.post(mailbox.Op.UNMAP, d[0].id, mailbox.fw_unmap_done(va=d[1]))
         for ring in [r for r in self._closing if r.completed >= r.wptr and not r.busy]:
             self._closing.remove(ring)
             self.sched.remove(ring)
@@ -274,16 +325,17 @@ class Firmware:
             self._poller.unregister(ctx.doorbell)
         self._dead_doorbells.discard(ctx.doorbell)
         ctx.close()
-        self.post(abi.Op.CTX_DESTROY, ctx.id, ())
+        self.post(mailbox.Op.CTX_DESTROY, ctx.id, mailbox.fw_ctx_destroy_done())
 
     # run ----------------------------------------------------------------------------
     def drain_mailbox(self) -> int:
         done = 0
         while not self.hung and done < MAILBOX_BATCH and (item := self.mbx.cmd.pop()) is not None:
+            op, _status, ctx_id, payload = item
             try:
-                self.handle(*item)
+                self.handle(op, ctx_id, payload)
             except Exception as exc:  # noqa: BLE001 - one bad message must not stop the device
-                log_unexpected(f"control message {item[0][0]}", exc)
+                log_unexpected(f"control message {op}", exc)
             done += 1
         if self._backlog:
             with self._cpl_lock:
@@ -296,8 +348,8 @@ class Firmware:
         self.mbx.set_stats(self.stats)  # counters are current whenever the device idles
         contexts = list(self.contexts.values())
         for c in contexts:
-            c.db.set(uapi.DB_FW_SLEEPING, 1)
-        uapi.full_barrier()  # producers store their slot then load "sleeping"; we store, load
+            c.db.set(userq.DB_FW_SLEEPING, 1)
+        userq.full_barrier()  # producers store their slot then load "sleeping"; we store, load
         # Always poll, if only for a moment: a held or hung firmware with work queued must
         # still notice the driver going away (the doorbell's EOF), or it would outlive a
         # killed daemon spinning a CPU.
@@ -311,7 +363,7 @@ class Firmware:
             self._drain_fd(fd)
         for c in contexts:
             if not c.db.mem.closed:
-                c.db.set(uapi.DB_FW_SLEEPING, 0)
+                c.db.set(userq.DB_FW_SLEEPING, 0)
 
     def _drain_fd(self, fd: int) -> None:
         try:
@@ -319,7 +371,7 @@ class Firmware:
         except BlockingIOError:
             return
         if fd == self.doorbell_fd and data == b"":
-            self.mbx.set_fw_state(abi.FwState.HALTED)
+            self.mbx.set_fw_state(mailbox.FwState.HALTED)
             sys.exit(0)  # the driver closed the doorbell: it is gone or resetting us
         if self.sched is not None and fd == self.sched.wake_fd:
             self.sched.drain_wakeups()
@@ -394,12 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(0.0002)  # engine threads get the GIL back quickly from the loop
     os.set_blocking(args.irq_fd, False)
     os.set_blocking(args.doorbell_fd, False)
-    buf = mmap.mmap(args.mailbox_fd, abi.MAILBOX_SIZE)
+    buf = mmap.mmap(args.mailbox_fd, mailbox.MAILBOX_SIZE)
     backings = memory.Backings.open(args.vram_fds, args.vram_size)
     chan = socket.socket(fileno=args.fd_channel)
     chan.setblocking(False)  # what a message names was sent before it: never wait for it
-    fdchan = abi.FdChannel(chan)
-    fw = Firmware(abi.Mailbox(memoryview(buf)), args.doorbell_fd, args.irq_fd, backings,
+    fdchan = mailbox.FdChannel(chan)
+    fw = Firmware(mailbox.Mailbox(memoryview(buf)), args.doorbell_fd, args.irq_fd, backings,
                   args.vram_size, fdchan, args.jit_cache)
     if not fw.boot():
         return 1

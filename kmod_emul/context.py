@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kmod_emul import uapi
+from abi import uapi, userq
 from kmod_emul.errors import DriverError
 
 if TYPE_CHECKING:
@@ -46,12 +46,12 @@ def tgid_of(tid: int) -> int:
 def new_ring_memfd(label: str) -> int:
     """A ring of the driver's own (a context's default queue), sealed like a client's."""
     fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, uapi.RING_FILE_SIZE)
+    os.ftruncate(fd, userq.RING_FILE_SIZE)
     fcntl.fcntl(fd, uapi.F_ADD_SEALS, uapi.ACCEL_SEALS_PINNED)
     return fd
 
 
-class DefaultQueue(uapi.RingView):
+class DefaultQueue(userq.RingView):
     """A context's default queue: the driver's own ring, the driver its producer
     (SUBMIT_NOOP) and its waiter (WAIT, which never blocks: it arms the interrupt)."""
 
@@ -69,19 +69,19 @@ class DefaultQueue(uapi.RingView):
 
     def push(self, packet: bytes) -> int:
         wptr = self.wptr
-        if wptr - self.rptr >= uapi.RING_SLOTS:
-            raise DriverError(errno.EBUSY, f"the default queue is full ({uapi.RING_SLOTS} "
+        if wptr - self.rptr >= userq.RING_SLOTS:
+            raise DriverError(errno.EBUSY, f"the default queue is full ({userq.RING_SLOTS} "
                                           "no-ops not yet taken)")
         self.write_packet(wptr, packet)
-        self.set(uapi.RING_WPTR, wptr + 1)
+        self.set(userq.RING_WPTR, wptr + 1)
         return wptr + 1
 
     def arm(self, seqno: int) -> None:
         """Ask for an event when the fence reaches ``seqno`` (the lowest armed wins)."""
-        armed = self.get(uapi.RING_IRQ_SEQNO)
+        armed = self.get(userq.RING_IRQ_SEQNO)
         if armed == 0 or armed > seqno or armed <= self.completed:
-            self.set(uapi.RING_IRQ_SEQNO, seqno)
-            uapi.full_barrier()  # store the arming, then load the fence (the firmware mirrors)
+            self.set(userq.RING_IRQ_SEQNO, seqno)
+            userq.full_barrier()  # store the arming, then load the fence (the firmware mirrors)
 
 
 @dataclass(eq=False)
@@ -111,7 +111,7 @@ class Context:
     exclusive: bool
     #: the process's doorbell page, mapped (the driver writes DB_LOST and the default
     #: queue's slot)
-    db: uapi.SharedWords
+    db: userq.SharedWords
     #: our descriptor of the write end of the process's event pipe
     event_fd: int
     default_queue: DefaultQueue
@@ -143,7 +143,7 @@ class Context:
         if self.lost is None:
             self.lost = reason
             if not self.db.mem.closed:
-                self.db.set(uapi.DB_LOST, errno.ENODEV)
+                self.db.set(userq.DB_LOST, errno.ENODEV)
             self.signal()
 
     def queue(self, queue_id: int) -> Queue:

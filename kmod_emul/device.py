@@ -24,16 +24,24 @@ import errno
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from firmware import abi, image
-from kmod_emul import uapi
+from abi import fwimage, mailbox, uapi, userq
+from abi._struct import Struct
 from kmod_emul import limits, userfd
-from kmod_emul.context import Context, DefaultQueue, OpenFile, Queue, new_ring_memfd, tgid_of
+from kmod_emul.context import (
+    Context,
+    DefaultQueue,
+    OpenFile,
+    Queue,
+    new_ring_memfd,
+    tgid_of,
+)
 from kmod_emul.errors import DriverError
 from kmod_emul.fw import FirmwareProcess, load_image
 from kmod_emul.identity import Identity, pci_bus_id
@@ -73,7 +81,7 @@ class AccelDevice:
         #: (errno, message) of the last failure; None while healthy.
         self.failure: tuple[int, str] | None = None
         self.fw: FirmwareProcess | None = None
-        self.fw_image: image.FirmwareImage | None = None
+        self.fw_image: fwimage.FirmwareImage | None = None
         self.files: set[OpenFile] = set()
         self.contexts: dict[int, Context] = {}
         self._ids = itertools.count(1)
@@ -105,19 +113,18 @@ class AccelDevice:
     def fw_stats(self) -> dict[str, int]:
         return self.fw.mbx.stats() if self.fw is not None else {}
 
-    def fw_send(self, op: abi.Op, ctx_id: int, args: tuple[int, ...] = (),
-                fds: list[int] | None = None) -> None:
+    def fw_send(self, ctx_id: int, payload: Struct, fds: list[int] | None = None) -> None:
         """Send a control message to the running firmware, handing it ``fds`` (owned by
         the call: closed once sent). Dropped, descriptors closed, when no firmware runs:
         a reset or failure has already voided the state it was about."""
         if self.fw is not None:
-            self.fw.send(op, ctx_id, args, fds)
+            self.fw.send(ctx_id, payload, fds)
         else:
             for fd in fds or ():
                 os.close(fd)
 
     def send_budget(self) -> None:
-        self.fw_send(abi.Op.SET_BUDGET, 0, (self.memory.vram.used,))
+        self.fw_send(0, mailbox.fw_set_budget(device_bytes=self.memory.vram.used))
 
     def peer_contexts_of(self, pid: int) -> list[tuple[AccelDevice, Context]]:
         """Live contexts of ``pid`` on other devices that enabled access to this one."""
@@ -172,8 +179,9 @@ class AccelDevice:
 
     @property
     def config(self) -> dict[str, Any]:
-        """The booted image's device configuration (the shipped defaults before a boot)."""
-        return self.fw_image.config if self.fw_image else dict(image.DEFAULT_PAYLOAD)
+        """The booted image's device configuration; before a boot nothing is known yet
+        (the driver learns engines, limits and capabilities from the image it loads)."""
+        return self.fw_image.config if self.fw_image else dict(fwimage.UNBOOTED_CONFIG)
 
     def exclusive_owner(self) -> Context | None:
         return next((c for c in self.contexts.values() if c.exclusive and c.lost is None), None)
@@ -244,9 +252,9 @@ class AccelDevice:
         try:
             mine.append(userfd.import_pipe(f.pid, doorbell_fd, False, "doorbell pipe"))
             mine.append(userfd.import_pipe(f.pid, event_fd, True, "event pipe"))
-            mine.append(userfd.import_memfd(f.pid, db_page_fd, uapi.ACCEL_DB_PAGE_SIZE,
+            mine.append(userfd.import_memfd(f.pid, db_page_fd, userq.ACCEL_DB_PAGE_SIZE,
                                             uapi.ACCEL_SEALS_PINNED, "doorbell page"))
-            db = uapi.SharedWords(mine[2], uapi.ACCEL_DB_PAGE_SIZE)
+            db = userq.SharedWords(mine[2], userq.ACCEL_DB_PAGE_SIZE)
             ring_fd = new_ring_memfd(f"{self.name}-default-queue")
             mine.append(ring_fd)
             ring = DefaultQueue(ring_fd)
@@ -256,9 +264,10 @@ class AccelDevice:
                 os.close(fd)
             raise
         ctx = Context(self.new_id(), f, exclusive, db, event_keep, ring)
-        self.fw_send(abi.Op.CTX_CREATE, ctx.id, (), fds=mine[:3])
-        self.fw_send(abi.Op.QUEUE_CREATE, ctx.id, (0, uapi.ACCEL_QUEUE_PRIORITY_LOW,
-                                                   uapi.ACCEL_DB_DEFAULT_SLOT), fds=[ring_fd])
+        self.fw_send(ctx.id, mailbox.fw_ctx_create(), fds=mine[:3])
+        self.fw_send(ctx.id, mailbox.fw_queue_create(
+            queue_id=0, priority=uapi.ACCEL_QUEUE_PRIORITY_LOW,
+            doorbell_slot=userq.ACCEL_DB_DEFAULT_SLOT), fds=[ring_fd])
         self.contexts[ctx.id] = ctx
         f.ctx = ctx
         return ctx
@@ -275,7 +284,7 @@ class AccelDevice:
             mod.release()
         ctx.modules.clear()
         if firmware_has_it:
-            self.fw_send(abi.Op.CTX_DESTROY, ctx.id)
+            self.fw_send(ctx.id, mailbox.fw_ctx_destroy())
         ctx.lose("context destroyed")
         ctx.close()
 
@@ -315,12 +324,13 @@ class AccelDevice:
         """QUEUE_CREATE: import the process's ring; give it a doorbell slot."""
         self._check_queue_limits(ctx)
         used = ctx.ring_slots_used()
-        slot = next(i for i in range(1, uapi.ACCEL_DB_SLOT_COUNT) if i not in used)
-        fd = userfd.import_memfd(ctx.file.pid, ring_fd, uapi.RING_FILE_SIZE,
+        slot = next(i for i in range(1, userq.ACCEL_DB_SLOT_COUNT) if i not in used)
+        fd = userfd.import_memfd(ctx.file.pid, ring_fd, userq.RING_FILE_SIZE,
                                  uapi.ACCEL_SEALS_PINNED, "ring")
         q = Queue(self.new_id(), priority, slot, fd)
         ctx.queues[q.id] = q
-        self.fw_send(abi.Op.QUEUE_CREATE, ctx.id, (q.id, priority, slot), fds=[os.dup(fd)])
+        self.fw_send(ctx.id, mailbox.fw_queue_create(queue_id=q.id, priority=priority,
+                                                     doorbell_slot=slot), fds=[os.dup(fd)])
         return q
 
     def destroy_queue(self, ctx: Context, q: Queue) -> None:
@@ -328,7 +338,7 @@ class AccelDevice:
         ring); the firmware forgets the queue once it drained. An imported name just goes."""
         del ctx.queues[q.id]
         q.close()
-        self.fw_send(abi.Op.QUEUE_DESTROY, ctx.id, (q.id,))
+        self.fw_send(ctx.id, mailbox.fw_queue_destroy(queue_id=q.id))
 
     def import_queue(self, ctx: Context, peer_index: int, peer_qid: int) -> Queue:
         """Make a queue of this process on another device waitable by ``ctx``'s queues."""
@@ -340,16 +350,17 @@ class AccelDevice:
         self._check_queue_limits(ctx)
         local = Queue(self.new_id(), 0, -1, -1, imported=True)
         ctx.queues[local.id] = local
-        self.fw_send(abi.Op.QUEUE_IMPORT, ctx.id, (local.id, peer_index, peer_qid),
+        self.fw_send(ctx.id, mailbox.fw_queue_import(queue_id=local.id, peer_index=peer_index,
+                                                     peer_queue_id=peer_qid),
                      fds=[os.dup(source.fd)])
         return local
 
     def submit_noop(self, ctx: Context) -> int:
         """The driver as producer on the context's default queue: the packet, its doorbell
         slot, the page's sequence word, then the firmware's doorbell."""
-        seqno = ctx.default_queue.push(bytes(uapi.accel_packet(opcode=uapi.Op.NOP)))
-        ctx.db.set(uapi.DB_SLOTS + 8 * uapi.ACCEL_DB_DEFAULT_SLOT, seqno)
-        ctx.db.set(uapi.DB_SEQ, ctx.db.get(uapi.DB_SEQ) + 1)
+        seqno = ctx.default_queue.push(bytes(userq.accel_packet(opcode=userq.Op.NOP)))
+        ctx.db.set(userq.DB_SLOTS + 8 * userq.ACCEL_DB_DEFAULT_SLOT, seqno)
+        ctx.db.set(userq.DB_SEQ, ctx.db.get(userq.DB_SEQ) + 1)
         if self.fw is not None:
             self.fw.ring_doorbell()
         return seqno
@@ -375,7 +386,7 @@ class AccelDevice:
     def hang_firmware(self) -> None:
         if self.fw is None:
             raise DriverError(errno.ENODEV, f"{self.name} has no running firmware")
-        self.fw.send(abi.Op.HANG, 0, ())
+        self.fw.send(0, mailbox.fw_hang())
 
     def _fail(self, err: int, message: str) -> None:
         log.warning("%s failed: %s", self.name, message)
@@ -411,7 +422,7 @@ class AccelDevice:
         self.fw_image = None  # versions report what runs, not what ran before
         self._static_info = None
         self.sched_hold = False  # a fresh firmware schedules
-        flags = abi.BootFlag.FAIL_BOOT if self.fw_boot_fail else 0
+        flags = mailbox.BootFlag.FAIL_BOOT if self.fw_boot_fail else 0
         try:
             img = load_image(self.firmware_dir)
             self.fw = await FirmwareProcess.boot(img, flags, self.name, self.memory_total,
@@ -453,20 +464,35 @@ class AccelDevice:
             fw.flush()
             while (item := fw.mbx.cpl.pop()) is not None:
                 try:
-                    self._completion(*item[0])
+                    self._completion(*item)
                 except Exception:  # a driver bug must not take the device down
-                    log.exception("%s: driver bug handling completion %s", self.name, item[0])
+                    log.exception("%s: driver bug handling completion %s", self.name, item[:3])
 
-    def _completion(self, op: int, status: int, ctx_id: int, *a: int) -> None:
-        if status:  # the firmware could not take something on (it could not map it)
-            log.warning("%s: firmware refused %s of context %d (%s, a0=%d)", self.name,
-                        abi.Op(op).name, ctx_id, errno.errorcode.get(status, status), a[0])
-            if op in (abi.Op.QUEUE_CREATE, abi.Op.QUEUE_IMPORT):
-                self._fault_queue(ctx_id, a[0], status)
-        elif op == abi.Op.UNMAP:
-            self.memory.unmapped(ctx_id, a[0])
-        elif op == abi.Op.CTX_DESTROY:
-            self.memory.context_destroyed(ctx_id)
+    def _completion(self, op: int, status: int, ctx_id: int, payload: bytes) -> None:
+        """Dispatch one firmware completion through ``COMPLETION_HANDLERS``."""
+        try:
+            msg = mailbox.decode(mailbox.COMPLETIONS, op, payload)
+        except mailbox.MessageError as exc:  # a firmware that speaks another mailbox
+            log.error("%s: firmware sent %s", self.name, exc)
+            return
+        COMPLETION_HANDLERS[mailbox.Op(op)](self, ctx_id, status, msg)
+
+    def _on_map_done(self, ctx_id: int, status: int, msg: mailbox.fw_map_done) -> None:
+        # the firmware could not map it: packets that touch it fault with EFAULT
+        log.warning("%s: firmware could not map %#x of context %d (%s)", self.name, msg.va,
+                    ctx_id, errno.errorcode.get(status, status))
+
+    def _on_queue_done(self, ctx_id: int, status: int, msg: mailbox.fw_queue_done) -> None:
+        log.warning("%s: firmware could not map the ring of queue %d of context %d (%s)",
+                    self.name, msg.queue_id, ctx_id, errno.errorcode.get(status, status))
+        self._fault_queue(ctx_id, msg.queue_id, status)
+
+    def _on_unmap_done(self, ctx_id: int, status: int, msg: mailbox.fw_unmap_done) -> None:
+        self.memory.unmapped(ctx_id, msg.va)
+
+    def _on_ctx_destroy_done(self, ctx_id: int, status: int,
+                             msg: mailbox.fw_ctx_destroy_done) -> None:
+        self.memory.context_destroyed(ctx_id)
 
     def _fault_queue(self, ctx_id: int, qid: int, code: int) -> None:
         """A queue the firmware could not map never runs: say so in its ring (the process
@@ -476,7 +502,7 @@ class AccelDevice:
         if ctx is None or q is None:
             return
         if q.fd >= 0:
-            ring = uapi.RingView(q.fd)
+            ring = userq.RingView(q.fd)
             try:
                 if not ring.read_fault()[0]:
                     ring.write_fault(max(1, ring.completed + 1), code, 0, 0)
@@ -510,3 +536,15 @@ class AccelDevice:
                 )
                 scope.cancel()
                 return
+
+
+#: What the driver does with each completion the firmware sends: one entry per op of
+#: ``mailbox.COMPLETIONS`` (checked when the driver loads).
+COMPLETION_HANDLERS: dict[mailbox.Op, Callable[[AccelDevice, int, int, Any], None]] = {
+    mailbox.Op.MAP: AccelDevice._on_map_done,
+    mailbox.Op.QUEUE_CREATE: AccelDevice._on_queue_done,
+    mailbox.Op.QUEUE_IMPORT: AccelDevice._on_queue_done,
+    mailbox.Op.UNMAP: AccelDevice._on_unmap_done,
+    mailbox.Op.CTX_DESTROY: AccelDevice._on_ctx_destroy_done,
+}
+assert set(COMPLETION_HANDLERS) == set(mailbox.COMPLETIONS), "a completion without a handler"

@@ -3,7 +3,7 @@
 ``execute`` takes one write to a device node, validates it without trusting any byte
 (header, command number, size, reserved fields, flags, handles), runs the handler and
 stores the reply under the caller's tag. Each handler is a small function over the
-caller's ``OpenFile``; the table pairs commands (from :mod:`kmod_emul.uapi`) with them.
+caller's ``OpenFile``; the table pairs commands (from :mod:`abi.uapi`) with them.
 
 No handler waits for the device: the kernel holds the device node's lock for every
 tenant while a write runs (FUSE direct I/O), so a handler that slept would stall them all.
@@ -18,7 +18,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kmod_emul import modules, uapi
+from abi import uapi
+from kmod_emul import modules
 from kmod_emul.context import OpenFile
 from kmod_emul.device import DRIVER_VERSION
 from kmod_emul.errors import DriverError

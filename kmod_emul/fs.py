@@ -1,7 +1,7 @@
 """The FUSE filesystem: a static tree of device nodes and attribute files.
 
 ``dev/accel/accelN`` opens a device (one open = one ``OpenFile``); a write runs one command
-transaction and a read at offset ``tag`` fetches its reply (see :mod:`kmod_emul.uapi`).
+transaction and a read at offset ``tag`` fetches its reply (see :mod:`abi.uapi`).
 Attribute files render their value when opened and are served with ``direct_io`` so that
 readers never see a stale page-cache copy of a changing value.
 

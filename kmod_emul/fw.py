@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from firmware import abi, image
+from abi import fwimage, mailbox
+from abi._struct import Struct
 from kmod_emul.errors import DriverError
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ BOOT_TIMEOUT_S = 30.0
 STOP_GRACE_S = 1.0
 
 
-def load_image(firmware_dir: Path, name: str = image.IMAGE_NAME) -> image.FirmwareImage:
+def load_image(firmware_dir: Path, name: str = fwimage.IMAGE_NAME) -> fwimage.FirmwareImage:
     """Read and verify ``firmware_dir/name`` or raise DriverError with a distinct errno."""
     path = firmware_dir / name
     try:
@@ -49,18 +50,18 @@ def load_image(firmware_dir: Path, name: str = image.IMAGE_NAME) -> image.Firmwa
     except OSError as exc:
         raise DriverError(errno.ENOPKG, f"firmware image {path} unreadable: {exc.strerror}") from None
     try:
-        img = image.parse(raw)
-    except image.ImageError as exc:
+        img = fwimage.parse(raw)
+    except fwimage.ImageError as exc:
         raise DriverError(
             errno.ENOEXEC,
             f"firmware image {path} is corrupt: {exc}; reinstall the image, then reset the device",
         ) from None
     lo, hi = img.manifest["abi_min"], img.manifest["abi_max"]
-    if not lo <= abi.MAILBOX_ABI <= hi:
+    if not lo <= mailbox.MAILBOX_ABI <= hi:
         raise DriverError(
             errno.ENOEXEC,
             f"firmware image {path} speaks mailbox ABI {lo}..{hi} but this driver speaks "
-            f"{abi.MAILBOX_ABI}; install a matching firmware, then reset the device",
+            f"{mailbox.MAILBOX_ABI}; install a matching firmware, then reset the device",
         )
     return img
 
@@ -70,9 +71,9 @@ class _Message:
     """A message on its way to the firmware, with the descriptors it carries (owned here
     until sent: the channel closes them once they are in flight)."""
 
-    op: int
+    op: mailbox.Op
     ctx_id: int
-    args: tuple[int, ...]
+    payload: Struct
     fds: list[int] = field(default_factory=list)
     fds_sent: bool = False
 
@@ -80,8 +81,8 @@ class _Message:
 class FirmwareProcess:
     """A running firmware: its process, mailbox, descriptor channel and wake-up pipes."""
 
-    def __init__(self, proc: trio.Process, mbx: abi.Mailbox, mem: mmap.mmap,
-                 doorbell_w: int, irq_r: int, fdchan: abi.FdChannel) -> None:
+    def __init__(self, proc: trio.Process, mbx: mailbox.Mailbox, mem: mmap.mmap,
+                 doorbell_w: int, irq_r: int, fdchan: mailbox.FdChannel) -> None:
         self.proc = proc
         self.mbx = mbx
         self._mem = mem
@@ -97,7 +98,7 @@ class FirmwareProcess:
         return self.proc.pid
 
     @classmethod
-    async def boot(cls, img: image.FirmwareImage, boot_flags: int, label: str,
+    async def boot(cls, img: fwimage.FirmwareImage, boot_flags: int, label: str,
                    vram_size: int, memcfg: MemoryConfig) -> FirmwareProcess:
         """Start a firmware process on ``img``; return once it reports READY.
 
@@ -105,15 +106,15 @@ class FirmwareProcess:
         descriptor channel for what clients bring, and nothing else of the daemon's.
         """
         memfd = os.memfd_create(f"accel-emu-{label}-mailbox", os.MFD_CLOEXEC)
-        os.ftruncate(memfd, abi.MAILBOX_SIZE)
-        mem = mmap.mmap(memfd, abi.MAILBOX_SIZE)
-        mbx = abi.Mailbox(memoryview(mem))
+        os.ftruncate(memfd, mailbox.MAILBOX_SIZE)
+        mem = mmap.mmap(memfd, mailbox.MAILBOX_SIZE)
+        mbx = mailbox.Mailbox(memoryview(mem))
         mbx.host_init(img.raw, boot_flags)
         doorbell_r, doorbell_w = os.pipe()
         irq_r, irq_w = os.pipe()
         os.set_blocking(irq_r, False)
         os.set_blocking(doorbell_w, False)  # a full pipe means "already rung", never a stall
-        fdchan, theirs = abi.FdChannel.pair()
+        fdchan, theirs = mailbox.FdChannel.pair()
         vram = ",".join(f"{dev}:{fd}" for dev, fd in memcfg.vram_fds.items())
         try:
             proc = await trio.lowlevel.open_process(
@@ -143,9 +144,9 @@ class FirmwareProcess:
         with trio.move_on_after(BOOT_TIMEOUT_S):
             while True:
                 state = self.mbx.fw_state
-                if state == abi.FwState.READY:
+                if state == mailbox.FwState.READY:
                     return
-                if state == abi.FwState.BOOT_FAILED:
+                if state == mailbox.FwState.BOOT_FAILED:
                     raise DriverError(errno.EIO, f"firmware failed to boot: {self.mbx.boot_message}")
                 if self.proc.poll() is not None:
                     raise DriverError(
@@ -166,15 +167,16 @@ class FirmwareProcess:
             return True
         return False
 
-    def send(self, op: abi.Op, ctx_id: int, args: tuple[int, ...] = (),
-             fds: list[int] | None = None) -> None:
-        """Queue a message and ring the doorbell. Never drops one: a message that finds the
+    def send(self, ctx_id: int, payload: Struct, fds: list[int] | None = None) -> None:
+        """Queue the message whose payload is ``payload`` (its op is the struct's, from
+        ``mailbox.OP_OF``) and ring the doorbell. Never drops one: a message that finds the
         ring full waits in the backlog, which drains (in order) on the next interrupt.
-        ``fds`` (owned by the call from here on) travel on the descriptor channel; the
-        message's last argument word is then their cookie."""
+        ``fds`` (owned by the call from here on) travel on the descriptor channel under
+        the cookie this sets in the payload."""
         if fds:
-            args = (*args, next(self._cookies))
-        self._backlog.append(_Message(op, ctx_id, args, list(fds or ())))
+            payload.cookie = next(self._cookies)
+        self._backlog.append(_Message(mailbox.OP_OF[type(payload)], ctx_id, payload,
+                                      list(fds or ())))
         self.flush()
 
     def flush(self) -> None:
@@ -182,10 +184,10 @@ class FirmwareProcess:
         while self._backlog:
             msg = self._backlog[0]
             if msg.fds and not msg.fds_sent:
-                if not self._fdchan.send(msg.args[-1], msg.fds):
+                if not self._fdchan.send(msg.payload.cookie, msg.fds):
                     break  # the channel is full: the firmware drains it as it goes
                 msg.fds_sent = True
-            if not self.mbx.cmd.push(msg.op, msg.ctx_id, msg.args):
+            if not self.mbx.cmd.push(msg.op, msg.ctx_id, msg.payload):
                 break
             self._backlog.popleft()
             sent = True

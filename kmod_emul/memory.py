@@ -27,8 +27,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from firmware import abi
-from kmod_emul import limits, uapi, userfd
+from abi import mailbox, uapi
+from kmod_emul import limits, userfd
 from kmod_emul.errors import DriverError
 
 if TYPE_CHECKING:
@@ -250,12 +250,13 @@ class DeviceMemory:
         firmware the process's memfd (the driver keeps no copy: host memory is mapped into
         its allocating context only, never a peer's)."""
         b = alloc.backing
-        args = (alloc.va, b.size, int(b.kind), b.owner.index, b.offset)
+        msg = mailbox.fw_map(va=alloc.va, size=b.size, kind=int(b.kind), owner=b.owner.index,
+                             offset=b.offset)
         if b.kind == uapi.MemKind.DEVICE:
-            dev.fw_send(abi.Op.MAP, ctx.id, args)
+            dev.fw_send(ctx.id, msg)
         else:
             fd, b.fd = b.fd, -1
-            dev.fw_send(abi.Op.MAP, ctx.id, args, fds=[fd])
+            dev.fw_send(ctx.id, msg, fds=[fd])
         alloc.maps.append((dev, ctx))
 
     def free(self, ctx: Context, alloc: Allocation) -> Backing:
@@ -267,7 +268,7 @@ class DeviceMemory:
             if map_ctx.lost is None and dev.fw is not None:
                 b.pending += 1
                 dev.memory.unmapping[(map_ctx.id, alloc.va)] = b
-                dev.fw_send(abi.Op.UNMAP, map_ctx.id, (alloc.va,))
+                dev.fw_send(map_ctx.id, mailbox.fw_unmap(va=alloc.va))
         alloc.maps.clear()
         b.release_if_unused()
         return b

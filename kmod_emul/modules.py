@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from firmware import abi
-from kmod_emul import limits, uapi, userfd
+from abi import kernel_lang, mailbox, uapi
+from kmod_emul import limits, userfd
 from kmod_emul.errors import DriverError
 
 if TYPE_CHECKING:
@@ -67,10 +67,10 @@ def check_module(raw: bytes, caps: set[str], limit: int,
         raise _invalid(f"not JSON ({type(exc).__name__})") from None
     if not isinstance(mod, dict) or mod.get("format") != 1:
         raise _invalid("unknown module format (expected format 1)")
-    if (mod.get("isa"), mod.get("isa_version")) != (uapi.ACCEL_ISA, uapi.ACCEL_ISA_VERSION):
+    if (mod.get("isa"), mod.get("isa_version")) != (kernel_lang.ISA, kernel_lang.ISA_VERSION):
         raise DriverError(errno.ENOEXEC, f"module built for {mod.get('isa')!r:.40} "
                                          f"{mod.get('isa_version')!r:.40}; {device_name} runs "
-                                         f"{uapi.ACCEL_ISA} {uapi.ACCEL_ISA_VERSION}")
+                                         f"{kernel_lang.ISA} {kernel_lang.ISA_VERSION}")
     kernels = mod.get("kernels")
     if not isinstance(kernels, dict) or not kernels or len(kernels) > 0xFFFF:
         raise _invalid("a module holds 1 to 65535 kernels")
@@ -91,7 +91,7 @@ def check_module(raw: bytes, caps: set[str], limit: int,
         if shared > limit:
             raise _invalid(f"kernel {name} needs {shared} bytes of block-shared memory; "
                            f"{device_name} has {limit} per block")
-        for flag, cap in uapi.KERNEL_FLAG_CAPS:
+        for flag, cap in kernel_lang.KERNEL_FLAG_CAPS:
             if k.get(flag) and cap not in caps:
                 raise DriverError(errno.EOPNOTSUPP, f"kernel {name} needs {cap}; {device_name} "
                                                     "lacks it")
@@ -104,7 +104,7 @@ def _param_ok(p: Any) -> bool:
         return False
     kind, dtype = p.get("kind"), p.get("dtype")
     return (isinstance(kind, str) and kind in _KINDS
-            and (dtype is None or (isinstance(dtype, str) and dtype in uapi.DTYPE_CODES)))
+            and (dtype is None or (isinstance(dtype, str) and dtype in kernel_lang.DTYPE_CODES)))
 
 
 def module_bytes(dev: AccelDevice, pid: int | None = None) -> int:
@@ -150,7 +150,7 @@ async def load(dev: AccelDevice, ctx: Context, fd: int, size: int) -> Module:
         raise
     mod = Module(dev.new_id(), kernels, size)
     ctx.modules[mod.id] = mod
-    dev.fw_send(abi.Op.MODULE_LOAD, ctx.id, (mod.id, size), fds=[mine])
+    dev.fw_send(ctx.id, mailbox.fw_module_load(module_id=mod.id, size=size), fds=[mine])
     return mod
 
 
@@ -159,7 +159,7 @@ def unload(dev: AccelDevice, ctx: Context, module_id: int) -> None:
     if mod is None:
         raise DriverError(errno.ENOENT, f"module {module_id} does not belong to context {ctx.id}")
     mod.release()
-    dev.fw_send(abi.Op.MODULE_UNLOAD, ctx.id, (module_id,))
+    dev.fw_send(ctx.id, mailbox.fw_module_unload(module_id=module_id))
 
 
 def get_kernel(ctx: Context, module_id: int, name: str) -> tuple[int, int, int]:

@@ -19,8 +19,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from firmware import abi
-from kmod_emul import uapi
+from abi import mailbox, uapi
 from kmod_emul.device import AccelDevice
 from kmod_emul.drv import DriverInfo
 from kmod_emul.errors import DriverError
@@ -119,7 +118,7 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         pinned_bytes=Attr(read=lambda: str(dev.memory.pinned_bytes())),
         host_allocations=Attr(read=lambda: str(dev.memory.host_allocations())),
     )
-    attrs.update({name: Attr(read=functools.partial(_fw_stat, dev, name)) for name in abi.STAT_NAMES})
+    attrs.update({name: Attr(read=functools.partial(_fw_stat, dev, name)) for name in mailbox.STAT_NAMES})
     return attrs
 
 
@@ -166,7 +165,7 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
 
     def set_sched_hold(text: str) -> None:
         dev.sched_hold = _bool(text)
-        dev.fw_send(abi.Op.HOLD, 0, (int(dev.sched_hold),))
+        dev.fw_send(0, mailbox.fw_hold(hold=int(dev.sched_hold)))
 
     return {
         "fw_pid": Attr(read=lambda: str(dev.fw.pid) if dev.fw else ""),

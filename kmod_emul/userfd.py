@@ -27,7 +27,7 @@ import fcntl
 import os
 import stat
 
-from kmod_emul import uapi
+from abi import uapi
 from kmod_emul.errors import DriverError
 
 _TMPFS_MAGIC = 0x01021994

@@ -13,14 +13,11 @@ import ctypes
 import errno
 import itertools
 import os
-import struct
 from typing import Any
 
-from kmod_emul import uapi
+from abi import uapi
 from runtime import discovery, errors
 
-_HDR = struct.Struct("<IIQ")
-assert _HDR.size == ctypes.sizeof(uapi.accel_cmd_hdr)
 _tags = itertools.count(1)
 
 
@@ -78,7 +75,7 @@ class Channel:
             raise errors.InvalidValueError(f"context on {self.physical} is closed")
         tag = next(_tags)
         try:
-            os.pwrite(self.fd, _HDR.pack(cmd.code, 0, tag) + bytes(arg), 0)
+            os.pwrite(self.fd, uapi.CMD_HDR.pack(cmd.code, 0, tag) + bytes(arg), 0)
             if not cmd.has_reply:
                 return None
             return cmd.struct.from_buffer_copy(os.pread(self.fd, ctypes.sizeof(cmd.struct), tag))

@@ -14,7 +14,7 @@ import fcntl
 import mmap
 import os
 
-from kmod_emul import uapi
+from abi import uapi
 
 
 def sealed_memfd(name: str, size: int, data: bytes | None = None) -> int:

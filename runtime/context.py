@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kmod_emul import uapi
+from abi import uapi, userq
 from runtime import discovery, errors
 from runtime._channel import Channel, fork_message
 from runtime._shm import sealed_memfd
@@ -39,8 +39,8 @@ from runtime._shm import sealed_memfd
 #: Longest one sleep on the event pipe before the condition is looked at again anyway.
 _RECHECK_S = 0.1
 #: doorbell-page words, as indices of ``SharedWords.words``
-_DB_SEQ, _DB_SLEEPING, _DB_SLOTS = (uapi.DB_SEQ >> 3, uapi.DB_FW_SLEEPING >> 3,
-                                    uapi.DB_SLOTS >> 3)
+_DB_SEQ, _DB_SLEEPING, _DB_SLOTS = (userq.DB_SEQ >> 3, userq.DB_FW_SLEEPING >> 3,
+                                    userq.DB_SLOTS >> 3)
 
 
 class Events:
@@ -121,11 +121,11 @@ class Context:
     def __init__(self, physical: str, *, exclusive: bool = False) -> None:
         self.physical = physical
         self.channel = Channel(physical)
-        db_fd = sealed_memfd("doorbell-page", uapi.ACCEL_DB_PAGE_SIZE)
+        db_fd = sealed_memfd("doorbell-page", userq.ACCEL_DB_PAGE_SIZE)
         bell_r, bell_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         event_r, event_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         try:
-            self.db = uapi.SharedWords(db_fd, uapi.ACCEL_DB_PAGE_SIZE)
+            self.db = userq.SharedWords(db_fd, userq.ACCEL_DB_PAGE_SIZE)
             reply = self.channel.call(
                 uapi.ACCEL_CMD_CTX_CREATE,
                 uapi.accel_ctx_create(
@@ -171,7 +171,7 @@ class Context:
     def check_live(self, what: str) -> None:
         """Raise if this process forked since, or the driver marked the context lost."""
         self.check_fork()
-        if self.db.get(uapi.DB_LOST):
+        if self.db.get(userq.DB_LOST):
             raise self.lost_error(what)
 
     def lost_error(self, what: str, cause: str | None = None) -> errors.DeviceLostError:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
-from kmod_emul import uapi
+from abi import uapi
 from runtime import discovery, errors
 from runtime._channel import fork_message
 from runtime.context import Context

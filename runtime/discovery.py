@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from kmod_emul import uapi
+from abi import uapi
 
 
 def root() -> Path:

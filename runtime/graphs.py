@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kmod_emul import uapi
+from abi import uapi
 from runtime import errors
 from runtime.stream import Stream, current_stream
 

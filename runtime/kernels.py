@@ -26,61 +26,50 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from kmod_emul import uapi
-
+from abi import kernel_lang
 from runtime.errors import InvalidValueError
 
-FORMAT = 1
-ISA = uapi.ACCEL_ISA
-ISA_VERSION = uapi.ACCEL_ISA_VERSION
+FORMAT = kernel_lang.IR_FORMAT
+ISA = kernel_lang.ISA
+ISA_VERSION = kernel_lang.ISA_VERSION
 
-#: dtype name -> (launch-ABI dtype code, itemsize in bytes). Codes are docs/kernels.md's.
-#: The element types and their short spellings are the launch ABI's (kmod_emul.uapi).
-DTYPES = uapi.DTYPES
-DTYPE_ALIASES = uapi.DTYPE_ALIASES
+#: dtype name -> (launch-ABI dtype code, itemsize in bytes), and their short spellings:
+#: the language's (abi/kernel_lang.py), which the firmware's checker reads too.
+DTYPES = kernel_lang.DTYPES
+DTYPE_ALIASES = kernel_lang.DTYPE_ALIASES
 
-_ID_BUILTINS = frozenset({"global_id", "local_id", "group_id", "local_size", "num_groups"})
+_ID_BUILTINS = kernel_lang.builtins_of("id")
 #: Built-ins whose value differs between the threads of one block.
-_THREAD_IDS = frozenset({"global_id", "local_id"})
-_UNARY_BUILTINS = frozenset({"sqrt", "exp", "log", "sin", "cos", "tanh", "abs", "floor",
-                             "float", "int"})
-_VARIADIC_BUILTINS = frozenset({"min", "max"})
-#: Block-collective built-ins: every thread of a block issues them together, so the
-#: barrier rule (same trip count in every thread, no thread-dependent early return)
-#: applies to each of them, not only to barrier().
-_COLLECTIVES = frozenset({"barrier", "mma"})
+_THREAD_IDS = kernel_lang.PER_THREAD
+_UNARY_BUILTINS = kernel_lang.builtins_of("math", "convert")
+_VARIADIC_BUILTINS = kernel_lang.builtins_of("minmax")
+#: Block-collective built-ins (barrier, mma): every thread of a block issues them
+#: together, so the barrier rule (same trip count in every thread, no thread-dependent
+#: early return) applies to each of them, not only to barrier().
+_COLLECTIVES = kernel_lang.COLLECTIVES
 #: Built-ins that return nothing: legal only as expression statements.
-_STATEMENT_BUILTINS = frozenset({"barrier", "atomic_add", "mma"})
-#: mma(c, a, b, row, col, k0, tm, tn, tk, beta): the matrix unit, once per block,
-#: ``c[row:row+tm, col:col+tn] = beta * c[...] + a[row:row+tm, k0:k0+tk] @ b[k0:k0+tk,
-#: col:col+tn]``. The operands are 2-D buffer parameters; the rest are uniform scalars.
-_MMA_NARGS = 10
-_MMA_OPERANDS = 3
-_MMA_DTYPES = ("float32", "float64")
-#: Block-shared memory declarations -> their arity; the dtype name is the last argument.
-#: Each is legal only as the right side of a plain ``name = ...(...)``, which binds
-#: ``name`` to a block-shared array:
-#:
-#: - ``shared_array(shape, dtype)``: static; its bytes count in the IR's ``shared_mem``.
-#: - ``dynamic_shared(dtype)``: CUDA's ``extern __shared__``, a 1-D array over the block's
-#:   dynamic shared memory, whose size each launch chooses
-#:   (``kernel[grid, block](..., shared_mem=NBYTES)``); it adds 0 bytes to ``shared_mem``
-#:   and sets the IR's ``dynamic_shared``. Several declarations in one kernel are allowed
-#:   and, as in CUDA, alias the same per-block memory, each viewed with its own dtype.
-_SHARED_DECLS: dict[str, int] = {"shared_array": 2, "dynamic_shared": 1}
-BUILTINS: frozenset[str] = (_ID_BUILTINS | _UNARY_BUILTINS | _VARIADIC_BUILTINS
-                            | frozenset(_SHARED_DECLS) | _STATEMENT_BUILTINS)
+_STATEMENT_BUILTINS = kernel_lang.builtins_of("statement")
+_MMA_NARGS = kernel_lang.BUILTINS["mma"].nargs
+_MMA_OPERANDS = kernel_lang.MMA_OPERANDS
+_MMA_DTYPES = kernel_lang.MMA_DTYPES
+#: Block-shared memory declarations -> their arity (see kernel_lang.BUILTINS). Each is
+#: legal only as the right side of a plain ``name = ...(...)``, which binds ``name`` to a
+#: block-shared array; several ``dynamic_shared`` declarations alias the same memory, as
+#: in CUDA, each viewed with its own dtype (``kernel[grid, block](..., shared_mem=N)``
+#: sizes it per launch).
+_SHARED_DECLS: dict[str, int] = {n: kernel_lang.BUILTINS[n].nargs or 0
+                                 for n in kernel_lang.builtins_of("declaration")}
+BUILTINS: frozenset[str] = frozenset(kernel_lang.BUILTINS)
 #: Names a kernel can never bind (``range`` is only legal as a for loop's iterable).
-_RESERVED = BUILTINS | {"range"}
+_RESERVED = kernel_lang.RESERVED
 #: Host built-ins that are worth a pointed message rather than "not a built-in".
 _FORBIDDEN_CALLS = frozenset({"exec", "eval", "compile", "__import__", "open", "getattr",
                               "setattr", "delattr", "globals", "locals", "vars", "input"})
 
-_AUG_OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.BitAnd,
-            ast.BitOr, ast.BitXor, ast.LShift, ast.RShift)
-_BIN_OPS = _AUG_OPS + (ast.Pow,)
-_UNARY_OPS = (ast.UAdd, ast.USub, ast.Not, ast.Invert)
-_CMP_OPS = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+_AUG_OPS = tuple(getattr(ast, n) for n in kernel_lang.AUGMENTED_OPS)
+_BIN_OPS = tuple(getattr(ast, n) for n in kernel_lang.BINARY_OPS)
+_UNARY_OPS = tuple(getattr(ast, n) for n in kernel_lang.UNARY_OPS)
+_CMP_OPS = tuple(getattr(ast, n) for n in kernel_lang.COMPARE_OPS)
 _OP_SYMBOLS = {ast.Pow: "**", ast.MatMult: "@", ast.Is: "is", ast.IsNot: "is not",
                ast.In: "in", ast.NotIn: "not in"}
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kmod_emul import uapi
+from abi import kernel_lang, uapi, userq
 from runtime import devices as _device
 from runtime import errors
 from runtime._shm import sealed_memfd
@@ -116,13 +116,13 @@ class Kernel:
             if p.get("ndim") not in (None, len(shape)):
                 raise errors.InvalidValueError(f"{self.name}: argument {p['name']} must have "
                                                f"{p['ndim']} dimensions, got {len(shape)}")
-            code = uapi.DTYPE_CODES[dtype.name]
+            code = kernel_lang.DTYPE_CODES[dtype.name]
             nbytes = int(np.prod(shape)) * dtype.itemsize
-            out = [uapi.ARG_RECORD.pack(uapi.ARG_BUFFER, code, va, nbytes)]
+            out = [userq.ARG_RECORD.pack(userq.ARG_BUFFER, code, va, nbytes)]
             dims = [int(d) for d in shape] if shape else [1]
             for i in range(0, len(dims), 2):
                 pair = dims[i : i + 2]
-                out.append(uapi.ARG_RECORD.pack(uapi.ARG_SHAPE, len(pair), pair[0],
+                out.append(userq.ARG_RECORD.pack(userq.ARG_SHAPE, len(pair), pair[0],
                                                 pair[1] if len(pair) > 1 else 0))
             uses.append(value)
             return out
@@ -132,7 +132,7 @@ class Kernel:
         dtype = np.dtype(want) if want else (np.dtype(value.dtype) if isinstance(
             value, (np.number, np.bool_)) else np.dtype(type(value)))
         bits = int.from_bytes(np.array(value, dtype).tobytes().ljust(8, b"\0"), "little")
-        return [uapi.ARG_RECORD.pack(uapi.ARG_SCALAR, uapi.DTYPE_CODES[dtype.name], bits, 0)]
+        return [userq.ARG_RECORD.pack(userq.ARG_SCALAR, kernel_lang.DTYPE_CODES[dtype.name], bits, 0)]
 
     def launch(self, grid: Any, block: Any, args: Sequence[Any], stream: Stream | None = None,
                shared_mem: int = 0) -> int:
@@ -170,8 +170,8 @@ class Kernel:
         return seqno
 
     def _packet(self, grid: tuple[int, int, int], block: tuple[int, int, int], dynamic: int,
-                args_va: int, length: int) -> uapi.accel_packet:
-        return _packet(uapi.Op.LAUNCH, self.handle, uapi.pack_dims(grid), uapi.pack_dims(block),
+                args_va: int, length: int) -> userq.accel_packet:
+        return _packet(userq.Op.LAUNCH, self.handle, userq.pack_dims(grid), userq.pack_dims(block),
                        dynamic, args_va, length)
 
 
@@ -199,7 +199,7 @@ class Module:
                 raise
             have = self.properties.capabilities
             needs = [f"{name} needs {cap}" for name, k in ir["kernels"].items()
-                     for flag, cap in uapi.KERNEL_FLAG_CAPS if k.get(flag) and cap not in have]
+                     for flag, cap in kernel_lang.KERNEL_FLAG_CAPS if k.get(flag) and cap not in have]
             raise errors.InvalidValueError(f"module not loadable on accel:{self.device}: "
                                            f"{'; '.join(needs) or exc}", exc.errno) from None
         finally:

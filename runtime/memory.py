@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from kmod_emul import uapi
+from abi import uapi, userq
 from runtime import devices as _device
 from runtime import discovery, errors
 from runtime._shm import map_memfd, sealed_memfd
@@ -144,8 +144,8 @@ def _refuse_allocation_in_capture(what: str) -> None:
             "capturing (device arrays made during capture come from the graph's pool)")
 
 
-def _packet(op: uapi.Op, *args: int) -> uapi.accel_packet:
-    return uapi.accel_packet(opcode=op, a=(*args, *(0,) * (7 - len(args))))
+def _packet(op: userq.Op, *args: int) -> userq.accel_packet:
+    return userq.accel_packet(opcode=op, a=(*args, *(0,) * (7 - len(args))))
 
 
 class DeviceArray:
@@ -213,7 +213,7 @@ class DeviceArray:
         s = stream or current_stream(self.device)
         va = host_va(host)
         if va is not None:
-            s.submit([_packet(uapi.Op.COPY, self.va, va, self.nbytes)], uses=(self, host))
+            s.submit([_packet(userq.Op.COPY, self.va, va, self.nbytes)], uses=(self, host))
         else:
             _refuse_in_capture(s, "a copy from pageable memory (it needs the host)")
             _staging(self.device).to_device(s, self.va, host.reshape(-1).view(np.uint8))
@@ -225,11 +225,11 @@ class DeviceArray:
         s = stream or current_stream(self.device)
         va = host_va(out)
         if va is not None and stream is not None:  # asynchronous
-            s.submit([_packet(uapi.Op.COPY, va, self.va, self.nbytes)], uses=(self, out))
+            s.submit([_packet(userq.Op.COPY, va, self.va, self.nbytes)], uses=(self, out))
         else:
             _refuse_in_capture(s, "a host read (it needs the host to wait)")
             if va is not None:
-                s.wait_seqno(s.submit([_packet(uapi.Op.COPY, va, self.va, self.nbytes)]))
+                s.wait_seqno(s.submit([_packet(userq.Op.COPY, va, self.va, self.nbytes)]))
             else:
                 _staging(self.device).to_host(s, out.reshape(-1).view(np.uint8), self.va)
         return out
@@ -239,7 +239,7 @@ class DeviceArray:
         if src.nbytes != self.nbytes:
             raise errors.InvalidValueError(f"copy_: {src.nbytes} bytes into {self.nbytes}")
         s = stream or current_stream(self.device)
-        s.submit([_packet(uapi.Op.COPY, self.va, src.va, self.nbytes)], uses=(self, src))
+        s.submit([_packet(userq.Op.COPY, self.va, src.va, self.nbytes)], uses=(self, src))
         return self
 
     def memset(self, value: int, stream: Stream | None = None) -> DeviceArray:
@@ -247,7 +247,7 @@ class DeviceArray:
         if not 0 <= value <= 0xFF:
             raise errors.InvalidValueError(f"memset value {value} is not a byte")
         (stream or current_stream(self.device)).submit(
-            [_packet(uapi.Op.MEMSET, self.va, self.nbytes, value)], uses=(self,))
+            [_packet(userq.Op.MEMSET, self.va, self.nbytes, value)], uses=(self,))
         return self
 
     def ipc_handle(self) -> IpcHandle:
@@ -361,7 +361,7 @@ class HostArray(np.ndarray):
         if self._accel is None or self._accel.kind != uapi.MemKind.MANAGED:
             raise errors.InvalidValueError("prefetch is for managed memory")
         s = stream or current_stream(_runtime_index(self._accel.ctx))
-        s.wait_seqno(s.submit([_packet(uapi.Op.PREFETCH, self.device_va, self.nbytes,
+        s.wait_seqno(s.submit([_packet(userq.Op.PREFETCH, self.device_va, self.nbytes,
                                        int(to_device))]))
 
 
@@ -426,7 +426,7 @@ class _Staging:
                 chunk = src[off : off + STAGING_CHUNK]
                 self._ready(i)
                 self.bufs[i][: len(chunk)] = chunk
-                self.done[i] = (s, s.submit([_packet(uapi.Op.COPY, dst_va + off,
+                self.done[i] = (s, s.submit([_packet(userq.Op.COPY, dst_va + off,
                                                       self.bufs[i].device_va, len(chunk))]))
 
     def to_host(self, s: Stream, dst: np.ndarray, src_va: int) -> None:
@@ -437,7 +437,7 @@ class _Staging:
                 i = n % 2
                 self._ready(i)
                 length = min(STAGING_CHUNK, len(dst) - off)
-                seqno = s.submit([_packet(uapi.Op.COPY, self.bufs[i].device_va, src_va + off, length)])
+                seqno = s.submit([_packet(userq.Op.COPY, self.bufs[i].device_va, src_va + off, length)])
                 pending.append((i, off, length, seqno))
                 if len(pending) == 2:
                     self._drain(s, dst, pending.pop(0))

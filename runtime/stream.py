@@ -23,17 +23,16 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from kmod_emul import uapi
+from abi import uapi, userq
 from runtime import devices as _device
 from runtime import errors
 from runtime._shm import sealed_memfd
 from runtime.context import Context
 
-
-_NOP = bytes(uapi.accel_packet(opcode=uapi.Op.NOP))
+_NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
 #: ring words, as indices of ``RingView.words``
-_WPTR, _RPTR = uapi.RING_WPTR >> 3, uapi.RING_RPTR >> 3
-_ERROR_SEQNO = uapi.RING_ERROR_SEQNO >> 3
+_WPTR, _RPTR = userq.RING_WPTR >> 3, userq.RING_RPTR >> 3
+_ERROR_SEQNO = userq.RING_ERROR_SEQNO >> 3
 #: Poll the fence in shared memory this long (yielding the CPU, which the firmware may
 #: need on a 2-core machine) before sleeping on the context's event pipe: waking a
 #: sleeping firmware takes a few hundred microseconds here.
@@ -57,9 +56,9 @@ class Stream:
         self.device = _device._index(device)
         self.priority = priority
         self.ctx: Context = _device.primary_context(self.device)
-        fd = sealed_memfd("ring", uapi.RING_FILE_SIZE)
+        fd = sealed_memfd("ring", userq.RING_FILE_SIZE)
         try:
-            self._ring = uapi.RingView(fd)
+            self._ring = userq.RingView(fd)
             reply = self.ctx.channel.call(
                 uapi.ACCEL_CMD_QUEUE_CREATE,
                 uapi.accel_queue_create(
@@ -88,7 +87,7 @@ class Stream:
         return Stream.PRIORITY_RANGE
 
     # --- submission -------------------------------------------------------------------
-    def submit(self, packets: Sequence[uapi.accel_packet], uses: Sequence[Any] = ()) -> int:
+    def submit(self, packets: Sequence[userq.accel_packet], uses: Sequence[Any] = ()) -> int:
         """Queue packets in order; return the seqno of the last one. No system call unless
         the firmware sleeps. ``uses``: the arrays the packets touch (graph capture keeps
         them, to refuse a replay after they were freed)."""
@@ -107,7 +106,7 @@ class Stream:
                 self._raise_fault(self.last_seqno, refusing=True)
             wptr = self.last_seqno
             for pkt in packets:
-                if wptr - words[_RPTR] >= uapi.RING_SLOTS:
+                if wptr - words[_RPTR] >= userq.RING_SLOTS:
                     self._publish(wptr)  # full: let the firmware see what is there, wait
                     self._wait_room(wptr)
                 ring.write_packet(wptr, pkt if isinstance(pkt, bytes) else bytes(pkt))
@@ -122,7 +121,7 @@ class Stream:
         be taken) or the context is lost. The firmware is busy taking packets, so spin
         briefly before sleeping on the event pipe with the completion armed."""
         words = self._ring.words
-        want = wptr - uapi.RING_SLOTS + uapi.RING_SLOTS // 4  # rptr at which to go on
+        want = wptr - userq.RING_SLOTS + userq.RING_SLOTS // 4  # rptr at which to go on
 
         def room() -> bool:
             if words[_ERROR_SEQNO]:
@@ -144,16 +143,16 @@ class Stream:
         """Ask the firmware for an event when the fence reaches ``seqno`` (the lowest
         armed wins: other threads may wait for earlier points of this stream)."""
         ring = self._ring
-        armed = ring.get(uapi.RING_IRQ_SEQNO)
+        armed = ring.get(userq.RING_IRQ_SEQNO)
         if armed == 0 or armed > seqno or armed <= ring.completed:
-            ring.set(uapi.RING_IRQ_SEQNO, seqno)
-            uapi.full_barrier()  # store the arming, then load the fence (the firmware mirrors)
+            ring.set(userq.RING_IRQ_SEQNO, seqno)
+            userq.full_barrier()  # store the arming, then load the fence (the firmware mirrors)
 
     def note_kernel(self, seqno: int, name: str) -> None:
         """Remember which kernel a launch was, so its fault can name it."""
         self._kernels[seqno] = name
-        if len(self._kernels) > 4 * uapi.RING_SLOTS:
-            for old in list(self._kernels)[: uapi.RING_SLOTS]:
+        if len(self._kernels) > 4 * userq.RING_SLOTS:
+            for old in list(self._kernels)[: userq.RING_SLOTS]:
                 del self._kernels[old]
 
     def submit_nop(self) -> int:
@@ -180,7 +179,7 @@ class Stream:
             return
         src = event.stream
         qid = src.queue_id if src.ctx is self.ctx else self.ctx.import_queue(src)
-        self.submit([uapi.accel_packet(opcode=uapi.Op.WAIT_QUEUE,
+        self.submit([userq.accel_packet(opcode=userq.Op.WAIT_QUEUE,
                                        a=(qid, event.seqno, 0, 0, 0, 0, 0))])
 
     def wait_stream(self, other: Stream) -> None:
@@ -277,7 +276,7 @@ class Stream:
 
 def _op_name(opcode: int) -> str:
     try:
-        return uapi.Op(opcode).name
+        return userq.Op(opcode).name
     except ValueError:
         return f"opcode {opcode}"
 
@@ -291,7 +290,7 @@ def fault_error(stream: Stream, seqno: int, code: int, opcode: int,
     }
     what = record["opcode"]
     cls: type[errors.DeviceFaultError] = errors.DeviceFaultError
-    if opcode == uapi.Op.LAUNCH:
+    if opcode == userq.Op.LAUNCH:
         cls = errors.KernelFaultError
         record["kernel"] = stream._kernels.get(seqno, "?")
         what = f"kernel {record['kernel']}"

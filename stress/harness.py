@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from abi import uapi
 from kmod_emul import daemon as kdaemon
-from kmod_emul import uapi
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -164,7 +164,7 @@ def assert_contained(d, before: Snapshot, timeout: float = 30.0) -> None:
         if now.daemon_fds != before.daemon_fds or now.fw_fds != before.fw_fds:
             problems.append(f"descriptors daemon {before.daemon_fds} -> {now.daemon_fds}, "
                             f"firmware {before.fw_fds} -> {now.fw_fds}")
-        if now.shm != before.shm:
+        if now.shm - before.shm:  # what others remove from the shared /dev/shm is theirs
             problems.append(f"/dev/shm gained {sorted(now.shm - before.shm)}")
         if not problems:
             return
@@ -207,6 +207,10 @@ class Bystander:
         if line != "ready":
             self.close()
             raise AssertionError(f"bystander did not start: {line!r} {self.proc.stderr.read()}")
+        # one round before anyone takes a snapshot: what its checks create lazily (staging
+        # buffers, the firmware's copies of their descriptors) is then part of the baseline
+        # (without it, a snapshot under load could miss one descriptor that came later)
+        self.check()
 
     def check(self) -> None:
         assert self.proc.poll() is None, "the bystander died"
@@ -235,7 +239,7 @@ def as_user(code: str, uid: int = NOBODY, imports: str = "") -> str:
     """``code`` run as ``uid`` after importing what it needs as root (``imports``: extra
     import lines; runtime, its kernel front end and numpy are always imported)."""
     return (f"import os, sys, errno, json, numpy as np, runtime, runtime.kernels\n"
-            f"from kmod_emul import uapi\n{imports}\n"
+            f"from abi import kernel_lang, uapi, userq\n{imports}\n"
             f"os.setgroups([]); os.setresgid({uid}, {uid}, {uid}); os.setresuid({uid}, {uid}, {uid})\n"
             + textwrap.dedent(code))
 

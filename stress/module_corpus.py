@@ -57,8 +57,7 @@ import threading
 import time
 from typing import Any
 
-from firmware import image as fw_image
-from kmod_emul import uapi
+from abi import fwimage, kernel_lang, uapi, userq
 from stress.harness import (
     REPO,
     Bystander,
@@ -87,7 +86,7 @@ BUFFERS: dict[str, tuple[str, tuple[int, ...]]] = {
     "x2": ("float64", (3, 5)), "out2": ("float64", (3, 5)),
     "a": ("float64", (4, 3)), "b": ("float64", (3, 5)), "c": ("float64", (4, 5)),
 }
-ITEM = {name: (code, size) for name, (code, size) in uapi.DTYPES.items()}
+ITEM = {name: (code, size) for name, (code, size) in kernel_lang.DTYPES.items()}
 
 # --------------------------------------------------------------------------- the attacker
 
@@ -95,7 +94,7 @@ _ATTACKER = r"""
 import os, sys, json, base64, time, mmap, fcntl, errno as E
 sys.path.insert(0, TESTS)
 from rawdev import RawDev
-from kmod_emul import uapi
+from abi import kernel_lang, uapi, userq
 from runtime._shm import sealed_memfd
 ROOT = os.environ["ACCEL_EMU_ROOT"]
 U64 = (1 << 64) - 1
@@ -139,7 +138,7 @@ if cfg.get("peer") is not None:  # a context of ours on another device, no peer 
 
 def pkt(op, *a, flags=0):
     a = [v & U64 for v in a]
-    return bytes(uapi.accel_packet(opcode=op, flags=flags & 0xFFFFFFFF,
+    return bytes(userq.accel_packet(opcode=op, flags=flags & 0xFFFFFFFF,
                                    a=(*a, *(0,) * (7 - len(a)))))
 
 def run(q, pkts, timeout):
@@ -153,14 +152,14 @@ def run(q, pkts, timeout):
     return ring, False
 
 def zero_all():
-    ring, late = run(checkq, [pkt(uapi.Op.MEMSET, vas[b], sizes[b], 0) for b in cfg["buffers"]], 60)
+    ring, late = run(checkq, [pkt(userq.Op.MEMSET, vas[b], sizes[b], 0) for b in cfg["buffers"]], 60)
     if late or ring.read_fault()[0]:
         raise RuntimeError("the check queue could not clear the buffers")
 
 def dirty():
     pk, off = [], CHECK
     for b in cfg["buffers"]:
-        pk.append(pkt(uapi.Op.COPY, pin.va + off, vas[b], sizes[b]))
+        pk.append(pkt(userq.Op.COPY, pin.va + off, vas[b], sizes[b]))
         off += sizes[b]
     ring, late = run(checkq, pk, 60)
     if late or ring.read_fault()[0]:
@@ -182,16 +181,16 @@ def block(items):
     for it in items:
         if it[0] == "buf":  # ["buf", buffer, code, shape, nbytes]
             _, b, code, shape, nbytes = it
-            raw += uapi.ARG_RECORD.pack(uapi.ARG_BUFFER, code, vas[b], nbytes & U64)
+            raw += userq.ARG_RECORD.pack(userq.ARG_BUFFER, code, vas[b], nbytes & U64)
             dims = list(shape)
             for i in range(0, len(dims), 2):
                 pair = dims[i:i + 2]
-                raw += uapi.ARG_RECORD.pack(uapi.ARG_SHAPE, len(pair), pair[0] & U64,
+                raw += userq.ARG_RECORD.pack(userq.ARG_SHAPE, len(pair), pair[0] & U64,
                                             (pair[1] if len(pair) > 1 else 0) & U64)
         elif it[0] == "scalar":  # ["scalar", code, bits]
-            raw += uapi.ARG_RECORD.pack(uapi.ARG_SCALAR, it[1], it[2] & U64, 0)
+            raw += userq.ARG_RECORD.pack(userq.ARG_SCALAR, it[1], it[2] & U64, 0)
         else:  # ["rec", kind, code, value, nbytes]
-            raw += uapi.ARG_RECORD.pack(it[1] & 0xFFFFFFFF, it[2] & 0xFFFFFFFF, value(it[3]),
+            raw += userq.ARG_RECORD.pack(it[1] & 0xFFFFFFFF, it[2] & 0xFFFFFFFF, value(it[3]),
                                         it[4] & U64)
     return raw
 
@@ -208,11 +207,11 @@ def launch(L, handles, mid):
     args_va = value(L["args_va"]) if "args_va" in L else pin.va + ARGS
     args_len = L.get("args_len", len(raw))
     grid, blk = L.get("grid", [1, 1, 1]), L.get("block", [1, 1, 1])
-    grid = grid if isinstance(grid, int) else uapi.pack_dims(tuple(grid))
-    blk = blk if isinstance(blk, int) else uapi.pack_dims(tuple(blk))
+    grid = grid if isinstance(grid, int) else userq.pack_dims(tuple(grid))
+    blk = blk if isinstance(blk, int) else userq.pack_dims(tuple(blk))
     q = dev.queue_create(ctx)
     t = time.monotonic()
-    ring, late = run(q, [pkt(uapi.Op.LAUNCH, h, grid, blk, L.get("dyn", 0), args_va, args_len,
+    ring, late = run(q, [pkt(userq.Op.LAUNCH, h, grid, blk, L.get("dyn", 0), args_va, args_len,
                              flags=L.get("flags", 0))], L.get("timeout", 60))
     seq, code, op, addr = ring.read_fault()
     res = {"fault": E.errorcode.get(code, str(code)) if seq else "", "addr": addr,
@@ -339,11 +338,11 @@ def sync():
     mid = load(dev, ctx, base64.b64decode(cfg["good"])).module_id
     h = dev.call(uapi.ACCEL_CMD_KERNEL_GET, uapi.accel_kernel_get(
         ctx_id=ctx, module_id=mid, name=b"k")).handle
-    raw = uapi.ARG_RECORD.pack(uapi.ARG_BUFFER, 10, vas["x"], 64) + uapi.ARG_RECORD.pack(
-        uapi.ARG_SHAPE, 1, 8, 0)
+    raw = userq.ARG_RECORD.pack(userq.ARG_BUFFER, 10, vas["x"], 64) + userq.ARG_RECORD.pack(
+        userq.ARG_SHAPE, 1, 8, 0)
     pmem[ARGS:ARGS + len(raw)] = raw
-    ring, late = run(checkq, [pkt(uapi.Op.LAUNCH, h, uapi.pack_dims((1, 1, 1)),
-                                  uapi.pack_dims((1, 1, 1)), 0, pin.va + ARGS, len(raw))], 120)
+    ring, late = run(checkq, [pkt(userq.Op.LAUNCH, h, userq.pack_dims((1, 1, 1)),
+                                  userq.pack_dims((1, 1, 1)), 0, pin.va + ARGS, len(raw))], 120)
     dev.call(uapi.ACCEL_CMD_MODULE_UNLOAD, uapi.accel_module_unload(ctx_id=ctx, module_id=mid))
     ok = not late and not ring.read_fault()[0]
     zero_all()
@@ -440,7 +439,7 @@ def _b64(raw: bytes) -> str:
 
 
 def module_of(kernels: dict[str, Any], **top: Any) -> dict[str, Any]:
-    return {"format": 1, "isa": uapi.ACCEL_ISA, "isa_version": uapi.ACCEL_ISA_VERSION,
+    return {"format": 1, "isa": kernel_lang.ISA, "isa_version": kernel_lang.ISA_VERSION,
             "kernels": kernels, **top}
 
 
@@ -505,7 +504,7 @@ class Corpus:
         out = set()
         for k in kernels.values():
             if isinstance(k, dict):
-                for flag, cap in uapi.KERNEL_FLAG_CAPS:
+                for flag, cap in kernel_lang.KERNEL_FLAG_CAPS:
                     if k.get(flag) and cap not in self.caps:
                         out.add(cap)
         return out
@@ -552,7 +551,7 @@ def _driver_visible(k: Any, shared_limit: int) -> str:
         if p.get("kind") not in ("scalar", "buffer") or not isinstance(p.get("kind"), str):
             return "either"
         dt = p.get("dtype")
-        if dt is not None and (not isinstance(dt, str) or dt not in uapi.DTYPES):
+        if dt is not None and (not isinstance(dt, str) or dt not in kernel_lang.DTYPES):
             return "either"
     return ""
 
@@ -739,7 +738,7 @@ def fixed_corpus(caps: set[str], shared_limit: int, watchdog_ms: int) -> Corpus:
                      "block-1025": {"block": [1025, 1, 1]}, "block-2048": {"block": [32, 32, 2]},
                      "block-word-u64": {"block": U64}, "dyn-over": {"dyn": shared_limit + 1},
                      "dyn-u64": {"dyn": U64}, "dyn-2**63": {"dyn": 1 << 63},
-                     "flags": {"flags": 1}, "args-len-over": {"args_len": uapi.ACCEL_ARGS_MAX + 1},
+                     "flags": {"flags": 1}, "args-len-over": {"args_len": userq.ACCEL_ARGS_MAX + 1},
                      "args-len-u64": {"args_len": U64}, "args-len-odd": {"args_len": 23},
                      "args-len-0": {"args_len": 0}, "args-in-device-memory": {"args_va": ["va",
                                                                                        "out", 0]},
@@ -870,7 +869,7 @@ def _hostile_values(rng: random.Random) -> list[Any]:
             0.5, -0.0, math.nan, math.inf, -math.inf, "", "x" * rng.randint(1, 70_000),
             "\ud800", "\0", "float64", "uint8", "buffer", "scalar", "k", [], {}, [GOOD],
             {"a": 1}, nest, "def k(x):\n    import os\n", "def k(x):\n    x[1 << 62] = 1.0\n",
-            "def k(x, y):\n    x[0] = y\n", uapi.ACCEL_ISA]
+            "def k(x, y):\n    x[0] = y\n", kernel_lang.ISA]
 
 
 def _paths(obj: Any, path: tuple = ()) -> list[tuple]:
@@ -1099,7 +1098,7 @@ def jit_cache_usage(d: Daemon) -> tuple[int, int]:
 
 def _watchdog_ms(d: Daemon) -> int:
     try:
-        img = fw_image.parse((d.firmware_dir / fw_image.IMAGE_NAME).read_bytes())
+        img = fwimage.parse((d.firmware_dir / fwimage.IMAGE_NAME).read_bytes())
         return int(img.config.get("watchdog_ms", 10_000))
     except Exception:  # noqa: BLE001 - the device answers anyway; assume the default
         return 10_000

@@ -9,7 +9,7 @@ blocks, a module with three small kernels (``compile_module``), a module it unlo
 (stale handles) and B's handles. Each *ring episode* writes 1 to 12 packets into one of A's
 rings and knocks, then waits, bounded, for the outcome:
 
-* every opcode of ``uapi.Op`` and unknown ones, nonzero flags, with random and boundary
+* every opcode of ``userq.Op`` and unknown ones, nonzero flags, with random and boundary
   argument words: addresses of A's allocations (inside, straddling the end, in the guard
   gap after), of its peer's memory, of B's and of C's host memory (not A's), of nothing,
   near 2**63 and 2**64; sizes 0, 1, exact, one too many, 16 TiB, 2**64-1;
@@ -54,10 +54,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kmod_emul import uapi
-from kmod_emul.uapi import Op
+from abi import uapi, userq
+from abi.userq import Op
 from runtime._shm import sealed_memfd
-from stress._common import FUZZ_KERNELS, Progress, client_args, fuzz_rounds, write_result
+from stress._common import (
+    FUZZ_KERNELS,
+    Progress,
+    client_args,
+    fuzz_rounds,
+    write_result,
+)
 from stress.report import Report
 
 #: ``python -m stress`` writes this many packets at scale 1.
@@ -83,7 +89,6 @@ def run(d, *, count: int, seed: int, bystanders: Any = True, round_size: int = R
 
 
 # --- the attacking client ----------------------------------------------------------------
-_PKT = struct.Struct("<II7Q")
 U64 = (0, 1, 2, 7, 8, 63, 64, 4095, 4096, 1 << 20, (1 << 31) - 1, (1 << 32) - 1, 1 << 32,
        1 << 44, 16 << 40, 1 << 62, (1 << 63) - 1, 1 << 63, (1 << 64) - 4096, (1 << 64) - 2,
        (1 << 64) - 1)
@@ -121,9 +126,9 @@ class Ctx:
     ctx: int
     bell_w: int
     event_r: int
-    db: uapi.SharedWords
+    db: userq.SharedWords
     mems: dict[str, Mem] = field(default_factory=dict)
-    rings: dict[int, tuple[int, uapi.RingView, int]] = field(default_factory=dict)  # qid -> (slot, view, memfd)
+    rings: dict[int, tuple[int, userq.RingView, int]] = field(default_factory=dict)  # qid -> (slot, view, memfd)
 
 
 @dataclass
@@ -169,7 +174,7 @@ class Client:
 
     def open_ctx(self, dev: int, keep_db: bool = False) -> Ctx:
         fd = os.open(f"{self.root}/{uapi.DEV_DIR}/accel{dev}", os.O_RDWR)
-        db_fd = sealed_memfd("db", uapi.ACCEL_DB_PAGE_SIZE)
+        db_fd = sealed_memfd("db", userq.ACCEL_DB_PAGE_SIZE)
         bell_r, bell_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         event_r, event_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         try:
@@ -178,7 +183,7 @@ class Client:
                                                     abi_minor=uapi.ACCEL_ABI_MINOR,
                                                     doorbell_fd=bell_r, event_fd=event_w,
                                                     db_page_fd=db_fd))
-            db = uapi.SharedWords(db_fd, uapi.ACCEL_DB_PAGE_SIZE)
+            db = userq.SharedWords(db_fd, userq.ACCEL_DB_PAGE_SIZE)
             if keep_db:
                 self.db_fd = os.dup(db_fd)
         finally:
@@ -206,8 +211,8 @@ class Client:
     def queue(self, c: Ctx, priority: int = 0, header: dict[int, int] | None = None,
               memfd: int | None = None) -> int:
         """A new queue on a new ring, or on ring memory ``memfd`` of ours."""
-        fd = os.dup(memfd) if memfd is not None else sealed_memfd("ring", uapi.RING_FILE_SIZE)
-        view = uapi.RingView(fd)
+        fd = os.dup(memfd) if memfd is not None else sealed_memfd("ring", userq.RING_FILE_SIZE)
+        view = userq.RingView(fd)
         for off, value in (header or {}).items():
             view.set(off, value)
         try:
@@ -226,11 +231,11 @@ class Client:
                                                                             queue_id=qid))
 
     def knock(self, c: Ctx, slot: int, value: int, bump: bool = True) -> None:
-        c.db.set(uapi.DB_SLOTS + 8 * slot, value)
+        c.db.set(userq.DB_SLOTS + 8 * slot, value)
         if bump:
-            c.db.set(uapi.DB_SEQ, c.db.get(uapi.DB_SEQ) + 1)
-        uapi.full_barrier()
-        if c.db.get(uapi.DB_FW_SLEEPING):
+            c.db.set(userq.DB_SEQ, c.db.get(userq.DB_SEQ) + 1)
+        userq.full_barrier()
+        if c.db.get(userq.DB_FW_SLEEPING):
             try:
                 os.write(c.bell_w, b"\1")
             except BlockingIOError:
@@ -238,7 +243,7 @@ class Client:
 
     def publish(self, c: Ctx, qid: int, wptr: int, bump: bool = True) -> None:
         slot, ring, _ = c.rings[qid]
-        ring.set(uapi.RING_WPTR, wptr)
+        ring.set(userq.RING_WPTR, wptr)
         self.knock(c, slot, wptr, bump)
 
     def submit(self, c: Ctx, qid: int, packets: list[bytes]) -> int:
@@ -252,15 +257,15 @@ class Client:
 
     def check_lost(self) -> None:
         for c in self.ctxs:
-            if c.db.get(uapi.DB_LOST):
+            if c.db.get(userq.DB_LOST):
                 try:  # our own packets may have written it (A's doorbell page is pinned too)
                     self.call(c, uapi.ACCEL_CMD_MEM_INFO, uapi.accel_mem_info(ctx_id=c.ctx))
                 except OSError:
-                    self.stop = f"context {c.ctx} on dev{c.dev} lost ({c.db.get(uapi.DB_LOST)})"
+                    self.stop = f"context {c.ctx} on dev{c.dev} lost ({c.db.get(userq.DB_LOST)})"
                     raise _Lost() from None
-                c.db.set(uapi.DB_LOST, 0)
+                c.db.set(userq.DB_LOST, 0)
 
-    def wait_until(self, cond: Any, timeout: float, what: str, ring: uapi.RingView | None = None,
+    def wait_until(self, cond: Any, timeout: float, what: str, ring: userq.RingView | None = None,
                    knock: tuple[int, int] | None = None) -> bool:
         """Poll ``cond`` up to ``timeout``; ``knock`` (queue, wptr): knock again now and then,
         as a producer may (A's own packets may have written over its doorbell page)."""
@@ -277,7 +282,7 @@ class Client:
                 next_knock = now + 0.5
             self.progress.beat()
             if ring is not None:
-                ring.set(uapi.RING_IRQ_SEQNO, ring.wptr)
+                ring.set(userq.RING_IRQ_SEQNO, ring.wptr)
             select.select([self.A.event_r], [], [], pause)
             try:
                 os.read(self.A.event_r, 4096)
@@ -301,9 +306,9 @@ class Client:
         self.alloc(A, "args", 64 << 10, uapi.MemKind.HOST_PINNED)
         # A's own control structures as memory its packets may write: its doorbell page,
         # and the memory of a ring (which gets a queue of its own now and then)
-        self.alias_ring_fd = sealed_memfd("alias-ring", uapi.RING_FILE_SIZE)
-        self.alloc(A, "db_alias", uapi.ACCEL_DB_PAGE_SIZE, uapi.MemKind.HOST_PINNED, self.db_fd)
-        self.alloc(A, "ring_alias", uapi.RING_FILE_SIZE, uapi.MemKind.HOST_PINNED,
+        self.alias_ring_fd = sealed_memfd("alias-ring", userq.RING_FILE_SIZE)
+        self.alloc(A, "db_alias", userq.ACCEL_DB_PAGE_SIZE, uapi.MemKind.HOST_PINNED, self.db_fd)
+        self.alloc(A, "ring_alias", userq.RING_FILE_SIZE, uapi.MemKind.HOST_PINNED,
                    self.alias_ring_fd)
         bpin = self.alloc(B, "pin", 64 << 10, uapi.MemKind.HOST_PINNED)
         self.alloc(B, "dev", 64 << 10, uapi.MemKind.DEVICE)
@@ -417,8 +422,8 @@ class Client:
         flags = 0 if rng.random() < 0.93 else rng.choice((1, 2, 1 << 31, (1 << 32) - 1))
         p = self._packet(int(op), qid)
         if flags:
-            opcode, _, *a = _PKT.unpack(p.raw)
-            p.raw = _PKT.pack(opcode, flags, *a)
+            opcode, _, *a = userq.PACKET.unpack(p.raw)
+            p.raw = userq.PACKET.pack(opcode, flags, *a)
             p.must_fault, p.blocks, p.arrange, p.slow = True, False, None, False
         return p
 
@@ -428,7 +433,7 @@ class Client:
 
         def pkt(*a: int) -> bytes:
             a = tuple(a) + tuple(words[len(a):])
-            return _PKT.pack(op & 0xFFFFFFFF, 0, *(x & uapi.U64_MAX for x in a))
+            return userq.PACKET.pack(op & 0xFFFFFFFF, 0, *(x & userq.U64_MAX for x in a))
 
         if op == Op.NOP:
             return Pkt(pkt(), what="nop")
@@ -481,7 +486,7 @@ class Client:
             target = cring.completed + rng.randint(0, 2)
 
             def arrange() -> None:
-                self.submit(self.C, self.cq, [_PKT.pack(0, 0, *(0,) * 7)] *
+                self.submit(self.C, self.cq, [userq.PACKET.pack(0, 0, *(0,) * 7)] *
                             max(0, target - self.C.rings[self.cq][1].wptr))
             return Pkt(pkt(self.imported, target), arrange=arrange, what=f"wait imported {target}")
         if others and r < 0.9:
@@ -503,7 +508,7 @@ class Client:
     def buffer_for(self, code: int, itemsize: int, ndim: int) -> tuple[list[bytes], bool, bool]:
         """Records of a buffer argument: (records, must fault, may need a compile)."""
         rng = self.rng
-        R = uapi.ARG_RECORD.pack
+        R = userq.ARG_RECORD.pack
         targets = [m for m in self.A.mems.values() if m is not self.A.mems["args"]] \
             + [self.C.mems["dev"]]
         m = rng.choice(targets)
@@ -539,8 +544,8 @@ class Client:
             va = rng.choice(U64)
             bad = not self.reachable(va, nbytes)
         elif mut < 0.95:  # a shape record of an impossible count
-            return [R(uapi.ARG_BUFFER, code, va, nbytes),
-                    R(uapi.ARG_SHAPE, rng.choice((0, 3, (1 << 32) - 1)), elements, 1)], True, False
+            return [R(userq.ARG_BUFFER, code, va, nbytes),
+                    R(userq.ARG_SHAPE, rng.choice((0, 3, (1 << 32) - 1)), elements, 1)], True, False
         else:
             shape = [elements + 1]
             bad = True
@@ -549,17 +554,17 @@ class Client:
 
     @staticmethod
     def _shape(code: int, va: int, nbytes: int, shape: list[int]) -> list[bytes]:
-        R = uapi.ARG_RECORD.pack
-        out = [R(uapi.ARG_BUFFER, code, va & uapi.U64_MAX, nbytes & uapi.U64_MAX)]
+        R = userq.ARG_RECORD.pack
+        out = [R(userq.ARG_BUFFER, code, va & userq.U64_MAX, nbytes & userq.U64_MAX)]
         for i in range(0, len(shape), 2):
             pair = shape[i : i + 2]
-            out.append(R(uapi.ARG_SHAPE, len(pair), pair[0] & uapi.U64_MAX,
-                         (pair[1] if len(pair) > 1 else 0) & uapi.U64_MAX))
+            out.append(R(userq.ARG_SHAPE, len(pair), pair[0] & userq.U64_MAX,
+                         (pair[1] if len(pair) > 1 else 0) & userq.U64_MAX))
         return out
 
     def launch_packet(self, name: str, valid: bool) -> Pkt:
         rng = self.rng
-        R = uapi.ARG_RECORD.pack
+        R = userq.ARG_RECORD.pack
         bufs, scalars = SIGS[name]
         records: list[bytes] = []
         bad = slow = False
@@ -572,7 +577,7 @@ class Client:
         for code in scalars:
             bits = struct.unpack("<I", struct.pack("<f", rng.uniform(-4, 4)))[0] \
                 if rng.random() < 0.8 else rng.getrandbits(64)
-            records.append(R(uapi.ARG_SCALAR, code, bits, 0))
+            records.append(R(userq.ARG_SCALAR, code, bits, 0))
         handle = self.handles[name]
         grid = (rng.randint(1, 8), 1, 1)
         block = (rng.choice((1, 32, 64, 256)), 1, 1)
@@ -601,15 +606,15 @@ class Client:
                 what += f" dynamic {dyn}"
             elif r < 0.45:  # record-level damage
                 k = rng.randrange(len(records))
-                kind, code, value, nbytes = uapi.ARG_RECORD.unpack(records[k])
+                kind, code, value, nbytes = userq.ARG_RECORD.unpack(records[k])
                 d = rng.randrange(4)
                 # a shape record whose count flips 1 <-> 2, or that is missing, may still
                 # decode (as another shape): not sure to fault
-                sure = not (kind == uapi.ARG_SHAPE and d in (0, 3))
+                sure = not (kind == userq.ARG_SHAPE and d in (0, 3))
                 if d == 0:
                     code = rng.choice((0, 12, 255, (1 << 32) - 1, 1 if code != 1 else 2))
                 elif d == 1:
-                    kind = rng.choice((3, 7, (1 << 32) - 1, uapi.ARG_SHAPE if kind != 2 else 0))
+                    kind = rng.choice((3, 7, (1 << 32) - 1, userq.ARG_SHAPE if kind != 2 else 0))
                 elif d == 2:
                     records.append(R(rng.choice((0, 1, 2)), 9, 0, 0))  # one record too many
                 else:
@@ -636,16 +641,16 @@ class Client:
             if why == "a record short" and extra_record:
                 damage_bad = False  # it drops the record too many: the block is valid again
             elif why == "a record short" and records and \
-                    uapi.ARG_RECORD.unpack(records[-1])[0] == uapi.ARG_SHAPE:
+                    userq.ARG_RECORD.unpack(records[-1])[0] == userq.ARG_SHAPE:
                 slow = True  # the last buffer loses its shape: decodes as 1-D
             elif why != "anywhere":
                 bad = True
             what += f" args {why}"
         bad |= damage_bad
-        if length > uapi.ACCEL_ARGS_MAX or not self.reachable(va, length):
+        if length > userq.ACCEL_ARGS_MAX or not self.reachable(va, length):
             bad = True
-        a = (handle, uapi.pack_dims(grid), uapi.pack_dims(block), dyn, va, length, 0)
-        return Pkt(_PKT.pack(Op.LAUNCH, 0, *(x & uapi.U64_MAX for x in a)), must_fault=bad,
+        a = (handle, userq.pack_dims(grid), userq.pack_dims(block), dyn, va, length, 0)
+        return Pkt(userq.PACKET.pack(Op.LAUNCH, 0, *(x & userq.U64_MAX for x in a)), must_fault=bad,
                    slow=slow, what=what)
 
     def _valid_buffer(self, itemsize: int, ndim: int) -> tuple[int, int, list[int]]:
@@ -710,11 +715,11 @@ class Client:
             if lie == "back" and base == 0:
                 lie = "+1e6"
             w = {"+1024": ring.rptr + 1024, "+1e6": base + n + 10**6, "+2**63": base + n + (1 << 63),
-                 "2**64-1": uapi.U64_MAX, "back": max(0, base - rng.randint(1, base or 1))}[lie]
+                 "2**64-1": userq.U64_MAX, "back": max(0, base - rng.randint(1, base or 1))}[lie]
             self.publish(self.A, qid, w)
         elif x < 0.14:
             how = rng.choice(("garbage slot", "no bump", "other slot", "stale slot"))
-            ring.set(uapi.RING_WPTR, w)
+            ring.set(userq.RING_WPTR, w)
             if how == "garbage slot":
                 self.knock(self.A, slot, rng.getrandbits(64))
             elif how == "no bump":
@@ -799,7 +804,7 @@ class Client:
         qid = self.queue(self.A, memfd=self.alias_ring_fd)
         _, ring, _ = self.A.rings[qid]
         base = ring.rptr
-        ring.set(uapi.RING_WPTR, base)
+        ring.set(userq.RING_WPTR, base)
         pkts = [self.packet(qid) for _ in range(rng.randint(1, 12))]
         for i, p in enumerate(pkts):
             ring.write_packet(base + i, p.raw)
@@ -827,7 +832,7 @@ class Client:
         qid = self.ring_for_episode()
         _, ring, _ = A.rings[qid]
         base = ring.wptr
-        pkts = [_PKT.pack(Op.MEMSET, 0, tmp.va, tmp.size, 0x33, 0, 0, 0, 0)
+        pkts = [userq.PACKET.pack(Op.MEMSET, 0, tmp.va, tmp.size, 0x33, 0, 0, 0, 0)
                 for _ in range(rng.randint(1, 4))]
         w = self.submit(A, qid, pkts)
         self.call(A, uapi.ACCEL_CMD_MEM_FREE, uapi.accel_mem_free(ctx_id=A.ctx, handle=tmp.handle))
@@ -845,7 +850,7 @@ class Client:
         if not self.wait_until(lambda: info().pending_free == 0, self.bound, desc):
             self.note(f"freed memory never came back: {desc}")
             return
-        w = self.submit(A, qid, [_PKT.pack(Op.MEMSET, 0, tmp.va, 1, 0x44, 0, 0, 0, 0)])
+        w = self.submit(A, qid, [userq.PACKET.pack(Op.MEMSET, 0, tmp.va, 1, 0x44, 0, 0, 0, 0)])
         self.packets += 1
         if not self.wait_until(lambda: ring.completed >= w, self.bound, desc, ring):
             self.hang(f"ring neither completed nor faulted: {desc}")
@@ -896,20 +901,20 @@ class Client:
         """A ring whose consumer words were set before QUEUE_CREATE."""
         rng = self.rng
         rptr = rng.choice((0, 5, 1000, 1 << 63, (1 << 64) - 3, rng.getrandbits(64)))
-        header = {uapi.RING_RPTR: rptr, uapi.RING_WPTR: rptr,
-                  uapi.RING_COMPLETED: rng.choice((0, rptr, rng.getrandbits(64))),
-                  uapi.RING_IRQ_SEQNO: rng.choice((0, 1, (1 << 64) - 1))}
+        header = {userq.RING_RPTR: rptr, userq.RING_WPTR: rptr,
+                  userq.RING_COMPLETED: rng.choice((0, rptr, rng.getrandbits(64))),
+                  userq.RING_IRQ_SEQNO: rng.choice((0, 1, (1 << 64) - 1))}
         if rng.random() < 0.5:
-            header[uapi.RING_ERROR_SEQNO] = rng.choice((1, rptr, (1 << 64) - 1))
-            header[uapi.RING_ERROR_CODE] = rng.getrandbits(64)
+            header[userq.RING_ERROR_SEQNO] = rng.choice((1, rptr, (1 << 64) - 1))
+            header[userq.RING_ERROR_CODE] = rng.getrandbits(64)
         try:
             qid = self.queue(self.A, header=header)
         except OSError:
             return
         _, ring, _ = self.A.rings[qid]
         n = rng.randint(1, 8)
-        pkts = [_PKT.pack(0, 0, *(0,) * 7)] * n
-        w = (rptr + n) & uapi.U64_MAX
+        pkts = [userq.PACKET.pack(0, 0, *(0,) * 7)] * n
+        w = (rptr + n) & userq.U64_MAX
         for i, p in enumerate(pkts):
             ring.write_packet(rptr + i, p)
         self.packets += n
@@ -937,8 +942,8 @@ class Client:
         w = self.submit(self.A, qid, [p.raw for p in pkts])
         self.packets += len(pkts)
         self.rings_done += 1
-        for off in rng.sample((uapi.RING_RPTR, uapi.RING_COMPLETED, uapi.RING_ERROR_SEQNO,
-                               uapi.RING_ERROR_CODE, uapi.RING_ERROR_ADDR, uapi.RING_IRQ_SEQNO), 2):
+        for off in rng.sample((userq.RING_RPTR, userq.RING_COMPLETED, userq.RING_ERROR_SEQNO,
+                               userq.RING_ERROR_CODE, userq.RING_ERROR_ADDR, userq.RING_IRQ_SEQNO), 2):
             ring.set(off, rng.choice(U64))
         self.publish(self.A, qid, w)
         time.sleep(0.005)
@@ -983,13 +988,13 @@ class Client:
         teardown must still complete (the parent's containment check waits for it)."""
         qid = self.pool[0]
         va, nbytes, shape = self._valid_buffer(4, 1)
-        raw = b"".join(self._shape(9, va, nbytes, shape)) + uapi.ARG_RECORD.pack(
-            uapi.ARG_SCALAR, 9, 0, 0)
+        raw = b"".join(self._shape(9, va, nbytes, shape)) + userq.ARG_RECORD.pack(
+            userq.ARG_SCALAR, 9, 0, 0)
         args, slot = self.arg_slot()
         slot[: len(raw)] = raw
-        a = (self.handles["fill"], uapi.pack_dims(((1 << 21) - 1, (1 << 21) - 1, 1)),
-             uapi.pack_dims((256, 1, 1)), 0, args, len(raw), 0)
-        self.submit(self.A, qid, [_PKT.pack(Op.LAUNCH, 0, *a)])
+        a = (self.handles["fill"], userq.pack_dims(((1 << 21) - 1, (1 << 21) - 1, 1)),
+             userq.pack_dims((256, 1, 1)), 0, args, len(raw), 0)
+        self.submit(self.A, qid, [userq.PACKET.pack(Op.LAUNCH, 0, *a)])
         self.packets += 1
         self.progress.step("runaway launch queued; exiting")
         time.sleep(0.3)

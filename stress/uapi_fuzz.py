@@ -1,5 +1,5 @@
 """A structure-aware fuzzer of the command channel (the device node's write/read
-transactions, :mod:`kmod_emul.uapi`).
+transactions, :mod:`abi.uapi`).
 
 The attacker is a separate process per round (:mod:`stress._common`: a watchdog kills it
 when one transaction blocks longer than ``HANG_S``; the containment checks run after every
@@ -53,8 +53,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kmod_emul import uapi
-from stress._common import FUZZ_KERNELS, Progress, client_args, fuzz_rounds, write_result
+from abi import uapi, userq
+from stress._common import (
+    FUZZ_KERNELS,
+    Progress,
+    client_args,
+    fuzz_rounds,
+    write_result,
+)
 from stress.report import Report
 
 #: ``python -m stress`` runs this many transactions at scale 1.
@@ -180,8 +186,8 @@ class Client:
         P, I = uapi.ACCEL_SEALS_PINNED, uapi.ACCEL_SEALS_IMMUTABLE
         for size in (4096, 1 << 20, 2 << 30, 1 << 44):
             self._keep(_memfd("pin", size, P), "pinned", size, f"pin{size}")
-        self.ring = self._keep(_memfd("ring", uapi.RING_FILE_SIZE, P), "pinned", uapi.RING_FILE_SIZE)
-        self._keep(_memfd("db", uapi.ACCEL_DB_PAGE_SIZE, P), "pinned", uapi.ACCEL_DB_PAGE_SIZE)
+        self.ring = self._keep(_memfd("ring", userq.RING_FILE_SIZE, P), "pinned", userq.RING_FILE_SIZE)
+        self._keep(_memfd("db", userq.ACCEL_DB_PAGE_SIZE, P), "pinned", userq.ACCEL_DB_PAGE_SIZE)
         self.module_fd = self._keep(_memfd("mod", len(self.module_raw), I, self.module_raw),
                                     "immutable", len(self.module_raw))
         self._keep(_memfd("unsealed", 1 << 20, None), "bad", name="unsealed")
@@ -332,7 +338,7 @@ class Client:
         if name in ("GET_VERSION", "DEVICE_QUERY"):
             return
         if name == "CTX_CREATE":
-            if not self.pinned_ok(arg.db_page_fd, uapi.ACCEL_DB_PAGE_SIZE):
+            if not self.pinned_ok(arg.db_page_fd, userq.ACCEL_DB_PAGE_SIZE):
                 self.escape(f, cmd, f"took doorbell page fd {arg.db_page_fd} "
                                     f"({self.fdinfo.get(arg.db_page_fd)})")
             for fd in (arg.doorbell_fd, arg.event_fd):
@@ -357,7 +363,7 @@ class Client:
                 self.escape(f, cmd, f"imported {arg.export_handle} with token {arg.token:#x} "
                                     f"(known: {e and (hex(e[0]), len(e[1]))})")
         elif name == "QUEUE_CREATE":
-            if not self.pinned_ok(arg.ring_fd, uapi.RING_FILE_SIZE):
+            if not self.pinned_ok(arg.ring_fd, userq.RING_FILE_SIZE):
                 self.escape(f, cmd, f"took ring fd {arg.ring_fd} ({self.fdinfo.get(arg.ring_fd)})")
         elif name == "QUEUE_DESTROY":
             if arg.queue_id not in f.queues | f.imported:
@@ -465,11 +471,11 @@ class Client:
         ctx = f.ctx or 0
         temp: list[int] = []
         if name == "CTX_CREATE":
-            db = _memfd("db", uapi.ACCEL_DB_PAGE_SIZE, uapi.ACCEL_SEALS_PINNED)
+            db = _memfd("db", userq.ACCEL_DB_PAGE_SIZE, uapi.ACCEL_SEALS_PINNED)
             bell_r, bell_w = os.pipe2(os.O_NONBLOCK)
             ev_r, ev_w = os.pipe2(os.O_NONBLOCK)
             temp += [db, bell_r, bell_w, ev_r, ev_w]
-            self.fdinfo[db] = FdInfo("pinned", uapi.ACCEL_DB_PAGE_SIZE)
+            self.fdinfo[db] = FdInfo("pinned", userq.ACCEL_DB_PAGE_SIZE)
             for p in (bell_r, bell_w, ev_r, ev_w):
                 self.fdinfo[p] = FdInfo("pipe")
             return S(abi_major=uapi.ACCEL_ABI_MAJOR, abi_minor=uapi.ACCEL_ABI_MINOR,
@@ -499,9 +505,9 @@ class Client:
             return S(ctx_id=ctx, peer_index=(f.dev + 1) % self.devices), temp
         if name == "QUEUE_CREATE":
             if rng.random() < 0.8:
-                ring = _memfd("ring", uapi.RING_FILE_SIZE, uapi.ACCEL_SEALS_PINNED)
+                ring = _memfd("ring", userq.RING_FILE_SIZE, uapi.ACCEL_SEALS_PINNED)
                 temp.append(ring)
-                self.fdinfo[ring] = FdInfo("pinned", uapi.RING_FILE_SIZE)
+                self.fdinfo[ring] = FdInfo("pinned", userq.RING_FILE_SIZE)
             else:
                 ring = self.ring
             return S(ctx_id=ctx, priority=rng.randint(0, 1), ring_fd=ring), temp

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from firmware.image import IMAGE_DIR, IMAGE_NAME
+from abi.fwimage import IMAGE_NAME
+from firmware.image import IMAGE_DIR
 from stress.harness import Daemon
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kmod_emul import uapi
+from abi import uapi, userq
 from runtime._shm import sealed_memfd
 
 _tags = itertools.count(1000)
@@ -40,8 +40,8 @@ class RawDev:
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_RDWR)
         self.bell_w = self.event_r = -1
-        self.db: uapi.SharedWords | None = None
-        self.rings: dict[int, tuple[int, uapi.RingView]] = {}  # queue id -> (slot, ring)
+        self.db: userq.SharedWords | None = None
+        self.rings: dict[int, tuple[int, userq.RingView]] = {}  # queue id -> (slot, ring)
 
     def write(self, raw: bytes) -> int:
         return os.pwrite(self.fd, raw, 0)
@@ -63,10 +63,10 @@ class RawDev:
                  minor: int = uapi.ACCEL_ABI_MINOR) -> uapi.accel_ctx_create:
         """A CTX_CREATE struct naming fresh pipes and a doorbell page of this process
         (kept here: the test may wait on the event pipe)."""
-        db_fd = sealed_memfd("doorbell-page", uapi.ACCEL_DB_PAGE_SIZE)
+        db_fd = sealed_memfd("doorbell-page", userq.ACCEL_DB_PAGE_SIZE)
         bell_r, self.bell_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self.event_r, event_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self.db = uapi.SharedWords(db_fd, uapi.ACCEL_DB_PAGE_SIZE)
+        self.db = userq.SharedWords(db_fd, userq.ACCEL_DB_PAGE_SIZE)
         self._lend = [db_fd, bell_r, event_w]
         return uapi.accel_ctx_create(abi_major=major, abi_minor=minor, flags=flags,
                                      doorbell_fd=bell_r, event_fd=event_w, db_page_fd=db_fd)
@@ -107,11 +107,11 @@ class RawDev:
                 pass
 
     def queue_create(self, ctx_id: int, priority: int = 0) -> int:
-        fd = sealed_memfd("ring", uapi.RING_FILE_SIZE)
+        fd = sealed_memfd("ring", userq.RING_FILE_SIZE)
         try:
             reply = self.call(uapi.ACCEL_CMD_QUEUE_CREATE, uapi.accel_queue_create(
                 ctx_id=ctx_id, priority=priority, ring_fd=fd))
-            self.rings[reply.queue_id] = (reply.doorbell, uapi.RingView(fd))
+            self.rings[reply.queue_id] = (reply.doorbell, userq.RingView(fd))
         finally:
             os.close(fd)
         return reply.queue_id
@@ -129,12 +129,12 @@ class RawDev:
     def publish(self, queue_id: int, wptr: int) -> None:
         """Set a ring's write pointer (any value: tests lie with it) and knock."""
         slot, ring = self.rings[queue_id]
-        ring.set(uapi.RING_WPTR, wptr)
+        ring.set(userq.RING_WPTR, wptr)
         assert self.db is not None
-        self.db.set(uapi.DB_SLOTS + 8 * slot, wptr)
-        self.db.set(uapi.DB_SEQ, self.db.get(uapi.DB_SEQ) + 1)
-        uapi.full_barrier()
-        if self.db.get(uapi.DB_FW_SLEEPING):
+        self.db.set(userq.DB_SLOTS + 8 * slot, wptr)
+        self.db.set(userq.DB_SEQ, self.db.get(userq.DB_SEQ) + 1)
+        userq.full_barrier()
+        if self.db.get(userq.DB_FW_SLEEPING):
             try:
                 os.write(self.bell_w, b"\1")
             except BlockingIOError:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rawdev import RawDev, errname, header
 
-from kmod_emul import uapi
+from abi import uapi
 
 HDR = ctypes.sizeof(uapi.accel_cmd_hdr)
 

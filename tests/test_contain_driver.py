@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from abi import uapi
 from stress.harness import Bystander, alive, as_user, assert_contained, snapshot
-
-from kmod_emul import uapi
 
 TESTS = Path(__file__).resolve().parent
 PRELUDE = ("import os, sys, time, errno, threading, numpy as np, runtime\n"
-           "from kmod_emul import uapi\n"
+           "from abi import kernel_lang, uapi, userq\n"
            f"sys.path.insert(0, {str(TESTS)!r})\nfrom rawdev import RawDev, errname\n")
 
 
@@ -76,7 +75,7 @@ r = own.channel.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
     ctx_id=own.id, size=64 << 20, kind=uapi.MemKind.DEVICE, fd=-1))
 s = runtime.Stream()
 for _ in range(8):  # tens of ms of copy-engine work on it, queued behind the flood's
-    s.submit([runtime.memory._packet(uapi.Op.MEMSET, r.va, 64 << 20, 1)])
+    s.submit([runtime.memory._packet(userq.Op.MEMSET, r.va, 64 << 20, 1)])
 t0 = time.perf_counter()
 own.channel.call(uapi.ACCEL_CMD_MEM_FREE, uapi.accel_mem_free(ctx_id=own.id, handle=r.handle))
 free_s = time.perf_counter() - t0
@@ -187,10 +186,10 @@ def test_a_waiter_on_a_full_ring_notices_the_device_is_gone(make_daemon, how):
     proc = d.popen_py(PRELUDE + """
 s = runtime.Stream()
 open(os.environ["ACCEL_EMU_ROOT"] + "/sys/kernel/debug/accel/accel0/sched_hold", "w").write("1")
-nop = bytes(uapi.accel_packet(opcode=uapi.Op.NOP))
+nop = bytes(userq.accel_packet(opcode=userq.Op.NOP))
 print("filling", flush=True)
 try:
-    for _ in range(3 * uapi.RING_SLOTS):
+    for _ in range(3 * userq.RING_SLOTS):
         s.submit([nop])
     print("no error")
 except runtime.DeviceLostError as exc:
@@ -292,7 +291,7 @@ def load(doc):
     fd = sealed_memfd("m", len(raw), raw)
     return errname(lambda: a.call(uapi.ACCEL_CMD_MODULE_LOAD, uapi.accel_module_load(
         ctx_id=ca, fd=fd, size=len(raw))))
-base = {"format": 1, "isa": uapi.ACCEL_ISA, "isa_version": uapi.ACCEL_ISA_VERSION}
+base = {"format": 1, "isa": kernel_lang.ISA, "isa_version": kernel_lang.ISA_VERSION}
 k = lambda **p: {**base, "kernels": {"k": {"params": [{"name": "x", **p}], "source": "def k(x):\\n    pass\\n", "shared_mem": 0}}}
 out += [load(b"[" * 100000 + b"]" * 100000), load(k(kind=["buffer"])), load(k(kind={"a": 1})),
         load(k(kind="buffer", dtype=["float32"])), load(k(kind="buffer", dtype={"x": 1})),

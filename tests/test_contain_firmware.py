@@ -17,7 +17,7 @@ from stress.harness import Bystander, Daemon, assert_contained, snapshot
 
 PRELUDE = """
 import os, sys, time, errno, numpy as np, runtime
-from kmod_emul import uapi
+from abi import kernel_lang, userq
 from runtime.memory import _packet
 ROOT = os.environ["ACCEL_EMU_ROOT"]
 def fault(s):
@@ -69,14 +69,14 @@ mod = runtime.compile("def k(x, n):\\n    i = global_id(0)\\n    if i < n:\\n   
 k = mod.get_kernel("k")
 x = runtime.empty(1024, np.float32)
 args = runtime.pinned_empty(8192, np.uint8)
-rec = uapi.ARG_RECORD.pack
-f32, i64 = uapi.DTYPE_CODES["float32"], uapi.DTYPE_CODES["int64"]
-n = rec(uapi.ARG_SCALAR, i64, 1024, 0)
-def buf(nbytes, *shape, va=None, kind=uapi.ARG_BUFFER, code=f32):
+rec = userq.ARG_RECORD.pack
+f32, i64 = kernel_lang.DTYPE_CODES["float32"], kernel_lang.DTYPE_CODES["int64"]
+n = rec(userq.ARG_SCALAR, i64, 1024, 0)
+def buf(nbytes, *shape, va=None, kind=userq.ARG_BUFFER, code=f32):
     out = rec(kind, code, x.va if va is None else va, nbytes)
     for i in range(0, len(shape), 2):
         pair = shape[i:i + 2]
-        out += rec(uapi.ARG_SHAPE, len(pair), pair[0], pair[1] if len(pair) > 1 else 0)
+        out += rec(userq.ARG_SHAPE, len(pair), pair[0], pair[1] if len(pair) > 1 else 0)
     return out
 cases = {
     "not-a-multiple": buf(10) + n,
@@ -86,7 +86,7 @@ cases = {
     "beyond-2**64": buf(64, va=(1 << 64) - 8) + n,
     "scalar-for-buffer": n + n,
     "unknown-dtype": buf(4096, code=99) + n,
-    "shape-count-5": rec(uapi.ARG_BUFFER, f32, x.va, 4096) + rec(uapi.ARG_SHAPE, 5, 1, 1) + n,
+    "shape-count-5": rec(userq.ARG_BUFFER, f32, x.va, 4096) + rec(userq.ARG_SHAPE, 5, 1, 1) + n,
     "missing": buf(4096),
     "trailing": buf(4096) + n + n,
     "ragged": (buf(4096) + n)[:-5],
@@ -94,15 +94,15 @@ cases = {
 for name, block in cases.items():
     args[:len(block)] = np.frombuffer(block, np.uint8)
     s = runtime.Stream()
-    s.submit([_packet(uapi.Op.LAUNCH, k.handle, uapi.pack_dims((4, 1, 1)),
-                      uapi.pack_dims((256, 1, 1)), 0, args.device_va, len(block))])
+    s.submit([_packet(userq.Op.LAUNCH, k.handle, userq.pack_dims((4, 1, 1)),
+                      userq.pack_dims((256, 1, 1)), 0, args.device_va, len(block))])
     print(name, fault(s).split("@")[0])
-for name, length, va, block in (("too-long", uapi.ACCEL_ARGS_MAX + 24, args.device_va, (1024, 1, 1)),
+for name, length, va, block in (("too-long", userq.ACCEL_ARGS_MAX + 24, args.device_va, (1024, 1, 1)),
                                 ("unmapped", 48, 0x10, (1024, 1, 1)),
                                 ("block-too-big", 48, args.device_va, (2048, 1, 1))):
     s = runtime.Stream()
-    s.submit([_packet(uapi.Op.LAUNCH, k.handle, uapi.pack_dims((1, 1, 1)),
-                      uapi.pack_dims(block), 0, va, length)])
+    s.submit([_packet(userq.Op.LAUNCH, k.handle, userq.pack_dims((1, 1, 1)),
+                      userq.pack_dims(block), 0, va, length)])
     print(name, fault(s).split("@")[0])
 s = runtime.Stream()
 k[4, 256](x, np.int64(1024), stream=s)
@@ -148,7 +148,7 @@ for jump in (1024 + 1, 10 ** 6, 1 << 63, -5):
         s.submit_nop()
     s.synchronize()
     wptr = (s.last_seqno + jump) % (1 << 64)
-    s._ring.set(uapi.RING_WPTR, wptr)
+    s._ring.set(userq.RING_WPTR, wptr)
     s.ctx.knock(s._slot, wptr)
     deadline = time.monotonic() + 10
     while not s._ring.read_fault()[0] and time.monotonic() < deadline:

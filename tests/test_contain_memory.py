@@ -31,7 +31,7 @@ def attack(d, code: str, *, uid_root: bool = False, timeout: float = 120) -> lis
     """Run ``code`` as the other tenant (or as root); its output lines."""
     body = code if uid_root else as_user(code, imports=RAW)
     if uid_root:
-        body = "import os, sys, errno, json, numpy as np, runtime\nfrom kmod_emul import uapi\n" \
+        body = "import os, sys, errno, json, numpy as np, runtime\nfrom abi import kernel_lang, uapi, userq\n" \
                + RAW + "\n" + body
     out = d.run_py(body, timeout=timeout)
     assert out.returncode == 0, out.stderr + out.stdout
@@ -105,7 +105,7 @@ def test_truncating_client_memory_is_refused_and_unsealed_memory_is_not_taken(te
         print(alloc(unsealed, kind=uapi.MemKind.DEVICE))       # device memory takes no fd
         # a properly sealed ring and buffer: nobody can shrink or grow them
         q = dev.queue_create(ctx)
-        ring_fd = sealed_memfd("ring", uapi.RING_FILE_SIZE)
+        ring_fd = sealed_memfd("ring", userq.RING_FILE_SIZE)
         pinned = sealed_memfd("pin", 1 << 20)
         ok = dev.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
             ctx_id=ctx, size=1 << 20, kind=uapi.MemKind.HOST_PINNED, fd=pinned))
@@ -119,7 +119,7 @@ def test_truncating_client_memory_is_refused_and_unsealed_memory_is_not_taken(te
                     out.append(errno.errorcode[e.errno])
         print(*out)
         # the device keeps using the pinned buffer and the ring: a memset of all of it
-        pkt = bytes(uapi.accel_packet(opcode=uapi.Op.MEMSET, a=(ok.va, 1 << 20, 9, 0, 0, 0, 0)))
+        pkt = bytes(userq.accel_packet(opcode=userq.Op.MEMSET, a=(ok.va, 1 << 20, 9, 0, 0, 0, 0)))
         seq = dev.submit(q, [pkt])
         slot, ring = dev.rings[q]
         import time

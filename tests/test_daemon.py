@@ -11,10 +11,9 @@ import time
 import pytest
 from rawdev import RawDev, errname
 
+from abi import uapi
 from kmod_emul import daemon as kdaemon
-from kmod_emul import uapi
 from kmod_emul.daemon import pid_alive
-
 from stress.harness import REPO
 
 

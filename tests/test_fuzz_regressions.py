@@ -18,12 +18,12 @@ PRELUDE = f"""
 import errno, json, os, sys, time
 sys.path.insert(0, {str(TESTS)!r})
 from rawdev import RawDev, errname
-from kmod_emul import uapi
+from abi import uapi, userq
 from runtime._shm import sealed_memfd
 ROOT = os.environ["ACCEL_EMU_ROOT"]
-NOP = bytes(uapi.accel_packet(opcode=uapi.Op.NOP))
+NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
 def wait_packet(queue_id, seqno):
-    return bytes(uapi.accel_packet(opcode=uapi.Op.WAIT_QUEUE, a=(queue_id, seqno, 0, 0, 0, 0, 0)))
+    return bytes(userq.accel_packet(opcode=userq.Op.WAIT_QUEUE, a=(queue_id, seqno, 0, 0, 0, 0, 0)))
 def until(cond, what, timeout=20.0):
     deadline = time.monotonic() + timeout
     while not cond():
@@ -177,14 +177,14 @@ out = dev.mem_alloc(ctx, 4096)
 args_fd = sealed_memfd("args", 4096)
 args = dev.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
     ctx_id=ctx, size=4096, kind=uapi.MemKind.HOST_PINNED, fd=args_fd))
-block = uapi.ARG_RECORD.pack(uapi.ARG_BUFFER, 9, out.va, 4096) \\
-    + uapi.ARG_RECORD.pack(uapi.ARG_SHAPE, 1, 1024, 0) + uapi.ARG_RECORD.pack(uapi.ARG_SCALAR, 9, 0, 0)
+block = userq.ARG_RECORD.pack(userq.ARG_BUFFER, 9, out.va, 4096) \\
+    + userq.ARG_RECORD.pack(userq.ARG_SHAPE, 1, 1024, 0) + userq.ARG_RECORD.pack(userq.ARG_SCALAR, 9, 0, 0)
 os.pwrite(args_fd, block, 0)
 q = dev.queue_create(ctx)
 slot, ring = dev.rings[q]
 def launch(grid):
-    return bytes(uapi.accel_packet(opcode=uapi.Op.LAUNCH, a=(
-        kernel, uapi.pack_dims(grid), uapi.pack_dims((256, 1, 1)), 0, args.va, len(block), 0)))
+    return bytes(userq.accel_packet(opcode=userq.Op.LAUNCH, a=(
+        kernel, userq.pack_dims(grid), userq.pack_dims((256, 1, 1)), 0, args.va, len(block), 0)))
 dev.submit(q, [launch((4, 1, 1))])                  # compiles the kernel (once)
 until(lambda: ring.completed == 1, "a small launch", 150)
 assert ring.read_fault() == (0, 0, 0, 0), ring.read_fault()
@@ -217,7 +217,7 @@ slot, ring = dev.rings[q]
 buf = dev.mem_alloc(ctx, 1 << 20)
 dev.submit(q, [NOP])
 until(lambda: ring.completed == 1, "the packet")
-ring.set(uapi.RING_COMPLETED, 0)                      # the process overwrites the fence word
+ring.set(userq.RING_COMPLETED, 0)                      # the process overwrites the fence word
 dev.call(uapi.ACCEL_CMD_MEM_FREE, uapi.accel_mem_free(ctx_id=ctx, handle=buf.handle))
 info = lambda: dev.call(uapi.ACCEL_CMD_MEM_INFO, uapi.accel_mem_info(ctx_id=ctx))
 until(lambda: info().pending_free == 0, "the freed memory back", 10)
@@ -238,10 +238,10 @@ def test_a_ring_created_with_its_write_pointer_behind_its_read_pointer_faults(tw
     d, bystanders = two
     before = snapshot(d)
     lines = run(d, """
-fd = sealed_memfd("ring", uapi.RING_FILE_SIZE)
-ring = uapi.RingView(fd)
-ring.set(uapi.RING_RPTR, 10)
-ring.set(uapi.RING_WPTR, 3)
+fd = sealed_memfd("ring", userq.RING_FILE_SIZE)
+ring = userq.RingView(fd)
+ring.set(userq.RING_RPTR, 10)
+ring.set(userq.RING_WPTR, 3)
 dev.call(uapi.ACCEL_CMD_QUEUE_CREATE, uapi.accel_queue_create(ctx_id=ctx, ring_fd=fd))
 until(lambda: ring.read_fault()[0] != 0, "the fault", 10)
 dev.wait_done(ctx, dev.noop(ctx))                     # the device still answers

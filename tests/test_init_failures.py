@@ -11,8 +11,8 @@ import os
 
 from rawdev import RawDev, errname
 
-from firmware.image import IMAGE_NAME
-from kmod_emul import uapi
+from abi import uapi
+from abi.fwimage import IMAGE_NAME
 
 #: Prints "<exception class>|<message>" for runtime.init() in a fresh process.
 INIT_PROBE = """

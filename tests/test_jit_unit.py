@@ -22,10 +22,16 @@ from typing import Any
 import numpy as np
 import pytest
 
+from abi import kernel_lang
 from firmware import jit, kernel_check
-from kmod_emul import uapi
-from firmware.jit import (ABORT_PREEMPT, ABORT_WATCHDOG, KernelCache, KernelFault, Options,
-                          compat_key)
+from firmware.jit import (
+    ABORT_PREEMPT,
+    ABORT_WATCHDOG,
+    KernelCache,
+    KernelFault,
+    Options,
+    compat_key,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,7 +60,7 @@ def ir_of(src: str, ndims: dict[str, int] | None = None) -> dict[str, Any]:
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) \
                 and n.func.id == "shared_array":
             dims = n.args[0].elts if isinstance(n.args[0], ast.Tuple) else [n.args[0]]
-            dtype = uapi.DTYPE_ALIASES.get(n.args[1].value, n.args[1].value)  # type: ignore
+            dtype = kernel_lang.DTYPE_ALIASES.get(n.args[1].value, n.args[1].value)  # type: ignore
             shared_mem += int(np.prod([d.value for d in dims])) * np.dtype(dtype).itemsize  # type: ignore
     return {"name": fn.name, "params": params, "source": ast.unparse(fn),
             "shared_mem": shared_mem,

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 
+from abi import fwimage
 from firmware import image
 
 # Scenario bodies are dedented and appended to this; they must not start inside ``stat``.
@@ -41,8 +42,8 @@ def kdaemon(tmp_path_factory):
     fw_dir = base / "firmware"
     fw_dir.mkdir()
     payload = dict(image.DEFAULT_PAYLOAD, watchdog_ms=1500)
-    (fw_dir / image.IMAGE_NAME).write_bytes(
-        image.build(image.DEFAULT_MANIFEST, json.dumps(payload, sort_keys=True).encode()))
+    (fw_dir / fwimage.IMAGE_NAME).write_bytes(
+        fwimage.build(image.DEFAULT_MANIFEST, json.dumps(payload, sort_keys=True).encode()))
     d = Daemon(base / "root", base / "state", fw_dir, 1)
     d.start()
     try:
@@ -129,7 +130,7 @@ def test_decorator_and_launch_checks(kdaemon, tmp_path):
             runtime.compile("def bad(x):\\n    import os\\n")
         except runtime.InvalidValueError as e:
             print("compile refused, line", e.lineno)
-        from kmod_emul import uapi
+        from abi import uapi
         mod = runtime.compile(kernel_lib.SOURCE)
         other = runtime.new_context(0)                 # handles belong to their context
         try:
@@ -217,7 +218,9 @@ def test_high_priority_kernel_preempts_a_long_one_between_blocks(kdaemon):
         low, high = runtime.Stream(priority=0), runtime.Stream(priority=-1)
         small = runtime.empty(256, np.float32)
         lib.fill[1, 256](small, np.float32(0)); runtime.current_stream().synchronize()
-        for _ in range(30):       # 65536 blocks each: tens of ms of low-priority work
+        for _ in range(300):      # 65536 blocks each: ~0.5 s of low-priority work, so a
+                                  # client descheduled for tens of ms (a loaded CI) still
+                                  # submits its high-priority launch while it runs
             lib.saxpy[n // 64, 64](np.float32(1.0), x, x, x, stream=low)
         while low.completed < 1:  # it is running (shared-memory fence: no delay)
             pass
@@ -309,8 +312,8 @@ def test_a_device_without_a_matrix_unit_refuses_mma_modules(tmp_path):
     fw_dir.mkdir()
     caps = [c for c in image.DEFAULT_PAYLOAD["capabilities"] if c != "matrix"]
     payload = dict(image.DEFAULT_PAYLOAD, capabilities=caps)
-    (fw_dir / image.IMAGE_NAME).write_bytes(
-        image.build(image.DEFAULT_MANIFEST, json.dumps(payload, sort_keys=True).encode()))
+    (fw_dir / fwimage.IMAGE_NAME).write_bytes(
+        fwimage.build(image.DEFAULT_MANIFEST, json.dumps(payload, sort_keys=True).encode()))
     d = Daemon(tmp_path / "root", tmp_path / "state", fw_dir, 1)
     d.start()
     try:

@@ -16,9 +16,9 @@ import pytest
 
 PRELUDE = """
 import os, sys, json, numpy as np, runtime
-from kmod_emul import uapi
+from abi import uapi, userq
 def pkt(op, *a):
-    return uapi.accel_packet(opcode=op, a=(*a, *(0,) * (7 - len(a))))
+    return userq.accel_packet(opcode=op, a=(*a, *(0,) * (7 - len(a))))
 """
 
 
@@ -88,18 +88,18 @@ def test_bad_copies_fail_clearly_and_change_no_byte(daemon):
             print("size:", e)
         p = runtime.pinned_empty(4096, np.uint8)
         nowhere = (1 << 44) + (1 << 43)                      # no allocation of anyone's
-        for packet in (pkt(uapi.Op.COPY, d.va, nowhere, 16),
-                       pkt(uapi.Op.COPY, d.va, p.device_va + 4000, 200),   # runs past the end
-                       pkt(uapi.Op.MEMSET, d.va, 16, 300)):                # not a byte value
+        for packet in (pkt(userq.Op.COPY, d.va, nowhere, 16),
+                       pkt(userq.Op.COPY, d.va, p.device_va + 4000, 200),   # runs past the end
+                       pkt(userq.Op.MEMSET, d.va, 16, 300)):                # not a byte value
             s = runtime.Stream()
-            s.submit([packet, pkt(uapi.Op.MEMSET, d.va, 4096, 0)])  # cancelled after the fault
+            s.submit([packet, pkt(userq.Op.MEMSET, d.va, 4096, 0)])  # cancelled after the fault
             try:
                 s.synchronize()
             except runtime.DeviceFaultError as e:
                 r = e.record
                 print("fault:", r["errno"], r["opcode"], r["seqno"], hex(r["address"]))
             try:
-                s.submit([pkt(uapi.Op.NOP)])
+                s.submit([pkt(userq.Op.NOP)])
             except runtime.AccelError as e:
                 print("refused:", e.errno)
         print(hex(nowhere), hex(p.device_va + 4096))
@@ -171,7 +171,7 @@ def test_caching_allocator_stream_safe_reuse(daemon):
         c = runtime.empty(1 << 20, np.uint8, stream=s2)
         print(c.va != va)                          # not on another stream
         c.record_stream(s1)
-        s1.submit([pkt(uapi.Op.NOP)])
+        s1.submit([pkt(userq.Op.NOP)])
         cva = c.va; del c
         d = runtime.empty(1 << 20, np.uint8, stream=s2)
         print(d.va != cva or s1.query())           # reuse waits for s1's use to complete

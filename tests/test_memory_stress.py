@@ -13,7 +13,7 @@ import sys
 
 STRESS = r"""
 import sys, numpy as np, runtime
-from kmod_emul import uapi
+from abi import userq
 seed, ops = int(sys.argv[1]), int(sys.argv[2])
 rng = np.random.default_rng(seed)
 streams = [runtime.Stream() for _ in range(3)]
@@ -54,7 +54,7 @@ for step in range(ops):
         if rng.random() < 0.5:               # pinned: asynchronous, into a prefix
             k = min(len(shadow), 1 << 20)
             pin[:k] = rng.integers(0, 255, k, dtype=np.uint8)
-            s.submit([uapi.accel_packet(opcode=uapi.Op.COPY, a=(d.va, pin.device_va, k, 0, 0, 0, 0))])
+            s.submit([userq.accel_packet(opcode=userq.Op.COPY, a=(d.va, pin.device_va, k, 0, 0, 0, 0))])
             s.synchronize()                  # before the pinned buffer is written again
             shadow[:k] = pin[:k]
         else:                                # pageable: staged, the whole array

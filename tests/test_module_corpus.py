@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from abi import fwimage
 from firmware import image
 from stress import module_corpus as mc
 
@@ -26,7 +27,7 @@ def _image(tmp_path: Path, name: str, **payload) -> Path:
     fw = tmp_path / name
     fw.mkdir()
     body = json.dumps(dict(image.DEFAULT_PAYLOAD, **payload), sort_keys=True).encode()
-    (fw / image.IMAGE_NAME).write_bytes(image.build(image.DEFAULT_MANIFEST, body))
+    (fw / fwimage.IMAGE_NAME).write_bytes(fwimage.build(image.DEFAULT_MANIFEST, body))
     return fw
 
 

@@ -115,7 +115,7 @@ def test_synchronize_waits_for_every_stream_and_raises_the_first_fault(daemon):
     what was queued before the call, and a pending fault is raised with its record."""
     out = daemon.run_py("""
         import numpy as np, runtime
-        from kmod_emul import uapi
+        from abi import userq
         streams = [runtime.Stream(0) for _ in range(2)]
         bufs = [runtime.empty(96 << 20, np.uint8) for _ in streams]
         for s, b in zip(streams, bufs):
@@ -123,7 +123,7 @@ def test_synchronize_waits_for_every_stream_and_raises_the_first_fault(daemon):
                 b.memset(7, stream=s)
         runtime.synchronize(0)
         print(all(s.query() for s in streams), int(bufs[1].copy_to_host()[-1]))
-        streams[1].submit([uapi.accel_packet(opcode=uapi.Op.MEMSET, a=(0x10, 64, 0, 0, 0, 0, 0))])
+        streams[1].submit([userq.accel_packet(opcode=userq.Op.MEMSET, a=(0x10, 64, 0, 0, 0, 0, 0))])
         for _ in range(2):  # sticky, as CUDA's: the stream keeps its fault
             try:
                 runtime.synchronize(0)

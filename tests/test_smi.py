@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from firmware.image import IMAGE_DIR, IMAGE_NAME
-from kmod_emul import uapi
+from abi import uapi
+from abi.fwimage import IMAGE_NAME
+from firmware.image import IMAGE_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 #: Changes between two reads on a healthy device; never compared by value.

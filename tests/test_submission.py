@@ -13,10 +13,10 @@ import time
 
 PRELUDE = """
 import os, sys, time, numpy as np, runtime
-from kmod_emul import uapi
+from abi import userq
 ROOT = os.environ["ACCEL_EMU_ROOT"]
 def pkt(op, *a):
-    return uapi.accel_packet(opcode=op, a=(*a, *(0,) * (7 - len(a))))
+    return userq.accel_packet(opcode=op, a=(*a, *(0,) * (7 - len(a))))
 def hold(on, dev=0):
     open(f"{ROOT}/sys/kernel/debug/accel/accel{dev}/sched_hold", "w").write("1" if on else "0")
 def stat(name, dev=0, at_least=0):
@@ -44,7 +44,7 @@ def test_submission_takes_no_system_call_while_the_firmware_is_awake(daemon):
         syscalls = lambda: int([l for l in open(f"/proc/{os.getpid()}/io") if l.startswith("syscw")][0].split()[1])
         n0 = syscalls()
         for _ in range(2000):
-            s.submit([pkt(uapi.Op.NOP)])
+            s.submit([pkt(userq.Op.NOP)])
         n1 = syscalls()
         s.synchronize()
         print(s.completed == s.last_seqno == 2000, n1 - n0 < 2000)
@@ -127,7 +127,7 @@ def test_async_error_surfaces_at_sync_and_spares_other_streams(daemon):
         bad, good = runtime.Stream(), runtime.Stream()
         a = runtime.to_device(np.ones(1024, np.float32))
         good.wait_stream(runtime.current_stream())  # the upload ran on the default stream
-        bad.submit([pkt(uapi.Op.COPY, a.va, 1 << 43, 64)])  # returns at once, before it runs
+        bad.submit([pkt(userq.Op.COPY, a.va, 1 << 43, 64)])  # returns at once, before it runs
         a.memset(0, stream=good)
         good.synchronize()
         try:
@@ -203,7 +203,7 @@ def test_priorities_high_runs_first_and_preempts_long_copies(make_daemon):
         # queued order: low before high; the scheduler is held while they queue
         hold(True)
         a = runtime.Event(enable_timing=True); a.record(low1)
-        low1.submit([pkt(uapi.Op.NOP)])
+        low1.submit([pkt(userq.Op.NOP)])
         b = runtime.Event(enable_timing=True); b.record(high)
         hold(False)
         high.synchronize(); low1.synchronize()
@@ -233,7 +233,7 @@ def test_host_wait_timeout_and_ctrl_c(make_daemon):
     lines = run(d, """
         s = runtime.Stream()
         hold(True)
-        s.submit([pkt(uapi.Op.NOP)])
+        s.submit([pkt(userq.Op.NOP)])
         t = time.monotonic()
         try:
             s.synchronize(timeout=0.3)
@@ -245,7 +245,7 @@ def test_host_wait_timeout_and_ctrl_c(make_daemon):
     code = PRELUDE + """
 s = runtime.Stream()
 hold(True)
-s.submit([pkt(uapi.Op.NOP)])
+s.submit([pkt(userq.Op.NOP)])
 print("waiting", flush=True)
 try:
     s.synchronize()

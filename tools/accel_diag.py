@@ -52,7 +52,7 @@ import numpy as np
 from tabulate import tabulate
 
 import runtime
-from kmod_emul import uapi
+from abi import uapi, userq
 from runtime import discovery
 from tools.accel_smi import Tree, UsageError, select
 
@@ -543,7 +543,7 @@ def fault_isolation(d: Diag) -> str:
             out = runtime.pinned_empty(ORDER_BYTES, np.uint8, device=i)
             a.memset(0x11, stream=good)
             _sync(good)
-            bad.submit([uapi.accel_packet(opcode=uapi.Op.COPY,
+            bad.submit([userq.accel_packet(opcode=userq.Op.COPY,
                                           a=(a.va, UNMAPPED_VA, 64, 0, 0, 0, 0))])
             a.memset(0x22, stream=good)            # queued after the bad packet, elsewhere
             record: dict[str, Any] = {}
@@ -557,7 +557,7 @@ def fault_isolation(d: Diag) -> str:
             _check(got == want, f"{name}: fault record {got}, expected {want}")
             refused = None
             try:
-                bad.submit([uapi.accel_packet(opcode=uapi.Op.NOP)])
+                bad.submit([userq.accel_packet(opcode=userq.Op.NOP)])
             except runtime.AccelError as exc:
                 refused = exc.errno
             _check(refused == errno.ECANCELED,

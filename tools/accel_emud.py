@@ -15,8 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from abi import uapi
 from firmware.image import IMAGE_DIR
-from kmod_emul import uapi
 
 START_TIMEOUT_S = 120.0
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

@@ -42,7 +42,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from kmod_emul import uapi
+from abi import uapi
 
 EXIT_OK = 0
 EXIT_FAILED = 1

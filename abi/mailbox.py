@@ -6,7 +6,7 @@ the driver creates and hands to the firmware process) holding:
 
 * the boot block: magic, ABI, firmware state, boot error, boot flags, heartbeat;
 * a host-to-firmware command ring and a firmware-to-host completion ring, each a
-  single-producer single-consumer ring of fixed 32-byte messages;
+  single-producer single-consumer ring of fixed 128-byte messages;
 * the boot image region, into which the driver copies the verified image.
 
 Doorbells (host to firmware) and interrupts (firmware to host) are one byte on a pipe:
@@ -21,15 +21,18 @@ by a cookie.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import os
 import socket
 import struct
 from typing import Final
 
+from abi._struct import Struct
+
 MAILBOX_MAGIC: Final = 0xACCE1E40
 #: The mailbox ABI this file describes. Images list the range they speak.
-MAILBOX_ABI: Final = 2
+MAILBOX_ABI: Final = 3
 
 MAILBOX_SIZE: Final = 1 << 20
 _BOOT_OFF: Final = 0
@@ -68,24 +71,8 @@ class BootFlag(enum.IntFlag):
 class Op(enum.IntEnum):
     """Messages on the command ring (host to firmware) and the completion ring.
 
-    Argument words ``a0..a5`` per op (host to firmware); "fds" travel on the
-    :class:`FdChannel` under the cookie the message names:
-      CTX_CREATE: a0 cookie; fds: doorbell pipe read end, event pipe write end, doorbell
-        page memfd.
-      CTX_DESTROY: -; the firmware answers CTX_DESTROY once the context's queues have
-        stopped and its mappings are gone.
-      MAP: a0 va, a1 size, a2 MemKind, a3 owning device index, a4 VRAM offset (device
-        memory), a5 cookie (host kinds; fds: the memfd).
-      UNMAP: a0 va. Answered once every packet queued before it has completed, so the
-        driver reuses the memory only after the device is done with it.
-      QUEUE_CREATE: a0 queue id, a1 priority, a2 doorbell slot, a3 cookie (fds: the ring).
-      QUEUE_IMPORT: a0 local queue id, a1 peer device, a2 peer queue id, a3 cookie (fds:
-        that queue's ring).
-      QUEUE_DESTROY: a0 queue id: drained first, then forgotten.
-      MODULE_LOAD: a0 module id, a1 size, a2 cookie (fds: the sealed image).
-    Completions: UNMAP: a0 va. CTX_DESTROY: -. MAP / QUEUE_CREATE / QUEUE_IMPORT with a
-    nonzero status (an errno): the firmware could not map it (a0 va / queue id); a queue
-    it could not map is faulted by the driver, which maps the ring too.
+    Each message's payload is one struct (``COMMANDS`` and ``COMPLETIONS`` below say which);
+    descriptors travel on the :class:`FdChannel` under the ``cookie`` the payload names.
     """
 
     CTX_CREATE = 2
@@ -96,16 +83,178 @@ class Op(enum.IntEnum):
     UNMAP = 6
     QUEUE_CREATE = 7
     QUEUE_DESTROY = 8
-    #: a0 = bytes of this device's memory held by device-local allocations; managed pages
-    #: may be resident only in what remains.
     SET_BUDGET = 10
     QUEUE_IMPORT = 11
-    #: debugfs sched_hold: a0 = 1 stops the scheduler taking packets, 0 resumes it
+    #: debugfs sched_hold
     HOLD = 13
-    #: a0 module id, a1 size, a2 cookie; the firmware validates the module itself
     MODULE_LOAD = 14
-    #: a0 module id
     MODULE_UNLOAD = 15
+
+
+# --- message payloads: one struct per message ---------------------------------------------
+# Host to firmware. A field ``cookie`` names the descriptors sent with the message (0: none).
+class fw_ctx_create(Struct):
+    """A context: fds doorbell pipe read end, event pipe write end, doorbell page memfd."""
+
+    _fields_ = [("cookie", ctypes.c_uint64), ("reserved", ctypes.c_uint64 * 2)]
+
+
+class fw_ctx_destroy(Struct):
+    """Stop the context's queues and forget it; answered (CTX_DESTROY) once stopped and
+    its mappings are gone."""
+
+    _fields_ = [("reserved", ctypes.c_uint64 * 2)]
+
+
+class fw_hang(Struct):
+    """Fault injection (debugfs): stop heart-beating and answering."""
+
+    _fields_ = [("reserved", ctypes.c_uint64 * 2)]
+
+
+class fw_map(Struct):
+    """Map ``size`` bytes at ``va``: device memory at ``offset`` of device ``owner``'s
+    VRAM, or (host kinds) the memfd sent under ``cookie``. Answered only on failure."""
+
+    _fields_ = [
+        ("va", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("kind", ctypes.c_uint32),  # uapi.MemKind
+        ("owner", ctypes.c_uint32),  # the device whose memory it is
+        ("offset", ctypes.c_uint64),  # device memory: the VRAM offset
+        ("cookie", ctypes.c_uint64),  # host kinds: the memfd
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
+class fw_unmap(Struct):
+    """Unmap ``va`` once every packet queued before this message has completed; answered
+    then, so the driver reuses the memory only after the device is done with it."""
+
+    _fields_ = [("va", ctypes.c_uint64), ("reserved", ctypes.c_uint64 * 2)]
+
+
+class fw_queue_create(Struct):
+    """A user-mode queue: the ring memfd sent under ``cookie``, its doorbell slot."""
+
+    _fields_ = [
+        ("queue_id", ctypes.c_uint64),
+        ("priority", ctypes.c_uint32),  # uapi.ACCEL_QUEUE_PRIORITY_*
+        ("doorbell_slot", ctypes.c_uint32),
+        ("cookie", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
+class fw_queue_destroy(Struct):
+    """Drain the queue, then forget it."""
+
+    _fields_ = [("queue_id", ctypes.c_uint64), ("reserved", ctypes.c_uint64 * 2)]
+
+
+class fw_set_budget(Struct):
+    """Bytes of this device's memory held by device-local allocations; managed pages may
+    be resident only in what remains."""
+
+    _fields_ = [("device_bytes", ctypes.c_uint64), ("reserved", ctypes.c_uint64 * 2)]
+
+
+class fw_queue_import(Struct):
+    """Another device's queue, waitable here as ``queue_id``: its ring memfd under
+    ``cookie`` (the firmware reads only its fence)."""
+
+    _fields_ = [
+        ("queue_id", ctypes.c_uint64),
+        ("peer_index", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("peer_queue_id", ctypes.c_uint64),
+        ("cookie", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
+class fw_hold(Struct):
+    """debugfs sched_hold: ``hold`` 1 stops the scheduler taking packets, 0 resumes it."""
+
+    _fields_ = [("hold", ctypes.c_uint32), ("pad", ctypes.c_uint32),
+                ("reserved", ctypes.c_uint64 * 2)]
+
+
+class fw_module_load(Struct):
+    """A module: the first ``size`` bytes of the sealed image sent under ``cookie``; the
+    firmware validates it itself."""
+
+    _fields_ = [
+        ("module_id", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("cookie", ctypes.c_uint64),
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
+class fw_module_unload(Struct):
+    _fields_ = [("module_id", ctypes.c_uint64), ("reserved", ctypes.c_uint64 * 2)]
+
+
+# Firmware to host. The message's status is 0, or (MAP, QUEUE_*) the errno of a failure.
+class fw_map_done(Struct):
+    """MAP failed (status): packets touching ``va`` fault with EFAULT."""
+
+    _fields_ = [("va", ctypes.c_uint64), ("reserved", ctypes.c_uint64 * 2)]
+
+
+class fw_unmap_done(Struct):
+    """The device is done with ``va``: the memory may be reused."""
+
+    _fields_ = [("va", ctypes.c_uint64), ("reserved", ctypes.c_uint64 * 2)]
+
+
+class fw_ctx_destroy_done(Struct):
+    """The context stopped and holds nothing any more."""
+
+    _fields_ = [("reserved", ctypes.c_uint64 * 2)]
+
+
+class fw_queue_done(Struct):
+    """QUEUE_CREATE / QUEUE_IMPORT failed (status): the firmware could not map the ring;
+    the driver faults the queue."""
+
+    _fields_ = [("queue_id", ctypes.c_uint64), ("reserved", ctypes.c_uint64 * 2)]
+
+
+#: Host to firmware: each op's payload struct. The firmware handles every op of this table
+#: (a handler missing is a boot failure).
+COMMANDS: Final[dict[Op, type[Struct]]] = {
+    Op.CTX_CREATE: fw_ctx_create, Op.CTX_DESTROY: fw_ctx_destroy, Op.HANG: fw_hang,
+    Op.MAP: fw_map, Op.UNMAP: fw_unmap, Op.QUEUE_CREATE: fw_queue_create,
+    Op.QUEUE_DESTROY: fw_queue_destroy, Op.SET_BUDGET: fw_set_budget,
+    Op.QUEUE_IMPORT: fw_queue_import, Op.HOLD: fw_hold, Op.MODULE_LOAD: fw_module_load,
+    Op.MODULE_UNLOAD: fw_module_unload,
+}
+#: The op a payload struct travels as (host to firmware).
+OP_OF: Final[dict[type[Struct], Op]] = {cls: op for op, cls in COMMANDS.items()}
+#: Firmware to host: each op's payload struct. The driver handles every op of this table.
+COMPLETIONS: Final[dict[Op, type[Struct]]] = {
+    Op.MAP: fw_map_done, Op.UNMAP: fw_unmap_done, Op.CTX_DESTROY: fw_ctx_destroy_done,
+    Op.QUEUE_CREATE: fw_queue_done, Op.QUEUE_IMPORT: fw_queue_done,
+}
+
+
+class MessageError(ValueError):
+    """A message that is not in its table, or whose reserved bytes are not zero."""
+
+
+def decode(table: dict[Op, type[Struct]], op: int, payload: bytes) -> Struct:
+    """The payload of message ``op`` as its struct; MessageError when ``op`` is not in
+    ``table`` or any reserved byte (``pad*``, ``reserved*`` and everything after the
+    struct) is set -- a receiver never guesses at a message it does not know."""
+    cls = table.get(op)  # type: ignore[call-overload]
+    if cls is None:
+        raise MessageError(f"unknown message {op}")
+    size = ctypes.sizeof(cls)
+    if not cls.reserved_clear(payload) or any(payload[size:]):
+        raise MessageError(f"{Op(op).name}: reserved bytes set")
+    return cls.from_buffer_copy(payload[:size])
 
 
 class FdChannel:
@@ -161,10 +310,10 @@ class FdChannel:
         self.sock.close()
 
 
-# Message: op u32, status u32, ctx u64, a0..a5 u64 (64 bytes), then a 64-byte payload.
-MSG = struct.Struct("<IIQ6Q")
-PAYLOAD_SIZE: Final = MSG_SIZE - MSG.size
-assert PAYLOAD_SIZE == 64
+#: A message: op u32, status u32, ctx u64, then its payload struct (zero-padded).
+MSG_HEADER = struct.Struct("<IIQ")
+PAYLOAD_SIZE: Final = MSG_SIZE - MSG_HEADER.size
+assert all(ctypes.sizeof(c) <= PAYLOAD_SIZE for c in (*COMMANDS.values(), *COMPLETIONS.values()))
 
 # Stats block, written by the firmware, read by the driver (sysfs, MEM_INFO):
 STAT_NAMES: Final = (
@@ -194,28 +343,30 @@ class Ring:
     def size(slots: int = RING_SLOTS) -> int:
         return 64 + slots * MSG_SIZE
 
-    def push(self, op: int, ctx_id: int, args: tuple[int, ...] = (), status: int = 0,
-             payload: bytes = b"") -> bool:
+    def push(self, op: int, ctx_id: int, payload: Struct, status: int = 0) -> bool:
+        """Write one message; False (nothing written) when the ring is full."""
         tail = self._idx[1]
         if tail - self._idx[0] >= self._slots:
             return False
         off = (tail % self._slots) * MSG_SIZE
-        MSG.pack_into(self._data, off, op, status, ctx_id, *args, *(0,) * (6 - len(args)))
-        if payload:
-            self._data[off + MSG.size : off + MSG.size + len(payload)] = payload
+        body = bytes(payload)
+        MSG_HEADER.pack_into(self._data, off, op, status, ctx_id)
+        start = off + MSG_HEADER.size
+        self._data[start : off + MSG_SIZE] = body + bytes(PAYLOAD_SIZE - len(body))
         self._idx[1] = tail + 1
         return True
 
-    def pop(self) -> tuple[tuple[int, ...], bytes] | None:
-        """Next message as ((op, status, ctx_id, a0..a5), payload), or None when empty."""
+    def pop(self) -> tuple[int, int, int, bytes] | None:
+        """Next message as (op, status, ctx_id, payload bytes), or None when empty (the
+        receiver decodes the payload with :func:`decode`)."""
         head = self._idx[0]
         if head == self._idx[1]:
             return None
         off = (head % self._slots) * MSG_SIZE
-        msg = MSG.unpack_from(self._data, off)
-        payload = bytes(self._data[off + MSG.size : off + MSG_SIZE])
+        op, status, ctx_id = MSG_HEADER.unpack_from(self._data, off)
+        payload = bytes(self._data[off + MSG_HEADER.size : off + MSG_SIZE])
         self._idx[0] = head + 1
-        return msg, payload
+        return op, status, ctx_id, payload
 
     def pending(self) -> int:
         return self._idx[1] - self._idx[0]

@@ -1,9 +1,10 @@
-"""The accel-emu user-space ABI: every command and struct, defined once.
+"""The accel-emu user-space ABI: every command of the device node and its struct.
 
 This module is the emulator's ``include/uapi/drm/accel_emu.h``. The driver
 (``kmod_emul``) and the runtime (``runtime``) both import it and nothing else
-defines a command number or a struct layout. It imports only the standard
-library, so importing it never pulls in the driver, pyfuse3 or numba.
+defines a command number or a struct layout; what a process shares with the firmware
+directly (rings, packets, the doorbell page) is :mod:`abi.userq`. It imports only the
+standard library, so importing it never pulls in the driver, pyfuse3 or numba.
 
 Transport (pyfuse3 has no ioctl, so a command is a write/read transaction on the
 open device node, see docs/uapi.md):
@@ -25,12 +26,12 @@ from __future__ import annotations
 import ctypes
 import enum
 import errno
-import mmap
 import os
 import struct
-import threading
 from dataclasses import dataclass
 from typing import Final
+
+from abi._struct import Struct
 
 # --- ABI version --------------------------------------------------------------------
 #: Bumped when a command or struct changes incompatibly. The driver refuses a context
@@ -77,32 +78,10 @@ def ioc_nr(cmd: int) -> int:
     return (cmd >> _IOC_NRSHIFT) & ((1 << _IOC_NRBITS) - 1)
 
 
-class _Struct(ctypes.LittleEndianStructure):
-    """Base of every uAPI struct: packed, little-endian, explicit padding only."""
-
-    _pack_ = 1
-
-    @classmethod
-    def reserved_ranges(cls) -> tuple[tuple[int, int], ...]:
-        """(start, end) byte ranges of the ``pad*``/``reserved*`` fields, computed once."""
-        cached = cls.__dict__.get("_reserved_ranges")
-        if cached is None:
-            cached = tuple(
-                (getattr(cls, name).offset, getattr(cls, name).offset + getattr(cls, name).size)
-                for name, *_ in cls._fields_
-                if name.startswith(("pad", "reserved"))
-            )
-            cls._reserved_ranges = cached
-        return cached
-
-    @classmethod
-    def reserved_clear(cls, raw: bytes | memoryview, base: int = 0) -> bool:
-        """True when every reserved byte of the struct at ``raw[base:]`` is zero."""
-        return not any(any(raw[base + lo : base + hi]) for lo, hi in cls.reserved_ranges())
 
 
 # --- transaction header ---------------------------------------------------------------
-class accel_cmd_hdr(_Struct):
+class accel_cmd_hdr(Struct):
     """Precedes every command's payload in the write."""
 
     _fields_ = [
@@ -112,6 +91,9 @@ class accel_cmd_hdr(_Struct):
     ]
 
 
+#: The header as the runtime packs it in one call: cmd, flags, tag.
+CMD_HDR = struct.Struct("<IIQ")
+assert CMD_HDR.size == ctypes.sizeof(accel_cmd_hdr)
 #: Tags must stay below this so that ``pread(fd, n, tag)`` is a valid offset.
 ACCEL_TAG_LIMIT: Final = 1 << 62
 #: A context may hold this many unread replies; one more write answers EBUSY.
@@ -149,10 +131,6 @@ class Cap(enum.IntFlag):
     MATRIX = 1 << 9
 
 
-#: What a kernel's IR flag requires of the device (MODULE_LOAD refuses with EOPNOTSUPP).
-KERNEL_FLAG_CAPS: Final[tuple[tuple[str, str], ...]] = (
-    ("uses_atomics", "atomics"), ("uses_barrier", "shared_mem"), ("uses_mma", "matrix"))
-
 _CAP_BITS: Final[dict[str, int]] = {c.name.lower(): int(c) for c in Cap if c.name}
 
 
@@ -167,7 +145,7 @@ def names_to_caps(names: list[str]) -> int:
 _S = ctypes.c_char
 
 
-class accel_version(_Struct):
+class accel_version(Struct):
     """ACCEL_CMD_GET_VERSION: the driver's ABI and build."""
 
     _fields_ = [
@@ -178,7 +156,7 @@ class accel_version(_Struct):
     ]
 
 
-class accel_device_info(_Struct):
+class accel_device_info(Struct):
     """ACCEL_CMD_DEVICE_QUERY: identity, versions, capabilities, limits and state."""
 
     _fields_ = [
@@ -226,7 +204,7 @@ ACCEL_CTX_EXCLUSIVE: Final = 1 << 0
 ACCEL_CTX_FLAGS_MASK: Final = ACCEL_CTX_EXCLUSIVE
 
 
-class accel_ctx_create(_Struct):
+class accel_ctx_create(Struct):
     """ACCEL_CMD_CTX_CREATE: turn this open file into a context (one open = one context).
 
     The process brings the context's three shared objects itself, as file descriptors of
@@ -234,7 +212,7 @@ class accel_ctx_create(_Struct):
     of a pipe it writes one byte to when the firmware sleeps (``doorbell_fd``), the write
     end of a pipe the device writes one byte to when something a waiter armed happened
     (``event_fd``), and the doorbell page (``db_page_fd``, a sealed memfd of
-    ``ACCEL_DB_PAGE_SIZE`` bytes, see "the doorbell page" below). The process may close
+    ``userq.ACCEL_DB_PAGE_SIZE`` bytes, laid out as :mod:`abi.userq` says). The process may close
     its copies of the two pipe ends the driver took once this returns.
     """
 
@@ -244,13 +222,13 @@ class accel_ctx_create(_Struct):
         ("flags", ctypes.c_uint32),  # in: ACCEL_CTX_*
         ("doorbell_fd", ctypes.c_int32),  # in: pipe read end
         ("event_fd", ctypes.c_int32),  # in: pipe write end
-        ("db_page_fd", ctypes.c_int32),  # in: sealed memfd, ACCEL_DB_PAGE_SIZE bytes
+        ("db_page_fd", ctypes.c_int32),  # in: sealed memfd, userq.ACCEL_DB_PAGE_SIZE bytes
         ("ctx_id", ctypes.c_uint64),  # out: unique on the device, never reused
         ("reserved", ctypes.c_uint64 * 2),
     ]
 
 
-class accel_ctx_destroy(_Struct):
+class accel_ctx_destroy(Struct):
     """ACCEL_CMD_CTX_DESTROY: tear the context down; the fd may create a new one."""
 
     _fields_ = [
@@ -263,7 +241,7 @@ class accel_ctx_destroy(_Struct):
 # --- submission -------------------------------------------------------------------------
 
 
-class accel_submit_noop(_Struct):
+class accel_submit_noop(Struct):
     """ACCEL_CMD_SUBMIT_NOOP: queue a no-op on the firmware; returns its fence seqno."""
 
     _fields_ = [
@@ -274,7 +252,7 @@ class accel_submit_noop(_Struct):
     ]
 
 
-class accel_wait(_Struct):
+class accel_wait(Struct):
     """ACCEL_CMD_WAIT: has the context's default queue (the one SUBMIT_NOOP uses)
     completed ``seqno``? It never blocks: a FUSE request holds the device node for every
     tenant while it runs (docs/containment.md), so waiting happens in the caller. Answers
@@ -323,7 +301,7 @@ ACCEL_PAGE_SIZE: Final = 4096
 
 
 
-class accel_mem_alloc(_Struct):
+class accel_mem_alloc(Struct):
     """ACCEL_CMD_MEM_ALLOC: allocate ``size`` bytes of ``kind`` in the context.
 
     Device-local memory comes from the device (``fd`` must be -1). Host-visible kinds are
@@ -344,7 +322,7 @@ class accel_mem_alloc(_Struct):
     ]
 
 
-class accel_mem_free(_Struct):
+class accel_mem_free(Struct):
     """ACCEL_CMD_MEM_FREE: release an allocation (or an import) of the context."""
 
     _fields_ = [
@@ -353,7 +331,7 @@ class accel_mem_free(_Struct):
     ]
 
 
-class accel_mem_export(_Struct):
+class accel_mem_export(Struct):
     """ACCEL_CMD_MEM_EXPORT: make a device-local allocation importable; returns the secret
     token. Host memory is the caller's own and is shared with the OS's means (EINVAL).
 
@@ -370,7 +348,7 @@ class accel_mem_export(_Struct):
     ]
 
 
-class accel_mem_import(_Struct):
+class accel_mem_import(Struct):
     """ACCEL_CMD_MEM_IMPORT: map another context's exported allocation into this one."""
 
     _fields_ = [
@@ -385,7 +363,7 @@ class accel_mem_import(_Struct):
     ]
 
 
-class accel_mem_info(_Struct):
+class accel_mem_info(Struct):
     """ACCEL_CMD_MEM_INFO: free and total device memory, and what this caller holds."""
 
     _fields_ = [
@@ -402,7 +380,7 @@ class accel_mem_info(_Struct):
     ]
 
 
-class accel_peer_enable(_Struct):
+class accel_peer_enable(Struct):
     """ACCEL_CMD_PEER_ENABLE: let this context's work reach device ``peer_index``'s memory.
 
     The caller's process must hold a context on the peer; that context's device-local
@@ -417,9 +395,6 @@ class accel_peer_enable(_Struct):
 
 
 # --- modules and kernels ------------------------------------------------------------------------
-#: The instruction set this device model runs (a module must name it).
-ACCEL_ISA: Final = "aemu-isa"
-ACCEL_ISA_VERSION: Final = "1.0"
 ACCEL_KERNEL_NAME_MAX: Final = 64
 #: Most bytes a module's IR may have, and characters a kernel's source in it. Both are parsed by
 #: code that holds the interpreter lock of the driver and of the firmware, so their size
@@ -428,7 +403,7 @@ ACCEL_MODULE_MAX: Final = 1 << 20
 ACCEL_KERNEL_SOURCE_MAX: Final = 64 << 10
 
 
-class accel_module_load(_Struct):
+class accel_module_load(Struct):
     """ACCEL_CMD_MODULE_LOAD: load a device module (its IR, JSON, docs/kernels.md).
 
     The module is the first ``size`` bytes of a memfd of the caller's sealed with
@@ -448,7 +423,7 @@ class accel_module_load(_Struct):
     ]
 
 
-class accel_module_unload(_Struct):
+class accel_module_unload(Struct):
     """ACCEL_CMD_MODULE_UNLOAD: its kernel handles die with it."""
 
     _fields_ = [
@@ -457,7 +432,7 @@ class accel_module_unload(_Struct):
     ]
 
 
-class accel_kernel_get(_Struct):
+class accel_kernel_get(Struct):
     """ACCEL_CMD_KERNEL_GET: resolve a kernel by name in a loaded module (a symbol)."""
 
     _fields_ = [
@@ -470,83 +445,22 @@ class accel_kernel_get(_Struct):
     ]
 
 
-def pack_dims(dims: tuple[int, int, int]) -> int:
-    """Grid or block dimensions in one packet word (21 bits each)."""
-    x, y, z = dims
-    return x | (y << 21) | (z << 42)
-
-
-def unpack_dims(word: int) -> tuple[int, int, int]:
-    mask = (1 << 21) - 1
-    return word & mask, (word >> 21) & mask, (word >> 42) & mask
-
-
-#: Argument records of a launch's argument block (docs/kernels.md "Launch ABI").
-ARG_SCALAR, ARG_BUFFER, ARG_SHAPE = 0, 1, 2
-ARG_RECORD = struct.Struct("<IIQQ")
-#: Longest argument block a LAUNCH may name (a longer one faults the launch, EINVAL).
-ACCEL_ARGS_MAX: Final = 4096
-#: The kernel language's element types: name -> (argument-record code, itemsize).
-DTYPES: Final[dict[str, tuple[int, int]]] = {
-    "int8": (1, 1), "uint8": (2, 1), "int16": (3, 2), "uint16": (4, 2),
-    "int32": (5, 4), "uint32": (6, 4), "int64": (7, 8), "uint64": (8, 8),
-    "float32": (9, 4), "float64": (10, 8), "bool": (11, 1),
-}
-#: Short spellings users may write in annotations and ``shared_array``.
-DTYPE_ALIASES: Final[dict[str, str]] = {
-    "i8": "int8", "u8": "uint8", "i16": "int16", "u16": "uint16",
-    "i32": "int32", "u32": "uint32", "i64": "int64", "u64": "uint64",
-    "f32": "float32", "f64": "float64",
-}
-DTYPE_CODES: Final[dict[str, int]] = {name: code for name, (code, _) in DTYPES.items()}
-DTYPE_NAMES: Final[dict[int, str]] = {code: name for name, code in DTYPE_CODES.items()}
-
-
-# --- queues and packets ------------------------------------------------------------------------
-
-
-class Op(enum.IntEnum):
-    """Packet opcodes (``accel_packet.opcode``). Arguments are device virtual addresses."""
-
-    NOP = 0
-    #: a0 = dst va, a1 = src va, a2 = bytes
-    COPY = 1
-    #: a0 = dst va, a1 = bytes, a2 = byte value
-    MEMSET = 2
-    #: a0 = queue id of the same context (or imported), a1 = seqno: later packets of this
-    #: queue wait until that queue's fence reaches it
-    WAIT_QUEUE = 3
-    #: a0 = va, a1 = bytes, a2 = 0 to host, 1 to device (managed memory only)
-    PREFETCH = 4
-    #: a0 = kernel handle, a1 = grid, a2 = block (each x | y << 21 | z << 42), a3 = dynamic
-    #: shared bytes per block (static + dynamic within the device's limit, else EINVAL),
-    #: a4 = va of the argument block, a5 = its length (docs/kernels.md)
-    LAUNCH = 5
-
-
-class accel_packet(_Struct):
-    """One unit of queued work: 64 bytes in a ring slot."""
-
-    _fields_ = [
-        ("opcode", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("a", ctypes.c_uint64 * 7),
-    ]
-
-
+# --- queues (their layout, packets and doorbells: abi.userq) ----------------------------------
+#: ``accel_queue_create.priority``: the firmware takes a high-priority queue's packets first
+#: and preempts low-priority engine work for them between chunks and time slices.
 ACCEL_QUEUE_PRIORITY_LOW: Final = 0
 ACCEL_QUEUE_PRIORITY_HIGH: Final = 1
 
 
-class accel_queue_create(_Struct):
+class accel_queue_create(Struct):
     """ACCEL_CMD_QUEUE_CREATE: a user-mode hardware queue (a stream's backing).
 
-    The ring is the caller's memory, as KFD's are: a memfd of ``RING_FILE_SIZE`` bytes
-    sealed with ``ACCEL_SEALS_PINNED`` (``ring_fd``), with the ring layout below. The
+    The ring is the caller's memory, as KFD's are: a memfd of ``userq.RING_FILE_SIZE``
+    bytes sealed with ``ACCEL_SEALS_PINNED`` (``ring_fd``), laid out as :mod:`abi.userq` says. The
     caller writes packets and advances ``wptr``, then writes ``wptr`` into its slot
     ``doorbell`` of the context's doorbell page and bumps the page's sequence word; the
     firmware consumes the packets and writes the fence, timestamps and the first fault.
-    Submitting takes no system call unless the firmware sleeps (``DB_FW_SLEEPING``), and
+    Submitting takes no system call unless the firmware sleeps (``userq.DB_FW_SLEEPING``), and
     then one byte written to the context's doorbell pipe.
     """
 
@@ -554,13 +468,13 @@ class accel_queue_create(_Struct):
         ("ctx_id", ctypes.c_uint64),
         ("priority", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
-        ("ring_fd", ctypes.c_int32),  # in: sealed memfd, RING_FILE_SIZE bytes
+        ("ring_fd", ctypes.c_int32),  # in: sealed memfd, userq.RING_FILE_SIZE bytes
         ("doorbell", ctypes.c_uint32),  # out: this queue's slot in the doorbell page
         ("queue_id", ctypes.c_uint64),  # out
     ]
 
 
-class accel_queue_destroy(_Struct):
+class accel_queue_destroy(Struct):
     """ACCEL_CMD_QUEUE_DESTROY: the queue's queued work still runs to completion first."""
 
     _fields_ = [
@@ -569,7 +483,7 @@ class accel_queue_destroy(_Struct):
     ]
 
 
-class accel_queue_import(_Struct):
+class accel_queue_import(Struct):
     """ACCEL_CMD_QUEUE_IMPORT: make another device's queue of this process waitable here.
 
     Returns a local queue id that WAIT_QUEUE packets of this context may name, so a stream
@@ -598,127 +512,6 @@ ACCEL_SEALS_PINNED: Final = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL
 #: Memory the device only reads once checked (module images): immutable as well.
 ACCEL_SEALS_IMMUTABLE: Final = ACCEL_SEALS_PINNED | F_SEAL_WRITE
 
-# --- the doorbell page (one per context, shared by runtime, driver and firmware) -------------
-#: Byte offsets; one writer per cache line.
-DB_SEQ: Final = 0  # u64, producer: bumped after every doorbell slot write
-DB_FW_SLEEPING: Final = 64  # u64, firmware: 1 while asleep: write the doorbell pipe after
-DB_LOST: Final = 128  # u64, driver: nonzero (an errno) once the context is lost
-DB_SLOTS: Final = 4096  # u64 per queue: the ring's wptr, written by the producer
-#: Slot 0 is the context's default queue (the driver's, SUBMIT_NOOP).
-ACCEL_DB_DEFAULT_SLOT: Final = 0
-ACCEL_DB_SLOT_COUNT: Final = 1024
-ACCEL_DB_PAGE_SIZE: Final = DB_SLOTS + 8 * ACCEL_DB_SLOT_COUNT
-
-# --- the user-mode ring (shared by runtime, driver and firmware) ----------------------------
-#: Header words (byte offsets); each group on its own cache line, one writer per line.
-RING_WPTR: Final = 0  # u64, producer: packets written (the last one's seqno)
-RING_RPTR: Final = 64  # u64, firmware: packets taken
-RING_COMPLETED: Final = 128  # u64, firmware: the fence, the last completed seqno
-RING_ERROR_SEQNO: Final = 192  # u64, firmware: first faulted packet (0: none)
-RING_ERROR_CODE: Final = 200  # u32 errno, then u32 opcode (one u64 word)
-RING_ERROR_ADDR: Final = 208  # u64
-RING_IRQ_SEQNO: Final = 320  # u64, waiter: write the event pipe when the fence reaches it
-RING_HEADER_SIZE: Final = 4096
-RING_SLOTS: Final = 1024
-RING_PACKETS: Final = RING_HEADER_SIZE  # RING_SLOTS accel_packets
-RING_TIMESTAMPS: Final = RING_PACKETS + RING_SLOTS * 64  # u64 completion time per slot
-RING_FILE_SIZE: Final = RING_TIMESTAMPS + RING_SLOTS * 8
-
-
-_BARRIER = threading.Lock()
-
-
-def full_barrier() -> None:
-    """The doorbell protocol's memory barrier. A producer stores its doorbell slot and
-    ``DB_SEQ``, then loads ``DB_FW_SLEEPING``; the firmware stores ``DB_FW_SLEEPING``, then
-    loads ``DB_SEQ``. x86 may
-    reorder a store with a later load, which could lose a wake-up, so both sides fence in
-    between. From Python: acquiring a lock is a locked (atomic) instruction, a full barrier
-    on x86. (A wake-up lost anyway costs at most the firmware's heartbeat interval.)"""
-    _BARRIER.acquire()
-    _BARRIER.release()
-
-
-U64_MAX: Final = (1 << 64) - 1
-
-
-class SharedWords:
-    """u64 words of a mapped shared-memory object (a ring, a doorbell page).
-
-    Every word is read and written whole, through a ``memoryview`` cast to u64: one
-    aligned 8-byte load or store, which x86 never tears. (``struct.pack_into`` zeroes its
-    destination before writing it, so another process could read a write pointer of 0
-    mid-store; measured: the firmware then saw a ring go back 1,610 packets.) ``close``
-    unmaps at once: holders must not wait for the garbage collector to give back a
-    mapping (and the descriptor Python's mmap keeps)."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.mem = mmap.mmap(fd, size)
-        self.words = memoryview(self.mem).cast("Q")
-
-    def close(self) -> None:
-        self.words.release()
-        self.mem.close()
-
-    def get(self, off: int) -> int:
-        return self.words[off >> 3]
-
-    def set(self, off: int, value: int) -> None:
-        self.words[off >> 3] = value & U64_MAX
-
-
-class RingView(SharedWords):
-    """Typed access to a mapped ring (the layout above), for every party to the ring:
-    the runtime (producer and waiter), the firmware (consumer) and the driver (producer
-    and waiter of a context's default queue)."""
-
-    def __init__(self, fd: int) -> None:
-        super().__init__(fd, RING_FILE_SIZE)
-
-    @property
-    def wptr(self) -> int:
-        return self.words[RING_WPTR >> 3]
-
-    @property
-    def rptr(self) -> int:
-        return self.words[RING_RPTR >> 3]
-
-    @property
-    def completed(self) -> int:
-        return self.words[RING_COMPLETED >> 3]
-
-    def write_packet(self, index: int, packet: bytes) -> None:
-        off = RING_PACKETS + (index % RING_SLOTS) * 64
-        self.mem[off : off + 64] = packet
-
-    def read_fault(self) -> tuple[int, int, int, int]:
-        """(seqno, errno, opcode, address) of the first faulted packet; seqno 0: none.
-        The seqno is read first: it is written last."""
-        seqno = self.words[RING_ERROR_SEQNO >> 3]
-        if not seqno:
-            return 0, 0, 0, 0
-        code = self.words[RING_ERROR_CODE >> 3]
-        return seqno, code & 0xFFFFFFFF, code >> 32, self.words[RING_ERROR_ADDR >> 3]
-
-    def write_fault(self, seqno: int, code: int, opcode: int, addr: int) -> None:
-        """Record the first fault, seqno last (readers look at it first); an address
-        beyond the 64-bit space reads as U64_MAX."""
-        w = self.words
-        w[RING_ERROR_CODE >> 3] = (code & 0xFFFFFFFF) | ((opcode & 0xFFFFFFFF) << 32)
-        w[RING_ERROR_ADDR >> 3] = addr if 0 <= addr <= U64_MAX else U64_MAX
-        w[RING_ERROR_SEQNO >> 3] = seqno & U64_MAX
-
-    def timestamp(self, seqno: int) -> int:
-        """Device time (ns) ``seqno`` completed; 0 if not yet, or if its slot was reused."""
-        done = self.completed
-        if not seqno or seqno > done or done - seqno >= RING_SLOTS:
-            return 0
-        return self.words[(RING_TIMESTAMPS >> 3) + (seqno - 1) % RING_SLOTS]
-
-    def stamp(self, seqno: int, now_ns: int) -> None:
-        self.words[(RING_TIMESTAMPS >> 3) + (seqno - 1) % RING_SLOTS] = now_ns
-
-
 # --- the command table ---------------------------------------------------------------------
 
 
@@ -728,14 +521,14 @@ class Command:
 
     name: str
     code: int
-    struct: type[_Struct]
+    struct: type[Struct]
 
     @property
     def has_reply(self) -> bool:
         return bool(ioc_dir(self.code) & IOC_READ)
 
 
-def _cmd(name: str, direction: int, nr: int, struct: type[_Struct]) -> Command:
+def _cmd(name: str, direction: int, nr: int, struct: type[Struct]) -> Command:
     return Command(name, _ioc(direction, nr, struct), struct)
 
 
