@@ -371,6 +371,11 @@ class Ring:
     def pending(self) -> int:
         return self._idx[1] - self._idx[0]
 
+    def release(self) -> None:
+        """Drop the ring's views of the shared memory (it is unusable from here on)."""
+        self._idx.release()
+        self._data.release()
+
 
 assert STATS_OFF + _STATS.size <= CMD_RING_OFF
 assert CMD_RING_OFF + Ring.size() <= CPL_RING_OFF
@@ -387,6 +392,16 @@ class Mailbox:
         # whole-word views: a reader never sees a half-written counter
         self._stats = buf[STATS_OFF : STATS_OFF + _STATS.size].cast("Q")
         self._heartbeat = buf[_OFF_HEARTBEAT : _OFF_HEARTBEAT + 16].cast("Q")
+
+    def release(self) -> None:
+        """Drop every view of the shared memory, the one given included, so that its owner
+        can unmap it now rather than when the garbage collector runs (``mmap.close``
+        refuses while a view exists). The mailbox is unusable from here on."""
+        self.cmd.release()
+        self.cpl.release()
+        self._stats.release()
+        self._heartbeat.release()
+        self.buf.release()
 
     # boot block ---------------------------------------------------------------
     def host_init(self, image: bytes, boot_flags: int) -> None:

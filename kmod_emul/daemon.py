@@ -18,8 +18,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyfuse3
@@ -49,6 +49,9 @@ class DaemonConfig:
     process_memory_limit: int = 0
     #: where the firmware keeps compiled kernels (default: STATE_DIR/jit-cache)
     jit_cache: Path | None = None
+    #: device index -> bring-up step to fail (fault injection: seeds debugfs ``fail_step``
+    #: before the first boot, when debugfs is not mounted yet)
+    fail_steps: Mapping[int, str] = field(default_factory=dict)
 
 
 class AlreadyServed(Exception):
@@ -133,6 +136,7 @@ def make_devices(config: DaemonConfig) -> list[AccelDevice]:
     ]
     for dev in devices:
         dev.all_devices = devices
+        dev.fail_step = config.fail_steps.get(dev.index, "")
     return devices
 
 

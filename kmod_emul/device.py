@@ -33,7 +33,7 @@ import trio
 
 from abi import fwimage, mailbox, uapi, userq
 from abi._struct import Struct
-from kmod_emul import limits, userfd
+from kmod_emul import bringup, limits, userfd
 from kmod_emul.context import (
     Context,
     DefaultQueue,
@@ -43,7 +43,7 @@ from kmod_emul.context import (
     tgid_of,
 )
 from kmod_emul.errors import DriverError
-from kmod_emul.fw import FirmwareProcess, load_image
+from kmod_emul.fw import FirmwareProcess
 from kmod_emul.identity import Identity, pci_bus_id
 from kmod_emul.memory import DeviceMemory
 
@@ -81,6 +81,8 @@ class AccelDevice:
         #: (errno, message) of the last failure; None while healthy.
         self.failure: tuple[int, str] | None = None
         self.fw: FirmwareProcess | None = None
+        #: the last bring-up that succeeded, for its teardown (its undos, in reverse)
+        self._up: bringup.Bringup[Boot] | None = None
         self.fw_image: fwimage.FirmwareImage | None = None
         self.files: set[OpenFile] = set()
         self.contexts: dict[int, Context] = {}
@@ -92,6 +94,8 @@ class AccelDevice:
         self.reset_count = 0
         # debugfs knobs
         self.fw_boot_fail = False
+        #: a bring-up step to fail on purpose ("" for none): debugfs fail_step, --fail-step
+        self.fail_step = ""
         self.reset_hold = False
         self.sched_hold = False
         self._hold_changed = trio.Event()
@@ -417,33 +421,67 @@ class AccelDevice:
             await self._stop_firmware()
 
     async def _boot(self) -> None:
+        """Run the bring-up table (``BRINGUP``); a failed step leaves the device failed
+        with that step's error, and nothing it or the steps before it made."""
         self.state = uapi.DeviceState.BOOTING
         self.failure = None
-        self.fw_image = None  # versions report what runs, not what ran before
-        self._static_info = None
         self.sched_hold = False  # a fresh firmware schedules
         flags = mailbox.BootFlag.FAIL_BOOT if self.fw_boot_fail else 0
+        fw = FirmwareProcess(self.firmware_dir, flags, self.name, self.memory_total,
+                             self.mem_config)
         try:
-            img = load_image(self.firmware_dir)
-            self.fw = await FirmwareProcess.boot(img, flags, self.name, self.memory_total,
-                                                 self.mem_config)
+            self._up = await bringup.bring_up(BRINGUP, Boot(self, fw), self.name,
+                                              fail_at=self.fail_step)
         except DriverError as exc:
             self._fail(exc.errno, exc.message)
             return
-        self.fw_image = img
-        self._static_info = None
-        self.limits = limits.Limits.for_device(img.config, self.mem_config.devices,
-                                               self.mem_config.fd_limit)
+        except OSError as exc:  # out of descriptors, memory, processes: this device only
+            self._fail(exc.errno or errno.EIO,
+                       f"bring-up step {bringup.failed_step(exc)} failed: {exc.strerror or exc}")
+            return
         if self._reset_requested.is_set():
             return  # a reset arrived while booting; serve() is skipped by the state check
         self.state = uapi.DeviceState.OPERATIONAL
-        log.info("%s: firmware %s up (pid %d)", self.name, img.version, self.fw.pid)
+        assert fw.image is not None
+        log.info("%s: firmware %s up (pid %d)", self.name, fw.image.version, fw.pid)
 
     async def _stop_firmware(self) -> None:
-        if self.fw is not None:
-            fw, self.fw = self.fw, None
-            self.memory.firmware_gone()
-            await fw.stop()
+        """Tear the last bring-up down: the same undos a failed one runs."""
+        up, self._up = self._up, None
+        if up is not None:
+            await up.teardown()
+
+    # --- bring-up steps of the driver's own (the firmware's are FirmwareProcess's) -------
+    def _configure(self, img: fwimage.FirmwareImage) -> None:
+        """Learn the device from the image that runs: engines, limits, capabilities and
+        versions (the description and sysfs render them)."""
+        lim = limits.Limits.for_device(img.config, self.mem_config.devices,
+                                       self.mem_config.fd_limit)
+        self.fw_image, self.limits, self._static_info = img, lim, None
+
+    def _unconfigure(self) -> None:
+        """Back to knowing nothing: versions report what runs, not what ran before."""
+        self.fw_image = None
+        self._static_info = None
+        self.limits = limits.Limits.for_device(self.config, self.mem_config.devices,
+                                               self.mem_config.fd_limit)
+
+    def _attach(self, fw: FirmwareProcess) -> None:
+        """Route the driver's messages to this firmware; first, the memory budget."""
+        self.fw = fw
+        try:
+            self.send_budget()
+        except BaseException:
+            self._detach()  # a step that fails releases its own half
+            raise
+
+    def _detach(self) -> None:
+        """No more messages; what was never sent is dropped (its descriptors closed), and
+        the confirmations the firmware owed (unmaps, context teardowns) will never come."""
+        fw, self.fw = self.fw, None
+        if fw is not None:
+            fw.drop_backlog()
+        self.memory.firmware_gone()
 
     async def _serve(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -458,7 +496,6 @@ class AccelDevice:
     async def _irq_loop(self, scope: trio.CancelScope) -> None:
         fw = self.fw
         assert fw is not None
-        self.send_budget()
         while True:
             await fw.wait_irq()
             fw.flush()
@@ -536,6 +573,34 @@ class AccelDevice:
                 )
                 scope.cancel()
                 return
+
+
+@dataclass(eq=False)
+class Boot:
+    """One bring-up of a device: the device, and the firmware its steps assemble."""
+
+    dev: AccelDevice
+    fw: FirmwareProcess
+
+
+#: A device's bring-up, in order: (name, do, undo). A failure at a step undoes the steps
+#: before it, last first; a stop or reset undoes them all (kmod_emul/bringup.py). The
+#: debugfs knob ``fail_step`` (``accel-emud --fail-step accelN:STEP`` at start) fails
+#: the named one; docs/driver.md lists what each makes and releases.
+BRINGUP: tuple[bringup.Step[Boot], ...] = (
+    bringup.Step("image", lambda b: b.fw.load_image()),
+    bringup.Step("mailbox", lambda b: b.fw.map_mailbox(), lambda b: b.fw.unmap_mailbox()),
+    bringup.Step("interrupts", lambda b: b.fw.open_interrupts(),
+                 lambda b: b.fw.close_interrupts()),
+    bringup.Step("fd_channel", lambda b: b.fw.open_fd_channel(),
+                 lambda b: b.fw.close_fd_channel()),
+    bringup.Step("process", lambda b: b.fw.start_process(), lambda b: b.fw.halt_process()),
+    bringup.Step("handshake", lambda b: b.fw.handshake()),
+    bringup.Step("config", lambda b: b.dev._configure(b.fw.image),
+                 lambda b: b.dev._unconfigure()),
+    bringup.Step("attach", lambda b: b.dev._attach(b.fw), lambda b: b.dev._detach()),
+)
+STEP_NAMES: tuple[str, ...] = tuple(s.name for s in BRINGUP)
 
 
 #: What the driver does with each completion the firmware sends: one entry per op of

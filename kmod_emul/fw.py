@@ -1,11 +1,12 @@
 """Firmware loading and boot: the driver's side of the mailbox.
 
 ``load_image`` is ``request_firmware`` plus verification: it tells a missing image
-(ENOPKG) from a corrupt or incompatible one (ENOEXEC). ``FirmwareProcess.boot`` copies the
-verified image into a fresh mailbox (a memfd), starts the device's firmware process with
-only the mailbox, doorbell, interrupt and descriptor-channel fds (and every device's VRAM),
-and waits for the READY handshake; a firmware that exits or reports failure during boot is
-a boot failure (EIO).
+(ENOPKG) from a corrupt or incompatible one (ENOEXEC). ``FirmwareProcess`` holds the rest of
+a boot as bring-up steps with their undos (run by the driver's table, kmod_emul/device.py):
+it copies the verified image into a fresh mailbox (a memfd), starts the device's firmware
+process with only the mailbox, doorbell, interrupt and descriptor-channel fds (and every
+device's VRAM), and waits for the READY handshake; a firmware that exits or reports
+failure during boot is a boot failure (EIO).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import mmap
 import os
 import signal
+import socket
 import sys
 from collections import deque
 from dataclasses import dataclass, field
@@ -79,68 +81,147 @@ class _Message:
 
 
 class FirmwareProcess:
-    """A running firmware: its process, mailbox, descriptor channel and wake-up pipes."""
+    """A device's firmware: its image, mailbox, wake-up pipes, descriptor channel and process.
 
-    def __init__(self, proc: trio.Process, mbx: mailbox.Mailbox, mem: mmap.mmap,
-                 doorbell_w: int, irq_r: int, fdchan: mailbox.FdChannel) -> None:
-        self.proc = proc
-        self.mbx = mbx
-        self._mem = mem
-        self._doorbell_w = doorbell_w
-        self.irq_r = irq_r
-        self._fdchan = fdchan
+    It starts empty; the bring-up steps below fill it, each undo releasing what its step
+    made (the driver's table in kmod_emul/device.py runs them, in this order):
+
+    ``load_image``; ``map_mailbox``/``unmap_mailbox``; ``open_interrupts``/``close_interrupts``;
+    ``open_fd_channel``/``close_fd_channel``; ``start_process``/``halt_process``; ``handshake``.
+
+    Once up, the driver talks to it with ``send``, ``flush``, ``wait_irq`` and
+    ``ring_doorbell``. Descriptors not held read -1, objects not held None.
+    """
+
+    def __init__(self, firmware_dir: Path, boot_flags: int, label: str, vram_size: int,
+                 memcfg: MemoryConfig) -> None:
+        self.firmware_dir = firmware_dir
+        self.boot_flags = boot_flags
+        self.label = label
+        self.vram_size = vram_size
+        self.memcfg = memcfg
+        self.image: fwimage.FirmwareImage | None = None
+        self._memfd = -1
+        self._mem: mmap.mmap | None = None
+        self.mbx: mailbox.Mailbox | None = None
+        self.irq_r = self._irq_w = -1
+        self._fdchan: mailbox.FdChannel | None = None
+        self._fw_sock: socket.socket | None = None  # the channel's far end, until handed over
+        self._doorbell_w = -1
+        self.proc: trio.Process | None = None
         self._cookies = iter(range(1, 1 << 63))
         #: messages that found the command ring (or the channel) full, sent in order
         self._backlog: deque[_Message] = deque()
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.proc.pid if self.proc is not None else -1
 
-    @classmethod
-    async def boot(cls, img: fwimage.FirmwareImage, boot_flags: int, label: str,
-                   vram_size: int, memcfg: MemoryConfig) -> FirmwareProcess:
-        """Start a firmware process on ``img``; return once it reports READY.
+    # --- bring-up steps, in order; each undo releases what its step made ------------------
+    def load_image(self) -> None:
+        """Read and verify the image (nothing to undo: it is bytes, copied by the mailbox)."""
+        self.image = load_image(self.firmware_dir)
 
-        It gets every device's VRAM memfd (so peer access needs no fd passing later), the
-        descriptor channel for what clients bring, and nothing else of the daemon's.
-        """
-        memfd = os.memfd_create(f"accel-emu-{label}-mailbox", os.MFD_CLOEXEC)
-        os.ftruncate(memfd, mailbox.MAILBOX_SIZE)
-        mem = mmap.mmap(memfd, mailbox.MAILBOX_SIZE)
-        mbx = mailbox.Mailbox(memoryview(mem))
-        mbx.host_init(img.raw, boot_flags)
-        doorbell_r, doorbell_w = os.pipe()
-        irq_r, irq_w = os.pipe()
-        os.set_blocking(irq_r, False)
-        os.set_blocking(doorbell_w, False)  # a full pipe means "already rung", never a stall
-        fdchan, theirs = mailbox.FdChannel.pair()
-        vram = ",".join(f"{dev}:{fd}" for dev, fd in memcfg.vram_fds.items())
+    def map_mailbox(self) -> None:
+        """A fresh memfd, mapped, stamped and holding a copy of the image."""
+        assert self.image is not None
+        self._memfd = os.memfd_create(f"accel-emu-{self.label}-mailbox", os.MFD_CLOEXEC)
         try:
-            proc = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "firmware", "--mailbox-fd", str(memfd),
-                 "--doorbell-fd", str(doorbell_r), "--irq-fd", str(irq_w), "--vram-fds", vram,
-                 "--vram-size", str(vram_size), "--fd-channel", str(theirs.fileno()),
-                 "--jit-cache", memcfg.jit_cache],
-                pass_fds=(memfd, doorbell_r, irq_w, theirs.fileno(), *memcfg.vram_fds.values()),
+            os.ftruncate(self._memfd, mailbox.MAILBOX_SIZE)
+            self._mem = mmap.mmap(self._memfd, mailbox.MAILBOX_SIZE)
+            self.mbx = mailbox.Mailbox(memoryview(self._mem))
+            self.mbx.host_init(self.image.raw, self.boot_flags)
+        except BaseException:
+            self.unmap_mailbox()  # releases the part made: the chain will not undo this step
+            raise
+
+    def unmap_mailbox(self) -> None:
+        if self.mbx is not None:
+            self.mbx.release()
+            self.mbx = None
+        if self._mem is not None:
+            mem, self._mem = self._mem, None
+            mem.close()
+        self._memfd = _close(self._memfd)
+
+    def open_interrupts(self) -> None:
+        """The interrupt pipe: the firmware writes, the driver's read end never blocks."""
+        self.irq_r, self._irq_w = os.pipe()
+        os.set_blocking(self.irq_r, False)
+
+    def close_interrupts(self) -> None:
+        if self.irq_r >= 0:
+            trio.lowlevel.notify_closing(self.irq_r)
+        self.irq_r = _close(self.irq_r)
+        self._irq_w = _close(self._irq_w)
+
+    def open_fd_channel(self) -> None:
+        """The socket pair that carries clients' descriptors to the firmware."""
+        self._fdchan, self._fw_sock = mailbox.FdChannel.pair()
+
+    def close_fd_channel(self) -> None:
+        if self._fdchan is not None:
+            self._fdchan.close()
+            self._fdchan = None
+        if self._fw_sock is not None:
+            self._fw_sock.close()
+            self._fw_sock = None
+
+    async def start_process(self) -> None:
+        """Start ``python -m firmware`` with the mailbox, the interrupt pipe's write end, the
+        channel's far end, every device's VRAM (so peer access needs no fd passing later)
+        and the read end of a new doorbell pipe, and nothing else of the daemon's. The
+        ends it got are handed over (closed here: the child has them now). The doorbell
+        pipe is this step's, not the interrupts': its EOF is how the driver asks the
+        firmware to halt, which the undo must do before it waits for the process."""
+        assert self._fw_sock is not None
+        doorbell_r, doorbell_w = os.pipe()
+        os.set_blocking(doorbell_w, False)  # a full pipe means "already rung", never a stall
+        memcfg = self.memcfg
+        vram = ",".join(f"{dev}:{fd}" for dev, fd in memcfg.vram_fds.items())
+        theirs = self._fw_sock.fileno()
+        try:
+            self.proc = await trio.lowlevel.open_process(
+                [sys.executable, "-m", "firmware", "--mailbox-fd", str(self._memfd),
+                 "--doorbell-fd", str(doorbell_r), "--irq-fd", str(self._irq_w),
+                 "--vram-fds", vram, "--vram-size", str(self.vram_size),
+                 "--fd-channel", str(theirs), "--jit-cache", memcfg.jit_cache],
+                pass_fds=(self._memfd, doorbell_r, self._irq_w, theirs,
+                          *memcfg.vram_fds.values()),
                 start_new_session=True,  # a Ctrl-C on the daemon's terminal is not a device crash
             )
         except BaseException:
-            fdchan.close()
+            os.close(doorbell_w)
             raise
         finally:
-            for fd in (memfd, doorbell_r, irq_w):
-                os.close(fd)
-            theirs.close()
-        fw = cls(proc, mbx, mem, doorbell_w, irq_r, fdchan)
-        try:
-            await fw._handshake()
-        except BaseException:
-            await fw.stop()
-            raise
-        return fw
+            os.close(doorbell_r)
+        self._doorbell_w = doorbell_w
+        self._memfd = _close(self._memfd)  # the mapping stays; the child has the file
+        self._irq_w = _close(self._irq_w)
+        self._fw_sock.close()
+        self._fw_sock = None
 
-    async def _handshake(self) -> None:
+    async def halt_process(self) -> None:
+        """Close the doorbell (the firmware halts on its EOF), SIGKILL if it lingers; reap it."""
+        self._doorbell_w = _close(self._doorbell_w)
+        proc = self.proc
+        if proc is None:
+            return
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(STOP_GRACE_S):
+                await proc.wait()
+            if proc.returncode is None:
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                await proc.wait()
+        log.debug("firmware pid %d stopped (status %s)", proc.pid, proc.returncode)
+
+    async def handshake(self) -> None:
+        """Wait for READY; a firmware that reports failure, exits or takes too long is a
+        boot failure (EIO). Holds nothing: the process step's undo halts the firmware."""
+        assert self.mbx is not None and self.proc is not None
         with trio.move_on_after(BOOT_TIMEOUT_S):
             while True:
                 state = self.mbx.fw_state
@@ -155,6 +236,14 @@ class FirmwareProcess:
                     )
                 await self.wait_irq(0.05)
         raise DriverError(errno.EIO, f"firmware did not finish booting in {BOOT_TIMEOUT_S:.0f} s")
+
+    def drop_backlog(self) -> None:
+        """Forget the messages never sent (the firmware is going): close their descriptors."""
+        for msg in self._backlog:  # never sent: their descriptors are still ours
+            if not msg.fds_sent:
+                for fd in msg.fds:
+                    os.close(fd)
+        self._backlog.clear()
 
     async def wait_irq(self, timeout: float | None = None) -> bool:
         """Sleep until the firmware raises an interrupt; consume it. False on timeout."""
@@ -201,27 +290,9 @@ class FirmwareProcess:
             except (BlockingIOError, BrokenPipeError):
                 pass  # already rung / firmware gone (the watchdog reports the latter)
 
-    async def stop(self) -> None:
-        """Halt the firmware: close its doorbell, then SIGKILL if it lingers; reap it."""
-        if self.irq_r >= 0:
-            trio.lowlevel.notify_closing(self.irq_r)
-        for fd in (self._doorbell_w, self.irq_r):
-            if fd >= 0:
-                os.close(fd)
-        self._doorbell_w = self.irq_r = -1
-        for msg in self._backlog:  # never sent: their descriptors are still ours
-            if not msg.fds_sent:
-                for fd in msg.fds:
-                    os.close(fd)
-        self._backlog.clear()
-        self._fdchan.close()
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(STOP_GRACE_S):
-                await self.proc.wait()
-            if self.proc.returncode is None:
-                try:
-                    os.kill(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                await self.proc.wait()
-        log.debug("firmware pid %d stopped (status %s)", self.proc.pid, self.proc.returncode)
+
+def _close(fd: int) -> int:
+    """Close ``fd`` if held; -1, for the field that held it."""
+    if fd >= 0:
+        os.close(fd)
+    return -1

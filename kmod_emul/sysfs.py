@@ -3,7 +3,9 @@
 One small text file per value, as in Linux sysfs. Identity attributes come from the same
 ``AccelDevice.describe`` that answers DEVICE_QUERY, so the two can never disagree. Writable
 attributes take one value per write: ``reset`` (write 1), and the debugfs fault-injection
-knobs ``fw_boot_fail``, ``fw_hang`` and ``reset_hold``.
+knobs ``fw_boot_fail``, ``fw_hang``, ``reset_hold`` and ``fail_step`` (a bring-up step's
+name, or ``none``: the device's next bring-ups fail at that step, see
+:mod:`kmod_emul.bringup`).
 
 Who sees what (docs/containment.md): writing any attribute is root's, as sysfs files are
 root's 0200 and 0644; debugfs is root's alone, as ``/sys/kernel/debug`` is 0700; and an
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from abi import mailbox, uapi
-from kmod_emul.device import AccelDevice
+from kmod_emul.device import STEP_NAMES, AccelDevice
 from kmod_emul.drv import DriverInfo
 from kmod_emul.errors import DriverError
 
@@ -163,6 +165,9 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
     def set_boot_fail(text: str) -> None:
         dev.fw_boot_fail = _bool(text)
 
+    def set_fail_step(text: str) -> None:
+        dev.fail_step = parse_fail_step(text)
+
     def set_sched_hold(text: str) -> None:
         dev.sched_hold = _bool(text)
         dev.fw_send(0, mailbox.fw_hold(hold=int(dev.sched_hold)))
@@ -170,12 +175,24 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
     return {
         "fw_pid": Attr(read=lambda: str(dev.fw.pid) if dev.fw else ""),
         "fw_boot_fail": Attr(read=lambda: str(int(dev.fw_boot_fail)), write=set_boot_fail),
+        "fail_step": Attr(read=lambda: dev.fail_step or "none", write=set_fail_step),
         "fw_hang": Attr(write=fw_hang),
         "reset_hold": Attr(read=lambda: str(int(dev.reset_hold)),
                            write=lambda t: dev.set_reset_hold(_bool(t))),
         "contexts": Attr(read=contexts),
         "sched_hold": Attr(read=lambda: str(int(dev.sched_hold)), write=set_sched_hold),
     }
+
+
+def parse_fail_step(text: str) -> str:
+    """A ``fail_step`` value: a bring-up step's name, or ``none`` (or nothing) for none."""
+    value = text.strip()
+    if value in ("", "none"):
+        return ""
+    if value not in STEP_NAMES:
+        raise DriverError(errno.EINVAL, f"no bring-up step {value!r}; the steps are "
+                                        f"{' '.join(STEP_NAMES)} (or none)")
+    return value
 
 
 def module_attrs(info: DriverInfo, devices: list[AccelDevice]) -> dict[str, Attr]:

@@ -44,6 +44,14 @@ def parse_abi(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def parse_fail_step(text: str) -> tuple[int, str]:
+    """'accel1:mailbox' (or '1:mailbox') -> (1, 'mailbox')."""
+    m = re.fullmatch(r"(?:accel)?(\d+):(\w+)", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not DEVICE:STEP: {text!r} (try accel1:mailbox)")
+    return int(m.group(1)), m.group(2)
+
+
 def default_state_dir() -> Path:
     if os.geteuid() == 0:
         return Path("/var/lib/accel-emu")
@@ -74,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="persistent kernel cache (default STATE_DIR/jit-cache)")
     start.add_argument("--driver-abi", type=parse_abi, default=None, metavar="MAJOR.MINOR",
                        help="emulate a driver of another uAPI version (version-skew testing)")
+    start.add_argument("--fail-step", type=parse_fail_step, action="append", default=[],
+                       metavar="accelN:STEP",
+                       help="fault injection: fail device N's bring-ups at STEP (sets its "
+                            "debugfs fail_step; docs/driver.md lists the steps)")
     start.add_argument("--log-file", type=Path, default=None,
                        help="daemon log when in the background (default STATE_DIR/accel-emud.log)")
     start.add_argument("-v", "--verbose", action="store_true", help="log every refused command")
@@ -91,6 +103,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = _parser().parse_args(argv)
     if args.action == "start" and args.devices < 1:
         _parser().error("--devices must be at least 1")
+    if args.action == "start" and args.fail_step:
+        from kmod_emul.device import STEP_NAMES
+
+        for dev, step in args.fail_step:
+            if dev >= args.devices:
+                _parser().error(f"--fail-step: no device accel{dev} (--devices {args.devices})")
+            if step not in STEP_NAMES:
+                _parser().error(f"--fail-step: no bring-up step {step!r}; the steps are "
+                                f"{' '.join(STEP_NAMES)}")
     return args
 
 
@@ -112,6 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout, driver=driver,
         process_memory_limit=args.process_memory_limit,
         jit_cache=args.jit_cache.resolve() if args.jit_cache else None,
+        fail_steps=dict(args.fail_step),
     )
 
     def ready() -> None:
