@@ -32,7 +32,6 @@ import itertools
 import json
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +44,7 @@ import numpy as np
 from abi import kernel_lang, userq
 from abi.userq import Op
 from firmware import memory
+from firmware.telemetry import Counters, log_unexpected
 
 #: Copies and memsets up to this size run inline on the scheduler; larger on an engine.
 INLINE_BYTES = 256 * 1024
@@ -68,17 +68,6 @@ BATCH = 64
 _SCAN_IN_PYTHON = 16
 #: The engine threads' nice value (see EnginePool._engine).
 ENGINE_NICE = 10
-
-_LOG_LIMIT = 20  # unexpected errors logged per firmware, then only counted
-_log_count = itertools.count()
-
-
-def log_unexpected(what: str, exc: BaseException) -> None:
-    """A hostile input (or a firmware bug) raised something unexpected: it became a fault
-    of the packet's queue; say so in the firmware's log, a bounded number of times."""
-    if next(_log_count) < _LOG_LIMIT:
-        print(f"firmware: {what}: {exc!r}", file=sys.stderr, flush=True)
-
 
 class Ring(userq.RingView):
     """One queue's ring as the firmware, its consumer, sees it."""
@@ -371,10 +360,9 @@ class Deadlines:
 class Scheduler:
     """Owns the rings of every context and decides what runs where."""
 
-    def __init__(self, config: dict, residency: memory.Residency, stats: dict[str, int],
+    def __init__(self, config: dict, residency: memory.Residency, counters: Counters,
                  jit_cache_dir: str) -> None:
-        self.stats = stats
-        self._stats_lock = threading.Lock()
+        self.counters = counters
         self.copy = EnginePool("copy", config["copy_engines"], self)
         self.compute = EnginePool("compute", config["compute_engines"], self)
         self.compute_engines = config["compute_engines"]
@@ -404,12 +392,10 @@ class Scheduler:
 
     # --- counters, updated from every thread ----------------------------------------------
     def count(self, name: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self.stats[name] += n
+        self.counters.add(name, n)
 
     def peak(self, name: str, value: int) -> None:
-        with self._stats_lock:
-            self.stats[name] = max(self.stats.get(name, 0), value)
+        self.counters.peak(name, value)
 
     # --- wake-ups --------------------------------------------------------------------------
     @property
@@ -642,7 +628,7 @@ class Scheduler:
                 jit.warm_up()
                 self.deadlines = Deadlines(jit.ABORT_PREEMPT, jit.ABORT_WATCHDOG)
                 self._jit = jit.KernelCache(Path(self._jit_cache_dir))
-                self.stats["jit_ready"] = 1
+                self.counters.peak("jit_ready", 1)
             return self._jit
 
     def _launch(self, ring: Ring, seqno: int, a: list[int]) -> Any:
@@ -748,9 +734,8 @@ class Scheduler:
 
     def _count_copy(self, opcode: int, n: int) -> None:
         if opcode == Op.COPY:
-            with self._stats_lock:
-                self.stats["copies"] += 1
-                self.stats["copy_bytes"] += n
+            self.counters.add("copies")
+            self.counters.add("copy_bytes", n)
 
     def finish(self, ring: Ring, seqno: int, status: int, addr: int, opcode: int,
                from_engine: bool = False) -> None:
@@ -814,8 +799,8 @@ class _BlockJob(Job):
         try:
             jit = sched.jit()
             kernel = jit.get(launch.kernel_ir, launch.arg_types, _options())
-            with sched._stats_lock:
-                sched.stats["jit_compiles"], sched.stats["jit_hits"] = jit.compiles, jit.hits
+            sched.counters.peak("jit_compiles", jit.compiles)
+            sched.counters.peak("jit_hits", jit.hits)
             if not kernel.capabilities <= sched.capabilities:
                 sched.launch_fault(launch, errno.EOPNOTSUPP, 0)
                 self._part_done()
