@@ -4,7 +4,7 @@ Boot: the driver has copied an image into the mailbox; the boot ROM verifies it 
 checksum, mailbox ABI range), publishes its versions, sets READY and raises an interrupt.
 
 Run: one loop consumes the mailbox (contexts, mappings, queues) and runs the queue
-scheduler (:mod:`firmware.engines`) over the user-mode rings. Every pass does bounded work
+scheduler (:mod:`firmware.scheduler`) over the user-mode rings. Every pass does bounded work
 (docs/containment.md): at most ``MAILBOX_BATCH`` control messages, and the scheduler's own
 bounds; its cost grows with the rings that have work, not with idle ones. After activity
 it keeps polling for a while, yielding the CPU, so back-to-back work costs no wake-up;
@@ -38,7 +38,8 @@ import numpy as np
 from abi import fwimage, mailbox, uapi, userq
 from abi._struct import Struct
 from firmware import memory
-from firmware.engines import FwContext, Ring, Scheduler
+from firmware.rings import FwContext, Ring
+from firmware.scheduler import Scheduler
 from firmware.telemetry import Counters, log_unexpected
 
 #: Keep polling this long after the last work before sleeping.
@@ -126,7 +127,7 @@ class Firmware:
         self.sched.contexts = self.contexts
         self._poller.register(self.sched.wake_fd, select.POLLIN)
         if _has_entries(self.jit_cache_dir):
-            self.sched.warm_up()  # kernels ran here before: have the JIT ready for them
+            self.sched.kernels.warm_up()  # kernels ran here before: have the JIT ready
         self.mbx.set_versions(img.version, str(img.manifest["isa_version"]))
         self.mbx.beat(time.monotonic_ns())
         self.mbx.set_fw_state(mailbox.FwState.READY)
@@ -285,7 +286,7 @@ class Firmware:
             raw = os.pread(fd, min(size, uapi.ACCEL_MODULE_MAX), 0)
         finally:
             os.close(fd)
-        self.sched.load_module(ctx, module_id, raw)
+        self.sched.kernels.load_module(ctx, module_id, raw)
 
     def _housekeeping(self) -> None:
         """Unmaps, queue closes and context teardowns whose work has completed."""
