@@ -21,7 +21,7 @@ from abi.userq import Op
 from firmware import memory
 from firmware.engines import Job
 from firmware.rings import Ring
-from firmware.telemetry import Counters
+from firmware.telemetry import Counters, Tally
 
 if TYPE_CHECKING:
     from firmware.scheduler import Scheduler
@@ -74,12 +74,12 @@ def _bytes(sched: Scheduler, ring: Ring, seqno: int, opcode: int, start_ns: int,
             sched.residency.touch_device(m, off, off + n)
     if n <= INLINE_BYTES:
         move(0, n)
-        count(sched.counters, opcode, n)
+        count(sched.tally, opcode, n)
         return None
     return CopyJob(sched, ring, seqno, opcode, start_ns, n, move)
 
 
-def count(counters: Counters, opcode: int, n: int) -> None:
+def count(counters: Counters | Tally, opcode: int, n: int) -> None:
     if opcode == Op.COPY:  # memsets are not copies
         counters.add("copies")
         counters.add("copy_bytes", n)

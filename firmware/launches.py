@@ -161,6 +161,7 @@ class Kernels:
                 if not kernel.capabilities <= self.capabilities:
                     raise memory.Fault(0, errno.EOPNOTSUPP)
                 self._run_inline(launch, kernel, nblocks)
+                sched.tally.add("launches")
                 return None
         parts = max(1, min(self.compute_engines, nblocks))
         bounds = [nblocks * i // parts for i in range(parts + 1)]
@@ -187,7 +188,6 @@ class Kernels:
             deadlines.remove(token)
         if abort[0] > deadlines.preempt:
             raise memory.Fault(0, errno.ETIMEDOUT)
-        self._counters.add("launches")
 
 
 def _options() -> Any:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-import time
+from time import monotonic_ns
 from typing import Any
 
 from abi import userq
@@ -37,7 +37,7 @@ from firmware import copies, memory
 from firmware.engines import EnginePool
 from firmware.launches import PARKED, Kernels
 from firmware.rings import Completion, FwContext, Ring
-from firmware.telemetry import Counters, log_unexpected
+from firmware.telemetry import Counters, Tally, log_unexpected
 
 #: Packets the scheduler takes from one ring per pass, so a ring full of no-ops cannot
 #: hold the control loop.
@@ -53,6 +53,8 @@ class Scheduler:
     def __init__(self, config: dict, residency: memory.Residency, counters: Counters,
                  jit_cache_dir: str) -> None:
         self.counters = counters
+        #: what this thread (the control loop) counts, merged into ``counters`` per pass
+        self.tally = Tally()
         self.copy = EnginePool("copy", config["copy_engines"], counters)
         self.compute = EnginePool("compute", config["compute_engines"], counters)
         self.kernels = Kernels(config, jit_cache_dir, counters, self.wake)
@@ -148,15 +150,16 @@ class Scheduler:
 
     def poll(self) -> int:
         """Run or dispatch what can go now, up to the published write pointers and at most
-        ``BATCH`` packets a ring; return how many packets were taken."""
-        if self.hung or self.held:
-            return 0
+        ``BATCH`` packets a ring; return how many packets were taken. Ends the pass: what
+        it (and publish) counted is merged into the counters."""
         done = 0
-        for ring in sorted(self.active, key=lambda r: -r.priority):
-            done += self._poll_ring(ring)
-            if ring.idle() and not ring.closing:
-                self.active.pop(ring, None)
-                ring.ctx.went_idle(ring)
+        if not (self.hung or self.held):
+            for ring in sorted(self.active, key=lambda r: -r.priority):
+                done += self._poll_ring(ring)
+                if ring.idle() and not ring.closing:
+                    self.active.pop(ring, None)
+                    ring.ctx.went_idle(ring)
+        self.tally.flush(self.counters)
         return done
 
     def _poll_ring(self, ring: Ring) -> int:
@@ -190,13 +193,13 @@ class Scheduler:
         if other.completed < target and not ring.closing:
             return False
         ring.blocked = None
-        self.complete(ring, ring.taken, Completion(0, start_ns, time.monotonic_ns()))
+        self.complete(ring, ring.taken, Completion(0, start_ns, monotonic_ns()))
         return True
 
     def _start(self, ring: Ring, seqno: int, pkt: tuple[int, ...]) -> bool:
         """Begin one packet. True if it finished inline (the ring may go on)."""
         opcode, flags, *a = pkt
-        start_ns = time.monotonic_ns()
+        start_ns = monotonic_ns()
         if ring.faulted:
             self.complete(ring, seqno, Completion(errno.ECANCELED, start_ns, start_ns))
             return True
@@ -211,7 +214,7 @@ class Scheduler:
             code, addr = errno.EINVAL, 0
         else:
             if job is None:
-                self.complete(ring, seqno, Completion(0, start_ns, time.monotonic_ns()))
+                self.complete(ring, seqno, Completion(0, start_ns, monotonic_ns()))
                 return True
             if job is _BLOCKED:
                 return False
@@ -222,7 +225,7 @@ class Scheduler:
             (self.compute if opcode == Op.LAUNCH else self.copy).submit(ring.priority, job)
             return False
         self.complete(ring, seqno, Completion.failed(seqno, opcode, code, addr, start_ns,
-                                                     time.monotonic_ns()))
+                                                     monotonic_ns()))
         return True
 
     def _prepare(self, ring: Ring, seqno: int, opcode: int, a: list[int],
@@ -252,19 +255,21 @@ class Scheduler:
     # --- completions ----------------------------------------------------------------------
     def complete(self, ring: Ring, seqno: int, c: Completion,
                  from_engine: bool = False) -> None:
-        """The one way packets end (any thread): write ``c`` back for the packets up to
-        ``seqno``, free the ring of its engine, count them, and signal a waiter whose armed
-        seqno the fence passed (and the scheduler, for the ring's next packet)."""
+        """The one way packets end: write ``c`` back for the packets up to ``seqno``,
+        free the ring of its engine, count them, and signal a waiter whose armed seqno the
+        fence passed (and the scheduler, for the ring's next packet). Called on an engine
+        (``from_engine``) or else on the control loop, which counts into its tally."""
         with self._lock:
             passed = ring.complete(seqno, c)
             if from_engine:
                 ring.busy = False
             userq.full_barrier()  # store the fence, then load what waiters armed (they mirror)
             irq = ring.irq_due()
-        if passed > 0:
-            self.counters.add("packets", min(passed, userq.RING_SLOTS))
+        count = self.counters if from_engine else self.tally
+        if passed > 0:  # a jump of 2**63 counts as a ring's worth
+            count.add("packets", passed if passed <= userq.RING_SLOTS else userq.RING_SLOTS)
         if c.fault is not None:
-            self.counters.add("faults")
+            count.add("faults")
         if irq:
             ring.ctx.signal()
         if from_engine:

@@ -5,8 +5,10 @@ driver shows in sysfs and accel-smi). Every firmware thread moves them -- the co
 (inline packets, faults of a ring), the engines (copies, launches, preemptions, the JIT's
 figures), the managed-memory residency -- and the control loop publishes them. A
 read-modify-write of a shared dict from several threads can lose an update, so each goes
-through :class:`Counters`, under its one lock, taken once per update (once per packet on
-the hot path, as before).
+through :class:`Counters`, under its one lock. The control loop, the hot path, counts
+what it runs inline into a :class:`Tally` of its own, without a lock, and merges it once
+per pass: one lock per pass instead of one or two per packet (the counters may lag the
+rings by at most that pass; the control loop publishes them between passes).
 """
 
 from __future__ import annotations
@@ -35,9 +37,31 @@ class Counters:
         with self._lock:
             self._values[name] = max(self._values[name], value)
 
+    def merge(self, deltas: dict[str, int]) -> None:
+        """Add every count of ``deltas`` in one step."""
+        with self._lock:
+            for name, n in deltas.items():
+                self._values[name] += n
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._values)
+
+
+class Tally:
+    """Counts one thread keeps without a lock until it merges them (``flush``)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+
+    def add(self, name: str, n: int = 1) -> None:
+        counts = self._counts
+        counts[name] = counts.get(name, 0) + n
+
+    def flush(self, into: Counters) -> None:
+        if self._counts:
+            into.merge(self._counts)
+            self._counts = {}
 
 
 _LOG_LIMIT = 20  # unexpected errors logged per firmware, then only counted

@@ -29,7 +29,7 @@ from firmware import copies, image, memory
 from firmware.engines import EnginePool, Job
 from firmware.rings import Completion, FwContext, Ring
 from firmware.scheduler import Scheduler
-from firmware.telemetry import Counters
+from firmware.telemetry import Counters, Tally
 
 MiB = 1 << 20
 VA = 0x1000_0000  # the test context's one mapping
@@ -416,7 +416,7 @@ def test_a_kernel_launches_on_an_engine_then_inline_and_faults_out_of_bounds(dev
 
 
 @pytest.mark.timeout(60)
-def test_counters_lose_no_update_across_threads():
+def test_counters_lose_no_update_across_threads_and_a_tally_merges_once():
     counters = Counters(["n", "peak"])
 
     def work(i: int) -> None:
@@ -430,3 +430,9 @@ def test_counters_lose_no_update_across_threads():
     for t in threads:
         t.join()
     assert counters.snapshot() == {"n": 80_000, "peak": 79_999}
+    tally = Tally()  # the control loop's: merged in one step, then empty
+    tally.add("n", 5)
+    tally.add("n")
+    tally.flush(counters)
+    tally.flush(counters)
+    assert counters.snapshot() == {"n": 80_006, "peak": 79_999}
