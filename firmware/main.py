@@ -4,7 +4,7 @@ Boot: the driver has copied an image into the mailbox; the boot ROM verifies it 
 checksum, mailbox ABI range), publishes its versions, sets READY and raises an interrupt.
 
 Run: one loop consumes the mailbox (contexts, mappings, queues) and runs the queue
-scheduler (:mod:`firmware.engines`) over the user-mode rings. Every pass does bounded work
+scheduler (:mod:`firmware.scheduler`) over the user-mode rings. Every pass does bounded work
 (docs/containment.md): at most ``MAILBOX_BATCH`` control messages, and the scheduler's own
 bounds; its cost grows with the rings that have work, not with idle ones. After activity
 it keeps polling for a while, yielding the CPU, so back-to-back work costs no wake-up;
@@ -38,7 +38,9 @@ import numpy as np
 from abi import fwimage, mailbox, uapi, userq
 from abi._struct import Struct
 from firmware import memory
-from firmware.engines import FwContext, Ring, Scheduler, log_unexpected
+from firmware.rings import FwContext, Ring
+from firmware.scheduler import Scheduler
+from firmware.telemetry import Counters, log_unexpected
 
 #: Keep polling this long after the last work before sleeping.
 SPIN_AFTER_ACTIVITY_S = 500e-6
@@ -62,7 +64,7 @@ class Firmware:
         self.jit_cache_dir = jit_cache_dir
         self.contexts: dict[int, FwContext] = {}
         self.heartbeat_s = 0.05
-        self.stats = dict.fromkeys(mailbox.STAT_NAMES, 0)
+        self.counters = Counters(mailbox.STAT_NAMES)
         self._cpl_lock = threading.Lock()
         self._backlog: list[tuple[mailbox.Op, int, Struct, int]] = []
         #: (ctx, va, {ring: wptr it must complete}) waiting for the device to finish
@@ -120,12 +122,12 @@ class Firmware:
             return False
         config = img.config
         self.heartbeat_s = config.get("heartbeat_interval_ms", 50) / 1000
-        residency = memory.Residency(self.stats, self.vram_size)
-        self.sched = Scheduler(config, residency, self.stats, self.jit_cache_dir)
+        residency = memory.Residency(self.counters, self.vram_size)
+        self.sched = Scheduler(config, residency, self.counters, self.jit_cache_dir)
         self.sched.contexts = self.contexts
         self._poller.register(self.sched.wake_fd, select.POLLIN)
         if _has_entries(self.jit_cache_dir):
-            self.sched.warm_up()  # kernels ran here before: have the JIT ready for them
+            self.sched.kernels.warm_up()  # kernels ran here before: have the JIT ready
         self.mbx.set_versions(img.version, str(img.manifest["isa_version"]))
         self.mbx.beat(time.monotonic_ns())
         self.mbx.set_fw_state(mailbox.FwState.READY)
@@ -154,7 +156,7 @@ class Firmware:
             self._backlog.pop(0)
             posted += 1
         if posted:
-            self.mbx.set_stats(self.stats)
+            self.mbx.set_stats(self.counters.snapshot())
             self.interrupt()
 
     # control messages ----------------------------------------------------------------
@@ -284,7 +286,7 @@ class Firmware:
             raw = os.pread(fd, min(size, uapi.ACCEL_MODULE_MAX), 0)
         finally:
             os.close(fd)
-        self.sched.load_module(ctx, module_id, raw)
+        self.sched.kernels.load_module(ctx, module_id, raw)
 
     def _housekeeping(self) -> None:
         """Unmaps, queue closes and context teardowns whose work has completed."""
@@ -345,7 +347,7 @@ class Firmware:
     def _sleep(self, timeout: float) -> None:
         """Mark the contexts sleeping, re-check, and sleep until a doorbell or the timeout."""
         assert self.sched is not None
-        self.mbx.set_stats(self.stats)  # counters are current whenever the device idles
+        self.mbx.set_stats(self.counters.snapshot())  # current whenever the device idles
         contexts = list(self.contexts.values())
         for c in contexts:
             c.db.set(userq.DB_FW_SLEEPING, 1)
@@ -396,7 +398,7 @@ class Firmware:
                 last_work = now
             if not self.hung and now - last_beat >= self.heartbeat_s:
                 self.mbx.beat(time.monotonic_ns())
-                self.mbx.set_stats(self.stats)
+                self.mbx.set_stats(self.counters.snapshot())
                 last_beat = now
             if now - last_work < SPIN_AFTER_ACTIVITY_S and not self.hung:
                 os.sched_yield()  # on a shared core, let others run, but stay awake

@@ -11,7 +11,7 @@ Managed memory is host memory the device migrates in 64 KiB pages on first devic
 (a "page fault"), within a residency budget of the device's free memory; exceeding it
 evicts the least recently used pages back to the host. Migration is a real copy through a
 scratch buffer, so oversubscription costs what it should, and every fault, migration and
-eviction is counted in the stats block.
+eviction is counted in the device's counters (firmware/telemetry.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from firmware.telemetry import Counters
 
 MANAGED_PAGE = 64 * 1024
 
@@ -53,9 +54,10 @@ class Mapping:
 class Residency:
     """Managed pages resident on this device, in LRU order, within a byte budget."""
 
-    def __init__(self, stats: dict[str, int], capacity: int) -> None:
-        self.stats = stats
+    def __init__(self, counters: Counters, capacity: int) -> None:
+        self.counters = counters
         self.capacity = capacity
+        self.resident = 0  # bytes of managed pages on the device (under ``lock``)
         self.device_bytes = 0  # held by device-local allocations (Op.SET_BUDGET)
         self._lru: OrderedDict[tuple[int, int], Mapping] = OrderedDict()
         self._scratch = np.empty(MANAGED_PAGE, np.uint8)
@@ -74,13 +76,13 @@ class Residency:
                 if m.resident[page]:
                     self._lru.move_to_end(key)
                     continue
-                self.stats["managed_faults"] += 1
+                self.counters.add("managed_faults")
                 self._make_room()
                 self._migrate(m, page)
                 m.resident[page] = True
                 self._lru[key] = m
-                self.stats["managed_resident"] += MANAGED_PAGE
-                self.stats["managed_bytes_to_device"] += MANAGED_PAGE
+                self._resident(MANAGED_PAGE)
+                self.counters.add("managed_bytes_to_device", MANAGED_PAGE)
 
     def to_host(self, m: Mapping, start: int, end: int) -> None:
         """Migrate pages of [start, end) back to the host (host access or prefetch)."""
@@ -96,22 +98,26 @@ class Residency:
         with self.lock:
             for page in np.flatnonzero(m.resident):
                 self._lru.pop((id(m), int(page)), None)
-                self.stats["managed_resident"] -= MANAGED_PAGE
+                self._resident(-MANAGED_PAGE)
             m.resident[:] = False
 
     def _make_room(self) -> None:
-        while self._lru and self.stats["managed_resident"] + MANAGED_PAGE > self.budget():
+        while self._lru and self.resident + MANAGED_PAGE > self.budget():
             (_, page), victim = next(iter(self._lru.items()))
-            self.stats["managed_evictions"] += 1
+            self.counters.add("managed_evictions")
             self._evict(victim, page)
 
     def _evict(self, m: Mapping, page: int) -> None:
         assert m.resident is not None
         self._lru.pop((id(m), page), None)
         m.resident[page] = False
-        self.stats["managed_resident"] -= MANAGED_PAGE
-        self.stats["managed_bytes_to_host"] += MANAGED_PAGE
+        self._resident(-MANAGED_PAGE)
+        self.counters.add("managed_bytes_to_host", MANAGED_PAGE)
         self._migrate(m, page)
+
+    def _resident(self, delta: int) -> None:
+        self.resident += delta
+        self.counters.add("managed_resident", delta)
 
     def _migrate(self, m: Mapping, page: int) -> None:
         chunk = m.data[page * MANAGED_PAGE : (page + 1) * MANAGED_PAGE]

@@ -1,0 +1,369 @@
+"""What a compute engine does: LAUNCH packets, and the modules and JIT they need.
+
+A module's image is parsed on a loader thread (a launch that names it waits, parked,
+until it is); the JIT -- numba -- is created on first use, or at boot when the kernel cache
+says kernels ran here before, so a device that never runs kernels never pays for it.
+
+A launch is checked in Python integers before anything runs: its kernel, its dimensions
+against the device's limits, its argument block (:func:`decode_args`: every buffer
+resolved against the context, every shape against its buffer). A small launch of a
+compiled, statically bounded kernel (no loops) runs inline on the control loop, under a
+watchdog; any other is split into one :class:`BlockJob` per compute engine, each running
+its blocks in time slices (``QUANTUM_S``, a block is never cut) between which it gives way
+to waiting work of at least its priority, so one giant grid cannot hold both engines. A
+block that runs past the image's ``watchdog_ms`` is stopped (ETIMEDOUT). A fault names the
+address it tried, saturated into the 64-bit space.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from abi import kernel_lang, userq
+from abi.userq import Op
+from firmware import memory
+from firmware.engines import Deadlines, Job
+from firmware.rings import FwContext, FwModule, Ring
+from firmware.telemetry import Counters, log_unexpected
+
+if TYPE_CHECKING:
+    from firmware.scheduler import Scheduler
+
+#: Launches of at most this many threads of an already-compiled kernel whose work is
+#: statically bounded (``CompiledKernel.inline_ok``: no loops) run inline on the scheduler.
+INLINE_THREADS = 16 * 1024
+#: An inline launch that still runs this long is stopped (it cannot happen for a bounded
+#: kernel; the control thread must never be held long).
+INLINE_WATCHDOG_S = 0.25
+#: A launch runs in slices of about this long (a block is never cut): between slices its
+#: engine takes waiting work first.
+QUANTUM_S = 0.02
+
+#: What :meth:`Kernels.launch` returns for a launch whose module is not parsed yet.
+PARKED = object()
+
+
+class Kernels:
+    """One device's kernel side: its limits, the module loader, the JIT and the timer of
+    running launches (made with the JIT: its thread, its constants)."""
+
+    def __init__(self, config: dict, jit_cache_dir: str, counters: Counters,
+                 wake: Callable[[], None]) -> None:
+        self.compute_engines = config["compute_engines"]
+        self.max_threads = config["max_threads_per_block"]
+        self.max_shared = config["max_shared_mem_per_block"]
+        #: what this device has: a kernel whose source uses anything else (mma, atomics,
+        #: block-shared memory) faults with EOPNOTSUPP, whatever its IR's flags claimed
+        self.capabilities = frozenset(config.get("capabilities", ()))
+        self.watchdog_s = config.get("watchdog_ms", 10_000) / 1000
+        self.deadlines: Deadlines | None = None
+        self._counters = counters
+        self._wake = wake  # the scheduler's: a parked launch's module is ready
+        self._jit_cache_dir = jit_cache_dir
+        self._jit: Any = None
+        self._jit_lock = threading.Lock()
+        self._modules: queue.SimpleQueue[FwModule] = queue.SimpleQueue()
+        threading.Thread(target=self._module_loader, name="module-loader", daemon=True).start()
+
+    # --- modules --------------------------------------------------------------------------
+    def load_module(self, ctx: FwContext, module_id: int, raw: bytes) -> None:
+        """Parse a module's image off the control thread (its launches wait for it)."""
+        mod = ctx.modules[module_id] = FwModule(raw)
+        self._modules.put(mod)
+        self.warm_up()  # kernels are coming: load the JIT (numba) off the hot path
+
+    def module_ready(self, ring: Ring, pkt: tuple[int, ...]) -> bool:
+        """Whether a parked launch can start again (its module parsed, failed or gone)."""
+        mod = ring.ctx.modules.get(pkt[2] >> 16)
+        return mod is None or mod.kernels is not None or mod.error != 0
+
+    def _module_loader(self) -> None:
+        while True:
+            mod = self._modules.get()
+            try:
+                kernels = json.loads(mod.raw)["kernels"]
+                if not isinstance(kernels, dict):
+                    raise ValueError("kernels is not an object")
+                parsed = [(str(name), k) for name, k in kernels.items()]
+                if not all(isinstance(k, dict) for _, k in parsed):
+                    raise ValueError("a kernel is not an object")
+                mod.kernels = parsed
+            except Exception:  # noqa: BLE001 - a module that does not parse is the module's
+                mod.error = errno.EINVAL
+            mod.raw = b""
+            self._wake()
+
+    # --- the JIT --------------------------------------------------------------------------
+    def jit(self) -> Any:
+        """The kernel cache, created on first use (numba loads only when kernels run, or
+        at boot when the cache says kernels ran here before: see warm_up)."""
+        with self._jit_lock:
+            if self._jit is None:
+                from firmware import jit
+
+                jit.warm_up()
+                self.deadlines = Deadlines(jit.ABORT_PREEMPT, jit.ABORT_WATCHDOG)
+                self._jit = jit.KernelCache(Path(self._jit_cache_dir))
+                self._counters.peak("jit_ready", 1)
+            return self._jit
+
+    def warm_up(self) -> None:
+        """Create the JIT (importing numba and loading its CPU target take ~0.4 s) on a
+        side thread."""
+        if self._jit is None:
+            threading.Thread(target=self.jit, name="jit-warm-up", daemon=True).start()
+
+    # --- launches -------------------------------------------------------------------------
+    def launch(self, sched: Scheduler, ring: Ring, seqno: int, a: list[int],
+               start_ns: int) -> Any:
+        """Check a LAUNCH (everything the process wrote, in Python integers), decode its
+        arguments, and run it inline (None), park it (``PARKED``) or return its first
+        engine job (the others are submitted already)."""
+        handle, grid_w, block_w, dynamic, args_va, args_len = a[:6]
+        mod = ring.ctx.modules.get(handle >> 16)
+        if mod is None:
+            raise memory.Fault(0, errno.EINVAL)
+        if mod.kernels is None:
+            if mod.error:
+                raise memory.Fault(0, mod.error)
+            return PARKED
+        if (handle & 0xFFFF) >= len(mod.kernels):
+            raise memory.Fault(0, errno.EINVAL)
+        name, kir = mod.kernels[handle & 0xFFFF]
+        static = kir.get("shared_mem", 0)
+        if type(static) is not int or not 0 <= static <= self.max_shared \
+                or dynamic > self.max_shared - static:  # checked again against the source
+            raise memory.Fault(0, errno.EINVAL)
+        grid, block = userq.unpack_dims(grid_w), userq.unpack_dims(block_w)
+        threads = block[0] * block[1] * block[2]
+        if min(grid) < 1 or min(block) < 1 or threads > self.max_threads:
+            raise memory.Fault(0, errno.EINVAL)
+        if args_len > userq.ACCEL_ARGS_MAX:
+            raise memory.Fault(args_va, errno.EINVAL)
+        m, off = ring.ctx.space.resolve(args_va, args_len)
+        values, types, buffers = decode_args(ring.ctx.space, bytes(m.data[off : off + args_len]),
+                                             kir.get("params"))
+        launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block, dynamic)
+        nblocks = grid[0] * grid[1] * grid[2]
+        if nblocks * threads <= INLINE_THREADS and self._jit is not None:
+            kernel = self._jit.cached(kir, types, _options())
+            # small, compiled and statically bounded: no engine hand-off (no GIL ping-pong)
+            if kernel is not None and kernel.inline_ok:
+                if not kernel.capabilities <= self.capabilities:
+                    raise memory.Fault(0, errno.EOPNOTSUPP)
+                self._run_inline(launch, kernel, nblocks)
+                sched.tally.add("launches")
+                return None
+        parts = max(1, min(self.compute_engines, nblocks))
+        bounds = [nblocks * i // parts for i in range(parts + 1)]
+        launch.remaining = parts
+        jobs = [BlockJob(sched, launch, lo, hi, start_ns)
+                for lo, hi in zip(bounds, bounds[1:])]
+        for job in jobs[1:]:
+            sched.compute.submit(ring.priority, job)
+        return jobs[0]  # the scheduler submits the first, marking the ring busy
+
+    def _run_inline(self, launch: Launch, kernel: Any, nblocks: int) -> None:
+        """Run a small launch on the scheduler thread; faults raise as packet faults."""
+        deadlines = self.deadlines
+        assert deadlines is not None  # the JIT exists
+        abort = np.zeros(1, np.int64)
+        token = deadlines.add(abort, INLINE_WATCHDOG_S, None)
+        try:
+            kernel.run(0, nblocks, launch.grid, launch.block, launch.args, abort,
+                       launch.dynamic_shared)
+        except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
+            code, addr = fault_of(launch, exc)
+            raise memory.Fault(addr, code) from None
+        finally:
+            deadlines.remove(token)
+        if abort[0] > deadlines.preempt:
+            raise memory.Fault(0, errno.ETIMEDOUT)
+
+
+def _options() -> Any:
+    from firmware.jit import Options
+
+    return Options()
+
+
+@dataclass
+class Launch:
+    """One LAUNCH packet in flight: its blocks are split across the compute engines."""
+
+    ring: Ring
+    seqno: int
+    name: str
+    kernel_ir: dict
+    arg_types: tuple[str, ...]
+    args: list
+    buffers: list[tuple[str, int, int]]  # (param, va, itemsize) to turn a fault into an address
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    dynamic_shared: int  # bytes per block for its dynamic_shared arrays
+    remaining: int = 0  # engine jobs not finished
+    fault: tuple[int, int] | None = None  # (errno, address)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record_fault(self, code: int, addr: int) -> None:
+        """The launch's first fault is its packet's (the other engines' stop there)."""
+        with self.lock:
+            if self.fault is None:
+                self.fault = (code, addr)
+
+    def share_done(self) -> bool:
+        """One engine's share finished: True for the last (which completes the packet)."""
+        with self.lock:
+            self.remaining -= 1
+            return self.remaining == 0
+
+
+def fault_of(launch: Launch, exc: Exception) -> tuple[int, int]:
+    """(errno, device address) of a launch stopped by ``exc``. A bounds miss names the
+    address it tried, saturated into the 64-bit space (``x[1 << 62]`` of a float32 buffer
+    is past 2**64: the ring then reads U64_MAX)."""
+    kind = getattr(exc, "kind", None)
+    if kind == "watchdog":
+        return errno.ETIMEDOUT, 0
+    if kind == "bounds":
+        index = getattr(exc, "index", None)
+        for pname, va, itemsize in launch.buffers:
+            if pname == getattr(exc, "param", None) and isinstance(index, int):
+                return errno.EFAULT, min(max(0, va + index * itemsize), userq.U64_MAX)
+        return errno.EFAULT, 0
+    from firmware.kernel_check import KernelCompileError  # loaded: a kernel ran
+
+    if kind is None and not isinstance(exc, KernelCompileError):
+        log_unexpected(f"kernel {launch.name} failed", exc)  # a kernel that does not
+    return errno.EINVAL, 0  # validate or compile is the kernel's fault, not news
+
+
+class _Watchdog(Exception):
+    pass
+
+
+class BlockJob(Job):
+    """Engine work over blocks [lo, hi) of a launch: in time slices, giving way between
+    slices to higher-priority work, and to any waiting work once a slice is up; a block
+    running longer than the watchdog is stopped. The last share to finish completes the
+    packet, with the launch's first fault if any."""
+
+    __slots__ = ("hi", "launch", "next")
+
+    def __init__(self, sched: Scheduler, launch: Launch, lo: int, hi: int,
+                 start_ns: int) -> None:
+        super().__init__(sched, launch.ring, launch.seqno, Op.LAUNCH, start_ns)
+        self.launch, self.next, self.hi = launch, lo, hi
+
+    def run(self) -> bool:
+        sched, launch, kernels = self.sched, self.launch, self.sched.kernels
+        try:
+            jit = kernels.jit()
+            kernel = jit.get(launch.kernel_ir, launch.arg_types, _options())
+            sched.counters.peak("jit_compiles", jit.compiles)
+            sched.counters.peak("jit_hits", jit.hits)
+            if not kernel.capabilities <= kernels.capabilities:
+                launch.record_fault(errno.EOPNOTSUPP, 0)
+                self._share_done()
+                return True
+            deadlines = kernels.deadlines
+            assert deadlines is not None  # made with the JIT
+            abort = np.zeros(1, np.int64)
+            while self.next < self.hi and launch.fault is None:
+                if launch.ring.faulted:  # its context is being torn down: stop, unrun
+                    launch.record_fault(errno.ECANCELED, 0)
+                    break
+                abort[0] = 0
+                token = deadlines.add(abort, kernels.watchdog_s, QUANTUM_S)
+                try:
+                    done_to = kernel.run(self.next, self.hi, launch.grid, launch.block,
+                                         launch.args, abort, launch.dynamic_shared)
+                finally:
+                    deadlines.remove(token)
+                if abort[0] > deadlines.preempt:  # the watchdog, between blocks
+                    raise _Watchdog()
+                self.next = done_to
+                if self.next < self.hi and sched.compute.waiting(launch.ring.priority):
+                    return False  # the slice is up and work waits: give way
+        except _Watchdog:
+            launch.record_fault(errno.ETIMEDOUT, 0)
+        except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
+            launch.record_fault(*fault_of(launch, exc))
+        self._share_done()
+        return True
+
+    def fail(self, exc: BaseException) -> None:
+        log_unexpected(f"kernel {self.launch.name} failed on an engine", exc)
+        self.launch.record_fault(errno.EIO, 0)
+        self._share_done()
+
+    def _share_done(self) -> None:
+        launch = self.launch
+        if launch.share_done():
+            status, addr = launch.fault or (0, 0)
+            if not status:
+                self.sched.counters.add("launches")
+            self.finish(status, addr)
+
+
+def decode_args(space: memory.AddressSpace, raw: bytes, params: Any
+                ) -> tuple[list, tuple[str, ...], list[tuple[str, int, int]]]:
+    """The argument block of a launch -> (values, types for the JIT, buffer addresses).
+    Everything is the process's: a record that does not fit its kernel's parameters, a
+    shape whose product is not the buffer's element count (checked in Python integers,
+    so it cannot overflow) or a buffer outside the context's memory faults the launch."""
+    if not isinstance(params, list) or len(raw) % userq.ARG_RECORD.size:
+        raise memory.Fault(0, errno.EINVAL)
+    recs = [userq.ARG_RECORD.unpack_from(raw, off) for off in range(0, len(raw), userq.ARG_RECORD.size)]
+    values: list = []
+    types: list[str] = []
+    buffers: list[tuple[str, int, int]] = []
+    i = 0
+    for p in params:
+        if i >= len(recs) or not isinstance(p, dict):
+            raise memory.Fault(0, errno.EINVAL)
+        kind, code, value, nbytes = recs[i]
+        i += 1
+        dtype_name = kernel_lang.DTYPE_NAMES.get(code)
+        want = p.get("dtype")
+        if dtype_name is None or not (want is None or want == dtype_name):
+            raise memory.Fault(0, errno.EINVAL)
+        dtype = np.dtype(dtype_name)
+        if kind == userq.ARG_SCALAR and p.get("kind") == "scalar":
+            values.append(np.frombuffer(value.to_bytes(8, "little")[: dtype.itemsize], dtype)[0])
+            types.append(dtype_name)
+        elif kind == userq.ARG_BUFFER and p.get("kind") == "buffer":
+            shape: list[int] = []
+            while i < len(recs) and recs[i][0] == userq.ARG_SHAPE:
+                count = recs[i][1]
+                if count not in (1, 2):
+                    raise memory.Fault(0, errno.EINVAL)
+                shape += [int(recs[i][2]), int(recs[i][3])][:count]
+                i += 1
+            if nbytes % dtype.itemsize or len(shape) > 8:
+                raise memory.Fault(value, errno.EINVAL)
+            m, off = space.resolve(value, nbytes)
+            elements = nbytes // dtype.itemsize
+            shape = shape or [elements]
+            product = 1
+            for d in shape:
+                product *= d
+            if product != elements:
+                raise memory.Fault(value, errno.EINVAL)
+            values.append(m.data[off : off + nbytes].view(dtype).reshape(shape))
+            types.append(f"{dtype_name}[{len(shape)}d]")
+            buffers.append((str(p.get("name")), value, dtype.itemsize))
+        else:
+            raise memory.Fault(0, errno.EINVAL)
+    if i != len(recs):
+        raise memory.Fault(0, errno.EINVAL)
+    return values, tuple(types), buffers

@@ -1,0 +1,201 @@
+"""What the firmware keeps per context: its rings, its modules, how a packet's end is
+written back.
+
+Every queue is a ring in shared memory (layout in :mod:`abi.userq`, the shared ABI
+header), memory of the process that owns it: nothing in it is trusted
+(docs/containment.md). The firmware keeps its own copy of what it must rely on -- what it
+took, its fence -- and writes back only its own words: the read pointer, completion
+timestamps, the first fault and the fence, in that order, so a waiter that sees the fence
+sees the rest. A packet's end is one :class:`Completion`, and :meth:`Ring.complete` is
+the only writer of those words.
+
+A context's doorbell page says which rings have news: each queue's slot holds its write
+pointer, and a sequence word moves on every ring of the page, so an idle context costs one
+word per pass (:meth:`FwContext.moved_slots`).
+"""
+
+from __future__ import annotations
+
+import array
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from abi import userq
+from firmware import memory
+
+#: A context with at most this many rings has its doorbell slots compared one by one;
+#: more are compared in one numpy operation.
+_SCAN_IN_PYTHON = 16
+
+
+@dataclass(slots=True)
+class Completion:
+    """How packets of a ring ended: what :meth:`Ring.complete` writes back.
+
+    ``status`` is 0, the errno a packet faulted with, or ECANCELED for one that never ran
+    (its ring had faulted). ``start_ns``/``end_ns`` are device time (``time.monotonic_ns``)
+    from when the scheduler started the packet to its end; ``end_ns`` is the ring's
+    completion timestamp (0 for packets cancelled in bulk, which get none). ``fault`` is
+    the ring's fault record, ``(seqno, errno, opcode, address)`` as
+    :meth:`abi.userq.RingView.read_fault` reads it, when a packet faulted (it is written
+    if it is the ring's first), else None."""
+
+    status: int
+    start_ns: int
+    end_ns: int
+    fault: tuple[int, int, int, int] | None = None
+
+    @classmethod
+    def failed(cls, seqno: int, opcode: int, code: int, addr: int, start_ns: int,
+               end_ns: int) -> Completion:
+        return cls(code, start_ns, end_ns, (seqno, code, opcode, addr))
+
+
+class Ring(userq.RingView):
+    """One queue's ring as the firmware, its consumer, sees it."""
+
+    def __init__(self, ctx: FwContext, qid: int, priority: int, slot: int, fd: int,
+                 fence_only: bool = False) -> None:
+        super().__init__(fd)
+        self.ctx, self.id, self.priority, self.slot = ctx, qid, priority, slot
+        self.fence_only = fence_only  # another device's queue, imported to wait on
+        self.taken = self.rptr
+        self.published = self.taken  # what the scheduler may take (Scheduler.publish)
+        self.busy = False  # an engine runs its current packet
+        self.blocked: tuple[Ring, int, int] | None = None  # (ring, seqno) it waits for, since
+        self.parked: tuple[int, tuple[int, ...]] | None = None  # a launch awaiting its module
+        self.faulted = self.read_fault()[0] != 0
+        self.closing = False
+        self.last_irq = 0
+        #: the fence as this firmware wrote it: the word in the ring is the process's
+        #: memory, which it may overwrite (the ring's closing and unmaps go by this one)
+        self.fence = self.taken
+
+    @property
+    def completed(self) -> int:
+        """The fence: our own for a ring we run; for another device's ring (imported to
+        wait on) the word in it, and once closed the last value seen there (rings
+        blocked on it still read it)."""
+        if not self.fence_only:
+            return self.fence
+        if self.mem.closed:
+            return self.final_fence
+        return self.words[userq.RING_COMPLETED >> 3]
+
+    def close(self) -> None:
+        if not self.mem.closed:
+            self.final_fence = self.words[userq.RING_COMPLETED >> 3]
+            super().close()
+
+    def ready(self) -> bool:
+        """Has a packet the scheduler could take now."""
+        return not self.busy and not self.fence_only and self.taken < self.published
+
+    def idle(self) -> bool:
+        # a write pointer behind what was taken is a lie publish() must fault first (a
+        # new ring may come with one): such a ring is not idle until it faulted
+        w = self.wptr
+        return (not self.busy and self.blocked is None and self.parked is None
+                and (self.taken == w or (self.faulted and self.taken > w)))
+
+    def take(self) -> tuple[int, tuple[int, ...]]:
+        seqno = self.taken + 1
+        pkt = userq.PACKET.unpack_from(self.mem, userq.RING_PACKETS + ((seqno - 1) % userq.RING_SLOTS) * 64)
+        self.taken = seqno
+        self.set(userq.RING_RPTR, seqno)
+        return seqno, pkt
+
+    def take_through(self, wptr: int) -> None:
+        """Take every published packet up to ``wptr`` unread (a faulted ring's, to cancel)."""
+        if wptr > self.taken:
+            self.taken = wptr
+            self.set(userq.RING_RPTR, wptr)
+
+    def complete(self, seqno: int, c: Completion) -> int:
+        """Publish that the packets up to ``seqno`` ended as ``c`` says: timestamp, first
+        fault, then the fence (in that order); returns how many packets the fence passed."""
+        if c.end_ns:
+            self.stamp(seqno, c.end_ns)
+        if c.fault is not None and not self.faulted:
+            self.write_fault(*c.fault)
+            self.faulted = True
+        passed = seqno - self.fence
+        if passed > 0:
+            self.fence = seqno
+            self.set(userq.RING_COMPLETED, seqno)
+        return passed
+
+    def irq_due(self) -> bool:
+        """Whether the fence passed the seqno a waiter armed (once per arming)."""
+        armed = self.get(userq.RING_IRQ_SEQNO)
+        done = self.completed
+        if armed and done >= armed and armed > self.last_irq:
+            self.last_irq = done
+            return True
+        return False
+
+
+@dataclass(eq=False)
+class FwModule:
+    """A loaded module: the image's bytes until the loader thread parsed them."""
+
+    raw: bytes
+    kernels: list[tuple[str, dict]] | None = None  # (name, IR) in the module's order
+    error: int = 0  # errno when the image did not parse
+
+
+@dataclass(eq=False)
+class FwContext:
+    id: int
+    doorbell: int  # read end of the process's doorbell pipe
+    event: int  # write end of its event pipe
+    db: userq.SharedWords  # its doorbell page
+    space: memory.AddressSpace = field(default_factory=memory.AddressSpace)
+    queues: dict[int, Ring] = field(default_factory=dict)
+    modules: dict[int, FwModule] = field(default_factory=dict)
+    #: doorbell slot -> ring, and for each slot what its ring had taken when it last went
+    #: idle: a slot that holds anything else has news (the comparison cannot be fooled by
+    #: a slot's previous queue having stopped at the value a new one reaches first)
+    slots: dict[int, Ring] = field(default_factory=dict)
+    consumed: array.array = field(
+        default_factory=lambda: array.array("Q", bytes(8 * userq.ACCEL_DB_SLOT_COUNT)))
+    seen_seq: int = 0
+
+    def signal(self) -> None:
+        """One byte on the process's event pipe (never blocks; a full pipe already says
+        "look", a closed one has no reader)."""
+        try:
+            os.write(self.event, b"\1")
+        except (BlockingIOError, BrokenPipeError):
+            pass
+
+    def moved_slots(self) -> list[int]:
+        """Doorbell slots of known rings that hold news, if the page's sequence moved."""
+        seq = self.db.get(userq.DB_SEQ)
+        if seq == self.seen_seq:
+            return []
+        self.seen_seq = seq
+        if len(self.slots) <= _SCAN_IN_PYTHON:  # a few rings: cheaper than numpy's calls
+            words, base, consumed = self.db.words, userq.DB_SLOTS >> 3, self.consumed
+            return [slot for slot in self.slots if words[base + slot] != consumed[slot]]
+        now = np.frombuffer(self.db.mem, np.uint64, userq.ACCEL_DB_SLOT_COUNT, userq.DB_SLOTS)
+        moved = np.flatnonzero(now != np.frombuffer(self.consumed, np.uint64))
+        del now  # the page's mapping must not stay exported
+        return [int(i) for i in moved if int(i) in self.slots]
+
+    def went_idle(self, ring: Ring) -> None:
+        self.consumed[ring.slot] = ring.taken
+
+    def close(self) -> None:
+        for fd in (self.doorbell, self.event):
+            if fd >= 0:
+                os.close(fd)
+        self.doorbell = self.event = -1
+        self.db.close()
+        for ring in self.queues.values():
+            ring.close()
+        self.queues.clear()
+        self.slots.clear()
+        self.modules.clear()

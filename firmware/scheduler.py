@@ -1,0 +1,280 @@
+"""The queue scheduler: how the firmware's control loop runs user-mode rings.
+
+It takes packets in order, one queue at a time, high-priority queues first. Cheap packets
+(no-ops, satisfied waits, small copies, small launches of bounded kernels) run inline, so a
+no-op round trip costs no thread hand-off; heavy ones become jobs for the engines
+(:mod:`firmware.engines`: copy engines for copies, memsets and migrations, compute engines
+for kernels), and the queue is busy until its job completes. What each packet does is
+:mod:`firmware.copies` and :mod:`firmware.launches`; ``WAIT_QUEUE`` is the scheduler's
+own (it orders queues).
+
+Nothing a process writes is trusted (docs/containment.md): ring words, packets, argument
+blocks and modules are checked in Python integers before anything runs, and any exception
+while decoding them faults the packet's own queue. The control thread does bounded work per
+pass, whatever a process writes: it looks only at rings whose doorbell slot moved (or that
+have work in flight), takes at most ``BATCH`` packets from a ring per pass, and faults a
+ring whose write pointer jumps (so a +2**63 jump costs one step, not 2**63).
+
+A packet is validated against its context's address space when it runs; a bad one faults
+*its own queue*: the ring records the first fault (seqno, errno, opcode, address), later
+packets complete as cancelled without running, and nothing else is touched. However a
+packet ends -- inline, on an engine, cancelled -- it ends through :meth:`Scheduler.complete`
+with a :class:`~firmware.rings.Completion`, which writes it back, counts it and raises the
+waiter's interrupt.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from time import monotonic_ns
+from typing import Any
+
+from abi import userq
+from abi.userq import Op
+from firmware import copies, memory
+from firmware.engines import EnginePool
+from firmware.launches import PARKED, Kernels
+from firmware.rings import Completion, FwContext, Ring
+from firmware.telemetry import Counters, Tally, log_unexpected
+
+#: Packets the scheduler takes from one ring per pass, so a ring full of no-ops cannot
+#: hold the control loop.
+BATCH = 64
+
+#: What a packet's start returns when its ring now waits for another queue's fence.
+_BLOCKED = object()
+
+
+class Scheduler:
+    """Owns the rings of every context and decides what runs where."""
+
+    def __init__(self, config: dict, residency: memory.Residency, counters: Counters,
+                 jit_cache_dir: str) -> None:
+        self.counters = counters
+        #: what this thread (the control loop) counts, merged into ``counters`` per pass
+        self.tally = Tally()
+        self.copy = EnginePool("copy", config["copy_engines"], counters)
+        self.compute = EnginePool("compute", config["compute_engines"], counters)
+        self.kernels = Kernels(config, jit_cache_dir, counters, self.wake)
+        self.residency = residency
+        self.rings: list[Ring] = []  # every ring with a doorbell slot
+        #: rings that may have work: their doorbell slot moved, or they have work in flight
+        self.active: dict[Ring, None] = {}
+        self.contexts: dict[int, FwContext] = {}
+        self.hung = False
+        self.held = False  # debugfs sched_hold: take no packets (tests of ordering use it)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._lock = threading.Lock()  # engines finishing vs the scheduler's bookkeeping
+
+    # --- wake-ups --------------------------------------------------------------------------
+    @property
+    def wake_fd(self) -> int:
+        return self._wake_r
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\1")  # the scheduler may have work now
+        except BlockingIOError:
+            pass
+
+    def drain_wakeups(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    # --- rings -------------------------------------------------------------------------------
+    def add(self, ring: Ring) -> None:
+        """A new ring: it may hold work already (its producer did not wait for us)."""
+        self.rings.append(ring)
+        ring.ctx.slots[ring.slot] = ring
+        ring.ctx.went_idle(ring)  # what it had taken: anything else in its slot is news
+        self.active[ring] = None
+
+    def remove(self, ring: Ring) -> None:
+        if ring in self.rings:
+            self.rings.remove(ring)
+        self.active.pop(ring, None)
+        if ring.ctx.slots.get(ring.slot) is ring:
+            del ring.ctx.slots[ring.slot]
+
+    def pending(self) -> bool:
+        """Work the scheduler can start now (a launch parked for its module is woken by
+        the loader)."""
+        return any(r.ready() for r in self.active)
+
+    def doorbells_moved(self) -> bool:
+        return any(c.db.get(userq.DB_SEQ) != c.seen_seq for c in self.contexts.values())
+
+    # --- the scheduler's loop body -----------------------------------------------------
+    def scan_doorbells(self) -> None:
+        """Activate the rings whose doorbell slots moved: one word per context, and the
+        slots only of contexts whose sequence word moved."""
+        for ctx in self.contexts.values():
+            for slot in ctx.moved_slots():
+                self.active[ctx.slots[slot]] = None
+
+    def publish(self) -> None:
+        """Note each active ring's write pointer now, as what poll() may take. Called
+        *before* the mailbox is drained: a packet may rely on control messages its producer
+        sent before writing it (a pinned allocation's MAP before a launch whose arguments
+        live there), and those are then processed before the packet starts. A write
+        pointer that went back, or ran more than a ring ahead of what was taken, is a
+        protocol violation: the ring faults (EINVAL) and is cancelled in one step."""
+        for ring in self.active:
+            if ring.busy:
+                continue
+            w = ring.wptr
+            lie = not ring.faulted and (w < ring.taken or w - ring.taken > userq.RING_SLOTS)
+            if ring.faulted or lie:
+                ring.blocked = ring.parked = None
+                if lie:  # its next packet faults, what was published is cancelled
+                    fault = (ring.taken + 1, errno.EINVAL, 0, 0)
+                    self._cancel(ring, w, Completion(errno.EINVAL, 0, 0, fault))
+                elif w > ring.taken:
+                    self._cancel(ring, w, _CANCELLED)
+                w = ring.taken
+            ring.published = w
+
+    def _cancel(self, ring: Ring, wptr: int, c: Completion) -> None:
+        """A faulted ring's published packets complete as cancelled, all in one step,
+        unread and without timestamps (a write pointer behind the fence completes
+        nothing)."""
+        ring.take_through(wptr)
+        self.complete(ring, max(wptr, ring.fence), c)
+
+    def poll(self) -> int:
+        """Run or dispatch what can go now, up to the published write pointers and at most
+        ``BATCH`` packets a ring; return how many packets were taken. Ends the pass: what
+        it (and publish) counted is merged into the counters."""
+        done = 0
+        if not (self.hung or self.held):
+            for ring in sorted(self.active, key=lambda r: -r.priority):
+                done += self._poll_ring(ring)
+                if ring.idle() and not ring.closing:
+                    self.active.pop(ring, None)
+                    ring.ctx.went_idle(ring)
+        self.tally.flush(self.counters)
+        return done
+
+    def _poll_ring(self, ring: Ring) -> int:
+        done = 0
+        if ring.parked is not None and not ring.busy:
+            if not self.kernels.module_ready(ring, ring.parked[1]):
+                return 0
+            seqno, pkt = ring.parked
+            ring.parked = None
+            done += 1
+            if not self._start(ring, seqno, pkt):
+                return done
+        while done < BATCH and ring.ready():
+            if ring.blocked is not None:
+                if not self._unblocked(ring):
+                    break
+                continue
+            seqno, pkt = ring.take()
+            done += 1
+            if not self._start(ring, seqno, pkt):
+                break  # busy on an engine, blocked or parked: next ring
+        if ring.blocked is not None and not ring.busy and self._unblocked(ring):
+            done += 1
+        return done
+
+    def _unblocked(self, ring: Ring) -> bool:
+        """Complete the ring's WAIT_QUEUE if the fence it waits for passed (or the ring is
+        being destroyed: it drains)."""
+        assert ring.blocked is not None
+        other, target, start_ns = ring.blocked
+        if other.completed < target and not ring.closing:
+            return False
+        ring.blocked = None
+        self.complete(ring, ring.taken, Completion(0, start_ns, monotonic_ns()))
+        return True
+
+    def _start(self, ring: Ring, seqno: int, pkt: tuple[int, ...]) -> bool:
+        """Begin one packet. True if it finished inline (the ring may go on)."""
+        opcode, flags, *a = pkt
+        start_ns = monotonic_ns()
+        if ring.faulted:
+            self.complete(ring, seqno, Completion(errno.ECANCELED, start_ns, start_ns))
+            return True
+        try:
+            if flags:
+                raise memory.Fault(0, errno.EINVAL)
+            job = self._prepare(ring, seqno, opcode, a, start_ns)
+        except memory.Fault as f:
+            code, addr = f.code, f.addr
+        except Exception as exc:  # noqa: BLE001 - whatever a packet does, its queue pays
+            log_unexpected(f"packet {opcode} of queue {ring.id}", exc)
+            code, addr = errno.EINVAL, 0
+        else:
+            if job is None:
+                self.complete(ring, seqno, Completion(0, start_ns, monotonic_ns()))
+                return True
+            if job is _BLOCKED:
+                return False
+            if job is PARKED:
+                ring.parked = (seqno, tuple(pkt))
+                return False
+            ring.busy = True
+            (self.compute if opcode == Op.LAUNCH else self.copy).submit(ring.priority, job)
+            return False
+        self.complete(ring, seqno, Completion.failed(seqno, opcode, code, addr, start_ns,
+                                                     monotonic_ns()))
+        return True
+
+    def _prepare(self, ring: Ring, seqno: int, opcode: int, a: list[int],
+                 start_ns: int) -> Any:
+        """Validate a packet; run it now (return None), return the engine job for it, or
+        say that it waits (``_BLOCKED``, ``PARKED``)."""
+        if opcode == Op.NOP:
+            return None
+        if opcode == Op.COPY:
+            return copies.copy(self, ring, seqno, a, start_ns)
+        if opcode == Op.MEMSET:
+            return copies.memset(self, ring, seqno, a, start_ns)
+        if opcode == Op.WAIT_QUEUE:
+            other = ring.ctx.queues.get(a[0])
+            if other is None or other is ring:
+                raise memory.Fault(0, errno.EINVAL)
+            if other.completed >= a[1]:
+                return None
+            ring.blocked = (other, a[1], start_ns)
+            return _BLOCKED
+        if opcode == Op.PREFETCH:
+            return copies.prefetch(self, ring, seqno, a, start_ns)
+        if opcode == Op.LAUNCH:
+            return self.kernels.launch(self, ring, seqno, a, start_ns)
+        raise memory.Fault(0, errno.EINVAL)
+
+    # --- completions ----------------------------------------------------------------------
+    def complete(self, ring: Ring, seqno: int, c: Completion,
+                 from_engine: bool = False) -> None:
+        """The one way packets end: write ``c`` back for the packets up to ``seqno``,
+        free the ring of its engine, count them, and signal a waiter whose armed seqno the
+        fence passed (and the scheduler, for the ring's next packet). Called on an engine
+        (``from_engine``) or else on the control loop, which counts into its tally."""
+        with self._lock:
+            passed = ring.complete(seqno, c)
+            if from_engine:
+                ring.busy = False
+            userq.full_barrier()  # store the fence, then load what waiters armed (they mirror)
+            irq = ring.irq_due()
+        count = self.counters if from_engine else self.tally
+        if passed > 0:  # a jump of 2**63 counts as a ring's worth
+            count.add("packets", passed if passed <= userq.RING_SLOTS else userq.RING_SLOTS)
+        if c.fault is not None:
+            count.add("faults")
+        if irq:
+            ring.ctx.signal()
+        if from_engine:
+            self.wake()
+
+
+#: Published packets of a ring that had faulted: they never run.
+_CANCELLED = Completion(errno.ECANCELED, 0, 0)

@@ -1,0 +1,438 @@
+"""The firmware's scheduler and engines driven directly: no daemon, no FUSE mount.
+
+The test thread plays the firmware's control loop (scan the doorbells, publish, poll, as
+firmware/main.py does) over rings on memfds laid out as abi/userq.py says, written by a
+producer of its own. Every packet's end is the Completion the scheduler's one completion
+call received (recorded by wrapping it) and what the ring says (fence, fault record,
+timestamps); the counters must move by exactly what the packets did. One scheduler serves
+the module, so the JIT compiles its kernel once; each test makes its own context and takes
+it down at its end.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import mmap
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from abi import kernel_lang, mailbox, uapi, userq
+from abi.userq import Op
+from firmware import copies, image, memory
+from firmware.engines import EnginePool, Job
+from firmware.rings import Completion, FwContext, Ring
+from firmware.scheduler import Scheduler
+from firmware.telemetry import Counters, Tally
+
+MiB = 1 << 20
+VA = 0x1000_0000  # the test context's one mapping
+SIZE = 32 * MiB
+
+
+def packet(op: int, *a: int, flags: int = 0) -> bytes:
+    return userq.PACKET.pack(op, flags, *a, *[0] * (7 - len(a)))
+
+
+def _memfd(size: int) -> int:
+    fd = os.memfd_create("test-scheduler")
+    os.ftruncate(fd, size)
+    return fd
+
+
+class Queue:
+    """One ring as both sides hold it: the firmware's Ring, the producer's RingView."""
+
+    def __init__(self, ctx: FwContext, qid: int, priority: int) -> None:
+        fd = _memfd(userq.RING_FILE_SIZE)
+        try:
+            self.ring = Ring(ctx, qid, priority, qid, fd)
+            self.prod = userq.RingView(fd)
+        finally:
+            os.close(fd)
+        self.ctx = ctx
+        ctx.queues[qid] = self.ring
+
+    def write(self, *pkts: bytes) -> int:
+        """Write packets and publish them (without ringing); returns the last seqno."""
+        w = self.prod.wptr
+        for p in pkts:
+            self.prod.write_packet(w, p)
+            w += 1
+        self.prod.set(userq.RING_WPTR, w)
+        return w
+
+    def ring_doorbell(self) -> None:
+        db = self.ctx.db
+        db.set(userq.DB_SLOTS + 8 * self.ring.slot, self.prod.wptr)
+        db.set(userq.DB_SEQ, db.get(userq.DB_SEQ) + 1)
+
+    def submit(self, *pkts: bytes) -> int:
+        w = self.write(*pkts)
+        self.ring_doorbell()
+        return w
+
+
+class Device:
+    """A scheduler with its engines; the test thread is its control loop."""
+
+    def __init__(self, jit_dir: str) -> None:
+        self.counters = Counters(mailbox.STAT_NAMES)
+        self.residency = memory.Residency(self.counters, 64 * MiB)
+        self.sched = Scheduler(dict(image.DEFAULT_PAYLOAD), self.residency, self.counters,
+                               jit_dir)
+        #: (ring, seqno, Completion, from an engine) of every call, in call order
+        self.completions: list[tuple[Ring, int, Completion, bool]] = []
+        self._lock = threading.Lock()
+        real = self.sched.complete
+
+        def complete(ring: Ring, seqno: int, c: Completion, from_engine: bool = False) -> None:
+            with self._lock:
+                self.completions.append((ring, seqno, c, from_engine))
+            real(ring, seqno, c, from_engine)
+        self.sched.complete = complete  # type: ignore[method-assign]
+
+    def ended(self, q: Queue) -> dict[int, Completion]:
+        with self._lock:
+            return {s: c for r, s, c, _ in self.completions if r is q.ring}
+
+    def engine_done(self, q: Queue) -> set[int]:
+        with self._lock:
+            return {s for r, s, _, eng in self.completions if r is q.ring and eng}
+
+    def step(self) -> None:
+        self.sched.scan_doorbells()
+        self.sched.publish()
+        self.sched.poll()
+
+    def run_until(self, done: Callable[[], bool], timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.step()
+            if done():
+                return
+            assert time.monotonic() < deadline, "the scheduler did not get there"
+            select.select([self.sched.wake_fd], [], [], 0.001)  # an engine finished?
+            self.sched.drain_wakeups()
+
+
+@pytest.fixture(scope="module")
+def device(tmp_path_factory: pytest.TempPathFactory) -> Device:
+    return Device(str(tmp_path_factory.mktemp("jit")))
+
+
+class Context:
+    """A context of the device: its doorbell page, pipes, one host mapping, its queues."""
+
+    def __init__(self, dev: Device, ctx_id: int) -> None:
+        self.dev = dev
+        fd = _memfd(userq.ACCEL_DB_PAGE_SIZE)
+        try:
+            db = userq.SharedWords(fd, userq.ACCEL_DB_PAGE_SIZE)
+        finally:
+            os.close(fd)
+        self.event_r, event_w = os.pipe()
+        doorbell_r, self.doorbell_w = os.pipe()
+        for p in (self.event_r, event_w):
+            os.set_blocking(p, False)
+        self.ctx = FwContext(ctx_id, doorbell_r, event_w, db)
+        self.ctx.seen_seq = db.get(userq.DB_SEQ)
+        self.mem = np.frombuffer(mmap.mmap(-1, SIZE), np.uint8)
+        self.ctx.space.add(memory.Mapping(VA, SIZE, uapi.MemKind.HOST_PINNED, 0, self.mem))
+        self.queues: list[Queue] = []
+        dev.sched.contexts[ctx_id] = self.ctx
+
+    def queue(self, qid: int, priority: int = 0) -> Queue:
+        q = Queue(self.ctx, qid, priority)
+        self.dev.sched.add(q.ring)
+        self.queues.append(q)
+        return q
+
+    def close(self) -> None:
+        sched = self.dev.sched
+        for ring in self.ctx.queues.values():
+            sched.remove(ring)
+        del sched.contexts[self.ctx.id]
+        self.ctx.close()
+        for q in self.queues:
+            q.prod.close()
+        os.close(self.event_r)
+        os.close(self.doorbell_w)
+
+
+_ctx_ids = itertools.count(1)
+
+
+@pytest.fixture
+def ctx(device: Device) -> Iterator[Context]:
+    c = Context(device, next(_ctx_ids))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def moved(dev: Device, before: dict[str, int]) -> dict[str, int]:
+    """The counters that moved since ``before``, by how much (the engines' busy peak, a
+    high-water mark, left out)."""
+    after = dev.counters.snapshot()
+    return {k: after[k] - before[k] for k in after
+            if after[k] != before[k] and k != "copy_engines_busy_peak"}
+
+
+def check_written_back(q: Queue, ended: dict[int, Completion]) -> None:
+    """What the ring says is what each Completion said: timestamps are the end times,
+    each packet's start no later than its end, ends in seqno order."""
+    last_end = 0
+    for seqno in sorted(ended):
+        c = ended[seqno]
+        assert 0 < c.start_ns <= c.end_ns, (seqno, c)
+        assert c.end_ns >= last_end, (seqno, c)
+        assert q.prod.timestamp(seqno) == c.end_ns
+        last_end = c.end_ns
+
+
+@pytest.mark.timeout(60)
+def test_inline_packets_complete_in_order_and_count_once(device, ctx):
+    q = ctx.queue(1)
+    ctx.mem[:4096] = np.arange(4096) % 251
+    before = device.counters.snapshot()
+    w = q.submit(packet(Op.NOP),
+                 packet(Op.COPY, VA + MiB, VA, 4096),
+                 packet(Op.MEMSET, VA + 2 * MiB, 100, 0xAB))
+    device.step()  # inline: one pass runs them all
+    assert (q.prod.completed, q.prod.rptr, q.ring.fence) == (w, w, w) == (3, 3, 3)
+    ended = device.ended(q)
+    assert sorted(ended) == [1, 2, 3] and not device.engine_done(q)
+    assert all(c.status == 0 and c.fault is None for c in ended.values())
+    check_written_back(q, ended)
+    assert q.prod.read_fault() == (0, 0, 0, 0)
+    assert np.array_equal(ctx.mem[MiB : MiB + 4096], ctx.mem[:4096])
+    assert (ctx.mem[2 * MiB : 2 * MiB + 100] == 0xAB).all() and ctx.mem[2 * MiB + 100] == 0
+    assert moved(device, before) == {"packets": 3, "copies": 1, "copy_bytes": 4096}
+
+
+@pytest.mark.timeout(60)
+def test_large_copies_and_memsets_run_on_the_copy_engines(device, ctx):
+    q = ctx.queue(1)
+    n = 2 * copies.COPY_CHUNK + 12345  # three chunks
+    ctx.mem[:n] = np.random.default_rng(1).integers(0, 256, n, np.uint8)
+    before = device.counters.snapshot()
+    w = q.submit(packet(Op.COPY, VA + 16 * MiB, VA, n),
+                 packet(Op.MEMSET, VA + n, copies.INLINE_BYTES + 1, 7))
+    device.run_until(lambda: q.ring.fence == w)
+    assert device.engine_done(q) == {1, 2}
+    ended = device.ended(q)
+    assert all(c.status == 0 and c.fault is None for c in ended.values())
+    check_written_back(q, ended)
+    assert ended[2].start_ns >= ended[1].end_ns  # one queue: in order, one at a time
+    assert np.array_equal(ctx.mem[16 * MiB : 16 * MiB + n], ctx.mem[:n])
+    assert (ctx.mem[n : n + copies.INLINE_BYTES + 1] == 7).all()
+    assert moved(device, before) == {"packets": 2, "copies": 1, "copy_bytes": n}
+    assert not q.ring.busy
+
+
+BAD_PACKETS = {
+    # name: (packet, errno, faulting address in the record)
+    "copy past the mapping": (packet(Op.COPY, VA + SIZE - 8, VA, 16), errno.EFAULT, VA + SIZE),
+    "copy from unmapped memory": (packet(Op.COPY, VA, 0x10, 16), errno.EFAULT, 0x10),
+    "large copy past the mapping": (packet(Op.COPY, VA, VA + MiB, SIZE), errno.EFAULT, VA + SIZE),
+    "memset of a value that is not a byte": (packet(Op.MEMSET, VA, 16, 256), errno.EINVAL, 0),
+    "unknown opcode": (packet(77), errno.EINVAL, 0),
+    "flags set": (packet(Op.NOP, flags=1), errno.EINVAL, 0),
+    "wait for its own queue": (packet(Op.WAIT_QUEUE, 1, 1), errno.EINVAL, 0),
+    "launch of no module": (packet(Op.LAUNCH, 5 << 16), errno.EINVAL, 0),
+    "prefetch of unmanaged memory": (packet(Op.PREFETCH, VA, 16, 1), errno.EINVAL, VA),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", BAD_PACKETS)
+def test_a_bad_packet_faults_its_own_queue_only(device, ctx, name):
+    bad, code, addr = BAD_PACKETS[name]
+    q, other = ctx.queue(1), ctx.queue(2)
+    before = device.counters.snapshot()
+    w = q.submit(packet(Op.NOP), bad, packet(Op.NOP), packet(Op.COPY, VA, VA + 64, 64))
+    other.submit(packet(Op.NOP))
+    device.run_until(lambda: q.ring.fence == w and other.ring.fence == 1)
+    opcode = userq.PACKET.unpack(bad)[0]
+    ended = device.ended(q)
+    assert ended[1].status == 0 and ended[1].fault is None
+    assert ended[2].status == code and ended[2].fault == (2, code, opcode, addr)
+    assert q.prod.read_fault() == ended[2].fault  # the ring's record is the completion's
+    for later in (3, 4):  # never ran
+        assert ended[later].status == errno.ECANCELED and ended[later].fault is None
+    check_written_back(q, ended)
+    assert device.ended(other)[1].status == 0 and other.prod.read_fault()[0] == 0
+    # the packets all count; the fault once; the cancelled copy moved nothing
+    assert moved(device, before) == {"packets": 5, "faults": 1}
+
+
+@pytest.mark.timeout(60)
+def test_a_write_pointer_jump_faults_the_ring_in_one_step(device, ctx):
+    q = ctx.queue(1)
+    q.submit(packet(Op.NOP))
+    device.step()
+    before = device.counters.snapshot()
+    jump = 1 + (1 << 40)
+    q.prod.set(userq.RING_WPTR, jump)
+    q.ring_doorbell()
+    device.step()
+    assert q.prod.read_fault() == (2, errno.EINVAL, 0, 0)
+    assert (q.prod.completed, q.prod.rptr) == (jump, jump)
+    (ring, seqno, c, _), = device.completions[-1:]
+    assert ring is q.ring
+    assert (seqno, c.status, c.fault, c.start_ns, c.end_ns) == \
+        (jump, errno.EINVAL, (2, errno.EINVAL, 0, 0), 0, 0)  # cancelled unread: no timestamps
+    assert moved(device, before) == {"packets": userq.RING_SLOTS, "faults": 1}
+    q.submit(packet(Op.NOP))  # a faulted ring's new packets are cancelled too
+    device.step()
+    assert q.prod.completed == jump + 1 and device.ended(q)[jump + 1].status == errno.ECANCELED
+
+
+@pytest.mark.timeout(60)
+def test_the_higher_priority_ring_is_taken_first(device, ctx):
+    low, high = ctx.queue(1, priority=0), ctx.queue(2, priority=1)
+    low.submit(*[packet(Op.NOP)] * 10)  # rung first
+    high.submit(*[packet(Op.NOP)] * 10)
+    start = len(device.completions)
+    device.step()
+    order = [r.id for r, *_ in device.completions[start:]]
+    assert order == [2] * 10 + [1] * 10
+
+
+class _Gate(Job):
+    """A job that holds its engine until released, then records that it ran."""
+
+    def __init__(self, name: str, log: list[str], gate: threading.Event | None = None) -> None:
+        self.name, self.log, self.gate = name, log, gate
+
+    def run(self) -> bool:
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        self.log.append(self.name)
+        return True
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_takes_the_highest_priority_job_first():
+    counters = Counters(mailbox.STAT_NAMES)
+    pool = EnginePool("test", 1, counters)
+    log: list[str] = []
+    gate = threading.Event()
+    pool.submit(0, _Gate("holder", log, gate))
+    while not counters.snapshot()["copy_engines_busy_peak"]:
+        time.sleep(0.001)  # the one engine runs the holder now
+    for name, prio in [("low1", 0), ("high1", 1), ("low2", 0), ("high2", 1)]:
+        pool.submit(prio, _Gate(name, log))
+    assert pool.higher_waiting(0) and pool.waiting(1) and not pool.higher_waiting(1)
+    gate.set()
+    deadline = time.monotonic() + 30
+    while len(log) < 5 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert log == ["holder", "high1", "high2", "low1", "low2"]
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_completes_once_the_other_fence_passes(device, ctx):
+    a, b = ctx.queue(1), ctx.queue(2)
+    a.submit(packet(Op.NOP))
+    b.submit(packet(Op.WAIT_QUEUE, 1, 2), packet(Op.NOP))
+    device.step()
+    device.step()
+    assert b.ring.fence == 0 and b.ring.blocked is not None  # a's fence is 1
+    a.submit(packet(Op.NOP))
+    device.run_until(lambda: b.ring.fence == 2)
+    waited, released = device.ended(b)[1], device.ended(a)[2]
+    assert waited.status == 0 and waited.start_ns < released.end_ns <= waited.end_ns
+    check_written_back(b, device.ended(b))
+
+
+KERNEL = '''
+def fill(x, v):
+    x[global_id(0)] = v
+'''
+
+
+def _args(x_va: int, n: int, v: float) -> bytes:
+    f32 = kernel_lang.DTYPE_CODES["float32"]
+    bits = int.from_bytes(np.float32(v).tobytes().ljust(8, b"\0"), "little")
+    return (userq.ARG_RECORD.pack(userq.ARG_BUFFER, f32, x_va, 4 * n)
+            + userq.ARG_RECORD.pack(userq.ARG_SHAPE, 1, n, 0)
+            + userq.ARG_RECORD.pack(userq.ARG_SCALAR, f32, bits, 0))
+
+
+@pytest.mark.timeout(240)  # numba compiles the kernel once: seconds on a loaded machine
+def test_a_kernel_launches_on_an_engine_then_inline_and_faults_out_of_bounds(device, ctx):
+    from runtime.kernels import canonical_json, compile_module
+
+    q = ctx.queue(1)
+    device.sched.kernels.load_module(ctx.ctx, 3, canonical_json(compile_module(KERNEL)))
+    n, x_va, args_va = 256, VA + MiB, VA
+    args = _args(x_va, n, 2.5)
+    ctx.mem[: len(args)] = np.frombuffer(args, np.uint8)
+    x = ctx.mem[MiB : MiB + 4 * n].view(np.float32)
+
+    def launch(grid: int) -> bytes:
+        return packet(Op.LAUNCH, 3 << 16, userq.pack_dims((grid, 1, 1)),
+                      userq.pack_dims((64, 1, 1)), 0, args_va, len(args))
+
+    before = device.counters.snapshot()
+    q.submit(launch(n // 64))  # waits for the module, then compiles on an engine
+    device.run_until(lambda: q.ring.fence == 1, timeout=200)
+    assert device.engine_done(q) == {1}
+    assert (x == 2.5).all()
+    # two engines share its blocks: one compiles, the other finds it compiled
+    assert moved(device, before) == {"packets": 1, "launches": 1, "jit_ready": 1,
+                                     "jit_compiles": 1, "jit_hits": 1}
+
+    x[:] = 0
+    before = device.counters.snapshot()
+    q.submit(launch(n // 64))  # compiled, small, no loops: inline
+    device.step()
+    assert q.ring.fence == 2 and device.engine_done(q) == {1}
+    assert (x == 2.5).all()
+    inline = moved(device, before)
+    inline.pop("jit_hits", None)  # the JIT's own count, published by engine jobs only
+    assert inline == {"packets": 1, "launches": 1}
+
+    before = device.counters.snapshot()
+    q.submit(launch(n // 64 + 1))  # one block too many: x[256] is past the buffer
+    device.run_until(lambda: q.ring.fence == 3)
+    c = device.ended(q)[3]
+    assert c.status == errno.EFAULT and c.fault is not None
+    seqno, code, opcode, addr = c.fault
+    assert (seqno, code, opcode) == (3, errno.EFAULT, Op.LAUNCH)
+    assert x_va + 4 * n <= addr < x_va + 4 * (n + 64)
+    assert q.prod.read_fault() == c.fault
+    check_written_back(q, device.ended(q))
+    assert moved(device, before) == {"packets": 1, "faults": 1}
+
+
+@pytest.mark.timeout(60)
+def test_counters_lose_no_update_across_threads_and_a_tally_merges_once():
+    counters = Counters(["n", "peak"])
+
+    def work(i: int) -> None:
+        for k in range(20_000):
+            counters.add("n")
+            counters.peak("peak", i * 20_000 + k)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counters.snapshot() == {"n": 80_000, "peak": 79_999}
+    tally = Tally()  # the control loop's: merged in one step, then empty
+    tally.add("n", 5)
+    tally.add("n")
+    tally.flush(counters)
+    tally.flush(counters)
+    assert counters.snapshot() == {"n": 80_006, "peak": 79_999}
