@@ -32,3 +32,15 @@ def test_only_matching_nothing_is_an_error_that_starts_no_server():
     assert out.returncode == 1
     assert out.stderr.strip() == "bench: nothing matches ['no-such-benchmark']"
     assert out.stdout == ""
+
+
+@pytest.mark.timeout(90)
+def test_profile_driver_in_process_times_every_piece():
+    """``python -m bench.profile_driver`` builds its device with kmod_emul.offline, as the
+    driver's unit tests do: when the device's construction changes, this fails here (it
+    once went stale unnoticed: a constructor argument was added)."""
+    from bench import profile_driver
+
+    rows = profile_driver.in_process(number=3, repeat=1)
+    assert len(rows) == 11 and rows[0][0].startswith("drv.execute + drv.take_reply")
+    assert all(us > 0 for _, us in rows), rows
