@@ -43,6 +43,15 @@ def header(cmd: int, tag: int, flags: int = 0) -> bytes:
     return bytes(uapi.accel_cmd_hdr(cmd=cmd, flags=flags, tag=tag))
 
 
+def assert_unharmed(dev: RawDev, bystander: tuple[RawDev, int]) -> None:
+    """After a refusal: the same open file still answers, the device is operational, and a
+    bystander context on it (another open file) keeps completing work."""
+    assert dev.query().state == uapi.DeviceState.OPERATIONAL
+    other, ctx = bystander
+    seqno = other.noop(ctx)
+    assert other.wait_done(ctx, seqno).completed >= seqno
+
+
 class RawDev:
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_RDWR)

@@ -171,7 +171,7 @@ def ctx_arg(**change: object) -> Iterator[uapi.accel_ctx_create]:
     ({"reserved": (0, 1)}, "EINVAL"),
 ], ids=["flags", "major", "minor", "doorbell-ebadf", "event-ebadf", "doorbell-not-pipe",
         "page-unsealed", "page-small", "reserved"])
-def test_ctx_create_bad_inputs(dev, change, expected):
+def test_offline_ctx_create_bad_inputs(dev, change, expected):
     with ctx_arg(**change) as arg:
         assert refused(dev, uapi.ACCEL_CMD_CTX_CREATE, arg) == expected
     ctx = dev.ctx_create()  # the file is still usable
@@ -259,7 +259,7 @@ def test_submit_noop_and_wait_without_a_firmware(driver, dev):
     (8192, uapi.MemKind.HOST_PINNED, "sealed-4096", 0, "EINVAL"),  # smaller than named
 ], ids=["size-0", "size-huge", "kind", "flags", "device-fd", "enomem", "host-ebadf",
         "host-minus-1", "managed-unsealed", "host-pipe", "host-immutable", "host-small"])
-def test_mem_alloc_bad_inputs(dev, size, kind, fd, flags, expected):
+def test_offline_mem_alloc_bad_inputs(dev, size, kind, fd, flags, expected):
     ctx = dev.ctx_create()
     mine = []
     if fd == "unsealed":
@@ -415,7 +415,7 @@ def _module_fd(doc: object) -> tuple[int, int]:
      "EINVAL"),
 ], ids=["size-0", "size-over-max", "size-past-image", "writable", "ebadf", "flags", "not-json",
         "format", "isa", "no-kernels", "shared-over-limit"])
-def test_module_load_bad_inputs(dev, doc, how, expected):
+def test_offline_module_load_bad_inputs(dev, doc, how, expected):
     ctx = dev.ctx_create()
     fd, n = _module_fd(doc)
     if how == "writable":
