@@ -8,11 +8,11 @@ need) against a given root.
 
 The tests live by layer (README.md, "Tests"): unit/ (no mount), driver/ (raw transactions
 on a mount), runtime/, tools/, contain/. This file's fixtures serve them all; a layer's
-own conftest.py holds only what that layer alone uses. The shared helpers sit here, next
-to this file (rawdev.py, scenario.py), and every layer imports them by bare name: tests/
-is put on ``sys.path`` below (pytest's default "prepend" import mode would do it for this
-conftest's directory too; saying so keeps it true whatever the mode). Test file names are
-unique across the tree, as that mode needs.
+own conftest.py holds only what that layer alone uses. The shared helpers sit next to
+this file (rawdev.py, refusals.py, scenario.py) and every layer imports them by bare
+name: tests/ is put on ``sys.path`` below (pytest's default "prepend" import mode does it
+for this conftest's directory too; saying so keeps it true whatever the mode). Test file
+names are unique across the tree, as that mode needs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Every command of ``abi.uapi.COMMANDS`` has its raw bad-input test here, in tests/driver/.
+"""Every command of ``abi.uapi.COMMANDS`` has its raw bad-input test here, in tests/driver/,
+and docs/README.md's table (command -> struct -> handler -> raw test) says what the code
+says.
 
 A raw test declares the command it covers with ``@pytest.mark.command("ACCEL_CMD_<NAME>")``
 (the marker is registered in pyproject.toml). The check imports every tests/driver/test_*.py
@@ -18,6 +20,8 @@ from types import ModuleType
 import pytest
 
 from abi import uapi
+from kmod_emul import drv
+from stress.harness import REPO
 
 DRIVER_TESTS = Path(__file__).resolve().parent
 #: the name a raw test's marker gives, for every command of the table
@@ -90,3 +94,25 @@ def test_the_check_sees_a_command_without_a_raw_test(tmp_path):
         f"{names[2]}: marked on ['test_probe.py::test_1', 'test_probe.py::test_18']; one raw "
         "test (a parametrised group) per command",
     ]
+
+
+def docs_table() -> str:
+    """docs/README.md's table of commands, as the code has it."""
+    found = marked_commands(driver_tests())
+    rows = ["| command (`abi/uapi.py`) | struct (`abi/uapi.py`) | handler (`kmod_emul/drv.py`) "
+            "| raw test (`tests/driver/`) |", "| --- | --- | --- | --- |"]
+    for name, cmd in NAMES.items():
+        handler = drv.TABLE[cmd.code]
+        assert handler.__module__ == "kmod_emul.drv", handler
+        tests = " ".join(f"`{t}`" for t in found.get(name, ["(none)"]))
+        rows.append(f"| `{name}` | `{cmd.struct.__name__}` | `{handler.__name__}()` | {tests} |")
+    return "\n".join(rows) + "\n"
+
+
+@pytest.mark.timeout(60)
+def test_the_docs_table_of_commands_matches_the_code():
+    """docs/README.md must let a newcomer go from a command to its struct, its handler and
+    its raw test; regenerate the table with
+    ``PYTHONPATH=.:tests:tests/driver python -c "import test_command_coverage as t; print(t.docs_table())"``."""
+    text = (REPO / "docs" / "README.md").read_text()
+    assert docs_table() in text, "docs/README.md's table of commands is stale:\n" + docs_table()
