@@ -98,9 +98,8 @@ def test_sigkill_while_holding_contexts_leaves_nothing(daemon):
             for _ in range(50):
                 c.submit_noop()
         import os
-        from runtime._channel import _HDR
         # and a reply left unread in the driver
-        os.pwrite(ctxs[0].channel.fd, _HDR.pack(uapi.ACCEL_CMD_GET_VERSION.code, 0, 4242)
+        os.pwrite(ctxs[0].channel.fd, uapi.CMD_HDR.pack(uapi.ACCEL_CMD_GET_VERSION.code, 0, 4242)
                   + bytes(uapi.accel_version()), 0)
         print("holding", flush=True)
         sys.stdin.readline()
