@@ -12,5 +12,5 @@
   firmware's checker accepts.
 
 Every module imports only the standard library and its siblings, so any layer may import
-any of them without pulling in another layer (tests/test_layers.py holds them to it).
+any of them without pulling in another layer (tests/unit/test_layers.py holds them to it).
 """

@@ -1,8 +1,8 @@
 """Where a DEVICE_QUERY spends its time inside the driver.
 
 ``python -m bench.profile_driver`` times the driver's pieces in this process, on a device
-object that is set up as after a boot (firmware image loaded) but runs no firmware and
-mounts nothing: the header/struct decode, ``AccelDevice.describe``, the whole ``drv.execute``,
+set up as after a boot (firmware image loaded) that runs no firmware and mounts nothing
+(``kmod_emul.offline``, which the driver's unit tests use too): the header/struct decode, ``AccelDevice.describe``, the whole ``drv.execute``,
 ``take_reply``, and the same for a sysfs ``state`` attribute render.
 
 ``python -m bench.profile_driver --daemon [N]`` also runs a real daemon under cProfile
@@ -47,50 +47,49 @@ def _run_sync(coro_fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-def in_process() -> list[tuple[str, float]]:
+def in_process(number: int = 20000, repeat: int = 5) -> list[tuple[str, float]]:
+    """Each piece's cost per call (best of ``repeat`` runs of ``number`` calls), in us."""
     from abi import uapi
     from firmware.image import IMAGE_DIR
     from kmod_emul import drv
-    from kmod_emul.context import OpenFile
-    from kmod_emul.device import AccelDevice
-    from kmod_emul.fw import load_image
-    from kmod_emul.identity import Identity
+    from kmod_emul.offline import OfflineDriver
     from kmod_emul.sysfs import device_attrs
 
-    dev = AccelDevice(0, Identity("ACCEL-00000000-0000-0000-0000-000000000000", "1234567890123"),
-                      256 << 20, IMAGE_DIR, 2.0)
-    dev.fw_image = load_image(IMAGE_DIR)
-    dev.state = uapi.DeviceState.OPERATIONAL
-    info = drv.DriverInfo()
-    f = OpenFile(dev, os.getpid(), os.getuid())
-    cmd = uapi.ACCEL_CMD_DEVICE_QUERY
-    payload = bytes(uapi.accel_device_info())
-    raw = uapi.CMD_HDR.pack(cmd.code, 0, 1) + payload
-    size = ctypes.sizeof(uapi.accel_device_info)
-    arg = uapi.accel_device_info()
-    execute = _run_sync(lambda: drv.execute(info, f, raw))
+    def us(fn: Callable[[], object], n: int = number) -> float:
+        return _us(fn, number=n, repeat=repeat)
 
-    def execute_and_take() -> None:
-        execute()
-        drv.take_reply(f, 1, size)
+    with OfflineDriver(IMAGE_DIR) as driver:  # a booted device, no firmware, no mount
+        dev, info = driver.devices[0], driver.info
+        f = driver.open(0)
+        cmd = uapi.ACCEL_CMD_DEVICE_QUERY
+        payload = bytes(uapi.accel_device_info())
+        raw = uapi.CMD_HDR.pack(cmd.code, 0, 1) + payload
+        size = ctypes.sizeof(uapi.accel_device_info)
+        arg = uapi.accel_device_info()
+        execute = _run_sync(lambda: drv.execute(info, f, raw))
 
-    state_attr = device_attrs(dev)["state"]
-    uuid_attr = device_attrs(dev)["uuid"]
-    results = [
-        ("drv.execute + drv.take_reply (whole DEVICE_QUERY)", _us(execute_and_take)),
-        ("  drv._decode (header + struct + reserved check)", _us(lambda: drv._decode(raw))),
-        ("    accel_cmd_hdr.from_buffer_copy", _us(lambda: uapi.accel_cmd_hdr.from_buffer_copy(raw))),
-        ("    accel_device_info.from_buffer_copy", _us(
-            lambda: uapi.accel_device_info.from_buffer_copy(raw, uapi.CMD_HDR.size))),
-        ("    reserved_clear()", _us(lambda: uapi.accel_device_info.reserved_clear(raw, uapi.CMD_HDR.size))),
-        ("  AccelDevice.describe", _us(dev.describe)),
-        ("    dev.config (json.loads of the image payload)", _us(lambda: dev.config)),
-        ("    uapi.names_to_caps", _us(lambda: uapi.names_to_caps(dev.config["capabilities"]))),
-        ("  bytes(reply struct)", _us(lambda: bytes(arg))),
-        ("sysfs state attribute render (Attr.read)", _us(state_attr.read, number=2000)),
-        ("sysfs uuid attribute render (Attr.read)", _us(uuid_attr.read, number=2000)),
-    ]
-    return results
+        def execute_and_take() -> None:
+            execute()
+            drv.take_reply(f, 1, size)
+
+        state_attr = device_attrs(dev)["state"]
+        uuid_attr = device_attrs(dev)["uuid"]
+        attr_n = max(1, number // 10)
+        return [
+            ("drv.execute + drv.take_reply (whole DEVICE_QUERY)", us(execute_and_take)),
+            ("  drv._decode (header + struct + reserved check)", us(lambda: drv._decode(raw))),
+            ("    accel_cmd_hdr.from_buffer_copy", us(
+                lambda: uapi.accel_cmd_hdr.from_buffer_copy(raw))),
+            ("    accel_device_info.from_buffer_copy", us(
+                lambda: uapi.accel_device_info.from_buffer_copy(raw, uapi.CMD_HDR.size))),
+            ("    reserved_clear()", us(lambda: uapi.accel_device_info.reserved_clear(raw, uapi.CMD_HDR.size))),
+            ("  AccelDevice.describe", us(dev.describe)),
+            ("    dev.config (json.loads of the image payload)", us(lambda: dev.config)),
+            ("    uapi.names_to_caps", us(lambda: uapi.names_to_caps(dev.config["capabilities"]))),
+            ("  bytes(reply struct)", us(lambda: bytes(arg))),
+            ("sysfs state attribute render (Attr.read)", us(state_attr.read, attr_n)),
+            ("sysfs uuid attribute render (Attr.read)", us(uuid_attr.read, attr_n)),
+        ]
 
 
 def daemon_profile(queries: int) -> str:

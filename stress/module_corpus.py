@@ -10,14 +10,14 @@ argument blocks in its own pinned memory (docs/kernels.md, "Launch ABI"). What i
   named by a descriptor that is not a sealed immutable memfd; wrong formats and targets;
   every field of the wrong type, huge, negative, NaN or infinite; huge strings and sources
   over ``ACCEL_KERNEL_SOURCE_MAX`` (and exactly at both limits, which must work);
-* the firmware-level corpus of tests/test_jit_hostile.py (its ``REJECTED`` IR, imported,
+* the firmware-level corpus of tests/unit/test_jit_hostile.py (its ``REJECTED`` IR, imported,
   not copied) and sources the firmware's validator must refuse, each as a module the
   driver accepts or refuses as it can tell;
 * launches whose every field is hostile: handles of unknown, unloaded or another
   context's modules, grids and blocks of 0 or over the limits, dynamic shared memory over
   the limit, argument blocks too long, misaligned, unmapped, wrapping the address space,
   records of the wrong kind, dtype or shape;
-* kernels indexing far out of bounds -- tests/test_jit_hostile.py's ``IDX_MISSES``, the 2-D
+* kernels indexing far out of bounds -- tests/unit/test_jit_hostile.py's ``IDX_MISSES``, the 2-D
   and ``MMA_MISSES`` tile cases, at 2**62, near 2**63, negative, wrapping -- which must fault
   with EFAULT at the address of the miss saturated into the 64-bit space, touching nothing;
 * kernels that never end (one, two when the image's ``watchdog_ms`` is short: each
@@ -74,7 +74,9 @@ from stress.report import Report
 STRESS_COUNT = 2000
 #: most growth of the daemon's or the firmware's RSS over the module churn
 RSS_BOUND = 24 << 20
-TESTS = REPO / "tests"
+TESTS = REPO / "tests"  # rawdev.py, the raw client the attacker uses
+#: the firmware-level corpus (test_jit_hostile.py) and the unit tests it builds on
+UNIT_TESTS = TESTS / "unit"
 #: where to write every case's answer (one JSON line each), for a look by hand
 LOG = os.environ.get("MODULE_CORPUS_LOG")
 U64 = (1 << 64) - 1
@@ -575,8 +577,8 @@ def _args_for(params: Any) -> list:
 def fixed_corpus(caps: set[str], shared_limit: int, watchdog_ms: int) -> Corpus:
     """Every fixed case, for a device with ``caps``, ``shared_limit`` bytes of block-shared
     memory and a watchdog of ``watchdog_ms``."""
-    if str(TESTS) not in sys.path:  # the firmware-level corpus lives with its unit tests
-        sys.path.insert(0, str(TESTS))
+    if str(UNIT_TESTS) not in sys.path:  # the firmware-level corpus lives with its unit tests
+        sys.path.insert(0, str(UNIT_TESTS))
     import test_jit_hostile as hostile
 
     c = Corpus(caps, shared_limit, watchdog_ms)
@@ -683,7 +685,7 @@ def fixed_corpus(caps: set[str], shared_limit: int, watchdog_ms: int) -> Corpus:
         c.add(name, dump(module_of({"k": {**GOOD, "params": params}})),
               {"EINVAL"} if visible == "load" else {"EINVAL", ""}, ok_launch, einval)
 
-    # --- the firmware's corpus (tests/test_jit_hostile.py), each as a module ------------------
+    # --- the firmware's corpus (tests/unit/test_jit_hostile.py), each as a module ------------------
     for name, (ir, types) in hostile.REJECTED.items():
         if name.startswith("types-"):
             continue  # argument types come from the argument block: attacked below

@@ -5,12 +5,21 @@ their own contexts). ``make_daemon`` starts private daemons for tests that break
 misconfigure a device; each is stopped at the test's end, pass or fail. ``run_py`` runs a
 snippet in a fresh interpreter (the runtime's state is per process, as the fork rules
 need) against a given root.
+
+The tests live by layer (README.md, "Tests"): unit/ (no mount), driver/ (raw transactions
+on a mount), runtime/, tools/, contain/. This file's fixtures serve them all; a layer's
+own conftest.py holds only what that layer alone uses. The shared helpers sit next to
+this file (rawdev.py, refusals.py, scenario.py) and every layer imports them by bare
+name: tests/ is put on ``sys.path`` below (pytest's default "prepend" import mode does it
+for this conftest's directory too; saying so keeps it true whatever the mode). Test file
+names are unique across the tree, as that mode needs.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +29,10 @@ import pytest
 from abi.fwimage import IMAGE_NAME
 from firmware.image import IMAGE_DIR
 from stress.harness import Daemon
+
+TESTS_DIR = Path(__file__).resolve().parent
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
 
 
 def _new_daemon(tmp: Path, devices: int, firmware_dir: Path | None, extra: list[str]) -> Daemon:

@@ -2,7 +2,11 @@
 
 It brings what a context needs as the runtime does (``runtime._shm``): the doorbell and
 event pipes and a sealed doorbell page, a sealed ring per queue, sealed memfds for host
-memory and module images.
+memory and module images. ``RawDev`` talks to a mounted device node; ``OfflineDev`` is the
+same client with its transactions run by the driver in this process (no mount).
+
+Every test directory imports it by its bare name (tests/conftest.py puts tests/ on
+``sys.path``); a snippet run in a fresh process puts tests/ on its own path first.
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ import select
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from abi import uapi, userq
 from runtime._shm import sealed_memfd
+
+if TYPE_CHECKING:  # not imported: rawdev also runs in plain client processes
+    from kmod_emul.offline import OfflineDriver
 
 _tags = itertools.count(1000)
 
@@ -36,11 +43,25 @@ def header(cmd: int, tag: int, flags: int = 0) -> bytes:
     return bytes(uapi.accel_cmd_hdr(cmd=cmd, flags=flags, tag=tag))
 
 
+def assert_unharmed(dev: RawDev, bystander: tuple[RawDev, int]) -> None:
+    """After a refusal: the same open file still answers, the device is operational, and a
+    bystander context on it (another open file) keeps completing work."""
+    assert dev.query().state == uapi.DeviceState.OPERATIONAL
+    other, ctx = bystander
+    seqno = other.noop(ctx)
+    assert other.wait_done(ctx, seqno).completed >= seqno
+
+
 class RawDev:
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_RDWR)
+        self._client_state()
+
+    def _client_state(self) -> None:
         self.bell_w = self.event_r = -1
         self.db: userq.SharedWords | None = None
+        #: the pipe ends and pages of earlier ctx_args calls, kept open until close()
+        self._retired: list[int | userq.SharedWords] = []
         self.rings: dict[int, tuple[int, userq.RingView]] = {}  # queue id -> (slot, ring)
 
     def write(self, raw: bytes) -> int:
@@ -63,6 +84,8 @@ class RawDev:
                  minor: int = uapi.ACCEL_ABI_MINOR) -> uapi.accel_ctx_create:
         """A CTX_CREATE struct naming fresh pipes and a doorbell page of this process
         (kept here: the test may wait on the event pipe)."""
+        if self.db is not None:  # an earlier context's (live, or refused): closed at close()
+            self._retired += [self.bell_w, self.event_r, self.db]
         db_fd = sealed_memfd("doorbell-page", userq.ACCEL_DB_PAGE_SIZE)
         bell_r, self.bell_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self.event_r, event_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -164,9 +187,37 @@ class RawDev:
         if self.db is not None:
             self.db.close()
             self.db = None
+        for obj in self._retired:
+            if isinstance(obj, int):
+                os.close(obj)
+            else:
+                obj.close()
+        self._retired.clear()
 
     def __enter__(self) -> RawDev:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class OfflineDev(RawDev):
+    """The same raw client, its transactions run by the driver in this process
+    (``kmod_emul.offline.OfflineDriver``: no daemon, no firmware, no mount), for the
+    driver's unit tests. ``fd`` stays -1: nothing is opened."""
+
+    def __init__(self, driver: OfflineDriver, index: int = 0) -> None:
+        self.fd = -1
+        self._client_state()
+        self.driver = driver
+        self.file = driver.open(index)
+
+    def write(self, raw: bytes) -> int:
+        return self.driver.write(self.file, raw)
+
+    def read(self, size: int, tag: int) -> bytes:
+        return self.driver.read(self.file, size, tag)
+
+    def close(self) -> None:
+        self.driver.release(self.file)
+        super().close()

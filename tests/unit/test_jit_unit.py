@@ -33,7 +33,7 @@ from firmware.jit import (
     compat_key,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def ir_of(src: str, ndims: dict[str, int] | None = None) -> dict[str, Any]:

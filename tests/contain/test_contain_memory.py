@@ -2,7 +2,7 @@
 takes the device down (docs/containment.md, findings 1, 2, 8 and 9).
 
 Each test replays an attack, as another uid where the attack is a tenant's, and then
-checks what every containment test checks (tests/containment.py): the attacker got an
+checks what every containment test checks (stress/harness.py): the attacker got an
 error of the smallest scope, a bystander tenant's data and work are intact, the daemon and
 firmware are the same live processes, and nothing leaked.
 """
@@ -15,7 +15,7 @@ import pytest
 
 from stress.harness import Bystander, as_user, assert_contained, snapshot
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parent.parent  # tests/, where rawdev.py lives
 RAW = f"import sys; sys.path.insert(0, {str(TESTS)!r}); from rawdev import RawDev, errname"
 
 

@@ -543,6 +543,6 @@ def test_constant_index_ending_at_2_63_compiles_and_faults(dtype: str, index: in
 
     out = subprocess.run([sys.executable, "-c", _COMPILE_IN_A_CHILD, dtype, str(index)],
                          capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]  # an LLVM assertion aborts: -6
     assert out.stdout.split() == ["bounds", str(index), "0"]

@@ -19,7 +19,7 @@ from abi import uapi
 from abi.fwimage import IMAGE_NAME
 from firmware.image import IMAGE_DIR
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 #: Changes between two reads on a healthy device; never compared by value.
 VOLATILE = {"heartbeat"}
 

@@ -19,7 +19,7 @@ import pytest
 from abi import uapi
 from stress.harness import Bystander, alive, as_user, assert_contained, snapshot
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parent.parent  # tests/, where rawdev.py lives
 PRELUDE = ("import os, sys, time, errno, threading, numpy as np, runtime\n"
            "from abi import kernel_lang, uapi, userq\n"
            f"sys.path.insert(0, {str(TESTS)!r})\nfrom rawdev import RawDev, errname\n")

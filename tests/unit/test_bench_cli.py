@@ -44,3 +44,12 @@ def test_compare_refuses_what_is_not_a_commit_before_making_a_worktree():
     assert out.stderr.strip() == "bench.compare: 'no-such-commit' is not a commit"
     assert subprocess.run(["git", "worktree", "list"], capture_output=True, text=True,
                           cwd=REPO, check=True).stdout == before
+def test_profile_driver_in_process_times_every_piece():
+    """``python -m bench.profile_driver`` builds its device with kmod_emul.offline, as the
+    driver's unit tests do: when the device's construction changes, this fails here (it
+    once went stale unnoticed: a constructor argument was added)."""
+    from bench import profile_driver
+
+    rows = profile_driver.in_process(number=3, repeat=1)
+    assert len(rows) == 11 and rows[0][0].startswith("drv.execute + drv.take_reply")
+    assert all(us > 0 for _, us in rows), rows

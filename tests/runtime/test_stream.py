@@ -1,5 +1,6 @@
-"""Command submission: user-mode queues, stream order, events, async errors, graphs,
-priorities and host waits, including the races that must not happen.
+"""Streams: user-mode queues, order within a stream, overlap on the copy engines, async
+errors, priorities, host waits and synchronize, including the races that must not happen
+(events: test_event.py; graphs: test_graph.py).
 
 ``sched_hold`` (debugfs) stops the firmware taking packets, so tests can queue work on
 several streams first and then watch the order it runs in, without relying on timing.
@@ -8,32 +9,14 @@ several streams first and then watch the order it runs in, without relying on ti
 from __future__ import annotations
 
 import signal
-import textwrap
 import time
 
-PRELUDE = """
-import os, sys, time, numpy as np, runtime
-from abi import userq
-ROOT = os.environ["ACCEL_EMU_ROOT"]
-def pkt(op, *a):
-    return userq.accel_packet(opcode=op, a=(*a, *(0,) * (7 - len(a))))
-def hold(on, dev=0):
-    open(f"{ROOT}/sys/kernel/debug/accel/accel{dev}/sched_hold", "w").write("1" if on else "0")
-def stat(name, dev=0, at_least=0):
-    # the firmware publishes its counters when it idles: poll briefly for them to settle
-    deadline = time.monotonic() + 2
-    while True:
-        v = int(open(f"{ROOT}/sys/class/accel/accel{dev}/{name}").read())
-        if v >= at_least or time.monotonic() > deadline:
-            return v
-        time.sleep(0.01)
-"""
+from scenario import STREAM_PRELUDE as PRELUDE
+from scenario import run_scenario
 
 
 def run(d, body: str, timeout: float = 120, **env) -> list[str]:
-    out = d.run_py(PRELUDE + textwrap.dedent(body), timeout=timeout, **env)
-    assert out.returncode == 0, out.stderr + out.stdout
-    return out.stdout.split("\n")[:-1]
+    return run_scenario(d, PRELUDE, body, timeout=timeout, **env)
 
 
 def test_submission_takes_no_system_call_while_the_firmware_is_awake(daemon):
@@ -78,48 +61,6 @@ def test_streams_overlap_on_separate_copy_engines(make_daemon):
         print(stat("copy_engines_busy_peak", at_least=2))
     """)
     assert lines == ["2"]  # both engines ran at once: the streams' copies overlapped
-
-
-def test_event_joins_streams_and_elapsed_time(daemon):
-    lines = run(daemon, """
-        s1, s2 = runtime.Stream(), runtime.Stream()
-        a, b = runtime.empty(8 << 20, np.uint8), runtime.empty(8 << 20, np.uint8)
-        hold(True)
-        start, end = runtime.Event(enable_timing=True), runtime.Event(enable_timing=True)
-        start.record(s1)
-        a.memset(5, stream=s1)
-        end.record(s1)
-        s2.wait_event(end)                 # device-side: s2's copy waits for s1's memset
-        b.copy_(a, stream=s2)
-        print(end.query(), s2.query())     # nothing ran yet: the scheduler is held
-        hold(False)
-        s2.synchronize()
-        print(np.all(b.copy_to_host() == 5), end.query(), start.elapsed_time(end) > 0)
-        never = runtime.Event()
-        s2.wait_event(never)               # never recorded: a no-op, as in torch
-        never.synchronize(); print(never.query())
-    """)
-    assert lines == ["False False", "True True True", "True"]
-
-
-def test_event_across_devices_waits_on_the_device(daemon):
-    lines = run(daemon, """
-        runtime.enable_peer_access(0, device=1)
-        s0, s1 = runtime.Stream(0), runtime.Stream(1)
-        a = runtime.empty(4 << 20, np.uint8, device=0)
-        b = runtime.empty(4 << 20, np.uint8, device=1)
-        hold(True, dev=0)
-        a.memset(9, stream=s0)
-        ev = s0.record_event()
-        s1.wait_event(ev)                  # accel1's queue waits for accel0's fence
-        b.copy_(a, stream=s1)              # a peer copy, after the memset
-        time.sleep(0.05)
-        print(s1.query())
-        hold(False, dev=0)
-        s1.synchronize()
-        print(np.all(b.copy_to_host() == 9))
-    """)
-    assert lines == ["False", "True"]
 
 
 def test_async_error_surfaces_at_sync_and_spares_other_streams(daemon):
@@ -268,37 +209,73 @@ except KeyboardInterrupt:
         d.debug(0, "sched_hold").write_text("0")
 
 
-def test_graph_capture_replay_and_refusals(daemon):
-    lines = run(daemon, """
-        s = runtime.Stream()
-        x = np.arange(1 << 18, dtype=np.float32)
-        a = runtime.to_device(x); b = runtime.empty(x.shape, np.float32)
-        g = runtime.Graph()
-        with runtime.graph(g, s):
-            t = runtime.empty(x.shape, np.float32)   # from the graph's pool
-            t.copy_(a, stream=s)
-            b.memset(0, stream=s)
-            b.copy_(t, stream=s)
-            for what, bad in (("sync", s.synchronize), ("query", s.query),
-                              ("host read", lambda: b.copy_to_host(stream=s)),
-                              ("pinned", lambda: runtime.pinned_empty(8)),
-                              ("event", lambda: s.record_event())):
-                try:
-                    bad(); print(what, "allowed")
-                except runtime.InvalidValueError:
-                    print(what, "refused")
-        print(len(g))
-        runtime.current_stream().synchronize()
-        for _ in range(50):                          # identical results, many replays
-            b.memset(9, stream=s)
-            g.replay()
-        s.synchronize()
-        print(np.array_equal(b.copy_to_host(stream=s), x))
-        del a
+def test_fence_timeout_on_hung_device(make_daemon):
+    d = make_daemon(extra=["--heartbeat-timeout", "60"])
+    out = d.run_py(f"""
+        import time, runtime
+        ctx = runtime.new_context(0)
+        open("{d.debug(0, 'fw_hang')}", "w").write("1")
+        f = ctx.submit_noop()
+        assert not f.query()
+        t = time.monotonic()
         try:
-            g.replay()
-        except runtime.InvalidValueError as e:
-            print("replay after free refused")
+            f.wait(timeout=0.35)
+        except runtime.AccelTimeoutError as exc:
+            print(type(exc).__mro__[1].__name__, isinstance(exc, TimeoutError), exc.errno,
+                  round(time.monotonic() - t, 1) >= 0.3)
     """)
-    assert lines == ["sync refused", "query refused", "host read refused", "pinned refused",
-                     "event refused", "3", "True", "replay after free refused"]
+    assert out.stdout.split() == ["AccelError", "True", "62", "True"], out.stderr
+
+
+def test_synchronize_waits_for_every_stream_and_raises_the_first_fault(daemon):
+    """Like torch.cuda.synchronize: every stream of the process on the device has finished
+    what was queued before the call, and a pending fault is raised with its record."""
+    out = daemon.run_py("""
+        import numpy as np, runtime
+        from abi import userq
+        streams = [runtime.Stream(0) for _ in range(2)]
+        bufs = [runtime.empty(96 << 20, np.uint8) for _ in streams]
+        for s, b in zip(streams, bufs):
+            for _ in range(4):
+                b.memset(7, stream=s)
+        runtime.synchronize(0)
+        print(all(s.query() for s in streams), int(bufs[1].copy_to_host()[-1]))
+        streams[1].submit([userq.accel_packet(opcode=userq.Op.MEMSET, a=(0x10, 64, 0, 0, 0, 0, 0))])
+        for _ in range(2):  # sticky, as CUDA's: the stream keeps its fault
+            try:
+                runtime.synchronize(0)
+                print("no fault")
+            except runtime.DeviceFaultError as exc:
+                print(exc.record["errno"], exc.record["queue"] == streams[1].queue_id)
+        try:
+            runtime.synchronize(1, timeout=10)  # the other device has nothing of it
+            print("device 1 clean")
+        except runtime.AccelError as exc:
+            print(repr(exc))
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:-1] == ["True 7", "EFAULT True", "EFAULT True",
+                                            "device 1 clean"]
+
+
+def test_synchronize_honours_its_timeout(daemon):
+    out = daemon.run_py("""
+        import os, time, numpy as np, runtime
+        hold = os.environ["ACCEL_EMU_ROOT"] + "/sys/kernel/debug/accel/accel0/sched_hold"
+        s = runtime.Stream(0)
+        open(hold, "w").write("1")
+        try:
+            s.submit_nop()
+            t0 = time.monotonic()
+            try:
+                runtime.synchronize(0, timeout=0.3)
+                print("returned")
+            except runtime.AccelTimeoutError as exc:
+                print("timeout", round(time.monotonic() - t0, 1) >= 0.3, exc.errno == 62)
+        finally:
+            open(hold, "w").write("0")
+        runtime.synchronize(0, timeout=10)
+        print(s.query())
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["timeout True True", "True"]

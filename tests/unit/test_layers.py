@@ -92,3 +92,17 @@ def test_the_checks_see_a_violation(tmp_path):
                      "HDR = struct.Struct('<I')\n")
     assert _imports(probe) & FORBIDDEN["kmod_emul"] == {"firmware"}
     assert _layouts(probe) == ["x", "HDR"]
+
+
+@pytest.mark.timeout(60)
+def test_every_directory_of_tests_is_run():
+    """pyproject.toml lists the test directories layer by layer (the order they run in): a
+    new directory of tests that it does not list would silently never run."""
+    import tomllib
+
+    testpaths = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"][
+        "ini_options"]["testpaths"]
+    dirs = {p.parent.relative_to(REPO) for p in (REPO / "tests").rglob("test_*.py")}
+    unlisted = sorted(str(d) for d in dirs
+                      if not any(d == Path(t) or Path(t) in d.parents for t in testpaths))
+    assert unlisted == [], "add them to testpaths in pyproject.toml"

@@ -13,7 +13,7 @@ import pytest
 
 from stress.harness import Bystander, assert_contained, snapshot
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parent.parent  # tests/, where rawdev.py lives
 PRELUDE = f"""
 import errno, json, os, sys, time
 sys.path.insert(0, {str(TESTS)!r})

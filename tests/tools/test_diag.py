@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LEVEL1 = ["driver", "enumeration", "device_state", "runtime_properties", "noop",
           "memory_roundtrip", "stream_order"]
 LEVEL2 = LEVEL1 + ["noop_stream", "multi_context", "copy_bandwidth", "events", "graph_replay",

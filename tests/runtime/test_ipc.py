@@ -1,0 +1,91 @@
+"""IPC of device memory between processes: an import outlives its exporter, and a wrong
+token, a foreign export or another context's handle is refused."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from scenario import IDLE
+from scenario import MEMORY_PRELUDE as PRELUDE
+from scenario import run_scenario
+
+
+def run(d, body: str, **env) -> list[str]:
+    return run_scenario(d, PRELUDE, body, **env)
+
+
+IPC_EXPORTER = """
+import pickle, sys, numpy as np, runtime
+x = np.arange(1 << 16, dtype=np.int32)
+a = runtime.to_device(x)
+runtime.synchronize()
+sys.stdout.buffer.write(pickle.dumps(a.ipc_handle()).hex().encode() + b"\\n")
+sys.stdout.flush()
+cmd = sys.stdin.readline().strip()
+if cmd == "free":
+    del a
+    runtime.empty_cache()
+    print("freed", flush=True)
+    sys.stdin.readline()
+"""
+
+
+IPC_IMPORTER = """
+import pickle, sys, numpy as np, runtime
+h = pickle.loads(bytes.fromhex(sys.argv[1]))
+b = runtime.open_ipc_handle(h)
+print(np.array_equal(b.copy_to_host(), np.arange(1 << 16, dtype=np.int32)), flush=True)
+sys.stdin.readline()
+print(np.array_equal(b.copy_to_host(), np.arange(1 << 16, dtype=np.int32)), flush=True)
+"""
+
+
+@pytest.mark.parametrize("exporter_fate", ["frees", "dies"])
+def test_ipc_lifetime_outlives_the_exporter(daemon, exporter_fate):
+    daemon.wait_attrs(0, IDLE)
+    exp = daemon.popen_py(IPC_EXPORTER)
+    imp = None
+    try:
+        handle = exp.stdout.readline().strip()
+        imp = daemon.popen_py(IPC_IMPORTER, handle)
+        assert imp.stdout.readline().strip() == "True"
+        if exporter_fate == "frees":
+            exp.stdin.write("free\n")
+            exp.stdin.flush()
+            assert exp.stdout.readline().strip() == "freed"
+        else:
+            exp.send_signal(signal.SIGKILL)
+            exp.wait()
+        imp.stdin.write("\n")
+        imp.stdin.flush()
+        assert imp.stdout.readline().strip() == "True"  # still readable after the exporter
+        imp.stdin.close()
+        assert imp.wait(timeout=30) == 0
+    finally:
+        for p in (exp, imp):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    daemon.wait_attrs(0, IDLE)  # the last holder gone: bytes released
+
+
+def test_foreign_handles_and_tokens_are_refused(daemon):
+    lines = run(daemon, """
+        import dataclasses
+        a = runtime.to_device(np.zeros(16, np.uint8))
+        h = a.ipc_handle()
+        for bad in (dataclasses.replace(h, token=h.token ^ 1), dataclasses.replace(h, export_handle=1)):
+            try:
+                runtime.open_ipc_handle(bad)
+            except runtime.InvalidValueError as e:
+                print(e.errno)
+        other = runtime.new_context(0)
+        try:
+            other.channel.call(uapi.ACCEL_CMD_MEM_FREE, uapi.accel_mem_free(ctx_id=other.id, handle=1))
+        except runtime.InvalidValueError as e:
+            print(e.errno)
+        print(np.count_nonzero(a.copy_to_host()) == 0)
+    """)
+    assert lines == ["2", "2", "2", "True"]

@@ -1,0 +1,50 @@
+"""Runtime scenarios, each run in a fresh process against a daemon (the runtime's state is
+per process, as the fork rules need), shared by the files of tests/runtime/: the preludes
+they start with and the runner that checks the exit status and returns the printed lines.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from stress.harness import Daemon
+
+#: Memory scenarios (test_memory.py, test_ipc.py): numpy, the runtime, the uAPI, packets.
+MEMORY_PRELUDE = """
+import os, sys, json, numpy as np, runtime
+from abi import uapi, userq
+def pkt(op, *a):
+    return userq.accel_packet(opcode=op, a=(*a, *(0,) * (7 - len(a))))
+"""
+
+#: Submission scenarios (test_stream.py, test_event.py, test_graph.py): also ``hold``
+#: (debugfs ``sched_hold``: the firmware takes no packets while set) and the firmware's
+#: counters (``stat``).
+STREAM_PRELUDE = """
+import os, sys, time, numpy as np, runtime
+from abi import userq
+ROOT = os.environ["ACCEL_EMU_ROOT"]
+def pkt(op, *a):
+    return userq.accel_packet(opcode=op, a=(*a, *(0,) * (7 - len(a))))
+def hold(on, dev=0):
+    open(f"{ROOT}/sys/kernel/debug/accel/accel{dev}/sched_hold", "w").write("1" if on else "0")
+def stat(name, dev=0, at_least=0):
+    # the firmware publishes its counters when it idles: poll briefly for them to settle
+    deadline = time.monotonic() + 2
+    while True:
+        v = int(open(f"{ROOT}/sys/class/accel/accel{dev}/{name}").read())
+        if v >= at_least or time.monotonic() > deadline:
+            return v
+        time.sleep(0.01)
+"""
+
+#: What device 0 of the shared daemon shows when no process holds anything on it.
+IDLE = {"memory_used": "0", "contexts": "0", "processes": "pid device_bytes"}
+
+
+def run_scenario(d: Daemon, prelude: str, body: str, **kw) -> list[str]:
+    """Run ``prelude`` + the dedented ``body`` (``timeout`` and environment variables as
+    for ``Daemon.run_py``); it must exit 0. Its stdout lines."""
+    out = d.run_py(prelude + textwrap.dedent(body), **kw)
+    assert out.returncode == 0, out.stderr + out.stdout
+    return out.stdout.split("\n")[:-1]
