@@ -270,10 +270,23 @@ class CachingAllocator:
         self._events: dict[StreamLike, deque[tuple[EventLike, Block]]] = {}
         self._pending = 0                            # blocks waiting for events
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
+        #: set by :meth:`close`: the context under the backend is gone, and its memory
+        self.closed = False
 
     @property
     def device(self) -> int:
         return self._backend.device
+
+    def close(self) -> None:
+        """The device this allocator serves is being rebuilt (``runtime.devices.drop``):
+        its context's destruction frees every segment in the driver, so nothing is given
+        back from here; blocks still held are forgotten when freed, and any further
+        ``malloc`` is refused."""
+        with self._lock:
+            self.closed = True
+            self._freed.clear()
+            self._events.clear()
+            self._pending = 0
 
     # -- the public operations ---------------------------------------------------------------
 
@@ -283,6 +296,9 @@ class CachingAllocator:
             if size == 0:
                 return Block(0, 0, stream, None, None, None, _NULL)
             raise InvalidValueError(f"cannot allocate {size} bytes")
+        if self.closed:
+            raise InvalidValueError(f"the allocator of device {self.device} is closed "
+                                    "(the device was dropped to be rebuilt)")
         rounded = (size + MIN_BLOCK_SIZE - 1) & -MIN_BLOCK_SIZE
         pool = self._small if rounded <= SMALL_SIZE else self._large
         lock = self._lock
@@ -312,6 +328,9 @@ class CachingAllocator:
             if block.state == _NULL:
                 return
             raise InvalidValueError(f"{block!r} is not allocated (freed twice?)")
+        if self.closed:  # its memory went with the context
+            block.state = _FREED
+            return
         if block.stream_uses:
             block.events = [(s, s.record_event()) for s in block.stream_uses]
             block.stream_uses = None

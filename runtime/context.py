@@ -257,6 +257,8 @@ class Context:
     def close(self) -> None:
         """Destroy the context (closing the fd does it too, even if the process dies)."""
         Context.live.discard(self)
+        for stream in list(self.streams):
+            stream.context_closed()
         if os.getpid() == self.channel.pid:
             if self._bell >= 0:
                 os.close(self._bell)

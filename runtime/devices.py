@@ -57,8 +57,36 @@ class Device:
                     got = self._parts[key] = make()
         return got
 
+    def close(self) -> None:
+        """Give up everything this process holds on the device, to build it again.
+
+        Destroying the primary context makes the driver release what every part held
+        (memory, queues, modules, pinned buffers). Parts with a ``close`` (the default
+        stream, the caching allocator) are closed first, so that what a user kept from
+        before -- arrays, streams, modules -- raises :class:`InvalidValueError` when used
+        instead of reaching the new context, and is freed silently. Reset and fault
+        recovery rebuild a device this way (:func:`drop`)."""
+        with self._lock:
+            parts, self._parts = list(self._parts.values()), {}
+            for part in reversed(parts):  # made later, so possibly built on an earlier one
+                close = getattr(part, "close", None)
+                if close is not None:
+                    close()
+            self.context.close()
+
 
 _devices: dict[int, Device] = {}
+
+
+def drop(index: int) -> None:
+    """Close this process's :class:`Device` for visible device ``index`` (if it has one);
+    the next use of the device makes a new one, with a new primary context."""
+    with _lock:
+        dev = _devices.pop(index, None)
+    if dev is not None:
+        dev.close()
+
+
 class _ThreadState(threading.local):
     device = 0  # a class default: reading it costs no AttributeError on the hot path
 

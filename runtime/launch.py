@@ -100,6 +100,8 @@ class Kernel:
         if p["kind"] == "buffer":
             if isinstance(value, DeviceArray):
                 va, dtype, shape = value.va, value.dtype, value.shape
+                if value._allocator.closed:
+                    raise value.dropped()
                 if value.device != self.module.device:
                     raise errors.InvalidValueError(
                         f"{self.name}: argument {p['name']} lives on accel:{value.device}, the "

@@ -207,7 +207,18 @@ class DeviceArray:
         """Mark that ``stream`` uses this memory: its reuse then waits for that work too."""
         self._allocator.record_stream(self._block, stream)
 
+    def dropped(self) -> errors.InvalidValueError | None:
+        """The error for using this array after its device was dropped and rebuilt
+        (``runtime.devices.drop``: its memory went with the old context), else None."""
+        if not self._allocator.closed:
+            return None
+        return errors.InvalidValueError(
+            f"{self!r} was allocated before accel:{self.device} was rebuilt; its memory is "
+            "gone, allocate it again")
+
     def copy_from_host(self, host: np.ndarray, stream: Stream | None = None) -> DeviceArray:
+        if self._allocator.closed:
+            raise self.dropped()
         host = np.asanyarray(host)  # keeps a HostArray a HostArray (asarray would not)
         self._host_check(host, "copy_from_host")
         s = stream or current_stream(self.device)
@@ -220,6 +231,8 @@ class DeviceArray:
         return self
 
     def copy_to_host(self, out: np.ndarray | None = None, stream: Stream | None = None) -> np.ndarray:
+        if self._allocator.closed:
+            raise self.dropped()
         out = np.empty(self.shape, self.dtype) if out is None else out
         self._host_check(out, "copy_to_host")
         s = stream or current_stream(self.device)
@@ -236,6 +249,8 @@ class DeviceArray:
 
     def copy_(self, src: DeviceArray, stream: Stream | None = None) -> DeviceArray:
         """Device-to-device copy (a peer copy when ``src`` lives on another device)."""
+        if self._allocator.closed or src._allocator.closed:
+            raise (self.dropped() or src.dropped())
         if src.nbytes != self.nbytes:
             raise errors.InvalidValueError(f"copy_: {src.nbytes} bytes into {self.nbytes}")
         s = stream or current_stream(self.device)
@@ -244,6 +259,8 @@ class DeviceArray:
 
     def memset(self, value: int, stream: Stream | None = None) -> DeviceArray:
         """Set every byte to ``value`` (0..255)."""
+        if self._allocator.closed:
+            raise self.dropped()
         if not 0 <= value <= 0xFF:
             raise errors.InvalidValueError(f"memset value {value} is not a byte")
         (stream or current_stream(self.device)).submit(
@@ -290,7 +307,8 @@ class ImportedArray(DeviceArray):
             raise errors.InvalidValueError("IPC handle describes bytes past its allocation")
         self._import_handle = reply.handle
         self.va = reply.va + handle.offset
-        self._block = None
+        self._block = None  # not the allocator's to free; it is there for dropped()
+        self._allocator = _allocator(self.device)
 
     def __del__(self) -> None:
         ctx = getattr(self, "ctx", None)

@@ -260,6 +260,11 @@ class Stream:
         if hasattr(self, "queue_id"):
             self.close()
 
+    def context_closed(self) -> None:
+        """Its context is being destroyed, which destroys the queue in the driver: refuse
+        further work (writing to the ring would queue work that never runs)."""
+        self._closed = True
+
     def close(self) -> None:
         """Give the queue back; work already queued still runs to completion (and its
         events stay waitable: the ring is this process's memory)."""

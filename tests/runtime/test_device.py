@@ -209,3 +209,63 @@ def test_torch_habits_are_refused_loudly(daemon):
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["TypeError"] * 3 + [
         "asarray True", "(0, -1) -1"] + ["refused True"] * 4 + ["compile True 2"]
+
+
+def test_a_dropped_device_is_rebuilt_and_what_came_before_refuses_cleanly(daemon):
+    """runtime.devices.drop(i) gives up the process's whole hold on a device (primary
+    context, allocator, streams, modules): the next call builds a new one that works, the
+    driver has released everything the old one held, and what was kept from before raises
+    InvalidValueError instead of reaching the new context (a copy from an old address would
+    fault the new default stream)."""
+    out = daemon.run_py("""
+        import gc, time, numpy as np, runtime
+        from runtime import devices, discovery
+        from runtime.kernel_lib import SOURCE
+        def used():
+            return int(discovery.read_attr("accel1", "memory_used"))
+        before = used()
+        old_lib = runtime.compile(SOURCE, 1)
+        x = runtime.to_device(np.arange(1 << 20, dtype=np.float32), device=1)
+        s = runtime.Stream(1)
+        old = devices.get(1)
+        devices.drop(1)
+        devices.drop(1)  # nothing left to drop: a no-op
+        deadline = time.monotonic() + 30  # the firmware confirms the teardown, then it is freed
+        while used() != before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("freed", used() == before)
+        new = devices.get(1)
+        print("rebuilt", new is not old, new.context.id != old.context.id)
+        lib = runtime.compile(SOURCE, 1)
+        y = runtime.to_device(np.zeros(256, np.float32), device=1)
+        lib.fill[1, 256](y, np.float32(3), stream=runtime.current_stream(1))
+        print("works", float(y.copy_to_host().sum()))
+        for what, fn in [("copy", lambda: x.copy_to_host()), ("memset", lambda: x.memset(0)),
+                         ("device copy", lambda: y.copy_(x)),
+                         ("launch", lambda: lib.fill[1, 256](x, np.float32(1))),
+                         ("old module", lambda: old_lib.fill[1, 256](y, np.float32(1))),
+                         ("old stream", lambda: lib.fill[1, 256](y, np.float32(1), stream=s))]:
+            try:
+                fn()
+                print(what, "ran")
+            except runtime.InvalidValueError as exc:
+                print(what, "refused:", exc)
+        runtime.synchronize(1)  # nothing from before reached the new streams
+        print("synchronized", float(y.copy_to_host().sum()))
+        del x, s, old_lib, old; gc.collect()
+        print("freed silently")
+    """)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:3] == ["freed True", "rebuilt True True", "works 768.0"], lines
+    gone = ("DeviceArray(shape=(1048576,), dtype=float32, device=accel:1) was allocated "
+            "before accel:1 was rebuilt; its memory is gone, allocate it again")
+    closed = "context on accel1 is closed"
+    assert lines[3:8] == [f"copy refused: {gone}", f"memset refused: {gone}",
+                          f"device copy refused: {gone}", f"launch refused: {gone}",
+                          f"old module refused: {closed}"]
+    assert re.fullmatch(r"old stream refused: <Stream queue \d+ on accel:1 priority 0> is closed",
+                        lines[8]), lines[8]
+    assert lines[9] == "synchronized 768.0"
+    assert lines[10] == "freed silently"
+    assert "Exception ignored" not in out.stderr, out.stderr
