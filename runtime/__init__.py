@@ -16,6 +16,7 @@ from runtime.devices import (
     is_initialized,
     new_context,
     primary_context,
+    recover,
     set_device,
     synchronize,
 )
@@ -74,7 +75,7 @@ __all__ = [
     "graph", "init", "is_available", "is_initialized", "kernel", "managed_empty",
     "max_memory_allocated", "max_memory_reserved", "mem_get_info", "memory_allocated",
     "memory_reserved", "memory_stats", "new_context", "open_ipc_handle", "pinned_empty",
-    "primary_context", "reset_peak_memory_stats", "set_device", "set_stream", "stream",
+    "primary_context", "recover", "reset_peak_memory_stats", "set_device", "set_stream", "stream",
     "synchronize", "to_device",
 ]
 

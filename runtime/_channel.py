@@ -9,10 +9,12 @@ submitting through a file the parent owns.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import errno
 import itertools
 import os
+from collections.abc import Callable
 from typing import Any
 
 from abi import uapi
@@ -62,6 +64,10 @@ class Channel:
     def __init__(self, physical: str) -> None:
         self.physical = physical
         self.pid = os.getpid()
+        #: the first DeviceLostError this channel's context met: lost is for good
+        self.lost: errors.DeviceLostError | None = None
+        #: called once, with that error (the runtime's Device closes what it built on it)
+        self.on_lost: Callable[[errors.DeviceLostError], None] | None = None
         path = discovery.root() / uapi.DEV_DIR / physical
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -72,7 +78,7 @@ class Channel:
         if os.getpid() != self.pid:
             raise errors.UseAfterForkError(fork_message(self.pid))
         if self.fd < 0:
-            raise errors.InvalidValueError(f"context on {self.physical} is closed")
+            raise self.closed_error()
         tag = next(_tags)
         try:
             os.pwrite(self.fd, uapi.CMD_HDR.pack(cmd.code, 0, tag) + bytes(arg), 0)
@@ -81,6 +87,13 @@ class Channel:
             return cmd.struct.from_buffer_copy(os.pread(self.fd, ctypes.sizeof(cmd.struct), tag))
         except OSError as exc:
             raise self.error(cmd, exc.errno) from None
+
+    def closed_error(self) -> errors.AccelError:
+        """What using this channel after its close raises: the loss that closed it, if one
+        did (so that a handle kept from before names the fault), else a plain refusal."""
+        if self.lost is not None:
+            return copy.copy(self.lost).with_traceback(None)
+        return errors.InvalidValueError(f"context on {self.physical} is closed")
 
     def error(self, cmd: uapi.Command, err: int, cause: str | None = None) -> errors.AccelError:
         """The exception for ``err`` answering ``cmd``; for ENODEV it names why the
@@ -95,9 +108,16 @@ class Channel:
             except OSError:
                 state, failure = "unknown", ""
             cause = cause or failure or ("it was reset" if state != "failed" else "it failed")
-            return errors.from_errno(
+            exc = errors.from_errno(
                 err, f"{where}: context lost because {cause} (device now {state}); "
-                     "create a new context once the device is operational")
+                     "create a new context, or runtime.recover() for the primary one, once "
+                     "the device is operational")
+            assert isinstance(exc, errors.DeviceLostError)
+            if self.lost is None:
+                self.lost = exc
+                if self.on_lost is not None:
+                    self.on_lost(exc)
+            return exc
         if err == errno.EIO:  # at open it means a boot failure; on a command, a driver bug
             return errors.AccelError(f"{where}: the driver failed internally (see the daemon's "
                                      "log) [EIO]", err)

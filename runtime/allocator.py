@@ -39,6 +39,7 @@ without deadlocking or seeing the state mid-update. (A finalizer must not ``mall
 
 from __future__ import annotations
 
+import copy
 import threading
 from bisect import bisect_left
 from collections import OrderedDict, deque
@@ -270,23 +271,26 @@ class CachingAllocator:
         self._events: dict[StreamLike, deque[tuple[EventLike, Block]]] = {}
         self._pending = 0                            # blocks waiting for events
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
-        #: set by :meth:`close`: the context under the backend is gone, and its memory
-        self.closed = False
+        #: set by :meth:`close`: why the context under the backend, and its memory, are gone
+        #: (None while they are not)
+        self.closed: Exception | None = None
 
     @property
     def device(self) -> int:
         return self._backend.device
 
-    def close(self) -> None:
-        """The device this allocator serves is being rebuilt (``runtime.devices.drop``):
-        its context's destruction frees every segment in the driver, so nothing is given
-        back from here; blocks still held are forgotten when freed, and any further
-        ``malloc`` is refused."""
-        with self._lock:
-            self.closed = True
-            self._freed.clear()
-            self._events.clear()
-            self._pending = 0
+    def close(self, cause: Exception | None = None) -> None:
+        """The context this allocator's memory belongs to is gone -- lost (``cause``, a
+        DeviceLostError) or dropped to rebuild the device: the driver has freed every
+        segment, so nothing is given back from here; blocks still held are forgotten when
+        freed, and any further ``malloc`` is refused.
+
+        Takes no lock: the loss is noticed inside a driver call, which may be this
+        allocator's own (``malloc`` holds its lock around MEM_ALLOC); one store publishes
+        it, and the pools are left as they are: nothing reads them again."""
+        self.closed = cause or InvalidValueError(
+            f"the allocator of device {self.device} is closed (the device was dropped to be "
+            "rebuilt)")
 
     # -- the public operations ---------------------------------------------------------------
 
@@ -296,9 +300,8 @@ class CachingAllocator:
             if size == 0:
                 return Block(0, 0, stream, None, None, None, _NULL)
             raise InvalidValueError(f"cannot allocate {size} bytes")
-        if self.closed:
-            raise InvalidValueError(f"the allocator of device {self.device} is closed "
-                                    "(the device was dropped to be rebuilt)")
+        if self.closed is not None:
+            raise copy.copy(self.closed).with_traceback(None)
         rounded = (size + MIN_BLOCK_SIZE - 1) & -MIN_BLOCK_SIZE
         pool = self._small if rounded <= SMALL_SIZE else self._large
         lock = self._lock
@@ -328,7 +331,7 @@ class CachingAllocator:
             if block.state == _NULL:
                 return
             raise InvalidValueError(f"{block!r} is not allocated (freed twice?)")
-        if self.closed:  # its memory went with the context
+        if self.closed is not None:  # its memory went with the context
             block.state = _FREED
             return
         if block.stream_uses:

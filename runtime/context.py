@@ -200,8 +200,10 @@ class Context:
         except BlockingIOError:
             pass  # the pipe is full of unread rings: the firmware is being woken already
         except BrokenPipeError:
-            raise self.lost_error(f"{self!r}", "the device is gone (nothing reads its "
-                                               "doorbell)") from None
+            # reset or failed (the driver marked the page lost: it says why), else gone
+            cause = None if self.db.get(userq.DB_LOST) else "the device is gone (nothing " \
+                                                            "reads its doorbell)"
+            raise self.lost_error(f"{self!r}", cause) from None
 
     def query_device(self) -> uapi.accel_device_info:
         return self.channel.call(uapi.ACCEL_CMD_DEVICE_QUERY, uapi.accel_device_info())
@@ -228,7 +230,11 @@ class Context:
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait for everything queued on this context so far, on every stream (like
         ``torch.cuda.synchronize`` for one context); raise the first fault found, or
-        AccelTimeoutError once ``timeout`` passes."""
+        AccelTimeoutError once ``timeout`` passes. A lost context raises its loss, as
+        ``cudaDeviceSynchronize`` returns a sticky error, even with nothing queued."""
+        if self.channel.fd < 0:
+            raise self.channel.closed_error()
+        self.check_live(f"{self!r}: synchronize")
         deadline = None if timeout is None else time.monotonic() + timeout
         first: errors.DeviceFaultError | None = None
         for s in list(self.streams):

@@ -24,6 +24,7 @@ from typing import Any, TypeVar, Union
 from abi import uapi
 from runtime import discovery, errors
 from runtime._channel import fork_message
+from runtime.allocator import CachingAllocator
 from runtime.context import Context
 
 _lock = threading.RLock()
@@ -43,6 +44,9 @@ class Device:
         self.context = Context(physical)
         self._parts: dict[Any, Any] = {}
         self._lock = threading.RLock()  # making a part may need another (allocator: backend)
+        #: why the primary context was lost (a reset, a device failure); None while it lives
+        self.lost: errors.DeviceLostError | None = None
+        self.context.channel.on_lost = self._context_lost
 
     def __repr__(self) -> str:
         return f"<Device accel:{self.index} ({self.physical})>"
@@ -57,6 +61,22 @@ class Device:
                     got = self._parts[key] = make()
         return got
 
+    def _context_lost(self, exc: errors.DeviceLostError) -> None:
+        """The driver lost the primary context: everything built on it is gone with it.
+        The Device stays in place, so that every later use raises (the driver refuses the
+        lost context, the closed parts name ``exc``) until :func:`recover`."""
+        self.lost = exc
+        self._close_parts(exc)
+
+    def _close_parts(self, cause: errors.AccelError | None) -> None:
+        with self._lock:
+            parts, self._parts = list(self._parts.values()), {}
+        for part in reversed(parts):  # made later, so possibly built on an earlier one
+            if isinstance(part, CachingAllocator):
+                part.close(cause)  # what its arrays will say when used
+            elif (close := getattr(part, "close", None)) is not None:
+                close()
+
     def close(self) -> None:
         """Give up everything this process holds on the device, to build it again.
 
@@ -66,13 +86,8 @@ class Device:
         before -- arrays, streams, modules -- raises :class:`InvalidValueError` when used
         instead of reaching the new context, and is freed silently. Reset and fault
         recovery rebuild a device this way (:func:`drop`)."""
-        with self._lock:
-            parts, self._parts = list(self._parts.values()), {}
-            for part in reversed(parts):  # made later, so possibly built on an earlier one
-                close = getattr(part, "close", None)
-                if close is not None:
-                    close()
-            self.context.close()
+        self._close_parts(self.lost)
+        self.context.close()
 
 
 _devices: dict[int, Device] = {}
@@ -85,6 +100,18 @@ def drop(index: int) -> None:
         dev = _devices.pop(index, None)
     if dev is not None:
         dev.close()
+
+
+def recover(device: DeviceLike = None) -> None:
+    """Rebuild this process's hold on a device after its primary context was lost (a
+    reset, a device failure): drop the lost state whole and make a new primary context.
+    Arrays, streams and modules from before keep failing with the error that names the
+    loss. Raises as creating a context does when the device is not operational yet
+    (``DeviceInResetError``, ``DeviceLostError`` for a failed device). CUDA and torch need a
+    new process for this."""
+    idx = _index(device)
+    drop(idx)
+    get(idx)
 
 
 class _ThreadState(threading.local):

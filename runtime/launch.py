@@ -100,7 +100,7 @@ class Kernel:
         if p["kind"] == "buffer":
             if isinstance(value, DeviceArray):
                 va, dtype, shape = value.va, value.dtype, value.shape
-                if value._allocator.closed:
+                if value._allocator.closed is not None:
                     raise value.dropped()
                 if value.device != self.module.device:
                     raise errors.InvalidValueError(

@@ -208,16 +208,20 @@ class DeviceArray:
         self._allocator.record_stream(self._block, stream)
 
     def dropped(self) -> errors.InvalidValueError | None:
-        """The error for using this array after its device was dropped and rebuilt
-        (``runtime.devices.drop``: its memory went with the old context), else None."""
-        if not self._allocator.closed:
+        """The error for using this array once its memory went with its context: lost
+        (a DeviceLostError naming why) or dropped to rebuild the device
+        (``runtime.devices.drop``); None while the memory is there."""
+        cause = self._allocator.closed
+        if cause is None:
             return None
+        if isinstance(cause, errors.DeviceLostError):
+            return errors.DeviceLostError(f"{self!r}: its memory is gone: {cause}", cause.errno)
         return errors.InvalidValueError(
             f"{self!r} was allocated before accel:{self.device} was rebuilt; its memory is "
             "gone, allocate it again")
 
     def copy_from_host(self, host: np.ndarray, stream: Stream | None = None) -> DeviceArray:
-        if self._allocator.closed:
+        if self._allocator.closed is not None:
             raise self.dropped()
         host = np.asanyarray(host)  # keeps a HostArray a HostArray (asarray would not)
         self._host_check(host, "copy_from_host")
@@ -231,7 +235,7 @@ class DeviceArray:
         return self
 
     def copy_to_host(self, out: np.ndarray | None = None, stream: Stream | None = None) -> np.ndarray:
-        if self._allocator.closed:
+        if self._allocator.closed is not None:
             raise self.dropped()
         out = np.empty(self.shape, self.dtype) if out is None else out
         self._host_check(out, "copy_to_host")
@@ -249,7 +253,7 @@ class DeviceArray:
 
     def copy_(self, src: DeviceArray, stream: Stream | None = None) -> DeviceArray:
         """Device-to-device copy (a peer copy when ``src`` lives on another device)."""
-        if self._allocator.closed or src._allocator.closed:
+        if self._allocator.closed is not None or src._allocator.closed is not None:
             raise (self.dropped() or src.dropped())
         if src.nbytes != self.nbytes:
             raise errors.InvalidValueError(f"copy_: {src.nbytes} bytes into {self.nbytes}")
@@ -259,7 +263,7 @@ class DeviceArray:
 
     def memset(self, value: int, stream: Stream | None = None) -> DeviceArray:
         """Set every byte to ``value`` (0..255)."""
-        if self._allocator.closed:
+        if self._allocator.closed is not None:
             raise self.dropped()
         if not 0 <= value <= 0xFF:
             raise errors.InvalidValueError(f"memset value {value} is not a byte")

@@ -100,7 +100,7 @@ class Stream:
         ring = self._ring
         words = ring.words
         if self._closed:
-            raise errors.InvalidValueError(f"{self!r} is closed")
+            raise self._closed_error()
         with self._lock:
             if words[_ERROR_SEQNO]:
                 self._raise_fault(self.last_seqno, refusing=True)
@@ -259,6 +259,11 @@ class Stream:
     def __del__(self) -> None:
         if hasattr(self, "queue_id"):
             self.close()
+
+    def _closed_error(self) -> errors.AccelError:
+        if self.ctx.channel.lost is not None:  # closed because its context was lost
+            return self.ctx.channel.closed_error()
+        return errors.InvalidValueError(f"{self!r} is closed")
 
     def context_closed(self) -> None:
         """Its context is being destroyed, which destroys the queue in the driver: refuse
