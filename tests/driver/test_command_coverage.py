@@ -35,6 +35,7 @@ def _module(path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"_coverage_{path.stem}", path)
     assert spec is not None and spec.loader is not None, path
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # what a module's dataclasses look their annotations up in
     spec.loader.exec_module(mod)
     return mod
 
