@@ -18,12 +18,17 @@ in the header (``memory.total [MiB]``) and after the value (``256 MiB``); ``noun
 drops it from the values. Values are separated by ", " and, unlike in ``nvidia-smi``, a
 value that contains a comma or a quote (a failure text may) is quoted as in RFC 4180.
 
-Exit codes (``nvidia-smi``'s where it has one):
-  0  success
+Exit codes (``nvidia-smi``'s, which are NVML's, where it has one):
+  0  success: every selected device is operational
   1  a reset ended with the device failed, or did not finish in time; other I/O errors
   2  invalid argument: unknown field, no device matches ``-i``, ``-r`` without ``-i``
   4  permission denied (writing ``reset``)
   6  no devices were found (no accel-emud serves the root, or it has no device)
+  15 a selected device is not operational (failed, resetting, booting): the query's output
+     is printed all the same, and stderr names the devices, so that ``accel-smi -L`` is a
+     health gate a CI or a scheduler can rely on
+  19 ``-r`` refused: another process has the device open (NVML's "in use"); ``--force``
+     resets it anyway, and those processes lose their contexts
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_PERMISSION = 4
 EXIT_NO_DEVICES = 6
+EXIT_NOT_OPERATIONAL = 15
+EXIT_IN_USE = 19
 
 NO_DEVICES = "No devices were found"
 MIB = 1 << 20
@@ -366,6 +373,25 @@ def show_csv(tree: Tree, devices: list[str], spec: str, fmt: str) -> str:
 
 
 # --- reset --------------------------------------------------------------------------------------
+def in_use(tree: Tree, devices: list[str]) -> tuple[int, str] | None:
+    """The refusal of a reset of devices other processes hold, as ``nvidia-smi -r``
+    refuses a GPU in use; None when none is. (This tool never opens a device, so it is
+    never one of them.)"""
+    held = []
+    for name in devices:
+        a = tree.device(name)
+        clients = int(a.get("clients", "0") or 0)
+        if clients:
+            pids = [row.split()[0] for row in a.get("processes", "").splitlines()[1:]]
+            who = f" (pids {', '.join(pids)})" if pids else ""
+            held.append(f"accel {name[5:]} is in use by {clients} process"
+                        f"{'es' if clients > 1 else ''}{who}")
+    if not held:
+        return None
+    return EXIT_IN_USE, ("; ".join(held) + ": stop them first, or pass --force (they lose "
+                         "their contexts)")
+
+
 def reset(tree: Tree, devices: list[str], timeout: float = RESET_TIMEOUT_S) -> tuple[int, str]:
     """Request a reset of each device, then wait until each is operational or failed.
 
@@ -424,9 +450,22 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("--query-device", metavar="FIELDS",
                       help="comma-separated fields: " + ", ".join(FIELDS))
     mode.add_argument("-r", "--reset", action="store_true", help="reset the -i device(s)")
+    p.add_argument("--force", action="store_true",
+                   help="with -r: reset even while other processes use the device")
     p.add_argument("--format", default="csv", help="for --query-device: csv[,noheader][,nounits]")
     p.add_argument("--reset-timeout", type=float, default=RESET_TIMEOUT_S, help=argparse.SUPPRESS)
     return p
+
+
+def _with_health(tree: Tree, devices: list[str], out: str) -> tuple[int, str, str]:
+    """A query's result: its output, and exit 15 naming each selected device that is not
+    operational (nvidia-smi's "GPU is lost" code; a health gate reads only the status)."""
+    down = [(n, tree.device(n).get("state", "unknown")) for n in devices]
+    down = [(n, state) for n, state in down if state != "operational"]
+    if not down:
+        return EXIT_OK, out, ""
+    return EXIT_NOT_OPERATIONAL, out, "accel-smi: not operational: " + ", ".join(
+        f"accel {n[5:]} ({state})" for n, state in down)
 
 
 def run(argv: Sequence[str] | None = None) -> tuple[int, str, str]:
@@ -443,18 +482,23 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str, str]:
         devices = select(tree, args.id)
         if not devices:
             return EXIT_NO_DEVICES, NO_DEVICES, f"accel-smi: no accel-emud serves {tree.root}"
+        if args.force and not args.reset:
+            raise UsageError("--force goes with -r")
         if args.reset:
-            rc, text = reset(tree, devices, args.reset_timeout)
+            refused = None if args.force else in_use(tree, devices)
+            rc, text = refused or reset(tree, devices, args.reset_timeout)
             return (rc, text, "") if rc == EXIT_OK else (rc, "", f"accel-smi: {text}")
         if args.list_devices:
-            return EXIT_OK, show_list(tree, devices), ""
-        if args.query:
-            return EXIT_OK, show_query(tree, devices), ""
-        if args.json:
-            return EXIT_OK, show_json(tree, devices), ""
-        if args.query_device is not None:
-            return EXIT_OK, show_csv(tree, devices, args.query_device, args.format), ""
-        return EXIT_OK, show_table(tree, devices), ""
+            out = show_list(tree, devices)
+        elif args.query:
+            out = show_query(tree, devices)
+        elif args.json:
+            out = show_json(tree, devices)
+        elif args.query_device is not None:
+            out = show_csv(tree, devices, args.query_device, args.format)
+        else:
+            out = show_table(tree, devices)
+        return _with_health(tree, devices, out)
     except UsageError as exc:
         return EXIT_USAGE, "", f"accel-smi: {exc}"
 

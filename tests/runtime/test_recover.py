@@ -24,7 +24,7 @@ del cached                      # a block in the caching allocator: gone with th
 other = runtime.to_device(np.arange(4096, dtype=np.float32), device=1)
 runtime.synchronize(0)
 smi = subprocess.run([sys.executable, "-m", "tools.accel_smi", "--root",
-                      os.environ["ACCEL_EMU_ROOT"], "-r", "-i", "0"],
+                      os.environ["ACCEL_EMU_ROOT"], "-r", "-i", "0", "--force"],
                      capture_output=True, text=True)
 print("reset", smi.returncode, smi.stdout.strip())
 

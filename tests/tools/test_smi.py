@@ -46,8 +46,8 @@ def table(out: str) -> tuple[list[str], list[list[str]], list[str]]:
     return lines[0], rows, lines[last_border + 1:]
 
 
-def write_debug(d, name: str, value: str) -> None:
-    d.debug(0, name).write_text(value)
+def write_debug(d, name: str, value: str, dev: int = 0) -> None:
+    d.debug(dev, name).write_text(value)
 
 
 # --- read-only views on the shared daemon ------------------------------------------------------
@@ -235,7 +235,8 @@ def test_missing_firmware_is_shown_and_reset_recovers_once_installed(make_daemon
     assert failure.startswith("firmware image accel-emu-a1.fw not found")
 
     proc = smi(d)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 15  # printed all the same; the status is the health gate
+    assert proc.stderr == "accel-smi: not operational: accel 0 (failed)\n"
     _, rows, after = table(proc.stdout)
     assert rows[1][7] == "failed (ENOPKG)" and rows[1][4] == "N/A"
     assert after == [f"accel 0: failed [ENOPKG]: {failure}"]
@@ -310,3 +311,42 @@ def test_boot_failure_lost_device_and_reset_in_progress_are_shown(make_daemon) -
     d.wait_state(0, "operational")
     assert d.attr(0, "failure") == ""
     assert table(smi(d).stdout)[2] == []
+
+
+def test_every_query_mode_is_a_health_gate(make_daemon) -> None:
+    """Exit 15 while a selected device is not operational, in every query mode, with the
+    output still printed; 0 for the healthy one alone, and again once it is back."""
+    d = make_daemon(devices=2, extra=["--heartbeat-timeout", "0.5"])
+    write_debug(d, "fw_hang", "1", dev=1)
+    d.wait_state(1, "failed", timeout=10)
+    modes = ([], ["-L"], ["-q"], ["--json"], ["--query-device=index,state"])
+    for mode in modes:
+        proc = smi(d, *mode)
+        assert proc.returncode == 15, mode
+        assert proc.stderr == "accel-smi: not operational: accel 1 (failed)\n", mode
+        assert proc.stdout, mode
+        assert smi(d, *mode, "-i", "0").returncode == 0, mode
+    assert smi(d, "-r", "-i", "1").returncode == 0
+    assert [smi(d, *mode).returncode for mode in modes] == [0] * len(modes)
+
+
+def test_reset_refuses_a_device_in_use_unless_forced(make_daemon) -> None:
+    d = make_daemon(devices=2)
+    holder = d.popen_py("import sys, numpy as np, runtime\n"
+                        "x = runtime.to_device(np.ones(1024, np.float32))\n"
+                        "print('holding', flush=True)\nsys.stdin.readline()\n")
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        proc = smi(d, "-r", "-i", "0")
+        assert proc.returncode == 19
+        assert proc.stderr == (f"accel-smi: accel 0 is in use by 1 process (pids {holder.pid}): "
+                               "stop them first, or pass --force (they lose their contexts)\n")
+        assert d.attr(0, "reset_count") == "0"  # refused: nothing happened
+        assert smi(d, "-r", "-i", "1").returncode == 0  # the other device is not in use
+        proc = smi(d, "-r", "-i", "0", "--force")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == "accel 0: reset complete, operational (reset_count 1)\n"
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert smi(d, "--force").returncode == 2  # --force goes with -r
