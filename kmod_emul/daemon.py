@@ -44,6 +44,8 @@ class DaemonConfig:
     state_dir: Path
     firmware_dir: Path
     heartbeat_timeout_s: float = 2.0
+    #: what a device does when its running firmware dies or hangs: "auto" or "manual"
+    recovery: str = "auto"
     driver: drv.DriverInfo = drv.DriverInfo()
     #: device-local bytes one process may hold per device; 0 for no limit
     process_memory_limit: int = 0
@@ -137,6 +139,7 @@ def make_devices(config: DaemonConfig) -> list[AccelDevice]:
     for dev in devices:
         dev.all_devices = devices
         dev.fail_step = config.fail_steps.get(dev.index, "")
+        dev.recovery = config.recovery
     return devices
 
 

@@ -24,6 +24,7 @@ import errno
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,16 @@ class AccelDevice:
         #: every device of the daemon (peers), set by the daemon once all exist
         self.all_devices: list[AccelDevice] = [self]
         self.reset_count = 0
+        #: why the last reset happened, and when (wall-clock seconds); "" / 0 before any
+        self.reset_reason = ""
+        self.last_reset = 0.0
+        #: (errno, message, wall-clock time) of the last failure: kept across the reset that
+        #: recovers it, so that what went wrong stays visible (``failure`` is the current one)
+        self.last_failure: tuple[int, str, float] | None = None
+        #: what the driver does when a running firmware dies or stops heart-beating:
+        #: "auto" resets the device at once (amdgpu's gpu_recovery), "manual" leaves it
+        #: failed until someone resets it (--recovery, debugfs ``recovery``)
+        self.recovery = "auto"
         # debugfs knobs
         self.fw_boot_fail = False
         #: a bring-up step to fail on purpose ("" for none): debugfs fail_step, --fail-step
@@ -379,6 +390,7 @@ class AccelDevice:
         log.info("%s: %s", self.name, reason)
         self.state = uapi.DeviceState.IN_RESET
         self.failure = None  # a reset starts afresh; the next boot says how it went
+        self.reset_reason, self.last_reset = reason, time.time()
         self._lose_contexts(f"{self.name} was reset ({reason})")
         self._reset_requested.set()
 
@@ -396,7 +408,16 @@ class AccelDevice:
         log.warning("%s failed: %s", self.name, message)
         self.state = uapi.DeviceState.FAILED
         self.failure = (err, message)
+        self.last_failure = (err, message, time.time())
         self._lose_contexts(f"{self.name} failed: {message}")
+
+    def _fail_running(self, err: int, message: str) -> None:
+        """The running firmware died or hung: fail (every context is told), then, with
+        ``recovery`` auto, reset at once -- the firmware restarts as in a reset, the
+        contexts stay lost. (A failed boot is not retried: it would fail again.)"""
+        self._fail(err, message)
+        if self.recovery == "auto":
+            self.request_reset(f"recovery from: {message}")
 
     # --- supervisor ----------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -551,7 +572,8 @@ class AccelDevice:
         assert self.fw is not None
         status = await self.fw.proc.wait()
         if self.state == uapi.DeviceState.OPERATIONAL:
-            self._fail(errno.ENODEV, f"firmware process exited unexpectedly (status {status})")
+            self._fail_running(errno.ENODEV,
+                               f"firmware process exited unexpectedly (status {status})")
         scope.cancel()
 
     async def _watch_heartbeat(self, scope: trio.CancelScope) -> None:
@@ -566,10 +588,10 @@ class AccelDevice:
             if beat != last:
                 last, last_change = beat, now
             elif now - last_change > self.heartbeat_timeout_s:
-                self._fail(
+                self._fail_running(
                     errno.ENODEV,
-                    f"firmware stopped heart-beating (none for {now - last_change:.1f} s); "
-                    f"reset the device",
+                    f"firmware stopped heart-beating (none for {now - last_change:.1f} s)"
+                    + ("" if self.recovery == "auto" else "; reset the device"),
                 )
                 scope.cancel()
                 return

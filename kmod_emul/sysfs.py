@@ -112,6 +112,14 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         clients=Attr(read=lambda: str(len(dev.client_pids()))),
         completions=Attr(read=lambda: str(dev.fw_stats().get("packets", 0))),
         reset_count=Attr(read=lambda: str(dev.reset_count)),
+        # why and when the last reset was (a recovery says what it recovered from)
+        reset_reason=Attr(read=lambda: dev.reset_reason),
+        last_reset=Attr(read=lambda: f"{dev.last_reset:.3f}" if dev.last_reset else ""),
+        # the last failure, kept after the reset that recovered it ("CODE message")
+        last_failure=Attr(read=lambda: (f"{errno.errorcode.get(dev.last_failure[0], '')} "
+                                        f"{dev.last_failure[1]}") if dev.last_failure else ""),
+        last_failure_time=Attr(read=lambda: f"{dev.last_failure[2]:.3f}"
+                               if dev.last_failure else ""),
         heartbeat=Attr(read=lambda: str(dev.fw.mbx.heartbeat[0]) if dev.fw else "0"),
         reset=Attr(write=reset),
         memory_free=Attr(read=lambda: str(dev.memory.free_bytes())),
@@ -168,6 +176,9 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
     def set_fail_step(text: str) -> None:
         dev.fail_step = parse_fail_step(text)
 
+    def set_recovery(text: str) -> None:
+        dev.recovery = parse_recovery(text)
+
     def set_sched_hold(text: str) -> None:
         dev.sched_hold = _bool(text)
         dev.fw_send(0, mailbox.fw_hold(hold=int(dev.sched_hold)))
@@ -181,7 +192,21 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
                            write=lambda t: dev.set_reset_hold(_bool(t))),
         "contexts": Attr(read=contexts),
         "sched_hold": Attr(read=lambda: str(int(dev.sched_hold)), write=set_sched_hold),
+        "recovery": Attr(read=lambda: dev.recovery, write=set_recovery),
     }
+
+
+RECOVERY_MODES = ("auto", "manual")
+
+
+def parse_recovery(text: str) -> str:
+    """A ``recovery`` value: ``auto`` (reset a device whose running firmware died or hung)
+    or ``manual`` (leave it failed until reset)."""
+    value = text.strip()
+    if value not in RECOVERY_MODES:
+        raise DriverError(errno.EINVAL, f"recovery is one of {', '.join(RECOVERY_MODES)}, "
+                                        f"not {value!r}")
+    return value
 
 
 def parse_fail_step(text: str) -> str:

@@ -105,9 +105,13 @@ class Channel:
             try:
                 state = discovery.read_attr(self.physical, "state")
                 failure = discovery.read_attr(self.physical, "failure")
+                reason = discovery.read_attr(self.physical, "reset_reason")
             except OSError:
-                state, failure = "unknown", ""
-            cause = cause or failure or ("it was reset" if state != "failed" else "it failed")
+                state, failure, reason = "unknown", "", ""
+            if state == "failed":
+                cause = cause or failure or "it failed"
+            else:  # reset since (by hand, or the driver's recovery from a failure)
+                cause = cause or (f"it was reset ({reason})" if reason else "it was reset")
             exc = errors.from_errno(
                 err, f"{where}: context lost because {cause} (device now {state}); "
                      "create a new context, or runtime.recover() for the primary one, once "

@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"where firmware images are looked up (default {IMAGE_DIR})")
     start.add_argument("--heartbeat-timeout", type=float, default=2.0, metavar="SECONDS",
                        help="declare a device failed after this long without a heartbeat")
+    start.add_argument("--recovery", choices=("auto", "manual"), default="auto",
+                       help="when a running firmware dies or stops heart-beating: reset the "
+                            "device at once (auto, the default) or leave it failed (manual)")
     start.add_argument("--process-memory-limit", type=parse_size, default=0, metavar="SIZE",
                        help="device-local memory one process may hold per device (default: none)")
     start.add_argument("--jit-cache", type=Path, default=None, metavar="DIR",
@@ -130,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = daemon.DaemonConfig(
         root=args.root.resolve(), devices=args.devices, memory=args.memory,
         state_dir=args.state_dir.resolve(), firmware_dir=args.firmware_dir.resolve(),
-        heartbeat_timeout_s=args.heartbeat_timeout, driver=driver,
+        heartbeat_timeout_s=args.heartbeat_timeout, recovery=args.recovery, driver=driver,
         process_memory_limit=args.process_memory_limit,
         jit_cache=args.jit_cache.resolve() if args.jit_cache else None,
         fail_steps=dict(args.fail_step),

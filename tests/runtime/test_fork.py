@@ -120,7 +120,7 @@ def test_sigkill_while_holding_contexts_leaves_nothing(daemon):
 
 
 def test_firmware_crash_marks_failed_and_tells_contexts(make_daemon):
-    d = make_daemon(devices=2)
+    d = make_daemon(devices=2, extra=["--recovery", "manual"])  # auto: tests/runtime/test_recover.py
     with RawDev(d.node(0)) as dev, RawDev(d.node(1)) as other:
         ctx, other_ctx = dev.ctx_create(), other.ctx_create()
         os.kill(int(d.debug(0, "fw_pid").read_text()), signal.SIGKILL)
@@ -144,7 +144,7 @@ def test_firmware_crash_marks_failed_and_tells_contexts(make_daemon):
 
 
 def test_heartbeat_loss_marks_failed(make_daemon):
-    d = make_daemon(extra=["--heartbeat-timeout", "0.5"])
+    d = make_daemon(extra=["--heartbeat-timeout", "0.5", "--recovery", "manual"])
     out = d.run_py(f"""
         import runtime
         ctx = runtime.new_context(0)

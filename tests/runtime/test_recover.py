@@ -5,6 +5,11 @@ before keep naming the loss; the other device never notices; nothing prints at e
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
+import time
+
 import pytest
 
 from stress.harness import Bystander
@@ -73,3 +78,93 @@ def test_a_reset_is_recovered_in_process_and_old_handles_name_it(make_daemon):
     assert out.stderr == ""  # nothing printed at interpreter exit, either
     # what the old and the new context held is back (the process has exited)
     d.wait_attrs(0, IDLE)
+
+
+FIRMWARE_DIES = """
+import os, signal, threading, time
+import numpy as np, runtime
+from runtime import discovery
+from runtime.kernel_lib import SOURCE
+
+root = os.environ["ACCEL_EMU_ROOT"]
+debug = root + "/sys/kernel/debug/accel/accel0/"
+lib = runtime.compile(SOURCE, 0)
+x = runtime.to_device(np.ones(1 << 22, np.float32))
+runtime.synchronize(0)
+for _ in range(100):  # seconds of queued work, so the loss finds this process waiting
+    lib.saxpy[(1 << 22) // 64, 64](np.float32(1.0), x, x, x)
+fw = int(open(debug + "fw_pid").read())
+at = []
+def strike():
+    at.append(time.monotonic())
+    if HOW == "kill":
+        os.kill(fw, signal.SIGKILL)
+    else:
+        open(debug + "fw_hang", "w").write("1")
+threading.Timer(0.1, strike).start()
+try:
+    runtime.synchronize(0)
+    print("synchronize returned")
+except runtime.DeviceLostError as exc:
+    print("lost after", "%.2f" % (time.monotonic() - at[0]), exc)
+deadline = time.monotonic() + 30
+while discovery.read_attr("accel0", "state") != "operational" and time.monotonic() < deadline:
+    time.sleep(0.02)
+print("back", discovery.read_attr("accel0", "state"), discovery.read_attr("accel0", "reset_count"))
+print("reason", discovery.read_attr("accel0", "reset_reason"))
+print("last failure", discovery.read_attr("accel0", "last_failure"))
+print("new firmware", int(open(debug + "fw_pid").read()) != fw)
+runtime.recover(0)
+y = runtime.to_device(np.arange(256, dtype=np.float32))
+print("works", float(y.copy_to_host().sum()))
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_a_dying_firmware_is_recovered_by_the_driver_and_clients_hear_at_once(make_daemon, how):
+    """With recovery auto (the default), a firmware that dies or stops heart-beating fails
+    its device, every client of it gets DeviceLostError at once (within a second of the
+    death; a hang is seen after the heartbeat timeout), and the driver resets the device:
+    it serves again, says why it was reset and what failed, and runtime.recover() works.
+    Another tenant on the other device never notices."""
+    d = make_daemon(devices=2, extra=["--heartbeat-timeout", "0.5"])
+    with Bystander(d, 1) as other_tenant:
+        out = d.run_py(f"HOW = {how!r}\n" + FIRMWARE_DIES, timeout=150)
+        other_tenant.check()
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    failure = ("firmware process exited unexpectedly (status -9)" if how == "kill"
+               else "firmware stopped heart-beating")
+    words = lines[0].split()
+    assert words[:2] == ["lost", "after"], lines
+    assert float(words[2]) < (1.0 if how == "kill" else 0.5 + 1.0), lines[0]
+    assert f"context lost because it was reset (recovery from: {failure}" in lines[0]
+    assert lines[1] == "back operational 1"
+    assert lines[2].startswith(f"reason recovery from: {failure}")
+    assert lines[3].startswith(f"last failure ENODEV {failure}")
+    assert lines[4:] == ["new firmware True", "works 32640.0"]
+    assert out.stderr == ""
+    d.wait_attrs(0, IDLE)
+
+
+@pytest.mark.timeout(120)
+def test_recovery_manual_leaves_the_device_failed_until_reset(make_daemon):
+    d = make_daemon(devices=1, extra=["--recovery", "manual"])
+    assert d.debug(0, "recovery").read_text() == "manual\n"
+    fw = int(d.debug(0, "fw_pid").read_text())
+    os.kill(fw, signal.SIGKILL)
+    d.wait_state(0, "failed")
+    time.sleep(1.0)  # and it stays failed
+    assert (d.attr(0, "state"), d.attr(0, "reset_count")) == ("failed", "0")
+    assert d.attr(0, "last_failure") == "ENODEV firmware process exited unexpectedly (status -9)"
+    with pytest.raises(OSError) as bad:
+        d.debug(0, "recovery").write_text("sometimes")
+    assert bad.value.errno == errno.EINVAL
+    d.debug(0, "recovery").write_text("auto")  # the knob: auto from the next failure on
+    (d.root / "sys/class/accel/accel0/reset").write_text("1")
+    d.wait_state(0, "operational")
+    assert d.attr(0, "reset_reason") == "reset requested through sysfs"
+    assert d.attr(0, "last_failure").startswith("ENODEV firmware process exited")  # kept
+    os.kill(int(d.debug(0, "fw_pid").read_text()), signal.SIGKILL)
+    d.wait_attrs(0, {"state": "operational", "reset_count": "2"})

@@ -272,7 +272,7 @@ def test_corrupt_firmware_is_shown(make_daemon, firmware_copy: Path) -> None:
 
 
 def test_boot_failure_lost_device_and_reset_in_progress_are_shown(make_daemon) -> None:
-    d = make_daemon(devices=1, extra=["--heartbeat-timeout", "0.5"])
+    d = make_daemon(devices=1, extra=["--heartbeat-timeout", "0.5", "--recovery", "manual"])
 
     # Boot failure (EIO): the injected knob makes the next boot fail; -r reports it.
     write_debug(d, "fw_boot_fail", "1")
@@ -316,7 +316,7 @@ def test_boot_failure_lost_device_and_reset_in_progress_are_shown(make_daemon) -
 def test_every_query_mode_is_a_health_gate(make_daemon) -> None:
     """Exit 15 while a selected device is not operational, in every query mode, with the
     output still printed; 0 for the healthy one alone, and again once it is back."""
-    d = make_daemon(devices=2, extra=["--heartbeat-timeout", "0.5"])
+    d = make_daemon(devices=2, extra=["--heartbeat-timeout", "0.5", "--recovery", "manual"])
     write_debug(d, "fw_hang", "1", dev=1)
     d.wait_state(1, "failed", timeout=10)
     modes = ([], ["-L"], ["-q"], ["--json"], ["--query-device=index,state"])
