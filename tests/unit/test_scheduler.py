@@ -388,9 +388,13 @@ def test_a_kernel_launches_on_an_engine_then_inline_and_faults_out_of_bounds(dev
     device.run_until(lambda: q.ring.fence == 1, timeout=200)
     assert device.engine_done(q) == {1}
     assert (x == 2.5).all()
-    # two engines share its blocks: one compiles, the other finds it compiled
-    assert moved(device, before) == {"packets": 1, "launches": 1, "jit_ready": 1,
-                                     "jit_compiles": 1, "jit_hits": 1}
+    # two engines share its blocks: one compiles, the other finds it compiled; the JIT
+    # itself may have come up before ``before`` (the module's load creates it on a side
+    # thread, at once when this process imported numba already), so its flag is read whole
+    first = moved(device, before)
+    first.pop("jit_ready", None)
+    assert first == {"packets": 1, "launches": 1, "jit_compiles": 1, "jit_hits": 1}
+    assert device.counters.snapshot()["jit_ready"] == 1
 
     x[:] = 0
     before = device.counters.snapshot()
