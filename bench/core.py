@@ -218,9 +218,9 @@ class Env:
         self._names += 1
         return self.workdir / f"{kind}{self._names}"
 
-    def new_accel(self, devices: int = 2) -> AccelDaemon:
+    def new_accel(self, devices: int = 2, firmware_dir: Path | None = None) -> AccelDaemon:
         """A private daemon (not yet started); stopped at close() at the latest."""
-        d = AccelDaemon(self._base("accel"), devices)
+        d = AccelDaemon(self._base("accel"), devices, firmware_dir=firmware_dir)
         self._servers.append(d)
         return d
 

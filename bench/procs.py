@@ -60,8 +60,10 @@ def lazy_unmount(mountpoint: Path) -> None:
 class AccelDaemon:
     """``accel-emud`` on ``base/root`` with its state (identity, log) in ``base/state``."""
 
-    def __init__(self, base: Path, devices: int = 2, memory: str = "256M") -> None:
+    def __init__(self, base: Path, devices: int = 2, memory: str = "256M",
+                 firmware_dir: Path | None = None) -> None:
         self.base = base
+        self.firmware_dir = firmware_dir
         self.root = base / "root"
         self.state_dir = base / "state"
         self.devices = devices
@@ -75,6 +77,8 @@ class AccelDaemon:
         cmd = [sys.executable, "-m", "tools.accel_emud", "--root", str(self.root),
                "--devices", str(self.devices), "--memory", self.memory,
                "--state-dir", str(self.state_dir)]
+        if self.firmware_dir is not None:
+            cmd += ["--firmware-dir", str(self.firmware_dir)]
         self.started = True  # from here on, stop() must run whatever happens
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
