@@ -129,5 +129,10 @@ class Channel:
 
     def close(self) -> None:
         if self.fd >= 0 and os.getpid() == self.pid:
-            os.close(self.fd)
+            try:
+                os.close(self.fd)
+            except OSError:
+                # ENOTCONN: the daemon died under the mount. Linux releases the descriptor
+                # whatever close() returns, and the driver that would have answered is gone.
+                pass
         self.fd = -1

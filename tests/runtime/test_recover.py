@@ -168,3 +168,69 @@ def test_recovery_manual_leaves_the_device_failed_until_reset(make_daemon):
     assert d.attr(0, "last_failure").startswith("ENODEV firmware process exited")  # kept
     os.kill(int(d.debug(0, "fw_pid").read_text()), signal.SIGKILL)
     d.wait_attrs(0, {"state": "operational", "reset_count": "2"})
+
+
+SURVIVES_THE_DAEMON = """
+import sys, time
+import numpy as np, runtime
+
+spin = runtime.compile('''
+def spin(x):
+    i = 0
+    while i >= 0:
+        i = i + 1
+        x[0] = i
+''')
+x = runtime.to_device(np.arange(1024, dtype=np.float32))
+s = runtime.Stream()
+spin.spin[1, 1](runtime.empty(1, np.int64), stream=s)
+print("waiting", flush=True)
+t = time.monotonic()
+try:
+    s.synchronize()
+    print("synchronize returned")
+except runtime.DeviceLostError as exc:
+    print("lost after", "%.2f" % (time.monotonic() - t), exc, flush=True)
+try:
+    runtime.empty(16, np.float32)
+except runtime.DeviceLostError:
+    print("still lost", flush=True)
+sys.stdin.readline()  # the daemon is started again
+runtime.recover()
+y = runtime.to_device(np.arange(256, dtype=np.float32))
+print("works", float(y.copy_to_host().sum()))
+try:
+    x.copy_to_host()
+except runtime.DeviceLostError as exc:
+    print("old array", "gone" in str(exc))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_client_survives_the_daemon_dying_and_recovers_once_it_is_back(make_daemon):
+    """SIGKILL of accel-emud under a process waiting on its device: the wait raises
+    DeviceLostError at once (the event pipe hangs up), nothing of the device works until
+    the daemon is started again, and then runtime.recover() -- in the same process, on the
+    new mount -- gives a working device; the array from before names its loss."""
+    d = make_daemon(devices=1)
+    client = d.popen_py(SURVIVES_THE_DAEMON)
+    try:
+        assert client.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)  # it is blocked in synchronize() now
+        os.kill(d.pid, signal.SIGKILL)
+        lost = client.stdout.readline().split()
+        assert lost[:2] == ["lost", "after"] and float(lost[2]) < 1.0 + 0.3, lost
+        assert "the driver" in " ".join(lost)
+        assert client.stdout.readline().strip() == "still lost"
+        d.start()  # clears the dead mount and serves again
+        client.stdin.write("\n")
+        client.stdin.flush()
+        assert client.stdout.readline().strip() == "works 32640.0"
+        assert client.stdout.readline().strip() == "old array True"
+        assert client.wait(timeout=60) == 0
+        assert client.stderr.read() == ""  # nothing printed at exit
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+    d.wait_attrs(0, IDLE)
