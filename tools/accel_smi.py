@@ -65,7 +65,10 @@ RESET_TIMEOUT_S = 30.0
 _TEXT_ATTRS = frozenset(
     name for name, ctype, *_ in uapi.accel_device_info._fields_
     if issubclass(ctype, ctypes.Array) and not name.startswith("reserved")
-) | {"state", "failure", "failure_code"}
+) | {"state", "failure", "failure_code", "reset_reason", "last_failure"}
+
+#: Wall-clock times (seconds since the epoch, with milliseconds): numbers in JSON.
+_TIME_ATTRS = frozenset({"last_reset", "last_failure_time"})
 
 #: ``-q`` sections. An attribute not listed here still shows, under "Other", so a new
 #: driver attribute is never hidden by an older accel-smi.
@@ -73,7 +76,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Identity": ("name", "index", "uuid", "serial", "pci_bus_id", "numa_node", "package_id",
                  "partition_id", "fabric_endpoint"),
     "Versions": ("driver_version", "firmware_version", "isa_version", "isa_stepping"),
-    "State": ("state", "failure", "failure_code", "reset_count", "heartbeat"),
+    "State": ("state", "failure", "failure_code", "reset_count", "reset_reason", "last_reset",
+              "last_failure", "last_failure_time", "heartbeat"),
     "Memory": ("memory_total", "memory_used", "memory_free", "managed_resident",
                "managed_faults", "managed_bytes_to_device", "managed_bytes_to_host",
                "managed_evictions"),
@@ -144,6 +148,8 @@ def typed(name: str, value: str) -> Any:
         return value
     if value == "":
         return None
+    if name in _TIME_ATTRS:
+        return float(value)
     try:
         return int(value)
     except ValueError:

@@ -8,9 +8,12 @@ in (ENOPKG, ENOEXEC, EIO, ENODEV, in_reset) must be visible with the driver's ow
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -126,8 +129,11 @@ def test_json_has_every_attribute_typed(daemon) -> None:
             got = obj[key]
             if key == "capabilities":
                 assert got == value.split()
-            elif value == "" and key not in ("failure", "failure_code"):
+            elif value == "" and key not in ("failure", "failure_code", "reset_reason",
+                                             "last_failure"):
                 assert got is None, key
+            elif key in ("last_reset", "last_failure_time"):
+                assert got == float(value), key
             else:
                 assert str(got) == value, key
         assert isinstance(obj["memory_total"], int) and isinstance(obj["index"], int)
@@ -350,3 +356,28 @@ def test_reset_refuses_a_device_in_use_unless_forced(make_daemon) -> None:
         holder.stdin.close()
         holder.wait(timeout=30)
     assert smi(d, "--force").returncode == 2  # --force goes with -r
+
+
+def test_a_recovered_failure_stays_visible(make_daemon) -> None:
+    """After the driver recovered a device from a firmware death (recovery auto), the
+    device is healthy (exit 0) and -q / --json still say what failed, and why and when it
+    was reset."""
+    d = make_daemon(devices=1)
+    os.kill(int(d.debug(0, "fw_pid").read_text()), signal.SIGKILL)
+    d.wait_attrs(0, {"state": "operational", "reset_count": "1"})
+    proc = smi(d, "-q")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    start = lines.index("    State") + 1
+    state = lines[start:start + next(i for i, line in enumerate(lines[start:])
+                                     if not line.startswith("        "))]
+    assert [line.split(":")[0].strip() for line in state] == [
+        "state", "failure", "failure_code", "reset_count", "reset_reason", "last_reset",
+        "last_failure", "last_failure_time", "heartbeat"]
+    failure = "firmware process exited unexpectedly (status -9)"
+    assert f"        reset_reason              : recovery from: {failure}" in state
+    assert f"        last_failure              : ENODEV {failure}" in state
+    doc = json.loads(smi(d, "--json").stdout)["devices"][0]
+    assert doc["last_failure"] == f"ENODEV {failure}" and doc["failure"] == ""
+    assert isinstance(doc["last_reset"], float) and doc["last_reset"] >= doc["last_failure_time"]
+    assert abs(doc["last_reset"] - time.time()) < 60
