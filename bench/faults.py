@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 
-from abi import fwimage
 from bench.core import Env, Row, middle_half
 from bench.procs import REPO
 from firmware import image
@@ -120,11 +119,7 @@ def fault_recovery(env: Env) -> list[Row]:
     """Hung kernel detection vs the watchdog, reset to service vs a daemon start, firmware
     death to the client's DeviceLostError vs a poll(2) seeing a killed peer's hang-up."""
     rounds = 2 if env.quick else 6
-    fw_dir = env.workdir / "fw-short-watchdog"
-    fw_dir.mkdir(exist_ok=True)
-    payload = dict(image.DEFAULT_PAYLOAD, watchdog_ms=WATCHDOG_MS)
-    (fw_dir / fwimage.IMAGE_NAME).write_bytes(
-        fwimage.build(image.DEFAULT_MANIFEST, json.dumps(payload, sort_keys=True).encode()))
+    fw_dir = image.build_into(env.workdir / "fw-short-watchdog", watchdog_ms=WATCHDOG_MS)
     d = env.new_accel(1, firmware_dir=fw_dir)
     d.start()
     client = subprocess.Popen([sys.executable, "-c", _CLIENT], cwd=REPO, text=True,

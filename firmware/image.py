@@ -52,8 +52,19 @@ DEFAULT_PAYLOAD: dict[str, Any] = {
 
 
 
-def default_image() -> bytes:
-    return fwimage.build(DEFAULT_MANIFEST, json.dumps(DEFAULT_PAYLOAD, sort_keys=True).encode())
+def default_image(**payload: Any) -> bytes:
+    """The shipped image; with keyword arguments, a variant whose payload differs in
+    those fields (a shorter watchdog, fewer capabilities) for tests and benchmarks."""
+    body = dict(DEFAULT_PAYLOAD, **payload)
+    return fwimage.build(DEFAULT_MANIFEST, json.dumps(body, sort_keys=True).encode())
+
+
+def build_into(directory: Path, **payload: Any) -> Path:
+    """Write ``default_image(**payload)`` into ``directory`` (made if missing) under the
+    name the driver looks for; return the directory, for ``--firmware-dir``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / fwimage.IMAGE_NAME).write_bytes(default_image(**payload))
+    return directory
 
 
 def main() -> None:

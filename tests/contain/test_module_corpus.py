@@ -13,27 +13,17 @@ The other tests are regressions of the bugs the corpus found.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from abi import fwimage
 from firmware import image
 from stress import module_corpus as mc
 
 
-def _image(tmp_path: Path, name: str, **payload) -> Path:
-    fw = tmp_path / name
-    fw.mkdir()
-    body = json.dumps(dict(image.DEFAULT_PAYLOAD, **payload), sort_keys=True).encode()
-    (fw / fwimage.IMAGE_NAME).write_bytes(fwimage.build(image.DEFAULT_MANIFEST, body))
-    return fw
-
-
 @pytest.fixture
 def short_watchdog(tmp_path: Path) -> Path:
-    return _image(tmp_path, "fw-watchdog", watchdog_ms=1500)
+    return image.build_into(tmp_path / "fw-watchdog", watchdog_ms=1500)
 
 
 @pytest.fixture
@@ -41,7 +31,7 @@ def lacking_caps(tmp_path: Path) -> Path:
     """An image without the matrix unit, atomics and block-shared memory."""
     caps = [c for c in image.DEFAULT_PAYLOAD["capabilities"]
             if c not in ("matrix", "atomics", "shared_mem")]
-    return _image(tmp_path, "fw-caps", watchdog_ms=1500, capabilities=caps)
+    return image.build_into(tmp_path / "fw-caps", watchdog_ms=1500, capabilities=caps)
 
 
 def _assert_clean(report) -> None:

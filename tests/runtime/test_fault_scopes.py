@@ -70,40 +70,32 @@ except runtime.KernelFaultError:
 """
 
 
-def _bystanders(d):
-    return Bystander(d, 0), Bystander(d, 1)
+def _beside_bystanders(d, code: str) -> list[str]:
+    """Run ``code`` with a bystander process on each device, which must both keep working;
+    its output lines, once the books of both devices are back to idle."""
+    with Bystander(d, 0) as b0, Bystander(d, 1) as b1:
+        out = d.run_py(code, timeout=150)
+        b0.check()
+        b1.check()
+    assert out.returncode == 0, out.stderr
+    for dev in (0, 1):
+        d.wait_attrs(dev, IDLE)
+    return out.stdout.splitlines()
 
 
 @pytest.mark.timeout(180)
 def test_operation_scope_the_call_fails_and_its_stream_goes_on(make_daemon):
-    d = make_daemon(devices=2)
-    b0, b1 = _bystanders(d)
-    with b0, b1:
-        out = d.run_py(OPERATION, timeout=150)
-        b0.check()
-        b1.check()
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["copy refused", "launch refused", "memset refused",
-                                       "stream True 7168.0"]
-    for dev in (0, 1):
-        d.wait_attrs(dev, IDLE)
+    lines = _beside_bystanders(make_daemon(devices=2), OPERATION)
+    assert lines == ["copy refused", "launch refused", "memset refused", "stream True 7168.0"]
 
 
 @pytest.mark.timeout(180)
 def test_stream_scope_dependent_work_is_cancelled_and_the_rest_goes_on(make_daemon):
     d = make_daemon(devices=2)
-    b0, b1 = _bystanders(d)
-    with b0, b1:
-        out = d.run_py(STREAM, timeout=150)
-        b0.check()
-        b1.check()
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [
+    assert _beside_bystanders(d, STREAM) == [
         "same context, other stream 192.0", "fault oob EFAULT True", "cancelled work never ran True",
         "faulted stream refuses True", "rebuilt 128.0", "synchronize raises while it lives"]
     assert d.attr(0, "state") == "operational" and d.attr(0, "reset_count") == "0"
-    for dev in (0, 1):
-        d.wait_attrs(dev, IDLE)
 
 
 DEVICE = PRELUDE + """
@@ -126,8 +118,7 @@ print("back", float(y.copy_to_host().sum()))
 @pytest.mark.timeout(180)
 def test_device_scope_every_context_on_it_is_told_and_the_other_device_goes_on(make_daemon):
     d = make_daemon(devices=2)
-    b0, b1 = _bystanders(d)
-    with b0, b1:
+    with Bystander(d, 0) as b0, Bystander(d, 1) as b1:
         out = d.run_py(DEVICE, timeout=150)
         # the bystander on the same device lost its context too, and is told so
         b0.proc.stdin.write("check\n")

@@ -7,14 +7,12 @@ JIT cache) per module and run several kernels per process.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from abi import fwimage
 from firmware import image
 
 # Scenario bodies are dedented and appended to this; they must not start inside ``stat``.
@@ -39,11 +37,7 @@ def kdaemon(tmp_path_factory):
     from stress.harness import Daemon
 
     base = tmp_path_factory.mktemp("kernels")
-    fw_dir = base / "firmware"
-    fw_dir.mkdir()
-    payload = dict(image.DEFAULT_PAYLOAD, watchdog_ms=1500)
-    (fw_dir / fwimage.IMAGE_NAME).write_bytes(
-        fwimage.build(image.DEFAULT_MANIFEST, json.dumps(payload, sort_keys=True).encode()))
+    fw_dir = image.build_into(base / "firmware", watchdog_ms=1500)
     d = Daemon(base / "root", base / "state", fw_dir, 1)
     d.start()
     try:
@@ -308,12 +302,8 @@ def test_matrix_unit_matmul_matches_numpy_and_faults_with_a_record(kdaemon):
 def test_a_device_without_a_matrix_unit_refuses_mma_modules(tmp_path):
     from stress.harness import Daemon
 
-    fw_dir = tmp_path / "firmware"
-    fw_dir.mkdir()
     caps = [c for c in image.DEFAULT_PAYLOAD["capabilities"] if c != "matrix"]
-    payload = dict(image.DEFAULT_PAYLOAD, capabilities=caps)
-    (fw_dir / fwimage.IMAGE_NAME).write_bytes(
-        fwimage.build(image.DEFAULT_MANIFEST, json.dumps(payload, sort_keys=True).encode()))
+    fw_dir = image.build_into(tmp_path / "firmware", capabilities=caps)
     d = Daemon(tmp_path / "root", tmp_path / "state", fw_dir, 1)
     d.start()
     try:
