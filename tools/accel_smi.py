@@ -119,6 +119,14 @@ class Tree:
     def device(self, name: str) -> dict[str, str]:
         return _read_dir(self.class_dir / name)
 
+    def attr(self, name: str, key: str, default: str = "") -> str:
+        """One attribute of device ``name`` (``default`` if it cannot be read): one file,
+        where ``device`` reads them all."""
+        try:
+            return (self.class_dir / name / key).read_text().strip()
+        except OSError:
+            return default
+
 
 def _read_dir(path: Path, prefix: str = "") -> dict[str, str]:
     """Every readable attribute in ``path``, those of subdirectories (``limits/``) as
@@ -385,10 +393,9 @@ def in_use(tree: Tree, devices: list[str]) -> tuple[int, str] | None:
     never one of them.)"""
     held = []
     for name in devices:
-        a = tree.device(name)
-        clients = int(a.get("clients", "0") or 0)
+        clients = int(tree.attr(name, "clients", "0") or 0)
         if clients:
-            pids = [row.split()[0] for row in a.get("processes", "").splitlines()[1:]]
+            pids = [row.split()[0] for row in tree.attr(name, "processes").splitlines()[1:]]
             who = f" (pids {', '.join(pids)})" if pids else ""
             held.append(f"accel {name[5:]} is in use by {clients} process"
                         f"{'es' if clients > 1 else ''}{who}")
@@ -466,7 +473,7 @@ def parser() -> argparse.ArgumentParser:
 def _with_health(tree: Tree, devices: list[str], out: str) -> tuple[int, str, str]:
     """A query's result: its output, and exit 15 naming each selected device that is not
     operational (nvidia-smi's "GPU is lost" code; a health gate reads only the status)."""
-    down = [(n, tree.device(n).get("state", "unknown")) for n in devices]
+    down = [(n, tree.attr(n, "state", "unknown")) for n in devices]
     down = [(n, state) for n, state in down if state != "operational"]
     if not down:
         return EXIT_OK, out, ""
