@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 STRESS = r"""
-import sys, numpy as np, runtime
+import sys, time, numpy as np, runtime
 from abi import userq
 seed, ops = int(sys.argv[1]), int(sys.argv[2])
 rng = np.random.default_rng(seed)
@@ -31,13 +31,19 @@ for step in range(ops):
     if op == "alloc" or not live:
         n = int(rng.choice([1, 100, 4096, 65536, 1 << 20, 3 << 20]))
         s = streams[rng.integers(3)]
-        try:
-            d = runtime.empty(n, np.uint8, stream=s)
-        except runtime.OutOfMemoryError:     # other processes hold the rest: recover
-            ooms += 1
-            for k in list(live)[: len(live) // 2 + 1]:
-                del live[k]
-            d = runtime.empty(n, np.uint8, stream=s)
+        for attempt in range(200):            # other processes hold the rest: recover
+            try:
+                d = runtime.empty(n, np.uint8, stream=s)
+                break
+            except runtime.OutOfMemoryError:
+                ooms += 1
+                if live:                      # give back half of ours, then retry
+                    for k in list(live)[: len(live) // 2 + 1]:
+                        del live[k]
+                else:                         # ours is all given back: wait for theirs
+                    time.sleep(0.01)
+        else:
+            raise AssertionError(f"step {step}: out of memory with nothing of ours held")
         shadow = rng.integers(0, 255, n, dtype=np.uint8)
         d.copy_from_host(shadow, stream=s)
         live[next_id] = (d, shadow, s); next_id += 1
