@@ -32,7 +32,7 @@ from abi._struct import Struct
 
 MAILBOX_MAGIC: Final = 0xACCE1E40
 #: The mailbox ABI this file describes. Images list the range they speak.
-MAILBOX_ABI: Final = 3
+MAILBOX_ABI: Final = 4
 
 MAILBOX_SIZE: Final = 1 << 20
 _BOOT_OFF: Final = 0
@@ -89,6 +89,8 @@ class Op(enum.IntEnum):
     HOLD = 13
     MODULE_LOAD = 14
     MODULE_UNLOAD = 15
+    #: firmware to host only: a packet faulted (status: its errno)
+    FAULT = 16
 
 
 # --- message payloads: one struct per message ---------------------------------------------
@@ -222,6 +224,21 @@ class fw_queue_done(Struct):
     _fields_ = [("queue_id", ctypes.c_uint64), ("reserved", ctypes.c_uint64 * 2)]
 
 
+class fw_fault(Struct):
+    """A packet of queue ``queue_id`` faulted with errno ``status`` (the driver records it;
+    its process reads the same from its ring). Sent once per faulted ring, after the
+    ring's fault record is written."""
+
+    _fields_ = [
+        ("queue_id", ctypes.c_uint64),
+        ("seqno", ctypes.c_uint64),
+        ("address", ctypes.c_uint64),
+        ("opcode", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
 #: Host to firmware: each op's payload struct. The firmware handles every op of this table
 #: (a handler missing is a boot failure).
 COMMANDS: Final[dict[Op, type[Struct]]] = {
@@ -236,7 +253,7 @@ OP_OF: Final[dict[type[Struct], Op]] = {cls: op for op, cls in COMMANDS.items()}
 #: Firmware to host: each op's payload struct. The driver handles every op of this table.
 COMPLETIONS: Final[dict[Op, type[Struct]]] = {
     Op.MAP: fw_map_done, Op.UNMAP: fw_unmap_done, Op.CTX_DESTROY: fw_ctx_destroy_done,
-    Op.QUEUE_CREATE: fw_queue_done, Op.QUEUE_IMPORT: fw_queue_done,
+    Op.QUEUE_CREATE: fw_queue_done, Op.QUEUE_IMPORT: fw_queue_done, Op.FAULT: fw_fault,
 }
 
 

@@ -41,6 +41,14 @@ class Op(enum.IntEnum):
     LAUNCH = 5
 
 
+def op_name(opcode: int) -> str:
+    """An opcode's name, for records and messages (an unknown one by its number)."""
+    try:
+        return Op(opcode).name
+    except ValueError:
+        return f"opcode {opcode}"
+
+
 class accel_packet(Struct):
     """One unit of queued work: 64 bytes in a ring slot."""
 

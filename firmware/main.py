@@ -125,6 +125,7 @@ class Firmware:
         residency = memory.Residency(self.counters, self.vram_size)
         self.sched = Scheduler(config, residency, self.counters, self.jit_cache_dir)
         self.sched.contexts = self.contexts
+        self.sched.on_fault = self._report_fault
         self._poller.register(self.sched.wake_fd, select.POLLIN)
         if _has_entries(self.jit_cache_dir):
             self.sched.kernels.warm_up()  # kernels ran here before: have the JIT ready
@@ -158,6 +159,13 @@ class Firmware:
         if posted:
             self.mbx.set_stats(self.counters.snapshot())
             self.interrupt()
+
+    def _report_fault(self, ring: Ring, fault: tuple[int, int, int, int]) -> None:
+        """A ring's first fault, for the driver's fault log (any thread)."""
+        seqno, code, opcode, address = fault
+        self.post(mailbox.Op.FAULT, ring.ctx.id, mailbox.fw_fault(
+            queue_id=ring.id, seqno=seqno, address=address & 0xFFFFFFFFFFFFFFFF,
+            opcode=opcode & 0xFFFFFFFF), code)
 
     # control messages ----------------------------------------------------------------
     def handle(self, op: int, ctx_id: int, payload: bytes) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Callable
 from time import monotonic_ns
 from typing import Any
 
@@ -69,6 +70,9 @@ class Scheduler:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._lock = threading.Lock()  # engines finishing vs the scheduler's bookkeeping
+        #: told of each ring's first fault, (seqno, errno, opcode, address), once its ring
+        #: holds it (the firmware reports it to the driver for the fault log)
+        self.on_fault: Callable[[Ring, tuple[int, int, int, int]], None] | None = None
 
     # --- wake-ups --------------------------------------------------------------------------
     @property
@@ -260,6 +264,7 @@ class Scheduler:
         fence passed (and the scheduler, for the ring's next packet). Called on an engine
         (``from_engine``) or else on the control loop, which counts into its tally."""
         with self._lock:
+            first_fault = c.fault is not None and not ring.faulted
             passed = ring.complete(seqno, c)
             if from_engine:
                 ring.busy = False
@@ -270,6 +275,8 @@ class Scheduler:
             count.add("packets", passed if passed <= userq.RING_SLOTS else userq.RING_SLOTS)
         if c.fault is not None:
             count.add("faults")
+            if first_fault and self.on_fault is not None:
+                self.on_fault(ring, c.fault)
         if irq:
             ring.ctx.signal()
         if from_engine:

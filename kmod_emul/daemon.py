@@ -130,7 +130,7 @@ def make_devices(config: DaemonConfig) -> list[AccelDevice]:
     jit_cache = config.jit_cache or config.state_dir / "jit-cache"
     jit_cache.mkdir(parents=True, exist_ok=True)
     mem = MemoryConfig(vram_fds, config.process_memory_limit, str(jit_cache), config.devices,
-                       raise_fd_limit())
+                       raise_fd_limit(), str(config.state_dir))
     devices = [
         AccelDevice(i, identities[slot], config.memory, config.firmware_dir,
                     config.heartbeat_timeout_s, mem)

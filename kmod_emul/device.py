@@ -32,9 +32,10 @@ from typing import Any
 
 import trio
 
-from abi import fwimage, mailbox, uapi, userq
+from abi import faults, fwimage, mailbox, uapi, userq
 from abi._struct import Struct
 from kmod_emul import bringup, limits, userfd
+from kmod_emul.faultlog import FaultLog
 from kmod_emul.context import (
     Context,
     DefaultQueue,
@@ -67,6 +68,7 @@ class MemoryConfig:
     jit_cache: str = ""  # the firmware's persistent kernel cache
     devices: int = 1  # how many devices the daemon serves (they share its descriptors)
     fd_limit: int = 1024  # the daemon's descriptor limit (its children inherit it)
+    state_dir: str = ""  # where per-UUID state persists (fault log); "" keeps none
 
 
 class AccelDevice:
@@ -115,6 +117,9 @@ class AccelDevice:
         self.module_checks = trio.CapacityLimiter(1)
         self._static_info: bytes | None = None
         self.limits = limits.Limits.for_device(self.config, mem.devices, mem.fd_limit)
+        #: every fault record of this device (sysfs ``faults``, ``events``; persisted)
+        self.faults = FaultLog(index, identity.uuid,
+                               Path(mem.state_dir) if mem.state_dir else None)
 
     def new_id(self) -> int:
         """Handles of every kind (contexts, queues, allocations) are unique on the device
@@ -380,9 +385,18 @@ class AccelDevice:
             self.fw.ring_doorbell()
         return seqno
 
-    def _lose_contexts(self, reason: str) -> None:
+    def _lose_contexts(self, reason: str) -> list[int]:
+        """Lose every live context; their ids (what a device-scope record names)."""
+        lost = [c.id for c in self.contexts.values() if c.lost is None]
         for ctx in self.contexts.values():
             ctx.lose(reason)
+        return lost
+
+    def report(self, code: int, ctx: Context | None = None, **fields: Any) -> dict[str, Any]:
+        """Record a fault of catalogue ``code`` (of ``ctx``'s process, when it has one)."""
+        if ctx is not None:
+            fields.update(context=ctx.id, pid=ctx.file.pid, uid=ctx.file.uid)
+        return self.faults.report(code, **fields)
 
     # --- reset and fault injection -----------------------------------------------------
     def request_reset(self, reason: str = "reset requested") -> None:
@@ -391,7 +405,8 @@ class AccelDevice:
         self.state = uapi.DeviceState.IN_RESET
         self.failure = None  # a reset starts afresh; the next boot says how it went
         self.reset_reason, self.last_reset = reason, time.time()
-        self._lose_contexts(f"{self.name} was reset ({reason})")
+        lost = self._lose_contexts(f"{self.name} was reset ({reason})")
+        self.report(faults.BY_NAME["DEVICE_RESET"].code, contexts=lost, message=reason)
         self._reset_requested.set()
 
     def set_reset_hold(self, hold: bool) -> None:
@@ -404,18 +419,21 @@ class AccelDevice:
             raise DriverError(errno.ENODEV, f"{self.name} has no running firmware")
         self.fw.send(0, mailbox.fw_hang())
 
-    def _fail(self, err: int, message: str) -> None:
+    def _fail(self, err: int, message: str) -> list[int]:
+        """Fail the device: every context is lost; their ids."""
         log.warning("%s failed: %s", self.name, message)
         self.state = uapi.DeviceState.FAILED
         self.failure = (err, message)
         self.last_failure = (err, message, time.time())
-        self._lose_contexts(f"{self.name} failed: {message}")
+        return self._lose_contexts(f"{self.name} failed: {message}")
 
-    def _fail_running(self, err: int, message: str) -> None:
-        """The running firmware died or hung: fail (every context is told), then, with
-        ``recovery`` auto, reset at once -- the firmware restarts as in a reset, the
-        contexts stay lost. (A failed boot is not retried: it would fail again.)"""
-        self._fail(err, message)
+    def _fail_running(self, err: int, message: str, code: int) -> None:
+        """The running firmware died or hung (catalogue ``code``): fail (every context is
+        told, the fault recorded), then, with ``recovery`` auto, reset at once -- the
+        firmware restarts as in a reset, the contexts stay lost. (A failed boot is not
+        retried: it would fail again.)"""
+        self.report(code, contexts=self._fail(err, message), message=message,
+                    errno=errno.errorcode.get(err, str(err)))
         if self.recovery == "auto":
             self.request_reset(f"recovery from: {message}")
 
@@ -544,6 +562,20 @@ class AccelDevice:
         log.warning("%s: firmware could not map the ring of queue %d of context %d (%s)",
                     self.name, msg.queue_id, ctx_id, errno.errorcode.get(status, status))
         self._fault_queue(ctx_id, msg.queue_id, status)
+        ctx = self.contexts.get(ctx_id)
+        if ctx is not None:
+            self.report(faults.BY_NAME["QUEUE_UNMAPPABLE"].code, ctx, queue=msg.queue_id,
+                        engine="firmware", errno=errno.errorcode.get(status, str(status)))
+
+    def _on_fault(self, ctx_id: int, status: int, msg: mailbox.fw_fault) -> None:
+        """A packet faulted (``status`` its errno): record it for its process. The process
+        learns it from its own ring; this is the record everyone else reads."""
+        ctx = self.contexts.get(ctx_id)
+        op = userq.op_name(msg.opcode)
+        self.report(faults.queue_fault_kind(status).code, ctx, engine=faults.engine_of(op),
+                    queue=msg.queue_id, seqno=msg.seqno, address=msg.address, opcode=op,
+                    errno=errno.errorcode.get(status, str(status)),
+                    **({} if ctx is not None else {"context": ctx_id}))
 
     def _on_unmap_done(self, ctx_id: int, status: int, msg: mailbox.fw_unmap_done) -> None:
         self.memory.unmapped(ctx_id, msg.va)
@@ -573,7 +605,8 @@ class AccelDevice:
         status = await self.fw.proc.wait()
         if self.state == uapi.DeviceState.OPERATIONAL:
             self._fail_running(errno.ENODEV,
-                               f"firmware process exited unexpectedly (status {status})")
+                               f"firmware process exited unexpectedly (status {status})",
+                               faults.BY_NAME["FIRMWARE_DIED"].code)
         scope.cancel()
 
     async def _watch_heartbeat(self, scope: trio.CancelScope) -> None:
@@ -592,6 +625,7 @@ class AccelDevice:
                     errno.ENODEV,
                     f"firmware stopped heart-beating (none for {now - last_change:.1f} s)"
                     + ("" if self.recovery == "auto" else "; reset the device"),
+                    faults.BY_NAME["FIRMWARE_HANG"].code,
                 )
                 scope.cancel()
                 return
@@ -633,5 +667,6 @@ COMPLETION_HANDLERS: dict[mailbox.Op, Callable[[AccelDevice, int, int, Any], Non
     mailbox.Op.QUEUE_IMPORT: AccelDevice._on_queue_done,
     mailbox.Op.UNMAP: AccelDevice._on_unmap_done,
     mailbox.Op.CTX_DESTROY: AccelDevice._on_ctx_destroy_done,
+    mailbox.Op.FAULT: AccelDevice._on_fault,
 }
 assert set(COMPLETION_HANDLERS) == set(mailbox.COMPLETIONS), "a completion without a handler"

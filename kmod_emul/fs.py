@@ -19,6 +19,7 @@ import errno
 import itertools
 import logging
 import os
+import select
 import stat
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from kmod_emul import drv
 from kmod_emul.context import OpenFile
 from kmod_emul.device import AccelDevice
 from kmod_emul.errors import DriverError
+from kmod_emul.faultlog import FaultLog, Watcher
 from kmod_emul.sysfs import Attr, debug_attrs, device_attrs, limit_attrs, module_attrs
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class Node:
     children: dict[bytes, Node] = field(default_factory=dict)
     attr: Attr | None = None
     device: AccelDevice | None = None
+    events: FaultLog | None = None  # the device's event node: each open is a watcher
     root_only: bool = False  # debugfs: neither listed nor opened by anyone but root
 
 
@@ -79,6 +82,12 @@ class Tree:
             parent.children[name.encode()] = self._new(stat.S_IFREG | perm, attr=attr,
                                                        root_only=root_only)
 
+    def add_events(self, path: str, name: str, flog: FaultLog) -> None:
+        """A blocking, pollable event stream. 0666: anyone may watch (and set the filter
+        of their own watcher); what each sees is filtered by who they are."""
+        self.mkdir(path).children[name.encode()] = self._new(stat.S_IFREG | 0o666,
+                                                             events=flog)
+
     def add_device(self, dev: AccelDevice) -> None:
         parent = self.mkdir("dev/accel")
         parent.children[dev.name.encode()] = self._new(stat.S_IFREG | 0o666, device=dev)
@@ -92,6 +101,7 @@ def build_tree(info: drv.DriverInfo, devices: list[AccelDevice]) -> Tree:
     for dev in devices:
         tree.add_device(dev)
         tree.add_attrs(f"sys/class/accel/{dev.name}", device_attrs(dev))
+        tree.add_events(f"sys/class/accel/{dev.name}", "events", dev.faults)
         tree.add_attrs(f"sys/class/accel/{dev.name}/limits", limit_attrs(dev))
         tree.add_attrs(f"sys/kernel/debug/accel/{dev.name}", debug_attrs(dev), root_only=True)
     tree.add_attrs("sys/module/accel_emu", module_attrs(info, devices))
@@ -119,7 +129,7 @@ class AccelFS(pyfuse3.Operations):
         super().__init__()
         self.tree = tree
         self.info = info
-        self._handles: dict[int, OpenFile | AttrHandle] = {}
+        self._handles: dict[int, OpenFile | AttrHandle | Watcher] = {}
         self._fh = itertools.count(1)
         self._mtime_ns = time.time_ns()
 
@@ -174,9 +184,12 @@ class AccelFS(pyfuse3.Operations):
         node = self._node(inode)
         if node.device is not None:
             try:
-                handle: OpenFile | AttrHandle = node.device.open(ctx.pid, ctx.uid, ctx.gid)
+                handle: OpenFile | AttrHandle | Watcher = node.device.open(ctx.pid, ctx.uid,
+                                                                           ctx.gid)
             except Exception as exc:  # noqa: BLE001 - see _fuse_error
                 raise _fuse_error(exc) from None
+        elif node.events is not None:
+            handle = node.events.watch(ctx.uid, bool(flags & os.O_NONBLOCK))
         elif node.attr is not None:
             writing = flags & os.O_ACCMODE != os.O_RDONLY
             reading = flags & os.O_ACCMODE != os.O_WRONLY
@@ -200,6 +213,8 @@ class AccelFS(pyfuse3.Operations):
         if isinstance(handle, AttrHandle):
             return handle.content[off : off + size]
         try:
+            if isinstance(handle, Watcher):
+                return await handle.read(size)
             return drv.take_reply(handle, off, size)
         except Exception as exc:  # noqa: BLE001 - see _fuse_error
             raise _fuse_error(exc) from None
@@ -210,14 +225,29 @@ class AccelFS(pyfuse3.Operations):
             if isinstance(handle, AttrHandle):
                 assert handle.node.attr is not None and handle.node.attr.write is not None
                 handle.node.attr.write(buf.decode(errors="replace"))
+            elif isinstance(handle, Watcher):
+                handle.configure(buf.decode(errors="replace"))
             else:
                 await drv.execute(self.info, handle, buf)
         except Exception as exc:  # noqa: BLE001 - see _fuse_error
             raise _fuse_error(exc) from None
         return len(buf)
 
+    async def poll(self, inode: int, fh: int, poll_handle: pyfuse3.PollHandle | None,
+                   ctx: pyfuse3.RequestContext) -> int:
+        """An event node is readable once it has an event; everything else always is."""
+        handle = self._handles.get(fh)
+        if not isinstance(handle, Watcher):
+            return select.POLLIN | select.POLLOUT
+        if handle.ready():
+            return select.POLLIN
+        handle.poll_handle = poll_handle  # Watcher.offer notifies it
+        return 0
+
     async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
+        if isinstance(handle, Watcher):
+            handle.close()
         if isinstance(handle, OpenFile):
             try:
                 handle.device.release(handle)

@@ -124,6 +124,8 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         reset=Attr(write=reset),
         memory_free=Attr(read=lambda: str(dev.memory.free_bytes())),
         processes=Attr(read=functools.partial(_processes, dev), per_viewer=True),
+        # the last fault records, one JSON line each (kmod_emul/faultlog.py)
+        fault_log=Attr(read=dev.faults.render, per_viewer=True),
         queues=Attr(read=lambda: str(dev.queue_count())),
         pinned_bytes=Attr(read=lambda: str(dev.memory.pinned_bytes())),
         host_allocations=Attr(read=lambda: str(dev.memory.host_allocations())),

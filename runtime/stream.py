@@ -284,19 +284,12 @@ class Stream:
                 pass
 
 
-def _op_name(opcode: int) -> str:
-    try:
-        return userq.Op(opcode).name
-    except ValueError:
-        return f"opcode {opcode}"
-
-
 def fault_error(stream: Stream, seqno: int, code: int, opcode: int,
                 addr: int) -> errors.DeviceFaultError:
     record = {
         "device": stream.device, "context": stream.ctx.id, "queue": stream.queue_id,
         "seqno": seqno, "errno": errno.errorcode.get(code, str(code)),
-        "opcode": _op_name(opcode), "address": addr,
+        "opcode": userq.op_name(opcode), "address": addr,
     }
     what = record["opcode"]
     cls: type[errors.DeviceFaultError] = errors.DeviceFaultError
