@@ -120,6 +120,8 @@ _KINDS = (
          "a correctable error in the firmware's memory"),
     Kind(127, "FIRMWARE_UE", "firmware", _F, Scope.DEVICE, Action.RESET_DEVICE,
          "an uncorrectable firmware error: the firmware halts, the device resets"),
+    Kind(130, "DRIVER_GONE", "firmware", _F, Scope.DEVICE, Action.RESET_DEVICE,
+         "the daemon serving the device died; start accel-emud again, then recover()"),
     Kind(140, "THERMAL_THROTTLE", "thermal", _C, Scope.OPERATION, Action.NONE,
          "over the slowdown temperature: clocks are throttled"),
     Kind(141, "THERMAL_SHUTDOWN", "thermal", _F, Scope.DEVICE, Action.RESET_DEVICE,

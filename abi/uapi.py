@@ -629,4 +629,7 @@ def default_root() -> str:
 DEV_DIR: Final = "dev/accel"
 CLASS_DIR: Final = "sys/class/accel"
 DEBUG_DIR: Final = "sys/kernel/debug/accel"
+#: A device's fault event stream, ``EVENTS_DIR/accelN``: a character-device-like node (read
+#: blocks, poll works), as /dev/kmsg is, and so outside sysfs, whose files never block.
+EVENTS_DIR: Final = "dev/accel-events"
 MODULE_DIR: Final = "sys/module/accel_emu"

@@ -4,11 +4,11 @@ Three readers, one source (:mod:`abi.faults` defines the record):
 
 * ``sys/class/accel/accelN/fault_log``: the last ``KEEP`` records, oldest first, one line each
   (what ``runtime.fault_records()`` and ``accel-smi -q -d ERRORS`` read);
-* ``sys/class/accel/accelN/events``: a blocking, pollable stream of new records, like KFD's
-  SMI events: each open is a watcher with its own queue of ``WATCH_QUEUE`` events; a
-  watcher too slow for its queue reads one ``{"dropped": N}`` marker in place of the N
-  events it lost; writing ``pid N`` keeps only that process's records (``pid all`` undoes
-  it);
+* ``dev/accel-events/accelN``: a blocking, pollable stream of new records, like KFD's
+  SMI events and /dev/kmsg: each open is a watcher with its own queue of ``WATCH_QUEUE``
+  events; a watcher too slow for its queue reads one ``{"dropped": N, "time": T}`` marker
+  where the N events it lost would have been (after the ones it kept); writing ``pid N``
+  keeps only that process's records (``pid all`` undoes it);
 * ``STATE_DIR/faults/<uuid>.log``: the persistent log, keyed by the device's stable UUID,
   so that a record survives daemon restarts (the daemon reloads it at start).
 
@@ -58,8 +58,8 @@ class Watcher:
         self.uid = uid
         self.nonblocking = nonblocking
         self.pid: int | None = None
+        #: records to read, and at most one dropped marker, last (the queue is full then)
         self.queue: deque[dict[str, Any]] = deque()
-        self.dropped = 0
         self._arrived = trio.Event()
         self.poll_handle: Any = None
 
@@ -73,17 +73,19 @@ class Watcher:
     def offer(self, rec: dict[str, Any]) -> None:
         if not visible(rec, self.uid) or (self.pid is not None and rec.get("pid") != self.pid):
             return
-        if len(self.queue) >= WATCH_QUEUE:
-            self.dropped += 1
-        else:
+        if len(self.queue) < WATCH_QUEUE:
             self.queue.append(rec)
+        elif "dropped" in self.queue[-1]:
+            self.queue[-1]["dropped"] += 1
+        else:
+            self.queue.append(faults.dropped_marker(1, time.time()))
         self._arrived.set()
         handle, self.poll_handle = self.poll_handle, None
         if handle is not None:
             handle.notify()
 
     def ready(self) -> bool:
-        return bool(self.queue) or self.dropped > 0
+        return bool(self.queue)
 
     async def read(self, size: int) -> bytes:
         """Whole lines up to ``size`` bytes (at least one); blocks while there is none."""
@@ -96,9 +98,6 @@ class Watcher:
                 raise DriverError(errno.EINTR, "no event yet; read again")
         self._arrived = trio.Event()
         out = bytearray()
-        if self.dropped:
-            out += (faults.to_line(faults.dropped_marker(self.dropped, time.time())) + "\n").encode()
-            self.dropped = 0
         while self.queue:
             line = (faults.to_line(self.queue[0]) + "\n").encode()
             if out and len(out) + len(line) > size:

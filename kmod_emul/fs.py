@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import pyfuse3
 
+from abi import uapi
 from kmod_emul import drv
 from kmod_emul.context import OpenFile
 from kmod_emul.device import AccelDevice
@@ -101,7 +102,7 @@ def build_tree(info: drv.DriverInfo, devices: list[AccelDevice]) -> Tree:
     for dev in devices:
         tree.add_device(dev)
         tree.add_attrs(f"sys/class/accel/{dev.name}", device_attrs(dev))
-        tree.add_events(f"sys/class/accel/{dev.name}", "events", dev.faults)
+        tree.add_events(uapi.EVENTS_DIR, dev.name, dev.faults)
         tree.add_attrs(f"sys/class/accel/{dev.name}/limits", limit_attrs(dev))
         tree.add_attrs(f"sys/kernel/debug/accel/{dev.name}", debug_attrs(dev), root_only=True)
     tree.add_attrs("sys/module/accel_emu", module_attrs(info, devices))

@@ -14,11 +14,13 @@ import ctypes
 import errno
 import itertools
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
+from abi import faults as fault_abi
 from abi import uapi
-from runtime import discovery, errors
+from runtime import discovery, errors, faults
 
 _tags = itertools.count(1)
 
@@ -64,6 +66,8 @@ class Channel:
     def __init__(self, physical: str) -> None:
         self.physical = physical
         self.pid = os.getpid()
+        #: the driver's id of the context made on this channel (0 before CTX_CREATE)
+        self.ctx_id = 0
         #: the first DeviceLostError this channel's context met: lost is for good
         self.lost: errors.DeviceLostError | None = None
         #: called once, with that error (the runtime's Device closes what it built on it)
@@ -99,8 +103,11 @@ class Channel:
         """The exception for ``err`` answering ``cmd``; for ENODEV it names why the
         context was lost (``cause``, else the device's failure text)."""
         where = f"{cmd.name} on {self.physical}"
+        record = None
         if err in (errno.ENOTCONN, errno.ECONNABORTED):  # the daemon died under the mount
             err, cause = errno.ENODEV, cause or "the driver is gone (the daemon died)"
+            record = fault_abi.record(fault_abi.BY_NAME["DRIVER_GONE"], context=self.ctx_id,
+                                      pid=self.pid, uid=os.getuid(), time=time.time())
         if err == errno.ENODEV:
             try:
                 state = discovery.read_attr(self.physical, "state")
@@ -108,7 +115,11 @@ class Channel:
                 reason = discovery.read_attr(self.physical, "reset_reason")
             except OSError:
                 state, failure, reason = "unknown", "", ""
-            if state == "failed":
+            record = record or faults.loss_record(self.physical, self.ctx_id)
+            if record is not None and record["scope"] == "context":
+                cause = cause or (f"a {record['name']} fault (code {record['code']}) lost "
+                                  f"it alone: {record['message']}")
+            elif state == "failed":
                 cause = cause or failure or "it failed"
             else:  # reset since (by hand, or the driver's recovery from a failure)
                 cause = cause or (f"it was reset ({reason})" if reason else "it was reset")
@@ -117,6 +128,7 @@ class Channel:
                      "create a new context, or runtime.recover() for the primary one, once "
                      "the device is operational")
             assert isinstance(exc, errors.DeviceLostError)
+            exc.record = faults.raised(record) if record is not None else {}
             if self.lost is None:
                 self.lost = exc
                 if self.on_lost is not None:

@@ -22,6 +22,7 @@ A ``Fence`` is a point on the context's default queue, the driver's own (SUBMIT_
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import select
 import threading
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from abi import uapi, userq
-from runtime import discovery, errors
+from runtime import discovery, errors, faults
 from runtime._channel import Channel, fork_message
 from runtime._shm import sealed_memfd
 
@@ -143,6 +144,8 @@ class Context:
             for fd in (db_fd, bell_r, event_w):
                 os.close(fd)
         self.id: int = reply.ctx_id
+        self.channel.ctx_id = self.id
+        faults.context_made(physical, self.id)
         self.exclusive = exclusive
         self._bell = bell_w
         self.events = Events(self, event_r)
@@ -173,6 +176,14 @@ class Context:
         self.check_fork()
         if self.db.get(userq.DB_LOST):
             raise self.lost_error(what)
+
+    @functools.cached_property
+    def uuid(self) -> str:
+        """The device's stable UUID, for fault records ("" once unreadable)."""
+        try:
+            return discovery.read_attr(self.physical, "uuid")
+        except OSError:
+            return ""
 
     def lost_error(self, what: str, cause: str | None = None) -> errors.DeviceLostError:
         err = self.channel.error(uapi.ACCEL_CMD_WAIT, errno.ENODEV, cause)

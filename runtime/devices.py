@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
 from abi import uapi
-from runtime import discovery, errors
+from runtime import discovery, errors, faults
 from runtime._channel import fork_message
 from runtime.allocator import CachingAllocator
 from runtime.context import Context
@@ -131,6 +131,7 @@ def _after_fork_in_child() -> None:
     global _lock, _pid
     _lock = threading.RLock()
     _pid = os.getpid()
+    faults.after_fork_in_child()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -297,6 +298,31 @@ def synchronize(dev: DeviceLike = None, timeout: float | None = None) -> None:
             first = first or exc
     if first is not None:
         raise first
+
+
+def fault_records(device: DeviceLike = None) -> list[dict[str, Any]]:
+    """This process's fault records, oldest first: on ``device``, or on every visible
+    device when None. Each is a dict of ``abi.faults.FIELDS`` (code, device, device_uuid,
+    engine, queue, context, pid, address, bank, severity, corrected, scope, action, time,
+    ...): the faults its exceptions carried, and the ones the driver recorded for its
+    contexts that it has not synchronised on yet (docs/faults.md). Reads sysfs only: works
+    on a lost device too, and never initialises one."""
+    visible = discovery.visible_devices()
+    if device is None:
+        physicals = visible
+    else:
+        idx = _index(device)
+        if not 0 <= idx < len(visible):
+            raise errors.InvalidValueError(
+                f"device {idx} is not visible ({len(visible)} visible)")
+        physicals = [visible[idx]]
+    uuids = set()
+    for physical in physicals:
+        try:
+            uuids.add(discovery.read_attr(physical, "uuid"))
+        except OSError:
+            pass
+    return faults.records(physicals, uuids)
 
 
 def new_context(dev: DeviceLike = None, *, exclusive: bool = False) -> Context:

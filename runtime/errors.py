@@ -62,9 +62,10 @@ class ResourceLimitError(OutOfMemoryError):
     memory, host allocations or modules (``sys/class/accel/accelN/limits`` lists them)."""
 
 
-class DeviceFaultError(AccelError):
-    """Queued work faulted on the device; ``record`` is the fault record (device, queue,
-    seqno, errno, opcode, address). Raised at the synchronisation point that covers it."""
+class _Recorded(AccelError):
+    """An error that carries the fault record (``abi.faults``: code, device, device_uuid,
+    engine, queue, context, pid, address, bank, link, severity, corrected, scope, action,
+    time, ...) of what caused it; ``{}`` where the cause has none."""
 
     def __init__(self, message: str, errno: int | None = None,
                  record: dict[str, Any] | None = None) -> None:
@@ -72,12 +73,18 @@ class DeviceFaultError(AccelError):
         self.record = record or {}
 
 
+class DeviceFaultError(_Recorded):
+    """Queued work faulted on the device; ``record`` is its fault record (scope ``queue``:
+    the stream is done). Raised at the synchronisation point that covers it."""
+
+
 class KernelFaultError(DeviceFaultError):
     """A kernel faulted on the device; ``record`` is the driver's fault record."""
 
 
-class DeviceLostError(AccelError):
-    """The device failed or was reset under this context; its state is gone (ENODEV)."""
+class DeviceLostError(_Recorded):
+    """The device failed or was reset under this context, or a fault lost the context
+    alone; its state is gone (ENODEV). ``record`` is the fault that lost it."""
 
 
 class UseAfterForkError(AccelError):

@@ -23,9 +23,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from abi import faults as fault_abi
 from abi import uapi, userq
 from runtime import devices as _device
-from runtime import errors
+from runtime import errors, faults
 from runtime._shm import sealed_memfd
 from runtime.context import Context
 
@@ -286,12 +287,16 @@ class Stream:
 
 def fault_error(stream: Stream, seqno: int, code: int, opcode: int,
                 addr: int) -> errors.DeviceFaultError:
-    record = {
-        "device": stream.device, "context": stream.ctx.id, "queue": stream.queue_id,
-        "seqno": seqno, "errno": errno.errorcode.get(code, str(code)),
-        "opcode": userq.op_name(opcode), "address": addr,
-    }
-    what = record["opcode"]
+    """The exception for the ring's fault record, carrying the full fault record (the
+    driver logs the same fault from the firmware's report; runtime/faults.py)."""
+    op = userq.op_name(opcode)
+    record = fault_abi.record(
+        fault_abi.queue_fault_kind(code), device=stream.device, device_uuid=stream.ctx.uuid,
+        engine=fault_abi.engine_of(op), queue=stream.queue_id, context=stream.ctx.id,
+        pid=os.getpid(), uid=os.getuid(), seqno=seqno, address=addr,
+        errno=errno.errorcode.get(code, str(code)), opcode=op, time=round(time.time(), 6))
+    faults.raised(record)
+    what = op
     cls: type[errors.DeviceFaultError] = errors.DeviceFaultError
     if opcode == userq.Op.LAUNCH:
         cls = errors.KernelFaultError
