@@ -91,6 +91,9 @@ class Op(enum.IntEnum):
     MODULE_UNLOAD = 15
     #: firmware to host only: a packet faulted (status: its errno)
     FAULT = 16
+    #: a device became unreachable over the link, or reachable again (answered once
+    #: applied: the driver drains on it)
+    LINK = 17
 
 
 # --- message payloads: one struct per message ---------------------------------------------
@@ -239,6 +242,18 @@ class fw_fault(Struct):
     ]
 
 
+class fw_link(Struct):
+    """Device ``device`` is reachable over the link (``up`` 1) or not (0): copies that
+    touch its memory fail with ENOLINK from now on. Answered (LINK) once applied, so the
+    driver knows no new packet of this firmware reaches that device."""
+
+    _fields_ = [
+        ("device", ctypes.c_uint32),
+        ("up", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64 * 2),
+    ]
+
+
 #: Host to firmware: each op's payload struct. The firmware handles every op of this table
 #: (a handler missing is a boot failure).
 COMMANDS: Final[dict[Op, type[Struct]]] = {
@@ -246,7 +261,7 @@ COMMANDS: Final[dict[Op, type[Struct]]] = {
     Op.MAP: fw_map, Op.UNMAP: fw_unmap, Op.QUEUE_CREATE: fw_queue_create,
     Op.QUEUE_DESTROY: fw_queue_destroy, Op.SET_BUDGET: fw_set_budget,
     Op.QUEUE_IMPORT: fw_queue_import, Op.HOLD: fw_hold, Op.MODULE_LOAD: fw_module_load,
-    Op.MODULE_UNLOAD: fw_module_unload,
+    Op.MODULE_UNLOAD: fw_module_unload, Op.LINK: fw_link,
 }
 #: The op a payload struct travels as (host to firmware).
 OP_OF: Final[dict[type[Struct], Op]] = {cls: op for op, cls in COMMANDS.items()}
@@ -254,6 +269,7 @@ OP_OF: Final[dict[type[Struct], Op]] = {cls: op for op, cls in COMMANDS.items()}
 COMPLETIONS: Final[dict[Op, type[Struct]]] = {
     Op.MAP: fw_map_done, Op.UNMAP: fw_unmap_done, Op.CTX_DESTROY: fw_ctx_destroy_done,
     Op.QUEUE_CREATE: fw_queue_done, Op.QUEUE_IMPORT: fw_queue_done, Op.FAULT: fw_fault,
+    Op.LINK: fw_link,
 }
 
 

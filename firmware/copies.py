@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from abi.uapi import MemKind
 from abi.userq import Op
 from firmware import memory
 from firmware.engines import Job
@@ -38,6 +39,8 @@ def copy(sched: Scheduler, ring: Ring, seqno: int, a: list[int], start_ns: int) 
     dst, src, n = a[0], a[1], a[2]
     space = ring.ctx.space
     (md, od), (ms, os_) = space.resolve(dst, n), space.resolve(src, n)
+    _check_link(sched, md, dst)
+    _check_link(sched, ms, src)
     return _bytes(sched, ring, seqno, Op.COPY, start_ns, n, lambda lo, hi: np.copyto(
         md.data[od + lo : od + hi], ms.data[os_ + lo : os_ + hi]), (md, od), (ms, os_))
 
@@ -49,8 +52,15 @@ def memset(sched: Scheduler, ring: Ring, seqno: int, a: list[int],
     if value > 0xFF:
         raise memory.Fault(0, errno.EINVAL)
     m, off = ring.ctx.space.resolve(dst, n)
+    _check_link(sched, m, dst)
     return _bytes(sched, ring, seqno, Op.MEMSET, start_ns, n, lambda lo, hi: m.data[
         off + lo : off + hi].fill(value), (m, off))
+
+
+def _check_link(sched: Scheduler, m: memory.Mapping, va: int) -> None:
+    """Another device's memory is reached over the link: not while it is down."""
+    if m.kind == MemKind.DEVICE and m.owner in sched.links_down:
+        raise memory.Fault(va, errno.ENOLINK)
 
 
 def prefetch(sched: Scheduler, ring: Ring, seqno: int, a: list[int], start_ns: int) -> Job:

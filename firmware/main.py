@@ -83,6 +83,7 @@ class Firmware:
             mailbox.Op.HOLD: self._on_hold,
             mailbox.Op.SET_BUDGET: self._on_set_budget,
             mailbox.Op.CTX_CREATE: self._on_ctx_create,
+            mailbox.Op.LINK: self._on_link,
         }
         #: ... the messages about an existing context (one for a context that is gone is
         #: dropped, its descriptors closed)
@@ -197,6 +198,14 @@ class Firmware:
     def _on_set_budget(self, ctx_id: int, msg: mailbox.fw_set_budget) -> None:
         assert self.sched is not None
         self.sched.residency.device_bytes = msg.device_bytes
+
+    def _on_link(self, ctx_id: int, msg: mailbox.fw_link) -> None:
+        assert self.sched is not None
+        if msg.up:
+            self.sched.links_down.discard(msg.device)
+        else:
+            self.sched.links_down.add(msg.device)
+        self.post(mailbox.Op.LINK, 0, mailbox.fw_link(device=msg.device, up=msg.up))
 
     def _on_ctx_create(self, ctx_id: int, msg: mailbox.fw_ctx_create) -> None:
         self._create_context(ctx_id, self.fdchan.take(msg.cookie))

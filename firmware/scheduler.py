@@ -73,6 +73,9 @@ class Scheduler:
         #: told of each ring's first fault, (seqno, errno, opcode, address), once its ring
         #: holds it (the firmware reports it to the driver for the fault log)
         self.on_fault: Callable[[Ring, tuple[int, int, int, int]], None] | None = None
+        #: devices whose memory is out of reach over the link (Op.LINK): copies touching
+        #: it fail with ENOLINK
+        self.links_down: set[int] = set()
 
     # --- wake-ups --------------------------------------------------------------------------
     @property

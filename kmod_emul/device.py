@@ -24,6 +24,7 @@ import errno
 import itertools
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from abi import faults, fwimage, mailbox, uapi, userq
 from abi._struct import Struct
 from kmod_emul import bringup, limits, userfd
 from kmod_emul.faultlog import FaultLog
+from kmod_emul.link import Link, fabric_endpoint
+from kmod_emul.thermal import Thermal
 from kmod_emul.context import (
     Context,
     DefaultQueue,
@@ -53,10 +56,6 @@ log = logging.getLogger(__name__)
 
 DEVICE_NAME = "Accel-Emu A1"
 DRIVER_VERSION = "1.0.0"
-
-
-def fabric_endpoint(index: int) -> str:
-    return f"fabric0:port{index}"
 
 
 @dataclass(frozen=True)
@@ -117,7 +116,13 @@ class AccelDevice:
         self.module_checks = trio.CapacityLimiter(1)
         self._static_info: bytes | None = None
         self.limits = limits.Limits.for_device(self.config, mem.devices, mem.fd_limit)
-        #: every fault record of this device (sysfs ``faults``, ``events``; persisted)
+        #: its port on the fabric (kmod_emul/link.py: the package/link reset scope)
+        self.link = Link(self)
+        self.thermal = Thermal(self)
+        #: after a shutdown the device did itself: what must hold before the driver's
+        #: recovery resets it (None: nothing to wait for)
+        self._recover_when: Callable[[], bool] | None = None
+        #: every fault record of this device (sysfs ``fault_log``, the event node; persisted)
         self.faults = FaultLog(index, identity.uuid,
                                Path(mem.state_dir) if mem.state_dir else None)
 
@@ -437,6 +442,27 @@ class AccelDevice:
         if self.recovery == "auto":
             self.request_reset(f"recovery from: {message}")
 
+    def shut_down(self, err: int, message: str, code: int,
+                  recover_when: Callable[[], bool]) -> None:
+        """The device stopped itself (a thermal shutdown): fail it (every context is
+        told, the fault recorded), stop its firmware, and with ``recovery`` auto reset it
+        once ``recover_when()`` holds."""
+        self.report(code, contexts=self._fail(err, message), message=message,
+                    errno=errno.errorcode.get(err, str(err)))
+        self._recover_when = recover_when if self.recovery == "auto" else None
+        if self.fw is not None and self.fw.pid > 0:
+            os.kill(self.fw.pid, signal.SIGKILL)  # powered off: _watch_exit ends serving
+
+    async def _recover_once(self) -> None:
+        """Reset a device that shut itself down once it may serve again (cooled)."""
+        ready, self._recover_when = self._recover_when, None
+        while ready is not None and not self._reset_requested.is_set():
+            if ready():
+                assert self.failure is not None
+                self.request_reset(f"recovery from: {self.failure[1]}")
+                return
+            await trio.sleep(0.1)
+
     # --- supervisor ----------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Boot, serve, recover on reset; forever. ``started`` after the first boot attempt."""
@@ -451,10 +477,12 @@ class AccelDevice:
                 if self.state == uapi.DeviceState.OPERATIONAL:
                     await self._serve()
                 await self._stop_firmware()
+                await self._recover_once()
                 await self._reset_requested.wait()
                 self._reset_requested = trio.Event()
                 while self.reset_hold:
                     await self._hold_changed.wait()
+                await self.link.drain()  # a package reset waits for its peers first
                 resetting = True
         finally:
             await self._stop_firmware()
@@ -481,6 +509,7 @@ class AccelDevice:
         if self._reset_requested.is_set():
             return  # a reset arrived while booting; serve() is skipped by the state check
         self.state = uapi.DeviceState.OPERATIONAL
+        self.link.restored()
         assert fw.image is not None
         log.info("%s: firmware %s up (pid %d)", self.name, fw.image.version, fw.pid)
 
@@ -566,6 +595,9 @@ class AccelDevice:
         if ctx is not None:
             self.report(faults.BY_NAME["QUEUE_UNMAPPABLE"].code, ctx, queue=msg.queue_id,
                         engine="firmware", errno=errno.errorcode.get(status, str(status)))
+
+    def _on_link_done(self, ctx_id: int, status: int, msg: mailbox.fw_link) -> None:
+        self.link.on_answer(msg)
 
     def _on_fault(self, ctx_id: int, status: int, msg: mailbox.fw_fault) -> None:
         """A packet faulted (``status`` its errno): record it for its process. The process
@@ -668,5 +700,6 @@ COMPLETION_HANDLERS: dict[mailbox.Op, Callable[[AccelDevice, int, int, Any], Non
     mailbox.Op.UNMAP: AccelDevice._on_unmap_done,
     mailbox.Op.CTX_DESTROY: AccelDevice._on_ctx_destroy_done,
     mailbox.Op.FAULT: AccelDevice._on_fault,
+    mailbox.Op.LINK: AccelDevice._on_link_done,
 }
 assert set(COMPLETION_HANDLERS) == set(mailbox.COMPLETIONS), "a completion without a handler"

@@ -126,6 +126,11 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         processes=Attr(read=functools.partial(_processes, dev), per_viewer=True),
         # the last fault records, one JSON line each (kmod_emul/faultlog.py)
         fault_log=Attr(read=dev.faults.render, per_viewer=True),
+        # the fabric port (kmod_emul/link.py) and the thermal model (kmod_emul/thermal.py)
+        link_state=Attr(read=lambda: dev.link.state),
+        temperature=Attr(read=lambda: f"{dev.thermal.temperature():.0f}"),
+        clock=Attr(read=lambda: str(dev.thermal.clock_mhz())),
+        throttle_reasons=Attr(read=dev.thermal.throttle_reasons),
         queues=Attr(read=lambda: str(dev.queue_count())),
         pinned_bytes=Attr(read=lambda: str(dev.memory.pinned_bytes())),
         host_allocations=Attr(read=lambda: str(dev.memory.host_allocations())),

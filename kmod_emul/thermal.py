@@ -1,0 +1,97 @@
+"""Temperature, clocks and thermal faults of one device.
+
+A first-order model, read lazily (no timer runs): the die sits at ``AMBIENT_C`` plus a
+load term that follows the firmware's packet rate (so it moves with work), plus heat that
+an injection adds and that decays with time constant ``TAU_S``. Over ``SLOWDOWN_C`` the
+clocks throttle to half (NVML's ``clocks_event_reasons.sw_thermal_slowdown``); over
+``SHUTDOWN_C`` the device shuts down: it fails, its firmware stops, every context is lost
+(record 141), and with ``recovery`` auto the driver resets it once it has cooled below
+the slowdown threshold.
+
+Injection (``ras_ctrl``): ``inject thermal ce <C>`` heats the die to C degrees (default: 2
+over the slowdown threshold) -- throttling, visible in ``temperature``, ``clock`` and
+``throttle_reasons``, record 140; ``inject thermal ue <C>`` heats it to C (default: 5 over
+the shutdown threshold) -- a thermal shutdown.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import time
+from typing import TYPE_CHECKING
+
+from abi import faults
+
+if TYPE_CHECKING:
+    from kmod_emul.device import AccelDevice
+
+AMBIENT_C = 35.0
+SLOWDOWN_C = 85.0
+SHUTDOWN_C = 95.0
+#: Degrees the die gains at full load (``FULL_LOAD_PPS`` packets a second and more).
+LOAD_C = 30.0
+FULL_LOAD_PPS = 20_000.0
+#: Injected heat decays with this time constant (the device cools).
+TAU_S = 2.0
+BASE_CLOCK_MHZ = 1500
+THROTTLED_CLOCK_MHZ = 750
+
+
+class Thermal:
+    def __init__(self, dev: AccelDevice) -> None:
+        self.dev = dev
+        self._heat = 0.0  # injected degrees over the load-driven temperature, at _heat_t
+        self._heat_t = time.monotonic()
+        self._load = 0.0  # smoothed load term, degrees
+        self._sample = (time.monotonic(), 0)  # (when, packets) of the last load sample
+        self.throttled_since: float | None = None
+
+    def _heat_now(self, now: float) -> float:
+        return self._heat * math.exp(-(now - self._heat_t) / TAU_S)
+
+    def temperature(self) -> float:
+        """Degrees Celsius now."""
+        now = time.monotonic()
+        packets = self.dev.fw_stats().get("packets", 0)
+        then, before = self._sample
+        if now - then >= 0.2:  # a rate needs a span; the load term smooths over samples
+            rate = max(0, packets - before) / (now - then)
+            target = LOAD_C * min(1.0, rate / FULL_LOAD_PPS)
+            self._load += (target - self._load) * (1 - math.exp(-(now - then) / TAU_S))
+            self._sample = (now, packets)
+        return AMBIENT_C + self._load + self._heat_now(now)
+
+    def throttle_reasons(self) -> str:
+        t = self.temperature()
+        if t >= SHUTDOWN_C or self.dev.failure and "thermal" in self.dev.failure[1]:
+            return "hw_thermal_shutdown"
+        return "sw_thermal_slowdown" if t >= SLOWDOWN_C else "none"
+
+    def clock_mhz(self) -> int:
+        return THROTTLED_CLOCK_MHZ if self.temperature() >= SLOWDOWN_C else BASE_CLOCK_MHZ
+
+    def cooled(self) -> bool:
+        return self.temperature() < SLOWDOWN_C
+
+    def heat_to(self, celsius: float) -> float:
+        """Add the heat that brings the die to ``celsius`` now; the temperature reached."""
+        now = time.monotonic()
+        current = self.temperature()
+        self._heat = self._heat_now(now) + max(0.0, celsius - current)
+        self._heat_t = now
+        return self.temperature()
+
+    def correctable(self, address: int) -> None:
+        reached = self.heat_to(address or SLOWDOWN_C + 2)
+        self.dev.report(faults.BY_NAME["THERMAL_THROTTLE"].code, address=address,
+                        message=f"{reached:.0f} C, over the {SLOWDOWN_C:.0f} C slowdown "
+                                f"threshold: clocks throttled to {THROTTLED_CLOCK_MHZ} MHz")
+
+    def uncorrectable(self, address: int) -> None:
+        reached = self.heat_to(address or SHUTDOWN_C + 5)
+        message = (f"thermal shutdown at {reached:.0f} C (over {SHUTDOWN_C:.0f} C)"
+                   + ("; it is reset once cooled" if self.dev.recovery == "auto" else
+                      "; reset it once cooled"))
+        self.dev.shut_down(errno.ENODEV, message, faults.BY_NAME["THERMAL_SHUTDOWN"].code,
+                           recover_when=self.cooled)

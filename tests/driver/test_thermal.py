@@ -1,0 +1,108 @@
+"""Thermal faults through ``ras_ctrl``: a correctable one throttles (visible in
+``temperature``, ``clock`` and ``throttle_reasons``, record 140) and cools back; an
+uncorrectable one shuts the device down (record 141, its contexts lost, the firmware
+stopped) and the driver resets it once cooled; the other device never notices. The
+temperature follows load: it is a model, not a constant."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from kmod_emul import thermal
+from stress.harness import Bystander
+
+
+def _log(d, dev: int = 0) -> list[dict]:
+    return [json.loads(line) for line in d.attr(dev, "fault_log").splitlines()]
+
+
+def _wait(pred, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_throttling_is_visible_then_cools_back(make_daemon):
+    d = make_daemon()
+    idle = float(d.attr(0, "temperature"))
+    assert thermal.AMBIENT_C - 1 <= idle < thermal.SLOWDOWN_C
+    assert (d.attr(0, "clock"), d.attr(0, "throttle_reasons")) == (
+        str(thermal.BASE_CLOCK_MHZ), "none")
+    d.debug(0, "ras_ctrl").write_text("inject thermal ce 90")
+    assert float(d.attr(0, "temperature")) >= 89
+    assert (d.attr(0, "clock"), d.attr(0, "throttle_reasons")) == (
+        str(thermal.THROTTLED_CLOCK_MHZ), "sw_thermal_slowdown")
+    assert d.attr(0, "state") == "operational"
+    rec = _log(d)[-1]
+    assert (rec["code"], rec["name"], rec["corrected"], rec["scope"]) == (
+        140, "THERMAL_THROTTLE", True, "operation")
+    _wait(lambda: d.attr(0, "throttle_reasons") == "none")
+    assert d.attr(0, "clock") == str(thermal.BASE_CLOCK_MHZ)
+
+
+LOAD = """
+import numpy as np, runtime
+from abi import userq
+s = runtime.Stream()
+nop = userq.accel_packet(opcode=userq.Op.NOP)
+for _ in range(400):
+    s.submit([nop] * 64)
+s.synchronize()
+print("ok")
+"""
+
+
+def test_the_temperature_follows_load(make_daemon):
+    d = make_daemon()
+    idle = float(d.attr(0, "temperature"))
+    out = d.run_py(LOAD, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert float(d.attr(0, "temperature")) > idle
+
+
+HOLDER = """
+import numpy as np, runtime
+x = runtime.to_device(np.ones(4096, np.float32))
+runtime.synchronize()
+print("ready", flush=True)
+input()
+try:
+    x.copy_to_host()
+    print("ran")
+except runtime.DeviceLostError as exc:
+    print(exc.record["code"], "thermal shutdown" in str(exc))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_thermal_shutdown_loses_the_device_and_recovers_once_cooled(make_daemon):
+    d = make_daemon(devices=2)
+    with Bystander(d, 1) as other:
+        holder = d.popen_py(HOLDER)
+        assert holder.stdout.readline() == "ready\n"
+        d.debug(0, "ras_ctrl").write_text("inject thermal ue 0")
+        assert d.attr(0, "state") in ("failed", "in_reset", "booting")
+        out, err = holder.communicate("\n", timeout=30)
+        assert out.splitlines() == ["141 True"], err
+        d.wait_state(0, "operational")
+        other.check()
+    assert d.attr(0, "reset_count") == "1"
+    assert float(d.attr(0, "temperature")) < thermal.SLOWDOWN_C
+    assert "thermal shutdown" in d.attr(0, "last_failure")
+    rec = [r for r in _log(d) if r["code"] == 141]
+    assert len(rec) == 1 and (rec[0]["severity"], rec[0]["scope"]) == ("fatal", "device")
+    assert d.attr(1, "reset_count") == "0" and _log(d, 1) == []
+
+
+def test_manual_recovery_leaves_a_shut_down_device_failed(make_daemon):
+    d = make_daemon(extra=["--recovery", "manual"])
+    d.debug(0, "ras_ctrl").write_text("inject thermal ue 0")
+    d.wait_state(0, "failed")
+    time.sleep(1.5)  # cooled by now: still failed, nobody reset it
+    assert d.attr(0, "state") == "failed" and d.attr(0, "reset_count") == "0"
+    (d.root / "sys/class/accel/accel0/reset").write_text("1")
+    d.wait_state(0, "operational")
