@@ -47,7 +47,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from abi import uapi
+from abi import faults, uapi
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -86,7 +86,26 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Clients": ("contexts", "open_files", "clients", "exclusive_owner", "processes"),
     "Engines": ("completions", "packets", "copies", "copy_bytes", "launches", "faults",
                 "preemptions", "copy_engines_busy_peak", "jit_compiles", "jit_hits"),
+    "Temperature": ("temperature", "throttle_reasons"),
+    "Clocks": ("clock",),
+    "Link": ("link_state",),
+    "ECC": tuple(f"ras/{block}_err_count" for block in faults.BLOCKS),
+    "Retired Pages": ("retired_pages", "bad_pages"),
+    # the fault log, one row per record (show_errors); never raw under "Other"
+    "Errors": ("fault_log",),
 }
+
+#: ``-d`` names (nvidia-smi's, and ours for the rest) -> the ``-q`` sections they show.
+DISPLAY: dict[str, tuple[str, ...]] = {
+    "IDENTITY": ("Identity",), "VERSIONS": ("Versions",), "STATE": ("State",),
+    "MEMORY": ("Memory",), "UTILIZATION": ("Engines",), "COMPUTE": ("Compute",),
+    "PIDS": ("Clients",), "TEMPERATURE": ("Temperature",), "CLOCK": ("Clocks",),
+    "LINK": ("Link",), "ECC": ("ECC",), "PAGE_RETIREMENT": ("Retired Pages",),
+    "ERRORS": ("Errors",),
+}
+#: Fault-record fields the ERRORS section shows, in order (the JSON has them all).
+ERROR_COLUMNS = ("seq", "time", "code", "name", "severity", "scope", "action", "pid",
+                 "context", "engine", "queue", "address", "bank", "link")
 
 
 class UsageError(Exception):
@@ -260,8 +279,53 @@ def show_list(tree: Tree, devices: list[str]) -> str:
     return "\n".join(out)
 
 
-def show_query(tree: Tree, devices: list[str]) -> str:
-    """``-q``: every attribute of each device as ``key : value``, grouped in sections."""
+def parse_display(spec: str | None) -> tuple[str, ...] | None:
+    """``-d MEMORY,ERRORS`` -> the sections to show (None: all of them)."""
+    if spec is None:
+        return None
+    shown: list[str] = []
+    for name in (n.strip().upper() for n in spec.split(",")):
+        if name not in DISPLAY:
+            raise UsageError(f"-d: no section {name!r}; the sections are "
+                             f"{', '.join(DISPLAY)}")
+        shown += DISPLAY[name]
+    return tuple(shown)
+
+
+def fault_records(attrs: dict[str, str]) -> list[dict[str, Any]]:
+    """A device's ``fault_log`` as records (a line that does not parse is skipped)."""
+    out = []
+    for line in attrs.get("fault_log", "").splitlines():
+        try:
+            out.append(faults.from_line(line))
+        except ValueError:
+            continue
+    return out
+
+
+def show_errors(attrs: dict[str, str], indent: str) -> list[str]:
+    """The Errors section: one row per fault record, oldest first."""
+    records = fault_records(attrs)
+    if not records:
+        return [f"{indent}None"]
+    rows = [[_cell(k, r.get(k)) for k in ERROR_COLUMNS] for r in records]
+    table = tabulate(rows, headers=ERROR_COLUMNS, tablefmt="plain", disable_numparse=True)
+    return [indent + line for line in table.splitlines()]
+
+
+def _cell(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key == "time":
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(value)))
+    if key == "address":
+        return f"{int(value):#x}"
+    return str(value)
+
+
+def show_query(tree: Tree, devices: list[str], only: tuple[str, ...] | None = None) -> str:
+    """``-q``: every attribute of each device as ``key : value``, grouped in sections
+    (``only``: just those sections, from ``-d``)."""
     drv = tree.driver()
     width = 34  # "        " + the longest attribute name, max_shared_mem_per_block
     out = [f"{'Driver Version':<{width}}: {_na(drv.get('version'))}",
@@ -274,9 +338,12 @@ def show_query(tree: Tree, devices: list[str]) -> str:
         sections = {**SECTIONS, "Other": tuple(k for k in a if k not in grouped)}
         for title, attrs in sections.items():
             present = [k for k in attrs if k in a]
-            if not present:
+            if not present or (only is not None and title not in only):
                 continue
             out.append(f"    {title}")
+            if title == "Errors":
+                out += show_errors(a, " " * 8)
+                continue
             for k in present:
                 value = _na(a[k])
                 if k.startswith("memory_") and a[k].isdigit():
@@ -290,9 +357,16 @@ def show_json(tree: Tree, devices: list[str]) -> str:
     doc = {
         "root": str(tree.root),
         "driver": {k: typed(k, v) for k, v in tree.driver().items()},
-        "devices": [{k: typed(k, v) for k, v in tree.device(n).items()} for n in devices],
+        "devices": [_typed_device(tree.device(n)) for n in devices],
     }
     return json.dumps(doc, indent=2)
+
+
+def _typed_device(attrs: dict[str, str]) -> dict[str, Any]:
+    """A device's attributes for JSON; its fault log as a list of records."""
+    doc = {k: typed(k, v) for k, v in attrs.items() if k != "fault_log"}
+    doc["fault_log"] = fault_records(attrs)
+    return doc
 
 
 # --- --query-device ---------------------------------------------------------------------------
@@ -340,6 +414,10 @@ FIELDS: dict[str, Field] = {
     "state": _attr_field("state"),
     "failure_code": _attr_field("failure_code"),
     "failure": _attr_field("failure"),
+    "temperature.gpu": _attr_field("temperature", "C"),
+    "clocks.sm": _attr_field("clock", "MHz"),
+    "clocks_event_reasons.active": _attr_field("throttle_reasons"),
+    "reset_count": _attr_field("reset_count"),
 }
 
 
@@ -460,6 +538,8 @@ def parser() -> argparse.ArgumentParser:
     mode.add_argument("-L", "--list-devices", action="store_true", help="one line per device")
     mode.add_argument("-q", "--query", action="store_true", help="every attribute, grouped")
     mode.add_argument("--json", action="store_true", help="machine-readable, all attributes")
+    p.add_argument("-d", "--display", metavar="SECTION[,SECTION]", default=None,
+                   help=f"with -q: only these sections ({', '.join(DISPLAY)})")
     mode.add_argument("--query-device", metavar="FIELDS",
                       help="comma-separated fields: " + ", ".join(FIELDS))
     mode.add_argument("-r", "--reset", action="store_true", help="reset the -i device(s)")
@@ -497,6 +577,8 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str, str]:
             return EXIT_NO_DEVICES, NO_DEVICES, f"accel-smi: no accel-emud serves {tree.root}"
         if args.force and not args.reset:
             raise UsageError("--force goes with -r")
+        if args.display is not None and not args.query:
+            raise UsageError("-d goes with -q")
         if args.reset:
             refused = None if args.force else in_use(tree, devices)
             rc, text = refused or reset(tree, devices, args.reset_timeout)
@@ -504,7 +586,7 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str, str]:
         if args.list_devices:
             out = show_list(tree, devices)
         elif args.query:
-            out = show_query(tree, devices)
+            out = show_query(tree, devices, parse_display(args.display))
         elif args.json:
             out = show_json(tree, devices)
         elif args.query_device is not None:

@@ -24,7 +24,7 @@ from firmware.image import IMAGE_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 #: Changes between two reads on a healthy device; never compared by value.
-VOLATILE = {"heartbeat"}
+VOLATILE = {"heartbeat", "temperature"}
 
 
 def smi(d, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -88,11 +88,15 @@ def test_query_one_device_shows_every_attribute_of_it_only(daemon) -> None:
     for section in ("Identity", "Versions", "State", "Memory", "Compute", "Clients"):
         assert f"\n    {section}\n" in out
     values = {}
+    section = ""
     for line in out.splitlines():
-        if line.startswith(" " * 8):
+        if line.startswith(" " * 4) and not line.startswith(" " * 8):
+            section = line.strip()
+        elif line.startswith(" " * 8) and section != "Errors":  # the log is a table
             key, _, value = line.strip().partition(":")
             values[key.strip()] = value.strip()
     attrs = readable_attrs(daemon, 1)
+    del attrs["fault_log"]  # shown as the Errors table (test_errors_section_...)
     assert set(values) == set(attrs)  # every attribute, nothing invented
     for key, value in attrs.items():
         if key in VOLATILE:
@@ -127,7 +131,9 @@ def test_json_has_every_attribute_typed(daemon) -> None:
             if key in VOLATILE:
                 continue
             got = obj[key]
-            if key == "capabilities":
+            if key == "fault_log":
+                assert got == [json.loads(line) for line in value.splitlines()]
+            elif key == "capabilities":
                 assert got == value.split()
             elif value == "" and key not in ("failure", "failure_code", "reset_reason",
                                              "last_failure"):
@@ -163,10 +169,10 @@ def test_csv_query_with_and_without_header(daemon) -> None:
 
 
 def test_unknown_field_lists_valid_ones(daemon) -> None:
-    proc = smi(daemon, "--query-device=index,temperature", "--format=csv")
+    proc = smi(daemon, "--query-device=index,fan.speed", "--format=csv")
     assert proc.returncode == 2
     assert proc.stdout == ""
-    assert "unknown field 'temperature'" in proc.stderr
+    assert "unknown field 'fan.speed'" in proc.stderr
     for field in ("index", "name", "uuid", "memory.total", "utilization", "state"):
         assert field in proc.stderr.split("valid fields:")[1]
 
@@ -381,3 +387,55 @@ def test_a_recovered_failure_stays_visible(make_daemon) -> None:
     assert doc["last_failure"] == f"ENODEV {failure}" and doc["failure"] == ""
     assert isinstance(doc["last_reset"], float) and doc["last_reset"] >= doc["last_failure_time"]
     assert abs(doc["last_reset"] - time.time()) < 60
+
+
+FAULTING = """
+import numpy as np, runtime
+m = runtime.compile('''
+def oob(x):
+    x[global_id(0) + 100000] = 1.0
+''')
+x = runtime.empty(16, np.float32)
+m.oob[1, 1](x)
+try:
+    runtime.synchronize()
+except runtime.KernelFaultError as exc:
+    print(exc.record["context"], exc.record["queue"])
+"""
+
+
+def test_errors_section_and_json_show_every_fault_record(make_daemon) -> None:
+    d = make_daemon(devices=2)
+    proc = smi(d, "-q", "-d", "ERRORS", "-i", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n    Errors\n")[1].split() == ["None"]
+    out = d.run_py(FAULTING)
+    assert out.returncode == 0, out.stderr
+    ctx, queue = out.stdout.split()
+    (d.root / "sys/class/accel/accel0/reset").write_text("1")
+    d.wait_state(0, "operational")
+    proc = smi(d, "-q", "-d", "errors,state", "-i", "0")
+    assert proc.returncode == 0, proc.stderr
+    sections = [line.strip() for line in proc.stdout.splitlines()
+                if line.startswith("    ") and not line.startswith("        ")]
+    assert sections == ["State", "Errors"]
+    rows = proc.stdout.split("\n    Errors\n")[1].splitlines()
+    assert rows[0].split()[:7] == ["seq", "time", "code", "name", "severity", "scope", "action"]
+    first, second = (r.split() for r in rows[1:])
+    assert first[0] == "1" and first[3:9] == ["31", "PAGE_FAULT", "uncorrected-contained",
+                                              "queue", "restart-app", first[8]]
+    assert first[9:13] == [ctx, "compute", queue, first[12]] and first[12].startswith("0x")
+    assert second[3:8] == ["120", "DEVICE_RESET", "fatal", "device", "restart-app"]
+    doc = json.loads(smi(d, "--json", "-i", "0").stdout)["devices"][0]["fault_log"]
+    assert [(r["seq"], r["code"]) for r in doc] == [(1, 31), (2, 120)]
+    assert smi(d, "--json", "-i", "1").returncode == 0  # the other device has none
+    assert json.loads(smi(d, "--json", "-i", "1").stdout)["devices"][0]["fault_log"] == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-q", "-d", "NOPE"], "-d: no section 'NOPE'"),
+    (["-d", "ERRORS"], "-d goes with -q"),
+])
+def test_display_errors_are_usage_errors(daemon, args: list[str], message: str) -> None:
+    proc = smi(daemon, *args)
+    assert proc.returncode == 2 and message in proc.stderr and proc.stdout == ""
