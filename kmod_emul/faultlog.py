@@ -29,6 +29,7 @@ from typing import Any
 import trio
 
 from abi import faults
+from kmod_emul import limits
 from kmod_emul.errors import DriverError
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,11 @@ KEEP = 256
 WATCH_QUEUE = 256
 #: The persistent log is cut back to its last KEEP records past this size.
 LOG_MAX_BYTES = 1 << 20
+#: Open watchers of one device, and of one process: each holds a queue of up to
+#: WATCH_QUEUE records, so opens are bounded like every other table a tenant fills
+#: (ENOSPC device-wide, EDQUOT for one process; docs/containment.md).
+MAX_WATCHERS = 64
+MAX_WATCHERS_PER_PROCESS = 8
 #: A blocking read of the event node waits at most this long, then answers EINTR (which
 #: read loops retry): a FUSE request the daemon never answers would keep a killed reader
 #: from exiting.
@@ -53,9 +59,10 @@ def visible(rec: dict[str, Any], uid: int) -> bool:
 class Watcher:
     """One open of the event node: its queue, its filter, and who waits on it."""
 
-    def __init__(self, flog: FaultLog, uid: int, nonblocking: bool) -> None:
+    def __init__(self, flog: FaultLog, uid: int, pid: int, nonblocking: bool) -> None:
         self.flog = flog
         self.uid = uid
+        self.owner = pid  # the process that opened it (its share of the watchers)
         self.nonblocking = nonblocking
         self.pid: int | None = None
         #: records to read, and at most one dropped marker, last (the queue is full then)
@@ -169,8 +176,13 @@ class FaultLog:
             w.offer(rec)
         return rec
 
-    def watch(self, uid: int, nonblocking: bool) -> Watcher:
-        w = Watcher(self, uid, nonblocking)
+    def watch(self, uid: int, pid: int, nonblocking: bool) -> Watcher:
+        """A new watcher for process ``pid`` of user ``uid`` (an open of the event node)."""
+        limits.check(len(self.watchers), 1, MAX_WATCHERS, f"accel{self.index} event watchers",
+                     device_wide=True)
+        limits.check(sum(w.owner == pid for w in self.watchers), 1, MAX_WATCHERS_PER_PROCESS,
+                     f"event watchers of process {pid}", device_wide=False)
+        w = Watcher(self, uid, pid, nonblocking)
         self.watchers.add(w)
         return w
 

@@ -28,7 +28,7 @@ import pyfuse3
 
 from abi import uapi
 from kmod_emul import drv
-from kmod_emul.context import OpenFile
+from kmod_emul.context import OpenFile, tgid_of
 from kmod_emul.device import AccelDevice
 from kmod_emul.errors import DriverError
 from kmod_emul.faultlog import FaultLog, Watcher
@@ -190,7 +190,10 @@ class AccelFS(pyfuse3.Operations):
             except Exception as exc:  # noqa: BLE001 - see _fuse_error
                 raise _fuse_error(exc) from None
         elif node.events is not None:
-            handle = node.events.watch(ctx.uid, bool(flags & os.O_NONBLOCK))
+            try:
+                handle = node.events.watch(ctx.uid, tgid_of(ctx.pid), bool(flags & os.O_NONBLOCK))
+            except Exception as exc:  # noqa: BLE001 - see _fuse_error
+                raise _fuse_error(exc) from None
         elif node.attr is not None:
             writing = flags & os.O_ACCMODE != os.O_RDONLY
             reading = flags & os.O_ACCMODE != os.O_WRONLY

@@ -220,3 +220,40 @@ def test_a_firmware_death_reaches_the_process_as_a_device_scope_record(make_daem
     assert got["mine"] == [79]  # the recovery's reset lost none of its contexts again
     d.wait_state(0, "operational")
     assert [r["code"] for r in _log(d)] == [79, 120]
+
+
+def test_watchers_are_bounded_per_process_and_device_wide(make_daemon):
+    from kmod_emul.faultlog import MAX_WATCHERS, MAX_WATCHERS_PER_PROCESS
+    d = make_daemon()
+    node = d.root / uapi.EVENTS_DIR / "accel0"
+    mine = [os.open(node, os.O_RDONLY) for _ in range(MAX_WATCHERS_PER_PROCESS)]
+    try:
+        with pytest.raises(OSError) as e:
+            os.open(node, os.O_RDONLY)
+        assert e.value.errno == errno.EDQUOT
+        holders = [d.popen_py(WATCH) for _ in range(
+            (MAX_WATCHERS - len(mine)) // MAX_WATCHERS_PER_PROCESS)]
+        # each holder takes one; fill the rest of the table from one more process each
+        code = f"""
+import os, sys, time
+node = {str(node)!r}
+fds = [os.open(node, os.O_RDONLY) for _ in range({MAX_WATCHERS_PER_PROCESS - 1})]
+print("ok", flush=True); sys.stdin.read()
+"""
+        fillers = [d.popen_py(code) for _ in holders]
+        for p in holders:
+            assert p.stdout.readline() == "ready\n"
+        for p in fillers:
+            assert p.stdout.readline() == "ok\n"
+        other = d.run_py(f"import os\ntry:\n    os.open({str(node)!r}, os.O_RDONLY)\n"
+                         "except OSError as e:\n    print(e.errno)")
+        assert other.stdout.strip() == str(errno.ENOSPC)
+        for p in holders + fillers:
+            p.kill()
+            p.wait(10)
+    finally:
+        for fd in mine:
+            os.close(fd)
+    fd = os.open(node, os.O_RDONLY)  # released with their opens: there is room again
+    os.close(fd)
+    assert d.attr(0, "state") == "operational"
