@@ -28,11 +28,12 @@ import pyfuse3
 
 from abi import uapi
 from kmod_emul import drv
+from kmod_emul.attr import Attr
 from kmod_emul.context import OpenFile, tgid_of
 from kmod_emul.device import AccelDevice
 from kmod_emul.errors import DriverError
 from kmod_emul.faultlog import FaultLog, Watcher
-from kmod_emul.sysfs import Attr, debug_attrs, device_attrs, limit_attrs, module_attrs
+from kmod_emul.sysfs import debug_attrs, device_attrs, limit_attrs, module_attrs
 
 log = logging.getLogger(__name__)
 

@@ -19,27 +19,12 @@ import errno
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from abi import mailbox, uapi
+from kmod_emul.attr import Attr
 from kmod_emul.device import STEP_NAMES, AccelDevice
 from kmod_emul.drv import DriverInfo
 from kmod_emul.errors import DriverError
-
-
-@dataclass(frozen=True)
-class Attr:
-    """One attribute file; ``read`` renders it, ``write`` parses and applies one value.
-    ``per_viewer``: ``read`` takes the reading user's uid and shows them what is theirs
-    (root sees everything)."""
-
-    read: Callable[..., str] | None = None
-    write: Callable[[str], None] | None = None
-    per_viewer: bool = False
-
-    def render(self, uid: int) -> str:
-        assert self.read is not None
-        return self.read(uid) if self.per_viewer else self.read()
 
 
 def _visible(dev: AccelDevice, uid: int) -> set[int]:
