@@ -45,12 +45,19 @@ def _round_up(n: int, to: int) -> int:
 
 
 class VramAllocator:
-    """First-fit over a sorted free list with coalescing; offsets page aligned."""
+    """First-fit over a sorted free list with coalescing; offsets page aligned.
+
+    Bad pages (kmod_emul/ras.py) are never in the free list, so no allocation can hold or
+    span one: a free bad page is cut out of it at once, one inside an allocation when that
+    allocation is freed. Their bytes are ``reserved``: neither used nor free, so that
+    ``used + reserved + free == total`` whatever was retired."""
 
     def __init__(self, total: int) -> None:
         self.total = total
         self.used = 0
+        self.reserved = 0
         self._free: list[tuple[int, int]] = [(0, total)]  # (offset, size), sorted
+        self._bad: list[int] = []  # page offsets kept out of allocation, sorted
 
     def alloc(self, size: int) -> int | None:
         size = _round_up(max(size, 1), uapi.ACCEL_PAGE_SIZE)
@@ -67,6 +74,35 @@ class VramAllocator:
     def free(self, off: int, size: int) -> None:
         size = _round_up(max(size, 1), uapi.ACCEL_PAGE_SIZE)
         self.used -= size
+        start = off
+        for bad in self._bad[bisect.bisect_left(self._bad, off):
+                             bisect.bisect_left(self._bad, off + size)]:
+            self._insert(start, bad - start)
+            self.reserved += uapi.ACCEL_PAGE_SIZE
+            start = bad + uapi.ACCEL_PAGE_SIZE
+        self._insert(start, off + size - start)
+
+    def exclude(self, page: int) -> bool:
+        """Keep the page at offset ``page`` out of every later allocation. True if it was
+        free (it is reserved now); False if an allocation holds it (it is reserved once
+        that is freed) or it was excluded before."""
+        i = bisect.bisect_left(self._bad, page)
+        if i < len(self._bad) and self._bad[i] == page:
+            return False
+        self._bad.insert(i, page)
+        j = bisect.bisect_right(self._free, (page, self.total)) - 1
+        if j < 0 or not self._free[j][0] <= page < self._free[j][0] + self._free[j][1]:
+            return False
+        off, size = self._free.pop(j)
+        self._insert(off, page - off)
+        self._insert(page + uapi.ACCEL_PAGE_SIZE, off + size - page - uapi.ACCEL_PAGE_SIZE)
+        self.reserved += uapi.ACCEL_PAGE_SIZE
+        return True
+
+    def _insert(self, off: int, size: int) -> None:
+        """Put a free range back, merged with its neighbours (an empty one is nothing)."""
+        if size <= 0:
+            return
         i = bisect.bisect_left(self._free, (off, 0))
         self._free.insert(i, (off, size))
         if i + 1 < len(self._free) and off + size == self._free[i + 1][0]:
@@ -283,21 +319,36 @@ class DeviceMemory:
     # --- contexts ----------------------------------------------------------------------------
     def release_context(self, ctx: Context, firmware_has_it: bool) -> None:
         """A context is destroyed: drop its allocations; its firmware confirms with CTX_DESTROY."""
-        held: list[Backing] = []
-        for alloc in list(ctx.allocations.values()):
-            # peer mappings of this allocation live in other contexts: unmap those normally;
-            # its own mapping goes with the firmware context, confirmed by CTX_DESTROY
-            if firmware_has_it and any(c is ctx for _, c in alloc.maps):
-                alloc.backing.pending += 1
-                held.append(alloc.backing)
-            alloc.maps = [(d, c) for d, c in alloc.maps if c is not ctx]
-            self.free(ctx, alloc)
-        # this context's peer mappings of other devices' memory go with it as well
-        for dev in self.device.all_devices:
-            for alloc in [a for c in dev.contexts.values() for a in c.allocations.values()]:
-                alloc.maps = [(d, c) for d, c in alloc.maps if c is not ctx]
         if firmware_has_it:
-            self.teardown[ctx.id] = held
+            self.hold_for_teardown(ctx)
+        else:
+            self._forget_mappings(ctx)
+        # the mappings of its allocations in other contexts (peers) are unmapped normally
+        for alloc in list(ctx.allocations.values()):
+            self.free(ctx, alloc)
+
+    def hold_for_teardown(self, ctx: Context) -> None:
+        """The firmware is told to tear ``ctx`` down (CTX_DESTROY): every backing mapped in
+        it stays held until the firmware confirms (``context_destroyed``), since work it
+        had queued may still touch them; the mappings leave the books now, as they go with
+        the firmware context, not by an unmap each."""
+        held = [a.backing for a in self._allocations_mapped_in(ctx)]
+        for b in held:
+            b.pending += 1
+        self._forget_mappings(ctx)
+        self.teardown[ctx.id] = held
+
+    def _allocations_mapped_in(self, ctx: Context) -> list[Allocation]:
+        """Allocations of any device mapped in ``ctx`` (its own, imports, peers' memory)."""
+        everywhere = [a for dev in self.device.all_devices for c in dev.contexts.values()
+                      for a in c.allocations.values()]
+        found = {id(a): a for a in [*ctx.allocations.values(), *everywhere]
+                 if any(c is ctx for _, c in a.maps)}
+        return list(found.values())
+
+    def _forget_mappings(self, ctx: Context) -> None:
+        for alloc in self._allocations_mapped_in(ctx):
+            alloc.maps = [(d, c) for d, c in alloc.maps if c is not ctx]
 
     def context_destroyed(self, ctx_id: int) -> None:
         """The firmware confirmed a context teardown: its mappings are all gone, so the
@@ -336,6 +387,29 @@ class DeviceMemory:
             raise DriverError(errno.ENOENT, f"allocation {export_id} was freed by every holder")
         return self._attach(ctx, b)
 
+    # --- what holds a byte of VRAM (for a memory error, kmod_emul/ras.py) ----------------------
+    def backing_at(self, offset: int) -> Backing | None:
+        """The device-local backing whose pages hold VRAM byte ``offset``, if any."""
+        for b in self.backings.values():
+            if (b.kind == uapi.MemKind.DEVICE
+                    and b.offset <= offset < b.offset + _round_up(b.size, uapi.ACCEL_PAGE_SIZE)):
+                return b
+        return None
+
+    def holders(self, b: Backing) -> list[Context]:
+        """The live contexts that can reach ``b``: those holding an allocation of it (the
+        exporter, its importers) and those it is mapped in on peer devices."""
+        found: dict[int, Context] = {}
+        for ctx in self.device.live_contexts():
+            for alloc in ctx.allocations.values():
+                if alloc.backing is b:
+                    for c in [ctx, *(c for _, c in alloc.maps)]:
+                        if c.lost is None:
+                            found[id(c)] = c
+        return list(found.values())
+
     def free_bytes(self) -> int:
-        return max(0, self.device.memory_total - self.vram.used
+        """Bytes an allocation may still get: not held, not retired (``vram.reserved``),
+        not resident managed memory."""
+        return max(0, self.device.memory_total - self.vram.used - self.vram.reserved
                    - self.device.fw_stats().get("managed_resident", 0))
