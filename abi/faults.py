@@ -90,6 +90,8 @@ _KINDS = (
          "a page was retired (excluded from allocation, kept across restarts)"),
     Kind(64, "PAGE_RETIREMENT_PENDING", "memory", _C, Scope.OPERATION, Action.RESET_DEVICE,
          "a page to retire is in use: it is retired at the next reset"),
+    Kind(65, "PAGE_RETIREMENT_FAILED", "memory", _X, Scope.OPERATION, Action.RESET_DEVICE,
+         "a page to retire could not be (the bad-page table is full): it stays in service"),
     Kind(74, "LINK_ERROR", "link", _X, Scope.PACKAGE, Action.DRAIN_AND_RESET,
          "an uncorrectable link error: peers on the link are drained, the package resets"),
     Kind(76, "LINK_DOWN", "link", _U, Scope.QUEUE, Action.RESTART_APP,

@@ -138,8 +138,9 @@ class Context:
                 pass
 
     def lose(self, reason: str) -> None:
-        """The device was reset or failed: every later command answers ENODEV, and the
-        process's waiters see the "lost" word of their doorbell page at once."""
+        """The device was reset or failed, or a fault of context scope hit this context:
+        every later command answers ENODEV, and the process's waiters see the "lost" word
+        of their doorbell page at once."""
         if self.lost is None:
             self.lost = reason
             if not self.db.mem.closed:

@@ -36,9 +36,6 @@ import trio
 from abi import faults, fwimage, mailbox, uapi, userq
 from abi._struct import Struct
 from kmod_emul import bringup, limits, userfd
-from kmod_emul.faultlog import FaultLog
-from kmod_emul.link import Link, fabric_endpoint
-from kmod_emul.thermal import Thermal
 from kmod_emul.context import (
     Context,
     DefaultQueue,
@@ -48,9 +45,13 @@ from kmod_emul.context import (
     tgid_of,
 )
 from kmod_emul.errors import DriverError
+from kmod_emul.faultlog import FaultLog
 from kmod_emul.fw import FirmwareProcess
 from kmod_emul.identity import Identity, pci_bus_id
+from kmod_emul.link import Link, fabric_endpoint
 from kmod_emul.memory import DeviceMemory
+from kmod_emul.ras import Ras
+from kmod_emul.thermal import Thermal
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class MemoryConfig:
     jit_cache: str = ""  # the firmware's persistent kernel cache
     devices: int = 1  # how many devices the daemon serves (they share its descriptors)
     fd_limit: int = 1024  # the daemon's descriptor limit (its children inherit it)
-    state_dir: str = ""  # where per-UUID state persists (fault log); "" keeps none
+    state_dir: str = ""  # where per-UUID state persists (fault log, bad pages); "" keeps none
 
 
 class AccelDevice:
@@ -125,6 +126,8 @@ class AccelDevice:
         #: every fault record of this device (sysfs ``fault_log``, the event node; persisted)
         self.faults = FaultLog(index, identity.uuid,
                                Path(mem.state_dir) if mem.state_dir else None)
+        #: error counters and bad pages (sysfs ``ras/``, ``bad_pages``; debugfs ``ras_ctrl``)
+        self.ras = Ras(self, Path(mem.state_dir) if mem.state_dir else None)
 
     def new_id(self) -> int:
         """Handles of every kind (contexts, queues, allocations) are unique on the device
@@ -133,7 +136,9 @@ class AccelDevice:
 
     @property
     def memory_used(self) -> int:
-        return self.memory_total - self.memory.free_bytes()
+        """Bytes held (allocations, resident managed memory); retired pages are neither
+        used nor free (``memory.vram.reserved``), so the books of an idle device read 0."""
+        return self.memory_total - self.memory.vram.reserved - self.memory.free_bytes()
 
     def fw_stats(self) -> dict[str, int]:
         return self.fw.mbx.stats() if self.fw is not None else {}
@@ -149,7 +154,9 @@ class AccelDevice:
                 os.close(fd)
 
     def send_budget(self) -> None:
-        self.fw_send(0, mailbox.fw_set_budget(device_bytes=self.memory.vram.used))
+        """What managed memory may not make resident: the allocations and retired pages."""
+        vram = self.memory.vram
+        self.fw_send(0, mailbox.fw_set_budget(device_bytes=vram.used + vram.reserved))
 
     def peer_contexts_of(self, pid: int) -> list[tuple[AccelDevice, Context]]:
         """Live contexts of ``pid`` on other devices that enabled access to this one."""
@@ -390,6 +397,18 @@ class AccelDevice:
             self.fw.ring_doorbell()
         return seqno
 
+    def lose_context(self, ctx: Context, reason: str) -> None:
+        """Lose one context (a fault of context scope) and no other: the firmware stops its
+        queues and tears it down as for a destroy (the memory mapped in it is held until
+        that is confirmed); the driver keeps it, answering ENODEV, until its process closes
+        it, as a context a reset lost."""
+        if ctx.lost is not None:
+            return
+        if self.fw is not None:
+            self.memory.hold_for_teardown(ctx)
+            self.fw_send(ctx.id, mailbox.fw_ctx_destroy())
+        ctx.lose(reason)
+
     def _lose_contexts(self, reason: str) -> list[int]:
         """Lose every live context; their ids (what a device-scope record names)."""
         lost = [c.id for c in self.contexts.values() if c.lost is None]
@@ -493,6 +512,7 @@ class AccelDevice:
         self.state = uapi.DeviceState.BOOTING
         self.failure = None
         self.sched_hold = False  # a fresh firmware schedules
+        self.ras.retire_pending()  # nothing from before the reset runs any more
         flags = mailbox.BootFlag.FAIL_BOOT if self.fw_boot_fail else 0
         fw = FirmwareProcess(self.firmware_dir, flags, self.name, self.memory_total,
                              self.mem_config)

@@ -33,6 +33,7 @@ from kmod_emul.context import OpenFile, tgid_of
 from kmod_emul.device import AccelDevice
 from kmod_emul.errors import DriverError
 from kmod_emul.faultlog import FaultLog, Watcher
+from kmod_emul.ras import ras_attrs
 from kmod_emul.sysfs import debug_attrs, device_attrs, limit_attrs, module_attrs
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ def build_tree(info: drv.DriverInfo, devices: list[AccelDevice]) -> Tree:
         tree.add_attrs(f"sys/class/accel/{dev.name}", device_attrs(dev))
         tree.add_events(uapi.EVENTS_DIR, dev.name, dev.faults)
         tree.add_attrs(f"sys/class/accel/{dev.name}/limits", limit_attrs(dev))
+        tree.add_attrs(f"sys/class/accel/{dev.name}/ras", ras_attrs(dev))
         tree.add_attrs(f"sys/kernel/debug/accel/{dev.name}", debug_attrs(dev), root_only=True)
     tree.add_attrs("sys/module/accel_emu", module_attrs(info, devices))
     return tree

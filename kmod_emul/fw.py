@@ -218,6 +218,16 @@ class FirmwareProcess:
                 await proc.wait()
         log.debug("firmware pid %d stopped (status %s)", proc.pid, proc.returncode)
 
+    def kill(self) -> None:
+        """Stop the firmware at once, as a fatal error inside it does (an uncorrectable
+        firmware error, kmod_emul/ras.py): the driver's exit watcher then runs the path of
+        any firmware death (fail, record, recover)."""
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     async def handshake(self) -> None:
         """Wait for READY; a firmware that reports failure, exits or takes too long is a
         boot failure (EIO). Holds nothing: the process step's undo halts the firmware."""

@@ -3,9 +3,10 @@
 One small text file per value, as in Linux sysfs. Identity attributes come from the same
 ``AccelDevice.describe`` that answers DEVICE_QUERY, so the two can never disagree. Writable
 attributes take one value per write: ``reset`` (write 1), and the debugfs fault-injection
-knobs ``fw_boot_fail``, ``fw_hang``, ``reset_hold`` and ``fail_step`` (a bring-up step's
+knobs ``fw_boot_fail``, ``fw_hang``, ``reset_hold``, ``fail_step`` (a bring-up step's
 name, or ``none``: the device's next bring-ups fail at that step, see
-:mod:`kmod_emul.bringup`).
+:mod:`kmod_emul.bringup`) and ``ras_ctrl`` (``inject BLOCK ue|ce ADDRESS``, see
+:mod:`kmod_emul.ras`).
 
 Who sees what (docs/containment.md): writing any attribute is root's, as sysfs files are
 root's 0200 and 0644; debugfs is root's alone, as ``/sys/kernel/debug`` is 0700; and an
@@ -116,6 +117,8 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         temperature=Attr(read=lambda: f"{dev.thermal.temperature():.0f}"),
         clock=Attr(read=lambda: str(dev.thermal.clock_mhz())),
         throttle_reasons=Attr(read=dev.thermal.throttle_reasons),
+        # the bad-page table, amdgpu's format (kmod_emul/ras.py; counters under ras/)
+        bad_pages=Attr(read=dev.ras.bad_pages),
         queues=Attr(read=lambda: str(dev.queue_count())),
         pinned_bytes=Attr(read=lambda: str(dev.memory.pinned_bytes())),
         host_allocations=Attr(read=lambda: str(dev.memory.host_allocations())),
@@ -185,7 +188,20 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
         "contexts": Attr(read=contexts),
         "sched_hold": Attr(read=lambda: str(int(dev.sched_hold)), write=set_sched_hold),
         "recovery": Attr(read=lambda: dev.recovery, write=set_recovery),
+        "ras_ctrl": Attr(write=dev.ras.inject),
+        "vram_mm": Attr(read=functools.partial(_vram_mm, dev)),
     }
+
+
+def _vram_mm(dev: AccelDevice) -> str:
+    """Where each device-local allocation lies in VRAM, and which live contexts reach it
+    (amdgpu's ``amdgpu_vram_mm``): what a memory error at an offset hits."""
+    rows = ["offset size pid contexts"]
+    for b in sorted((b for b in dev.memory.backings.values() if b.kind == uapi.MemKind.DEVICE),
+                    key=lambda b: b.offset):
+        ids = ",".join(str(c.id) for c in dev.memory.holders(b)) or "-"
+        rows.append(f"{b.offset:#x} {b.size:#x} {b.pid} {ids}")
+    return "\n".join(rows)
 
 
 RECOVERY_MODES = ("auto", "manual")

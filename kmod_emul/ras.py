@@ -1,0 +1,281 @@
+"""RAS (reliability, availability, serviceability): a device's error counters and bad pages.
+
+amdgpu's RAS is the model. An error is injected through debugfs ``ras_ctrl`` (``inject
+BLOCK ue|ce ADDRESS``), counted per block (``ras/BLOCK_err_count``) and recorded as a
+fault (abi/faults.py); memory errors retire pages. The bad-page table is amdgpu's
+EEPROM: it persists per device UUID in ``STATE_DIR/ras/<uuid>.json`` and is loaded at
+daemon start, so a page retired once stays out of service for good. The counters and the
+"one correctable error seen" marks are volatile: they count this daemon's life, as
+amdgpu's ``*_err_count`` count the driver's.
+
+Memory (a page is ``uapi.ACCEL_PAGE_SIZE`` bytes, its PFN ``offset // page``):
+
+* ``ce``: recorded (92 MEMORY_CE); a second one at the same page retires it;
+* ``ue`` where nothing is allocated: recorded (48 MEMORY_UE_FREE), the page retired now;
+* ``ue`` in memory exactly one live context can reach: that context alone is lost (94
+  MEMORY_UE_CONTAINED, with its pid and context): its commands answer ENODEV, the
+  firmware stops its queues; every other context goes on;
+* ``ue`` in memory several contexts reach (an IPC import, a peer mapping), or none that
+  is live (memory being freed): recorded (95 MEMORY_UE_UNCONTAINED) and the device reset.
+
+Retirement: a page nothing holds is retired at once (``R``, 63 PAGE_RETIRED); a held one
+is pending (``P``, 64 PAGE_RETIREMENT_PENDING): it leaves the free list when its holder
+frees it, and becomes ``R`` at the device's next reset (boot). Neither is ever handed out
+again (``VramAllocator.exclude``); their bytes count as neither used nor free. The table
+takes ``MAX_BAD_PAGES`` retired or pending pages (amdgpu's bad-page threshold); past that
+a retirement fails (``F``, 65 PAGE_RETIREMENT_FAILED) and the page stays in service.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import functools
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from abi import faults, uapi
+from kmod_emul.attr import Attr
+from kmod_emul.errors import DriverError
+
+if TYPE_CHECKING:
+    from kmod_emul.device import AccelDevice
+
+log = logging.getLogger(__name__)
+
+PAGE = uapi.ACCEL_PAGE_SIZE
+#: Retired and pending pages the table takes (amdgpu's EEPROM threshold).
+MAX_BAD_PAGES = 256
+#: ``inject BLOCK ue|ce ADDRESS``; the address in hex (0x...) or decimal
+_ADDRESS = re.compile(r"0[xX][0-9a-fA-F]+|[0-9]+")
+_SEVERITIES = ("ue", "ce")
+
+
+class PageStatus(enum.StrEnum):
+    """A bad page's state, as amdgpu's ``bad_pages`` prints it."""
+
+    RETIRED = "R"  #: out of service
+    PENDING = "P"  #: in use: out of service once freed, retired at the next reset
+    FAILED = "F"  #: could not be retired (the table is full): still in service
+
+
+@dataclass
+class BadPage:
+    pfn: int
+    status: PageStatus
+    cause: str  #: "ce" (a second correctable error) or "ue"
+    time: float  #: when it entered the table (wall clock)
+
+
+class Ras:
+    """One device's RAS state: counters, the bad-page table and error injection."""
+
+    def __init__(self, dev: AccelDevice, state_dir: Path | None) -> None:
+        self.dev = dev
+        self.path = state_dir / "ras" / f"{dev.identity.uuid}.json" if state_dir else None
+        #: block -> severity -> errors seen
+        self.counts: dict[str, dict[str, int]] = {b: dict.fromkeys(_SEVERITIES, 0)
+                                                  for b in faults.BLOCKS}
+        #: the table, by PFN, in the order pages entered it
+        self.pages: dict[int, BadPage] = {}
+        #: pages with one correctable error (a second one retires them)
+        self._corrected: set[int] = set()
+        self._load()
+
+    # --- the persistent table ---------------------------------------------------------------
+    def _load(self) -> None:
+        """The table earlier daemons kept; its retired and pending pages leave the (still
+        empty) free list at once. A table that cannot be read is logged and replaced."""
+        if self.path is None or not self.path.exists():
+            return
+        try:
+            rows = json.loads(self.path.read_text())["bad_pages"]
+            pages = [BadPage(int(r["pfn"]), PageStatus(r["status"]), str(r["cause"]),
+                             float(r["time"])) for r in rows]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.error("%s: cannot read the bad-page table %s (%s); starting empty",
+                      self.dev.name, self.path, exc)
+            return
+        for page in pages:
+            self.pages[page.pfn] = page
+            if page.status != PageStatus.FAILED and (page.pfn + 1) * PAGE <= self.dev.memory_total:
+                self.dev.memory.vram.exclude(page.pfn * PAGE)
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        doc = {"uuid": self.dev.identity.uuid,
+               "bad_pages": [asdict(p) | {"status": str(p.status)} for p in self.pages.values()]}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(doc, indent=1) + "\n")
+            tmp.replace(self.path)
+        except OSError as exc:  # a full disk must not lose the device
+            log.error("%s: cannot persist the bad-page table: %s", self.dev.name, exc)
+
+    # --- injection ------------------------------------------------------------------------------
+    def inject(self, text: str) -> None:
+        """debugfs ``ras_ctrl``: ``inject BLOCK ue|ce ADDRESS`` (memory: a byte offset of
+        the device's memory). Malformed: EINVAL; a block without injection: EOPNOTSUPP;
+        a device that is not operational: the errno that says why."""
+        words = text.split()
+        if len(words) != 4 or words[0] != "inject":
+            raise DriverError(errno.EINVAL, "write 'inject BLOCK ue|ce ADDRESS', not "
+                                            f"{text.strip()!r}")
+        _, block, severity, where = words
+        if block not in faults.BLOCKS:
+            raise DriverError(errno.EINVAL, f"no block {block!r}; the blocks are "
+                                            f"{' '.join(faults.BLOCKS)}")
+        if severity not in _SEVERITIES:
+            raise DriverError(errno.EINVAL, f"severity is ue or ce, not {severity!r}")
+        if not _ADDRESS.fullmatch(where):
+            raise DriverError(errno.EINVAL, f"address {where!r} is not hex (0x...) or decimal")
+        address = int(where, 0) if where[:2].lower() == "0x" else int(where)
+        if block == "memory" and address >= self.dev.memory_total:
+            raise DriverError(errno.EINVAL, f"address {address:#x} is past the end of "
+                                            f"{self.dev.name}'s memory ({self.dev.memory_total:#x})")
+        handler = INJECT.get(block)
+        if handler is None:
+            raise DriverError(errno.EOPNOTSUPP, f"injection into the {block} block is not "
+                                                f"supported (only {' '.join(INJECT)})")
+        self.dev.check_usable()
+        self.counts[block][severity] += 1
+        handler(self, block, severity, address)
+
+    def _memory_error(self, block: str, severity: str, offset: int) -> None:
+        dev = self.dev
+        pfn = offset // PAGE
+        where = {"address": offset, "bank": faults.bank_of(offset, dev.memory_total)}
+        if severity == "ce":
+            dev.report(_code("MEMORY_CE"), **where)
+            if pfn in self._corrected:
+                self._retire(pfn, "ce")
+            elif pfn not in self.pages:
+                self._corrected.add(pfn)
+            return
+        backing = dev.memory.backing_at(offset)
+        if backing is None:
+            dev.report(_code("MEMORY_UE_FREE"), **where)
+            self._retire(pfn, "ue")
+            return
+        holders = dev.memory.holders(backing)
+        if len(holders) == 1:
+            (ctx,) = holders
+            ctx.file.device.lose_context(ctx, f"uncorrectable memory error at {offset:#x} of "
+                                              f"{dev.name} in its memory (fault 94 "
+                                              "MEMORY_UE_CONTAINED)")
+            dev.report(_code("MEMORY_UE_CONTAINED"), ctx, contexts=[ctx.id], **where)
+            self._retire(pfn, "ue")
+            return
+        who = f"shared by {len(holders)} contexts" if holders else "that no live context holds"
+        dev.report(_code("MEMORY_UE_UNCONTAINED"), contexts=sorted(c.id for c in holders),
+                   **where)
+        self._retire(pfn, "ue")
+        dev.request_reset(f"uncorrectable memory error at {offset:#x} in memory {who} "
+                          "(fault 95 MEMORY_UE_UNCONTAINED)")
+
+    def _engine_error(self, block: str, severity: str, address: int) -> None:
+        """compute and copy: the catalogue's BLOCK_CE / BLOCK_UE; an uncorrectable one
+        leaves the engine's state unknown, so the device resets."""
+        kind = faults.BY_NAME[f"{block.upper()}_{severity.upper()}"]
+        self.dev.report(kind.code, address=address)
+        if severity == "ue":
+            self.dev.request_reset(f"uncorrectable {block}-engine error (fault {kind.code} "
+                                   f"{kind.name})")
+
+    def _firmware_error(self, block: str, severity: str, address: int) -> None:
+        """An uncorrectable error halts the firmware: it is killed, and the driver meets it
+        as any firmware death (79 FIRMWARE_DIED, then its recovery resets the device)."""
+        kind = faults.BY_NAME[f"FIRMWARE_{severity.upper()}"]
+        self.dev.report(kind.code, address=address)
+        if severity == "ue" and self.dev.fw is not None:
+            self.dev.fw.kill()
+
+    # --- retirement -----------------------------------------------------------------------------
+    def _retire(self, pfn: int, cause: str) -> None:
+        """Enter a page in the table (once): retired when nothing holds it, pending while
+        something does, failed when the table is full; each recorded."""
+        if pfn in self.pages:
+            return
+        self._corrected.discard(pfn)
+        if sum(p.status != PageStatus.FAILED for p in self.pages.values()) >= MAX_BAD_PAGES:
+            status = PageStatus.FAILED
+        elif self.dev.memory.vram.exclude(pfn * PAGE):
+            status = PageStatus.RETIRED
+        else:
+            status = PageStatus.PENDING
+        self.pages[pfn] = BadPage(pfn, status, cause, round(time.time(), 3))
+        self._save()
+        self._report_page(pfn, _STATUS_CODES[status])
+        if status == PageStatus.RETIRED:
+            self.dev.send_budget()  # managed memory may not make it resident either
+
+    def retire_pending(self) -> None:
+        """The device boots (a reset, or the daemon's start): what held a pending page
+        runs no more, so its retirement is final."""
+        pending = [p for p in self.pages.values() if p.status == PageStatus.PENDING]
+        for page in pending:
+            page.status = PageStatus.RETIRED
+        if pending:
+            self._save()
+        for page in pending:
+            self._report_page(page.pfn, _code("PAGE_RETIRED"))
+
+    def _report_page(self, pfn: int, code: int) -> None:
+        offset = pfn * PAGE
+        self.dev.report(code, address=offset, bank=faults.bank_of(offset, self.dev.memory_total))
+
+    # --- what sysfs shows -----------------------------------------------------------------------
+    def bad_pages(self) -> str:
+        """``bad_pages``, amdgpu's format: ``0xPFN : 0xSIZE : R|P|F``, one page a line."""
+        return "\n".join(f"0x{p.pfn:08x} : 0x{PAGE:08x} : {p.status}"
+                         for p in self.pages.values())
+
+    def bad_page_details(self) -> str:
+        """``ras/bad_page_details``: ``0xPFN : R|P|F : ce|ue : TIME``, what accel-smi's
+        ``--query-retired-pages`` tells about each page (the cause, when it came)."""
+        return "\n".join(f"0x{p.pfn:08x} : {p.status} : {p.cause} : {p.time:.3f}"
+                         for p in self.pages.values())
+
+    def err_count(self, block: str) -> str:
+        return "\n".join(f"{s}: {self.counts[block][s]}" for s in _SEVERITIES)
+
+    def retired_pages(self) -> str:
+        return str(sum(p.status == PageStatus.RETIRED for p in self.pages.values()))
+
+
+def _code(name: str) -> int:
+    return faults.BY_NAME[name].code
+
+
+_STATUS_CODES: dict[PageStatus, int] = {
+    PageStatus.RETIRED: _code("PAGE_RETIRED"),
+    PageStatus.PENDING: _code("PAGE_RETIREMENT_PENDING"),
+    PageStatus.FAILED: _code("PAGE_RETIREMENT_FAILED"),
+}
+
+#: What an injected error of each block does. Blocks of ``faults.BLOCKS`` not here answer
+#: EOPNOTSUPP; a new one is an entry (``handler(ras, block, severity, address)``).
+INJECT: dict[str, Callable[[Ras, str, str, int], None]] = {
+    "memory": Ras._memory_error,
+    "compute": Ras._engine_error,
+    "copy": Ras._engine_error,
+    "firmware": Ras._firmware_error,
+}
+
+
+def ras_attrs(dev: AccelDevice) -> dict[str, Attr]:
+    """``sys/class/accel/accelN/ras/*``: per-block counters, retired pages, page details."""
+    ras = dev.ras
+    attrs: dict[str, Attr] = {f"{b}_err_count": Attr(read=functools.partial(ras.err_count, b))
+                              for b in faults.BLOCKS}
+    attrs.update(retired_pages=Attr(read=ras.retired_pages),
+                 bad_page_details=Attr(read=ras.bad_page_details))
+    return attrs
