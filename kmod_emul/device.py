@@ -24,7 +24,6 @@ import errno
 import itertools
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -469,8 +468,8 @@ class AccelDevice:
         self.report(code, contexts=self._fail(err, message), message=message,
                     errno=errno.errorcode.get(err, str(err)))
         self._recover_when = recover_when if self.recovery == "auto" else None
-        if self.fw is not None and self.fw.pid > 0:
-            os.kill(self.fw.pid, signal.SIGKILL)  # powered off: _watch_exit ends serving
+        if self.fw is not None:
+            self.fw.kill()  # powered off: _watch_exit ends serving
 
     async def _recover_once(self) -> None:
         """Reset a device that shut itself down once it may serve again (cooled)."""

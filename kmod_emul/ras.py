@@ -2,7 +2,9 @@
 
 amdgpu's RAS is the model. An error is injected through debugfs ``ras_ctrl`` (``inject
 BLOCK ue|ce ADDRESS``), counted per block (``ras/BLOCK_err_count``) and recorded as a
-fault (abi/faults.py); memory errors retire pages. The bad-page table is amdgpu's
+fault (abi/faults.py); memory errors retire pages, link and thermal errors are what the
+device's models of them make of them (kmod_emul/link.py, kmod_emul/thermal.py). The
+bad-page table is amdgpu's
 EEPROM: it persists per device UUID in ``STATE_DIR/ras/<uuid>.json`` and is loaded at
 daemon start, so a page retired once stays out of service for good. The counters and the
 "one correctable error seen" marks are volatile: they count this daemon's life, as
@@ -123,8 +125,8 @@ class Ras:
     # --- injection ------------------------------------------------------------------------------
     def inject(self, text: str) -> None:
         """debugfs ``ras_ctrl``: ``inject BLOCK ue|ce ADDRESS`` (memory: a byte offset of
-        the device's memory). Malformed: EINVAL; a block without injection: EOPNOTSUPP;
-        a device that is not operational: the errno that says why."""
+        the device's memory; thermal: the degrees to heat to, 0 for the default). Malformed:
+        EINVAL; a device that is not operational: the errno that says why."""
         words = text.split()
         if len(words) != 4 or words[0] != "inject":
             raise DriverError(errno.EINVAL, "write 'inject BLOCK ue|ce ADDRESS', not "
@@ -141,13 +143,9 @@ class Ras:
         if block == "memory" and address >= self.dev.memory_total:
             raise DriverError(errno.EINVAL, f"address {address:#x} is past the end of "
                                             f"{self.dev.name}'s memory ({self.dev.memory_total:#x})")
-        handler = INJECT.get(block)
-        if handler is None:
-            raise DriverError(errno.EOPNOTSUPP, f"injection into the {block} block is not "
-                                                f"supported (only {' '.join(INJECT)})")
         self.dev.check_usable()
         self.counts[block][severity] += 1
-        handler(self, block, severity, address)
+        INJECT[block](self, block, severity, address)
 
     def _memory_error(self, block: str, severity: str, offset: int) -> None:
         dev = self.dev
@@ -189,6 +187,12 @@ class Ras:
         if severity == "ue":
             self.dev.request_reset(f"uncorrectable {block}-engine error (fault {kind.code} "
                                    f"{kind.name})")
+
+    def _modelled_error(self, block: str, severity: str, address: int) -> None:
+        """link and thermal: the device's model of the block (``dev.link``,
+        ``dev.thermal``: kmod_emul/link.py, kmod_emul/thermal.py) says what happens."""
+        model = getattr(self.dev, block)
+        (model.correctable if severity == "ce" else model.uncorrectable)(address)
 
     def _firmware_error(self, block: str, severity: str, address: int) -> None:
         """An uncorrectable error halts the firmware: it is killed, and the driver meets it
@@ -261,14 +265,16 @@ _STATUS_CODES: dict[PageStatus, int] = {
     PageStatus.FAILED: _code("PAGE_RETIREMENT_FAILED"),
 }
 
-#: What an injected error of each block does. Blocks of ``faults.BLOCKS`` not here answer
-#: EOPNOTSUPP; a new one is an entry (``handler(ras, block, severity, address)``).
+#: What an injected error of each block does: ``handler(ras, block, severity, address)``.
 INJECT: dict[str, Callable[[Ras, str, str, int], None]] = {
     "memory": Ras._memory_error,
     "compute": Ras._engine_error,
     "copy": Ras._engine_error,
+    "link": Ras._modelled_error,
     "firmware": Ras._firmware_error,
+    "thermal": Ras._modelled_error,
 }
+assert set(INJECT) == set(faults.BLOCKS), "a block without its injection"
 
 
 def ras_attrs(dev: AccelDevice) -> dict[str, Attr]:

@@ -1,6 +1,7 @@
 """The context scope (docs/faults.md, "Scopes"): an uncorrectable memory error in memory
 that one process's context alone holds loses that context and nothing else. The process
-meets ``DeviceLostError`` at its next use and can ``recover()``; a bystander process on the
+meets ``DeviceLostError`` naming the fault (its record) at its next use and can
+``recover()``; a bystander process on the
 same device and one on the other device keep working, their data intact; no device
 resets; once the process is gone, the books, descriptors and /dev/shm are as before."""
 
@@ -25,7 +26,7 @@ for what, use in [("copy", lambda: x.copy_to_host()),
         use()
         print(what, "ran")
     except runtime.DeviceLostError as exc:
-        print(what, "lost", "ENODEV" in str(exc) or "lost" in str(exc))
+        print(what, "lost", exc.record.get("code"), "MEMORY_UE_CONTAINED" in str(exc))
 runtime.recover(0)
 y = runtime.to_device(np.ones(1 << 16, np.float32))
 print("recovered", float(y.copy_to_host().sum()))
@@ -41,7 +42,7 @@ def test_an_error_in_one_contexts_memory_loses_that_context_alone(make_daemon):
         try:
             pid = int(victim.stdout.readline())
             rows = [r.split() for r in d.debug(0, "vram_mm").read_text().splitlines()[1:]]
-            offset, size, _, ctx = max((r for r in rows if int(r[2]) == pid),
+            offset, _, _, ctx = max((r for r in rows if int(r[2]) == pid),
                                        key=lambda r: int(r[1], 16))
             assert "," not in ctx  # its own context alone reaches it
             bad = int(offset, 16) + 4096
@@ -54,8 +55,8 @@ def test_an_error_in_one_contexts_memory_loses_that_context_alone(make_daemon):
                 victim.kill()
                 victim.wait()
         assert victim.returncode == 0, err
-        assert out.splitlines() == ["copy lost True", "empty lost True", "synchronize lost True",
-                                    "recovered 65536.0"]
+        assert out.splitlines() == ["copy lost 94 True", "empty lost 94 True",
+                                    "synchronize lost 94 True", "recovered 65536.0"]
         b0.check()
         b1.check()
         rec = json.loads(d.attr(0, "fault_log").splitlines()[0])

@@ -89,9 +89,9 @@ def records(dev) -> list[tuple[int, int | None]]:
     ("inject memory ce 0x", errno.EINVAL), ("inject memory ce 12ab", errno.EINVAL),
     ("inject memory ce 0b101", errno.EINVAL), ("inject memory ce 1_000", errno.EINVAL),
     (f"inject memory ce {4 * MIB}", errno.EINVAL), (f"inject memory ue {4 * MIB:#x}", errno.EINVAL),
-    ("inject link ue 0", errno.EOPNOTSUPP), ("inject thermal ce 0", errno.EOPNOTSUPP),
+    ("inject link ue", errno.EINVAL), ("inject thermal ce 0x", errno.EINVAL),
 ])
-def test_a_malformed_or_unsupported_write_changes_nothing(driver, text, code):
+def test_a_malformed_write_changes_nothing(driver, text, code):
     dev = driver.devices[0]
     before = (dev.ras.err_count("memory"), dev.ras.bad_pages(), len(dev.faults.records))
     with pytest.raises(DriverError) as exc:
