@@ -252,6 +252,7 @@ class Ras:
         return "\n".join(f"{s}: {self.counts[block][s]}" for s in _SEVERITIES)
 
     def retired_pages(self) -> str:
+        """``retired_pages``: how many are out of service for good (``R``)."""
         return str(sum(p.status == PageStatus.RETIRED for p in self.pages.values()))
 
 
@@ -278,10 +279,10 @@ assert set(INJECT) == set(faults.BLOCKS), "a block without its injection"
 
 
 def ras_attrs(dev: AccelDevice) -> dict[str, Attr]:
-    """``sys/class/accel/accelN/ras/*``: per-block counters, retired pages, page details."""
+    """``sys/class/accel/accelN/ras/*``: per-block counters and the bad pages' details
+    (``bad_pages`` and ``retired_pages`` sit beside the device's other attributes)."""
     ras = dev.ras
     attrs: dict[str, Attr] = {f"{b}_err_count": Attr(read=functools.partial(ras.err_count, b))
                               for b in faults.BLOCKS}
-    attrs.update(retired_pages=Attr(read=ras.retired_pages),
-                 bad_page_details=Attr(read=ras.bad_page_details))
+    attrs.update(bad_page_details=Attr(read=ras.bad_page_details))
     return attrs

@@ -109,6 +109,8 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         heartbeat=Attr(read=lambda: str(dev.fw.mbx.heartbeat[0]) if dev.fw else "0"),
         reset=Attr(write=reset),
         memory_free=Attr(read=lambda: str(dev.memory.free_bytes())),
+        # bad pages out of the free list: total = used + free + reserved (kmod_emul/ras.py)
+        memory_reserved=Attr(read=lambda: str(dev.memory.vram.reserved)),
         processes=Attr(read=functools.partial(_processes, dev), per_viewer=True),
         # the last fault records, one JSON line each (kmod_emul/faultlog.py)
         fault_log=Attr(read=dev.faults.render, per_viewer=True),
@@ -119,6 +121,7 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         throttle_reasons=Attr(read=dev.thermal.throttle_reasons),
         # the bad-page table, amdgpu's format (kmod_emul/ras.py; counters under ras/)
         bad_pages=Attr(read=dev.ras.bad_pages),
+        retired_pages=Attr(read=dev.ras.retired_pages),
         queues=Attr(read=lambda: str(dev.queue_count())),
         pinned_bytes=Attr(read=lambda: str(dev.memory.pinned_bytes())),
         host_allocations=Attr(read=lambda: str(dev.memory.host_allocations())),

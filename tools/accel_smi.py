@@ -7,8 +7,9 @@ monitoring loop part of the workload it watches). The only write is ``-r``, whic
 ``1`` to ``sys/class/accel/accelN/reset``, as root would on Linux.
 
 Modes (one at a time): the default table; ``-L`` one line per device; ``-q`` every
-attribute, grouped; ``--json``; ``--query-device=FIELDS --format=csv[,noheader][,nounits]``;
-``-r`` reset. ``-i`` selects devices by physical index, UUID (or a unique prefix, such as
+attribute, grouped (``-d`` picks sections); ``--json``;
+``--query-device=FIELDS --format=csv[,noheader][,nounits]``; ``--query-retired-pages[=FIELDS]``
+one csv row per bad page (retired, pending or failed), as nvidia-smi's; ``-r`` reset. ``-i`` selects devices by physical index, UUID (or a unique prefix, such as
 the short UUID in the table) or PCI bus id; a comma-separated list selects several.
 ``ACCEL_VISIBLE_DEVICES`` is ignored, as ``nvidia-smi`` ignores ``CUDA_VISIBLE_DEVICES``:
 the tool reports the machine, not one process's view of it.
@@ -70,6 +71,12 @@ _TEXT_ATTRS = frozenset(
 #: Wall-clock times (seconds since the epoch, with milliseconds): numbers in JSON.
 _TIME_ATTRS = frozenset({"last_reset", "last_failure_time"})
 
+#: The bad-page tables (kmod_emul/ras.py): one page a line, columns joined by " : ".
+_PAGE_TABLES: dict[str, tuple[str, ...]] = {
+    "bad_pages": ("pfn", "size", "status"),  # amdgpu's format
+    "ras/bad_page_details": ("pfn", "status", "cause", "time"),
+}
+
 #: ``-q`` sections. An attribute not listed here still shows, under "Other", so a new
 #: driver attribute is never hidden by an older accel-smi.
 SECTIONS: dict[str, tuple[str, ...]] = {
@@ -78,7 +85,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Versions": ("driver_version", "firmware_version", "isa_version", "isa_stepping"),
     "State": ("state", "failure", "failure_code", "reset_count", "reset_reason", "last_reset",
               "last_failure", "last_failure_time", "heartbeat"),
-    "Memory": ("memory_total", "memory_used", "memory_free", "managed_resident",
+    "Memory": ("memory_total", "memory_used", "memory_free", "memory_reserved",
+               "managed_resident",
                "managed_faults", "managed_bytes_to_device", "managed_bytes_to_host",
                "managed_evictions"),
     "Compute": ("compute_engines", "copy_engines", "max_threads_per_block",
@@ -90,7 +98,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Clocks": ("clock",),
     "Link": ("link_state",),
     "ECC": tuple(f"ras/{block}_err_count" for block in faults.BLOCKS),
-    "Retired Pages": ("retired_pages", "bad_pages"),
+    "Retired Pages": ("retired_pages", "bad_pages", "ras/bad_page_details"),
     # the fault log, one row per record (show_errors); never raw under "Other"
     "Errors": ("fault_log",),
 }
@@ -171,6 +179,10 @@ def typed(name: str, value: str) -> Any:
     """An attribute as JSON wants it: ints as ints, capabilities as a list, '' as null."""
     if name == "capabilities":
         return value.split()
+    if name in _PAGE_TABLES:
+        return page_rows(name, value)
+    if name.endswith("_err_count"):  # "ue: N" and "ce: N" lines
+        return {k: int(n) for k, _, n in (line.partition(": ") for line in value.splitlines())}
     if name in _TEXT_ATTRS:
         return value
     if value == "":
@@ -181,6 +193,20 @@ def typed(name: str, value: str) -> Any:
         return int(value)
     except ValueError:
         return value
+
+
+def page_rows(name: str, value: str) -> list[dict[str, Any]]:
+    """A bad-page table as rows: PFNs and sizes as ints, times as floats."""
+    rows = []
+    for line in value.splitlines():
+        row: dict[str, Any] = dict(zip(_PAGE_TABLES[name], (c.strip() for c in line.split(" : "))))
+        for key in ("pfn", "size"):
+            if key in row:
+                row[key] = int(row[key], 16)
+        if "time" in row:
+            row["time"] = float(row["time"])
+        rows.append(row)
+    return rows
 
 
 def mib(value: str) -> str:
@@ -348,7 +374,9 @@ def show_query(tree: Tree, devices: list[str], only: tuple[str, ...] | None = No
                 value = _na(a[k])
                 if k.startswith("memory_") and a[k].isdigit():
                     value = f"{mib(a[k])} MiB ({a[k]} bytes)"
-                out.append(f"        {k:<{width - 8}}: {value}")
+                first, *more = value.splitlines()  # a table: its rows under the first
+                out.append(f"        {k:<{width - 8}}: {first}")
+                out += [" " * (width + 2) + line for line in more]
     return "\n".join(out)
 
 
@@ -391,13 +419,6 @@ def _utilization(a: dict[str, str], d: dict[str, str]) -> str:
     return a.get("utilization", "0")
 
 
-def _free(a: dict[str, str]) -> str:
-    try:
-        return mib(str(int(a["memory_total"]) - int(a.get("memory_used") or 0)))
-    except (KeyError, ValueError):
-        return "N/A"
-
-
 FIELDS: dict[str, Field] = {
     "index": _attr_field("index"),
     "name": _attr_field("name"),
@@ -409,7 +430,7 @@ FIELDS: dict[str, Field] = {
     "firmware_version": _attr_field("firmware_version"),
     "memory.total": _attr_field("memory_total", "MiB"),
     "memory.used": _attr_field("memory_used", "MiB"),
-    "memory.free": Field(lambda a, d: _free(a), "MiB"),
+    "memory.free": _attr_field("memory_free", "MiB"),  # retired pages are not free
     "utilization": Field(_utilization, "%"),
     "state": _attr_field("state"),
     "failure_code": _attr_field("failure_code"),
@@ -443,10 +464,16 @@ def _csv_quote(value: str) -> str:
     return value
 
 
-def show_csv(tree: Tree, devices: list[str], spec: str, fmt: str) -> str:
+def csv_options(fmt: str) -> set[str]:
+    """``--format``: csv, optionally with ``noheader`` and ``nounits``."""
     options = {o.strip() for o in fmt.split(",")}
     if "csv" not in options or not options <= {"csv", "noheader", "nounits"}:
         raise UsageError(f"--format {fmt!r}: use csv, optionally with ,noheader and ,nounits")
+    return options
+
+
+def show_csv(tree: Tree, devices: list[str], spec: str, fmt: str) -> str:
+    options = csv_options(fmt)
     attrs = [tree.device(n) for n in devices]
     fields = resolve_fields(spec, attrs[0] if attrs else {})
     drv = tree.driver()
@@ -461,6 +488,44 @@ def show_csv(tree: Tree, devices: list[str], spec: str, fmt: str) -> str:
                 value = f"{value} {f.unit}"
             values.append(_csv_quote(value))
         lines.append(", ".join(values))
+    return "\n".join(lines)
+
+
+# --- --query-retired-pages -------------------------------------------------------------------
+#: NVML's two retirement causes, for the driver's ce (a second correctable error at the
+#: page) and ue, so that a script written against nvidia-smi reads the same words.
+_CAUSES = {"ce": "Multiple Single Bit ECC", "ue": "Double Bit ECC"}
+_STATUSES = {"R": "retired", "P": "pending", "F": "failed"}
+#: field -> its value, from the device's identity attributes and one page's row
+RETIRED_FIELDS: dict[str, Callable[[dict[str, str], dict[str, Any]], str]] = {
+    "index": lambda a, p: a["index"],
+    "gpu_name": lambda a, p: a["name"],
+    "gpu_uuid": lambda a, p: a["uuid"],
+    "gpu_bus_id": lambda a, p: a["pci_bus_id"],
+    "gpu_serial": lambda a, p: a["serial"],
+    "retired_pages.address": lambda a, p: f"0x{p['pfn'] * uapi.ACCEL_PAGE_SIZE:016x}",
+    "retired_pages.cause": lambda a, p: _CAUSES.get(p["cause"], p["cause"]),
+    "retired_pages.status": lambda a, p: _STATUSES.get(p["status"], p["status"]),
+    "retired_pages.timestamp": lambda a, p: time.strftime(
+        "%Y/%m/%d %H:%M:%S", time.localtime(p["time"])),
+}
+RETIRED_DEFAULT = "gpu_uuid,retired_pages.address,retired_pages.cause,retired_pages.status"
+
+
+def show_retired_pages(tree: Tree, devices: list[str], spec: str, fmt: str) -> str:
+    """``--query-retired-pages``: one csv row per page of each device's bad-page table."""
+    options = csv_options(fmt)
+    fields = [f.strip() for f in spec.split(",")]
+    unknown = [f for f in fields if f not in RETIRED_FIELDS]
+    if unknown:
+        raise UsageError(f"unknown field {unknown[0]!r} in --query-retired-pages; valid "
+                         "fields: " + ", ".join(RETIRED_FIELDS))
+    lines = [] if "noheader" in options else [", ".join(fields)]
+    for name in devices:
+        ident = {k: tree.attr(name, k) for k in ("index", "name", "uuid", "pci_bus_id",
+                                                   "serial")}
+        for page in page_rows("ras/bad_page_details", tree.attr(name, "ras/bad_page_details")):
+            lines.append(", ".join(_csv_quote(RETIRED_FIELDS[f](ident, page)) for f in fields))
     return "\n".join(lines)
 
 
@@ -542,10 +607,16 @@ def parser() -> argparse.ArgumentParser:
                    help=f"with -q: only these sections ({', '.join(DISPLAY)})")
     mode.add_argument("--query-device", metavar="FIELDS",
                       help="comma-separated fields: " + ", ".join(FIELDS))
+    mode.add_argument("--query-retired-pages", metavar="FIELDS", nargs="?",
+                      const=RETIRED_DEFAULT,
+                      help=f"one row per bad page (default {RETIRED_DEFAULT}): "
+                           + ", ".join(RETIRED_FIELDS))
     mode.add_argument("-r", "--reset", action="store_true", help="reset the -i device(s)")
     p.add_argument("--force", action="store_true",
                    help="with -r: reset even while other processes use the device")
-    p.add_argument("--format", default="csv", help="for --query-device: csv[,noheader][,nounits]")
+    p.add_argument("--format", default="csv",
+                   help="for --query-device and --query-retired-pages: "
+                        "csv[,noheader][,nounits]")
     p.add_argument("--reset-timeout", type=float, default=RESET_TIMEOUT_S, help=argparse.SUPPRESS)
     return p
 
@@ -591,6 +662,8 @@ def run(argv: Sequence[str] | None = None) -> tuple[int, str, str]:
             out = show_json(tree, devices)
         elif args.query_device is not None:
             out = show_csv(tree, devices, args.query_device, args.format)
+        elif args.query_retired_pages is not None:
+            out = show_retired_pages(tree, devices, args.query_retired_pages, args.format)
         else:
             out = show_table(tree, devices)
         return _with_health(tree, devices, out)

@@ -64,11 +64,11 @@ def test_correctable_errors_retire_a_page_on_the_second_and_it_is_never_allocate
     rec = last_records(d, 1)[0]
     assert (rec["code"], rec["address"], rec["bank"], rec["corrected"]) == (92, bad + 0x10, 2, True)
     assert d.attr(0, "ras/memory_err_count") == "ue: 0\nce: 1"
-    assert d.attr(0, "bad_pages") == "" and d.attr(0, "ras/retired_pages") == "0"
+    assert d.attr(0, "bad_pages") == "" and d.attr(0, "retired_pages") == "0"
     inject(d, f"inject memory ce {bad + 0x800}")  # decimal, the same page
     assert codes(d) == [92, 92, 63]
     assert d.attr(0, "bad_pages") == f"0x{bad // PAGE:08x} : 0x00001000 : R"
-    assert d.attr(0, "ras/retired_pages") == "1"
+    assert d.attr(0, "retired_pages") == "1"
     assert d.attr(0, "ras/bad_page_details").startswith(f"0x{bad // PAGE:08x} : R : ce : ")
     assert (d.attr(0, "memory_used"), d.attr(0, "memory_free")) == ("0", str(total - PAGE))
     # the whole device, in 1 MiB pieces then in pages: no allocation covers the bad page
@@ -136,7 +136,7 @@ def test_a_page_in_use_is_pending_until_a_reset_and_stays_retired_across_a_resta
     d.stop()
     d.start()  # the same state directory: the same UUID, its table
     assert d.attr(0, "bad_pages") == f"0x{bad // PAGE:08x} : 0x00001000 : R"
-    assert d.attr(0, "ras/retired_pages") == "1" and d.attr(0, "memory_free") == str(256 * MIB - PAGE)
+    assert d.attr(0, "retired_pages") == "1" and d.attr(0, "memory_free") == str(256 * MIB - PAGE)
     assert d.attr(0, "ras/memory_err_count") == "ue: 0\nce: 0"  # counters are this daemon's
 
 

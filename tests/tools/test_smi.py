@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from rawdev import RawDev
 
 from abi import uapi
 from abi.fwimage import IMAGE_NAME
@@ -87,14 +88,7 @@ def test_query_one_device_shows_every_attribute_of_it_only(daemon) -> None:
     assert "Attached Devices                  : 2" in out
     for section in ("Identity", "Versions", "State", "Memory", "Compute", "Clients"):
         assert f"\n    {section}\n" in out
-    values = {}
-    section = ""
-    for line in out.splitlines():
-        if line.startswith(" " * 4) and not line.startswith(" " * 8):
-            section = line.strip()
-        elif line.startswith(" " * 8) and section != "Errors":  # the log is a table
-            key, _, value = line.strip().partition(":")
-            values[key.strip()] = value.strip()
+    values = query_values(out)
     attrs = readable_attrs(daemon, 1)
     del attrs["fault_log"]  # shown as the Errors table (test_errors_section_...)
     assert set(values) == set(attrs)  # every attribute, nothing invented
@@ -105,6 +99,23 @@ def test_query_one_device_shows_every_attribute_of_it_only(daemon) -> None:
             assert values[key] == f"{int(value) >> 20} MiB ({value} bytes)"
         else:
             assert values[key] == (value or "N/A"), key
+
+
+def query_values(out: str) -> dict[str, str]:
+    """``-q``'s ``key : value`` lines; a value of several lines (a counter pair, a page
+    table) continues on lines indented to its column."""
+    values: dict[str, str] = {}
+    section = key = ""
+    for line in out.splitlines():
+        if line.startswith(" " * 4) and not line.startswith(" " * 8):
+            section = line.strip()
+        elif line.startswith(" " * 9) and section != "Errors":
+            values[key] += "\n" + line.strip()
+        elif line.startswith(" " * 8) and section != "Errors":  # the log is a table
+            key, _, value = line.strip().partition(":")
+            key = key.strip()
+            values[key] = value.strip()
+    return values
 
 
 def test_query_selects_by_uuid_prefix(daemon) -> None:
@@ -133,6 +144,10 @@ def test_json_has_every_attribute_typed(daemon) -> None:
             got = obj[key]
             if key == "fault_log":
                 assert got == [json.loads(line) for line in value.splitlines()]
+            elif key.startswith("ras/") and key.endswith("_err_count"):
+                assert got == {"ue": 0, "ce": 0}, key
+            elif key in ("bad_pages", "ras/bad_page_details"):
+                assert got == [], key
             elif key == "capabilities":
                 assert got == value.split()
             elif value == "" and key not in ("failure", "failure_code", "reset_reason",
@@ -439,3 +454,58 @@ def test_errors_section_and_json_show_every_fault_record(make_daemon) -> None:
 def test_display_errors_are_usage_errors(daemon, args: list[str], message: str) -> None:
     proc = smi(daemon, *args)
     assert proc.returncode == 2 and message in proc.stderr and proc.stdout == ""
+
+
+def test_retired_pages_ecc_and_page_retirement_views(make_daemon) -> None:
+    """Two bad pages (one retired, one pending under a raw client's context) as every mode
+    shows them; a forced reset makes the pending one retired."""
+    d = make_daemon(devices=2)
+    uuid = d.attr(0, "uuid")
+    inject = d.debug(0, "ras_ctrl")
+    inject.write_text("inject memory ce 0x100000")
+    inject.write_text("inject memory ce 0x100008")  # the same page, again: retired
+    with RawDev(d.node(0)) as raw:
+        ctx = raw.ctx_create()
+        raw.mem_alloc(ctx, 1 << 16)
+        row = d.debug(0, "vram_mm").read_text().splitlines()[1]
+        held = int(row.split()[0], 16)
+        inject.write_text(f"inject memory ue {held:#x}")  # its context is lost; pending
+        proc = smi(d, "--query-retired-pages", "-i", "0")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines() == [
+            "gpu_uuid, retired_pages.address, retired_pages.cause, retired_pages.status",
+            f"{uuid}, 0x0000000000100000, Multiple Single Bit ECC, retired",
+            f"{uuid}, 0x{held:016x}, Double Bit ECC, pending"]
+        proc = smi(d, "--query-retired-pages=index,gpu_bus_id,retired_pages.status",
+                   "--format=csv,noheader")
+        assert proc.stdout.splitlines() == [f"0, {d.attr(0, 'pci_bus_id')}, retired",
+                                            f"0, {d.attr(0, 'pci_bus_id')}, pending"]
+        bad = smi(d, "--query-retired-pages=retired_pages.colour")
+        assert bad.returncode == 2 and "unknown field 'retired_pages.colour'" in bad.stderr
+        proc = smi(d, "-q", "-d", "PAGE_RETIREMENT,ECC", "-i", "0")
+        assert proc.returncode == 0, proc.stderr
+        sections = [line.strip() for line in proc.stdout.splitlines()
+                    if line.startswith("    ") and not line.startswith("        ")]
+        assert sections == ["ECC", "Retired Pages"]
+        values = query_values(proc.stdout)
+        assert values["retired_pages"] == "1"
+        assert values["bad_pages"] == ("0x00000100 : 0x00001000 : R\n"
+                                       f"0x{held >> 12:08x} : 0x00001000 : P")
+        assert values["ras/memory_err_count"] == "ue: 1\nce: 2"
+        assert values["ras/compute_err_count"] == "ue: 0\nce: 0"
+        doc = json.loads(smi(d, "--json", "-i", "0").stdout)["devices"][0]
+        assert doc["bad_pages"] == [{"pfn": 0x100, "size": 4096, "status": "R"},
+                                    {"pfn": held >> 12, "size": 4096, "status": "P"}]
+        assert [(p["cause"], p["status"]) for p in doc["ras/bad_page_details"]] == [
+            ("ce", "R"), ("ue", "P")]
+        assert doc["ras/memory_err_count"] == {"ue": 1, "ce": 2}
+        assert doc["retired_pages"] == 1 and doc["memory_reserved"] == 4096
+        assert doc["memory_used"] + doc["memory_free"] + doc["memory_reserved"] == 256 << 20
+        free = smi(d, "--query-device=memory.free", "--format=csv,noheader,nounits", "-i", "0")
+        assert free.stdout.strip() == str(round(doc["memory_free"] / (1 << 20)))
+        assert smi(d, "-r", "-i", "0").returncode == 19  # the raw client holds it
+        assert smi(d, "-r", "-i", "0", "--force").returncode == 0
+    proc = smi(d, "--query-retired-pages=retired_pages.status", "--format=csv,noheader")
+    assert proc.stdout.splitlines() == ["retired", "retired"]
+    assert smi(d, "--query-retired-pages", "-i", "1").stdout.splitlines() == [
+        "gpu_uuid, retired_pages.address, retired_pages.cause, retired_pages.status"]
