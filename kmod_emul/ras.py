@@ -140,9 +140,10 @@ class Ras:
         if not _ADDRESS.fullmatch(where):
             raise DriverError(errno.EINVAL, f"address {where!r} is not hex (0x...) or decimal")
         address = int(where, 0) if where[:2].lower() == "0x" else int(where)
-        if block == "memory" and address >= self.dev.memory_total:
+        total = self.dev.memory_total
+        if block == "memory" and address >= total:
             raise DriverError(errno.EINVAL, f"address {address:#x} is past the end of "
-                                            f"{self.dev.name}'s memory ({self.dev.memory_total:#x})")
+                                            f"{self.dev.name}'s memory ({total:#x})")
         self.dev.check_usable()
         self.counts[block][severity] += 1
         INJECT[block](self, block, severity, address)

@@ -8,9 +8,11 @@ monitoring loop part of the workload it watches). The only write is ``-r``, whic
 
 Modes (one at a time): the default table; ``-L`` one line per device; ``-q`` every
 attribute, grouped (``-d`` picks sections); ``--json``;
-``--query-device=FIELDS --format=csv[,noheader][,nounits]``; ``--query-retired-pages[=FIELDS]``
-one csv row per bad page (retired, pending or failed), as nvidia-smi's; ``-r`` reset. ``-i`` selects devices by physical index, UUID (or a unique prefix, such as
-the short UUID in the table) or PCI bus id; a comma-separated list selects several.
+``--query-device=FIELDS --format=csv[,noheader][,nounits]``;
+``--query-retired-pages[=FIELDS]``, one csv row per bad page (retired, pending or failed),
+as nvidia-smi's; ``-r`` reset. ``-i`` selects devices by physical index, UUID (or a
+unique prefix, such as the short UUID in the table) or PCI bus id; a comma-separated list
+selects several.
 ``ACCEL_VISIBLE_DEVICES`` is ignored, as ``nvidia-smi`` ignores ``CUDA_VISIBLE_DEVICES``:
 the tool reports the machine, not one process's view of it.
 
