@@ -13,12 +13,14 @@ amdgpu's ``*_err_count`` count the driver's.
 Memory (a page is ``uapi.ACCEL_PAGE_SIZE`` bytes, its PFN ``offset // page``):
 
 * ``ce``: recorded (92 MEMORY_CE); a second one at the same page retires it;
-* ``ue`` where nothing is allocated: recorded (48 MEMORY_UE_FREE), the page retired now;
+* ``ue`` where nothing is allocated (or only contexts already lost, which nothing runs
+  for): recorded (48 MEMORY_UE_FREE), the page retired (pending while still allocated);
 * ``ue`` in memory exactly one live context can reach: that context alone is lost (94
   MEMORY_UE_CONTAINED, with its pid and context): its commands answer ENODEV, the
   firmware stops its queues; every other context goes on;
-* ``ue`` in memory several contexts reach (an IPC import, a peer mapping), or none that
-  is live (memory being freed): recorded (95 MEMORY_UE_UNCONTAINED) and the device reset.
+* ``ue`` in memory several contexts reach (an IPC import, a peer mapping), or memory the
+  firmware may still touch for nobody live (being unmapped): recorded (95
+  MEMORY_UE_UNCONTAINED) and the device reset.
 
 Retirement: a page nothing holds is retired at once (``R``, 63 PAGE_RETIRED); a held one
 is pending (``P``, 64 PAGE_RETIREMENT_PENDING): it leaves the free list when its holder
@@ -30,6 +32,7 @@ a retirement fails (``F``, 65 PAGE_RETIREMENT_FAILED) and the page stays in serv
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import functools
@@ -93,7 +96,8 @@ class Ras:
     # --- the persistent table ---------------------------------------------------------------
     def _load(self) -> None:
         """The table earlier daemons kept; its retired and pending pages leave the (still
-        empty) free list at once. A table that cannot be read is logged and replaced."""
+        empty) free list at once. A table that cannot be read is logged and kept aside
+        (``.corrupt``) for the operator, and the device starts with an empty one."""
         if self.path is None or not self.path.exists():
             return
         try:
@@ -101,8 +105,10 @@ class Ras:
             pages = [BadPage(int(r["pfn"]), PageStatus(r["status"]), str(r["cause"]),
                              float(r["time"])) for r in rows]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.error("%s: cannot read the bad-page table %s (%s); starting empty",
-                      self.dev.name, self.path, exc)
+            log.error("%s: cannot read the bad-page table %s (%s); kept as .corrupt, "
+                      "starting empty", self.dev.name, self.path, exc)
+            with contextlib.suppress(OSError):  # else the next save replaces it (logged)
+                self.path.replace(self.path.with_suffix(".corrupt"))
             return
         for page in pages:
             self.pages[page.pfn] = page
@@ -113,7 +119,7 @@ class Ras:
         if self.path is None:
             return
         doc = {"uuid": self.dev.identity.uuid,
-               "bad_pages": [asdict(p) | {"status": str(p.status)} for p in self.pages.values()]}
+               "bad_pages": [asdict(p) for p in self.pages.values()]}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
@@ -160,11 +166,13 @@ class Ras:
                 self._corrected.add(pfn)
             return
         backing = dev.memory.backing_at(offset)
-        if backing is None:
+        holders = dev.memory.holders(backing) if backing is not None else []
+        if backing is None or not (holders or backing.pending):
+            # nothing allocated there, or only lost contexts whose firmware let go: no
+            # work can read it
             dev.report(_code("MEMORY_UE_FREE"), **where)
             self._retire(pfn, "ue")
             return
-        holders = dev.memory.holders(backing)
         if len(holders) == 1:
             (ctx,) = holders
             ctx.file.device.lose_context(ctx, f"uncorrectable memory error at {offset:#x} of "
@@ -173,7 +181,7 @@ class Ras:
             dev.report(_code("MEMORY_UE_CONTAINED"), ctx, contexts=[ctx.id], **where)
             self._retire(pfn, "ue")
             return
-        who = f"shared by {len(holders)} contexts" if holders else "that no live context holds"
+        who = f"shared by {len(holders)} contexts" if holders else "still being unmapped"
         dev.report(_code("MEMORY_UE_UNCONTAINED"), contexts=sorted(c.id for c in holders),
                    **where)
         self._retire(pfn, "ue")

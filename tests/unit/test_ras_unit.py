@@ -139,17 +139,21 @@ def test_uncorrectable_errors_by_who_holds_the_page(driver):
         assert dev.state == uapi.DeviceState.OPERATIONAL
         assert errname(lambda: victim.mem_alloc(ctx, PAGE)) == "ENODEV"
         other.mem_alloc(other_ctx, PAGE)  # the others go on
+        dev.ras.inject(f"inject memory ue {at(ctx, mine):#x}")  # a lost context's: no reset
+        assert [r["code"] for r in dev.faults.records][-2:] == [48, 64]
+        assert dev.state == uapi.DeviceState.OPERATIONAL
         assert at(other_ctx, theirs) not in (at(ctx, mine), at(other_ctx, shared))
         dev.ras.inject(f"inject memory ue {at(other_ctx, shared):#x}")  # exporter and importer
         rec = dev.faults.records[-3]
         assert (rec["code"], sorted(rec["contexts"])) == (95, sorted([other_ctx, peer_ctx]))
+        assert dev.ras.err_count("memory") == "ue: 3\nce: 0"
         assert dev.state == uapi.DeviceState.IN_RESET
         assert "MEMORY_UE_UNCONTAINED" in dev.reset_reason
     # everything freed: the pending pages stay out of the free list
     assert dev.memory_used == 0
-    assert dev.memory.free_bytes() == dev.memory_total - 2 * PAGE
+    assert dev.memory.free_bytes() == dev.memory_total - 3 * PAGE
     dev.ras.retire_pending()  # what the reset's boot does
-    assert [line[-1] for line in dev.ras.bad_pages().splitlines()] == ["R", "R"]
+    assert [line[-1] for line in dev.ras.bad_pages().splitlines()] == ["R", "R", "R"]
 
 
 def test_an_error_where_nothing_is_allocated_retires_the_page_now(driver):
@@ -208,5 +212,7 @@ def test_the_table_persists_per_uuid(driver, tmp_path):
     finally:
         fresh.close()
     assert ras.Ras(driver.devices[1], tmp_path).bad_pages() == ""  # another UUID: its own
-    (tmp_path / "ras" / f"{driver.devices[1].identity.uuid}.json").write_text("{not json")
+    other = tmp_path / "ras" / f"{driver.devices[1].identity.uuid}.json"
+    other.write_text("{not json")
     assert ras.Ras(driver.devices[1], tmp_path).bad_pages() == ""  # logged, started empty
+    assert other.with_suffix(".corrupt").read_text() == "{not json" and not other.exists()
