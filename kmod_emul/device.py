@@ -408,7 +408,7 @@ class AccelDevice:
             self.fw_send(ctx.id, mailbox.fw_ctx_destroy())
         ctx.lose(reason)
 
-    def _lose_contexts(self, reason: str) -> list[int]:
+    def lose_contexts(self, reason: str) -> list[int]:
         """Lose every live context; their ids (what a device-scope record names)."""
         lost = [c.id for c in self.contexts.values() if c.lost is None]
         for ctx in self.contexts.values():
@@ -428,7 +428,7 @@ class AccelDevice:
         self.state = uapi.DeviceState.IN_RESET
         self.failure = None  # a reset starts afresh; the next boot says how it went
         self.reset_reason, self.last_reset = reason, time.time()
-        lost = self._lose_contexts(f"{self.name} was reset ({reason})")
+        lost = self.lose_contexts(f"{self.name} was reset ({reason})")
         self.report(faults.BY_NAME["DEVICE_RESET"].code, contexts=lost, message=reason)
         self._reset_requested.set()
 
@@ -448,7 +448,7 @@ class AccelDevice:
         self.state = uapi.DeviceState.FAILED
         self.failure = (err, message)
         self.last_failure = (err, message, time.time())
-        return self._lose_contexts(f"{self.name} failed: {message}")
+        return self.lose_contexts(f"{self.name} failed: {message}")
 
     def _fail_running(self, err: int, message: str, code: int) -> None:
         """The running firmware died or hung (catalogue ``code``): fail (every context is

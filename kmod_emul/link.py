@@ -76,7 +76,7 @@ class Link:
         for peer in domain(dev):
             peer.fw_send(0, mailbox.fw_link(device=dev.index, up=0))
             dev.fw_send(0, mailbox.fw_link(device=peer.index, up=0))
-        lost = [c.id for c in dev.live_contexts()]
+        lost = dev.lose_contexts(f"{dev.name} lost its link ({endpoint}): package reset")
         dev.report(faults.BY_NAME["LINK_ERROR"].code, link=endpoint, address=address,
                    contexts=lost, errno=errno.errorcode[errno.ENOLINK],
                    message=f"uncorrectable link error on {endpoint}: peers drained, "

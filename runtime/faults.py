@@ -73,9 +73,10 @@ def _mine(rec: dict[str, Any], made: dict[int, float]) -> bool:
 
 
 def loss_record(physical: str, ctx_id: int) -> dict[str, Any] | None:
-    """The driver's record of the fault that lost context ``ctx_id``, if it has one."""
+    """The driver's record of the fault that lost context ``ctx_id``, if it has one: the
+    first that lists it (a reset that follows its cause names it again)."""
     made = {ctx_id: _CONTEXTS.get(physical, {}).get(ctx_id, 0.0)}
-    for rec in reversed(driver_records(physical)):
+    for rec in driver_records(physical):
         if rec.get("scope") in ("context", "device", "package") and _mine(rec, made):
             return rec
     return None

@@ -215,7 +215,8 @@ class DeviceArray:
         if cause is None:
             return None
         if isinstance(cause, errors.DeviceLostError):
-            return errors.DeviceLostError(f"{self!r}: its memory is gone: {cause}", cause.errno)
+            return errors.DeviceLostError(f"{self!r}: its memory is gone: {cause}", cause.errno,
+                                          cause.record)
         return errors.InvalidValueError(
             f"{self!r} was allocated before accel:{self.device} was rebuilt; its memory is "
             "gone, allocate it again")

@@ -1,6 +1,6 @@
 """The package/link scope, injected through ``ras_ctrl``: an uncorrectable link error on
-device 0 loses device 0's contexts (record 74), makes a peer copy across the link fail
-with ENOLINK on its stream only (record 76) while local work on device 1 goes on, drains
+device 0 loses device 0's contexts (record 74; the runtime refuses their arrays), makes a
+copy packet across the link fail with ENOLINK on its stream only (record 76) while local work on device 1 goes on, drains
 device 1, resets device 0 (package reset) and brings the link back; a correctable one is
 counted and recorded and changes nothing. A tenant of device 1 never notices."""
 
@@ -16,6 +16,7 @@ IDLE = {"contexts": "0", "memory_used": "0", "queues": "0"}
 
 LINK_USER = """
 import json, os, sys, numpy as np, runtime
+from abi import userq
 debug = os.path.join(os.environ["ACCEL_EMU_ROOT"], "sys/kernel/debug/accel/accel0/")
 x = np.arange(1 << 14, dtype=np.float32)
 a = runtime.to_device(x, device=0)
@@ -31,8 +32,12 @@ try:
     a.copy_to_host()
 except runtime.DeviceLostError as exc:
     out["lost"] = exc.record["code"]
-s1 = runtime.Stream(1)
-b.copy_(a, stream=s1)
+try:
+    b.copy_(a, stream=runtime.Stream(1))
+except runtime.DeviceLostError as exc:          # the runtime refuses a lost source
+    out["runtime copy"] = exc.record["code"]
+s1 = runtime.Stream(1)                          # a raw packet reaches the link: ENOLINK
+s1.submit([userq.accel_packet(opcode=userq.Op.COPY, a=(b.va, a.va, a.nbytes, 0, 0, 0, 0))])
 try:
     s1.synchronize()
 except runtime.DeviceFaultError as exc:
@@ -69,8 +74,9 @@ def test_a_link_error_drains_the_peer_and_resets_the_package(make_daemon):
         out = d.run_py(LINK_USER, timeout=90)
         assert out.returncode == 0, out.stderr
         got = json.loads(out.stdout)
-        assert got == {"before": True, "lost": 74, "peer copy": [76, "ENOLINK", "queue"],
-                       "local": True, "link while held": "down"}
+        assert got == {"before": True, "lost": 74, "runtime copy": 74,
+                       "peer copy": [76, "ENOLINK", "queue"], "local": True,
+                       "link while held": "down"}
         d.wait_state(0, "operational")
         tenant.check()
     assert d.attr(0, "link_state") == "up"
