@@ -34,6 +34,7 @@ _NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
 #: ring words, as indices of ``RingView.words``
 _WPTR, _RPTR = userq.RING_WPTR >> 3, userq.RING_RPTR >> 3
 _ERROR_SEQNO = userq.RING_ERROR_SEQNO >> 3
+_DB_LOST = userq.DB_LOST >> 3
 #: Poll the fence in shared memory this long (yielding the CPU, which the firmware may
 #: need on a 2-core machine) before sleeping on the context's event pipe: waking a
 #: sleeping firmware takes a few hundred microseconds here.
@@ -72,6 +73,9 @@ class Stream:
         self.queue_id: int = reply.queue_id
         self._slot: int = reply.doorbell
         self._closed = False
+        #: the context's doorbell page: its "lost" word refuses work once the driver lost
+        #: the context (the firmware may still run a moment before it is stopped)
+        self._db = self.ctx.db.words
         self.ctx.streams.add(self)
         self._kernels: dict[int, str] = {}  # seqno -> kernel name, for fault records
         self.last_seqno = 0
@@ -102,6 +106,8 @@ class Stream:
         words = ring.words
         if self._closed:
             raise self._closed_error()
+        if self._db[_DB_LOST]:
+            raise self.ctx.lost_error(f"{self!r}: submit")
         with self._lock:
             if words[_ERROR_SEQNO]:
                 self._raise_fault(self.last_seqno, refusing=True)

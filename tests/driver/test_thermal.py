@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kmod_emul import thermal
-from stress.harness import Bystander
+from stress.harness import Bystander, assert_contained, snapshot
 
 
 def _log(d, dev: int = 0) -> list[dict]:
@@ -81,6 +81,7 @@ except runtime.DeviceLostError as exc:
 @pytest.mark.timeout(120)
 def test_a_thermal_shutdown_loses_the_device_and_recovers_once_cooled(make_daemon):
     d = make_daemon(devices=2)
+    before = snapshot(d)
     with Bystander(d, 1) as other:
         holder = d.popen_py(HOLDER)
         assert holder.stdout.readline() == "ready\n"
@@ -96,6 +97,7 @@ def test_a_thermal_shutdown_loses_the_device_and_recovers_once_cooled(make_daemo
     rec = [r for r in _log(d) if r["code"] == 141]
     assert len(rec) == 1 and (rec[0]["severity"], rec[0]["scope"]) == ("fatal", "device")
     assert d.attr(1, "reset_count") == "0" and _log(d, 1) == []
+    assert_contained(d, before, reset=(0,))
 
 
 def test_manual_recovery_leaves_a_shut_down_device_failed(make_daemon):

@@ -10,9 +10,7 @@ import json
 
 import pytest
 
-from stress.harness import Bystander
-
-IDLE = {"contexts": "0", "memory_used": "0", "queues": "0"}
+from stress.harness import Bystander, assert_contained, snapshot
 
 LINK_USER = """
 import json, os, sys, numpy as np, runtime
@@ -70,6 +68,7 @@ def _log(d, dev: int) -> list[dict]:
 @pytest.mark.timeout(120)
 def test_a_link_error_drains_the_peer_and_resets_the_package(make_daemon):
     d = make_daemon(devices=2)
+    before = snapshot(d)
     with Bystander(d, 1) as tenant:
         out = d.run_py(LINK_USER, timeout=90)
         assert out.returncode == 0, out.stderr
@@ -91,15 +90,16 @@ def test_a_link_error_drains_the_peer_and_resets_the_package(make_daemon):
     after = d.run_py(AFTER, timeout=60)  # the link is back for a fresh process
     assert after.returncode == 0, after.stderr
     assert json.loads(after.stdout) is True
-    for dev in (0, 1):
-        d.wait_attrs(dev, IDLE)
+    assert_contained(d, before, reset=(0,))  # device 1's firmware is the one from before
 
 
 def test_a_correctable_link_error_is_counted_and_changes_nothing(make_daemon):
     d = make_daemon(devices=2)
+    before = snapshot(d)
     with Bystander(d, 0) as tenant:
         d.debug(0, "ras_ctrl").write_text("inject link ce 0")
         tenant.check()
+    assert_contained(d, before)
     assert [(r["code"], r["corrected"], r["link"]) for r in _log(d, 0)] == [
         (125, True, "fabric0:port0")]
     assert d.attr(0, "ras/link_err_count").splitlines() == ["ue: 0", "ce: 1"]

@@ -1,8 +1,8 @@
 """The fault scopes the runtime and driver implement today, each proven exactly as wide as
 documented (docs/faults.md, "Scopes"): the faulting process's view, a bystander process on
-the same device, another on the other device, and nothing left behind.
-
-Context and package/link scopes need their injection first (the faults work to come)."""
+the same device, another on the other device, and nothing left behind. The context and
+package scopes, which need RAS injection, have files of their own
+(test_fault_scope_context.py, test_fault_scope_package.py)."""
 
 from __future__ import annotations
 
