@@ -37,7 +37,8 @@ from abi._struct import Struct
 #: Bumped when a command or struct changes incompatibly. The driver refuses a context
 #: whose runtime speaks another major (EPROTO); minors are backward compatible.
 ACCEL_ABI_MAJOR: Final = 2
-ACCEL_ABI_MINOR: Final = 0
+#: 2.1: DEVICE_RESET.
+ACCEL_ABI_MINOR: Final = 1
 
 # --- _IOC encoding, as in include/uapi/asm-generic/ioctl.h ---------------------------
 _IOC_NRBITS, _IOC_TYPEBITS, _IOC_SIZEBITS = 8, 8, 14
@@ -230,6 +231,24 @@ class accel_ctx_create(Struct):
 
 class accel_ctx_destroy(Struct):
     """ACCEL_CMD_CTX_DESTROY: tear the context down; the fd may create a new one."""
+
+    _fields_ = [
+        ("ctx_id", ctypes.c_uint64),
+        ("flags", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class accel_device_reset(Struct):
+    """ACCEL_CMD_DEVICE_RESET: reset the device this context holds exclusively.
+
+    A reset destroys every context on the device, so only a context made with
+    ``ACCEL_CTX_EXCLUSIVE`` may ask for one (EPERM otherwise): while it lives no other
+    process can have the device open, so the only state lost is the caller's own process's.
+    Returns once the reset is requested, as a sysfs ``reset`` write does: the device reads
+    ``in_reset`` until the reset's boot is done, and the caller's context is lost like
+    every other (its next command answers ENODEV).
+    """
 
     _fields_ = [
         ("ctx_id", ctypes.c_uint64),
@@ -550,6 +569,7 @@ ACCEL_CMD_QUEUE_IMPORT = _cmd("QUEUE_IMPORT", IOC_READ | IOC_WRITE, 0x0E, accel_
 ACCEL_CMD_MODULE_LOAD = _cmd("MODULE_LOAD", IOC_READ | IOC_WRITE, 0x0F, accel_module_load)
 ACCEL_CMD_MODULE_UNLOAD = _cmd("MODULE_UNLOAD", IOC_WRITE, 0x10, accel_module_unload)
 ACCEL_CMD_KERNEL_GET = _cmd("KERNEL_GET", IOC_READ | IOC_WRITE, 0x11, accel_kernel_get)
+ACCEL_CMD_DEVICE_RESET = _cmd("DEVICE_RESET", IOC_WRITE, 0x12, accel_device_reset)
 
 COMMANDS: Final[dict[int, Command]] = {
     c.code: c
@@ -572,6 +592,7 @@ COMMANDS: Final[dict[int, Command]] = {
         ACCEL_CMD_MODULE_LOAD,
         ACCEL_CMD_MODULE_UNLOAD,
         ACCEL_CMD_KERNEL_GET,
+        ACCEL_CMD_DEVICE_RESET,
     )
 }
 COMMANDS_BY_NR: Final[dict[int, Command]] = {ioc_nr(c.code): c for c in COMMANDS.values()}
@@ -602,7 +623,8 @@ ERRNO_MEANING: Final[dict[int, str]] = {
     errno.ENOMEM: "out of device memory (or over the per-process limit)",
     errno.EFAULT: "a packet named an address outside the context's mappings",
     errno.ECANCELED: "the queue faulted earlier; destroy and recreate it",
-    errno.EPERM: "peer access needs a context of this process on the peer device",
+    errno.EPERM: "peer access needs a context of this process on the peer device; a device "
+                 "reset needs a context that holds the device exclusively",
     errno.EMEDIUMTYPE: "a file descriptor the command names is not a sealed memfd (or pipe) "
                        "of the kind it needs",
 }

@@ -209,6 +209,22 @@ async def kernel_get(info: DriverInfo, f: OpenFile, arg: uapi.accel_kernel_get) 
     return arg
 
 
+async def device_reset(info: DriverInfo, f: OpenFile, arg: uapi.accel_device_reset) -> None:
+    """Only the exclusive owner may reset: a reset destroys every context on the device,
+    and while a context holds it exclusively no other process can have it open (open and
+    CTX_CREATE answer EBUSY), so what is lost is the caller's own process's. That one
+    check is therefore all that is needed: the refusal of a non-exclusive context (EPERM)
+    comes before the device's state (EAGAIN in reset), since no retry would cure it."""
+    _no_flags(arg)
+    ctx = f.context(arg.ctx_id)
+    if not ctx.exclusive:
+        raise DriverError(errno.EPERM, f"context {ctx.id} does not hold {f.device.name} "
+                                       "exclusively; only such a context may reset it "
+                                       "(CTX_CREATE with ACCEL_CTX_EXCLUSIVE)")
+    f.device.check_usable()
+    f.device.request_reset(f"reset requested by pid {f.pid} (DEVICE_RESET)")
+
+
 TABLE: dict[int, Handler] = {
     uapi.ACCEL_CMD_GET_VERSION.code: get_version,
     uapi.ACCEL_CMD_DEVICE_QUERY.code: device_query,
@@ -228,6 +244,7 @@ TABLE: dict[int, Handler] = {
     uapi.ACCEL_CMD_MODULE_LOAD.code: module_load,
     uapi.ACCEL_CMD_MODULE_UNLOAD.code: module_unload,
     uapi.ACCEL_CMD_KERNEL_GET.code: kernel_get,
+    uapi.ACCEL_CMD_DEVICE_RESET.code: device_reset,
 }
 assert TABLE.keys() == uapi.COMMANDS.keys(), "every uAPI command needs a handler"
 

@@ -87,12 +87,13 @@ class Daemon:
                 raise AssertionError(f"accel{dev} shows {now}, wanted {expected}")
             time.sleep(0.02)
 
-    def popen_py(self, code: str, *args: str) -> subprocess.Popen[str]:
+    def popen_py(self, code: str, *args: str, **env: str) -> subprocess.Popen[str]:
         """Start a snippet in a fresh interpreter against this root, with text pipes on
         stdin, stdout and stderr (for processes a test holds open, signals or kills)."""
         return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args],
-                                env=self.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=REPO)
+                                env=self.env(**env), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=REPO)
 
     def run_py(self, code: str, *, timeout: float = 60, **env: str
                ) -> subprocess.CompletedProcess[str]:
@@ -205,10 +206,14 @@ for line in sys.stdin:
 
 class Bystander:
     """Another tenant on device ``dev``: its data must stay intact and its work must run
-    through whatever an attacker does."""
+    through whatever an attacker does. ``alone``: it sees only that device
+    (``ACCEL_VISIBLE_DEVICES``), so it holds nothing on the others -- not even the primary
+    context the runtime makes on its current device -- and another process may hold those
+    exclusively."""
 
-    def __init__(self, d, dev: int = 0) -> None:
-        self.proc = d.popen_py(_BYSTANDER, str(dev))
+    def __init__(self, d, dev: int = 0, alone: bool = False) -> None:
+        self.proc = (d.popen_py(_BYSTANDER, "0", ACCEL_VISIBLE_DEVICES=str(dev)) if alone
+                     else d.popen_py(_BYSTANDER, str(dev)))
         line = self.proc.stdout.readline().strip()
         if line != "ready":
             self.close()
