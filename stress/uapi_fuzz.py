@@ -21,6 +21,10 @@ peer access, imported queues, modules loaded from sealed immutable memfds holdin
 * a header mutation: unknown, resized and re-directed command codes, flags, tags at and
   past the limit, duplicate tags, truncated, empty and oversized writes, random payloads;
 * a read at a random tag, or of a pending reply with a short, long or empty size;
+* DEVICE_RESET, from contexts that do not hold the device exclusively (EPERM: one that
+  succeeded would be an escape). It is never sent from a context that does -- which only
+  happens without bystanders, as theirs keep the device open -- since that reset is
+  allowed and would change the very firmware the containment checks compare;
 * lifecycle: close and reopen files with everything in them, destroy and recreate
   contexts, 257 unread replies, contexts up to the per-process limit, a thread swapping a
   descriptor number between a good and a bad file while it is named;
@@ -130,6 +134,7 @@ class File:
     dev: int
     fd: int
     ctx: int | None = None
+    exclusive: bool = False  # the context holds the device exclusively (CTX_CREATE flag)
     allocs: dict[int, tuple[int, int]] = field(default_factory=dict)  # handle -> (kind, backing)
     queues: set[int] = field(default_factory=set)
     imported: set[int] = field(default_factory=set)
@@ -348,7 +353,9 @@ class Client:
         if arg.ctx_id != f.ctx:
             self.escape(f, cmd, f"named context {arg.ctx_id}; this file's is {f.ctx}")
             return
-        if name == "MEM_ALLOC":
+        if name == "DEVICE_RESET":  # never sent from an exclusive context (commands_for)
+            self.escape(f, cmd, f"reset dev{f.dev} from context {f.ctx}, not exclusive")
+        elif name == "MEM_ALLOC":
             if arg.kind != uapi.MemKind.DEVICE and not self.pinned_ok(arg.fd, arg.size):
                 self.escape(f, cmd, f"pinned {arg.size} bytes of fd {arg.fd} "
                                     f"({self.fdinfo.get(arg.fd)})")
@@ -401,6 +408,7 @@ class Client:
         for h in f.allocs:
             self._drop_holder(f, h)
         f.ctx = None
+        f.exclusive = False
         f.allocs.clear()
         f.queues.clear()
         f.imported.clear()
@@ -424,6 +432,7 @@ class Client:
         name = cmd.name
         if name == "CTX_CREATE":
             f.ctx = reply.ctx_id
+            f.exclusive = bool(arg.flags & uapi.ACCEL_CTX_EXCLUSIVE)
             self.see(reply.ctx_id)
         elif name == "CTX_DESTROY":
             self.forget_file_objects(f)
@@ -633,15 +642,20 @@ class Client:
         weights = {"CTX_DESTROY": 0.2, "CTX_CREATE": 0.3, "MEM_FREE": 0.7, "QUEUE_DESTROY": 0.6,
                    "MODULE_LOAD": 0.5, "MODULE_UNLOAD": 0.4}
         while True:
-            cmd = rng.choice(CMDS)
+            cmd = rng.choice(self.commands_for(f))
             if rng.random() < weights.get(cmd.name, 1.0):
                 return cmd
+
+    def commands_for(self, f: File) -> list[uapi.Command]:
+        """What may be sent on ``f``: every command, but DEVICE_RESET only from a context
+        that does not hold the device exclusively (see the module doc)."""
+        return [c for c in CMDS if not (f.exclusive and c.name == "DEVICE_RESET")]
 
     def a_raw(self) -> None:
         """Header and length mutations, and random payloads."""
         rng = self.rng
         f = self.pick_file()
-        cmd = rng.choice(CMDS)
+        cmd = rng.choice(self.commands_for(f))
         arg, temp = self.valid(f, cmd)
         try:
             tag = next(self.tags)

@@ -496,3 +496,28 @@ def test_a_device_in_reset_or_failed_refuses_new_work_and_lost_contexts_answer_e
         os.close(ring)
     dev.call(uapi.ACCEL_CMD_CTX_DESTROY, uapi.accel_ctx_destroy(ctx_id=ctx))
     assert dev.noop(dev.ctx_create()) == 1  # a new context on the same file works
+
+
+def test_device_reset_takes_the_exclusive_owner_of_an_operational_device(driver, dev):
+    """DEVICE_RESET's refusals in the order the handler checks them (a state a mount never
+    shows -- a live context on a device in reset -- is forced here), then the reset: every
+    context of the device lost, the reset's reason naming the caller."""
+    plain = dev.ctx_create()
+    reset = uapi.ACCEL_CMD_DEVICE_RESET
+    assert refused(dev, reset, uapi.accel_device_reset(ctx_id=plain)) == "EPERM"
+    d = driver.devices[0]
+    with OfflineDev(driver) as owner:
+        ctx = owner.ctx_create(uapi.ACCEL_CTX_EXCLUSIVE)
+        arg = uapi.accel_device_reset(ctx_id=ctx)
+        d.state = uapi.DeviceState.IN_RESET
+        assert refused(owner, reset, arg) == "EAGAIN"
+        d.state, d.failure = uapi.DeviceState.FAILED, (errno.ENODEV, "firmware crashed")
+        assert refused(owner, reset, arg) == "ENODEV"
+        d.state, d.failure = uapi.DeviceState.OPERATIONAL, None
+        assert d.reset_reason == ""
+        owner.call(reset, arg)
+        assert d.state == uapi.DeviceState.IN_RESET
+        assert d.reset_reason == f"reset requested by pid {os.getpid()} (DEVICE_RESET)"
+        assert [c.lost is not None for c in d.contexts.values()] == [True, True]
+        assert d.faults.records[-1]["name"] == "DEVICE_RESET"
+        assert refused(owner, reset, arg) == "ENODEV"
