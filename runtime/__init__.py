@@ -18,6 +18,7 @@ from runtime.devices import (
     new_context,
     primary_context,
     recover,
+    reset_device,
     set_device,
     synchronize,
 )
@@ -76,8 +77,8 @@ __all__ = [
     "graph", "init", "is_available", "is_initialized", "kernel", "managed_empty",
     "max_memory_allocated", "max_memory_reserved", "mem_get_info", "memory_allocated",
     "memory_reserved", "memory_stats", "new_context", "open_ipc_handle", "pinned_empty",
-    "primary_context", "recover", "reset_peak_memory_stats", "set_device", "set_stream", "stream",
-    "synchronize", "to_device",
+    "primary_context", "recover", "reset_device", "reset_peak_memory_stats", "set_device",
+    "set_stream", "stream", "synchronize", "to_device",
 ]
 
 

@@ -216,6 +216,18 @@ class Context:
                                                             "reads its doorbell)"
             raise self.lost_error(f"{self!r}", cause) from None
 
+    def reset_device(self) -> None:
+        """Ask the driver to reset this context's device (DEVICE_RESET); returns once the
+        reset has begun (``runtime.reset_device`` also waits for its end). A reset destroys
+        every context on the device, this one included, so only a context that holds the
+        device exclusively may ask: while it lives no other process has the device open."""
+        if not self.exclusive:
+            raise errors.InvalidValueError(
+                f"{self!r} cannot reset {self.physical}: a reset destroys every context on "
+                "the device, so only a context holding it exclusively may ask for one "
+                "(runtime.new_context(device, exclusive=True))")
+        self.channel.call(uapi.ACCEL_CMD_DEVICE_RESET, uapi.accel_device_reset(ctx_id=self.id))
+
     def query_device(self) -> uapi.accel_device_info:
         return self.channel.call(uapi.ACCEL_CMD_DEVICE_QUERY, uapi.accel_device_info())
 

@@ -14,6 +14,7 @@ them all, so a rebuilt device never mixes old and new state.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
-from abi import uapi
+from abi import uapi, userq
 from runtime import discovery, errors, faults
 from runtime._channel import fork_message
 from runtime.allocator import CachingAllocator
@@ -331,3 +332,64 @@ def new_context(dev: DeviceLike = None, *, exclusive: bool = False) -> Context:
     if _init_pid is None:
         init()
     return Context(_physical(_index(dev)), exclusive=exclusive)
+
+
+#: How long ``reset_device`` waits for the device to serve again, by default (a reset is
+#: well under a second here; a cold firmware start takes longer on a loaded machine).
+RESET_TIMEOUT_S = 60.0
+#: How often ``reset_device`` looks at the device's state while it waits.
+_RESET_POLL_S = 0.02
+
+
+def reset_device(dev: DeviceLike = None, timeout: float | None = RESET_TIMEOUT_S) -> None:
+    """Reset a device -- the device itself, where ``cudaDeviceReset`` drops only the
+    calling process's state -- and return once it serves again.
+
+    A reset destroys every context on the device, so it goes through a context of this
+    process that holds the device exclusively (``new_context(dev, exclusive=True)``):
+    while one does, no other process has the device open and what is lost is this
+    process's own. Without one this raises :class:`InvalidValueError` and sends nothing.
+    Every context of this process on the device is lost: work in flight raises
+    ``DeviceLostError`` naming the reset. Once this returns, :func:`recover` rebuilds the
+    primary context; the contexts the process made itself (the exclusive one too) are its
+    own to close and replace. Raises as the reset's boot ended (``FirmwareMissingError``
+    and the like) when the device came back failed, ``AccelTimeoutError`` after
+    ``timeout`` seconds."""
+    _check_fork()
+    if _init_pid is None:
+        init()
+    physical = _physical(_index(dev))
+    owners = [c for c in list(Context.live) if c.physical == physical and c.exclusive]
+    if not owners:
+        raise errors.InvalidValueError(
+            f"cannot reset {physical}: this process holds no exclusive context on it. A "
+            "reset destroys every context on the device, so it needs one: "
+            "runtime.new_context(device, exclusive=True), which no other process may have "
+            "open meanwhile")
+    # a lost one (of an earlier reset) would only raise its loss
+    owner = next((c for c in owners if not c.db.get(userq.DB_LOST)), owners[0])
+    before = int(discovery.read_attr(physical, "reset_count"))
+    owner.reset_device()
+    _wait_for_reset(physical, before, timeout)
+
+
+def _wait_for_reset(physical: str, before: int, timeout: float | None) -> None:
+    """Return once the reset that followed ``reset_count`` ``before`` has booted the device
+    again (the driver counts a reset once its boot settled the state); raise as a
+    device that boots failed does."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        done = int(discovery.read_attr(physical, "reset_count")) > before
+        state = discovery.read_attr(physical, "state")
+        if done and state in ("operational", "failed"):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            raise errors.AccelTimeoutError(
+                f"{physical}: the reset did not finish within {timeout} s (state {state})",
+                errno.ETIME)
+        time.sleep(_RESET_POLL_S)
+    if state == "failed":
+        code = discovery.read_attr(physical, "failure_code")
+        raise errors.from_errno(getattr(errno, code, errno.ENODEV),
+                                f"{physical}: the reset ended with the device failed: "
+                                f"{discovery.read_attr(physical, 'failure')}")
