@@ -203,3 +203,44 @@ def from_line(line: str) -> dict[str, Any]:
 def dropped_marker(count: int, time: float) -> dict[str, Any]:
     """The event a watcher reads in place of ``count`` events it was too slow for."""
     return {"dropped": count, "time": time}
+
+
+# --- reset scopes ----------------------------------------------------------------------------
+#: The engine kinds whose reset scopes the driver reports (sysfs ``<engine>_reset_mask``).
+ENGINES: Final = ("compute", "copy")
+
+
+@dataclass(frozen=True)
+class ResetScope:
+    """A scope the stack really recovers a fault of ``engines`` at: what is reset, and
+    what makes it happen."""
+
+    scope: Scope
+    engines: tuple[str, ...]
+    trigger: str
+
+
+#: The reset scopes implemented, narrowest first: the one table sysfs's reset masks
+#: (amdgpu's ``gfx_reset_mask``, ``sdma_reset_mask``) and docs/faults.md "Reset scopes"
+#: come from. A scope is listed once something resets at it (an operation's refusal
+#: resets nothing, so it is not one).
+RESET_SCOPES: Final = (
+    ResetScope(Scope.QUEUE, ENGINES,
+               "a packet of the queue faulted (its ring's fault record): later work on the "
+               "queue is cancelled; the runtime rebuilds the stream"),
+    ResetScope(Scope.CONTEXT, ENGINES,
+               "an uncorrectable memory error in memory only that context holds (94): the "
+               "firmware stops its queues, the context alone is lost; the others go on"),
+    ResetScope(Scope.DEVICE, ENGINES,
+               "a reset: sysfs `reset`, `accel-smi -r`, DEVICE_RESET, or the driver's "
+               "recovery from a device-scope fault (a firmware death or hang, an "
+               "uncontained error); every context is lost"),
+    ResetScope(Scope.PACKAGE, ENGINES,
+               "an uncorrectable link error (74): the peers on the link stop reaching the "
+               "package (drained), then it resets (a package is one device here)"),
+)
+
+
+def reset_mask(engine: str) -> tuple[str, ...]:
+    """The reset scopes implemented for faults of ``engine``, narrowest first."""
+    return tuple(str(r.scope) for r in RESET_SCOPES if engine in r.engines)

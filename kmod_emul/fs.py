@@ -34,7 +34,7 @@ from kmod_emul.device import AccelDevice
 from kmod_emul.errors import DriverError
 from kmod_emul.faultlog import FaultLog, Watcher
 from kmod_emul.ras import ras_attrs
-from kmod_emul.sysfs import debug_attrs, device_attrs, limit_attrs, module_attrs
+from kmod_emul.sysfs import debug_attrs, device_attrs, limit_attrs, module_attrs, reset_mask_attrs
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,7 @@ def build_tree(info: drv.DriverInfo, devices: list[AccelDevice]) -> Tree:
     for dev in devices:
         tree.add_device(dev)
         tree.add_attrs(f"sys/class/accel/{dev.name}", device_attrs(dev))
+        tree.add_attrs(f"sys/class/accel/{dev.name}", reset_mask_attrs())
         tree.add_events(uapi.EVENTS_DIR, dev.name, dev.faults)
         tree.add_attrs(f"sys/class/accel/{dev.name}/limits", limit_attrs(dev))
         tree.add_attrs(f"sys/class/accel/{dev.name}/ras", ras_attrs(dev))

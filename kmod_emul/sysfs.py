@@ -21,7 +21,7 @@ import functools
 import os
 from collections.abc import Callable
 
-from abi import mailbox, uapi
+from abi import faults, mailbox, uapi
 from kmod_emul.attr import Attr
 from kmod_emul.device import STEP_NAMES, AccelDevice
 from kmod_emul.drv import DriverInfo
@@ -128,6 +128,14 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
     )
     attrs.update({name: Attr(read=functools.partial(_fw_stat, dev, name)) for name in mailbox.STAT_NAMES})
     return attrs
+
+
+def reset_mask_attrs() -> dict[str, Attr]:
+    """``sys/class/accel/accelN/<engine>_reset_mask``: the reset scopes the stack implements
+    for that engine's faults (``abi.faults.RESET_SCOPES``), as amdgpu's ``gfx_reset_mask``."""
+    return {f"{engine}_reset_mask": Attr(read=functools.partial(" ".join,
+                                                                faults.reset_mask(engine)))
+            for engine in faults.ENGINES}
 
 
 def limit_attrs(dev: AccelDevice) -> dict[str, Attr]:
