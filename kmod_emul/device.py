@@ -43,6 +43,7 @@ from kmod_emul.context import (
     new_ring_memfd,
     tgid_of,
 )
+from kmod_emul.coredump import Coredump
 from kmod_emul.errors import DriverError
 from kmod_emul.faultlog import FaultLog
 from kmod_emul.fw import FirmwareProcess
@@ -127,6 +128,9 @@ class AccelDevice:
                                Path(mem.state_dir) if mem.state_dir else None)
         #: error counters and bad pages (sysfs ``ras/``, ``bad_pages``; debugfs ``ras_ctrl``)
         self.ras = Ras(self, Path(mem.state_dir) if mem.state_dir else None)
+        #: the dump of a device-scope fault (sysfs ``devcoredump/``), taken as it is recorded
+        self.coredump = Coredump(self)
+        self.faults.listeners.append(self.coredump.on_record)
 
     def new_id(self) -> int:
         """Handles of every kind (contexts, queues, allocations) are unique on the device

@@ -22,7 +22,7 @@ import errno
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,9 @@ class FaultLog:
         self.path = state_dir / "faults" / f"{uuid}.log" if state_dir is not None else None
         self.records: deque[dict[str, Any]] = deque(maxlen=KEEP)
         self.watchers: set[Watcher] = set()
+        #: called with every new record, before the watchers hear of it, while what the
+        #: fault left is still there (the device's coredump, kmod_emul/coredump.py)
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self.seq = 0
         self._load()
 
@@ -172,6 +175,8 @@ class FaultLog:
                     self._rewrite(self.records)
             except OSError as exc:  # a full disk must not lose the device
                 log.error("accel%d: cannot persist a fault record: %s", self.index, exc)
+        for listen in self.listeners:
+            listen(rec)
         for w in list(self.watchers):
             w.offer(rec)
         return rec

@@ -9,8 +9,8 @@ Handlers never wait for the device (:mod:`kmod_emul.drv`): the kernel serialises
 of every tenant on one device node, so a command that slept would stall them all.
 
 Permissions are the driver's own checks (the mount has no ``default_permissions``): writing
-an attribute needs root, as does anything under ``sys/kernel/debug`` (see
-:mod:`kmod_emul.sysfs`).
+an attribute needs root, as does anything under ``sys/kernel/debug`` and a device's
+``devcoredump/`` (see :mod:`kmod_emul.sysfs`, :mod:`kmod_emul.coredump`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from abi import uapi
 from kmod_emul import drv
 from kmod_emul.attr import Attr
 from kmod_emul.context import OpenFile, tgid_of
+from kmod_emul.coredump import devcoredump_attrs
 from kmod_emul.device import AccelDevice
 from kmod_emul.errors import DriverError
 from kmod_emul.faultlog import FaultLog, Watcher
@@ -52,7 +53,7 @@ class Node:
     attr: Attr | None = None
     device: AccelDevice | None = None
     events: FaultLog | None = None  # the device's event node: each open is a watcher
-    root_only: bool = False  # debugfs: neither listed nor opened by anyone but root
+    root_only: bool = False  # debugfs, devcoredump: neither listed nor opened but by root
 
 
 class Tree:
@@ -108,6 +109,8 @@ def build_tree(info: drv.DriverInfo, devices: list[AccelDevice]) -> Tree:
         tree.add_events(uapi.EVENTS_DIR, dev.name, dev.faults)
         tree.add_attrs(f"sys/class/accel/{dev.name}/limits", limit_attrs(dev))
         tree.add_attrs(f"sys/class/accel/{dev.name}/ras", ras_attrs(dev))
+        tree.add_attrs(f"sys/class/accel/{dev.name}/devcoredump", devcoredump_attrs(dev),
+                       root_only=True)
         tree.add_attrs(f"sys/kernel/debug/accel/{dev.name}", debug_attrs(dev), root_only=True)
     tree.add_attrs("sys/module/accel_emu", module_attrs(info, devices))
     return tree

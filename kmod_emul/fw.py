@@ -7,6 +7,10 @@ it copies the verified image into a fresh mailbox (a memfd), starts the device's
 process with only the mailbox, doorbell, interrupt and descriptor-channel fds (and every
 device's VRAM), and waits for the READY handshake; a firmware that exits or reports
 failure during boot is a boot failure (EIO).
+
+The firmware's log is its stderr, which the firmware writes only when something went
+wrong. It reaches the daemon's log through the driver, which keeps its last lines
+(``FirmwareProcess.log_tail``) for the dump of a device-scope fault (kmod_emul/coredump.py).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +41,10 @@ log = logging.getLogger(__name__)
 
 BOOT_TIMEOUT_S = 30.0
 STOP_GRACE_S = 1.0
+#: Lines of the firmware's log the driver keeps (the tail a coredump shows).
+LOG_TAIL_LINES = 64
+#: Longer lines are kept cut to this many bytes (the log itself gets them whole).
+LOG_LINE_MAX = 1024
 
 
 def load_image(firmware_dir: Path, name: str = fwimage.IMAGE_NAME) -> fwimage.FirmwareImage:
@@ -112,6 +121,8 @@ class FirmwareProcess:
         self._cookies = iter(range(1, 1 << 63))
         #: messages that found the command ring (or the channel) full, sent in order
         self._backlog: deque[_Message] = deque()
+        #: the last lines the firmware wrote to its log, oldest first
+        self.log_tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
 
     @property
     def pid(self) -> int:
@@ -173,10 +184,12 @@ class FirmwareProcess:
         and the read end of a new doorbell pipe, and nothing else of the daemon's. The
         ends it got are handed over (closed here: the child has them now). The doorbell
         pipe is this step's, not the interrupts': its EOF is how the driver asks the
-        firmware to halt, which the undo must do before it waits for the process."""
+        firmware to halt, which the undo must do before it waits for the process. Its
+        stderr is a pipe to the driver (``_pass_log``), which ends with the process."""
         assert self._fw_sock is not None
         doorbell_r, doorbell_w = os.pipe()
         os.set_blocking(doorbell_w, False)  # a full pipe means "already rung", never a stall
+        log_r, log_w = os.pipe()
         memcfg = self.memcfg
         vram = ",".join(f"{dev}:{fd}" for dev, fd in memcfg.vram_fds.items())
         theirs = self._fw_sock.fileno()
@@ -188,13 +201,18 @@ class FirmwareProcess:
                  "--fd-channel", str(theirs), "--jit-cache", memcfg.jit_cache],
                 pass_fds=(self._memfd, doorbell_r, self._irq_w, theirs,
                           *memcfg.vram_fds.values()),
+                stderr=log_w,
                 start_new_session=True,  # a Ctrl-C on the daemon's terminal is not a device crash
             )
         except BaseException:
             os.close(doorbell_w)
+            os.close(log_r)
             raise
         finally:
             os.close(doorbell_r)
+            os.close(log_w)
+        threading.Thread(target=_pass_log, args=(log_r, self.log_tail),
+                         name=f"{self.label}-firmware-log", daemon=True).start()
         self._doorbell_w = doorbell_w
         self._memfd = _close(self._memfd)  # the mapping stays; the child has the file
         self._irq_w = _close(self._irq_w)
@@ -299,6 +317,29 @@ class FirmwareProcess:
                 os.write(self._doorbell_w, b"\1")
             except (BlockingIOError, BrokenPipeError):
                 pass  # already rung / firmware gone (the watchdog reports the latter)
+
+
+def _pass_log(fd: int, tail: deque[str]) -> None:
+    """Copy the firmware's log (the pipe ``fd``) to the daemon's stderr as it comes, and
+    keep its last lines in ``tail``; close ``fd`` once every writer is gone (the firmware
+    exited). A thread of its own: its blocking reads never hold the event loop, and the
+    pipe never fills up and stalls a firmware that writes a lot (a traceback storm)."""
+    partial = b""
+    try:
+        while chunk := os.read(fd, 65536):
+            *lines, partial = (partial + chunk).split(b"\n")
+            tail.extend(line[:LOG_LINE_MAX].decode(errors="replace") for line in lines)
+            partial = partial[:LOG_LINE_MAX]
+            out = memoryview(chunk)  # after the tail: a line in the log is in the tail too
+            try:
+                while out:
+                    out = out[os.write(2, out):]
+            except OSError:
+                pass  # the daemon's log is unwritable (a full disk): the tail is still kept
+    finally:
+        if partial:
+            tail.append(partial.decode(errors="replace"))
+        os.close(fd)
 
 
 def _close(fd: int) -> int:

@@ -9,9 +9,11 @@ name, or ``none``: the device's next bring-ups fail at that step, see
 :mod:`kmod_emul.ras`).
 
 Who sees what (docs/containment.md): writing any attribute is root's, as sysfs files are
-root's 0200 and 0644; debugfs is root's alone, as ``/sys/kernel/debug`` is 0700; and an
-attribute that names other tenants' processes (``processes``, ``exclusive_owner``) shows a
-user only their own, as DRM fdinfo shows a process only to who may ptrace it.
+root's 0200 and 0644; debugfs is root's alone, as ``/sys/kernel/debug`` is 0700, and so is a
+device's ``devcoredump/`` (Linux's devcoredump ``data`` is 0600: a dump names every
+tenant); and an attribute that names other tenants' processes (``processes``,
+``exclusive_owner``) shows a user only their own, as DRM fdinfo shows a process only to who
+may ptrace it.
 """
 
 from __future__ import annotations

@@ -275,10 +275,10 @@ def test_a_failure_at_each_step_leaves_nothing_behind(make_daemon, step):
     assert [pid for pid, _ in up.children] == sorted([fw0, fw1])
     assert up.memfd_maps - failed.memfd_maps == Counter({MAILBOX: 1})
     assert failed.fds - up.fds == Counter()
-    # the mailbox (mmap keeps its own descriptor), interrupt and doorbell pipes, the fd
-    # channel, and the process's pidfd where trio waits on one
+    # the mailbox (mmap keeps its own descriptor), interrupt, doorbell and log pipes, the
+    # fd channel, and the process's pidfd where trio waits on one
     assert up.fds - failed.fds - Counter({"anon_inode:[pidfd]": 1}) == Counter(
-        {"pipe:": 2, "socket:": 1, MAILBOX: 1})
+        {"pipe:": 3, "socket:": 1, MAILBOX: 1})
 
     # the teardown of that good bring-up (held in reset) leaves what the failed one left
     d.debug(1, "reset_hold").write_text("1")
