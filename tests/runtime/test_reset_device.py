@@ -72,3 +72,51 @@ def test_the_exclusive_owner_resets_its_device_and_recovers(make_daemon):
     assert d.attr(1, "reset_count") == "0"
     for dev in (0, 1):
         d.wait_attrs(dev, IDLE)
+
+
+RESET_ENDS_BADLY = """
+import os, time
+import runtime
+from runtime import discovery
+
+debug = os.environ["ACCEL_EMU_ROOT"] + "/sys/kernel/debug/accel/accel0/"
+def knob(name, value):
+    open(debug + name, "w").write(value)
+def operational():
+    deadline = time.monotonic() + 30
+    while discovery.read_attr("accel0", "state") != "operational":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+knob("fw_boot_fail", "1")
+with runtime.new_context(0, exclusive=True):
+    try:
+        runtime.reset_device(0)
+    except runtime.FirmwareBootError as exc:
+        print("boot failed", "the reset ended with the device failed" in str(exc))
+knob("fw_boot_fail", "0")
+open(os.environ["ACCEL_EMU_ROOT"] + "/sys/class/accel/accel0/reset", "w").write("1")
+operational()
+knob("reset_hold", "1")
+with runtime.new_context(0, exclusive=True):
+    try:
+        runtime.reset_device(0, timeout=0.5)
+    except runtime.AccelTimeoutError as exc:
+        print("held", "did not finish within 0.5 s (state in_reset)" in str(exc))
+knob("reset_hold", "0")
+operational()
+runtime.recover(0)
+print("back", discovery.read_attr("accel0", "reset_count"))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_reset_device_says_how_the_reset_ended(make_daemon):
+    """A reset whose boot fails raises as the device's failure (here a boot failure); one
+    that does not finish in time raises AccelTimeoutError."""
+    d = make_daemon(devices=1)
+    out = d.run_py(RESET_ENDS_BADLY, timeout=90)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["boot failed True", "held True", "back 3"]
+    assert out.stderr == ""
+    d.wait_attrs(0, IDLE)
