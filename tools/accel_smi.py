@@ -103,6 +103,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Retired Pages": ("retired_pages", "bad_pages", "ras/bad_page_details"),
     # the fault log, one row per record (show_errors); never raw under "Other"
     "Errors": ("fault_log",),
+    # the dump itself is one JSON document: -q says whether one is held, --json has it
+    "Coredump": ("devcoredump/time", "devcoredump/data"),
 }
 
 #: ``-d`` names (nvidia-smi's, and ours for the rest) -> the ``-q`` sections they show.
@@ -111,7 +113,7 @@ DISPLAY: dict[str, tuple[str, ...]] = {
     "MEMORY": ("Memory",), "UTILIZATION": ("Engines",), "COMPUTE": ("Compute",),
     "PIDS": ("Clients",), "TEMPERATURE": ("Temperature",), "CLOCK": ("Clocks",),
     "LINK": ("Link",), "ECC": ("ECC",), "PAGE_RETIREMENT": ("Retired Pages",),
-    "ERRORS": ("Errors",),
+    "ERRORS": ("Errors",), "COREDUMP": ("Coredump",),
 }
 #: Fault-record fields the ERRORS section shows, in order (the JSON has them all).
 ERROR_COLUMNS = ("seq", "time", "code", "name", "severity", "scope", "action", "pid",
@@ -374,6 +376,9 @@ def show_query(tree: Tree, devices: list[str], only: tuple[str, ...] | None = No
                 continue
             for k in present:
                 value = _na(a[k])
+                if k == "devcoredump/data":
+                    value = (f"held, {len(a[k])} bytes (read sys/class/accel/{name}/"
+                             "devcoredump/data)") if a[k] else "N/A"
                 if k.startswith("memory_") and a[k].isdigit():
                     value = f"{mib(a[k])} MiB ({a[k]} bytes)"
                 first, *more = value.splitlines()  # a table: its rows under the first
@@ -396,6 +401,8 @@ def _typed_device(attrs: dict[str, str]) -> dict[str, Any]:
     """A device's attributes for JSON; its fault log as a list of records."""
     doc = {k: typed(k, v) for k, v in attrs.items() if k != "fault_log"}
     doc["fault_log"] = fault_records(attrs)
+    if "devcoredump/data" in attrs:  # root's: a held dump as the document it is
+        doc["devcoredump/data"] = json.loads(attrs["devcoredump/data"] or "null")
     return doc
 
 
