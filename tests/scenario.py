@@ -9,6 +9,22 @@ import textwrap
 
 from stress.harness import Daemon
 
+#: A kernel that writes out of bounds, once, on device 0: the exception it raises at
+#: ``synchronize`` is left as ``exc`` (fault-record scenarios continue from there).
+KERNEL_FAULT_PRELUDE = """
+import json, os, time, numpy as np, runtime
+m = runtime.compile('''
+def oob(x):
+    x[global_id(0) + 100000] = 1.0
+''')
+x = runtime.empty(16, np.float32)
+m.oob[1, 1](x)
+try:
+    runtime.synchronize()
+except runtime.KernelFaultError as caught:
+    exc = caught
+"""
+
 #: Memory scenarios (test_memory.py, test_ipc.py): numpy, the runtime, the uAPI, packets.
 MEMORY_PRELUDE = """
 import os, sys, json, numpy as np, runtime

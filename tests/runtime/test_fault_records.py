@@ -14,20 +14,11 @@ import time
 import pytest
 
 from abi import faults, uapi
+from scenario import KERNEL_FAULT_PRELUDE
 from stress.harness import as_user
 
-KERNEL_FAULT = """
-import json, os, time, numpy as np, runtime
-m = runtime.compile('''
-def oob(x):
-    x[global_id(0) + 100000] = 1.0
-''')
-x = runtime.empty(16, np.float32)
-m.oob[1, 1](x)
-try:
-    runtime.synchronize()
-except runtime.KernelFaultError as exc:
-    rec = exc.record
+KERNEL_FAULT = KERNEL_FAULT_PRELUDE + """
+rec = exc.record
 deadline = time.monotonic() + 5
 while time.monotonic() < deadline:   # the driver's copy comes from the firmware's report
     mine = runtime.fault_records()

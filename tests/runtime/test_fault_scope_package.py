@@ -12,10 +12,10 @@ import pytest
 
 from stress.harness import Bystander, assert_contained, snapshot
 
-LINK_USER = """
+#: a on device 0, copied across the link into b on device 1; ``copied`` says it arrived
+PEER_COPY = """
 import json, os, sys, numpy as np, runtime
 from abi import userq
-debug = os.path.join(os.environ["ACCEL_EMU_ROOT"], "sys/kernel/debug/accel/accel0/")
 x = np.arange(1 << 14, dtype=np.float32)
 a = runtime.to_device(x, device=0)
 b = runtime.empty(x.shape, np.float32, device=1)
@@ -23,7 +23,12 @@ runtime.enable_peer_access(0, device=1)
 s1 = runtime.Stream(1)
 s1.wait_stream(runtime.current_stream(0))
 b.copy_(a, stream=s1); s1.synchronize()
-out = {"before": bool(np.array_equal(b.copy_to_host(), x))}
+copied = bool(np.array_equal(b.copy_to_host(), x))
+"""
+
+LINK_USER = PEER_COPY + """
+debug = os.path.join(os.environ["ACCEL_EMU_ROOT"], "sys/kernel/debug/accel/accel0/")
+out = {"before": copied}
 open(debug + "reset_hold", "w").write("1")        # keep the package in reset a while
 open(debug + "ras_ctrl", "w").write("inject link ue 0x1000")
 try:
@@ -48,16 +53,8 @@ open(debug + "reset_hold", "w").write("0")
 print(json.dumps(out), flush=True)
 """
 
-AFTER = """
-import json, numpy as np, runtime
-x = np.arange(1 << 14, dtype=np.float32)
-a = runtime.to_device(x, device=0)
-b = runtime.empty(x.shape, np.float32, device=1)
-runtime.enable_peer_access(0, device=1)
-s1 = runtime.Stream(1)
-s1.wait_stream(runtime.current_stream(0))
-b.copy_(a, stream=s1); s1.synchronize()
-print(json.dumps(bool(np.array_equal(b.copy_to_host(), x))))
+AFTER = PEER_COPY + """
+print(json.dumps(copied))
 """
 
 

@@ -22,6 +22,7 @@ from rawdev import RawDev
 from abi import uapi
 from abi.fwimage import IMAGE_NAME
 from firmware.image import IMAGE_DIR
+from scenario import KERNEL_FAULT_PRELUDE
 
 REPO = Path(__file__).resolve().parents[2]
 #: Changes between two reads on a healthy device; never compared by value.
@@ -409,18 +410,8 @@ def test_a_recovered_failure_stays_visible(make_daemon) -> None:
     assert abs(doc["last_reset"] - time.time()) < 60
 
 
-FAULTING = """
-import numpy as np, runtime
-m = runtime.compile('''
-def oob(x):
-    x[global_id(0) + 100000] = 1.0
-''')
-x = runtime.empty(16, np.float32)
-m.oob[1, 1](x)
-try:
-    runtime.synchronize()
-except runtime.KernelFaultError as exc:
-    print(exc.record["context"], exc.record["queue"])
+FAULTING = KERNEL_FAULT_PRELUDE + """
+print(exc.record["context"], exc.record["queue"])
 """
 
 
