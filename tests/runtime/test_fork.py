@@ -24,33 +24,95 @@ def counters(d, dev: int) -> dict[str, str]:
     return {k: d.attr(dev, k) for k in ("open_files", "contexts", "clients", "exclusive_owner")}
 
 
-def test_fork_after_init_child_gets_use_after_fork(daemon):
-    out = daemon.run_py("""
-        import os, runtime
-        runtime.init()
+#: Every device call a child forked after init might make, by name: each must raise
+#: UseAfterForkError. What they use (``s``, ``ev``, ``idle_ev``, ``a``, ``host``, ``pin``,
+#: ``lib``, ``ctx``, ``h``) was made by the parent before the fork; ``idle``/``idle_ev``
+#: had nothing queued, so a check that lived only on the wait path would miss them.
+CHILD_CALLS = """
+calls = {
+    "init": runtime.init,
+    "new_context": lambda: runtime.new_context(0),
+    "set_device": lambda: runtime.set_device(1),
+    "properties": lambda: runtime.get_device_properties(0),
+    "empty": lambda: runtime.empty(16, np.float32),
+    "to_device": lambda: runtime.to_device(host),
+    "pinned_empty": lambda: runtime.pinned_empty(16, np.uint8),
+    "managed_empty": lambda: runtime.managed_empty(16, np.uint8),
+    "copy_to_host": lambda: a.copy_to_host(),
+    "copy_from_host": lambda: a.copy_from_host(host, stream=s),
+    "copy_": lambda: a.copy_(a, stream=s),
+    "memset": lambda: a.memset(0, stream=s),
+    "launch": lambda: lib.fill[1, 16](a, 1.0, stream=s),
+    "compile": lambda: runtime.compile(kernel_lib.SOURCE),
+    "synchronize": runtime.synchronize,
+    "stream_synchronize": s.synchronize,
+    "stream_query": s.query,
+    "idle_stream_synchronize": idle.synchronize,
+    "idle_stream_query": idle.query,
+    "Stream": lambda: runtime.Stream(0),
+    "current_stream": runtime.current_stream,
+    "Event": runtime.Event,
+    "event_record": lambda: ev.record(s),
+    "event_synchronize": ev.synchronize,
+    "event_query": ev.query,
+    "idle_event_synchronize": idle_ev.synchronize,
+    "idle_event_query": idle_ev.query,
+    "context_synchronize": lambda: ctx.synchronize(timeout=5),
+    "context_noop": ctx.submit_noop,
+    "ipc_handle": a.ipc_handle,
+    "open_ipc_handle": lambda: runtime.open_ipc_handle(h),
+    "memory_allocated": runtime.memory_allocated,
+    "mem_get_info": runtime.mem_get_info,
+}
+"""
+
+
+def test_fork_after_init_every_device_call_raises_use_after_fork(daemon):
+    """After init, a forked child shares the parent's device files, which the driver cannot
+    tell apart: every device call raises UseAfterForkError naming the parent's pid and
+    spawn/forkserver, discovery still answers, and the parent's data and work are intact."""
+    out = daemon.run_py(textwrap.dedent("""
+        import os, numpy as np, runtime
+        from runtime import kernel_lib
+        host = np.arange(16, dtype=np.float32)
+        s, idle = runtime.Stream(0), runtime.Stream(0)
+        a = runtime.to_device(host, stream=s)
+        pin = runtime.pinned_empty(16, np.float32)
+        lib = runtime.compile(kernel_lib.SOURCE)
         ctx = runtime.new_context(1)
+        ev, idle_ev = s.record_event(), idle.record_event()
+        h = runtime.to_device(host).ipc_handle()
+        runtime.synchronize()
         parent = os.getpid()
+        """) + CHILD_CALLS + textwrap.dedent("""
         pid = os.fork()
         if pid == 0:
-            lines = [f"count {runtime.device_count()} {runtime.is_available()}"]
-            for call in (runtime.synchronize, lambda: runtime.get_device_properties(0),
-                         ctx.submit_noop, runtime.init, lambda: runtime.new_context(0)):
+            print(f"count {runtime.device_count()} {runtime.is_available()}")
+            for name, call in calls.items():
                 try:
                     call()
-                    lines.append("no error")
+                    print(name, "returned")
                 except runtime.UseAfterForkError as exc:
                     msg = str(exc)
-                    lines.append(f"fork-error {str(parent) in msg} {'spawn' in msg} "
-                                 f"{'forkserver' in msg}")
-            print("\\n".join(lines), flush=True)
+                    print(name, str(parent) in msg and "initialised" in msg and "spawn" in msg
+                          and "forkserver" in msg)
+                except Exception as exc:
+                    print(name, repr(exc))
+            print(flush=True)
             os._exit(0)
         os.waitpid(pid, 0)
-        runtime.synchronize()       # the parent is unaffected
+        lib.fill[1, 16](a, 7.0, stream=s)   # the parent carries on, on the same objects
+        a.copy_to_host(pin, stream=s)
+        s.synchronize()
         ctx.synchronize(timeout=5)
-        print("parent ok")
-    """)
-    assert out.stdout.splitlines() == ["count 2 True"] + ["fork-error True True True"] * 5 + [
-        "parent ok"], out.stderr
+        print("parent", bool((pin == 7).all()), runtime.is_initialized())
+    """))
+    lines = out.stdout.splitlines()
+    assert lines[0] == "count 2 True", out.stderr
+    refused = [l for l in lines[1:-2] if not l.endswith(" True")]
+    calls = sum(line.startswith('    "') for line in CHILD_CALLS.splitlines())
+    assert not refused and len(lines) == calls + 3, (refused, lines, out.stderr)
+    assert lines[-1] == "parent True True", out.stderr
 
 
 def test_fork_before_init_child_may_initialise(daemon):
