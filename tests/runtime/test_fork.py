@@ -150,6 +150,161 @@ def test_spawn_and_forkserver_children_work_repeatedly(daemon, tmp_path):
     assert out.stdout.splitlines() == ["spawn [0, 1, 0, 1]", "forkserver [0, 1, 0, 1]"], out.stderr
 
 
+#: A parent that is initialised and holds data on both devices starts children through a
+#: forkserver (each a fork of a fresh interpreter: never initialised) that hold something
+#: on device 1 -- copies or a kernel in flight, queues, an IPC export the parent imported,
+#: or nothing at a clean exit -- and kills them with SIGKILL (or lets one exit). After
+#: each it checks its own data and work, and waits for the driver's books to be back to
+#: what they were before the child; ``many`` runs 100 short-lived children. One line per
+#: case: what the child reported, its exit code, the parent's check, the books.
+MATRIX = '''
+import multiprocessing as mp, os, signal, sys, time, numpy as np, runtime
+from runtime import kernel_lib
+
+ROOT = os.environ["ACCEL_EMU_ROOT"]
+BOOKS = ("contexts", "memory_used", "queues", "pinned_bytes")
+#: a loop per thread, so a large grid runs for seconds, a block at a time
+SPIN = """
+def spin(x, n):
+    acc = 0.0
+    for k in range(n):
+        acc += 1.0
+    x[global_id(0)] = acc
+"""
+DATA = np.arange(1 << 16, dtype=np.int32)
+
+
+def books():
+    return [{k: open(f"{ROOT}/sys/class/accel/accel{d}/{k}").read().strip() for k in BOOKS}
+            for d in (0, 1)]
+
+
+def child(case, conn):
+    s = runtime.Stream(1)
+    if case == "copy":
+        a = runtime.empty(16 << 20, np.uint8, device=1, stream=s)
+        b = runtime.empty(16 << 20, np.uint8, device=1, stream=s)
+        for _ in range(32):
+            b.copy_(a, stream=s)
+        conn.send(f"in-flight {not s.query()}")
+    elif case == "kernel":
+        m = runtime.compile(SPIN, device=1)
+        x = runtime.empty(4096 * 64, np.float64, device=1, stream=s)
+        m.spin[1, 1](x, 1, stream=s)
+        s.synchronize()  # compiled on the device: the next launch runs at once
+        m.spin[4096, 64](x, 20000, stream=s)
+        conn.send(f"in-flight {not s.query()}")
+    elif case == "queues":
+        streams = [runtime.Stream(1) for _ in range(8)]
+        conn.send(f"queues {len(streams) + 1}")
+    elif case == "ipc":
+        x = runtime.to_device(DATA, device=1, stream=s)
+        s.synchronize()
+        conn.send(x.ipc_handle())
+    else:  # "exit", "many": work, then a clean exit that gives nothing back by hand
+        x = runtime.to_device(DATA, device=1, stream=s)
+        conn.send(f"{case} {bool((x.copy_to_host() == DATA).all())}")
+        return
+    conn.recv()  # holds on until killed
+
+
+def wait_books(base):
+    deadline = time.monotonic() + 20
+    while books() != base:
+        if time.monotonic() > deadline:
+            return f"books {books()} != {base}"
+        time.sleep(0.02)
+    return "idle"
+
+
+def start(fs, case):
+    parent_end, child_end = fs.Pipe()
+    proc = fs.Process(target=child, args=(case, child_end))
+    proc.start()
+    return proc, parent_end
+
+
+if __name__ == "__main__":
+    fs = mp.get_context("forkserver")
+    pattern = np.random.default_rng(1).integers(0, 255, 1 << 20, dtype=np.uint8)
+    streams = [runtime.Stream(d) for d in (0, 1)]
+    keep = [runtime.to_device(pattern, device=d, stream=st) for d, st in enumerate(streams)]
+    lib = runtime.compile(kernel_lib.SOURCE, device=1)
+    out = runtime.empty(1 << 16, np.float32, device=1, stream=streams[1])
+    pins = [runtime.pinned_empty(pattern.shape, np.uint8, device=d) for d in (0, 1)]
+
+    def check():
+        out.memset(0, stream=streams[1])
+        lib.fill[256, 256](out, 3.0, stream=streams[1])
+        for k, pin, st in zip(keep, pins, streams):
+            k.copy_to_host(pin, stream=st)
+            st.synchronize(timeout=60)
+        return all((p == pattern).all() for p in pins) and bool((out.copy_to_host() == 3).all())
+
+    check()
+    base = books()
+    for case in sys.argv[1].split(","):
+        if case == "many":  # two at a time, each a process of its own
+            said, codes = [], []
+            for _ in range(50):
+                pair = [start(fs, case) for _ in range(2)]
+                said += [conn.recv() for _, conn in pair]
+                for proc, _ in pair:
+                    proc.join(30)
+                    codes.append(proc.exitcode)
+            print(case, said.count("many True"), codes.count(0), check(), wait_books(base),
+                  flush=True)
+            continue
+        proc, conn = start(fs, case)
+        got = conn.recv()
+        if case == "ipc":
+            imported = runtime.open_ipc_handle(got)
+            got = f"imported {bool((imported.copy_to_host() == DATA).all())}"
+        if case != "exit":
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join(30)
+        if case == "ipc":  # the exporter is gone: the import still maps the memory
+            got += f" after-kill {bool((imported.copy_to_host() == DATA).all())}"
+            del imported
+        print(case, got, proc.exitcode, check(), wait_books(base), flush=True)
+    runtime.synchronize()
+'''
+
+
+def run_matrix(daemon, tmp_path, cases: str, timeout: float) -> list[str]:
+    """Run MATRIX (a file: forkserver children import __main__) for ``cases``; its lines.
+    Every process is gone afterwards, so the shared daemon must be idle again."""
+    script = tmp_path / "matrix.py"
+    script.write_text(MATRIX)
+    out = subprocess.run([sys.executable, str(script), cases], capture_output=True, text=True,
+                         env=daemon.env(), timeout=timeout)
+    assert out.returncode == 0, out.stderr + out.stdout
+    for dev in (0, 1):
+        daemon.wait_attrs(dev, {"contexts": "0", "memory_used": "0", "queues": "0",
+                                "pinned_bytes": "0"})
+    return out.stdout.splitlines()
+
+
+def test_children_killed_mid_work_or_holding_leave_the_parent_and_the_books_intact(
+        daemon, tmp_path):
+    """SIGKILL mid-copy, mid-kernel, holding queues, and holding an IPC export the parent
+    imported (an import outlives its exporter: the parent still reads the data after the
+    kill, and the memory goes once the import does), and a clean exit: the driver reaps
+    each child, the parent's data and work are intact, and the books are the parent's."""
+    lines = run_matrix(daemon, tmp_path, "copy,kernel,queues,ipc,exit", timeout=120)
+    assert lines == ["copy in-flight True -9 True idle",
+                     "kernel in-flight True -9 True idle",
+                     "queues queues 9 -9 True idle",
+                     "ipc imported True after-kill True -9 True idle",
+                     "exit exit True 0 True idle"], lines
+
+
+def test_a_hundred_children_in_turn(daemon, tmp_path):
+    """100 forkserver children of an initialised parent, two at a time, each initialising,
+    using the device and exiting: every one works and exits 0, and nothing piles up."""
+    assert run_matrix(daemon, tmp_path, "many", timeout=90) == ["many 100 100 True idle"]
+
+
 def test_sigkill_while_holding_contexts_leaves_nothing(daemon):
     baseline = {dev: counters(daemon, dev) for dev in (0, 1)}
     code = """
