@@ -6,15 +6,50 @@ this process included -- can shrink or grow them while the device maps them (mod
 are sealed against writing as well: what the driver checked is what the firmware runs). A
 command names such a descriptor; the driver imports it, and this process may close its own
 descriptor afterwards (a mapping keeps the memory).
+
+Such memory is shared with the device and, through an IPC export, with chosen processes;
+never by path. Yet another process of the same user could open it through
+``/proc/PID/fd/N`` (and read or write it through ``/proc/PID/mem``): Linux guards both with
+its ptrace check, which a same-uid process passes while the process is *dumpable*.
+:func:`keep_private` makes the process non-dumpable before its first context brings the
+driver anything, so those paths answer EACCES to everyone without CAP_SYS_PTRACE (root
+keeps it: the flag cannot refuse root). The costs: no core dumps, and a debugger of the
+same user cannot attach (root's can). ``ACCEL_ALLOW_PTRACE=1`` keeps the process dumpable,
+with the exposure; a daemon run as the client's user (not root) needs it, as it imports
+the client's descriptors through that same check. A forked child inherits the flag; exec
+clears it (the runtime sets it again in the new program).
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
 
 from abi import uapi
+
+#: The environment variable that keeps the process dumpable when it is "1".
+ALLOW_PTRACE_ENV = "ACCEL_ALLOW_PTRACE"
+#: prctl(2)'s option (linux/prctl.h)
+_PR_SET_DUMPABLE = 4
+#: True once this process (or the one it was forked from) went through keep_private
+_private = False
+
+
+def keep_private() -> None:
+    """Make this process non-dumpable, unless ACCEL_ALLOW_PTRACE=1 (once per program):
+    what the process shares with the device is then out of reach of its user's other
+    processes (the module docstring says why, and at what cost)."""
+    global _private
+    if _private:
+        return
+    if os.environ.get(ALLOW_PTRACE_ENV) != "1":
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl(PR_SET_DUMPABLE, 0): {os.strerror(err)}")
+    _private = True
 
 
 def sealed_memfd(name: str, size: int, data: bytes | None = None) -> int:

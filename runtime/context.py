@@ -35,7 +35,7 @@ from typing import Any
 from abi import uapi, userq
 from runtime import discovery, errors, faults
 from runtime._channel import Channel, fork_message
-from runtime._shm import sealed_memfd
+from runtime._shm import keep_private, sealed_memfd
 
 #: Longest one sleep on the event pipe before the condition is looked at again anyway.
 _RECHECK_S = 0.1
@@ -120,6 +120,7 @@ class Context:
     live: weakref.WeakSet[Context] = weakref.WeakSet()
 
     def __init__(self, physical: str, *, exclusive: bool = False) -> None:
+        keep_private()  # before the first memfd or pipe exists (runtime/_shm.py)
         self.physical = physical
         self.channel = Channel(physical)
         db_fd = sealed_memfd("doorbell-page", userq.ACCEL_DB_PAGE_SIZE)

@@ -139,7 +139,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _check_fork() -> None:
-    if _init_pid is not None and _init_pid != os.getpid():
+    """Raise UseAfterForkError in a child forked after init. Compares the refreshed
+    ``_pid``: no syscall, as events and streams check it on their hot paths (a channel
+    compares ``os.getpid()`` itself before every command, whatever made the child)."""
+    if _init_pid is not None and _init_pid != _pid:
         raise errors.UseAfterForkError(fork_message(_init_pid))
 
 

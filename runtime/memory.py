@@ -335,7 +335,40 @@ def _device_by_uuid(uuid: str) -> int:
     raise errors.InvalidValueError(f"IPC handle names device {uuid}, not visible here")
 
 
+def _handle_fault(handle: object) -> str | None:
+    """What makes ``handle`` no :class:`IpcHandle` one could import, or None. Checked
+    before anything reaches the driver: a handle crosses processes (pickled, by hand), so
+    what arrives may be the pickle's bytes, a cut-short copy or a field of the wrong
+    type, and each would otherwise fail deep inside the import with an AttributeError."""
+    if not isinstance(handle, IpcHandle):
+        return f"got {type(handle).__name__}" + (
+            " (bytes: unpickle them first, pickle.loads)" if isinstance(handle, bytes) else "")
+
+    def count(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(handle.device_uuid, str):
+        return f"its device_uuid is {handle.device_uuid!r}"
+    for name in ("export_handle", "token", "offset"):
+        if not count(getattr(handle, name)):
+            return f"its {name} is {getattr(handle, name)!r}, not a count"
+    if not isinstance(handle.shape, tuple) or not all(count(n) for n in handle.shape):
+        return f"its shape is {handle.shape!r}"
+    try:
+        np.dtype(handle.dtype)
+    except (TypeError, ValueError):
+        return f"its dtype is {handle.dtype!r}"
+    return None
+
+
 def open_ipc_handle(handle: IpcHandle) -> DeviceArray:
+    """Map another process's device memory, named by the :class:`IpcHandle` its
+    ``DeviceArray.ipc_handle()`` returned; InvalidValueError for anything else."""
+    fault = _handle_fault(handle)
+    if fault is not None:
+        raise errors.InvalidValueError(
+            f"open_ipc_handle needs an IpcHandle, the result of DeviceArray.ipc_handle() in "
+            f"the exporting process (picklable, sent as is): {fault}")
     _refuse_allocation_in_capture("importing memory")
     return ImportedArray(handle)
 

@@ -73,6 +73,9 @@ class Stream:
         self.queue_id: int = reply.queue_id
         self._slot: int = reply.doorbell
         self._closed = False
+        #: the process that made the queue: a forked child shares the ring's memory, and a
+        #: packet it wrote there would run as the parent's (the driver cannot tell them apart)
+        self._pid = _device._pid
         #: the context's doorbell page: its "lost" word refuses work once the driver lost
         #: the context (the firmware may still run a moment before it is stopped)
         self._db = self.ctx.db.words
@@ -104,7 +107,7 @@ class Stream:
         """The hot path of every submission: plain word accesses, no method per word."""
         ring = self._ring
         words = ring.words
-        if self._closed:
+        if self._closed or self._pid != _device._pid:
             raise self._closed_error()
         if self._db[_DB_LOST]:
             raise self.ctx.lost_error(f"{self!r}: submit")
@@ -268,6 +271,9 @@ class Stream:
             self.close()
 
     def _closed_error(self) -> errors.AccelError:
+        """Why the queue takes no work: this process is a fork of its maker's (raised
+        here), its context was lost, or it was closed."""
+        self.ctx.check_fork()
         if self.ctx.channel.lost is not None:  # closed because its context was lost
             return self.ctx.channel.closed_error()
         return errors.InvalidValueError(f"{self!r} is closed")
@@ -320,12 +326,14 @@ class Event:
     """A point in a stream; ``enable_timing`` gives it a device timestamp."""
 
     def __init__(self, enable_timing: bool = False) -> None:
+        _device._check_fork()
         self.enable_timing = enable_timing
         self.stream: Stream | None = None
         self.seqno = 0
 
     def record(self, stream: Stream | None = None) -> None:
         stream = stream or current_stream()
+        stream.ctx.check_fork()  # recording reads the stream only: no write would check
         if stream.capturing is not None:
             raise errors.InvalidValueError(f"recording an event on {stream!r} while it captures "
                                            "a graph is not supported")
@@ -335,7 +343,16 @@ class Event:
             seqno = stream.last_seqno
         self.stream, self.seqno = stream, seqno
 
+    def _check_fork(self) -> None:
+        """Refuse a forked child before the shortcuts of an event with nothing to wait
+        for (never recorded, or recorded on an idle stream), which touch no device."""
+        if self.stream is not None:
+            self.stream.ctx.check_fork()
+        else:
+            _device._check_fork()
+
     def query(self) -> bool:
+        self._check_fork()
         if self.stream is None or self.seqno == 0:
             return True
         self.stream._check_host_wait()
@@ -345,6 +362,7 @@ class Event:
         return done
 
     def synchronize(self, timeout: float | None = None) -> None:
+        self._check_fork()
         if self.stream is not None and self.seqno:
             self.stream.wait_seqno(self.seqno, timeout)
 

@@ -9,6 +9,7 @@ firmware are the same live processes, and nothing leaked.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,88 @@ def test_truncating_client_memory_is_refused_and_unsealed_memory_is_not_taken(te
     assert lines[3].split() == ["EPERM"] * 4
     assert lines[4] == "True 0 True"
     assert lines[5] == "EPERM True"
+    for b in bystanders:
+        b.check()
+    assert_contained(d, before)
+
+
+#: A tenant's process with a stream, pinned memory and data on device 0; it prints its pid
+#: and its descriptors of the memory and pipes it shares with the device, then checks that
+#: its data and work are intact once told. Dropping to another uid makes a process
+#: non-dumpable by itself (Linux resets the flag when credentials change), so it first
+#: makes itself dumpable again, as any program its user starts is: what then keeps others
+#: out must be the runtime's doing.
+VICTIM = """
+import ctypes
+ctypes.CDLL(None, use_errno=True).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
+s = runtime.Stream(0)
+pin = runtime.pinned_empty(1 << 16, np.uint8)
+pin[:] = 5
+a = runtime.to_device(pin, stream=s)
+s.synchronize()
+fds = {}
+for n in os.listdir("/proc/self/fd"):
+    try:
+        target = os.readlink(f"/proc/self/fd/{n}")
+    except OSError:
+        continue  # the listing's own descriptor
+    if int(n) > 2 and target.startswith(("/memfd:accel-", "pipe:")):  # not the test's pipes
+        fds[n] = target
+print(json.dumps({"pid": os.getpid(), "fds": fds}), flush=True)
+sys.stdin.readline()
+a.copy_to_host(pin, stream=s)
+s.synchronize(timeout=30)
+print("intact" if (pin == 5).all() else "corrupt", flush=True)
+"""
+
+#: The other process: opens each of the victim's descriptors by path (what they all
+#: answered), then its memory (Yama's ptrace_scope may refuse that to a dumpable one too).
+PEEK = """
+def try_open(path):
+    try:
+        os.close(os.open(path, os.O_RDWR))
+        return "opened"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+pid, fds = int(sys.argv[1]), sys.argv[2].split(",")
+print(",".join(sorted({try_open(f"/proc/{pid}/fd/{n}") for n in fds})),
+      try_open(f"/proc/{pid}/mem"))
+"""
+
+
+def test_same_uid_process_cannot_open_rings_pinned_memory_or_pipes_by_path(tenants):
+    """Finding: another process of the same uid opened a process's ring, pinned memory,
+    doorbell page and pipes through /proc/PID/fd (and its memory through /proc/PID/mem),
+    though the contract shares device memory only through an IPC export. The runtime makes
+    its process non-dumpable before it brings the driver anything, which is the ptrace
+    check those paths make: EACCES for the same uid. Root passes that check whatever the
+    flag (CAP_SYS_PTRACE), and ``ACCEL_ALLOW_PTRACE=1`` keeps the process dumpable (core
+    dumps, a debugger of the same user) with the old exposure."""
+    d, bystanders = tenants
+    before = snapshot(d)
+    for env, as_nobody in (({}, "EACCES EACCES"), ({"ACCEL_ALLOW_PTRACE": "1"}, "opened opened")):
+        victim = d.popen_py(as_user(VICTIM), **env)
+        try:
+            shown = json.loads(victim.stdout.readline() or "null")
+            assert shown is not None, victim.stderr.read()
+            kinds = {t.split(" ")[0].split("[")[0] for t in shown["fds"].values()}
+            assert kinds == {"/memfd:accel-ring", "/memfd:accel-doorbell-page",
+                             "/memfd:accel-host_pinned", "pipe:"}, shown
+            args = (str(shown["pid"]), ",".join(shown["fds"]))
+            peeks = [d.run_py(code, timeout=60) for code in (
+                "import sys; sys.argv[1:] = " + repr(list(args)) + "\n" + as_user(PEEK),
+                "import os, sys, errno; sys.argv[1:] = " + repr(list(args)) + "\n" + PEEK)]
+            got = [p.stdout.strip() for p in peeks]
+            assert got == [as_nobody, "opened opened"], (
+                env, got, [p.stderr for p in peeks])
+            victim.stdin.write("\n")
+            victim.stdin.flush()
+            assert victim.stdout.readline().strip() == "intact", victim.stderr.read()
+            assert victim.wait(timeout=30) == 0
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+                victim.wait()
     for b in bystanders:
         b.check()
     assert_contained(d, before)

@@ -89,3 +89,24 @@ def test_foreign_handles_and_tokens_are_refused(daemon):
         print(np.count_nonzero(a.copy_to_host()) == 0)
     """)
     assert lines == ["2", "2", "2", "True"]
+
+
+def test_what_is_not_a_handle_is_refused_naming_what_a_handle_is(daemon):
+    """Bytes (a pickle not loaded, or cut short), None, a number or a handle with a field
+    of the wrong type is InvalidValueError that says a handle is ``ipc_handle()``'s
+    result, not an AttributeError from deep inside the import; nothing reaches the
+    driver."""
+    lines = run(daemon, """
+        import dataclasses, pickle
+        h = runtime.to_device(np.zeros(16, np.uint8)).ipc_handle()
+        raw = pickle.dumps(h)
+        for bad in (raw, raw[: len(raw) // 2], b"garbage", "str", None, 5,
+                    dataclasses.replace(h, shape=None), dataclasses.replace(h, dtype="nope"),
+                    dataclasses.replace(h, token="1"), dataclasses.replace(h, offset=-1)):
+            try:
+                runtime.open_ipc_handle(bad)
+                print("opened")
+            except runtime.InvalidValueError as e:
+                print("ipc_handle()" in str(e) and "IpcHandle" in str(e))
+    """)
+    assert lines == ["True"] * 10
