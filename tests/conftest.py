@@ -4,7 +4,8 @@
 their own contexts). ``make_daemon`` starts private daemons for tests that break, reset or
 misconfigure a device; each is stopped at the test's end, pass or fail. ``run_py`` runs a
 snippet in a fresh interpreter (the runtime's state is per process, as the fork rules
-need) against a given root.
+need) against a given root. ``other_user`` runs snippets as uid 65534 in an interpreter
+that never was root (stress/harness.py, ``OtherUser``).
 
 The tests live by layer (README.md, "Tests"): unit/ (no mount), driver/ (raw transactions
 on a mount), runtime/, tools/, contain/. This file's fixtures serve them all; a layer's
@@ -28,7 +29,7 @@ import pytest
 
 from abi.fwimage import IMAGE_NAME
 from firmware.image import IMAGE_DIR
-from stress.harness import Daemon
+from stress.harness import Daemon, OtherUser, user_environment
 
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
@@ -48,6 +49,21 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         yield d
     finally:
         d.stop()
+
+
+@pytest.fixture(scope="session")
+def other_user() -> Iterator[OtherUser]:
+    """Another user's fresh interpreter, importing a world-readable copy of the runtime
+    made once for the session (under /tmp: pytest's temporary directories are 0700) and
+    removed at its end. Skips where no interpreter other users can run fits this one."""
+    dest = Path(tempfile.mkdtemp(prefix="accel-user-env-", dir="/tmp"))
+    try:
+        user = user_environment(dest)
+        if user is None:
+            pytest.skip("no interpreter of this Python version that other users can run")
+        yield user
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
 
 
 @pytest.fixture
