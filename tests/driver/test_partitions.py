@@ -48,6 +48,8 @@ def test_split_in_two_and_whole_again(make_daemon):
         assert (d.attr(p, "package_id"), d.attr(p, "partition_id")) == ("0", str(k))
         assert (d.attr(p, "compute_engines"), d.attr(p, "copy_engines")) == ("1", "1")
         assert d.attr(p, "pci_bus_id") == f"0000:41:00.{k + 1}"
+    fw_pids = {d.debug(p, "fw_pid").read_text().strip() for p in (0, 1, 2)}
+    assert len(fw_pids) == 3  # a firmware process of its own each
     # the whole device's own node is not for work while split
     with pytest.raises(OSError) as exc:
         os.open(d.node(0), os.O_RDWR)
