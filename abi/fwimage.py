@@ -51,6 +51,17 @@ CONFIG_FIELDS: dict[str, type] = {
 #: What the driver reports of a device no image has booted on: it knows nothing yet.
 UNBOOTED_CONFIG: dict[str, Any] = {
     **{k: 0 for k, t in CONFIG_FIELDS.items() if t is int}, "capabilities": []}
+#: The engines a compute partition gets its share of (docs/partitions.md).
+PARTITIONED_ENGINES = ("compute_engines", "copy_engines")
+
+
+def partition_config(config: dict[str, Any], share: int) -> dict[str, Any]:
+    """The configuration one of ``share`` partitions of a device runs with: its engines
+    divided among them (at least one each). The driver reports it and the partition's
+    firmware schedules on it, so both derive it here from the same image."""
+    if share == 1:
+        return config
+    return {**config, **{k: max(1, config[k] // share) for k in PARTITIONED_ENGINES}}
 
 class ImageError(Exception):
     """The image cannot be used; the message says why."""

@@ -54,7 +54,7 @@ _POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR
 class Firmware:
     def __init__(self, mbx: mailbox.Mailbox, doorbell_fd: int, irq_fd: int,
                  backings: memory.Backings, vram_size: int, fdchan: mailbox.FdChannel,
-                 jit_cache_dir: str) -> None:
+                 jit_cache_dir: str, engine_share: int = 1) -> None:
         self.mbx = mbx
         self.doorbell_fd = doorbell_fd
         self.irq_fd = irq_fd
@@ -62,6 +62,8 @@ class Firmware:
         self.vram_size = vram_size
         self.fdchan = fdchan
         self.jit_cache_dir = jit_cache_dir
+        #: the partitions the device's engines are divided among (1: the whole device)
+        self.engine_share = engine_share
         self.contexts: dict[int, FwContext] = {}
         self.heartbeat_s = 0.05
         self.counters = Counters(mailbox.STAT_NAMES)
@@ -121,7 +123,7 @@ class Firmware:
             self.mbx.set_fw_state(mailbox.FwState.BOOT_FAILED, errno.EIO, f"boot ROM: {exc}")
             self.interrupt()
             return False
-        config = img.config
+        config = fwimage.partition_config(img.config, self.engine_share)
         self.heartbeat_s = config.get("heartbeat_interval_ms", 50) / 1000
         residency = memory.Residency(self.counters, self.vram_size)
         self.sched = Scheduler(config, residency, self.counters, self.jit_cache_dir)
@@ -458,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd-channel", type=int, required=True,
                         help="socket on which the driver hands over client descriptors")
     parser.add_argument("--jit-cache", required=True, help="the persistent kernel cache")
+    parser.add_argument("--engine-share", type=int, default=1,
+                        help="a compute partition: the engines are shared among this many")
     args = parser.parse_args(argv)
     # The driver stops us by closing the doorbell or with SIGTERM/SIGKILL; a Ctrl-C meant
     # for the daemon's terminal must not crash the device.
@@ -471,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     chan.setblocking(False)  # what a message names was sent before it: never wait for it
     fdchan = mailbox.FdChannel(chan)
     fw = Firmware(mailbox.Mailbox(memoryview(buf)), args.doorbell_fd, args.irq_fd, backings,
-                  args.vram_size, fdchan, args.jit_cache)
+                  args.vram_size, fdchan, args.jit_cache, args.engine_share)
     if not fw.boot():
         return 1
     return fw.run()

@@ -5,7 +5,7 @@ device's attribute tables in turn."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 
@@ -13,10 +13,11 @@ from dataclasses import dataclass
 class Attr:
     """One attribute file; ``read`` renders it, ``write`` parses and applies one value.
     ``per_viewer``: ``read`` takes the reading user's uid and shows them what is theirs
-    (root sees everything)."""
+    (root sees everything). A ``write`` that must wait (a partition mode change boots
+    firmware) returns what to await; the writer's ``write(2)`` returns once it is done."""
 
     read: Callable[..., str] | None = None
-    write: Callable[[str], None] | None = None
+    write: Callable[[str], Awaitable[None] | None] | None = None
     per_viewer: bool = False
 
     def render(self, uid: int) -> str:

@@ -30,6 +30,7 @@ from kmod_emul.device import AccelDevice, MemoryConfig
 from kmod_emul.fs import AccelFS, build_tree
 from kmod_emul.identity import IdentityStore, pci_bus_id
 from kmod_emul.limits import raise_fd_limit
+from kmod_emul.partition import Partitions
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +145,14 @@ def make_devices(config: DaemonConfig) -> list[AccelDevice]:
 
 
 async def serve(config: DaemonConfig, on_ready: Callable[[], None]) -> None:
-    """Boot every device, mount the tree, call ``on_ready``, serve until signalled."""
+    """Boot every device and enabled partition, mount the tree, call ``on_ready``, serve
+    until signalled."""
     prepare_root(config.root)
     devices = make_devices(config)
-    fs = AccelFS(build_tree(config.driver, devices), config.driver)
+    partitions = Partitions(devices, config.state_dir)
+    partitions.restore()
+    fs = AccelFS(build_tree(config.driver, devices, partitions), config.driver)
+    partitions.nodes = fs
     options = set(pyfuse3.default_options) | {
         f"fsname={FSNAME_PREFIX}{os.getpid()}",
         "subtype=accel-emu",
@@ -159,6 +164,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[], None]) -> None:
         async with trio.open_nursery() as booting:  # boot the devices side by side
             for dev in devices:
                 booting.start_soon(nursery.start, dev.run)
+            booting.start_soon(partitions.start, nursery)
         pyfuse3.init(fs, str(config.root), options)
         try:
             on_ready()

@@ -77,6 +77,15 @@ class AccelDevice:
         self.index = index
         self.identity = identity
         self.pci_bus_id = pci_bus_id(index)
+        #: the physical device this one is (a partition's: its parent's index) and which of
+        #: its partitions (0 for a whole device), kmod_emul/partition.py
+        self.package_id = index
+        self.partition_id = 0
+        #: how many partitions share this device's engines (a partition's mode; 1 if whole)
+        self.engine_share = 1
+        #: a physical device's partition mode: split into this many while > 1, when its own
+        #: node refuses new opens (its partitions serve instead)
+        self.partition_mode = 1
         self.memory_total = memory_total
         self.firmware_dir = firmware_dir
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -185,7 +194,8 @@ class AccelDevice:
         lim = self.limits
         manifest = self.fw_image.manifest if self.fw_image else {}
         return uapi.accel_device_info(
-            index=self.index, numa_node=0, package_id=self.index, partition_id=0,
+            index=self.index, numa_node=0, package_id=self.package_id,
+            partition_id=self.partition_id,
             compute_engines=cfg["compute_engines"], copy_engines=cfg["copy_engines"],
             max_threads_per_block=cfg["max_threads_per_block"],
             max_shared_mem_per_block=cfg["max_shared_mem_per_block"],
@@ -216,7 +226,9 @@ class AccelDevice:
     def config(self) -> dict[str, Any]:
         """The booted image's device configuration; before a boot nothing is known yet
         (the driver learns engines, limits and capabilities from the image it loads)."""
-        return self.fw_image.config if self.fw_image else dict(fwimage.UNBOOTED_CONFIG)
+        if self.fw_image is None:
+            return dict(fwimage.UNBOOTED_CONFIG)
+        return fwimage.partition_config(self.fw_image.config, self.engine_share)
 
     def exclusive_owner(self) -> Context | None:
         return next((c for c in self.contexts.values() if c.exclusive and c.lost is None), None)
@@ -239,6 +251,9 @@ class AccelDevice:
         )
 
     def open(self, tid: int, uid: int, gid: int) -> OpenFile:
+        if self.partition_mode > 1:
+            raise DriverError(errno.EBUSY, f"{self.name} is split into {self.partition_mode} "
+                                           "partitions; open one of them (accel-smi partition)")
         self.check_usable()
         pid = tgid_of(tid)
         owner = self.exclusive_owner()
@@ -518,7 +533,7 @@ class AccelDevice:
         self.ras.retire_pending()  # nothing from before the reset runs any more
         flags = mailbox.BootFlag.FAIL_BOOT if self.fw_boot_fail else 0
         fw = FirmwareProcess(self.firmware_dir, flags, self.name, self.memory_total,
-                             self.mem_config)
+                             self.mem_config, self.engine_share)
         try:
             self._up = await bringup.bring_up(BRINGUP, Boot(self, fw), self.name,
                                               fail_at=self.fail_step)
@@ -546,9 +561,9 @@ class AccelDevice:
     def _configure(self, img: fwimage.FirmwareImage) -> None:
         """Learn the device from the image that runs: engines, limits, capabilities and
         versions (the description and sysfs render them)."""
-        lim = limits.Limits.for_device(img.config, self.mem_config.devices,
-                                       self.mem_config.fd_limit)
-        self.fw_image, self.limits, self._static_info = img, lim, None
+        self.fw_image, self._static_info = img, None
+        self.limits = limits.Limits.for_device(self.config, self.mem_config.devices,
+                                               self.mem_config.fd_limit)
 
     def _unconfigure(self) -> None:
         """Back to knowing nothing: versions report what runs, not what ran before."""

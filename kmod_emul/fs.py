@@ -1,9 +1,16 @@
-"""The FUSE filesystem: a static tree of device nodes and attribute files.
+"""The FUSE filesystem: a tree of device nodes and attribute files.
 
 ``dev/accel/accelN`` opens a device (one open = one ``OpenFile``); a write runs one command
 transaction and a read at offset ``tag`` fetches its reply (see :mod:`abi.uapi`).
 Attribute files render their value when opened and are served with ``direct_io`` so that
 readers never see a stale page-cache copy of a changing value.
+
+The tree changes shape only when a device is split into compute partitions or made whole
+again (:mod:`kmod_emul.partition`): a partition's nodes are added to the node table and
+removed from it, and the kernel is told to drop the names it cached of removed ones
+(``invalidate_entry_async``), since names are cached for ``CACHE_TIMEOUT_S``. A name that
+was never there is not cached (a lookup that answers ENOENT leaves no lasting negative
+entry), so an added node is found at once.
 
 Handlers never wait for the device (:mod:`kmod_emul.drv`): the kernel serialises the writes
 of every tenant on one device node, so a command that slept would stall them all.
@@ -22,6 +29,7 @@ import os
 import select
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pyfuse3
@@ -34,6 +42,7 @@ from kmod_emul.coredump import devcoredump_attrs
 from kmod_emul.device import AccelDevice
 from kmod_emul.errors import DriverError
 from kmod_emul.faultlog import FaultLog, Watcher
+from kmod_emul.partition import Partitions, partition_attrs
 from kmod_emul.ras import ras_attrs
 from kmod_emul.sysfs import debug_attrs, device_attrs, limit_attrs, module_attrs, reset_mask_attrs
 
@@ -41,7 +50,8 @@ log = logging.getLogger(__name__)
 
 #: Attribute files advertise a page, as sysfs does; reads return what the value holds.
 ATTR_SIZE = 4096
-#: The tree never changes shape, so the kernel may cache names and attributes for long.
+#: The tree changes shape only on a partition mode change, which invalidates what it
+#: removes, so the kernel may cache names and attributes for long.
 CACHE_TIMEOUT_S = 300.0
 
 
@@ -93,25 +103,51 @@ class Tree:
                                                              events=flog)
 
     def add_device(self, dev: AccelDevice) -> None:
+        """Every node of one device: its device node, event node, sysfs and debugfs."""
         parent = self.mkdir("dev/accel")
         parent.children[dev.name.encode()] = self._new(stat.S_IFREG | 0o666, device=dev)
+        self.add_attrs(f"{uapi.CLASS_DIR}/{dev.name}", device_attrs(dev))
+        self.add_attrs(f"{uapi.CLASS_DIR}/{dev.name}", reset_mask_attrs())
+        self.add_events(uapi.EVENTS_DIR, dev.name, dev.faults)
+        self.add_attrs(f"{uapi.CLASS_DIR}/{dev.name}/limits", limit_attrs(dev))
+        self.add_attrs(f"{uapi.CLASS_DIR}/{dev.name}/ras", ras_attrs(dev))
+        self.add_attrs(f"{uapi.CLASS_DIR}/{dev.name}/devcoredump", devcoredump_attrs(dev),
+                       root_only=True)
+        self.add_attrs(f"sys/kernel/debug/accel/{dev.name}", debug_attrs(dev), root_only=True)
+
+    def remove_device(self, dev: AccelDevice) -> list[tuple[int, bytes]]:
+        """Drop every node ``add_device`` made; the (parent inode, name) of each name
+        removed, for the kernel to forget. Inodes are never reused, so a stale cached one
+        answers ENOENT rather than reaching another device's node."""
+        removed = []
+        for path in ("dev/accel", uapi.CLASS_DIR, uapi.EVENTS_DIR, "sys/kernel/debug/accel"):
+            parent = self.mkdir(path)
+            node = parent.children.pop(dev.name.encode(), None)
+            if node is not None:
+                removed.append((parent.inode, dev.name.encode()))
+                for gone in _subtree(node):
+                    del self.nodes[gone.inode]
+        return removed
 
 
-def build_tree(info: drv.DriverInfo, devices: list[AccelDevice]) -> Tree:
+def _subtree(node: Node) -> Iterator[Node]:
+    yield node
+    for child in node.children.values():
+        yield from _subtree(child)
+
+
+def build_tree(info: drv.DriverInfo, devices: list[AccelDevice], partitions: Partitions) -> Tree:
+    """The physical devices (each with its partition attributes), then the partitions
+    that are enabled."""
     tree = Tree()
     tree.mkdir("dev/accel")
-    tree.mkdir("sys/class/accel")
+    tree.mkdir(uapi.CLASS_DIR)
     tree.mkdir("sys/kernel/debug", root_only=True)
     for dev in devices:
         tree.add_device(dev)
-        tree.add_attrs(f"sys/class/accel/{dev.name}", device_attrs(dev))
-        tree.add_attrs(f"sys/class/accel/{dev.name}", reset_mask_attrs())
-        tree.add_events(uapi.EVENTS_DIR, dev.name, dev.faults)
-        tree.add_attrs(f"sys/class/accel/{dev.name}/limits", limit_attrs(dev))
-        tree.add_attrs(f"sys/class/accel/{dev.name}/ras", ras_attrs(dev))
-        tree.add_attrs(f"sys/class/accel/{dev.name}/devcoredump", devcoredump_attrs(dev),
-                       root_only=True)
-        tree.add_attrs(f"sys/kernel/debug/accel/{dev.name}", debug_attrs(dev), root_only=True)
+        tree.add_attrs(f"{uapi.CLASS_DIR}/{dev.name}", partition_attrs(partitions, dev))
+    for dev in partitions.enabled():
+        tree.add_device(dev)
     tree.add_attrs("sys/module/accel_emu", module_attrs(info, devices))
     return tree
 
@@ -140,6 +176,15 @@ class AccelFS(pyfuse3.Operations):
         self._handles: dict[int, OpenFile | AttrHandle | Watcher] = {}
         self._fh = itertools.count(1)
         self._mtime_ns = time.time_ns()
+
+    def add_device(self, dev: AccelDevice) -> None:
+        """A partition enabled: its nodes appear (nothing cached stands in their way)."""
+        self.tree.add_device(dev)
+
+    def remove_device(self, dev: AccelDevice) -> None:
+        """A partition disabled: its nodes go, and the kernel forgets their names."""
+        for parent_inode, name in self.tree.remove_device(dev):
+            pyfuse3.invalidate_entry_async(parent_inode, name, ignore_enoent=True)
 
     def _node(self, inode: int) -> Node:
         try:
@@ -235,7 +280,9 @@ class AccelFS(pyfuse3.Operations):
         try:
             if isinstance(handle, AttrHandle):
                 assert handle.node.attr is not None and handle.node.attr.write is not None
-                handle.node.attr.write(buf.decode(errors="replace"))
+                pending = handle.node.attr.write(buf.decode(errors="replace"))
+                if pending is not None:  # a change that takes a while (a partition mode)
+                    await pending
             elif isinstance(handle, Watcher):
                 handle.configure(buf.decode(errors="replace"))
             else:

@@ -103,8 +103,10 @@ class FirmwareProcess:
     """
 
     def __init__(self, firmware_dir: Path, boot_flags: int, label: str, vram_size: int,
-                 memcfg: MemoryConfig) -> None:
+                 memcfg: MemoryConfig, engine_share: int = 1) -> None:
         self.firmware_dir = firmware_dir
+        #: a compute partition's firmware schedules on its share of the engines
+        self.engine_share = engine_share
         self.boot_flags = boot_flags
         self.label = label
         self.vram_size = vram_size
@@ -198,7 +200,8 @@ class FirmwareProcess:
                 [sys.executable, "-m", "firmware", "--mailbox-fd", str(self._memfd),
                  "--doorbell-fd", str(doorbell_r), "--irq-fd", str(self._irq_w),
                  "--vram-fds", vram, "--vram-size", str(self.vram_size),
-                 "--fd-channel", str(theirs), "--jit-cache", memcfg.jit_cache],
+                 "--fd-channel", str(theirs), "--jit-cache", memcfg.jit_cache,
+                 "--engine-share", str(self.engine_share)],
                 pass_fds=(self._memfd, doorbell_r, self._irq_w, theirs,
                           *memcfg.vram_fds.values()),
                 stderr=log_w,

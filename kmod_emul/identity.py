@@ -22,9 +22,10 @@ class Identity:
     serial: str
 
 
-def pci_bus_id(index: int) -> str:
-    """The emulated slot of physical device ``index`` (domain:bus:device.function)."""
-    return f"0000:{0x41 + index:02x}:00.0"
+def pci_bus_id(index: int, function: int = 0) -> str:
+    """The emulated slot of physical device ``index`` (domain:bus:device.function); a
+    compute partition of it answers at a function of its own (kmod_emul/partition.py)."""
+    return f"0000:{0x41 + index:02x}:00.{function}"
 
 
 class IdentityStore:

@@ -27,13 +27,23 @@ def read_attr(physical: str, name: str) -> str:
 
 
 def physical_devices() -> list[str]:
-    """Every device the driver exposes, ``accel0`` first. Empty when nothing is mounted."""
+    """Every device the driver serves work on, ``accel0`` first: a device split into
+    compute partitions is left out (its partitions, listed as devices of their own, serve
+    instead; docs/partitions.md). Empty when nothing is mounted."""
     try:
         names = os.listdir(root() / uapi.CLASS_DIR)
     except OSError:
         return []
-    found = [n for n in names if re.fullmatch(r"accel\d+", n)]
+    found = [n for n in names if re.fullmatch(r"accel\d+", n) and not _partitioned(n)]
     return sorted(found, key=lambda n: int(n[5:]))
+
+
+def _partitioned(name: str) -> bool:
+    """True for a physical device split into partitions (a partition has no mode)."""
+    try:
+        return read_attr(name, "partition_mode") != "1"
+    except OSError:
+        return False
 
 
 def _resolve(entry: str, physical: list[str]) -> str | None:

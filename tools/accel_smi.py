@@ -13,6 +13,10 @@ attribute, grouped (``-d`` picks sections); ``--json``;
 as nvidia-smi's; ``-r`` reset. ``-i`` selects devices by physical index, UUID (or a
 unique prefix, such as the short UUID in the table) or PCI bus id; a comma-separated list
 selects several.
+``accel-smi partition -i N [--mode K]`` shows a device's compute partition mode, the modes
+it offers and its partitions, or (``--mode``, root, only while no process holds the
+device or a partition of it) splits it into K partitions, 1 making it whole again
+(docs/partitions.md).
 ``ACCEL_VISIBLE_DEVICES`` is ignored, as ``nvidia-smi`` ignores ``CUDA_VISIBLE_DEVICES``:
 the tool reports the machine, not one process's view of it.
 
@@ -31,13 +35,15 @@ Exit codes (``nvidia-smi``'s, which are NVML's, where it has one):
      is printed all the same, and stderr names the devices, so that ``accel-smi -L`` is a
      health gate a CI or a scheduler can rely on
   19 ``-r`` refused: another process has the device open (NVML's "in use"); ``--force``
-     resets it anyway, and those processes lose their contexts
+     resets it anyway, and those processes lose their contexts; ``partition --mode``
+     refused: a process holds the device or one of its partitions
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import json
 import os
 import stat
@@ -630,6 +636,70 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# --- compute partitions ----------------------------------------------------------------------
+def partition_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="accel-smi partition",
+                                description="show or set a device's compute partition mode")
+    p.add_argument("--root", type=Path, default=None,
+                   help="mount root (default: $ACCEL_EMU_ROOT or the per-user default)")
+    p.add_argument("-i", "--id", metavar="ID", required=True,
+                   help="the physical device: index, UUID (or unique prefix) or PCI bus id")
+    p.add_argument("--mode", type=int, default=None,
+                   help="split it into this many partitions (1: whole again)")
+    return p
+
+
+def show_partitions(tree: Tree, name: str) -> str:
+    """The mode, the modes offered and one line per partition."""
+    lines = [f"accel {name[5:]}: partition mode {tree.attr(name, 'partition_mode')} "
+             f"(available: {tree.attr(name, 'available_partition_modes')})"]
+    for part in tree.attr(name, "partitions").split():
+        a = tree.device(part)
+        lines.append(f"  partition {a.get('partition_id')}: accel {part[5:]}  {a.get('uuid')}  "
+                     f"{mib(a.get('memory_total', '0'))} MiB  {a.get('compute_engines')} "
+                     f"compute / {a.get('copy_engines')} copy engines  {_state(a)}")
+    return "\n".join(lines)
+
+
+def set_partition_mode(tree: Tree, name: str, mode: int) -> tuple[int, str] | None:
+    """Write ``mode`` to the device's ``partition_mode`` (the driver boots the partitions
+    before the write returns); the refusal as (exit code, message), None once done."""
+    available = tree.attr(name, "available_partition_modes").split()
+    if str(mode) not in available:
+        raise UsageError(f"--mode {mode}: accel {name[5:]} offers modes {' '.join(available)}")
+    try:
+        (tree.class_dir / name / "partition_mode").write_text(str(mode))
+    except PermissionError as exc:
+        return EXIT_PERMISSION, f"cannot partition {name}: {exc.strerror} (only root may)"
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            return EXIT_IN_USE, (f"accel {name[5:]} or one of its partitions is in use: "
+                                 "stop its processes first")
+        return EXIT_FAILED, f"cannot partition {name}: {exc.strerror}"
+    return None
+
+
+def run_partition(argv: Sequence[str]) -> tuple[int, str, str]:
+    """``accel-smi partition``: (exit code, stdout text, stderr text)."""
+    args = partition_parser().parse_args(argv)
+    tree = Tree(args.root or Path(uapi.default_root()))
+    try:
+        devices = select(tree, args.id)
+        if len(devices) != 1:
+            raise UsageError("-i names one device")
+        name = devices[0]
+        if not tree.attr(name, "available_partition_modes"):
+            raise UsageError(f"accel {name[5:]} is a partition; partition its device "
+                             f"(accel {tree.attr(name, 'package_id')})")
+        if args.mode is not None:
+            refused = set_partition_mode(tree, name, args.mode)
+            if refused is not None:
+                return refused[0], "", f"accel-smi: {refused[1]}"
+        return EXIT_OK, show_partitions(tree, name), ""
+    except UsageError as exc:
+        return EXIT_USAGE, "", f"accel-smi: {exc}"
+
+
 def _with_health(tree: Tree, devices: list[str], out: str) -> tuple[int, str, str]:
     """A query's result: its output, and exit 15 naming each selected device that is not
     operational (nvidia-smi's "GPU is lost" code; a health gate reads only the status)."""
@@ -643,6 +713,9 @@ def _with_health(tree: Tree, devices: list[str], out: str) -> tuple[int, str, st
 
 def run(argv: Sequence[str] | None = None) -> tuple[int, str, str]:
     """(exit code, stdout text, stderr text): the whole tool, without touching sys.std*."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["partition"]:
+        return run_partition(argv[1:])
     args = parser().parse_args(argv)
     tree = Tree(args.root or Path(uapi.default_root()))
     try:

@@ -505,3 +505,31 @@ def test_retired_pages_ecc_and_page_retirement_views(make_daemon) -> None:
     assert proc.stdout.splitlines() == ["retired", "retired"]
     assert smi(d, "--query-retired-pages", "-i", "1").stdout.splitlines() == [
         "gpu_uuid, retired_pages.address, retired_pages.cause, retired_pages.status"]
+
+
+def test_partition_shows_sets_and_refuses(make_daemon) -> None:
+    d = make_daemon(devices=1)
+    shown = smi(d, "partition", "-i", "0")
+    assert (shown.returncode, shown.stdout) == (0, "accel 0: partition mode 1 (available: 1 2 4)\n")
+    split = smi(d, "partition", "-i", "0", "--mode", "2")
+    assert split.returncode == 0, split.stderr
+    lines = split.stdout.splitlines()
+    assert lines[0] == "accel 0: partition mode 2 (available: 1 2 4)"
+    for k, line in enumerate(lines[1:]):
+        assert line == (f"  partition {k}: accel {k + 1}  {d.attr(k + 1, 'uuid')}  128 MiB  "
+                        "1 compute / 1 copy engines  operational")
+    assert len(lines) == 3
+    bad = smi(d, "partition", "-i", "0", "--mode", "3")
+    assert (bad.returncode, bad.stderr) == (2, "accel-smi: --mode 3: accel 0 offers modes 1 2 4\n")
+    child = smi(d, "partition", "-i", "1")
+    assert (child.returncode, child.stderr) == (
+        2, "accel-smi: accel 1 is a partition; partition its device (accel 0)\n")
+    fd = os.open(d.node(2), os.O_RDWR)
+    try:
+        busy = smi(d, "partition", "-i", "0", "--mode", "1")
+    finally:
+        os.close(fd)
+    assert busy.returncode == 19 and "in use" in busy.stderr
+    whole = smi(d, "partition", "-i", d.attr(0, "uuid"), "--mode", "1")
+    assert (whole.returncode, whole.stdout) == (0, "accel 0: partition mode 1 (available: 1 2 4)\n")
+    assert smi(d, "-L").stdout.count("\n") == 1  # accel 0 alone again
