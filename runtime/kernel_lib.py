@@ -11,6 +11,15 @@ unit (``mma``, the "matrix" capability), the way CUDA GEMMs use tensor cores.
 from __future__ import annotations
 
 SOURCE = '''
+def spin(x, n):
+    # work that takes time: each thread counts to n (a large grid runs for seconds, a
+    # block at a time), for what must happen while a kernel is in flight
+    acc = 0.0
+    for k in range(n):
+        acc += 1.0
+    x[global_id(0)] = acc
+
+
 def fill(out, value):
     i = global_id(0)
     if i < out.size:

@@ -167,14 +167,6 @@ from runtime import kernel_lib
 
 ROOT = os.environ["ACCEL_EMU_ROOT"]
 BOOKS = ("contexts", "memory_used", "queues", "pinned_bytes")
-#: a loop per thread, so a large grid runs for seconds, a block at a time
-SPIN = """
-def spin(x, n):
-    acc = 0.0
-    for k in range(n):
-        acc += 1.0
-    x[global_id(0)] = acc
-"""
 DATA = np.arange(1 << 16, dtype=np.int32)
 
 
@@ -192,7 +184,7 @@ def child(case, conn):
             b.copy_(a, stream=s)
         conn.send(f"in-flight {not s.query()}")
     elif case == "kernel":
-        m = runtime.compile(SPIN, device=1)
+        m = runtime.compile(kernel_lib.SOURCE, device=1)
         x = runtime.empty(4096 * 64, np.float64, device=1, stream=s)
         m.spin[1, 1](x, 1, stream=s)
         s.synchronize()  # compiled on the device: the next launch runs at once

@@ -24,18 +24,10 @@ import pytest
 from firmware.image import IMAGE_DIR
 from stress.harness import Bystander, Daemon, assert_contained, snapshot
 
-#: a kernel whose grid runs for seconds (a loop per thread, a block at a time)
-SPIN = '''
-def spin(x, n):
-    acc = 0.0
-    for k in range(n):
-        acc += 1.0
-    x[global_id(0)] = acc
-'''
-PRELUDE = f"""
+PRELUDE = """
 import atexit, os, sys, threading, time, numpy as np, runtime
 from runtime import kernel_lib
-SPIN = {SPIN!r}
+SPIN = kernel_lib.SOURCE  # its spin kernel runs for seconds with a large grid
 x = np.arange(1 << 18, dtype=np.float32)
 """
 #: work on every device, several streams each: copies, memsets, host reads into pinned
