@@ -16,9 +16,20 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 from bench.core import Env, Row, Samples, timed_row
 from bench.procs import REPO
+
+#: A giant grid on the compute engines (bench/partitions.py floods a partition with it).
+GIANT_GRID = """
+    mod = runtime.compile("def churn(x, n):\\n    acc = 0.0\\n    for j in range(n):\\n"
+                          "        acc = acc + 1.0\\n    x[global_id(0) % 1024] = acc\\n")
+    x = runtime.empty(1024, np.float32); s = runtime.Stream()
+    mod.churn[1, 32](x, np.int64(1), stream=s); s.synchronize()
+    def on(): mod.churn[1 << 16, 256](x, np.int64(2000), stream=s); time.sleep(0.2)
+    def off(): s.synchronize()
+"""
 
 #: The flooding tenant: "on"/"off" lines switch its flood; it answers each.
 _FLOODS = {
@@ -41,14 +52,7 @@ _FLOODS = {
         def on(): queues.extend(runtime.Stream() for _ in range(1000))
         def off(): queues.clear(); time.sleep(0.1)
     """,
-    "a giant grid on both compute engines": """
-        mod = runtime.compile("def churn(x, n):\\n    acc = 0.0\\n    for j in range(n):\\n"
-                              "        acc = acc + 1.0\\n    x[global_id(0) % 1024] = acc\\n")
-        x = runtime.empty(1024, np.float32); s = runtime.Stream()
-        mod.churn[1, 32](x, np.int64(1), stream=s); s.synchronize()
-        def on(): mod.churn[1 << 16, 256](x, np.int64(2000), stream=s); time.sleep(0.2)
-        def off(): s.synchronize()
-    """,
+    "a giant grid on both compute engines": GIANT_GRID,
 }
 
 _DRIVER = """
@@ -64,12 +68,15 @@ for line in sys.stdin:
 """
 
 
-class _Flood:
-    def __init__(self, env: Env, body: str) -> None:
+class Flood:
+    """A flooding tenant on the mount at ``root`` (``visible``: its ACCEL_VISIBLE_DEVICES)."""
+
+    def __init__(self, root: Path, body: str, visible: str | None = None) -> None:
+        extra = {} if visible is None else {"ACCEL_VISIBLE_DEVICES": visible}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _DRIVER.format(body=textwrap.dedent(body))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
-            env=dict(os.environ, ACCEL_EMU_ROOT=str(env.accel.root), PYTHONPATH=str(REPO)))
+            env=dict(os.environ, ACCEL_EMU_ROOT=str(root), PYTHONPATH=str(REPO), **extra))
         if self.proc.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
             raise RuntimeError("the flooding tenant did not start")
 
@@ -111,7 +118,7 @@ def bystander_under_floods(env: Env) -> list[Row]:
 
         rows = []
         for name, body in _FLOODS.items():
-            flood = _Flood(env, body)
+            flood = Flood(env.accel.root, body)
             got = {k: Samples(k) for k in ("nop quiet", "nop flood", "drv quiet", "drv flood")}
             try:
                 for r in range(rounds):

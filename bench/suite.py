@@ -17,6 +17,7 @@ from collections.abc import Callable
 from abi import uapi
 from bench.core import Benchmark, Env, Row, interleave, middle_half, timed_row
 from bench.faults import fault_recovery
+from bench.partitions import partition_isolation
 from bench.floods import bystander_under_floods
 from bench.kernels import kernels
 from bench.memory import allocator_and_copies, daemon_memory_per_context
@@ -194,4 +195,5 @@ BENCHMARKS: list[tuple[str, Benchmark]] = [
     ("bystander_under_floods", bystander_under_floods),
     ("kernels", kernels),
     ("fault_recovery", fault_recovery),
+    ("partition_isolation", partition_isolation),
 ]
