@@ -10,6 +10,7 @@ with blocks of the same with the flooding process quiet. Goal: the flooded figur
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -97,6 +98,84 @@ class Flood:
             self.proc.wait()
 
 
+#: The bystander: on "measure", times N launches of a small kernel and prints them (ns).
+_BYSTANDER = """
+import json, sys, time, numpy as np, runtime
+from runtime import kernel_lib
+lib = runtime.compile(kernel_lib.SOURCE)
+x = runtime.empty(256, np.float32)
+s = runtime.Stream()
+lib.fill[1, 256](x, np.float32(1), stream=s); s.synchronize()   # compiled before timing
+print("ready", flush=True)
+for line in sys.stdin:
+    times = []
+    for _ in range(int(line)):
+        t0 = time.perf_counter_ns()
+        lib.fill[1, 256](x, np.float32(2), stream=s)
+        s.synchronize()
+        times.append(time.perf_counter_ns() - t0)
+    print(json.dumps(times), flush=True)
+"""
+
+
+def launch_round_trips(root: Path, flood_body: str, flood_on: str, bystander_on: str,
+                       samples: int, rounds: int) -> tuple[Samples, Samples]:
+    """(flooded, quiet) kernel launch round trips of a bystander process on device
+    ``bystander_on`` (an ACCEL_VISIBLE_DEVICES entry) while a tenant on ``flood_on`` runs
+    ``flood_body``, in alternating blocks."""
+    flood = Flood(root, flood_body, visible=flood_on)
+    bystander = subprocess.Popen(
+        [sys.executable, "-c", _BYSTANDER], cwd=REPO, text=True, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "ACCEL_EMU_ROOT": str(root), "ACCEL_VISIBLE_DEVICES": bystander_on,
+             "PYTHONPATH": str(REPO)})
+    assert bystander.stdin is not None and bystander.stdout is not None
+    got = {k: Samples(k) for k in ("quiet", "flood")}
+    try:
+        if bystander.stdout.readline().strip() != "ready":
+            raise RuntimeError("the bystander did not start")
+        for r in range(rounds):
+            for state in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                flood.switch(state)
+                bystander.stdin.write(f"{samples}\n")
+                bystander.stdin.flush()
+                times = json.loads(bystander.stdout.readline())
+                key = "flood" if state == "on" else "quiet"
+                got[key].ns.extend(times)
+                got[key].block_medians.append(statistics.median(times))
+        flood.switch("off")
+    finally:
+        flood.close()
+        bystander.stdin.close()
+        bystander.wait(timeout=60)
+    return got["flood"], got["quiet"]
+
+
+#: Four threads of one tenant launching a small kernel back to back, as fast as their rings
+#: take them (a full ring makes a thread wait: the back-pressure of docs/submission.md).
+LAUNCH_FLOOD = """
+    mod = runtime.compile("def inc(x):\\n    x[global_id(0)] = x[global_id(0)] + 1.0\\n")
+    x = runtime.empty(256, np.float32)
+    go, idle = threading.Event(), threading.Semaphore(0)
+    def pump():
+        s = runtime.Stream()
+        mod.inc[1, 256](x, stream=s); s.synchronize()
+        while True:
+            go.wait()
+            while go.is_set():
+                mod.inc[1, 256](x, stream=s)
+            s.synchronize()
+            idle.release()
+    for _ in range(4):
+        threading.Thread(target=pump, daemon=True).start()
+    def on(): go.set(); time.sleep(0.2)
+    def off():
+        go.clear()
+        for _ in range(4):
+            idle.acquire()
+"""
+
+
 def bystander_under_floods(env: Env) -> list[Row]:
     """A bystander's no-op and driver round trips with another tenant quiet vs flooding
     (64 waiting threads, 1,000 queues, a giant grid); goal: at most 2x quiet."""
@@ -147,4 +226,22 @@ def bystander_under_floods(env: Env) -> list[Row]:
                          f"{quiet.percentile_us(100):,.0f} us; {rounds} rounds of "
                          f"{nop_samples} per case"))
         ctx.close()
+    return rows
+
+
+def bystander_launches_under_floods(env: Env) -> list[Row]:
+    """A bystander tenant's kernel launch round trip with another tenant of the same device
+    quiet vs launching back to back from 4 threads, and vs a giant grid: the measured bound
+    on how long one tenant's work delays another's kernel (docs/containment.md)."""
+    samples = 30 if env.quick else 100
+    rounds = 2 if env.quick else 4
+    rows = []
+    for name, body in (("4 threads launching back to back", LAUNCH_FLOOD),
+                       ("a giant grid on both compute engines", GIANT_GRID)):
+        flooded, quiet = launch_round_trips(env.accel.root, body, "0", "0", samples, rounds)
+        rows.append(timed_row(
+            f"bystander kernel launch round trip, another tenant: {name}", flooded,
+            "same, that tenant quiet", quiet, goal=None,
+            note=f"worst flooded {flooded.percentile_us(100):,.0f} us vs quiet "
+                 f"{quiet.percentile_us(100):,.0f} us; {rounds} rounds of {samples}"))
     return rows

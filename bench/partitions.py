@@ -13,67 +13,8 @@ CPUs the flood still takes CPU time from the bystander's partition.
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
-import subprocess
-import sys
-from pathlib import Path
-
-from bench.core import Env, Row, Samples, timed_row
-from bench.floods import GIANT_GRID, Flood
-from bench.procs import REPO
-
-#: The bystander: on "measure", times N launches of a small kernel and prints them (ns).
-_BYSTANDER = """
-import json, sys, time, numpy as np, runtime
-from runtime import kernel_lib
-lib = runtime.compile(kernel_lib.SOURCE)
-x = runtime.empty(256, np.float32)
-s = runtime.Stream()
-lib.fill[1, 256](x, np.float32(1), stream=s); s.synchronize()   # compiled before timing
-print("ready", flush=True)
-for line in sys.stdin:
-    times = []
-    for _ in range(int(line)):
-        t0 = time.perf_counter_ns()
-        lib.fill[1, 256](x, np.float32(2), stream=s)
-        s.synchronize()
-        times.append(time.perf_counter_ns() - t0)
-    print(json.dumps(times), flush=True)
-"""
-
-
-def _launches(root: Path, flood_on: str, bystander_on: str, samples: int,
-              rounds: int) -> tuple[Samples, Samples]:
-    """(flooded, quiet) launch round trips of a bystander on device ``bystander_on`` while
-    a tenant on ``flood_on`` runs a giant grid, in alternating blocks."""
-    flood = Flood(root, GIANT_GRID, visible=flood_on)
-    bystander = subprocess.Popen(
-        [sys.executable, "-c", _BYSTANDER], cwd=REPO, text=True, stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env={**os.environ, "ACCEL_EMU_ROOT": str(root), "ACCEL_VISIBLE_DEVICES": bystander_on,
-             "PYTHONPATH": str(REPO)})
-    assert bystander.stdin is not None and bystander.stdout is not None
-    got = {k: Samples(k) for k in ("quiet", "flood")}
-    try:
-        if bystander.stdout.readline().strip() != "ready":
-            raise RuntimeError("the bystander did not start")
-        for r in range(rounds):
-            for state in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                flood.switch(state)
-                bystander.stdin.write(f"{samples}\n")
-                bystander.stdin.flush()
-                times = json.loads(bystander.stdout.readline())
-                key = "flood" if state == "on" else "quiet"
-                got[key].ns.extend(times)
-                got[key].block_medians.append(statistics.median(times))
-        flood.switch("off")
-    finally:
-        flood.close()
-        bystander.stdin.close()
-        bystander.wait(timeout=60)
-    return got["flood"], got["quiet"]
+from bench.core import Env, Row, timed_row
+from bench.floods import GIANT_GRID, launch_round_trips
 
 
 def partition_isolation(env: Env) -> list[Row]:
@@ -92,7 +33,8 @@ def partition_isolation(env: Env) -> list[Row]:
             ("1", "0", "0", "a tenant's kernel launch round trip, another tenant of the "
                             "whole device running a giant grid")):
         mode.write_text(split)
-        flooded, quiet = _launches(d.root, flood_on, bystander_on, samples, rounds)
+        flooded, quiet = launch_round_trips(d.root, GIANT_GRID, flood_on, bystander_on,
+                                            samples, rounds)
         rows.append(timed_row(
             what, flooded, "same, the other quiet", quiet, goal=None,
             note=f"worst flooded {flooded.percentile_us(100):,.0f} us vs quiet "

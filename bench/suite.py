@@ -18,7 +18,7 @@ from abi import uapi
 from bench.core import Benchmark, Env, Row, interleave, middle_half, timed_row
 from bench.faults import fault_recovery
 from bench.partitions import partition_isolation
-from bench.floods import bystander_under_floods
+from bench.floods import bystander_launches_under_floods, bystander_under_floods
 from bench.kernels import kernels
 from bench.memory import allocator_and_copies, daemon_memory_per_context
 from bench.procs import AccelDaemon, EchoServer
@@ -193,6 +193,7 @@ BENCHMARKS: list[tuple[str, Benchmark]] = [
     ("submission", submission),
     ("idle_cpu", idle_cpu),
     ("bystander_under_floods", bystander_under_floods),
+    ("bystander_launches_under_floods", bystander_launches_under_floods),
     ("kernels", kernels),
     ("fault_recovery", fault_recovery),
     ("partition_isolation", partition_isolation),
