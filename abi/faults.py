@@ -200,6 +200,18 @@ def from_line(line: str) -> dict[str, Any]:
     return value
 
 
+def from_lines(text: str) -> list[dict[str, Any]]:
+    """Every record of a log (``fault_log``, the persistent file), oldest first; a line
+    that does not parse -- the torn last line of a daemon killed mid-write -- is skipped."""
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(from_line(line))
+        except ValueError:
+            continue
+    return out
+
+
 def dropped_marker(count: int, time: float) -> dict[str, Any]:
     """The event a watcher reads in place of ``count`` events it was too slow for."""
     return {"dropped": count, "time": time}

@@ -139,12 +139,7 @@ class FaultLog:
         a daemon killed mid-write, is skipped)."""
         if self.path is None or not self.path.exists():
             return
-        lines = self.path.read_text(errors="replace").splitlines()
-        for line in lines:
-            try:
-                rec = faults.from_line(line)
-            except ValueError:
-                continue
+        for rec in faults.from_lines(self.path.read_text(errors="replace")):
             self.records.append(rec)
             self.seq = max(self.seq, int(rec.get("seq") or 0))
         if self.path.stat().st_size > LOG_MAX_BYTES:

@@ -57,13 +57,7 @@ def driver_records(physical: str) -> list[dict[str, Any]]:
         text = discovery.read_attr(physical, "fault_log")
     except OSError:
         return []
-    out = []
-    for line in text.splitlines():
-        try:
-            out.append(faults.from_line(line))
-        except ValueError:
-            continue
-    return out
+    return faults.from_lines(text)
 
 
 def _mine(rec: dict[str, Any], made: dict[int, float]) -> bool:

@@ -28,8 +28,9 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from abi import uapi
+from abi import faults, uapi
 from kmod_emul import daemon as kdaemon
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,6 +71,10 @@ class Daemon:
 
     def attr(self, dev: int, name: str) -> str:
         return (self.root / uapi.CLASS_DIR / f"accel{dev}" / name).read_text().strip()
+
+    def fault_log(self, dev: int = 0) -> list[dict[str, Any]]:
+        """The device's fault records as root sees them, oldest first (sysfs fault_log)."""
+        return faults.from_lines(self.attr(dev, "fault_log"))
 
     def debug(self, dev: int, name: str) -> Path:
         return self.root / uapi.DEBUG_DIR / f"accel{dev}" / name

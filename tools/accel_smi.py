@@ -330,13 +330,7 @@ def parse_display(spec: str | None) -> tuple[str, ...] | None:
 
 def fault_records(attrs: dict[str, str]) -> list[dict[str, Any]]:
     """A device's ``fault_log`` as records (a line that does not parse is skipped)."""
-    out = []
-    for line in attrs.get("fault_log", "").splitlines():
-        try:
-            out.append(faults.from_line(line))
-        except ValueError:
-            continue
-    return out
+    return faults.from_lines(attrs.get("fault_log", ""))
 
 
 def show_errors(attrs: dict[str, str], indent: str) -> list[str]:

@@ -6,7 +6,6 @@ temperature follows load: it is a model, not a constant."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -14,9 +13,6 @@ import pytest
 from kmod_emul import thermal
 from stress.harness import Bystander, assert_contained, snapshot
 
-
-def _log(d, dev: int = 0) -> list[dict]:
-    return [json.loads(line) for line in d.attr(dev, "fault_log").splitlines()]
 
 
 def _wait(pred, timeout: float = 20.0) -> None:
@@ -37,7 +33,7 @@ def test_throttling_is_visible_then_cools_back(make_daemon):
     assert (d.attr(0, "clock"), d.attr(0, "throttle_reasons")) == (
         str(thermal.THROTTLED_CLOCK_MHZ), "sw_thermal_slowdown")
     assert d.attr(0, "state") == "operational"
-    rec = _log(d)[-1]
+    rec = d.fault_log()[-1]
     assert (rec["code"], rec["name"], rec["corrected"], rec["scope"]) == (
         140, "THERMAL_THROTTLE", True, "operation")
     _wait(lambda: d.attr(0, "throttle_reasons") == "none")
@@ -94,9 +90,9 @@ def test_a_thermal_shutdown_loses_the_device_and_recovers_once_cooled(make_daemo
     assert d.attr(0, "reset_count") == "1"
     assert float(d.attr(0, "temperature")) < thermal.SLOWDOWN_C
     assert "thermal shutdown" in d.attr(0, "last_failure")
-    rec = [r for r in _log(d) if r["code"] == 141]
+    rec = [r for r in d.fault_log() if r["code"] == 141]
     assert len(rec) == 1 and (rec[0]["severity"], rec[0]["scope"]) == ("fatal", "device")
-    assert d.attr(1, "reset_count") == "0" and _log(d, 1) == []
+    assert d.attr(1, "reset_count") == "0" and d.fault_log(1) == []
     assert_contained(d, before, reset=(0,))
 
 

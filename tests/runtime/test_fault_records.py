@@ -30,12 +30,9 @@ print(json.dumps({"exc": rec, "mine": mine, "uuid": runtime.get_device_propertie
 """
 
 
-def _log(d, dev: int = 0) -> list[dict]:
-    return [json.loads(line) for line in d.attr(dev, "fault_log").splitlines()]
-
 
 def test_a_kernel_fault_record_has_every_field_and_matches_the_drivers(daemon):
-    before = _log(daemon)
+    before = daemon.fault_log()
     out = daemon.run_py(KERNEL_FAULT)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
@@ -48,7 +45,7 @@ def test_a_kernel_fault_record_has_every_field_and_matches_the_drivers(daemon):
         0, got["uuid"], pid, "compute", "LAUNCH", "EFAULT", False, "oob")
     assert exc["address"] > 0 and exc["queue"] and exc["context"] and exc["seqno"] == 1
     # the driver's record of the same fault, listed for this process (and only it)
-    new = [r for r in _log(daemon) if r not in before]
+    new = [r for r in daemon.fault_log() if r not in before]
     assert len(new) == 1 and new[0]["pid"] == pid
     same = ("code", "device_uuid", "context", "queue", "seqno", "address", "engine", "pid")
     assert {k: new[0][k] for k in same} == {k: exc[k] for k in same}
@@ -149,16 +146,16 @@ def test_the_log_persists_per_uuid_across_a_daemon_restart(make_daemon):
     uuid = d.attr(0, "uuid")
     out = d.run_py(KERNEL_FAULT)
     assert out.returncode == 0, out.stderr
-    first = _log(d)
+    first = d.fault_log()
     assert [r["code"] for r in first] == [31]
     d.stop()
     assert (d.state_dir / "faults" / f"{uuid}.log").exists()
     d.start()
     assert d.attr(0, "uuid") == uuid
-    assert _log(d) == first  # the same record, read back by the new daemon
+    assert d.fault_log() == first  # the same record, read back by the new daemon
     (d.root / "sys/class/accel/accel0/reset").write_text("1")
     d.wait_state(0, "operational")
-    after = _log(d)
+    after = d.fault_log()
     assert after[:1] == first and after[1]["code"] == 120
     assert after[1]["seq"] == first[0]["seq"] + 1  # numbering goes on
 
@@ -210,7 +207,7 @@ def test_a_firmware_death_reaches_the_process_as_a_device_scope_record(make_daem
     assert got["ctx"] in exc["contexts"] and exc["seq"] is not None  # the driver's record
     assert got["mine"] == [79]  # the recovery's reset lost none of its contexts again
     d.wait_state(0, "operational")
-    assert [r["code"] for r in _log(d)] == [79, 120]
+    assert [r["code"] for r in d.fault_log()] == [79, 120]
 
 
 def test_watchers_are_bounded_per_process_and_device_wide(make_daemon):

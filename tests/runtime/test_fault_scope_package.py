@@ -58,9 +58,6 @@ print(json.dumps(copied))
 """
 
 
-def _log(d, dev: int) -> list[dict]:
-    return [json.loads(line) for line in d.attr(dev, "fault_log").splitlines()]
-
 
 @pytest.mark.timeout(120)
 def test_a_link_error_drains_the_peer_and_resets_the_package(make_daemon):
@@ -78,11 +75,11 @@ def test_a_link_error_drains_the_peer_and_resets_the_package(make_daemon):
     assert d.attr(0, "link_state") == "up"
     assert d.attr(0, "reset_count") == "1"
     assert "link error on fabric0:port0" in d.attr(0, "reset_reason")
-    link = [r for r in _log(d, 0) if r["code"] == 74]
+    link = [r for r in d.fault_log(0) if r["code"] == 74]
     assert len(link) == 1 and link[0]["scope"] == "package"
     assert (link[0]["link"], link[0]["action"], link[0]["address"]) == (
         "fabric0:port0", "drain-and-reset", 0x1000)
-    assert [r["code"] for r in _log(d, 1)] == [76]  # only the copy across the link
+    assert [r["code"] for r in d.fault_log(1)] == [76]  # only the copy across the link
     assert d.attr(1, "reset_count") == "0"
     after = d.run_py(AFTER, timeout=60)  # the link is back for a fresh process
     assert after.returncode == 0, after.stderr
@@ -97,7 +94,7 @@ def test_a_correctable_link_error_is_counted_and_changes_nothing(make_daemon):
         d.debug(0, "ras_ctrl").write_text("inject link ce 0")
         tenant.check()
     assert_contained(d, before)
-    assert [(r["code"], r["corrected"], r["link"]) for r in _log(d, 0)] == [
+    assert [(r["code"], r["corrected"], r["link"]) for r in d.fault_log(0)] == [
         (125, True, "fabric0:port0")]
     assert d.attr(0, "ras/link_err_count").splitlines() == ["ue: 0", "ce: 1"]
     assert (d.attr(0, "link_state"), d.attr(0, "reset_count")) == ("up", "0")
