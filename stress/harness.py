@@ -26,6 +26,7 @@ import sys
 import sysconfig
 import textwrap
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,15 +260,23 @@ class Bystander:
         self.close()
 
 
-def as_user(code: str, uid: int = NOBODY, imports: str = "") -> str:
-    """``code`` run as ``uid`` after importing what it needs as root (``imports``: extra
-    import lines; runtime, its kernel front end and numpy are always imported). For what
-    needs root's files (tests/rawdev.py, the firmware) or many quick processes; an
-    isolation check that root's head start could pass uses ``OtherUser``."""
+def tenant_code(code: str, imports: str = "") -> str:
+    """``code`` after the imports a tenant's snippet may rely on: os, sys, errno, json,
+    numpy as np, the runtime with its kernel front end, and abi's kernel_lang, uapi and
+    userq, then ``imports`` (extra import lines)."""
     return (f"import os, sys, errno, json, numpy as np, runtime, runtime.kernels\n"
-            f"from abi import kernel_lang, uapi, userq\n{imports}\n"
-            f"os.setgroups([]); os.setresgid({uid}, {uid}, {uid}); os.setresuid({uid}, {uid}, {uid})\n"
-            + textwrap.dedent(code))
+            f"from abi import kernel_lang, uapi, userq\n{imports}\n" + textwrap.dedent(code))
+
+
+def as_user(code: str, uid: int = NOBODY, imports: str = "") -> str:
+    """``code`` run as ``uid`` after importing what it needs as root (``tenant_code``).
+    For the stress tools' many quick tenant processes, where a fresh interpreter per
+    process would cost more than the storm; every isolation test runs as ``OtherUser``,
+    which never was root (root's head start, files opened and imports read as root, could
+    pass a check a real second user fails)."""
+    drop = (f"os.setgroups([]); os.setresgid({uid}, {uid}, {uid}); "
+            f"os.setresuid({uid}, {uid}, {uid})\n")
+    return tenant_code(drop + textwrap.dedent(code), imports)
 
 
 #: What a tenant's program imports; ``user_environment`` copies the packages this pulls in.
@@ -362,16 +371,18 @@ class OtherUser:
                                 **self._ids())
 
 
-def user_environment(dest: Path, uid: int = NOBODY) -> OtherUser | None:
+def user_environment(dest: Path, uid: int = NOBODY,
+                     modules: Sequence[Path] = ()) -> OtherUser | None:
     """Fill ``dest`` (a new directory other users can enter) with a world-readable copy of
     what the runtime imports, the project's packages and its third-party ones (folders
-    0755, files 0644), for ``OtherUser``. None when no interpreter fits
-    (``user_interpreter``). Run once per session: it costs a fresh interpreter and links."""
+    0755, files 0644), and of ``modules`` (single-file helpers such as tests/rawdev.py),
+    for ``OtherUser``. None when no interpreter fits (``user_interpreter``). Run once per
+    session: it costs a fresh interpreter and links."""
     python = user_interpreter()
     if python is None:
         return None
     os.chmod(dest, 0o755)
-    for src in _tenant_packages():
+    for src in [*_tenant_packages(), *modules]:
         target = dest / src.name
         if src.is_dir():
             shutil.copytree(src, target, copy_function=_link_or_copy)
@@ -384,4 +395,5 @@ def user_environment(dest: Path, uid: int = NOBODY) -> OtherUser | None:
 
 
 __all__ = ["BOOKS", "Bystander", "Daemon", "NOBODY", "OtherUser", "REPO", "Snapshot", "alive",
-           "as_user", "assert_contained", "fd_count", "snapshot", "user_environment"]
+           "as_user", "assert_contained", "fd_count", "snapshot", "tenant_code",
+           "user_environment"]

@@ -55,12 +55,15 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 def other_user() -> Iterator[OtherUser]:
     """Another user's fresh interpreter, importing a world-readable copy of the runtime
     made once for the session (under /tmp: pytest's temporary directories are 0700) and
-    removed at its end. Skips where no interpreter other users can run fits this one."""
+    removed at its end, with the tests' raw-transaction helper (rawdev.py). Fails, not
+    skips, where no interpreter other users can run fits this one: the isolation tests
+    must run as a real second user (``user_interpreter``: the system's python3 of this
+    minor version, or the venv's base interpreter where others may run it)."""
     dest = Path(tempfile.mkdtemp(prefix="accel-user-env-", dir="/tmp"))
     try:
-        user = user_environment(dest)
+        user = user_environment(dest, modules=[TESTS_DIR / "rawdev.py"])
         if user is None:
-            pytest.skip("no interpreter of this Python version that other users can run")
+            pytest.fail("no interpreter of this Python version that other users can run")
         yield user
     finally:
         shutil.rmtree(dest, ignore_errors=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from abi import uapi
-from stress.harness import Bystander, alive, as_user, assert_contained, snapshot
+from stress.harness import Bystander, alive, assert_contained, snapshot, tenant_code
 
 TESTS = Path(__file__).resolve().parent.parent  # tests/, where rawdev.py lives
 PRELUDE = ("import os, sys, time, errno, threading, numpy as np, runtime\n"
@@ -305,7 +305,7 @@ print(" ".join(out))
     assert_contained(d, before)
 
 
-def test_tenants_see_only_their_own_processes_and_only_root_writes(make_daemon):
+def test_tenants_see_only_their_own_processes_and_only_root_writes(make_daemon, other_user):
     """Finding 15: debugfs ``contexts`` and sysfs ``processes`` showed every tenant's pid,
     uid and contexts to everyone. Another user now sees only their own rows, cannot open
     debugfs, and cannot write attributes (a reset takes the device from every tenant)."""
@@ -322,7 +322,7 @@ sys.stdin.readline()
         pid = holder.stdout.readline().strip()
         assert pid in d.attr(0, "processes")  # root sees it
         assert d.attr(1, "exclusive_owner") == pid
-        lines = run(d, as_user("""
+        seen = other_user.run(d, tenant_code("""
 root = os.environ["ACCEL_EMU_ROOT"]
 cls = root + "/sys/class/accel/accel0/"
 x = runtime.empty(1 << 20, np.uint8)
@@ -340,7 +340,9 @@ print(attempt(lambda: open(root + "/sys/kernel/debug/accel/accel0/contexts").rea
       attempt(lambda: open(cls + "reset", "w").write("1")),
       attempt(lambda: open(root + "/sys/kernel/debug/accel/accel0/fw_hang", "w").write("1")),
       attempt(lambda: open(cls + "state").read() and None))
-"""))
+"""), timeout=120)
+        assert seen.returncode == 0, seen.stderr
+        lines = seen.stdout.splitlines()
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)

@@ -10,42 +10,47 @@ firmware are the same live processes, and nothing leaked.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from dataclasses import dataclass
 
 import pytest
 
-from stress.harness import Bystander, as_user, assert_contained, snapshot
+from stress.harness import Bystander, Daemon, OtherUser, assert_contained, snapshot, tenant_code
 
-TESTS = Path(__file__).resolve().parent.parent  # tests/, where rawdev.py lives
-RAW = f"import sys; sys.path.insert(0, {str(TESTS)!r}); from rawdev import RawDev, errname"
+RAW = "from rawdev import RawDev, errname"  # on the path of root's tests and other_user's
+
+
+@dataclass
+class Tenants:
+    """A 2-device daemon that another uid can reach, a bystander of root's on each device,
+    and the other user, who attacks."""
+
+    d: Daemon
+    bystanders: tuple[Bystander, Bystander]
+    user: OtherUser
+
+    def attack(self, code: str, *, as_root: bool = False, timeout: float = 120) -> list[str]:
+        """Run ``code`` as the other user (or as root); its output lines."""
+        body = tenant_code(code, imports=RAW)
+        out = (self.d.run_py(body, timeout=timeout) if as_root
+               else self.user.run(self.d, body, timeout=timeout))
+        assert out.returncode == 0, out.stderr + out.stdout
+        return out.stdout.splitlines()
 
 
 @pytest.fixture
-def tenants(make_daemon):
-    """A 2-device daemon that another uid can reach, and a bystander on each device."""
+def tenants(make_daemon, other_user):
     d = make_daemon(devices=2, tenants=True)
     with Bystander(d, 0) as b0, Bystander(d, 1) as b1:
-        yield d, (b0, b1)
-
-
-def attack(d, code: str, *, uid_root: bool = False, timeout: float = 120) -> list[str]:
-    """Run ``code`` as the other tenant (or as root); its output lines."""
-    body = code if uid_root else as_user(code, imports=RAW)
-    if uid_root:
-        body = "import os, sys, errno, json, numpy as np, runtime\nfrom abi import kernel_lang, uapi, userq\n" \
-               + RAW + "\n" + body
-    out = d.run_py(body, timeout=timeout)
-    assert out.returncode == 0, out.stderr + out.stdout
-    return out.stdout.splitlines()
+        yield Tenants(d, (b0, b1), other_user)
 
 
 def test_mma_tile_origin_near_2_63_faults_and_touches_nothing(tenants):
     """Finding 1: an mma whose tile origin is near 2**63 used to pass the range check by
     wrapping around and read and write another tenant's memory. Every wrapping origin and
     size is a bounds fault now; the attacker's c is untouched; the bystanders' data too."""
-    d, bystanders = tenants
+    d, bystanders = tenants.d, tenants.bystanders
     before = snapshot(d)
-    lines = attack(d, """
+    lines = tenants.attack("""
         src = "\\n".join(["def steal(c, a, b, row, col, k0, tm, tn, tk):",
                            "    mma(c, a, b, row, col, k0, tm, tn, tk, 0.0)", ""])
         mod = runtime.compile(src)
@@ -79,9 +84,9 @@ def test_truncating_client_memory_is_refused_and_unsealed_memory_is_not_taken(te
     (SIGBUS) for every tenant. Rings and host memory are the client's sealed memfds now:
     truncating them fails for everyone, and the driver refuses memory not sealed so (or not
     a memfd at all) before the device ever maps it."""
-    d, bystanders = tenants
+    d, bystanders = tenants.d, tenants.bystanders
     before = snapshot(d)
-    lines = attack(d, """
+    lines = tenants.attack("""
         import fcntl
         from runtime._shm import sealed_memfd
         dev = RawDev(os.path.join(os.environ["ACCEL_EMU_ROOT"], "dev/accel/accel0"))
@@ -149,13 +154,11 @@ def test_truncating_client_memory_is_refused_and_unsealed_memory_is_not_taken(te
 
 #: A tenant's process with a stream, pinned memory and data on device 0; it prints its pid
 #: and its descriptors of the memory and pipes it shares with the device, then checks that
-#: its data and work are intact once told. Dropping to another uid makes a process
-#: non-dumpable by itself (Linux resets the flag when credentials change), so it first
-#: makes itself dumpable again, as any program its user starts is: what then keeps others
-#: out must be the runtime's doing.
+#: its data and work are intact once told. It is the other user's fresh interpreter,
+#: dumpable as any program its user starts is (a process that dropped root's uid would be
+#: non-dumpable by itself): what keeps the same user's other process out must be the
+#: runtime's doing.
 VICTIM = """
-import ctypes
-ctypes.CDLL(None, use_errno=True).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
 s = runtime.Stream(0)
 pin = runtime.pinned_empty(1 << 16, np.uint8)
 pin[:] = 5
@@ -199,10 +202,10 @@ def test_same_uid_process_cannot_open_rings_pinned_memory_or_pipes_by_path(tenan
     check those paths make: EACCES for the same uid. Root passes that check whatever the
     flag (CAP_SYS_PTRACE), and ``ACCEL_ALLOW_PTRACE=1`` keeps the process dumpable (core
     dumps, a debugger of the same user) with the old exposure."""
-    d, bystanders = tenants
+    d, bystanders = tenants.d, tenants.bystanders
     before = snapshot(d)
     for env, as_nobody in (({}, "EACCES EACCES"), ({"ACCEL_ALLOW_PTRACE": "1"}, "opened opened")):
-        victim = d.popen_py(as_user(VICTIM), **env)
+        victim = tenants.user.popen(d, tenant_code(VICTIM), **env)
         try:
             shown = json.loads(victim.stdout.readline() or "null")
             assert shown is not None, victim.stderr.read()
@@ -210,9 +213,9 @@ def test_same_uid_process_cannot_open_rings_pinned_memory_or_pipes_by_path(tenan
             assert kinds == {"/memfd:accel-ring", "/memfd:accel-doorbell-page",
                              "/memfd:accel-host_pinned", "pipe:"}, shown
             args = (str(shown["pid"]), ",".join(shown["fds"]))
-            peeks = [d.run_py(code, timeout=60) for code in (
-                "import sys; sys.argv[1:] = " + repr(list(args)) + "\n" + as_user(PEEK),
-                "import os, sys, errno; sys.argv[1:] = " + repr(list(args)) + "\n" + PEEK)]
+            peeks = [tenants.user.run(d, tenant_code(PEEK), *args, timeout=60),
+                     d.run_py("import sys; sys.argv[1:] = " + repr(list(args)) + "\n"
+                              + tenant_code(PEEK), timeout=60)]
             got = [p.stdout.strip() for p in peeks]
             assert got == [as_nobody, "opened opened"], (
                 env, got, [p.stderr for p in peeks])

@@ -18,7 +18,7 @@ from refusals import NOP, ring_done
 from scenario import IDLE
 
 from abi import uapi
-from stress.harness import as_user
+from stress.harness import tenant_code
 
 LAST_WORDS = "firmware: last words before the kill"
 
@@ -55,7 +55,7 @@ def _wait_in_log(d, text: str, timeout: float = 10.0) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_firmware_killed_under_a_waiting_client_is_dumped_for_root(make_daemon):
+def test_a_firmware_killed_under_a_waiting_client_is_dumped_for_root(make_daemon, other_user):
     d = make_daemon(devices=1, tenants=True)
     assert _held(d) == ("\n", "\n")  # none yet
     with RawDev(d.node(0)) as client:
@@ -99,7 +99,7 @@ def test_a_firmware_killed_under_a_waiting_client_is_dumped_for_root(make_daemon
 
     # root's alone: another user reaches the device's attributes, not its dump
     cls = str(d.root / uapi.CLASS_DIR / "accel0")
-    out = d.run_py(as_user(READ_AS_ANOTHER_USER.format(cls=cls)), timeout=60)
+    out = other_user.run(d, tenant_code(READ_AS_ANOTHER_USER.format(cls=cls)), timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["state read", "devcoredump/data EACCES",
                                        "devcoredump/time EACCES"]

@@ -15,7 +15,7 @@ import pytest
 from rawdev import RawDev, errname
 
 from abi import uapi, userq
-from stress.harness import as_user
+from stress.harness import tenant_code
 
 PAGE = uapi.ACCEL_PAGE_SIZE
 MIB = 1 << 20
@@ -199,7 +199,7 @@ MALFORMED = [
 ]
 
 
-def test_a_malformed_write_answers_its_errno_and_harms_nothing(make_daemon):
+def test_a_malformed_write_answers_its_errno_and_harms_nothing(make_daemon, other_user):
     d = make_daemon(tenants=True)
     with RawDev(d.node(0)) as bystander:
         ctx = bystander.ctx_create()
@@ -216,7 +216,7 @@ def test_a_malformed_write_answers_its_errno_and_harms_nothing(make_daemon):
         with pytest.raises(OSError) as exc:
             (d.root / uapi.CLASS_DIR / "accel0" / "bad_pages").write_text("")
         assert exc.value.errno == errno.EACCES
-        out = d.run_py(as_user(f"""
+        out = other_user.run(d, tenant_code(f"""
             try:
                 open({str(d.debug(0, "ras_ctrl"))!r}, "w").write("inject memory ue 0")
                 print("written")

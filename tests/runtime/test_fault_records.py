@@ -15,7 +15,7 @@ import pytest
 
 from abi import faults, uapi
 from scenario import KERNEL_FAULT_PRELUDE
-from stress.harness import as_user
+from stress.harness import tenant_code
 
 KERNEL_FAULT = KERNEL_FAULT_PRELUDE + """
 rec = exc.record
@@ -160,19 +160,19 @@ def test_the_log_persists_per_uuid_across_a_daemon_restart(make_daemon):
     assert after[1]["seq"] == first[0]["seq"] + 1  # numbering goes on
 
 
-def test_another_user_sees_only_their_own_and_device_wide_records(make_daemon):
+def test_another_user_sees_only_their_own_and_device_wide_records(make_daemon, other_user):
     d = make_daemon(tenants=True)
     out = d.run_py(KERNEL_FAULT)  # root's fault
     assert out.returncode == 0, out.stderr
     (d.root / "sys/class/accel/accel0/reset").write_text("1")  # a device-wide record
     d.wait_state(0, "operational")
-    code = as_user("""
+    code = tenant_code("""
         text = open(os.path.join(os.environ["ACCEL_EMU_ROOT"],
                                  "sys/class/accel/accel0/fault_log")).read()
         print(json.dumps([json.loads(l) for l in text.splitlines()]))
         print(json.dumps(runtime.fault_records()))
     """)
-    seen = d.run_py(code)
+    seen = other_user.run(d, code)
     assert seen.returncode == 0, seen.stderr
     visible, mine = (json.loads(x) for x in seen.stdout.splitlines())
     assert [r["code"] for r in visible] == [120]  # not root's page fault
