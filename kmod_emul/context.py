@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from abi import uapi, userq
 from kmod_emul.errors import DriverError
+from kmod_emul.isolation import foreign_or_unknown
 
 if TYPE_CHECKING:
     from kmod_emul.device import AccelDevice
@@ -150,13 +151,16 @@ class Context:
     def queue(self, queue_id: int) -> Queue:
         q = self.queues.get(queue_id)
         if q is None:
-            raise DriverError(errno.ENOENT, f"queue {queue_id} does not belong to context {self.id}")
+            raise foreign_or_unknown(self.file, "queue", queue_id, self.file.device.contexts.values(),
+                                     f"queue {queue_id} does not belong to context {self.id}")
         return q
 
     def allocation(self, handle: int) -> Allocation:
         a = self.allocations.get(handle)
         if a is None:
-            raise DriverError(errno.ENOENT, f"allocation {handle} does not belong to context {self.id}")
+            raise foreign_or_unknown(self.file, "allocation", handle,
+                                     self.file.device.contexts.values(),
+                                     f"allocation {handle} does not belong to context {self.id}")
         return a
 
     def ring_slots_used(self) -> set[int]:
@@ -190,6 +194,11 @@ class OpenFile:
         if self.ctx is None:
             raise DriverError(errno.EBADFD, "no context on this open file (CTX_CREATE first)")
         if ctx_id != self.ctx.id:
-            raise DriverError(errno.ENOENT, f"context {ctx_id} does not belong to this open file")
+            raise self.foreign_context(ctx_id)
         self.ctx.check_live()
         return self.ctx
+
+    def foreign_context(self, ctx_id: int) -> DriverError:
+        """The error for naming context ``ctx_id``, not this file's."""
+        return foreign_or_unknown(self, "context", ctx_id, self.device.contexts.values(),
+                                  f"context {ctx_id} does not belong to this open file")

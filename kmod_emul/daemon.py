@@ -153,7 +153,9 @@ async def serve(config: DaemonConfig, on_ready: Callable[[], None]) -> None:
     partitions.restore()
     fs = AccelFS(build_tree(config.driver, devices, partitions), config.driver)
     partitions.nodes = fs
-    options = set(pyfuse3.default_options) | {
+    # no default_permissions: the kernel would refuse other users by the mode bits before
+    # the driver heard of it, and the driver counts and logs each refusal itself
+    options = set(pyfuse3.default_options) - {"default_permissions"} | {
         f"fsname={FSNAME_PREFIX}{os.getpid()}",
         "subtype=accel-emu",
     }

@@ -48,6 +48,7 @@ from kmod_emul.errors import DriverError
 from kmod_emul.faultlog import FaultLog
 from kmod_emul.fw import FirmwareProcess
 from kmod_emul.identity import Identity, pci_bus_id
+from kmod_emul.isolation import Isolation, foreign_or_unknown
 from kmod_emul.link import Link, fabric_endpoint
 from kmod_emul.memory import DeviceMemory
 from kmod_emul.ras import Ras
@@ -129,6 +130,8 @@ class AccelDevice:
         #: its port on the fabric (kmod_emul/link.py: the package/link reset scope)
         self.link = Link(self)
         self.thermal = Thermal(self)
+        #: attempts to use what another tenant holds (kmod_emul/isolation.py)
+        self.isolation = Isolation(self.name)
         #: after a shutdown the device did itself: what must hold before the driver's
         #: recovery resets it (None: nothing to wait for)
         self._recover_when: Callable[[], bool] | None = None
@@ -345,7 +348,8 @@ class AccelDevice:
         peer = self.peer(peer_index)
         holders = [c for c in peer.live_contexts() if c.file.pid == ctx.file.pid]
         if not holders:
-            raise DriverError(errno.EPERM, f"process {ctx.file.pid} holds no context on {peer.name}")
+            raise self.isolation.refuse("peer", ctx.file.pid, ctx.file.uid,
+                                        f"process {ctx.file.pid} holds no context on {peer.name}")
         if peer_index in ctx.peers:
             return
         ctx.peers.add(peer_index)
@@ -396,7 +400,8 @@ class AccelDevice:
         source = next((q for c in peer.live_contexts() if c.file.pid == ctx.file.pid
                        for q in c.queues.values() if q.id == peer_qid and not q.imported), None)
         if source is None:
-            raise DriverError(errno.ENOENT, f"queue {peer_qid} on {peer.name} is not this process's")
+            raise foreign_or_unknown(ctx.file, "queue", peer_qid, peer.contexts.values(),
+                                     f"queue {peer_qid} on {peer.name} is not this process's")
         self._check_queue_limits(ctx)
         local = Queue(self.new_id(), 0, -1, -1, imported=True)
         ctx.queues[local.id] = local

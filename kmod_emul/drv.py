@@ -73,7 +73,7 @@ async def ctx_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_create) 
 async def ctx_destroy(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_destroy) -> None:
     _no_flags(arg)
     if f.ctx is None or f.ctx.id != arg.ctx_id:
-        raise DriverError(errno.ENOENT, f"context {arg.ctx_id} does not belong to this open file")
+        raise f.foreign_context(arg.ctx_id)
     f.device.destroy_context(f.ctx)
 
 
@@ -218,9 +218,10 @@ async def device_reset(info: DriverInfo, f: OpenFile, arg: uapi.accel_device_res
     _no_flags(arg)
     ctx = f.context(arg.ctx_id)
     if not ctx.exclusive:
-        raise DriverError(errno.EPERM, f"context {ctx.id} does not hold {f.device.name} "
-                                       "exclusively; only such a context may reset it "
-                                       "(CTX_CREATE with ACCEL_CTX_EXCLUSIVE)")
+        raise f.device.isolation.refuse(  # it would take the device from the others
+            "privileged", f.pid, f.uid, f"context {ctx.id} does not hold {f.device.name} "
+            "exclusively; only such a context may reset it (CTX_CREATE with "
+            "ACCEL_CTX_EXCLUSIVE)")
     f.device.check_usable()
     f.device.request_reset(f"reset requested by pid {f.pid} (DEVICE_RESET)")
 

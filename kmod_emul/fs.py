@@ -17,7 +17,9 @@ of every tenant on one device node, so a command that slept would stall them all
 
 Permissions are the driver's own checks (the mount has no ``default_permissions``): writing
 an attribute needs root, as does anything under ``sys/kernel/debug`` and a device's
-``devcoredump/`` (see :mod:`kmod_emul.sysfs`, :mod:`kmod_emul.coredump`).
+``devcoredump/`` (see :mod:`kmod_emul.sysfs`, :mod:`kmod_emul.coredump`). The kernel's
+mode-bit checks are off so that every refusal reaches the driver, which counts and logs
+it (:mod:`kmod_emul.isolation`); ``access`` answers by the same rules.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from kmod_emul.coredump import devcoredump_attrs
 from kmod_emul.device import AccelDevice
 from kmod_emul.errors import DriverError
 from kmod_emul.faultlog import FaultLog, Watcher
+from kmod_emul.isolation import isolation_attrs
 from kmod_emul.partition import Partitions, partition_attrs
 from kmod_emul.ras import ras_attrs
 from kmod_emul.sysfs import debug_attrs, device_attrs, limit_attrs, module_attrs, reset_mask_attrs
@@ -64,6 +67,8 @@ class Node:
     device: AccelDevice | None = None
     events: FaultLog | None = None  # the device's event node: each open is a watcher
     root_only: bool = False  # debugfs, devcoredump: neither listed nor opened but by root
+    #: the device an attribute or directory describes (where a refused user is counted)
+    of: AccelDevice | None = None
 
 
 class Tree:
@@ -79,22 +84,27 @@ class Tree:
         self.nodes[node.inode] = node
         return node
 
-    def mkdir(self, path: str, root_only: bool = False) -> Node:
+    def mkdir(self, path: str, root_only: bool = False, of: AccelDevice | None = None) -> Node:
+        """The directory at ``path``, made with its parents if missing; ``of`` is the
+        device the last component describes (the parents describe no one device)."""
         node = self.root
-        for part in path.split("/"):
+        parts = path.split("/")
+        for i, part in enumerate(parts):
             key = part.encode()
             if key not in node.children:
                 node.children[key] = self._new(stat.S_IFDIR | (0o700 if root_only else 0o755),
-                                               root_only=root_only)
+                                               root_only=root_only,
+                                               of=of if i == len(parts) - 1 else None)
             node = node.children[key]
         return node
 
-    def add_attrs(self, path: str, attrs: dict[str, Attr], root_only: bool = False) -> None:
-        parent = self.mkdir(path, root_only)
+    def add_attrs(self, path: str, attrs: dict[str, Attr], root_only: bool = False,
+                  of: AccelDevice | None = None) -> None:
+        parent = self.mkdir(path, root_only, of)
         for name, attr in attrs.items():
             perm = ((0o400 if root_only else 0o444) if attr.read else 0) | (0o200 if attr.write else 0)
             parent.children[name.encode()] = self._new(stat.S_IFREG | perm, attr=attr,
-                                                       root_only=root_only)
+                                                       root_only=root_only, of=of)
 
     def add_events(self, path: str, name: str, flog: FaultLog) -> None:
         """A blocking, pollable event stream. 0666: anyone may watch (and set the filter
@@ -106,14 +116,16 @@ class Tree:
         """Every node of one device: its device node, event node, sysfs and debugfs."""
         parent = self.mkdir("dev/accel")
         parent.children[dev.name.encode()] = self._new(stat.S_IFREG | 0o666, device=dev)
-        self.add_attrs(f"{uapi.CLASS_DIR}/{dev.name}", device_attrs(dev))
-        self.add_attrs(f"{uapi.CLASS_DIR}/{dev.name}", reset_mask_attrs())
+        cls = f"{uapi.CLASS_DIR}/{dev.name}"
+        self.add_attrs(cls, device_attrs(dev), of=dev)
+        self.add_attrs(cls, reset_mask_attrs(), of=dev)
         self.add_events(uapi.EVENTS_DIR, dev.name, dev.faults)
-        self.add_attrs(f"{uapi.CLASS_DIR}/{dev.name}/limits", limit_attrs(dev))
-        self.add_attrs(f"{uapi.CLASS_DIR}/{dev.name}/ras", ras_attrs(dev))
-        self.add_attrs(f"{uapi.CLASS_DIR}/{dev.name}/devcoredump", devcoredump_attrs(dev),
-                       root_only=True)
-        self.add_attrs(f"sys/kernel/debug/accel/{dev.name}", debug_attrs(dev), root_only=True)
+        self.add_attrs(f"{cls}/limits", limit_attrs(dev), of=dev)
+        self.add_attrs(f"{cls}/ras", ras_attrs(dev), of=dev)
+        self.add_attrs(f"{cls}/isolation", isolation_attrs(dev.isolation), of=dev)
+        self.add_attrs(f"{cls}/devcoredump", devcoredump_attrs(dev), root_only=True, of=dev)
+        self.add_attrs(f"sys/kernel/debug/accel/{dev.name}", debug_attrs(dev), root_only=True,
+                       of=dev)
 
     def remove_device(self, dev: AccelDevice) -> list[tuple[int, bytes]]:
         """Drop every node ``add_device`` made; the (parent inode, name) of each name
@@ -128,6 +140,14 @@ class Tree:
                 for gone in _subtree(node):
                     del self.nodes[gone.inode]
         return removed
+
+
+def _privileged(node: Node, ctx: pyfuse3.RequestContext, how: str) -> pyfuse3.FUSEError:
+    """EACCES for a user who is not root, counted on the device the node describes."""
+    if node.of is not None:
+        node.of.isolation.refuse("privileged", tgid_of(ctx.pid), ctx.uid,
+                                 f"{how} a root-only attribute", errno.EACCES)
+    return pyfuse3.FUSEError(errno.EACCES)
 
 
 def _subtree(node: Node) -> Iterator[Node]:
@@ -208,10 +228,26 @@ class AccelFS(pyfuse3.Operations):
 
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
                      ) -> pyfuse3.EntryAttributes:
-        child = self._node(parent_inode).children.get(name)
+        parent = self._node(parent_inode)
+        if parent.root_only and ctx.uid != 0:  # as a 0700 directory's names are
+            raise _privileged(parent, ctx, "look up in")
+        child = parent.children.get(name)
         if child is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         return await self.getattr(child.inode)
+
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
+        """access(2) by the rules ``open`` and ``opendir`` enforce (the mount leaves
+        permission checks to us): root may do anything; others may not enter root-only
+        nodes, nor write attributes, nor execute files."""
+        node = self._node(inode)
+        if ctx.uid == 0:
+            return True
+        if node.root_only:
+            return False
+        if node.attr is not None:
+            return not mode & (os.W_OK | os.X_OK) and (not mode & os.R_OK or bool(node.attr.read))
+        return stat.S_ISDIR(node.mode) or not mode & os.X_OK
 
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes,
                       fields: pyfuse3.SetattrFields, fh: int | None,
@@ -224,7 +260,7 @@ class AccelFS(pyfuse3.Operations):
         if not stat.S_ISDIR(node.mode):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         if node.root_only and ctx.uid != 0:
-            raise pyfuse3.FUSEError(errno.EACCES)
+            raise _privileged(node, ctx, "list")
         return inode
 
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
@@ -252,7 +288,7 @@ class AccelFS(pyfuse3.Operations):
             if (writing and node.attr.write is None) or (reading and node.attr.read is None):
                 raise pyfuse3.FUSEError(errno.EACCES)
             if (writing or node.root_only) and ctx.uid != 0:
-                raise pyfuse3.FUSEError(errno.EACCES)
+                raise _privileged(node, ctx, "write" if writing else "read")
             try:
                 text = node.attr.render(ctx.uid) if reading else ""
             except Exception as exc:  # noqa: BLE001 - see _fuse_error

@@ -380,9 +380,13 @@ class DeviceMemory:
 
     def import_(self, ctx: Context, export_id: int, token: int) -> Allocation:
         b = self.backings.get(export_id)
-        if b is None or not b.exported or not secrets.compare_digest(
-                b.token.to_bytes(8, "little"), token.to_bytes(8, "little")):
+        if b is None:
             raise DriverError(errno.ENOENT, f"no exported allocation {export_id} with that token")
+        if not b.exported or not secrets.compare_digest(
+                b.token.to_bytes(8, "little"), token.to_bytes(8, "little")):
+            raise self.device.isolation.refuse(  # another's allocation, without its export
+                "export", ctx.file.pid, ctx.file.uid,
+                f"allocation {export_id}: not exported, or not with that token", errno.EACCES)
         if b.refs == 0:
             raise DriverError(errno.ENOENT, f"allocation {export_id} was freed by every holder")
         return self._attach(ctx, b)

@@ -28,6 +28,7 @@ import trio
 from abi import kernel_lang, mailbox, uapi
 from kmod_emul import limits, userfd
 from kmod_emul.errors import DriverError
+from kmod_emul.isolation import foreign_or_unknown
 
 if TYPE_CHECKING:
     from kmod_emul.context import Context
@@ -154,10 +155,15 @@ async def load(dev: AccelDevice, ctx: Context, fd: int, size: int) -> Module:
     return mod
 
 
+def _not_held(ctx: Context, module_id: int) -> DriverError:
+    return foreign_or_unknown(ctx.file, "module", module_id, ctx.file.device.contexts.values(),
+                              f"module {module_id} does not belong to context {ctx.id}")
+
+
 def unload(dev: AccelDevice, ctx: Context, module_id: int) -> None:
     mod = ctx.modules.pop(module_id, None)
     if mod is None:
-        raise DriverError(errno.ENOENT, f"module {module_id} does not belong to context {ctx.id}")
+        raise _not_held(ctx, module_id)
     mod.release()
     dev.fw_send(ctx.id, mailbox.fw_module_unload(module_id=module_id))
 
@@ -166,7 +172,7 @@ def get_kernel(ctx: Context, module_id: int, name: str) -> tuple[int, int, int]:
     """(handle, parameter count, shared bytes) of ``name`` in the module."""
     mod = ctx.modules.get(module_id)
     if mod is None:
-        raise DriverError(errno.ENOENT, f"module {module_id} does not belong to context {ctx.id}")
+        raise _not_held(ctx, module_id)
     for index, (kname, nparams, shared) in enumerate(mod.kernels):
         if kname == name:
             return kernel_handle(module_id, index), nparams, shared

@@ -117,6 +117,7 @@ ERRNO_CLASSES: dict[int, type[AccelError]] = {
     _errno.ENOSPC: ResourceLimitError,
     _errno.EDQUOT: ResourceLimitError,
     _errno.EPERM: InvalidValueError,
+    _errno.EACCES: InvalidValueError,
     _errno.EBADF: InvalidValueError,
     _errno.EMEDIUMTYPE: InvalidValueError,
 }

@@ -73,6 +73,10 @@ class Daemon:
     def attr(self, dev: int, name: str) -> str:
         return (self.root / uapi.CLASS_DIR / f"accel{dev}" / name).read_text().strip()
 
+    def log_text(self) -> str:
+        """What the daemon has logged so far (its default log file)."""
+        return (self.state_dir / "accel-emud.log").read_text()
+
     def fault_log(self, dev: int = 0) -> list[dict[str, Any]]:
         """The device's fault records as root sees them, oldest first (sysfs fault_log)."""
         return faults.from_lines(self.attr(dev, "fault_log"))

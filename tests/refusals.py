@@ -102,15 +102,28 @@ class Bad:
         return f"{self.name}-{self.errno}"
 
 
+#: The errnos of a refused reach for what another tenant holds: each is counted.
+ISOLATION_ERRNOS = ("EPERM", "EACCES")
+
+
+def isolation_refusals(daemon: Any) -> int:
+    """Every device's count of refused reaches for another tenant's resources."""
+    return sum(int(daemon.attr(i, "isolation/total")) for i in range(daemon.devices))
+
+
 def refuse(env: Env, cmd: uapi.Command, bad: Bad) -> None:
-    """Send ``bad`` and check it fails with exactly its errno."""
+    """Send ``bad`` and check it fails with exactly its errno, and that the driver counted
+    it as an isolation refusal if (and only if) that errno says it was one."""
     target = env.fresh() if bad.no_context else env.dev
     sent = bad.build(env)
+    before = isolation_refusals(env.daemon)
     if isinstance(sent, bytes):
         got = errname(lambda: target.write(sent))
     else:
         got = errname(lambda: target.call(cmd, sent))
     assert got == bad.errno, f"{cmd.name} {bad.name}: {got or 'success'}, wanted {bad.errno}"
+    counted = isolation_refusals(env.daemon) - before
+    assert counted == (bad.errno in ISOLATION_ERRNOS), f"{cmd.name} {bad.name}: {counted} counted"
 
 
 def _raw(cmd: uapi.Command, code: int, payload: bytes) -> bytes:
@@ -122,7 +135,7 @@ def generic(cmd: uapi.Command, good: Callable[[Env], Any], *, context: bool = Tr
     a struct one byte short or long and the other transfer direction (EINVAL); each
     ``pad*``/``reserved*`` field non-zero (EINVAL); unknown ``flags`` (EINVAL); and, with
     ``context``, the call on a file without a context (EBADFD) and naming the bystander's
-    context (ENOENT)."""
+    context (EPERM: it exists, and is not this file's) and one nobody holds (ENOENT)."""
     size = ctypes.sizeof(cmd.struct)
     flipped = cmd.code ^ (uapi.IOC_WRITE << 30 if cmd.has_reply else uapi.IOC_READ << 30)
     cases = [
@@ -158,7 +171,7 @@ def generic(cmd: uapi.Command, good: Callable[[Env], Any], *, context: bool = Tr
             return arg
 
         cases += [Bad("no-context", "EBADFD", lambda env: good(env), no_context=True),
-                  Bad("bystander-context", "ENOENT", theirs),
+                  Bad("bystander-context", "EPERM", theirs),
                   Bad("unknown-context", "ENOENT", stale)]
     return cases
 

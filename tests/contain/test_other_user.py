@@ -73,10 +73,11 @@ def test_another_user_meets_an_exclusive_device_a_forged_export_and_roots_attrib
         tenants, other_user):
     """Against root's process holding device 1 exclusively and an export on device 0: the
     other user's context on device 1 is EBUSY (device 0, shared, works), an import of the
-    export with a guessed token ENOENT, an exclusive context on device 0 EBUSY (root's
+    export with a guessed token EACCES, an exclusive context on device 0 EBUSY (root's
     bystander has it open); ``processes`` shows its own process only, ``exclusive_owner``
-    reads "another user"; writing ``reset`` and reading debugfs are EACCES. Root's export
-    is intact after."""
+    reads "another user"; writing ``reset`` and reading debugfs are EACCES. Device 0
+    counted the import and the reset as isolation refusals. Root's export is intact
+    after."""
     d = tenants
     holder = d.popen_py(HOLDER)
     try:
@@ -99,8 +100,10 @@ print(json.dumps({
 """, handle)
         assert out.returncode == 0 and out.stderr == "", out.stderr
         assert json.loads(out.stdout) == {
-            "ctx1": "EBUSY", "import": "ENOENT", "exclusive0": "EBUSY", "processes": True,
+            "ctx1": "EBUSY", "import": "EACCES", "exclusive0": "EBUSY", "processes": True,
             "owner": "another user", "reset": "EACCES", "debug": "EACCES"}
+        assert [d.attr(0, f"isolation/{k}") for k in ("export", "privileged", "total")] == [
+            "1", "1", "2"]
         assert pid in d.attr(0, "processes")  # root sees the holder
         holder.stdin.write("done\n")
         holder.stdin.flush()

@@ -91,11 +91,11 @@ def _destroy(env):
 
 CTX_DESTROY_BAD = [
     *generic(uapi.ACCEL_CMD_CTX_DESTROY, _destroy, context=False),
-    # CTX_DESTROY names the context to go: on a file without one, or naming another, the
-    # handle is not this file's (ENOENT, not EBADFD)
-    Bad("no-context", "ENOENT", lambda env: uapi.accel_ctx_destroy(ctx_id=env.other_ctx),
+    # CTX_DESTROY names the context to go: naming another file's is EPERM (counted),
+    # whether this file holds one or not (not EBADFD), and one nobody holds ENOENT
+    Bad("no-context", "EPERM", lambda env: uapi.accel_ctx_destroy(ctx_id=env.other_ctx),
         no_context=True),
-    Bad("bystander-context", "ENOENT", lambda env: uapi.accel_ctx_destroy(ctx_id=env.other_ctx)),
+    Bad("bystander-context", "EPERM", lambda env: uapi.accel_ctx_destroy(ctx_id=env.other_ctx)),
     Bad("unknown-context", "ENOENT", lambda env: uapi.accel_ctx_destroy(ctx_id=env.ctx + 1_000_000)),
 ]
 

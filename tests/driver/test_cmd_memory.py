@@ -73,7 +73,7 @@ def _freed(env) -> int:
 MEM_FREE_BAD = [
     *generic(uapi.ACCEL_CMD_MEM_FREE, lambda env: uapi.accel_mem_free(ctx_id=env.ctx)),
     Bad("unknown-handle", "ENOENT", lambda env: uapi.accel_mem_free(ctx_id=env.ctx, handle=1)),
-    Bad("bystander-allocation", "ENOENT", lambda env: uapi.accel_mem_free(
+    Bad("bystander-allocation", "EPERM", lambda env: uapi.accel_mem_free(
         ctx_id=env.ctx, handle=_bystander_alloc(env))),
     Bad("freed-twice", "ENOENT", lambda env: uapi.accel_mem_free(ctx_id=env.ctx,
                                                                 handle=_freed(env))),
@@ -101,7 +101,7 @@ def _export(env, handle=None):
 MEM_EXPORT_BAD = [
     *generic(uapi.ACCEL_CMD_MEM_EXPORT, _export),
     Bad("unknown-handle", "ENOENT", lambda env: _export(env, handle=1)),
-    Bad("bystander-allocation", "ENOENT", lambda env: _export(env, _bystander_alloc(env))),
+    Bad("bystander-allocation", "EPERM", lambda env: _export(env, _bystander_alloc(env))),
     Bad("host-memory", "EINVAL", lambda env: _export(env, env.dev.mem_alloc(
         env.ctx, 4096, uapi.MemKind.HOST_PINNED).handle)),
 ]
@@ -137,7 +137,7 @@ def _import(env, e=None, **change):
 
 MEM_IMPORT_BAD = [
     *generic(uapi.ACCEL_CMD_MEM_IMPORT, _import),
-    Bad("wrong-token", "ENOENT", lambda env: _import(env, token=_bystander_export(env).token ^ 1)),
+    Bad("wrong-token", "EACCES", lambda env: _import(env, token=_bystander_export(env).token ^ 1)),
     Bad("unknown-export", "ENOENT", lambda env: _import(env, export_handle=1, token=1)),
     Bad("not-exported", "ENOENT", lambda env: _import(  # an allocation handle, no export
         env, export_handle=_bystander_alloc(env), token=0)),

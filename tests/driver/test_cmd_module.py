@@ -79,7 +79,7 @@ MODULE_UNLOAD_BAD = [
     *generic(uapi.ACCEL_CMD_MODULE_UNLOAD, _unload),
     Bad("unknown-module", "ENOENT", lambda env: _unload(env, module_id=1)),
     Bad("unloaded-twice", "ENOENT", _unloaded),
-    Bad("bystander-module", "ENOENT", lambda env: _unload(env, _bystander_module(env))),
+    Bad("bystander-module", "EPERM", lambda env: _unload(env, _bystander_module(env))),
 ]
 
 
@@ -103,7 +103,7 @@ KERNEL_GET_BAD = [
     Bad("name-not-utf8", "EINVAL", lambda env: _get(env, name=b"\xff\xfe")),
     Bad("unknown-module", "ENOENT", lambda env: _get(env, module_id=1)),
     Bad("unloaded-module", "ENOENT", lambda env: _get(env, module_id=_unloaded(env).module_id)),
-    Bad("bystander-module", "ENOENT", lambda env: _get(env, module_id=_bystander_module(env))),
+    Bad("bystander-module", "EPERM", lambda env: _get(env, module_id=_bystander_module(env))),
 ]
 
 

@@ -69,7 +69,7 @@ QUEUE_DESTROY_BAD = [
     Bad("default-queue", "EINVAL", lambda env: _destroy(env, queue_id=0)),
     Bad("unknown-queue", "ENOENT", lambda env: _destroy(env, queue_id=1)),
     Bad("destroyed-twice", "ENOENT", _destroyed),
-    Bad("bystander-queue", "ENOENT", lambda env: _destroy(env, _bystander_queue(env))),
+    Bad("bystander-queue", "EPERM", lambda env: _destroy(env, _bystander_queue(env))),
 ]
 
 
