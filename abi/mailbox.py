@@ -31,8 +31,9 @@ from typing import Final
 from abi._struct import Struct
 
 MAILBOX_MAGIC: Final = 0xACCE1E40
-#: The mailbox ABI this file describes. Images list the range they speak.
-MAILBOX_ABI: Final = 4
+#: The mailbox ABI this file describes. Images list the range they speak. 5: QUEUE_CREATE
+#: carries the queue's depth.
+MAILBOX_ABI: Final = 5
 
 MAILBOX_SIZE: Final = 1 << 20
 _BOOT_OFF: Final = 0
@@ -140,14 +141,18 @@ class fw_unmap(Struct):
 
 
 class fw_queue_create(Struct):
-    """A user-mode queue: the ring memfd sent under ``cookie``, its doorbell slot."""
+    """A user-mode queue: the ring memfd sent under ``cookie``, its doorbell slot, and its
+    depth: how many packets past what it has taken the firmware admits (the driver's
+    ``max_queue_depth``, at most ``userq.RING_SLOTS``)."""
 
     _fields_ = [
         ("queue_id", ctypes.c_uint64),
         ("priority", ctypes.c_uint32),  # uapi.ACCEL_QUEUE_PRIORITY_*
         ("doorbell_slot", ctypes.c_uint32),
         ("cookie", ctypes.c_uint64),
-        ("reserved", ctypes.c_uint64 * 2),
+        ("depth", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64),
     ]
 
 

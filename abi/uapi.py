@@ -37,8 +37,9 @@ from abi._struct import Struct
 #: Bumped when a command or struct changes incompatibly. The driver refuses a context
 #: whose runtime speaks another major (EPROTO); minors are backward compatible.
 ACCEL_ABI_MAJOR: Final = 2
-#: 2.1: DEVICE_RESET.
-ACCEL_ABI_MINOR: Final = 1
+#: 2.1: DEVICE_RESET. 2.2: DEVICE_QUERY reports max_queues_per_process and
+#: max_queue_depth (in what was reserved).
+ACCEL_ABI_MINOR: Final = 2
 
 # --- _IOC encoding, as in include/uapi/asm-generic/ioctl.h ---------------------------
 _IOC_NRBITS, _IOC_TYPEBITS, _IOC_SIZEBITS = 8, 8, 14
@@ -192,7 +193,11 @@ class accel_device_info(Struct):
         ("max_pinned_bytes", ctypes.c_uint64),  # ... on the device, all processes
         ("max_host_allocations_per_process", ctypes.c_uint32),
         ("max_module_bytes_per_context", ctypes.c_uint32),
-        ("reserved", ctypes.c_uint64 * 8),
+        ("max_queues_per_process", ctypes.c_uint32),  # 2.2
+        #: packets the firmware admits on one queue past what it has taken (2.2; 0 from
+        #: an older driver, whose rings hold userq.RING_SLOTS)
+        ("max_queue_depth", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint64 * 7),
     ]
 
 

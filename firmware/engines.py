@@ -8,6 +8,12 @@ Engines take the highest-priority job first. A job does bounded work per turn an
 way between turns -- a long copy moves in chunks, a long launch in time slices -- so a
 higher-priority packet waits at most one turn, and one giant job cannot hold an engine.
 
+Between contexts of one priority the pools are fair, not first come first served: a job's
+place is its context's next turn (start-time fair queueing, one turn per job), so a
+context with a job on each of sixteen queues gets one turn in each round, not sixteen
+before another context's one. A bystander's kernel therefore waits for at most one turn
+of each other context per engine, however many queues they flood (docs/submission.md).
+
 An engine must outlive anything a packet does: a job that raises anyway completes its
 packet as a fault (EIO), and the engine takes the next one.
 """
@@ -67,8 +73,30 @@ class Job:
 
 @dataclass(order=True)
 class _Queued:
-    rank: tuple[int, int]  # (-priority, arrival): higher priority first, then FIFO
+    #: (-priority, turn, arrival): higher priority first, then the context's turn (fair
+    #: between contexts), then first come first served
+    rank: tuple[int, int, int]
     job: Job = field(compare=False)
+
+
+class _Turns:
+    """Start-time fair queueing between contexts: each context's next turn. A job takes
+    the later of its context's next turn and the turn being served, so a context that was
+    idle does not bank turns, and one with many jobs queued takes one turn per round."""
+
+    #: past this many contexts remembered, those whose turns are all served are forgotten
+    PRUNE = 1024
+
+    def __init__(self) -> None:
+        self.serving = 0
+        self._next: dict[int, int] = {}
+
+    def take(self, ctx_id: int) -> int:
+        turn = max(self.serving, self._next.get(ctx_id, 0))
+        self._next[ctx_id] = turn + 1
+        if len(self._next) > self.PRUNE:
+            self._next = {c: t for c, t in self._next.items() if t > self.serving}
+        return turn
 
 
 class EnginePool:
@@ -76,6 +104,7 @@ class EnginePool:
 
     def __init__(self, name: str, count: int, counters: Counters) -> None:
         self._heap: list[_Queued] = []
+        self._turns = _Turns()
         self._cond = threading.Condition()
         self._arrivals = itertools.count()
         self._counters = counters
@@ -85,8 +114,13 @@ class EnginePool:
 
     def submit(self, priority: int, job: Job) -> None:
         with self._cond:
-            heapq.heappush(self._heap, _Queued((-priority, next(self._arrivals)), job))
+            self._queue(-priority, job)
             self._cond.notify()
+
+    def _queue(self, rank: int, job: Job) -> None:
+        """In line at its context's next turn (the caller holds the lock)."""
+        turn = self._turns.take(job.ring.ctx.id)
+        heapq.heappush(self._heap, _Queued((rank, turn, next(self._arrivals)), job))
 
     def higher_waiting(self, priority: int) -> bool:
         """Is a job of higher priority than ``priority`` waiting? (checked between chunks)"""
@@ -112,6 +146,7 @@ class EnginePool:
                 while not self._heap:
                     self._cond.wait()
                 item = heapq.heappop(self._heap)
+                self._turns.serving = max(self._turns.serving, item.rank[1])
                 self._busy += 1
                 self._counters.peak("copy_engines_busy_peak", self._busy)
             try:
@@ -123,8 +158,7 @@ class EnginePool:
                 self._busy -= 1
                 if not done:  # gave way: back in line behind the work it yields to
                     self._counters.add("preemptions")
-                    heapq.heappush(self._heap, _Queued((item.rank[0], next(self._arrivals)),
-                                                       item.job))
+                    self._queue(item.rank[0], item.job)
                     self._cond.notify()
             # a finished job holds its packet's memory (a mapping and its descriptor):
             # let it go now, not when the next job comes

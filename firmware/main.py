@@ -227,7 +227,8 @@ class Firmware:
 
     def _on_queue_create(self, ctx: FwContext, msg: mailbox.fw_queue_create) -> None:
         self._add_ring(mailbox.Op.QUEUE_CREATE, ctx, msg.queue_id, msg.priority,
-                       msg.doorbell_slot, msg.cookie, fence_only=False)
+                       msg.doorbell_slot, msg.cookie, fence_only=False,
+                       depth=min(max(1, msg.depth), userq.RING_SLOTS))
 
     def _on_queue_import(self, ctx: FwContext, msg: mailbox.fw_queue_import) -> None:
         self._add_ring(mailbox.Op.QUEUE_IMPORT, ctx, msg.queue_id, 0, -1, msg.cookie,
@@ -281,11 +282,11 @@ class Firmware:
         ctx.space.add(memory.Mapping(va, size, kind, owner, data, resident))
 
     def _add_ring(self, op: int, ctx: FwContext, qid: int, priority: int, slot: int,
-                  cookie: int, fence_only: bool) -> None:
+                  cookie: int, fence_only: bool, depth: int = userq.RING_SLOTS) -> None:
         assert self.sched is not None
         (fd,) = self.fdchan.take(cookie)
         try:
-            ring = Ring(ctx, qid, priority, slot, fd, fence_only=fence_only)
+            ring = Ring(ctx, qid, priority, slot, fd, fence_only=fence_only, depth=depth)
         except (OSError, ValueError) as exc:
             self.post(op, ctx.id, mailbox.fw_queue_done(queue_id=qid),
                       status=getattr(exc, "errno", 0) or errno.ENOMEM)

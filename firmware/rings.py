@@ -57,9 +57,11 @@ class Ring(userq.RingView):
     """One queue's ring as the firmware, its consumer, sees it."""
 
     def __init__(self, ctx: FwContext, qid: int, priority: int, slot: int, fd: int,
-                 fence_only: bool = False) -> None:
+                 fence_only: bool = False, depth: int = userq.RING_SLOTS) -> None:
         super().__init__(fd)
         self.ctx, self.id, self.priority, self.slot = ctx, qid, priority, slot
+        #: packets admitted past what was taken (the queue's depth, Scheduler.publish)
+        self.depth = depth
         self.fence_only = fence_only  # another device's queue, imported to wait on
         self.taken = self.rptr
         self.published = self.taken  # what the scheduler may take (Scheduler.publish)

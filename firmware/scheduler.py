@@ -132,7 +132,9 @@ class Scheduler:
         sent before writing it (a pinned allocation's MAP before a launch whose arguments
         live there), and those are then processed before the packet starts. A write
         pointer that went back, or ran more than a ring ahead of what was taken, is a
-        protocol violation: the ring faults (EINVAL) and is cancelled in one step."""
+        protocol violation: the ring faults (EINVAL) and is cancelled in one step. What lies
+        more than the queue's depth past what was taken waits in the ring, unpublished,
+        until the ring has room: a producer that ignores the depth gains nothing by it."""
         for ring in self.active:
             if ring.busy:
                 continue
@@ -146,7 +148,7 @@ class Scheduler:
                 elif w > ring.taken:
                     self._cancel(ring, w, _CANCELLED)
                 w = ring.taken
-            ring.published = w
+            ring.published = min(w, ring.taken + ring.depth)
 
     def _cancel(self, ring: Ring, wptr: int, c: Completion) -> None:
         """A faulted ring's published packets complete as cancelled, all in one step,

@@ -68,10 +68,12 @@ class DefaultQueue(userq.RingView):
         seqno, code, opcode, addr = self.read_fault()
         return (seqno, code, addr, opcode) if seqno else None
 
-    def push(self, packet: bytes) -> int:
+    def push(self, packet: bytes, depth: int = userq.RING_SLOTS) -> int:
+        """Queue ``packet``, or EBUSY once ``depth`` packets wait untaken (the queue's
+        depth: the firmware would not take more)."""
         wptr = self.wptr
-        if wptr - self.rptr >= userq.RING_SLOTS:
-            raise DriverError(errno.EBUSY, f"the default queue is full ({userq.RING_SLOTS} "
+        if wptr - self.rptr >= depth:
+            raise DriverError(errno.EBUSY, f"the default queue is full ({depth} "
                                           "no-ops not yet taken)")
         self.write_packet(wptr, packet)
         self.set(userq.RING_WPTR, wptr + 1)

@@ -29,7 +29,9 @@ from kmod_emul import drv
 from kmod_emul.device import AccelDevice, MemoryConfig
 from kmod_emul.fs import AccelFS, build_tree
 from kmod_emul.identity import IdentityStore, pci_bus_id
-from kmod_emul.limits import raise_fd_limit
+from kmod_emul.errors import DriverError
+from kmod_emul.fw import load_image
+from kmod_emul.limits import Limits, raise_fd_limit
 from kmod_emul.partition import Partitions
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ class DaemonConfig:
     driver: drv.DriverInfo = drv.DriverInfo()
     #: device-local bytes one process may hold per device; 0 for no limit
     process_memory_limit: int = 0
+    #: the operator's limits (``--limit``), by name: kmod_emul/limits.py
+    limits: Mapping[str, int] = field(default_factory=dict)
     #: where the firmware keeps compiled kernels (default: STATE_DIR/jit-cache)
     jit_cache: Path | None = None
     #: device index -> bring-up step to fail (fault injection: seeds debugfs ``fail_step``
@@ -121,7 +125,22 @@ def prepare_root(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
 
 
+def check_limits(config: DaemonConfig, fd_limit: int) -> None:
+    """Refuse the operator's limits (LimitError) before anything is mounted, against the
+    image the devices will boot. A missing or broken image is the devices' own failure,
+    reported when they boot; their limits are checked again then."""
+    if not config.limits:
+        return
+    try:
+        image = load_image(config.firmware_dir)
+    except DriverError:
+        return
+    Limits.for_device(image.config, config.devices, fd_limit, config.limits)
+
+
 def make_devices(config: DaemonConfig) -> list[AccelDevice]:
+    fd_limit = raise_fd_limit()
+    check_limits(config, fd_limit)
     slots = [pci_bus_id(i) for i in range(config.devices)]
     identities = IdentityStore(config.state_dir).identities(slots)
     vram_fds = {}
@@ -131,7 +150,8 @@ def make_devices(config: DaemonConfig) -> list[AccelDevice]:
     jit_cache = config.jit_cache or config.state_dir / "jit-cache"
     jit_cache.mkdir(parents=True, exist_ok=True)
     mem = MemoryConfig(vram_fds, config.process_memory_limit, str(jit_cache), config.devices,
-                       raise_fd_limit(), str(config.state_dir))
+                       fd_limit, str(config.state_dir),
+                       tuple(sorted(config.limits.items())))
     devices = [
         AccelDevice(i, identities[slot], config.memory, config.firmware_dir,
                     config.heartbeat_timeout_s, mem)

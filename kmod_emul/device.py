@@ -70,6 +70,7 @@ class MemoryConfig:
     devices: int = 1  # how many devices the daemon serves (they share its descriptors)
     fd_limit: int = 1024  # the daemon's descriptor limit (its children inherit it)
     state_dir: str = ""  # where per-UUID state persists (fault log, bad pages); "" keeps none
+    limits: tuple[tuple[str, int], ...] = ()  # the operator's limits (--limit), by name
 
 
 class AccelDevice:
@@ -126,7 +127,7 @@ class AccelDevice:
         #: module images are checked one at a time (each holds the interpreter lock a while)
         self.module_checks = trio.CapacityLimiter(1)
         self._static_info: bytes | None = None
-        self.limits = limits.Limits.for_device(self.config, mem.devices, mem.fd_limit)
+        self.limits = self._limits()
         #: its port on the fabric (kmod_emul/link.py: the package/link reset scope)
         self.link = Link(self)
         self.thermal = Thermal(self)
@@ -202,7 +203,7 @@ class AccelDevice:
             compute_engines=cfg["compute_engines"], copy_engines=cfg["copy_engines"],
             max_threads_per_block=cfg["max_threads_per_block"],
             max_shared_mem_per_block=cfg["max_shared_mem_per_block"],
-            max_contexts=cfg["max_contexts"],
+            max_contexts=lim.max_contexts,
             capabilities=uapi.names_to_caps(cfg["capabilities"]),
             memory_total=self.memory_total, name=DEVICE_NAME.encode(),
             uuid=self.identity.uuid.encode(), serial=self.identity.serial.encode(),
@@ -219,6 +220,8 @@ class AccelDevice:
             max_pinned_bytes=lim.max_pinned_bytes,
             max_host_allocations_per_process=lim.max_host_allocations_per_process,
             max_module_bytes_per_context=lim.max_module_bytes_per_context,
+            max_queues_per_process=lim.max_queues_per_process,
+            max_queue_depth=lim.max_queue_depth,
         )
 
     @property
@@ -320,7 +323,8 @@ class AccelDevice:
         self.fw_send(ctx.id, mailbox.fw_ctx_create(), fds=mine[:3])
         self.fw_send(ctx.id, mailbox.fw_queue_create(
             queue_id=0, priority=uapi.ACCEL_QUEUE_PRIORITY_LOW,
-            doorbell_slot=userq.ACCEL_DB_DEFAULT_SLOT), fds=[ring_fd])
+            doorbell_slot=userq.ACCEL_DB_DEFAULT_SLOT, depth=self.limits.max_queue_depth),
+            fds=[ring_fd])
         self.contexts[ctx.id] = ctx
         f.ctx = ctx
         return ctx
@@ -384,7 +388,9 @@ class AccelDevice:
         q = Queue(self.new_id(), priority, slot, fd)
         ctx.queues[q.id] = q
         self.fw_send(ctx.id, mailbox.fw_queue_create(queue_id=q.id, priority=priority,
-                                                     doorbell_slot=slot), fds=[os.dup(fd)])
+                                                     doorbell_slot=slot,
+                                                     depth=self.limits.max_queue_depth),
+                     fds=[os.dup(fd)])
         return q
 
     def destroy_queue(self, ctx: Context, q: Queue) -> None:
@@ -413,7 +419,8 @@ class AccelDevice:
     def submit_noop(self, ctx: Context) -> int:
         """The driver as producer on the context's default queue: the packet, its doorbell
         slot, the page's sequence word, then the firmware's doorbell."""
-        seqno = ctx.default_queue.push(bytes(userq.accel_packet(opcode=userq.Op.NOP)))
+        seqno = ctx.default_queue.push(bytes(userq.accel_packet(opcode=userq.Op.NOP)),
+                                       self.limits.max_queue_depth)
         ctx.db.set(userq.DB_SLOTS + 8 * userq.ACCEL_DB_DEFAULT_SLOT, seqno)
         ctx.db.set(userq.DB_SEQ, ctx.db.get(userq.DB_SEQ) + 1)
         if self.fw is not None:
@@ -567,15 +574,24 @@ class AccelDevice:
         """Learn the device from the image that runs: engines, limits, capabilities and
         versions (the description and sysfs render them)."""
         self.fw_image, self._static_info = img, None
-        self.limits = limits.Limits.for_device(self.config, self.mem_config.devices,
-                                               self.mem_config.fd_limit)
+        self.limits = self._limits()
 
     def _unconfigure(self) -> None:
         """Back to knowing nothing: versions report what runs, not what ran before."""
         self.fw_image = None
         self._static_info = None
-        self.limits = limits.Limits.for_device(self.config, self.mem_config.devices,
-                                               self.mem_config.fd_limit)
+        self.limits = self._limits()
+
+    def _limits(self) -> limits.Limits:
+        """What the configuration allows, cut to the daemon's descriptors, with the
+        operator's values (``--limit``) once an image says what the tables are (the daemon
+        checked them against the image at start: ``daemon.check_limits``)."""
+        overrides = dict(self.mem_config.limits) if self.fw_image is not None else {}
+        try:
+            return limits.Limits.for_device(self.config, self.mem_config.devices,
+                                            self.mem_config.fd_limit, overrides)
+        except limits.LimitError as exc:  # an image installed since allows less
+            raise DriverError(errno.EINVAL, f"accel-emud --limit: {exc}") from None
 
     def _attach(self, fw: FirmwareProcess) -> None:
         """Route the driver's messages to this firmware; first, the memory budget."""

@@ -7,6 +7,13 @@ are smaller than the tables, so one tenant cannot take a whole table from the ot
 (docs/containment.md has the figures and why). They are reported by DEVICE_QUERY and as
 ``sys/class/accel/accelN/limits/*``, next to the current use (``.../usage/*``).
 
+The operator may set any of them (``accel-emud start --limit NAME=VALUE``, as MPS takes
+``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``): a share up to its table, a table down from what the
+image and the descriptors allow (never up: the descriptors would not be there). In-flight
+work is bounded per queue (``max_queue_depth``: packets the firmware admits past what it
+has taken; the runtime waits for room, the firmware takes no more), so one process has at
+most ``(max_queues_per_process + 1) * max_queue_depth`` packets in flight on a device.
+
 Descriptors bound two of them: every queue and every pinned allocation costs the firmware
 one descriptor (its mapping), and every queue one in the daemon, so the device-wide
 tables are cut to fit the process's descriptor limit (raised to its hard limit at start).
@@ -14,12 +21,15 @@ tables are cut to fit the process's descriptor limit (raised to its hard limit a
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import resource
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from abi import userq
 from kmod_emul.errors import DriverError
 
 #: Descriptors kept free for everything else (sockets, numba, logs, the mount).
@@ -56,11 +66,18 @@ class Limits:
     max_pinned_bytes_per_process: int
     max_host_allocations: int
     max_host_allocations_per_process: int
+    max_queue_depth: int = userq.RING_SLOTS
 
     @classmethod
-    def for_device(cls, config: dict[str, Any], devices: int, fd_limit: int) -> Limits:
+    def for_device(cls, config: dict[str, Any], devices: int, fd_limit: int,
+                   overrides: Mapping[str, int] | None = None) -> Limits:
         """The image's tables (``max_contexts``, ``max_queues``), the driver's shares, all
-        cut to the descriptors there are: the daemon serves ``devices`` devices."""
+        cut to the descriptors there are (the daemon serves ``devices`` devices), then the
+        operator's ``overrides`` (``with_overrides``)."""
+        return cls._defaults(config, devices, fd_limit).with_overrides(overrides or {})
+
+    @classmethod
+    def _defaults(cls, config: dict[str, Any], devices: int, fd_limit: int) -> Limits:
         max_contexts = int(config["max_contexts"])
         want_queues = int(config.get("max_queues", 4096))
         want_host = int(config.get("max_host_allocations", 8192))
@@ -85,6 +102,51 @@ class Limits:
             max_host_allocations=max_host,
             max_host_allocations_per_process=max(1, max_host // 4),
         )
+
+    def with_overrides(self, overrides: Mapping[str, int]) -> Limits:
+        """These limits with the operator's values: each a positive integer, a table no
+        larger than it is here, a share no larger than its table (LimitError says which).
+        A share the operator left alone follows its table down."""
+        for name, value in overrides.items():
+            if name not in self.__dataclass_fields__:
+                raise LimitError(f"no limit {name!r}; the limits are {' '.join(LIMIT_NAMES)}")
+            if value < 1:
+                raise LimitError(f"{name} must be at least 1, not {value}")
+            if name in TABLES and value > getattr(self, name):
+                raise LimitError(f"{name} {value} is more than this device can hold "
+                                 f"({getattr(self, name)})")
+        new = dataclasses.replace(self, **overrides)
+        for share, table in SHARES.items():  # in order: a share may be another's table
+            if getattr(new, share) <= getattr(new, table):
+                continue
+            if share in overrides:
+                raise LimitError(f"{share} {getattr(new, share)} exceeds {table} "
+                                 f"{getattr(new, table)}")
+            new = dataclasses.replace(new, **{share: getattr(new, table)})  # follows it down
+        return new
+
+
+#: Every limit's name, as ``--limit`` and ``sys/class/accel/accelN/limits/`` spell it.
+LIMIT_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Limits))
+#: The limits no operator can raise: device-wide tables cut to the descriptors, and the
+#: ring's own size.
+TABLES = frozenset({"max_contexts", "max_queues", "max_host_allocations", "max_pinned_bytes",
+                    "max_module_bytes", "max_queue_depth"})
+#: Each tenant's share and the table it is a part of.
+SHARES = {
+    "max_contexts_per_process": "max_contexts",
+    "max_queues_per_process": "max_queues",
+    "max_queues_per_context": "max_queues_per_process",
+    "max_pinned_bytes_per_process": "max_pinned_bytes",
+    "max_host_allocations_per_process": "max_host_allocations",
+    "max_module_bytes_per_process": "max_module_bytes",
+    "max_module_bytes_per_context": "max_module_bytes_per_process",
+}
+
+
+class LimitError(ValueError):
+    """An operator's limit that cannot be (``--limit``): unknown, not positive, or larger
+    than what it is a share of."""
 
 
 def check(used: int, more: int, limit: int, what: str, *, device_wide: bool) -> None:

@@ -186,6 +186,12 @@ class Context:
         except OSError:
             return ""
 
+    @functools.cached_property
+    def queue_depth(self) -> int:
+        """How many packets one queue may hold untaken: the driver's ``max_queue_depth``
+        (0 from a driver older than ABI 2.2, whose rings hold ``userq.RING_SLOTS``)."""
+        return self.query_device().max_queue_depth or userq.RING_SLOTS
+
     def lost_error(self, what: str, cause: str | None = None) -> errors.DeviceLostError:
         err = self.channel.error(uapi.ACCEL_CMD_WAIT, errno.ENODEV, cause)
         assert isinstance(err, errors.DeviceLostError)

@@ -79,6 +79,8 @@ class Stream:
         #: the context's doorbell page: its "lost" word refuses work once the driver lost
         #: the context (the firmware may still run a moment before it is stopped)
         self._db = self.ctx.db.words
+        #: packets the firmware takes past what it has taken: more wait for room
+        self._depth = self.ctx.queue_depth
         self.ctx.streams.add(self)
         self._kernels: dict[int, str] = {}  # seqno -> kernel name, for fault records
         self.last_seqno = 0
@@ -116,7 +118,7 @@ class Stream:
                 self._raise_fault(self.last_seqno, refusing=True)
             wptr = self.last_seqno
             for pkt in packets:
-                if wptr - words[_RPTR] >= userq.RING_SLOTS:
+                if wptr - words[_RPTR] >= self._depth:
                     self._publish(wptr)  # full: let the firmware see what is there, wait
                     self._wait_room(wptr)
                 ring.write_packet(wptr, pkt if isinstance(pkt, bytes) else bytes(pkt))
@@ -126,12 +128,13 @@ class Stream:
             return wptr
 
     def _wait_room(self, wptr: int) -> None:
-        """The ring is full: wait until a quarter of it is free again (waking for every
-        freed slot would cost an event per packet), the queue faulted (nothing more will
-        be taken) or the context is lost. The firmware is busy taking packets, so spin
-        briefly before sleeping on the event pipe with the completion armed."""
+        """The queue is full (its depth of packets untaken): wait until a quarter of it is
+        free again (waking for every freed slot would cost an event per packet), the queue
+        faulted (nothing more will be taken) or the context is lost. The firmware is busy
+        taking packets, so spin briefly before sleeping on the event pipe with the
+        completion armed."""
         words = self._ring.words
-        want = wptr - userq.RING_SLOTS + userq.RING_SLOTS // 4  # rptr at which to go on
+        want = wptr - self._depth + max(1, self._depth // 4)  # rptr at which to go on
 
         def room() -> bool:
             if words[_ERROR_SEQNO]:

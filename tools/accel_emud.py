@@ -37,6 +37,18 @@ def _positive_size(text: str) -> int:
     return size
 
 
+def parse_limit(text: str) -> tuple[str, int]:
+    """'max_queues_per_process=8', 'max_pinned_bytes_per_process=1G' -> (name, value): one
+    of the driver's limits (kmod_emul/limits.py), a positive count or size."""
+    from kmod_emul.limits import LIMIT_NAMES
+
+    name, sep, value = text.partition("=")
+    if not sep or name not in LIMIT_NAMES:
+        raise argparse.ArgumentTypeError(f"not NAME=VALUE with a limit's name: {text!r}; the "
+                                         f"limits are {' '.join(LIMIT_NAMES)}")
+    return name, _positive_size(value)
+
+
 def parse_abi(text: str) -> tuple[int, int]:
     m = re.fullmatch(r"(\d+)\.(\d+)", text)
     if not m:
@@ -81,6 +93,11 @@ def _parser() -> argparse.ArgumentParser:
                             "device at once (auto, the default) or leave it failed (manual)")
     start.add_argument("--process-memory-limit", type=parse_size, default=0, metavar="SIZE",
                        help="device-local memory one process may hold per device (default: none)")
+    start.add_argument("--limit", type=parse_limit, action="append", default=[],
+                       metavar="NAME=VALUE",
+                       help="set one of the driver's limits on every device, e.g. "
+                            "max_queues_per_process=8 or max_queue_depth=64 (repeatable; "
+                            "sys/class/accel/accelN/limits/ shows them all)")
     start.add_argument("--jit-cache", type=Path, default=None, metavar="DIR",
                        help="persistent kernel cache (default STATE_DIR/jit-cache)")
     start.add_argument("--driver-abi", type=parse_abi, default=None, metavar="MAJOR.MINOR",
@@ -122,6 +139,7 @@ def _serve(args: argparse.Namespace) -> int:
     import trio
 
     from kmod_emul import daemon, drv
+    from kmod_emul.limits import LimitError
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -134,7 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
         root=args.root.resolve(), devices=args.devices, memory=args.memory,
         state_dir=args.state_dir.resolve(), firmware_dir=args.firmware_dir.resolve(),
         heartbeat_timeout_s=args.heartbeat_timeout, recovery=args.recovery, driver=driver,
-        process_memory_limit=args.process_memory_limit,
+        process_memory_limit=args.process_memory_limit, limits=dict(args.limit),
         jit_cache=args.jit_cache.resolve() if args.jit_cache else None,
         fail_steps=dict(args.fail_step),
     )
@@ -149,6 +167,9 @@ def _serve(args: argparse.Namespace) -> int:
     except daemon.AlreadyServed as exc:
         print(f"accel-emud: {exc}", file=sys.stderr)
         return 1
+    except LimitError as exc:
+        print(f"accel-emud: --limit: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -18,6 +18,7 @@ import os
 import select
 import threading
 import time
+from types import SimpleNamespace
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -308,10 +309,13 @@ def test_the_higher_priority_ring_is_taken_first(device, ctx):
 
 
 class _Gate(Job):
-    """A job that holds its engine until released, then records that it ran."""
+    """A job of context ``ctx`` that holds its engine until released, then records that
+    it ran."""
 
-    def __init__(self, name: str, log: list[str], gate: threading.Event | None = None) -> None:
+    def __init__(self, name: str, log: list[str], gate: threading.Event | None = None,
+                 ctx: int = 1) -> None:
         self.name, self.log, self.gate = name, log, gate
+        self.ring = SimpleNamespace(ctx=SimpleNamespace(id=ctx))  # whose turn it takes
 
     def run(self) -> bool:
         if self.gate is not None:
@@ -320,15 +324,21 @@ class _Gate(Job):
         return True
 
 
-@pytest.mark.timeout(60)
-def test_an_engine_takes_the_highest_priority_job_first():
+def _held_pool() -> tuple[EnginePool, threading.Event, list[str]]:
+    """A one-engine pool whose engine runs a job held until the event is set."""
     counters = Counters(mailbox.STAT_NAMES)
     pool = EnginePool("test", 1, counters)
     log: list[str] = []
     gate = threading.Event()
-    pool.submit(0, _Gate("holder", log, gate))
+    pool.submit(0, _Gate("holder", log, gate, ctx=9))
     while not counters.snapshot()["copy_engines_busy_peak"]:
-        time.sleep(0.001)  # the one engine runs the holder now
+        time.sleep(0.001)
+    return pool, gate, log
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_takes_the_highest_priority_job_first():
+    pool, gate, log = _held_pool()
     for name, prio in [("low1", 0), ("high1", 1), ("low2", 0), ("high2", 1)]:
         pool.submit(prio, _Gate(name, log))
     assert pool.higher_waiting(0) and pool.waiting(1) and not pool.higher_waiting(1)
@@ -337,6 +347,21 @@ def test_an_engine_takes_the_highest_priority_job_first():
     while len(log) < 5 and time.monotonic() < deadline:
         time.sleep(0.001)
     assert log == ["holder", "high1", "high2", "low1", "low2"]
+
+
+@pytest.mark.timeout(60)
+def test_contexts_of_one_priority_take_turns():
+    """A context that queued four jobs first gets one turn per round: the context that
+    queued one after them runs second, not fifth; a third context's two come in turn."""
+    pool, gate, log = _held_pool()
+    for name, ctx in [("a1", 1), ("a2", 1), ("a3", 1), ("a4", 1), ("b1", 2), ("c1", 3),
+                      ("c2", 3)]:
+        pool.submit(0, _Gate(name, log, ctx=ctx))
+    gate.set()
+    deadline = time.monotonic() + 30
+    while len(log) < 8 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert log == ["holder", "a1", "b1", "c1", "a2", "c2", "a3", "a4"]
 
 
 @pytest.mark.timeout(60)
