@@ -14,6 +14,9 @@ refuses new opens (EBUSY) and discovery skips it.
 A mode changes only while the device and its partitions are idle (no open file, no
 context): EBUSY otherwise. The mode of each device persists per UUID in
 ``STATE_DIR/partitions.json``, so a restarted daemon serves the same partitions.
+
+The partitions of a device are one package: a reset of the device resets them all
+(``AccelDevice.request_reset``).
 """
 
 from __future__ import annotations
@@ -78,15 +81,13 @@ class Partitions:
         self.physical = devices
         self.state_dir = state_dir
         self.path = state_dir / "partitions.json"
-        #: physical index -> its partitions (empty while whole)
-        self.children: dict[int, list[AccelDevice]] = {d.index: [] for d in devices}
         self.nodes: DeviceNodes | None = None
         self._nursery: trio.Nursery | None = None
         self._running: dict[int, _Running] = {}
         self._changing: set[int] = set()
 
     def enabled(self) -> list[AccelDevice]:
-        return [c for kids in self.children.values() for c in kids]
+        return [c for d in self.physical for c in d.partitions]
 
     # --- persistence ---------------------------------------------------------------------
     def _load(self) -> dict[str, int]:
@@ -112,7 +113,7 @@ class Partitions:
             mode = saved.get(dev.identity.uuid, 1)
             if mode > 1:
                 dev.partition_mode = mode
-                self.children[dev.index] = self._make(dev, mode)
+                dev.partitions = self._make(dev, mode)
 
     # --- supervisors ----------------------------------------------------------------------
     async def start(self, nursery: trio.Nursery) -> None:
@@ -179,7 +180,7 @@ class Partitions:
                                            "under way")
         if mode == parent.partition_mode:
             return
-        old = self.children[parent.index]
+        old = parent.partitions
         busy = [d.name for d in (parent, *old) if d.files or d.contexts]
         if busy:
             raise DriverError(errno.EBUSY, f"{', '.join(busy)} in use: the partition mode "
@@ -189,12 +190,12 @@ class Partitions:
         try:
             for dev in old:  # first out of reach, so that nothing opens them meanwhile
                 self.nodes.remove_device(dev)
-            self.children[parent.index] = []
+            parent.partitions = []
             parent.partition_mode = mode
             for dev in old:
                 await self._stop(dev)
             new = self._make(parent, mode) if mode > 1 else []
-            self.children[parent.index] = new
+            parent.partitions = new
             for dev in new:
                 self.nodes.add_device(dev)
             self._save()
@@ -212,5 +213,5 @@ def partition_attrs(parts: Partitions, dev: AccelDevice) -> dict[str, Attr]:
         "partition_mode": Attr(read=lambda: str(dev.partition_mode),
                                write=lambda text: parts.set_mode(dev, parse_mode(text))),
         "available_partition_modes": Attr(read=lambda: " ".join(map(str, MODES))),
-        "partitions": Attr(read=lambda: " ".join(c.name for c in parts.children[dev.index])),
+        "partitions": Attr(read=lambda: " ".join(c.name for c in dev.partitions)),
     }

@@ -1,0 +1,109 @@
+"""The partitions of a device are one package (docs/partitions.md): a reset of the split
+device (sysfs ``reset``, ``accel-smi -r``) resets every partition, and their tenants see
+what a partition's own reset shows them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from stress.harness import REPO, Daemon
+
+RESET = 120  # abi/faults.py: DEVICE_RESET
+
+#: A tenant of one partition (the only device it sees): holds data, then on each line of
+#: stdin reads it back and says what happened.
+HOLDER = """
+import numpy as np, runtime
+x = runtime.to_device(np.ones(4096, np.float32))
+runtime.synchronize()
+print("ready", flush=True)
+input()
+try:
+    print("ran", float(x.copy_to_host().sum()))
+except runtime.AccelError as exc:
+    record = getattr(exc, "record", {})  # the errors of a lost device carry their record
+    print(type(exc).__name__, record.get("code"), record.get("name"))
+"""
+
+#: Work on every visible device: a kernel and a copy each.
+WORK = """
+import numpy as np, runtime
+from runtime.kernel_lib import SOURCE
+for dev in range(runtime.device_count()):
+    lib = runtime.compile(SOURCE, dev)
+    x = runtime.to_device(np.arange(4096, dtype=np.float32), device=dev)
+    out = runtime.to_device(np.zeros(4096, np.float32), device=dev)
+    lib.saxpy[4096 // 64, 64](np.float32(2.0), x, x, out, stream=runtime.current_stream(dev))
+    print(dev, float(out.copy_to_host().sum()))
+"""
+WORK_OUT = "{} 25159680.0"
+
+
+def set_mode(d: Daemon, mode: str) -> None:
+    (d.root / "sys/class/accel/accel0/partition_mode").write_text(mode)
+
+
+@contextmanager
+def holder(d: Daemon, dev: int) -> Iterator[subprocess.Popen[str]]:
+    """A ``HOLDER`` on partition ``dev``, killed at the end if it is still there."""
+    proc = d.popen_py(HOLDER, ACCEL_VISIBLE_DEVICES=str(dev))
+    try:
+        line = proc.stdout.readline()
+        assert line == "ready\n", (line, proc.stderr.read())
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def outcome(proc: subprocess.Popen[str]) -> str:
+    """What the holder saw when told to read its data back."""
+    out, err = proc.communicate("\n", timeout=30)
+    assert proc.returncode == 0, err
+    return out.strip()
+
+
+def smi(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tools.accel_smi", *args], capture_output=True,
+                          text=True, env=d.env(), cwd=REPO, timeout=60)
+
+
+@pytest.mark.timeout(150)
+def test_a_package_reset_resets_every_partition(make_daemon):
+    d = make_daemon(devices=1)
+    set_mode(d, "2")
+    with holder(d, 1) as own:  # first what a partition's own reset shows its tenant
+        (d.root / "sys/class/accel/accel1/reset").write_text("1")
+        alone = outcome(own)
+    assert alone == f"DeviceLostError {RESET} DEVICE_RESET"
+    d.wait_attrs(1, {"state": "operational", "reset_count": "1"})
+    assert d.attr(2, "reset_count") == "0" and d.attr(0, "reset_count") == "0"
+
+    with holder(d, 1) as first, holder(d, 2) as second:
+        (d.root / "sys/class/accel/accel0/reset").write_text("1")
+        assert [outcome(first), outcome(second)] == [alone, alone]
+    for dev, count in ((0, "1"), (1, "2"), (2, "1")):
+        d.wait_attrs(dev, {"state": "operational", "reset_count": count})
+    assert d.attr(2, "reset_reason") == ("package reset of accel0: reset requested "
+                                         "through sysfs")
+
+    # accel-smi -r refuses a package whose partition a process holds, as a held device
+    with holder(d, 2) as held:
+        out = smi(d, "-r", "-i", "0")
+        assert out.returncode == 19, out.stdout + out.stderr
+        assert "accel 2 is in use by 1 process" in out.stderr + out.stdout
+        assert [d.attr(p, "reset_count") for p in (0, 1, 2)] == ["1", "2", "1"]
+        out = smi(d, "-r", "-i", "0", "--force")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert outcome(held) == alone
+    for dev, count in ((0, "2"), (1, "3"), (2, "2")):
+        d.wait_attrs(dev, {"state": "operational", "reset_count": count})
+    out = d.run_py(WORK)
+    assert out.stdout.splitlines() == [WORK_OUT.format(0), WORK_OUT.format(1)], out.stderr
+
