@@ -1,13 +1,17 @@
 """The partitions of a device are one package (docs/partitions.md): a reset of the split
 device (sysfs ``reset``, ``accel-smi -r``) resets every partition, and their tenants see
-what a partition's own reset shows them."""
+what a partition's own reset shows them; a mode change whose new partitions do not all
+boot is rolled back to the partitions (or the whole device) it had, with EIO."""
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -74,6 +78,18 @@ def smi(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
                           text=True, env=d.env(), cwd=REPO, timeout=60)
 
 
+def firmware_children(d: Daemon) -> int:
+    """How many firmware processes the daemon runs (its only children)."""
+    children = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        children += fields[0] not in ("Z", "X") and int(fields[1]) == d.pid
+    return children
+
+
 @pytest.mark.timeout(150)
 def test_a_package_reset_resets_every_partition(make_daemon):
     d = make_daemon(devices=1)
@@ -106,4 +122,58 @@ def test_a_package_reset_resets_every_partition(make_daemon):
         d.wait_attrs(dev, {"state": "operational", "reset_count": count})
     out = d.run_py(WORK)
     assert out.stdout.splitlines() == [WORK_OUT.format(0), WORK_OUT.format(1)], out.stderr
+
+
+def write_errno(path: Path, text: str) -> int:
+    with pytest.raises(OSError) as exc:
+        path.write_text(text)
+    return exc.value.errno
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_mode_change_rolls_back(make_daemon):
+    d = make_daemon(devices=1)
+    mode_attr = d.root / "sys/class/accel/accel0/partition_mode"
+    knob = d.debug(0, "partition_fail_step")
+    assert knob.read_text().strip() == "none"
+    for bad in ("handshake", "4:handshake", "1:nostep", "x:image"):
+        assert write_errno(knob, bad) == errno.EINVAL, bad
+
+    # from whole: partition 0 fails at config, the device is whole again
+    knob.write_text("0:config")
+    assert knob.read_text().strip() == "0:config"
+    assert write_errno(mode_attr, "2") == errno.EIO
+    assert (d.attr(0, "partition_mode"), d.attr(0, "partitions")) == ("1", "")
+    assert sorted(os.listdir(d.root / "dev/accel")) == ["accel0"]
+    assert not (d.state_dir / "partitions.json").exists()
+    assert firmware_children(d) == 1
+    out = d.run_py(WORK)
+    assert out.stdout.splitlines() == [WORK_OUT.format(0)], out.stderr
+
+    # from mode 2: partition 1 of mode 4 (accel2) fails at handshake; the other three
+    # booted and are stopped, and mode 2's partitions come back with their UUIDs
+    knob.write_text("none")
+    set_mode(d, "2")
+    uuids = [d.attr(p, "uuid") for p in (1, 2)]
+    store = (d.state_dir / "partitions.json").read_bytes()
+    knob.write_text("1:handshake")
+    assert write_errno(mode_attr, "4") == errno.EIO
+    assert (d.attr(0, "partition_mode"), d.attr(0, "partitions")) == ("2", "accel1 accel2")
+    assert sorted(os.listdir(d.root / "dev/accel")) == ["accel0", "accel1", "accel2"]
+    assert [d.attr(p, "uuid") for p in (1, 2)] == uuids
+    assert [d.attr(p, "state") for p in (1, 2)] == ["operational"] * 2
+    assert (d.state_dir / "partitions.json").read_bytes() == store
+    assert firmware_children(d) == 3  # the device's and its two partitions'
+    log = (d.state_dir / "accel-emud.log").read_text()
+    assert ("accel0: partition mode 4 failed, back to mode 2: accel2 (partition 1): "
+            "injected failure at bring-up step handshake") in log
+    out = d.run_py(WORK)
+    assert out.stdout.splitlines() == [WORK_OUT.format(0), WORK_OUT.format(1)], out.stderr
+
+    knob.write_text("none")  # a valid change succeeds afterwards
+    set_mode(d, "4")
+    assert d.attr(0, "partitions") == "accel1 accel2 accel3 accel4"
+    assert {d.attr(p, "state") for p in range(1, 5)} == {"operational"}
+    set_mode(d, "1")
+    assert d.attr(0, "partitions") == ""
 
