@@ -87,7 +87,8 @@ class AccelDevice:
         #: node refuses new opens (its partitions serve instead)
         self.partition_mode = 1
         #: the partitions it is split into, in order (kmod_emul/partition.py keeps the
-        #: list): its resets are package resets that reach them
+        #: list): its resets are package resets that reach them, and they share its
+        #: thermal model (one package, one thermal budget)
         self.partitions: list[AccelDevice] = []
         self.memory_total = memory_total
         self.firmware_dir = firmware_dir
@@ -487,10 +488,11 @@ class AccelDevice:
             self.request_reset(f"recovery from: {message}")
 
     def shut_down(self, err: int, message: str, code: int,
-                  recover_when: Callable[[], bool]) -> None:
+                  recover_when: Callable[[], bool] | None) -> None:
         """The device stopped itself (a thermal shutdown): fail it (every context is
         told, the fault recorded), stop its firmware, and with ``recovery`` auto reset it
-        once ``recover_when()`` holds."""
+        once ``recover_when()`` holds (None: something else resets it -- a partition's
+        package does)."""
         self.report(code, contexts=self._fail(err, message), message=message,
                     errno=errno.errorcode.get(err, str(err)))
         self._recover_when = recover_when if self.recovery == "auto" else None

@@ -19,7 +19,7 @@ persists per UUID in ``STATE_DIR/partitions.json``, so a restarted daemon serves
 partitions.
 
 The partitions of a device are one package: a reset of the device resets them all
-(``AccelDevice.request_reset``).
+(``AccelDevice.request_reset``), and they share its thermal model (kmod_emul/thermal.py).
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ class Partitions:
     # --- mode changes ---------------------------------------------------------------------
     def _make(self, parent: AccelDevice, mode: int,
               fail: InjectedFailure | None = None) -> list[AccelDevice]:
-        """The ``mode`` partitions of ``parent``, not yet booted;
+        """The ``mode`` partitions of ``parent``, not yet booted, on its thermal model;
         ``fail`` names one whose bring-up is to fail (its ``fail_step``)."""
         size = parent.memory_total // mode
         slots = {k: f"{parent.pci_bus_id}/partition{mode}.{k}" for k in range(mode)}
@@ -196,6 +196,7 @@ class Partitions:
             dev.pci_bus_id = pci_bus_id(parent.index, k + 1)
             dev.package_id, dev.partition_id, dev.engine_share = parent.index, k, mode
             dev.recovery = parent.recovery
+            dev.thermal = parent.thermal  # one package, one thermal budget
             dev.fail_step = fail[1] if fail is not None and fail[0] == k else ""
             made.append(dev)
         return made

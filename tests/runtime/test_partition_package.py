@@ -1,7 +1,10 @@
 """The partitions of a device are one package (docs/partitions.md): a reset of the split
 device (sysfs ``reset``, ``accel-smi -r``) resets every partition, and their tenants see
 what a partition's own reset shows them; a mode change whose new partitions do not all
-boot is rolled back to the partitions (or the whole device) it had, with EIO."""
+boot is rolled back to the partitions (or the whole device) it had, with EIO; and the
+partitions share the package's thermal budget: one partition's load warms its sibling, a
+throttle injected on one slows both, and a shutdown loses both until the package's
+recovery resets them."""
 
 from __future__ import annotations
 
@@ -9,15 +12,18 @@ import errno
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from kmod_emul import thermal
 from stress.harness import REPO, Daemon
 
 RESET = 120  # abi/faults.py: DEVICE_RESET
+THROTTLE, SHUTDOWN = 140, 141  # THERMAL_THROTTLE, THERMAL_SHUTDOWN
 
 #: A tenant of one partition (the only device it sees): holds data, then on each line of
 #: stdin reads it back and says what happened.
@@ -76,6 +82,13 @@ def outcome(proc: subprocess.Popen[str]) -> str:
 def smi(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tools.accel_smi", *args], capture_output=True,
                           text=True, env=d.env(), cwd=REPO, timeout=60)
+
+
+def wait_until(pred, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def firmware_children(d: Daemon) -> int:
@@ -177,3 +190,54 @@ def test_a_failed_mode_change_rolls_back(make_daemon):
     set_mode(d, "1")
     assert d.attr(0, "partitions") == ""
 
+
+#: Load on the one visible device: 25600 no-ops, as tests/driver/test_thermal.py's.
+LOAD = """
+import runtime
+from abi import userq
+s = runtime.Stream()
+nop = userq.accel_packet(opcode=userq.Op.NOP)
+for _ in range(400):
+    s.submit([nop] * 64)
+s.synchronize()
+print("ok")
+"""
+
+
+def temperature(d: Daemon, dev: int) -> float:
+    return float(d.attr(dev, "temperature"))
+
+
+@pytest.mark.timeout(150)
+def test_the_partitions_share_the_package_thermal_budget(make_daemon):
+    d = make_daemon(devices=1)
+    set_mode(d, "2")
+    before = temperature(d, 2)
+    out = d.run_py(LOAD, timeout=120, ACCEL_VISIBLE_DEVICES="1")
+    assert out.stdout.split() == ["ok"], out.stderr
+    warm = temperature(d, 2)
+    assert warm > before  # the sibling warms with accel1's load: one package
+    assert abs(temperature(d, 1) - warm) <= 1 and abs(temperature(d, 0) - warm) <= 1
+
+    d.debug(1, "ras_ctrl").write_text("inject thermal ce 0")
+    for dev in (0, 1, 2):
+        assert (d.attr(dev, "clock"), d.attr(dev, "throttle_reasons")) == (
+            str(thermal.THROTTLED_CLOCK_MHZ), "sw_thermal_slowdown"), dev
+        assert d.attr(dev, "state") == "operational"
+        assert [r["code"] for r in d.fault_log(dev)] == [THROTTLE], dev
+    assert d.attr(1, "ras/thermal_err_count") == "ue: 0\nce: 1"
+    assert d.attr(2, "ras/thermal_err_count") == "ue: 0\nce: 0"
+    wait_until(lambda: {d.attr(p, "throttle_reasons") for p in (1, 2)} == {"none"})
+    assert {d.attr(p, "clock") for p in (1, 2)} == {str(thermal.BASE_CLOCK_MHZ)}
+
+    # a shutdown injected on accel1 loses accel2's tenant too; the package recovers
+    with holder(d, 2) as sibling:
+        d.debug(1, "ras_ctrl").write_text("inject thermal ue 0")
+        assert outcome(sibling) == f"DeviceLostError {SHUTDOWN} THERMAL_SHUTDOWN"
+    for dev in (0, 1, 2):
+        d.wait_attrs(dev, {"state": "operational", "reset_count": "1"})
+        assert "thermal shutdown" in d.attr(dev, "last_failure"), dev
+        assert [r["code"] for r in d.fault_log(dev)].count(SHUTDOWN) == 1, dev
+    assert temperature(d, 2) < thermal.SLOWDOWN_C
+    out = d.run_py(WORK)
+    assert out.stdout.splitlines() == [WORK_OUT.format(0), WORK_OUT.format(1)], out.stderr
