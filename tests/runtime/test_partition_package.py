@@ -91,6 +91,12 @@ def wait_until(pred, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
+def write_errno(path: Path, text: str) -> int:
+    with pytest.raises(OSError) as exc:
+        path.write_text(text)
+    return exc.value.errno
+
+
 def firmware_children(d: Daemon) -> int:
     """How many firmware processes the daemon runs (its only children)."""
     children = 0
@@ -114,8 +120,11 @@ def test_a_package_reset_resets_every_partition(make_daemon):
     d.wait_attrs(1, {"state": "operational", "reset_count": "1"})
     assert d.attr(2, "reset_count") == "0" and d.attr(0, "reset_count") == "0"
 
+    package_reset = d.root / "sys/class/accel/accel0/reset"
+    assert write_errno(package_reset, "0") == errno.EINVAL  # the same refusals as a device's
+    assert [d.attr(p, "reset_count") for p in (0, 1, 2)] == ["0", "1", "0"]
     with holder(d, 1) as first, holder(d, 2) as second:
-        (d.root / "sys/class/accel/accel0/reset").write_text("1")
+        package_reset.write_text("1")
         assert [outcome(first), outcome(second)] == [alone, alone]
     for dev, count in ((0, "1"), (1, "2"), (2, "1")):
         d.wait_attrs(dev, {"state": "operational", "reset_count": count})
@@ -135,12 +144,6 @@ def test_a_package_reset_resets_every_partition(make_daemon):
         d.wait_attrs(dev, {"state": "operational", "reset_count": count})
     out = d.run_py(WORK)
     assert out.stdout.splitlines() == [WORK_OUT.format(0), WORK_OUT.format(1)], out.stderr
-
-
-def write_errno(path: Path, text: str) -> int:
-    with pytest.raises(OSError) as exc:
-        path.write_text(text)
-    return exc.value.errno
 
 
 @pytest.mark.timeout(180)
