@@ -1,7 +1,8 @@
 """The partitions of a device are one package (docs/partitions.md): a reset of the split
-device (sysfs ``reset``, ``accel-smi -r``) resets every partition, and their tenants see
-what a partition's own reset shows them; a mode change whose new partitions do not all
-boot is rolled back to the partitions (or the whole device) it had, with EIO; and the
+device (sysfs ``reset``, ``accel-smi -r``, a link error's) resets every partition, and
+their tenants see what a partition's own reset shows them; a mode change whose new
+partitions do not all boot is rolled back to the partitions (or the whole device) it
+had, with EIO; and the
 partitions share the package's thermal budget: one partition's load warms its sibling, a
 throttle injected on one slows both, and a shutdown loses both until the package's
 recovery resets them."""
@@ -142,6 +143,12 @@ def test_a_package_reset_resets_every_partition(make_daemon):
         assert outcome(held) == alone
     for dev, count in ((0, "2"), (1, "3"), (2, "2")):
         d.wait_attrs(dev, {"state": "operational", "reset_count": count})
+
+    # the package reset an uncorrectable link error makes reaches them too
+    d.debug(0, "ras_ctrl").write_text("inject link ue 0")
+    for dev, count in ((0, "3"), (1, "4"), (2, "3")):
+        d.wait_attrs(dev, {"state": "operational", "reset_count": count})
+    assert d.attr(1, "reset_reason").startswith("package reset of accel0: link error on ")
     out = d.run_py(WORK)
     assert out.stdout.splitlines() == [WORK_OUT.format(0), WORK_OUT.format(1)], out.stderr
 
