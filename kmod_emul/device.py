@@ -88,6 +88,10 @@ class AccelDevice:
         #: a physical device's partition mode: split into this many while > 1, when its own
         #: node refuses new opens (its partitions serve instead)
         self.partition_mode = 1
+        #: the partitions it is split into, in order (kmod_emul/partition.py keeps the
+        #: list): its resets are package resets that reach them, and they share its
+        #: thermal model (one package, one thermal budget)
+        self.partitions: list[AccelDevice] = []
         self.memory_total = memory_total
         self.firmware_dir = firmware_dir
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -454,7 +458,9 @@ class AccelDevice:
 
     # --- reset and fault injection -----------------------------------------------------
     def request_reset(self, reason: str = "reset requested") -> None:
-        """Begin a device reset; returns at once (state reads in_reset until it is done)."""
+        """Begin a device reset; returns at once (state reads in_reset until it is done).
+        A split device's reset is a package reset: each of its partitions resets too, as
+        by a reset of its own (its contexts lost, its ``reset_count`` counted)."""
         log.info("%s: %s", self.name, reason)
         self.state = uapi.DeviceState.IN_RESET
         self.failure = None  # a reset starts afresh; the next boot says how it went
@@ -462,6 +468,8 @@ class AccelDevice:
         lost = self.lose_contexts(f"{self.name} was reset ({reason})")
         self.report(faults.BY_NAME["DEVICE_RESET"].code, contexts=lost, message=reason)
         self._reset_requested.set()
+        for part in self.partitions:  # real parts tie the package's resets to its partitions
+            part.request_reset(f"package reset of {self.name}: {reason}")
 
     def set_reset_hold(self, hold: bool) -> None:
         self.reset_hold = hold
@@ -492,10 +500,11 @@ class AccelDevice:
             self.request_reset(f"recovery from: {message}")
 
     def shut_down(self, err: int, message: str, code: int,
-                  recover_when: Callable[[], bool]) -> None:
+                  recover_when: Callable[[], bool] | None) -> None:
         """The device stopped itself (a thermal shutdown): fail it (every context is
         told, the fault recorded), stop its firmware, and with ``recovery`` auto reset it
-        once ``recover_when()`` holds."""
+        once ``recover_when()`` holds (None: something else resets it -- a partition's
+        package does)."""
         self.report(code, contexts=self._fail(err, message), message=message,
                     errno=errno.errorcode.get(err, str(err)))
         self._recover_when = recover_when if self.recovery == "auto" else None

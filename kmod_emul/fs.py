@@ -45,7 +45,7 @@ from kmod_emul.device import AccelDevice
 from kmod_emul.errors import DriverError
 from kmod_emul.faultlog import FaultLog, Watcher
 from kmod_emul.isolation import isolation_attrs
-from kmod_emul.partition import Partitions, partition_attrs
+from kmod_emul.partition import Partitions, partition_attrs, partition_debug_attrs
 from kmod_emul.ras import ras_attrs
 from kmod_emul.sysfs import debug_attrs, device_attrs, limit_attrs, module_attrs, reset_mask_attrs
 
@@ -165,7 +165,10 @@ def build_tree(info: drv.DriverInfo, devices: list[AccelDevice], partitions: Par
     tree.mkdir("sys/kernel/debug", root_only=True)
     for dev in devices:
         tree.add_device(dev)
-        tree.add_attrs(f"{uapi.CLASS_DIR}/{dev.name}", partition_attrs(partitions, dev))
+        tree.add_attrs(f"{uapi.CLASS_DIR}/{dev.name}", partition_attrs(partitions, dev),
+                       of=dev)
+        tree.add_attrs(f"sys/kernel/debug/accel/{dev.name}",
+                       partition_debug_attrs(partitions, dev), root_only=True, of=dev)
     for dev in partitions.enabled():
         tree.add_device(dev)
     tree.add_attrs("sys/module/accel_emu", module_attrs(info, devices))

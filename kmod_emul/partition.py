@@ -12,8 +12,14 @@ are new instances, as MIG instances are. While partitioned, the physical device'
 refuses new opens (EBUSY) and discovery skips it.
 
 A mode changes only while the device and its partitions are idle (no open file, no
-context): EBUSY otherwise. The mode of each device persists per UUID in
-``STATE_DIR/partitions.json``, so a restarted daemon serves the same partitions.
+context): EBUSY otherwise. A change whose new partitions do not all boot is rolled back:
+they are stopped and the previous partitions (same UUIDs) boot again, and the writer gets
+EIO (debugfs ``partition_fail_step`` makes one fail on purpose). The mode of each device
+persists per UUID in ``STATE_DIR/partitions.json``, so a restarted daemon serves the same
+partitions.
+
+The partitions of a device are one package: a reset of the device resets them all
+(``AccelDevice.request_reset``), and they share its thermal model (kmod_emul/thermal.py).
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ from typing import Protocol
 
 import trio
 
+from abi import uapi
 from kmod_emul.attr import Attr
 from kmod_emul.device import AccelDevice
 from kmod_emul.errors import DriverError
 from kmod_emul.identity import IdentityStore, pci_bus_id
+from kmod_emul.sysfs import parse_fail_step
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +52,23 @@ def partition_index(physical: int, parent: int, k: int) -> int:
     """The device index of partition ``k`` of device ``parent`` among ``physical``
     devices: a block of ``MAX_PARTITIONS`` indices per device, after the physical ones."""
     return physical + MAX_PARTITIONS * parent + k
+
+
+#: A partition made to fail its bring-up: (partition k of the new mode, step name).
+InjectedFailure = tuple[int, str]
+
+
+def parse_partition_fail_step(text: str) -> InjectedFailure | None:
+    """A ``partition_fail_step`` value: ``K:STEP`` (partition K of the next mode change
+    fails its bring-up at STEP), or ``none`` (or nothing) for none."""
+    value = text.strip()
+    if value in ("", "none"):
+        return None
+    k, sep, step = value.partition(":")
+    if not sep or not k.isdigit() or int(k) >= MAX_PARTITIONS or not parse_fail_step(step):
+        raise DriverError(errno.EINVAL, f"write K:STEP (K below {MAX_PARTITIONS}, STEP a "
+                                        f"bring-up step) or none, not {value!r}")
+    return int(k), step
 
 
 def parse_mode(text: str) -> int:
@@ -78,15 +103,16 @@ class Partitions:
         self.physical = devices
         self.state_dir = state_dir
         self.path = state_dir / "partitions.json"
-        #: physical index -> its partitions (empty while whole)
-        self.children: dict[int, list[AccelDevice]] = {d.index: [] for d in devices}
         self.nodes: DeviceNodes | None = None
         self._nursery: trio.Nursery | None = None
         self._running: dict[int, _Running] = {}
         self._changing: set[int] = set()
+        #: physical index -> the partition its mode changes make fail (debugfs
+        #: ``partition_fail_step``); a rollback's partitions never do
+        self.fail_next: dict[int, InjectedFailure] = {}
 
     def enabled(self) -> list[AccelDevice]:
-        return [c for kids in self.children.values() for c in kids]
+        return [c for d in self.physical for c in d.partitions]
 
     # --- persistence ---------------------------------------------------------------------
     def _load(self) -> dict[str, int]:
@@ -112,7 +138,7 @@ class Partitions:
             mode = saved.get(dev.identity.uuid, 1)
             if mode > 1:
                 dev.partition_mode = mode
-                self.children[dev.index] = self._make(dev, mode)
+                dev.partitions = self._make(dev, mode)
 
     # --- supervisors ----------------------------------------------------------------------
     async def start(self, nursery: trio.Nursery) -> None:
@@ -149,8 +175,10 @@ class Partitions:
             os.close(fd)
 
     # --- mode changes ---------------------------------------------------------------------
-    def _make(self, parent: AccelDevice, mode: int) -> list[AccelDevice]:
-        """The ``mode`` partitions of ``parent``, not yet booted."""
+    def _make(self, parent: AccelDevice, mode: int,
+              fail: InjectedFailure | None = None) -> list[AccelDevice]:
+        """The ``mode`` partitions of ``parent``, not yet booted, on its thermal model;
+        ``fail`` names one whose bring-up is to fail (its ``fail_step``)."""
         size = parent.memory_total // mode
         slots = {k: f"{parent.pci_bus_id}/partition{mode}.{k}" for k in range(mode)}
         identities = IdentityStore(self.state_dir).identities(list(slots.values()))
@@ -168,41 +196,69 @@ class Partitions:
             dev.pci_bus_id = pci_bus_id(parent.index, k + 1)
             dev.package_id, dev.partition_id, dev.engine_share = parent.index, k, mode
             dev.recovery = parent.recovery
+            dev.thermal = parent.thermal  # one package, one thermal budget
+            dev.fail_step = fail[1] if fail is not None and fail[0] == k else ""
             made.append(dev)
         return made
 
     async def set_mode(self, parent: AccelDevice, mode: int) -> None:
         """Split ``parent`` into ``mode`` partitions (1: whole again), once it and its
-        partitions are idle; returns once the new partitions have booted."""
+        partitions are idle; returns once the new partitions have booted. If one does not
+        boot, the change is rolled back (``_roll_back``) and the write fails with EIO."""
         if parent.index in self._changing:
             raise DriverError(errno.EBUSY, f"{parent.name}: a partition mode change is "
                                            "under way")
         if mode == parent.partition_mode:
             return
-        old = self.children[parent.index]
-        busy = [d.name for d in (parent, *old) if d.files or d.contexts]
+        busy = [d.name for d in (parent, *parent.partitions) if d.files or d.contexts]
         if busy:
             raise DriverError(errno.EBUSY, f"{', '.join(busy)} in use: the partition mode "
                                            "changes only while no process holds them")
-        assert self.nodes is not None
         self._changing.add(parent.index)
         try:
-            for dev in old:  # first out of reach, so that nothing opens them meanwhile
-                self.nodes.remove_device(dev)
-            self.children[parent.index] = []
-            parent.partition_mode = mode
-            for dev in old:
-                await self._stop(dev)
-            new = self._make(parent, mode) if mode > 1 else []
-            self.children[parent.index] = new
-            for dev in new:
-                self.nodes.add_device(dev)
+            previous = parent.partition_mode
+            await self._switch(parent, mode, self.fail_next.get(parent.index))
+            # a partition a reset reached while booting boots again: only a failed one
+            # did not boot
+            failed = [d for d in parent.partitions if d.state == uapi.DeviceState.FAILED]
+            if failed:
+                await self._roll_back(parent, mode, previous, failed)
             self._save()
             log.info("%s: partition mode %d%s", parent.name, mode,
-                     f" ({', '.join(d.name for d in new)})" if new else "")
-            await self._boot(new)
+                     f" ({', '.join(d.name for d in parent.partitions)})"
+                     if parent.partitions else "")
         finally:
             self._changing.discard(parent.index)
+
+    async def _switch(self, parent: AccelDevice, mode: int,
+                      fail: InjectedFailure | None) -> None:
+        """Replace ``parent``'s partitions by ``mode`` new ones and boot them (whether
+        each booted is its ``state``'s to say)."""
+        assert self.nodes is not None
+        old = parent.partitions
+        for dev in old:  # first out of reach, so that nothing opens them meanwhile
+            self.nodes.remove_device(dev)
+        parent.partitions = []
+        parent.partition_mode = mode
+        for dev in old:
+            await self._stop(dev)
+        parent.partitions = self._make(parent, mode, fail) if mode > 1 else []
+        for dev in parent.partitions:
+            self.nodes.add_device(dev)
+        await self._boot(parent.partitions)
+
+    async def _roll_back(self, parent: AccelDevice, mode: int, previous: int,
+                         failed: list[AccelDevice]) -> None:
+        """Undo a change to ``mode`` that ``failed`` partitions did not boot in: back to
+        the ``previous`` mode's partitions (the same UUIDs: the identity store keeps
+        them), the store untouched; then EIO for the writer, the cause in the log."""
+        why = "; ".join(f"{d.name} (partition {d.partition_id}): "
+                        f"{d.failure[1] if d.failure else d.state.label}" for d in failed)
+        log.error("%s: partition mode %d failed, back to mode %d: %s", parent.name, mode,
+                  previous, why)
+        await self._switch(parent, previous, None)
+        raise DriverError(errno.EIO, f"{parent.name}: partition mode {mode} failed "
+                                     f"({why}); back to mode {previous}")
 
 
 def partition_attrs(parts: Partitions, dev: AccelDevice) -> dict[str, Attr]:
@@ -212,5 +268,24 @@ def partition_attrs(parts: Partitions, dev: AccelDevice) -> dict[str, Attr]:
         "partition_mode": Attr(read=lambda: str(dev.partition_mode),
                                write=lambda text: parts.set_mode(dev, parse_mode(text))),
         "available_partition_modes": Attr(read=lambda: " ".join(map(str, MODES))),
-        "partitions": Attr(read=lambda: " ".join(c.name for c in parts.children[dev.index])),
+        "partitions": Attr(read=lambda: " ".join(c.name for c in dev.partitions)),
     }
+
+
+def partition_debug_attrs(parts: Partitions, dev: AccelDevice) -> dict[str, Attr]:
+    """A physical device's debugfs ``partition_fail_step`` (``K:STEP`` or ``none``):
+    partition K of its later mode changes fails its bring-up at STEP, so that the
+    rollback of a failed change can be exercised (a rollback's partitions never fail)."""
+
+    def read() -> str:
+        fail = parts.fail_next.get(dev.index)
+        return f"{fail[0]}:{fail[1]}" if fail is not None else "none"
+
+    def write(text: str) -> None:
+        fail = parse_partition_fail_step(text)
+        if fail is None:
+            parts.fail_next.pop(dev.index, None)
+        else:
+            parts.fail_next[dev.index] = fail
+
+    return {"partition_fail_step": Attr(read=read, write=write)}

@@ -6,7 +6,8 @@ attributes take one value per write: ``reset`` (write 1), and the debugfs fault-
 knobs ``fw_boot_fail``, ``fw_hang``, ``reset_hold``, ``fail_step`` (a bring-up step's
 name, or ``none``: the device's next bring-ups fail at that step, see
 :mod:`kmod_emul.bringup`) and ``ras_ctrl`` (``inject BLOCK ue|ce ADDRESS``, see
-:mod:`kmod_emul.ras`).
+:mod:`kmod_emul.ras`); a physical device's ``partition_fail_step`` is
+:mod:`kmod_emul.partition`'s.
 
 Who sees what (docs/containment.md): writing any attribute is root's, as sysfs files are
 root's 0200 and 0644; debugfs is root's alone, as ``/sys/kernel/debug`` is 0700, and so is a

@@ -1,4 +1,4 @@
-"""Temperature, clocks and thermal faults of one device.
+"""Temperature, clocks and thermal faults of one package: a device, with its partitions.
 
 A first-order model, read lazily (no timer runs): the die sits at ``AMBIENT_C`` plus a
 load term that follows the firmware's packet rate (so it moves with work), plus heat that
@@ -7,6 +7,13 @@ clocks throttle to half (NVML's ``clocks_event_reasons.sw_thermal_slowdown``); o
 ``SHUTDOWN_C`` the device shuts down: it fails, its firmware stops, every context is lost
 (record 141), and with ``recovery`` auto the driver resets it once it has cooled below
 the slowdown threshold.
+
+A split device's partitions share its model (kmod_emul/partition.py): one package, one
+thermal budget. Its load term follows the packet rate of all of them together, every
+partition reads the package's temperature, clock and throttle reasons, and an injection
+on any one of them heats the package: a throttle is recorded on each, and a shutdown
+fails each (every context lost); then the package's recovery resets the device, and its
+package reset the partitions (``AccelDevice.request_reset``).
 
 Injection (``ras_ctrl``): ``inject thermal ce <C>`` heats the die to C degrees (default: 2
 over the slowdown threshold) -- throttling, visible in ``temperature``, ``clock`` and
@@ -44,8 +51,12 @@ class Thermal:
         self._heat = 0.0  # injected degrees over the load-driven temperature, at _heat_t
         self._heat_t = time.monotonic()
         self._load = 0.0  # smoothed load term, degrees
-        self._sample = (time.monotonic(), 0)  # (when, packets) of the last load sample
-        self.throttled_since: float | None = None
+        #: (when, packets by device index) of the last load sample
+        self._sample: tuple[float, dict[int, int]] = (time.monotonic(), {})
+
+    def members(self) -> list[AccelDevice]:
+        """The devices this model heats: the device and the partitions it is split into."""
+        return [self.dev, *self.dev.partitions]
 
     def _heat_now(self, now: float) -> float:
         return self._heat * math.exp(-(now - self._heat_t) / TAU_S)
@@ -53,10 +64,12 @@ class Thermal:
     def temperature(self) -> float:
         """Degrees Celsius now."""
         now = time.monotonic()
-        packets = self.dev.fw_stats().get("packets", 0)
+        packets = {d.index: d.fw_stats().get("packets", 0) for d in self.members()}
         then, before = self._sample
         if now - then >= 0.2:  # a rate needs a span; the load term smooths over samples
-            rate = max(0, packets - before) / (now - then)
+            # per device: a restarted firmware counts from 0 again, a new partition from 0
+            done = sum(max(0, n - before.get(i, 0)) for i, n in packets.items())
+            rate = done / (now - then)
             target = LOAD_C * min(1.0, rate / FULL_LOAD_PPS)
             self._load += (target - self._load) * (1 - math.exp(-(now - then) / TAU_S))
             self._sample = (now, packets)
@@ -64,7 +77,8 @@ class Thermal:
 
     def throttle_reasons(self) -> str:
         t = self.temperature()
-        if t >= SHUTDOWN_C or self.dev.failure and "thermal" in self.dev.failure[1]:
+        if t >= SHUTDOWN_C or any(d.failure and "thermal" in d.failure[1]
+                                  for d in self.members()):
             return "hw_thermal_shutdown"
         return "sw_thermal_slowdown" if t >= SLOWDOWN_C else "none"
 
@@ -83,15 +97,21 @@ class Thermal:
         return self.temperature()
 
     def correctable(self, address: int) -> None:
+        """Throttle the package: recorded on each device it heats, as each one slows."""
         reached = self.heat_to(address or SLOWDOWN_C + 2)
-        self.dev.report(faults.BY_NAME["THERMAL_THROTTLE"].code, address=address,
-                        message=f"{reached:.0f} C, over the {SLOWDOWN_C:.0f} C slowdown "
-                                f"threshold: clocks throttled to {THROTTLED_CLOCK_MHZ} MHz")
+        for dev in self.members():
+            dev.report(faults.BY_NAME["THERMAL_THROTTLE"].code, address=address,
+                       message=f"{reached:.0f} C, over the {SLOWDOWN_C:.0f} C slowdown "
+                               f"threshold: clocks throttled to {THROTTLED_CLOCK_MHZ} MHz")
 
     def uncorrectable(self, address: int) -> None:
+        """Shut the package down: each device it heats fails; the device (the package)
+        is reset once cooled, and its reset reaches the partitions."""
         reached = self.heat_to(address or SHUTDOWN_C + 5)
         message = (f"thermal shutdown at {reached:.0f} C (over {SHUTDOWN_C:.0f} C)"
                    + ("; it is reset once cooled" if self.dev.recovery == "auto" else
                       "; reset it once cooled"))
-        self.dev.shut_down(errno.ENODEV, message, faults.BY_NAME["THERMAL_SHUTDOWN"].code,
-                           recover_when=self.cooled)
+        code = faults.BY_NAME["THERMAL_SHUTDOWN"].code
+        for dev in self.members():
+            dev.shut_down(errno.ENODEV, message, code,
+                          recover_when=self.cooled if dev is self.dev else None)

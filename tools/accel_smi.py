@@ -34,7 +34,8 @@ Exit codes (``nvidia-smi``'s, which are NVML's, where it has one):
   15 a selected device is not operational (failed, resetting, booting): the query's output
      is printed all the same, and stderr names the devices, so that ``accel-smi -L`` is a
      health gate a CI or a scheduler can rely on
-  19 ``-r`` refused: another process has the device open (NVML's "in use"); ``--force``
+  19 ``-r`` refused: another process has the device, or a partition of it, open (NVML's
+     "in use"; a split device's reset resets its partitions); ``--force``
      resets it anyway, and those processes lose their contexts; ``partition --mode``
      refused: a process holds the device or one of its partitions
 """
@@ -541,10 +542,11 @@ def show_retired_pages(tree: Tree, devices: list[str], spec: str, fmt: str) -> s
 # --- reset --------------------------------------------------------------------------------------
 def in_use(tree: Tree, devices: list[str]) -> tuple[int, str] | None:
     """The refusal of a reset of devices other processes hold, as ``nvidia-smi -r``
-    refuses a GPU in use; None when none is. (This tool never opens a device, so it is
-    never one of them.)"""
+    refuses a GPU in use; None when none is. A split device's reset resets its partitions
+    too (a package reset), so a process holding one of them holds it. (This tool never
+    opens a device, so it is never one of them.)"""
     held = []
-    for name in devices:
+    for name in [n for d in devices for n in (d, *tree.attr(d, "partitions").split())]:
         clients = int(tree.attr(name, "clients", "0") or 0)
         if clients:
             pids = [row.split()[0] for row in tree.attr(name, "processes").splitlines()[1:]]
