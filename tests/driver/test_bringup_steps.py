@@ -211,8 +211,9 @@ def footprint(pid: int) -> Footprint:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid:  # zombies too: a child not reaped is a leak
-            children.append((int(entry), fields[0]))
+        if int(fields[1]) == pid:  # zombies too: a child not reaped is a leak (whether a
+            # live one runs or sleeps at the moment says nothing)
+            children.append((int(entry), "zombie" if fields[0] == "Z" else "live"))
     shm = frozenset(n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES))
     return Footprint(fds, maps, tuple(sorted(children)), shm)
 

@@ -129,6 +129,38 @@ def test_capacity_per_process_limit_and_mem_get_info(make_daemon):
     d.wait_attrs(0, {"processes": "pid device_bytes", "memory_used": "0"})  # all released
 
 
+#: a tenant that takes all its limit allows (16 MiB pieces), says how much, then holds it
+GREEDY = PRELUDE + """
+held = []
+try:
+    while True:
+        held.append(runtime.empty(16 << 20, np.uint8))
+except runtime.OutOfMemoryError:
+    pass
+print(sum(a.nbytes for a in held), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_tenant_at_its_limit_leaves_the_others_theirs(make_daemon):
+    """Two tenants under ``--process-memory-limit 96M`` on a 256 MiB device: the first
+    takes all it may (and is refused the next piece), and the second still gets its whole
+    96 MiB while the first holds on; what is left is the third's."""
+    d = make_daemon(extra=["--process-memory-limit", "96M"])
+    greedy = d.popen_py(GREEDY)
+    try:
+        assert greedy.stdout.readline().strip() == str(96 << 20), greedy.stderr.read()
+        lines = run(d, """
+            mine = [runtime.empty(16 << 20, np.uint8) for _ in range(6)]
+            print(sum(a.nbytes for a in mine), runtime.mem_get_info()[0] >> 20)
+        """)
+        assert lines == [f"{96 << 20} 64"]  # its 96 MiB; 256 - 2 * 96 free for a third
+    finally:
+        greedy.stdin.close()
+        greedy.wait(timeout=60)
+    d.wait_attrs(0, {"processes": "pid device_bytes", "memory_used": "0"})
+
+
 def test_out_of_memory_message_and_recovery(make_daemon):
     d = make_daemon()
     lines = run(d, """
