@@ -32,8 +32,9 @@ from abi._struct import Struct
 
 MAILBOX_MAGIC: Final = 0xACCE1E40
 #: The mailbox ABI this file describes. Images list the range they speak. 5: QUEUE_CREATE
-#: carries the queue's depth.
-MAILBOX_ABI: Final = 5
+#: carries the queue's depth. 6: engine busy time in the stats block, and the context
+#: table (each context's engine time).
+MAILBOX_ABI: Final = 6
 
 MAILBOX_SIZE: Final = 1 << 20
 _BOOT_OFF: Final = 0
@@ -42,6 +43,7 @@ CMD_RING_OFF: Final = 0x1000
 RING_SLOTS: Final = 1024
 MSG_SIZE: Final = 128
 CPL_RING_OFF: Final = 0x22000
+CTX_STATS_OFF: Final = 0x48000
 IMAGE_OFF: Final = 0x50000
 IMAGE_MAX: Final = MAILBOX_SIZE - IMAGE_OFF
 
@@ -359,8 +361,18 @@ STAT_NAMES: Final = (
     "managed_evictions", "copies", "copy_bytes", "packets", "faults",
     "copy_engines_busy_peak", "preemptions", "launches", "jit_compiles", "jit_hits",
     "jit_ready",
+    # engine time, summed over the engines of each kind: nanoseconds spent running
+    # packets, on the engines and inline on the control loop (utilization, DRM fdinfo)
+    "compute_busy_ns", "copy_busy_ns",
 )
 _STATS = struct.Struct(f"<{len(STAT_NAMES)}Q")
+
+#: The context table, written by the firmware, read by the driver (DRM fdinfo): one entry
+#: per live context, ``(ctx_id, compute_ns, copy_ns, reserved)``; ctx_id 0 is a free
+#: entry. A context past the table's size has no entry (its time counts in the totals).
+CTX_STATS_SLOTS: Final = 256
+CTX_STATS_WORDS: Final = 4
+ENGINE_KINDS: Final = ("compute", "copy")
 
 
 class Ring:
@@ -417,7 +429,8 @@ class Ring:
 
 assert STATS_OFF + _STATS.size <= CMD_RING_OFF
 assert CMD_RING_OFF + Ring.size() <= CPL_RING_OFF
-assert CPL_RING_OFF + Ring.size() <= IMAGE_OFF
+assert CPL_RING_OFF + Ring.size() <= CTX_STATS_OFF
+assert CTX_STATS_OFF + CTX_STATS_SLOTS * CTX_STATS_WORDS * 8 <= IMAGE_OFF
 
 
 class Mailbox:
@@ -429,6 +442,8 @@ class Mailbox:
         self.cpl = Ring(buf, CPL_RING_OFF)
         # whole-word views: a reader never sees a half-written counter
         self._stats = buf[STATS_OFF : STATS_OFF + _STATS.size].cast("Q")
+        self._ctx_stats = buf[CTX_STATS_OFF : CTX_STATS_OFF
+                              + CTX_STATS_SLOTS * CTX_STATS_WORDS * 8].cast("Q")
         self._heartbeat = buf[_OFF_HEARTBEAT : _OFF_HEARTBEAT + 16].cast("Q")
 
     def release(self) -> None:
@@ -438,6 +453,7 @@ class Mailbox:
         self.cmd.release()
         self.cpl.release()
         self._stats.release()
+        self._ctx_stats.release()
         self._heartbeat.release()
         self.buf.release()
 
@@ -461,6 +477,29 @@ class Mailbox:
         could read the zeros)."""
         for i, name in enumerate(STAT_NAMES):
             self._stats[i] = values[name] & 0xFFFFFFFFFFFFFFFF
+
+    def set_ctx_stats(self, slot: int, ctx_id: int, engine_ns: tuple[int, int]) -> None:
+        """Firmware side: entry ``slot`` is context ``ctx_id``'s, with its engine time per
+        ``ENGINE_KINDS``; ``ctx_id`` 0 frees it. The times are written before the id, so
+        a reader that finds the id finds that context's times (or a later, larger one)."""
+        base = slot * CTX_STATS_WORDS
+        if ctx_id == 0:
+            self._ctx_stats[base] = 0
+            return
+        if self._ctx_stats[base] != ctx_id:
+            self._ctx_stats[base] = 0  # not another context's times under this id
+        for i, ns in enumerate(engine_ns, 1):
+            self._ctx_stats[base + i] = ns & 0xFFFFFFFFFFFFFFFF
+        self._ctx_stats[base] = ctx_id
+
+    def ctx_stats(self) -> dict[int, dict[str, int]]:
+        """Driver side: each context's engine time by kind, as the firmware last wrote it."""
+        words = self._ctx_stats.tolist()
+        out = {}
+        for base in range(0, len(words), CTX_STATS_WORDS):
+            if words[base]:
+                out[words[base]] = dict(zip(ENGINE_KINDS, words[base + 1 : base + 3]))
+        return out
 
     def boot_block(self) -> tuple:
         return _BOOT.unpack_from(self.buf, _BOOT_OFF)

@@ -108,6 +108,8 @@ class EnginePool:
         self._cond = threading.Condition()
         self._arrivals = itertools.count()
         self._counters = counters
+        self.name = name  # an engine kind, abi.mailbox.ENGINE_KINDS
+        self._busy_stat = f"{name}_busy_ns"
         self._busy = 0
         for i in range(count):
             threading.Thread(target=self._engine, name=f"{name}{i}", daemon=True).start()
@@ -149,11 +151,15 @@ class EnginePool:
                 self._turns.serving = max(self._turns.serving, item.rank[1])
                 self._busy += 1
                 self._counters.peak("copy_engines_busy_peak", self._busy)
+            start = time.perf_counter_ns()
             try:
                 done = item.job.run()
             except BaseException as exc:  # noqa: BLE001 - last resort: the engine lives on
                 item.job.fail(exc)
                 done = True
+            busy = time.perf_counter_ns() - start
+            self._counters.add(self._busy_stat, busy)
+            item.job.ring.ctx.engine_time.add(self.name, busy)
             with self._cond:
                 self._busy -= 1
                 if not done:  # gave way: back in line behind the work it yields to

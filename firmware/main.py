@@ -65,6 +65,8 @@ class Firmware:
         #: the partitions the device's engines are divided among (1: the whole device)
         self.engine_share = engine_share
         self.contexts: dict[int, FwContext] = {}
+        #: entries of the mailbox's context table no context holds
+        self._free_stats_slots = list(range(mailbox.CTX_STATS_SLOTS - 1, -1, -1))
         self.heartbeat_s = 0.05
         self.counters = Counters(mailbox.STAT_NAMES)
         self._cpl_lock = threading.Lock()
@@ -214,6 +216,10 @@ class Firmware:
 
     def _on_ctx_destroy(self, ctx: FwContext, msg: mailbox.fw_ctx_destroy) -> None:
         del self.contexts[ctx.id]
+        if ctx.stats_slot >= 0:  # a context gone has no fdinfo
+            self.mbx.set_ctx_stats(ctx.stats_slot, 0, (0, 0))
+            self._free_stats_slots.append(ctx.stats_slot)
+            ctx.stats_slot = -1
         for ring in ctx.queues.values():
             ring.faulted = True  # what is still queued completes as cancelled, unrun
         self._teardowns.append(ctx)
@@ -258,6 +264,17 @@ class Firmware:
         ctx = self.contexts[ctx_id] = FwContext(ctx_id, doorbell, event, db)
         self._poller.register(doorbell, select.POLLIN)
         ctx.seen_seq = db.get(userq.DB_SEQ)
+        if self._free_stats_slots:
+            ctx.stats_slot = self._free_stats_slots.pop()
+            self.mbx.set_ctx_stats(ctx.stats_slot, ctx_id, ctx.engine_time.snapshot())
+
+    def _publish_stats(self) -> None:
+        """The counters and every context's engine time, for the driver (control loop
+        only: it alone changes the contexts)."""
+        self.mbx.set_stats(self.counters.snapshot())
+        for ctx in self.contexts.values():
+            if ctx.stats_slot >= 0:
+                self.mbx.set_ctx_stats(ctx.stats_slot, ctx.id, ctx.engine_time.snapshot())
 
     def _map(self, ctx: FwContext, va: int, size: int, kind: int, owner: int, offset: int,
              cookie: int) -> None:
@@ -367,7 +384,7 @@ class Firmware:
     def _sleep(self, timeout: float) -> None:
         """Mark the contexts sleeping, re-check, and sleep until a doorbell or the timeout."""
         assert self.sched is not None
-        self.mbx.set_stats(self.counters.snapshot())  # current whenever the device idles
+        self._publish_stats()  # current whenever the device idles
         contexts = list(self.contexts.values())
         for c in contexts:
             c.db.set(userq.DB_FW_SLEEPING, 1)
@@ -418,7 +435,7 @@ class Firmware:
                 last_work = now
             if not self.hung and now - last_beat >= self.heartbeat_s:
                 self.mbx.beat(time.monotonic_ns())
-                self.mbx.set_stats(self.counters.snapshot())
+                self._publish_stats()
                 last_beat = now
             if now - last_work < SPIN_AFTER_ACTIVITY_S and not self.hung:
                 os.sched_yield()  # on a shared core, let others run, but stay awake

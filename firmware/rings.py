@@ -24,6 +24,7 @@ import numpy as np
 
 from abi import userq
 from firmware import memory
+from firmware.telemetry import EngineTime
 
 #: A context with at most this many rings has its doorbell slots compared one by one;
 #: more are compared in one numpy operation.
@@ -164,6 +165,10 @@ class FwContext:
     consumed: array.array = field(
         default_factory=lambda: array.array("Q", bytes(8 * userq.ACCEL_DB_SLOT_COUNT)))
     seen_seq: int = 0
+    #: the engine time its packets took (DRM fdinfo), and its entry in the mailbox's
+    #: context table (-1: none; the table is full)
+    engine_time: EngineTime = field(default_factory=EngineTime)
+    stats_slot: int = -1
 
     def signal(self) -> None:
         """One byte on the process's event pipe (never blocks; a full pipe already says

@@ -29,7 +29,7 @@ import errno
 import os
 import threading
 from collections.abc import Callable
-from time import monotonic_ns
+from time import monotonic_ns, perf_counter_ns
 from typing import Any
 
 from abi import userq
@@ -46,6 +46,11 @@ BATCH = 64
 
 #: What a packet's start returns when its ring now waits for another queue's fence.
 _BLOCKED = object()
+
+#: The engine kind whose time a packet run inline is charged to (utilization, fdinfo): the
+#: control loop stands in for an engine of that kind.
+_INLINE_KIND = {op: (kind, f"{kind}_busy_ns") for op, kind in (
+    (Op.LAUNCH, "compute"), (Op.COPY, "copy"), (Op.MEMSET, "copy"), (Op.PREFETCH, "copy"))}
 
 
 class Scheduler:
@@ -209,6 +214,8 @@ class Scheduler:
         """Begin one packet. True if it finished inline (the ring may go on)."""
         opcode, flags, *a = pkt
         start_ns = monotonic_ns()
+        kind = _INLINE_KIND.get(opcode)
+        began = perf_counter_ns() if kind else 0
         if ring.faulted:
             self.complete(ring, seqno, Completion(errno.ECANCELED, start_ns, start_ns))
             return True
@@ -224,6 +231,10 @@ class Scheduler:
         else:
             if job is None:
                 self.complete(ring, seqno, Completion(0, start_ns, monotonic_ns()))
+                if kind:
+                    busy = perf_counter_ns() - began
+                    self.tally.add(kind[1], busy)
+                    ring.ctx.engine_time.add(kind[0], busy)
                 return True
             if job is _BLOCKED:
                 return False

@@ -18,6 +18,8 @@ import sys
 import threading
 from collections.abc import Iterable
 
+from abi import mailbox
+
 
 class Counters:
     """Named counters that any thread may move; ``snapshot`` is a consistent copy."""
@@ -46,6 +48,23 @@ class Counters:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._values)
+
+
+class EngineTime:
+    """One context's engine time by kind (``abi.mailbox.ENGINE_KINDS``), moved by the
+    engines and the control loop: the DRM fdinfo ``drm-engine-<kind>`` figures."""
+
+    def __init__(self) -> None:
+        self._ns = dict.fromkeys(mailbox.ENGINE_KINDS, 0)
+        self._lock = threading.Lock()
+
+    def add(self, kind: str, ns: int) -> None:
+        with self._lock:
+            self._ns[kind] += ns
+
+    def snapshot(self) -> tuple[int, ...]:
+        with self._lock:
+            return tuple(self._ns[k] for k in mailbox.ENGINE_KINDS)
 
 
 class Tally:

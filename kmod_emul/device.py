@@ -43,6 +43,7 @@ from kmod_emul.context import (
     new_ring_memfd,
     tgid_of,
 )
+from kmod_emul.activity import Activity
 from kmod_emul.coredump import Coredump
 from kmod_emul.errors import DriverError
 from kmod_emul.faultlog import FaultLog
@@ -135,6 +136,8 @@ class AccelDevice:
         #: its port on the fabric (kmod_emul/link.py: the package/link reset scope)
         self.link = Link(self)
         self.thermal = Thermal(self)
+        #: engine utilization and power (kmod_emul/activity.py), sampled while it serves
+        self.activity = Activity(self)
         #: attempts to use what another tenant holds (kmod_emul/isolation.py)
         self.isolation = Isolation(self.name)
         #: after a shutdown the device did itself: what must hold before the driver's
@@ -622,7 +625,7 @@ class AccelDevice:
     async def _serve(self) -> None:
         async with trio.open_nursery() as nursery:
             for watcher in (self._irq_loop, self._watch_exit, self._watch_heartbeat,
-                            self._watch_reset):
+                            self._watch_reset, self.activity.run):
                 nursery.start_soon(watcher, nursery.cancel_scope)
 
     async def _watch_reset(self, scope: trio.CancelScope) -> None:

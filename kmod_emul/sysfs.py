@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable
 
 from abi import faults, mailbox, uapi
+from kmod_emul.activity import POWER_LIMIT_W, fdinfo
 from kmod_emul.attr import Attr
 from kmod_emul.device import STEP_NAMES, AccelDevice
 from kmod_emul.drv import DriverInfo
@@ -120,6 +121,12 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         # the fabric port (kmod_emul/link.py) and the thermal model (kmod_emul/thermal.py)
         link_state=Attr(read=lambda: dev.link.state),
         temperature=Attr(read=lambda: f"{dev.thermal.temperature():.0f}"),
+        # engine use over the last second, power, per-client time (kmod_emul/activity.py)
+        utilization=Attr(read=lambda: str(dev.activity.utilization("compute"))),
+        utilization_copy=Attr(read=lambda: str(dev.activity.utilization("copy"))),
+        power=Attr(read=lambda: f"{dev.activity.power():.1f}"),
+        power_limit=Attr(read=lambda: f"{POWER_LIMIT_W:.1f}"),
+        fdinfo=Attr(read=functools.partial(fdinfo, dev), per_viewer=True),
         clock=Attr(read=lambda: str(dev.thermal.clock_mhz())),
         throttle_reasons=Attr(read=dev.thermal.throttle_reasons),
         # the bad-page table, amdgpu's format (kmod_emul/ras.py; counters under ras/)

@@ -30,7 +30,7 @@ from firmware import copies, image, memory
 from firmware.engines import EnginePool, Job
 from firmware.rings import Completion, FwContext, Ring
 from firmware.scheduler import Scheduler
-from firmware.telemetry import Counters, Tally
+from firmware.telemetry import Counters, EngineTime, Tally
 
 MiB = 1 << 20
 VA = 0x1000_0000  # the test context's one mapping
@@ -181,10 +181,11 @@ def ctx(device: Device) -> Iterator[Context]:
 
 def moved(dev: Device, before: dict[str, int]) -> dict[str, int]:
     """The counters that moved since ``before``, by how much (the engines' busy peak, a
-    high-water mark, left out)."""
+    high-water mark, and the engine times, which are durations, left out)."""
     after = dev.counters.snapshot()
     return {k: after[k] - before[k] for k in after
-            if after[k] != before[k] and k != "copy_engines_busy_peak"}
+            if after[k] != before[k] and k != "copy_engines_busy_peak"
+            and not k.endswith("_busy_ns")}
 
 
 def check_written_back(q: Queue, ended: dict[int, Completion]) -> None:
@@ -217,6 +218,13 @@ def test_inline_packets_complete_in_order_and_count_once(device, ctx):
     assert np.array_equal(ctx.mem[MiB : MiB + 4096], ctx.mem[:4096])
     assert (ctx.mem[2 * MiB : 2 * MiB + 100] == 0xAB).all() and ctx.mem[2 * MiB + 100] == 0
     assert moved(device, before) == {"packets": 3, "copies": 1, "copy_bytes": 4096}
+    # the copy and the memset took the copy engines' time, run on the control loop; the
+    # context's own time counts them too (its DRM fdinfo)
+    after = device.counters.snapshot()
+    assert after["copy_busy_ns"] > before["copy_busy_ns"]
+    assert after["compute_busy_ns"] == before["compute_busy_ns"]
+    compute_ns, copy_ns = q.ring.ctx.engine_time.snapshot()
+    assert copy_ns > 0 and compute_ns == 0
 
 
 @pytest.mark.timeout(60)
@@ -315,7 +323,8 @@ class _Gate(Job):
     def __init__(self, name: str, log: list[str], gate: threading.Event | None = None,
                  ctx: int = 1) -> None:
         self.name, self.log, self.gate = name, log, gate
-        self.ring = SimpleNamespace(ctx=SimpleNamespace(id=ctx))  # whose turn it takes
+        # whose turn it takes, and whose engine time it is
+        self.ring = SimpleNamespace(ctx=SimpleNamespace(id=ctx, engine_time=EngineTime()))
 
     def run(self) -> bool:
         if self.gate is not None:
@@ -327,7 +336,7 @@ class _Gate(Job):
 def _held_pool() -> tuple[EnginePool, threading.Event, list[str]]:
     """A one-engine pool whose engine runs a job held until the event is set."""
     counters = Counters(mailbox.STAT_NAMES)
-    pool = EnginePool("test", 1, counters)
+    pool = EnginePool("compute", 1, counters)
     log: list[str] = []
     gate = threading.Event()
     pool.submit(0, _Gate("holder", log, gate, ctx=9))

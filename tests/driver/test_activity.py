@@ -1,0 +1,156 @@
+"""Telemetry computed from what the device runs (kmod_emul/activity.py): utilization over
+the last second per engine kind, power, and DRM fdinfo's per-client engine time and memory.
+
+Each figure is read before, during and after a load that a tenant process runs, and must
+move with it: up under load, back once the load stops. Nothing is compared with a fixed
+value but the idle floor the figure returns to.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+#: a tenant that keeps the compute engines busy until told to stop (a line on stdin)
+COMPUTE_LOAD = """
+import os, sys, threading, numpy as np, runtime
+from runtime import kernel_lib
+mod = runtime.compile(kernel_lib.SOURCE)
+x = runtime.empty(64 * 256, np.float32)
+keep = runtime.empty(4 << 20, np.uint8)  # device memory its fdinfo shows
+stop = threading.Event()
+def load():
+    while not stop.is_set():
+        mod.spin[64, 256](x, 20000)
+        runtime.synchronize()
+t = threading.Thread(target=load)
+t.start()
+print(os.getpid(), flush=True)
+sys.stdin.readline()
+stop.set()
+t.join()
+"""
+
+#: a tenant that keeps a copy engine busy until told to stop
+COPY_LOAD = """
+import os, sys, threading, numpy as np, runtime
+a = runtime.empty(64 << 20, np.uint8)
+b = runtime.empty(64 << 20, np.uint8)
+stop = threading.Event()
+def load():
+    s = runtime.Stream()
+    while not stop.is_set():
+        for _ in range(4):
+            b.copy_(a, stream=s)
+        s.synchronize()
+t = threading.Thread(target=load)
+t.start()
+print(os.getpid(), flush=True)
+sys.stdin.readline()
+stop.set()
+t.join()
+"""
+
+
+def _blocks(text: str) -> dict[int, dict[str, str]]:
+    """fdinfo's blocks by pid: each block's ``key: value`` lines."""
+    out: dict[int, dict[str, str]] = {}
+    for block in filter(None, text.split("\n\n")):
+        fields = dict(line.split(": ", 1) for line in block.splitlines())
+        out[int(fields["pid"])] = fields
+    return out
+
+
+def _ns(value: str) -> int:
+    number, unit = value.split()
+    assert unit == "ns"
+    return int(number)
+
+
+def _watch(d, name: str, seconds: float) -> list[float]:
+    """``name`` read every 0.1 s for ``seconds``."""
+    seen = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        seen.append(float(d.attr(0, name)))
+        time.sleep(0.1)
+    return seen
+
+
+def _until(d, name: str, want: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while d.attr(0, name) != want:
+        assert time.monotonic() < deadline, f"{name} stayed {d.attr(0, name)}, not {want}"
+        time.sleep(0.1)
+
+
+def test_compute_load_moves_utilization_power_and_the_clients_fdinfo(make_daemon):
+    d = make_daemon()
+    idle_power = d.attr(0, "power")
+    assert d.attr(0, "utilization") == "0" and d.attr(0, "utilization_copy") == "0"
+    bystander = d.popen_py("import os, sys, runtime\nruntime.init()\n"
+                           "print(os.getpid(), flush=True)\nsys.stdin.readline()\n")
+    load = d.popen_py(COMPUTE_LOAD)
+    try:
+        quiet = int(bystander.stdout.readline())
+        busy = int(load.stdout.readline())
+        util = _watch(d, "utilization", 3.0)
+        power = [float(d.attr(0, "power")) for _ in range(3)]
+        first = _blocks(d.attr(0, "fdinfo"))
+        time.sleep(0.5)
+        second = _blocks(d.attr(0, "fdinfo"))
+        assert max(util) >= 30, util  # two compute engines, one kernel at a time: ~50 %
+        assert min(power) > float(idle_power), (power, idle_power)
+        assert {busy, quiet} <= set(second)
+        assert _ns(second[busy]["drm-engine-compute"]) > _ns(first[busy]["drm-engine-compute"]) > 0
+        held = dict(row.split() for row in d.attr(0, "processes").splitlines()[1:])
+        assert second[busy]["drm-total-vram"] == f"{int(held[str(busy)]) // 1024} KiB" != "0 KiB"
+        assert _ns(second[quiet]["drm-engine-compute"]) == 0
+        assert second[quiet]["drm-total-vram"] == "0 KiB"
+        assert second[busy]["drm-pdev"] == d.attr(0, "pci_bus_id")
+    finally:
+        for p in (load, bystander):
+            p.stdin.close()
+            p.wait(timeout=60)
+    _until(d, "utilization", "0")  # a second after the load, the window is quiet
+    _until(d, "power", idle_power)
+    assert d.attr(0, "fdinfo") == ""  # no client left
+
+
+def test_copy_load_moves_copy_utilization_only(make_daemon):
+    d = make_daemon()
+    load = d.popen_py(COPY_LOAD)
+    try:
+        load.stdout.readline()
+        copy = _watch(d, "utilization_copy", 2.0)
+        compute = _watch(d, "utilization", 1.0)
+    finally:
+        load.stdin.close()
+        load.wait(timeout=60)
+    assert max(copy) >= 10, copy
+    assert max(compute) <= 5, compute
+    _until(d, "utilization_copy", "0")
+
+
+def test_another_user_sees_only_their_own_clients(make_daemon, other_user):
+    d = make_daemon(tenants=True)
+    root_client = d.popen_py("import os, sys, runtime\nruntime.init()\n"
+                             "print(os.getpid(), flush=True)\nsys.stdin.readline()\n")
+    try:
+        root_pid = int(root_client.stdout.readline())
+        out = other_user.run(d, """
+import os, runtime
+runtime.init()
+print(os.getpid())
+print(open(os.environ["ACCEL_EMU_ROOT"] + "/sys/class/accel/accel0/fdinfo").read())
+""")
+        assert out.returncode == 0, out.stderr
+        mine, text = out.stdout.split("\n", 1)
+        assert set(_blocks(text)) == {int(mine)}  # not root's
+        assert root_pid in _blocks(d.attr(0, "fdinfo"))  # root sees every client
+    finally:
+        root_client.stdin.close()
+        root_client.wait(timeout=60)
