@@ -55,6 +55,19 @@ def stat(name, dev=0, at_least=0):
 """
 
 #: What device 0 of the shared daemon shows when no process holds anything on it.
+#: Load on the first visible device: 25,600 no-ops on one stream (the thermal model's
+#: load term follows the packet rate), then "ok".
+NOP_LOAD = """
+import runtime
+from abi import userq
+s = runtime.Stream()
+nop = userq.accel_packet(opcode=userq.Op.NOP)
+for _ in range(400):
+    s.submit([nop] * 64)
+s.synchronize()
+print("ok")
+"""
+
 IDLE = {"memory_used": "0", "contexts": "0", "processes": "pid device_bytes"}
 
 

@@ -8,24 +8,23 @@ value but the idle floor the figure returns to.
 
 from __future__ import annotations
 
+import textwrap
 import time
 
 import pytest
 
 pytestmark = pytest.mark.timeout(180)
 
-#: a tenant that keeps the compute engines busy until told to stop (a line on stdin)
-COMPUTE_LOAD = """
+def _load(setup: str, one_round: str) -> str:
+    """A tenant that runs ``one_round`` (after ``setup``) in a loop until told to stop (a
+    line on stdin); it prints its pid once the loop runs."""
+    return f"""
 import os, sys, threading, numpy as np, runtime
-from runtime import kernel_lib
-mod = runtime.compile(kernel_lib.SOURCE)
-x = runtime.empty(64 * 256, np.float32)
-keep = runtime.empty(4 << 20, np.uint8)  # device memory its fdinfo shows
+{setup}
 stop = threading.Event()
 def load():
     while not stop.is_set():
-        mod.spin[64, 256](x, 20000)
-        runtime.synchronize()
+{textwrap.indent(one_round, "        ")}
 t = threading.Thread(target=load)
 t.start()
 print(os.getpid(), flush=True)
@@ -34,25 +33,17 @@ stop.set()
 t.join()
 """
 
-#: a tenant that keeps a copy engine busy until told to stop
-COPY_LOAD = """
-import os, sys, threading, numpy as np, runtime
-a = runtime.empty(64 << 20, np.uint8)
-b = runtime.empty(64 << 20, np.uint8)
-stop = threading.Event()
-def load():
-    s = runtime.Stream()
-    while not stop.is_set():
-        for _ in range(4):
-            b.copy_(a, stream=s)
-        s.synchronize()
-t = threading.Thread(target=load)
-t.start()
-print(os.getpid(), flush=True)
-sys.stdin.readline()
-stop.set()
-t.join()
-"""
+
+#: the compute engines busy with a counting kernel, and device memory its fdinfo shows
+COMPUTE_LOAD = _load(
+    "from runtime import kernel_lib\nmod = runtime.compile(kernel_lib.SOURCE)\n"
+    "x = runtime.empty(64 * 256, np.float32)\nkeep = runtime.empty(4 << 20, np.uint8)",
+    "mod.spin[64, 256](x, 20000)\nruntime.synchronize()")
+#: a copy engine busy with 64 MiB device-to-device copies
+COPY_LOAD = _load(
+    "a = runtime.empty(64 << 20, np.uint8)\nb = runtime.empty(64 << 20, np.uint8)\n"
+    "s = runtime.Stream()",
+    "for _ in range(4):\n    b.copy_(a, stream=s)\ns.synchronize()")
 
 
 def _blocks(text: str) -> dict[int, dict[str, str]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from scenario import NOP_LOAD
 
 from kmod_emul import thermal
 from stress.harness import Bystander, assert_contained, snapshot
@@ -40,22 +41,12 @@ def test_throttling_is_visible_then_cools_back(make_daemon):
     assert d.attr(0, "clock") == str(thermal.BASE_CLOCK_MHZ)
 
 
-LOAD = """
-import numpy as np, runtime
-from abi import userq
-s = runtime.Stream()
-nop = userq.accel_packet(opcode=userq.Op.NOP)
-for _ in range(400):
-    s.submit([nop] * 64)
-s.synchronize()
-print("ok")
-"""
 
 
 def test_the_temperature_follows_load(make_daemon):
     d = make_daemon()
     idle = float(d.attr(0, "temperature"))
-    out = d.run_py(LOAD, timeout=120)
+    out = d.run_py(NOP_LOAD, timeout=120)
     assert out.returncode == 0, out.stderr
     assert float(d.attr(0, "temperature")) > idle
 

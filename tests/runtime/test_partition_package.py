@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from scenario import NOP_LOAD
 
 from kmod_emul import thermal
 from stress.harness import REPO, Daemon
@@ -201,17 +202,6 @@ def test_a_failed_mode_change_rolls_back(make_daemon):
     assert d.attr(0, "partitions") == ""
 
 
-#: Load on the one visible device: 25600 no-ops, as tests/driver/test_thermal.py's.
-LOAD = """
-import runtime
-from abi import userq
-s = runtime.Stream()
-nop = userq.accel_packet(opcode=userq.Op.NOP)
-for _ in range(400):
-    s.submit([nop] * 64)
-s.synchronize()
-print("ok")
-"""
 
 
 def temperature(d: Daemon, dev: int) -> float:
@@ -223,7 +213,7 @@ def test_the_partitions_share_the_package_thermal_budget(make_daemon):
     d = make_daemon(devices=1)
     set_mode(d, "2")
     before = temperature(d, 2)
-    out = d.run_py(LOAD, timeout=120, ACCEL_VISIBLE_DEVICES="1")
+    out = d.run_py(NOP_LOAD, timeout=120, ACCEL_VISIBLE_DEVICES="1")
     assert out.stdout.split() == ["ok"], out.stderr
     warm = temperature(d, 2)
     assert warm > before  # the sibling warms with accel1's load: one package
