@@ -212,7 +212,8 @@ def _read_dir(path: Path, prefix: str = "") -> dict[str, str]:
 
 
 def typed(name: str, value: str) -> Any:
-    """An attribute as JSON wants it: ints as ints, capabilities as a list, '' as null."""
+    """An attribute as JSON wants it: ints as ints, watts and times as floats, the
+    capabilities, page tables, processes and fdinfo as lists, '' as null."""
     if name == "capabilities":
         return value.split()
     if name in _PAGE_TABLES:
@@ -1157,25 +1158,31 @@ def _write(out: str, err: str) -> None:
 
 
 def loop_period(argv: Sequence[str]) -> float | None:
-    """``-l``'s period, from a command line ``run`` has already accepted."""
+    """``-l``'s period; None without one, and for a command line ``run`` will refuse."""
     if argv[:1] == ["partition"]:
         return None
-    return parser().parse_args(argv).loop
+    try:
+        return parser().parse_args(argv).loop
+    except UsageError:
+        return None
 
 
 def repeat(argv: list[str]) -> int:
     """Run the query once, then every ``-l`` seconds until interrupted (SIGINT ends the
     loop with exit 0, quietly, as it ends nvidia-smi's) or until a round fails other than
-    by a device being down (15: that is what a watcher watches for)."""
-    rc, out, err = run(argv)
-    _write(out, err)
-    period = loop_period(argv) if rc in (EXIT_OK, EXIT_NOT_OPERATIONAL) else None
+    by a device being down (15: that is what a watcher watches for). Without ``-l`` an
+    interrupt stays one: a reset cut short must not look like a success."""
+    period = loop_period(argv)
     try:
+        rc, out, err = run(argv)
+        _write(out, err)
         while period is not None and rc in (EXIT_OK, EXIT_NOT_OPERATIONAL):
             time.sleep(period)
             rc, out, err = run(argv, first=False)
             _write(out, err)
     except KeyboardInterrupt:
+        if period is None:
+            raise
         return EXIT_OK
     return rc
 

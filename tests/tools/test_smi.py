@@ -235,15 +235,22 @@ def test_no_devices(daemon, tmp_path: Path, how: str) -> None:
 
 
 def test_queries_never_open_a_device_node(daemon) -> None:
-    """Audit every open() the tool makes: sysfs files only, never dev/accel/*."""
+    """Audit every open() the tool (and the exporter, which reads through it) makes:
+    sysfs files only, never dev/accel/*."""
     code = textwrap.dedent("""
-        import json, sys
+        import json, os, sys
+        from pathlib import Path
         opened = []
         sys.addaudithook(lambda e, a: opened.append(str(a[0])) if e == "open" else None)
-        from tools.accel_smi import run
-        for argv in ([], ["-L"], ["-q"], ["--json"],
-                     ["--query-device=index,uuid,state,memory.used", "--format=csv"]):
+        from tools.accel_smi import Tree, run, run_monitor
+        from tools.accel_exporter import device_metrics
+        for argv in ([], ["-L"], ["-q"], ["--json"], ["-x"], ["--version"],
+                     ["--query-device=index,uuid,state,memory.used", "--format=csv"],
+                     ["--query-compute-apps"]):
             assert run(argv)[0] == 0, argv
+        for argv in (["dmon", "-c", "1"], ["pmon", "-c", "1"]):
+            assert run_monitor(argv, lambda line: None)[0] == 0, argv
+        assert device_metrics(Tree(Path(os.environ["ACCEL_EMU_ROOT"])))
         print(json.dumps(opened))
     """)
     before = [daemon.attr(i, "open_files") for i in (0, 1)]
