@@ -852,8 +852,8 @@ def check_combination(args: argparse.Namespace) -> None:
                          "--query-compute-apps or --query-retired-pages")
     if args.force and not args.reset:
         raise UsageError("--force goes with -r")
-    if args.display is not None and not args.query:
-        raise UsageError("-d goes with -q")
+    if args.display is not None and (not args.query or args.xml):
+        raise UsageError("-d goes with -q (without -x: the XML has every section)")
     if args.loop is not None and (args.reset or args.version):
         raise UsageError(f"-l repeats a query; it does not go with "
                          f"{'-r' if args.reset else '--version'}")
@@ -869,14 +869,15 @@ def tool_version() -> str:
         return "N/A"
 
 
-def show_version(tree: Tree) -> str:
-    """``--version``: accel-smi's, the driver's (and its uAPI's), each device's firmware."""
+def show_version(tree: Tree, devices: list[str]) -> str:
+    """``--version``: accel-smi's, the driver's (and its uAPI's), each selected device's
+    firmware."""
     drv = tree.driver()
     width = 24
     lines = [f"{'accel-smi version':<{width}}: {tool_version()}",
              f"{'Driver version':<{width}}: {_na(drv.get('version'))}",
              f"{'ABI version':<{width}}: {_na(drv.get('abi_version'))}"]
-    for name in tree.device_names():
+    for name in devices:
         lines.append(f"{f'accel {name[5:]} firmware':<{width}}: "
                      f"{_na(tree.attr(name, 'firmware_version'))}")
     return "\n".join(lines)
@@ -983,15 +984,13 @@ def _run(argv: list[str], first: bool) -> tuple[int, str, str]:
             # Fields are checked before devices so a typo is reported even with none present.
             names = tree.device_names()
             resolve_fields(args.query_device, tree.device(names[0]) if names else {})
-        if args.version:
-            if not tree.device_names():
-                return EXIT_NO_DEVICES, show_version(tree), (f"accel-smi: {NO_DEVICES}: no "
-                                                             f"accel-emud serves {tree.root}")
-            return EXIT_OK, show_version(tree), ""
         devices = select(tree, args.id)
         if not devices:
-            return EXIT_NO_DEVICES, NO_DEVICES, (f"accel-smi: {NO_DEVICES}: no accel-emud "
-                                                 f"serves {tree.root}")
+            shown = show_version(tree, devices) if args.version else NO_DEVICES
+            return EXIT_NO_DEVICES, shown, (f"accel-smi: {NO_DEVICES}: no accel-emud "
+                                            f"serves {tree.root}")
+        if args.version:
+            return EXIT_OK, show_version(tree, devices), ""
         if args.reset:
             refused = None if args.force else in_use(tree, devices)
             rc, text = refused or reset(tree, devices, args.reset_timeout)

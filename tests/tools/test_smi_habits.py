@@ -58,6 +58,7 @@ def test_query_gpu_is_query_device(daemon) -> None:
     (["-l", "0"], "-l 0: the period is a number of seconds above 0"),
     (["--version", "-q"], "argument -q/--query: not allowed with argument --version"),
     (["--query-gpu=index", "--query-compute-apps"], "not allowed with argument"),
+    (["-q", "-x", "-d", "MEMORY"], "-d goes with -q (without -x"),
 ])
 def test_stray_combinations_are_usage_errors(daemon, args: list[str], message: str) -> None:
     proc = smi(daemon, *args)
@@ -222,6 +223,9 @@ def test_version_names_tool_driver_and_firmware(daemon, tmp_path: Path) -> None:
         f"Driver version          : {(module / 'version').read_text().strip()}",
         f"ABI version             : {(module / 'abi_version').read_text().strip()}",
         *(f"accel {i} firmware        : {daemon.attr(i, 'firmware_version')}" for i in (0, 1))]
+    proc = smi(daemon, "--version", "-i", "1")
+    assert proc.returncode == 0 and proc.stdout.splitlines()[3:] == [
+        f"accel 1 firmware        : {daemon.attr(1, 'firmware_version')}"]
     proc = smi(daemon, "--version", "--root", str(tmp_path))
     assert proc.returncode == 6
     assert proc.stdout.splitlines()[1:] == ["Driver version          : N/A",
