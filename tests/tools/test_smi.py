@@ -22,6 +22,7 @@ from rawdev import RawDev
 from abi import uapi
 from abi.fwimage import IMAGE_NAME
 from firmware.image import IMAGE_DIR
+from tools.accel_smi import OPTIONAL_ATTRS
 from scenario import KERNEL_FAULT_PRELUDE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,8 +44,9 @@ def readable_attrs(d, dev: int) -> dict[str, str]:
 
 
 def table(out: str) -> tuple[list[str], list[list[str]], list[str]]:
-    """(header line, table rows as cells (column names first), lines after the table)."""
-    lines = out.splitlines()
+    """(header line, device table rows as cells (column names first), lines after that
+    table and before the Processes section)."""
+    lines = out.split("\n\nProcesses:\n")[0].splitlines()
     rows = [[c.strip() for c in line.strip().strip("|").split("|")]
             for line in lines if line.startswith("| ")]
     last_border = max(i for i, line in enumerate(lines) if line.startswith("+-"))
@@ -92,7 +94,9 @@ def test_query_one_device_shows_every_attribute_of_it_only(daemon) -> None:
     values = query_values(out)
     attrs = readable_attrs(daemon, 1)
     del attrs["fault_log"]  # shown as the Errors table (test_errors_section_...)
-    assert set(values) == set(attrs)  # every attribute, nothing invented
+    missing = {k: "" for k in OPTIONAL_ATTRS if k not in attrs}  # N/A, not left out
+    assert set(values) == set(attrs) | set(missing)  # every attribute, nothing invented
+    attrs.update(missing)
     for key, value in attrs.items():
         if key in VOLATILE:
             continue
@@ -141,7 +145,8 @@ def test_json_has_every_attribute_typed(daemon) -> None:
     assert len(doc["devices"]) == 2
     for dev, obj in enumerate(doc["devices"]):
         attrs = readable_attrs(daemon, dev)
-        assert set(obj) == set(attrs)
+        assert set(obj) == set(attrs) | set(OPTIONAL_ATTRS)
+        assert all(obj[k] is None for k in OPTIONAL_ATTRS if k not in attrs)
         for key, value in attrs.items():
             if key in VOLATILE:
                 continue
@@ -156,6 +161,8 @@ def test_json_has_every_attribute_typed(daemon) -> None:
                 assert got == [], key
             elif key == "capabilities":
                 assert got == value.split()
+            elif key == "processes":
+                assert value == "pid device_bytes" and got == []
             elif value == "" and key not in ("failure", "failure_code", "reset_reason",
                                              "last_failure"):
                 assert got is None, key
@@ -172,8 +179,10 @@ def test_csv_query_with_and_without_header(daemon) -> None:
     fields = "uuid,index,memory.total,memory.used,utilization,state,pci_bus_id,serial"
     proc = smi(daemon, f"--query-device={fields}", "--format=csv")
     assert proc.returncode == 0, proc.stderr
+    util = [f"{daemon.attr(i, 'utilization')} %" if (daemon.root / uapi.CLASS_DIR /
+            f"accel{i}/utilization").exists() else "N/A" for i in (0, 1)]  # N/A: no unit
     rows = [
-        f"{daemon.attr(i, 'uuid')}, {i}, 256 MiB, 0 MiB, 0 %, operational, "
+        f"{daemon.attr(i, 'uuid')}, {i}, 256 MiB, 0 MiB, {util[i]}, operational, "
         f"{daemon.attr(i, 'pci_bus_id')}, {daemon.attr(i, 'serial')}" for i in (0, 1)]
     header = ("uuid, index, memory.total [MiB], memory.used [MiB], utilization [%], state, "
               "pci_bus_id, serial")
@@ -226,15 +235,22 @@ def test_no_devices(daemon, tmp_path: Path, how: str) -> None:
 
 
 def test_queries_never_open_a_device_node(daemon) -> None:
-    """Audit every open() the tool makes: sysfs files only, never dev/accel/*."""
+    """Audit every open() the tool (and the exporter, which reads through it) makes:
+    sysfs files only, never dev/accel/*."""
     code = textwrap.dedent("""
-        import json, sys
+        import json, os, sys
+        from pathlib import Path
         opened = []
         sys.addaudithook(lambda e, a: opened.append(str(a[0])) if e == "open" else None)
-        from tools.accel_smi import run
-        for argv in ([], ["-L"], ["-q"], ["--json"],
-                     ["--query-device=index,uuid,state,memory.used", "--format=csv"]):
+        from tools.accel_smi import Tree, run, run_monitor
+        from tools.accel_exporter import device_metrics
+        for argv in ([], ["-L"], ["-q"], ["--json"], ["-x"], ["--version"],
+                     ["--query-device=index,uuid,state,memory.used", "--format=csv"],
+                     ["--query-compute-apps"]):
             assert run(argv)[0] == 0, argv
+        for argv in (["dmon", "-c", "1"], ["pmon", "-c", "1"]):
+            assert run_monitor(argv, lambda line: None)[0] == 0, argv
+        assert device_metrics(Tree(Path(os.environ["ACCEL_EMU_ROOT"])))
         print(json.dumps(opened))
     """)
     before = [daemon.attr(i, "open_files") for i in (0, 1)]

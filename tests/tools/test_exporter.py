@@ -1,0 +1,119 @@
+"""accel-exporter against a real daemon: what /metrics says must be what sysfs says, and
+SIGTERM must stop it cleanly (exit 0, the port closed)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from test_smi import REPO
+
+from abi import faults, uapi
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int, timeout: float = 20.0) -> str:
+    """The /metrics text, once the exporter listens."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                return resp.read().decode()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(sample name, sorted labels) -> value, from the exposition text."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_match_sysfs_and_sigterm_stops_it(make_daemon) -> None:
+    d = make_daemon(devices=1)
+    inject = d.debug(0, "ras_ctrl")
+    inject.write_text("inject memory ce 0x100000")
+    inject.write_text("inject memory ce 0x100008")  # the same page again: retired
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tools.accel_exporter", "--root",
+                             str(d.root), "--port", str(port), "--interval", "0"],
+                            env=d.env(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        got = samples(scrape(port))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert out == f"accel-exporter: serving http://127.0.0.1:{port}/metrics\n"
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.connect(("127.0.0.1", port))
+
+    a = {name: d.attr(0, name) for name in (
+        "uuid", "name", "pci_bus_id", "firmware_version", "memory_used", "memory_free",
+        "memory_total", "retired_pages", "contexts", "clients", "reset_count", "packets",
+        "launches", "copies", "copy_bytes", "faults", "isolation/total", "clock")}
+    base = (("device", "0"), ("name", a["name"]), ("uuid", a["uuid"]))
+
+    def value(metric: str, *extra: tuple[str, str]) -> float:
+        return got[(metric, tuple(sorted(base + extra)))]
+
+    assert value("accel_device_info", ("pci_bus_id", a["pci_bus_id"]),
+                 ("firmware_version", a["firmware_version"]), ("state", "operational")) == 1
+    assert value("accel_device_operational") == 1
+    for metric, attr in (("accel_memory_used_bytes", "memory_used"),
+                         ("accel_memory_free_bytes", "memory_free"),
+                         ("accel_memory_total_bytes", "memory_total"),
+                         ("accel_retired_pages", "retired_pages"),
+                         ("accel_contexts", "contexts"), ("accel_clients", "clients"),
+                         ("accel_clock_mhz", "clock"),
+                         ("accel_resets_total", "reset_count"),
+                         ("accel_packets_total", "packets"),
+                         ("accel_launches_total", "launches"),
+                         ("accel_copies_total", "copies"),
+                         ("accel_copy_bytes_total", "copy_bytes"),
+                         ("accel_faults_total", "faults"),
+                         ("accel_isolation_refusals_total", "isolation/total")):
+        assert value(metric) == float(a[attr]), metric
+    assert a["retired_pages"] == "1" and a["memory_total"] == str(256 << 20)
+    assert abs(value("accel_temperature_celsius") - float(d.attr(0, "temperature"))) < 10
+    for block in faults.BLOCKS:
+        for kind in ("ue", "ce"):
+            want = 2 if (block, kind) == ("memory", "ce") else 0
+            assert value("accel_ras_errors_total", ("block", block), ("type", kind)) == want
+    for metric, attr in (("accel_utilization_percent", "utilization"),
+                         ("accel_power_watts", "power"), ("accel_power_limit_watts",
+                                                          "power_limit")):
+        path = d.root / uapi.CLASS_DIR / "accel0" / attr
+        present = [k for k in got if k[0] == metric]
+        if path.exists():  # the value, once the driver has the attribute
+            assert value(metric) == pytest.approx(float(path.read_text()), abs=100), metric
+        else:  # absent, not zero
+            assert present == [], metric
+
+
+def test_a_busy_port_is_an_error(daemon) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "tools.accel_exporter", "--port",
+                               str(port)], env=daemon.env(), cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"accel-exporter: cannot listen on 127.0.0.1:{port}: ")
