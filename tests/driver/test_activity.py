@@ -8,10 +8,14 @@ value but the idle floor the figure returns to.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 import time
 
 import pytest
+
+from stress.harness import REPO
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -90,11 +94,17 @@ def test_compute_load_moves_utilization_power_and_the_clients_fdinfo(make_daemon
         busy = int(load.stdout.readline())
         util = _watch(d, "utilization", 3.0)
         power = [float(d.attr(0, "power")) for _ in range(3)]
+        smi = subprocess.run(  # what accel-smi prints is the same figures
+            [sys.executable, "-m", "tools.accel_smi", "--root", str(d.root), "-i", "0",
+             "--query-gpu=utilization.gpu,power.draw", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, cwd=REPO, timeout=60)
+        smi_util, smi_power = (float(v) for v in smi.stdout.strip().split(", "))
         first = _blocks(d.attr(0, "fdinfo"))
         time.sleep(0.5)
         second = _blocks(d.attr(0, "fdinfo"))
         assert max(util) >= 30, util  # two compute engines, one kernel at a time: ~50 %
         assert min(power) > float(idle_power), (power, idle_power)
+        assert smi_util >= 10 and smi_power > float(idle_power), smi.stdout
         assert {busy, quiet} <= set(second)
         assert _ns(second[busy]["drm-engine-compute"]) > _ns(first[busy]["drm-engine-compute"]) > 0
         held = dict(row.split() for row in d.attr(0, "processes").splitlines()[1:])
