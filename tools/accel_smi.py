@@ -378,15 +378,22 @@ def show_table(tree: Tree, devices: list[str]) -> str:
             a.get("index", name[5:]), a.get("name", ""), a.get("uuid", "")[:14],
             a.get("pci_bus_id", ""), _na(a.get("firmware_version")),
             f"{mib(a.get('memory_used', ''))}MiB / {mib(a.get('memory_total', ''))}MiB",
-            a.get("contexts", ""), _state(a),
+            _with_unit(a.get("temperature"), "C"), _with_unit(a.get("power"), "W"),
+            _with_unit(a.get("utilization"), "%"), a.get("contexts", ""), _state(a),
         ])
         if a.get("state") != "operational":
             problems.append(_problem(a, f"accel {a.get('index', name[5:])}"))
-    headers = ["Idx", "Name", "UUID", "Bus-Id", "Firmware", "Memory-Usage", "Ctx", "State"]
+    headers = ["Idx", "Name", "UUID", "Bus-Id", "Firmware", "Memory-Usage", "Temp", "Pwr",
+               "Util", "Ctx", "State"]
     lines.append(tabulate(rows, headers=headers, tablefmt="psql", disable_numparse=True))
     lines.extend(problems)
     lines += ["", "Processes:", show_process_table(compute_apps(tree, devices))]
     return "\n".join(lines)
+
+
+def _with_unit(value: str | None, unit: str) -> str:
+    """A table cell: the value and its unit, or N/A for an attribute the driver lacks."""
+    return f"{value}{unit}" if value not in (None, "") else "N/A"
 
 
 def compute_apps(tree: Tree, devices: list[str]) -> list[dict[str, str]]:
