@@ -46,6 +46,7 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable
 from typing import Protocol
 
+from runtime import _trace
 from runtime.errors import InvalidValueError, OutOfMemoryError
 
 MIN_BLOCK_SIZE = 512                 #: every size rounds up to a multiple of this
@@ -294,6 +295,7 @@ class CachingAllocator:
 
     # -- the public operations ---------------------------------------------------------------
 
+    @_trace.traced("alloc", lambda self, size, *_a: {"bytes": size, "device": self.device})
     def malloc(self, size: int, stream: StreamLike) -> Block:
         """A block of at least ``size`` bytes for use on ``stream``."""
         if size <= 0:
@@ -325,6 +327,7 @@ class CachingAllocator:
             lock.release()
         return block
 
+    @_trace.traced("free", lambda self, block: {"bytes": block.size, "device": self.device})
     def free(self, block: Block) -> None:
         """Give a block back; its stream may reuse it at once (see ``record_stream``)."""
         if block.state != _ALLOCATED:

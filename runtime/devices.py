@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
 from abi import uapi, userq
-from runtime import discovery, errors, faults
+from runtime import _trace, discovery, errors, faults
 from runtime._channel import fork_message
 from runtime.allocator import CachingAllocator
 from runtime.context import Context
@@ -190,6 +190,12 @@ def get(index: int | None = None) -> Device:
         return dev
 
 
+def held() -> list[int]:
+    """The visible devices this process holds (has a :class:`Device` for), without
+    initialising any: the profiler measures their clocks when it starts."""
+    return sorted(_devices) if is_initialized() else []
+
+
 def primary_context(index: int | None = None) -> Context:
     """This process's primary context on device ``index`` (created on first use)."""
     return get(index).context
@@ -286,6 +292,7 @@ def get_device_name(dev: DeviceLike = None) -> str:
     return get_device_properties(dev).name
 
 
+@_trace.traced("synchronize")
 def synchronize(dev: DeviceLike = None, timeout: float | None = None) -> None:
     """Like ``torch.cuda.synchronize``: wait until the device has finished everything every
     context of this process queued on it before the call, on every stream; raise the first

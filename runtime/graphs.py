@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from abi import uapi
-from runtime import errors
+from runtime import _trace, errors
 from runtime.stream import Stream, current_stream
 
 _capturing = threading.local()
@@ -78,6 +78,7 @@ class Graph:
             self._names.append(repr(obj))
         return len(self.packets)
 
+    @_trace.traced("Graph.replay")
     def replay(self, stream: Stream | None = None) -> int:
         """Submit the captured work as one batch; return the last packet's seqno."""
         if not self.captured:

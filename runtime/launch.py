@@ -21,7 +21,7 @@ import numpy as np
 
 from abi import kernel_lang, uapi, userq
 from runtime import devices as _device
-from runtime import errors
+from runtime import _trace, errors
 from runtime._shm import sealed_memfd
 from runtime.memory import DeviceArray, HostArray, _packet, pinned_empty
 from runtime.stream import Stream, current_stream
@@ -136,6 +136,7 @@ class Kernel:
         bits = int.from_bytes(np.array(value, dtype).tobytes().ljust(8, b"\0"), "little")
         return [userq.ARG_RECORD.pack(userq.ARG_SCALAR, kernel_lang.DTYPE_CODES[dtype.name], bits, 0)]
 
+    @_trace.traced("Kernel.launch", lambda self, *_a, **_k: {"kernel": self.name})
     def launch(self, grid: Any, block: Any, args: Sequence[Any], stream: Stream | None = None,
                shared_mem: int = 0) -> int:
         """Queue the launch; return its seqno on the stream."""

@@ -32,7 +32,7 @@ import numpy as np
 
 from abi import uapi, userq
 from runtime import devices as _device
-from runtime import discovery, errors
+from runtime import _trace, discovery, errors
 from runtime._shm import map_memfd, sealed_memfd
 from runtime.allocator import CachingAllocator
 from runtime.context import Context
@@ -221,6 +221,7 @@ class DeviceArray:
             f"{self!r} was allocated before accel:{self.device} was rebuilt; its memory is "
             "gone, allocate it again")
 
+    @_trace.traced("DeviceArray.copy_from_host")
     def copy_from_host(self, host: np.ndarray, stream: Stream | None = None) -> DeviceArray:
         if self._allocator.closed is not None:
             raise self.dropped()
@@ -235,6 +236,7 @@ class DeviceArray:
             _staging(self.device).to_device(s, self.va, host.reshape(-1).view(np.uint8))
         return self
 
+    @_trace.traced("DeviceArray.copy_to_host")
     def copy_to_host(self, out: np.ndarray | None = None, stream: Stream | None = None) -> np.ndarray:
         if self._allocator.closed is not None:
             raise self.dropped()
@@ -252,6 +254,7 @@ class DeviceArray:
                 _staging(self.device).to_host(s, out.reshape(-1).view(np.uint8), self.va)
         return out
 
+    @_trace.traced("DeviceArray.copy_")
     def copy_(self, src: DeviceArray, stream: Stream | None = None) -> DeviceArray:
         """Device-to-device copy (a peer copy when ``src`` lives on another device)."""
         if self._allocator.closed is not None or src._allocator.closed is not None:
@@ -262,6 +265,7 @@ class DeviceArray:
         s.submit([_packet(userq.Op.COPY, self.va, src.va, self.nbytes)], uses=(self, src))
         return self
 
+    @_trace.traced("DeviceArray.memset")
     def memset(self, value: int, stream: Stream | None = None) -> DeviceArray:
         """Set every byte to ``value`` (0..255)."""
         if self._allocator.closed is not None:
@@ -412,6 +416,7 @@ class HostArray(np.ndarray):
         assert self._accel is not None
         return self._accel.va + (self.ctypes.data - self._accel.base)
 
+    @_trace.traced("HostArray.prefetch")
     def prefetch(self, to_device: bool = True, stream: Stream | None = None) -> None:
         """Managed memory: migrate these pages to the device (or back to the host)."""
         if self._accel is None or self._accel.kind != uapi.MemKind.MANAGED:

@@ -25,8 +25,8 @@ from typing import Any
 
 from abi import faults as fault_abi
 from abi import uapi, userq
+from runtime import _trace, errors, faults
 from runtime import devices as _device
-from runtime import errors, faults
 from runtime._shm import sealed_memfd
 from runtime.context import Context
 
@@ -117,6 +117,9 @@ class Stream:
             if words[_ERROR_SEQNO]:
                 self._raise_fault(self.last_seqno, refusing=True)
             wptr = self.last_seqno
+            tracer = _trace.active
+            if tracer is not None:
+                tracer.submitting(self, wptr, packets)
             for pkt in packets:
                 if wptr - words[_RPTR] >= self._depth:
                     self._publish(wptr)  # full: let the firmware see what is there, wait
@@ -168,6 +171,10 @@ class Stream:
             for old in list(self._kernels)[: userq.RING_SLOTS]:
                 del self._kernels[old]
 
+    def kernel_name(self, seqno: int) -> str | None:
+        """The kernel a launch of this stream ran, while it is remembered (the profiler)."""
+        return self._kernels.get(seqno)
+
     def submit_nop(self) -> int:
         """Queue a no-op (a marker); return its seqno."""
         return self.submit([_NOP])
@@ -178,6 +185,7 @@ class Stream:
         ev.record(self)
         return ev
 
+    @_trace.traced("Stream.wait_event")
     def wait_event(self, event: Event) -> None:
         """Later work on this stream waits for ``event``, on the device (the host goes on),
         also when the event is on another device of this process.
@@ -266,6 +274,7 @@ class Stream:
             self._raise_fault(self.last_seqno)
         return done
 
+    @_trace.traced("Stream.synchronize")
     def synchronize(self, timeout: float | None = None) -> None:
         self.wait_seqno(self.last_seqno, timeout)
 
@@ -334,6 +343,7 @@ class Event:
         self.stream: Stream | None = None
         self.seqno = 0
 
+    @_trace.traced("Event.record")
     def record(self, stream: Stream | None = None) -> None:
         stream = stream or current_stream()
         stream.ctx.check_fork()  # recording reads the stream only: no write would check
@@ -364,6 +374,7 @@ class Event:
             self.stream._raise_fault(self.seqno)
         return done
 
+    @_trace.traced("Event.synchronize")
     def synchronize(self, timeout: float | None = None) -> None:
         self._check_fork()
         if self.stream is not None and self.seqno:
