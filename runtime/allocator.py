@@ -295,9 +295,10 @@ class CachingAllocator:
 
     # -- the public operations ---------------------------------------------------------------
 
-    @_trace.traced("alloc", lambda self, size, *_a: {"bytes": size, "device": self.device})
     def malloc(self, size: int, stream: StreamLike) -> Block:
         """A block of at least ``size`` bytes for use on ``stream``."""
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("alloc", {"bytes": size, "device": self.device}, self.malloc, size, stream)
         if size <= 0:
             if size == 0:
                 return Block(0, 0, stream, None, None, None, _NULL)
@@ -327,9 +328,10 @@ class CachingAllocator:
             lock.release()
         return block
 
-    @_trace.traced("free", lambda self, block: {"bytes": block.size, "device": self.device})
     def free(self, block: Block) -> None:
         """Give a block back; its stream may reuse it at once (see ``record_stream``)."""
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("free", {"bytes": block.size, "device": self.device}, self.free, block)
         if block.state != _ALLOCATED:
             if block.state == _NULL:
                 return

@@ -292,12 +292,13 @@ def get_device_name(dev: DeviceLike = None) -> str:
     return get_device_properties(dev).name
 
 
-@_trace.traced("synchronize")
 def synchronize(dev: DeviceLike = None, timeout: float | None = None) -> None:
     """Like ``torch.cuda.synchronize``: wait until the device has finished everything every
     context of this process queued on it before the call, on every stream; raise the first
     fault found (a ``DeviceFaultError`` with its record), or ``AccelTimeoutError`` once
     ``timeout`` seconds pass."""
+    if (rec := _trace.active) is not None and rec.outermost():
+        return rec.call("synchronize", {}, synchronize, dev, timeout)
     physical = primary_context(_index(dev)).physical
     deadline = None if timeout is None else time.monotonic() + timeout
     first: errors.DeviceFaultError | None = None

@@ -78,9 +78,10 @@ class Graph:
             self._names.append(repr(obj))
         return len(self.packets)
 
-    @_trace.traced("Graph.replay")
     def replay(self, stream: Stream | None = None) -> int:
         """Submit the captured work as one batch; return the last packet's seqno."""
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("Graph.replay", {}, self.replay, stream)
         if not self.captured:
             raise errors.InvalidValueError("replay of a graph whose capture has not ended")
         for ref, name in zip(self._uses, self._names):

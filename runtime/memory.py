@@ -221,8 +221,9 @@ class DeviceArray:
             f"{self!r} was allocated before accel:{self.device} was rebuilt; its memory is "
             "gone, allocate it again")
 
-    @_trace.traced("DeviceArray.copy_from_host")
     def copy_from_host(self, host: np.ndarray, stream: Stream | None = None) -> DeviceArray:
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("DeviceArray.copy_from_host", {}, self.copy_from_host, host, stream)
         if self._allocator.closed is not None:
             raise self.dropped()
         host = np.asanyarray(host)  # keeps a HostArray a HostArray (asarray would not)
@@ -236,8 +237,9 @@ class DeviceArray:
             _staging(self.device).to_device(s, self.va, host.reshape(-1).view(np.uint8))
         return self
 
-    @_trace.traced("DeviceArray.copy_to_host")
     def copy_to_host(self, out: np.ndarray | None = None, stream: Stream | None = None) -> np.ndarray:
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("DeviceArray.copy_to_host", {}, self.copy_to_host, out, stream)
         if self._allocator.closed is not None:
             raise self.dropped()
         out = np.empty(self.shape, self.dtype) if out is None else out
@@ -254,9 +256,10 @@ class DeviceArray:
                 _staging(self.device).to_host(s, out.reshape(-1).view(np.uint8), self.va)
         return out
 
-    @_trace.traced("DeviceArray.copy_")
     def copy_(self, src: DeviceArray, stream: Stream | None = None) -> DeviceArray:
         """Device-to-device copy (a peer copy when ``src`` lives on another device)."""
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("DeviceArray.copy_", {}, self.copy_, src, stream)
         if self._allocator.closed is not None or src._allocator.closed is not None:
             raise (self.dropped() or src.dropped())
         if src.nbytes != self.nbytes:
@@ -265,9 +268,10 @@ class DeviceArray:
         s.submit([_packet(userq.Op.COPY, self.va, src.va, self.nbytes)], uses=(self, src))
         return self
 
-    @_trace.traced("DeviceArray.memset")
     def memset(self, value: int, stream: Stream | None = None) -> DeviceArray:
         """Set every byte to ``value`` (0..255)."""
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("DeviceArray.memset", {}, self.memset, value, stream)
         if self._allocator.closed is not None:
             raise self.dropped()
         if not 0 <= value <= 0xFF:
@@ -416,9 +420,10 @@ class HostArray(np.ndarray):
         assert self._accel is not None
         return self._accel.va + (self.ctypes.data - self._accel.base)
 
-    @_trace.traced("HostArray.prefetch")
     def prefetch(self, to_device: bool = True, stream: Stream | None = None) -> None:
         """Managed memory: migrate these pages to the device (or back to the host)."""
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("HostArray.prefetch", {}, self.prefetch, to_device, stream)
         if self._accel is None or self._accel.kind != uapi.MemKind.MANAGED:
             raise errors.InvalidValueError("prefetch is for managed memory")
         s = stream or current_stream(_runtime_index(self._accel.ctx))

@@ -1,6 +1,6 @@
 """``with runtime.profile() as p:``: host calls and the device packets they queued.
 
-While a profile runs, every traced runtime call (``runtime._trace.traced``) is a host
+While a profile runs, every traced runtime call (runtime/_trace.py) is a host
 event (name, thread, host start and end), and every packet ``Stream._write`` puts on a
 ring is a device event sharing its host call's correlation id. The ring keeps one
 completion timestamp per slot (device time: the firmware's ``CLOCK_MONOTONIC``) and no
@@ -116,22 +116,20 @@ class _Recorder:
             self.thread_names[tid] = threading.current_thread().name
         return tid
 
-    def call(self, name: str, describe: _trace.Describe | None, fn: Callable[..., Any],
-             args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        tls = self._tls
-        if getattr(tls, "call", None) is not None:  # inside a traced call: part of it
-            return fn(*args, **kwargs)
+    def outermost(self) -> bool:
+        return getattr(self._tls, "call", None) is None
+
+    def call(self, name: str, args: dict[str, Any], fn: Callable[..., Any],
+             *fn_args: Any) -> Any:
         corr = next(self._ids)
-        # described before the call: a freed block is the allocator's again after it
-        event = HostEvent(name, self._tid(), 0, 0, corr,
-                          describe(*args, **kwargs) if describe else {})
-        tls.call = (corr, name)
+        event = HostEvent(name, self._tid(), 0, 0, corr, args)
+        self._tls.call = (corr, name)
         event.start_ns = monotonic_ns()
         try:
-            return fn(*args, **kwargs)
+            return fn(*fn_args)
         finally:
             event.end_ns = monotonic_ns()
-            tls.call = None
+            self._tls.call = None
             self.host.append(event)
 
     def submitting(self, stream: Stream, wptr: int, packets: Sequence[Any]) -> None:

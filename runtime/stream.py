@@ -117,8 +117,7 @@ class Stream:
             if words[_ERROR_SEQNO]:
                 self._raise_fault(self.last_seqno, refusing=True)
             wptr = self.last_seqno
-            tracer = _trace.active
-            if tracer is not None:
+            if (tracer := _trace.active) is not None:
                 tracer.submitting(self, wptr, packets)
             for pkt in packets:
                 if wptr - words[_RPTR] >= self._depth:
@@ -185,13 +184,14 @@ class Stream:
         ev.record(self)
         return ev
 
-    @_trace.traced("Stream.wait_event")
     def wait_event(self, event: Event) -> None:
         """Later work on this stream waits for ``event``, on the device (the host goes on),
         also when the event is on another device of this process.
 
         Waiting on an event never recorded is a no-op, as in torch.cuda.
         """
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("Stream.wait_event", {}, self.wait_event, event)
         if self.capturing is not None or (event.stream is not None
                                           and event.stream.capturing is not None):
             raise errors.InvalidValueError("events cannot cross a graph capture; record them "
@@ -274,8 +274,9 @@ class Stream:
             self._raise_fault(self.last_seqno)
         return done
 
-    @_trace.traced("Stream.synchronize")
     def synchronize(self, timeout: float | None = None) -> None:
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("Stream.synchronize", {}, self.synchronize, timeout)
         self.wait_seqno(self.last_seqno, timeout)
 
     def __del__(self) -> None:
@@ -343,8 +344,9 @@ class Event:
         self.stream: Stream | None = None
         self.seqno = 0
 
-    @_trace.traced("Event.record")
     def record(self, stream: Stream | None = None) -> None:
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("Event.record", {}, self.record, stream)
         stream = stream or current_stream()
         stream.ctx.check_fork()  # recording reads the stream only: no write would check
         if stream.capturing is not None:
@@ -374,8 +376,9 @@ class Event:
             self.stream._raise_fault(self.seqno)
         return done
 
-    @_trace.traced("Event.synchronize")
     def synchronize(self, timeout: float | None = None) -> None:
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("Event.synchronize", {}, self.synchronize, timeout)
         self._check_fork()
         if self.stream is not None and self.seqno:
             self.stream.wait_seqno(self.seqno, timeout)
