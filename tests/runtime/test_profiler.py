@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from abi.userq import RING_SLOTS
 from scenario import STREAM_PRELUDE as PRELUDE
 from scenario import run_scenario
 
@@ -180,18 +181,38 @@ def test_more_packets_than_the_ring_has_slots_lose_no_stamp(daemon):
     lines = run(daemon, f"""
         s = runtime.Stream()
         with runtime.profile() as p:
-            for _ in range({3 * userq_slots()}):
+            for _ in range({3 * RING_SLOTS}):
                 s.submit([pkt(userq.Op.NOP)])
         print(len(p.device_events), p.lost_packets, len(p.host_events))
         print(all(a.end_ns <= b.start_ns for a, b in zip(p.device_events, p.device_events[1:])))
     """)
-    assert lines == [f"{3 * userq_slots()} 0 {3 * userq_slots()}", "True"]
+    assert lines == [f"{3 * RING_SLOTS} 0 {3 * RING_SLOTS}", "True"]
 
 
-def userq_slots() -> int:
-    from abi.userq import RING_SLOTS
-
-    return RING_SLOTS
+@pytest.mark.timeout(120)
+def test_a_graph_replay_is_one_host_call_and_its_captured_packets(daemon):
+    """A replay writes all its packets at once (``Stream._write``, not ``submit``): each
+    is a device event of the replay's correlation, its kernel named by the capture."""
+    lines = run(daemon, """
+        m = runtime.compile('''
+        def inc(x):
+            x[global_id(0)] = x[global_id(0)] + 1.0
+        ''')
+        s = runtime.Stream()
+        x = runtime.empty(256, np.float32)
+        g = runtime.Graph()
+        with runtime.graph(g, s):
+            x.memset(0, stream=s)
+            m.inc[1, 256](x, stream=s)
+        with runtime.profile() as p:
+            g.replay(); g.replay()
+            s.synchronize()
+        replays = [h.correlation for h in p.host_events if h.name == "Graph.replay"]
+        print([h.name for h in p.host_events])
+        print([(e.name, replays.index(e.correlation)) for e in p.device_events])
+    """)
+    assert lines == ["['Graph.replay', 'Graph.replay', 'Stream.synchronize']",
+                     "[('Memset', 0), ('inc', 0), ('Memset', 1), ('inc', 1)]"]
 
 
 @pytest.mark.timeout(120)
