@@ -191,9 +191,11 @@ def get(index: int | None = None) -> Device:
 
 
 def held() -> list[int]:
-    """The visible devices this process holds (has a :class:`Device` for), without
+    """The visible devices this process holds (has a live :class:`Device` for), without
     initialising any: the profiler measures their clocks when it starts."""
-    return sorted(_devices) if is_initialized() else []
+    if not is_initialized():
+        return []
+    return sorted(i for i, dev in list(_devices.items()) if dev.lost is None)
 
 
 def primary_context(index: int | None = None) -> Context:

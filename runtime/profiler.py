@@ -8,8 +8,9 @@ start, so a packet's device start is derived: the later of the previous packet's
 the same queue (a queue runs in order) and its host submit time mapped to device time
 (it cannot start before it was written). The host/device offset is measured per device
 as tinygrad does: the median over a few no-op round trips of (device stamp) - (midpoint
-of host before and after). Timestamps are read back while their slots are still live:
-at each submission to the stream and when the profile stops (docs/profiler.md).
+of host before and after), lowered where the profile proves it too high (a packet would
+complete before it was submitted). Timestamps are read back while their slots are still
+live: at each submission to the stream and when the profile stops (docs/profiler.md).
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ def _device_event(d: _Done, offset: int) -> DeviceEvent:
     else:  # NOP (an event's marker), or a raw packet of another opcode
         name, cat = ("Marker Sync" if opcode == userq.Op.NOP
                      else f"{userq.op_name(opcode)} Sync"), "gpu_sync"
-    return DeviceEvent(name, cat, d.device, d.stream, p.seqno, min(start, end), end,
+    return DeviceEvent(name, cat, d.device, d.stream, p.seqno, start, end,
                        p.correlation, args)
 
 
@@ -217,7 +218,8 @@ class Profile:
         self.host_events: list[HostEvent] = []
         self.device_events: list[DeviceEvent] = []
         self.thread_names: dict[int, str] = {}
-        #: device index -> device minus host clock (ns)
+        #: device index -> device minus host clock (ns): measured, then lowered to what the
+        #: profile allows (``_causal``)
         self.clock_offsets: dict[int, int] = {}
         #: device index -> its properties, for the trace's ``deviceProperties``
         self.devices: dict[int, _device.DeviceProperties] = {}
@@ -237,6 +239,18 @@ class Profile:
         self.clock_offsets[index] = clock_offset(index)
         self.devices[index] = _device.get_device_properties(index)
 
+    def _causal(self, done: list[_Done]) -> None:
+        """Lower each measured offset to what the profile itself proves: no packet
+        completes before it was submitted. An asymmetric round trip (a busy firmware
+        takes a packet late, the runtime sees the fence at once) overestimates the
+        offset, which would show work ending before the call that queued it; with this
+        bound every device event starts no earlier than its submission (and so ends
+        after it starts: a queue's ends are in order)."""
+        for d in done:
+            bound = d.end_ns - d.pending.submit_ns
+            if bound < self.clock_offsets[d.device]:
+                self.clock_offsets[d.device] = bound
+
     def __exit__(self, *exc: object) -> None:
         rec, self._recorder = self._recorder, None
         assert rec is not None
@@ -244,6 +258,7 @@ class Profile:
         rec.finish()
         for index in sorted({d.device for d in rec.done} - set(self.clock_offsets)):
             self._measure(index)  # first used inside the profile: measured now
+        self._causal(rec.done)
         self.host_events = sorted(rec.host, key=lambda e: e.start_ns)
         self.device_events = sorted((_device_event(d, self.clock_offsets[d.device])
                                      for d in rec.done), key=lambda e: e.start_ns)
