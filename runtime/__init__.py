@@ -43,6 +43,7 @@ from runtime.memory import (
     to_device,
 )
 from runtime.graphs import Graph, graph
+from runtime.profiler import Profile, profile
 from runtime.launch import Kernel, Module, compile, kernel
 from runtime.stream import Event, Stream, current_stream, default_stream, set_stream, stream
 from runtime.errors import (
@@ -71,13 +72,13 @@ __all__ = [
     "DriverVersionMismatchError", "Event", "Fence", "FirmwareBootError",
     "FirmwareCorruptError", "FirmwareError", "FirmwareMissingError", "Graph", "HostArray",
     "InvalidValueError", "IpcHandle", "Kernel", "KernelCompileError", "KernelFaultError", "Module",
-    "NoDeviceError", "OutOfMemoryError", "ResourceLimitError", "Stream", "UseAfterForkError", "compile",
+    "NoDeviceError", "OutOfMemoryError", "Profile", "ResourceLimitError", "Stream", "UseAfterForkError", "compile",
     "current_device", "current_stream", "default_stream", "device", "device_count", "empty",
     "empty_cache", "enable_peer_access", "fault_records", "get_device_name", "get_device_properties",
     "graph", "init", "is_available", "is_initialized", "kernel", "managed_empty",
     "max_memory_allocated", "max_memory_reserved", "mem_get_info", "memory_allocated",
     "memory_reserved", "memory_stats", "new_context", "open_ipc_handle", "pinned_empty",
-    "primary_context", "recover", "reset_device", "reset_peak_memory_stats", "set_device",
+    "primary_context", "profile", "recover", "reset_device", "reset_peak_memory_stats", "set_device",
     "set_stream", "stream", "synchronize", "to_device",
 ]
 

@@ -46,6 +46,7 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable
 from typing import Protocol
 
+from runtime import _trace
 from runtime.errors import InvalidValueError, OutOfMemoryError
 
 MIN_BLOCK_SIZE = 512                 #: every size rounds up to a multiple of this
@@ -296,6 +297,8 @@ class CachingAllocator:
 
     def malloc(self, size: int, stream: StreamLike) -> Block:
         """A block of at least ``size`` bytes for use on ``stream``."""
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("alloc", {"bytes": size, "device": self.device}, self.malloc, size, stream)
         if size <= 0:
             if size == 0:
                 return Block(0, 0, stream, None, None, None, _NULL)
@@ -327,6 +330,8 @@ class CachingAllocator:
 
     def free(self, block: Block) -> None:
         """Give a block back; its stream may reuse it at once (see ``record_stream``)."""
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("free", {"bytes": block.size, "device": self.device}, self.free, block)
         if block.state != _ALLOCATED:
             if block.state == _NULL:
                 return

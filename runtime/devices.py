@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
 from abi import uapi, userq
-from runtime import discovery, errors, faults
+from runtime import _trace, discovery, errors, faults
 from runtime._channel import fork_message
 from runtime.allocator import CachingAllocator
 from runtime.context import Context
@@ -190,6 +190,14 @@ def get(index: int | None = None) -> Device:
         return dev
 
 
+def held() -> list[int]:
+    """The visible devices this process holds (has a live :class:`Device` for), without
+    initialising any: the profiler measures their clocks when it starts."""
+    if not is_initialized():
+        return []
+    return sorted(i for i, dev in list(_devices.items()) if dev.lost is None)
+
+
 def primary_context(index: int | None = None) -> Context:
     """This process's primary context on device ``index`` (created on first use)."""
     return get(index).context
@@ -291,6 +299,8 @@ def synchronize(dev: DeviceLike = None, timeout: float | None = None) -> None:
     context of this process queued on it before the call, on every stream; raise the first
     fault found (a ``DeviceFaultError`` with its record), or ``AccelTimeoutError`` once
     ``timeout`` seconds pass."""
+    if (rec := _trace.active) is not None and rec.outermost():
+        return rec.call("synchronize", {}, synchronize, dev, timeout)
     physical = primary_context(_index(dev)).physical
     deadline = None if timeout is None else time.monotonic() + timeout
     first: errors.DeviceFaultError | None = None

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from abi import uapi
-from runtime import errors
+from runtime import _trace, errors
 from runtime.stream import Stream, current_stream
 
 _capturing = threading.local()
@@ -80,6 +80,8 @@ class Graph:
 
     def replay(self, stream: Stream | None = None) -> int:
         """Submit the captured work as one batch; return the last packet's seqno."""
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("Graph.replay", {}, self.replay, stream)
         if not self.captured:
             raise errors.InvalidValueError("replay of a graph whose capture has not ended")
         for ref, name in zip(self._uses, self._names):

@@ -21,7 +21,7 @@ import numpy as np
 
 from abi import kernel_lang, uapi, userq
 from runtime import devices as _device
-from runtime import errors
+from runtime import _trace, errors
 from runtime._shm import sealed_memfd
 from runtime.memory import DeviceArray, HostArray, _packet, pinned_empty
 from runtime.stream import Stream, current_stream
@@ -139,6 +139,9 @@ class Kernel:
     def launch(self, grid: Any, block: Any, args: Sequence[Any], stream: Stream | None = None,
                shared_mem: int = 0) -> int:
         """Queue the launch; return its seqno on the stream."""
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("Kernel.launch", {"kernel": self.name}, self.launch, grid, block,
+                            args, stream, shared_mem)
         g, b = _dims(grid, "grid"), _dims(block, "block")
         props = self.module.properties
         if b[0] * b[1] * b[2] > props.max_threads_per_block:

@@ -32,7 +32,7 @@ import numpy as np
 
 from abi import uapi, userq
 from runtime import devices as _device
-from runtime import discovery, errors
+from runtime import _trace, discovery, errors
 from runtime._shm import map_memfd, sealed_memfd
 from runtime.allocator import CachingAllocator
 from runtime.context import Context
@@ -222,6 +222,8 @@ class DeviceArray:
             "gone, allocate it again")
 
     def copy_from_host(self, host: np.ndarray, stream: Stream | None = None) -> DeviceArray:
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("DeviceArray.copy_from_host", {}, self.copy_from_host, host, stream)
         if self._allocator.closed is not None:
             raise self.dropped()
         host = np.asanyarray(host)  # keeps a HostArray a HostArray (asarray would not)
@@ -236,6 +238,8 @@ class DeviceArray:
         return self
 
     def copy_to_host(self, out: np.ndarray | None = None, stream: Stream | None = None) -> np.ndarray:
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("DeviceArray.copy_to_host", {}, self.copy_to_host, out, stream)
         if self._allocator.closed is not None:
             raise self.dropped()
         out = np.empty(self.shape, self.dtype) if out is None else out
@@ -254,6 +258,8 @@ class DeviceArray:
 
     def copy_(self, src: DeviceArray, stream: Stream | None = None) -> DeviceArray:
         """Device-to-device copy (a peer copy when ``src`` lives on another device)."""
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("DeviceArray.copy_", {}, self.copy_, src, stream)
         if self._allocator.closed is not None or src._allocator.closed is not None:
             raise (self.dropped() or src.dropped())
         if src.nbytes != self.nbytes:
@@ -264,6 +270,8 @@ class DeviceArray:
 
     def memset(self, value: int, stream: Stream | None = None) -> DeviceArray:
         """Set every byte to ``value`` (0..255)."""
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("DeviceArray.memset", {}, self.memset, value, stream)
         if self._allocator.closed is not None:
             raise self.dropped()
         if not 0 <= value <= 0xFF:
@@ -414,6 +422,8 @@ class HostArray(np.ndarray):
 
     def prefetch(self, to_device: bool = True, stream: Stream | None = None) -> None:
         """Managed memory: migrate these pages to the device (or back to the host)."""
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("HostArray.prefetch", {}, self.prefetch, to_device, stream)
         if self._accel is None or self._accel.kind != uapi.MemKind.MANAGED:
             raise errors.InvalidValueError("prefetch is for managed memory")
         s = stream or current_stream(_runtime_index(self._accel.ctx))

@@ -25,8 +25,8 @@ from typing import Any
 
 from abi import faults as fault_abi
 from abi import uapi, userq
+from runtime import _trace, errors, faults
 from runtime import devices as _device
-from runtime import errors, faults
 from runtime._shm import sealed_memfd
 from runtime.context import Context
 
@@ -117,6 +117,8 @@ class Stream:
             if words[_ERROR_SEQNO]:
                 self._raise_fault(self.last_seqno, refusing=True)
             wptr = self.last_seqno
+            if (tracer := _trace.active) is not None:
+                tracer.submitting(self, wptr, packets)
             for pkt in packets:
                 if wptr - words[_RPTR] >= self._depth:
                     self._publish(wptr)  # full: let the firmware see what is there, wait
@@ -168,6 +170,10 @@ class Stream:
             for old in list(self._kernels)[: userq.RING_SLOTS]:
                 del self._kernels[old]
 
+    def kernel_name(self, seqno: int) -> str | None:
+        """The kernel a launch of this stream ran, while it is remembered (the profiler)."""
+        return self._kernels.get(seqno)
+
     def submit_nop(self) -> int:
         """Queue a no-op (a marker); return its seqno."""
         return self.submit([_NOP])
@@ -184,6 +190,8 @@ class Stream:
 
         Waiting on an event never recorded is a no-op, as in torch.cuda.
         """
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("Stream.wait_event", {}, self.wait_event, event)
         if self.capturing is not None or (event.stream is not None
                                           and event.stream.capturing is not None):
             raise errors.InvalidValueError("events cannot cross a graph capture; record them "
@@ -267,6 +275,8 @@ class Stream:
         return done
 
     def synchronize(self, timeout: float | None = None) -> None:
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("Stream.synchronize", {}, self.synchronize, timeout)
         self.wait_seqno(self.last_seqno, timeout)
 
     def __del__(self) -> None:
@@ -335,6 +345,8 @@ class Event:
         self.seqno = 0
 
     def record(self, stream: Stream | None = None) -> None:
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("Event.record", {}, self.record, stream)
         stream = stream or current_stream()
         stream.ctx.check_fork()  # recording reads the stream only: no write would check
         if stream.capturing is not None:
@@ -365,6 +377,8 @@ class Event:
         return done
 
     def synchronize(self, timeout: float | None = None) -> None:
+        if (rec := _trace.active) is not None and rec.outermost():
+            return rec.call("Event.synchronize", {}, self.synchronize, timeout)
         self._check_fork()
         if self.stream is not None and self.seqno:
             self.stream.wait_seqno(self.seqno, timeout)
