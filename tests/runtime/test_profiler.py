@@ -245,15 +245,15 @@ def test_holistic_trace_analysis_names_our_kernels_with_their_device_times(daemo
     traces.mkdir()
     run(daemon, WORKLOAD, TRACE=str(traces / "rank0.trace.json"))
     trace = json.loads((traces / "rank0.trace.json").read_text())
-    kernel_us = sum(e["dur"] for e in trace["traceEvents"]
-                    if e["ph"] == "X" and e["cat"] == "kernel")
+    kernel_durs = [e["dur"] for e in trace["traceEvents"]
+                   if e["ph"] == "X" and e["cat"] == "kernel"]
     analysis = TraceAnalysis(trace_dir=str(traces))
     _types, kernels = analysis.get_gpu_kernel_breakdown(visualize=False,
                                                         include_memory_kernels=True)
     rows = {r["name"]: r for r in kernels.to_dict("records")}
     assert rows["scale"]["kernel_type"] == "COMPUTATION" and rows["scale"]["rank"] == 0
-    # HTA keeps whole microseconds of each event
-    assert abs(rows["scale"]["sum (us)"] - kernel_us) <= 2
+    # HTA keeps whole microseconds of each event: up to one lost per event
+    assert abs(rows["scale"]["sum (us)"] - sum(kernel_durs)) <= len(kernel_durs)
     assert {"Memcpy DtoD", "Memcpy HtoD", "Memcpy DtoH", "Memset"} <= set(rows)
     assert {rows[n]["kernel_type"] for n in ("Memcpy DtoD", "Memset")} == {"MEMORY"}
     assert "Marker Sync" not in rows

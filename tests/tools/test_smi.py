@@ -28,6 +28,10 @@ from scenario import KERNEL_FAULT_PRELUDE
 REPO = Path(__file__).resolve().parents[2]
 #: Changes between two reads on a healthy device; never compared by value.
 VOLATILE = {"heartbeat", "temperature", "utilization", "utilization_copy", "power"}  # move with load
+#: The default table's columns, and where the state is among them
+TABLE_HEADERS = ["Idx", "Name", "UUID", "Bus-Id", "Firmware", "Memory-Usage", "Temp", "Pwr",
+                 "Util", "Ctx", "State"]
+STATE = TABLE_HEADERS.index("State")
 
 
 def smi(d, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -65,8 +69,7 @@ def test_table_lists_every_device_as_sysfs_has_it(daemon) -> None:
     module = daemon.root / uapi.MODULE_DIR
     assert f"Driver Version: {(module / 'version').read_text().strip()}" in header
     assert f"ABI Version: {(module / 'abi_version').read_text().strip()}" in header
-    assert rows[0] == ["Idx", "Name", "UUID", "Bus-Id", "Firmware", "Memory-Usage", "Temp",
-                       "Pwr", "Util", "Ctx", "State"]
+    assert rows[0] == TABLE_HEADERS
     assert len(rows) == 3 and after == []
     for dev, row in enumerate(rows[1:]):
         a = readable_attrs(daemon, dev)
@@ -292,7 +295,7 @@ def test_missing_firmware_is_shown_and_reset_recovers_once_installed(make_daemon
     assert proc.returncode == 15  # printed all the same; the status is the health gate
     assert proc.stderr == "accel-smi: not operational: accel 0 (failed)\n"
     _, rows, after = table(proc.stdout)
-    assert rows[1][7] == "failed (ENOPKG)" and rows[1][4] == "N/A"
+    assert rows[1][STATE] == "failed (ENOPKG)" and rows[1][4] == "N/A"
     assert after == [f"accel 0: failed [ENOPKG]: {failure}"]
 
     proc = smi(d, "--query-device=index,state,failure_code", "--format=csv,noheader")
@@ -309,7 +312,7 @@ def test_missing_firmware_is_shown_and_reset_recovers_once_installed(make_daemon
     proc = smi(d, "-r", "-i", "0")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "accel 0: reset complete, operational (reset_count 2)\n"
-    assert table(smi(d).stdout)[1][1][7] == "operational"
+    assert table(smi(d).stdout)[1][1][STATE] == "operational"
 
 
 def test_corrupt_firmware_is_shown(make_daemon, firmware_copy: Path) -> None:
@@ -320,7 +323,7 @@ def test_corrupt_firmware_is_shown(make_daemon, firmware_copy: Path) -> None:
     d = make_daemon(firmware_dir=firmware_copy)
     proc = smi(d)
     _, rows, after = table(proc.stdout)
-    assert rows[1][7] == "failed (ENOEXEC)"
+    assert rows[1][STATE] == "failed (ENOEXEC)"
     assert after == [f"accel 0: failed [ENOEXEC]: {d.attr(0, 'failure')}"]
     assert f"firmware image {image} is corrupt" in after[0]
 
@@ -334,7 +337,7 @@ def test_boot_failure_lost_device_and_reset_in_progress_are_shown(make_daemon) -
     assert proc.returncode == 1
     assert "reset ended failed [EIO]: firmware failed to boot" in proc.stderr
     _, rows, after = table(smi(d).stdout)
-    assert rows[1][7] == "failed (EIO)"
+    assert rows[1][STATE] == "failed (EIO)"
     assert after == [f"accel 0: failed [EIO]: {d.attr(0, 'failure')}"]
     write_debug(d, "fw_boot_fail", "0")
     assert smi(d, "-r", "-i", "0").returncode == 0
@@ -343,7 +346,7 @@ def test_boot_failure_lost_device_and_reset_in_progress_are_shown(make_daemon) -
     write_debug(d, "fw_hang", "1")
     d.wait_state(0, "failed", timeout=10)
     _, rows, after = table(smi(d).stdout)
-    assert rows[1][7] == "failed (ENODEV)"
+    assert rows[1][STATE] == "failed (ENODEV)"
     assert after == [f"accel 0: failed [ENODEV]: {d.attr(0, 'failure')}"]
     assert "heart-beating" in after[0]
 
@@ -353,7 +356,7 @@ def test_boot_failure_lost_device_and_reset_in_progress_are_shown(make_daemon) -
         (d.root / uapi.CLASS_DIR / "accel0" / "reset").write_text("1")
         d.wait_state(0, "in_reset")
         _, rows, after = table(smi(d).stdout)
-        assert rows[1][7] == "in_reset"
+        assert rows[1][STATE] == "in_reset"
         assert d.attr(0, "failure") == ""
         assert after == ["accel 0: in_reset: resetting; usable again once its state is "
                          "operational"]
