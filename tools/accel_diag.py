@@ -1,34 +1,45 @@
-"""``accel-diag -r LEVEL``: the bring-up suite in levels, like ``dcgmi diag -r 1|2|3``.
+"""``accel-diag -r LEVEL`` or ``-r TEST[,TEST]``: the bring-up suite, like ``dcgmi diag``.
 
 Level 1 (quick) answers "is this machine usable at all": the driver is loaded, every
 device is enumerated with its identity and is operational, the runtime sees the same
-devices sysfs does, a no-op round-trips through each device's firmware, device memory
-holds what pinned and pageable copies put there (and is given back), and a stream keeps
-its order. Level 2 adds load and the asynchronous features on one process: a long stream of
-no-ops whose fences must retire in order, several contexts per device at once, a 64 MiB
-pinned copy (its bandwidth is reported, never judged), streams joined by events, graph
-replay, a faulting stream that spares the others, and managed memory migrating on device
-access. Level 3 adds several processes at once (``spawn``ed, since a forked child may not
-use its parent's runtime state) and more than one device: peer copies, processes whose
-memory and contexts the driver must give back, and IPC memory shared with another process.
+devices sysfs does, a no-op round-trips through each device's firmware (its latency judged
+against a host pipe round trip), device memory holds what pinned and pageable copies put
+there (and is given back), and a stream keeps its order. Level 2 adds load and the
+asynchronous features on one process: a long stream of no-ops whose fences must retire in
+order, several contexts per device at once, a 64 MiB pinned copy (its bandwidth judged
+against a host memcpy), streams joined by events, graph replay, a faulting stream that
+spares the others, managed memory migrating on device access, the kernel library checked
+against numpy, the JIT cache (the same source twice: one compile, then a hit) and a GEMM on
+the matrix unit. Level 3 adds several processes at once (``spawn``ed, since a forked child
+may not use its parent's runtime state) and more than one device: peer copies, processes
+whose memory and contexts the driver must give back, IPC memory shared with another
+process; a few seconds of back-to-back kernel launches with an exact result; and memory
+patterns (walking ones, address-in-address, random) over a large allocation.
 
-Every test uses the public runtime API only, compares the bytes it moved, and frees what it
-allocated (its streams closed, its arrays freed, the allocator's cache emptied).
+Every test uses the public runtime API only, compares what it moved or computed, and frees
+what it allocated (its streams closed, its arrays freed, the allocator's cache emptied).
 
 Each test is a function registered with ``@diag_test(level)``, which appends it to
-``TESTS[level]``; a level runs its own tests after those of every lower level. A test
-returns a one-line detail when it passes, raises ``Skip`` to skip, and fails by raising
-anything else (its message is the detail). ``needs`` names tests that must have passed
-first, so one root cause (say, missing firmware) is reported once, as the failure it is,
-and the tests that depend on it are skipped instead of failing with the same cause. Later
-capabilities (memory, kernels) add their tests the same way.
+``TESTS[level]``; a level runs its own tests after those of every lower level, and
+``-r TEST`` runs the named tests after those they need. A test of the whole machine is
+``fn(diag)``; a ``per_device`` one is ``fn(diag, index, name)``, run once per device with
+a result of its own. A test returns a one-line detail (or an ``Outcome`` with figures)
+when it passes, raises ``Skip`` to skip, and fails by raising anything else (its message
+is the detail; a ``Failure`` carries its reason code). ``needs`` names tests that must
+have passed first -- on the same device, for a per-device need -- so one root cause (say,
+a device whose bring-up failed) is reported once, as the failure it is, and only the tests
+that depend on it are skipped (``dependency-failed``), the other devices' still running.
+
+A figure is judged against a host baseline measured just before it in the same process:
+past its threshold the test is Warn (shown, with a reason code, but the run still exits 0).
+docs/diag.md has the thresholds, the reason codes and the ``--json`` schema.
 
 ``-i`` restricts the run to some physical devices (index, UUID or unique UUID prefix, PCI
 bus id, comma list); it sets ``ACCEL_VISIBLE_DEVICES`` for this process and its workers.
 Without it the runtime's own view applies, ``ACCEL_VISIBLE_DEVICES`` included.
 
-Exit status: 0 when no test failed (skips do not fail a run), 1 when any failed, 2 for a
-bad command line.
+Exit status: 0 when no test failed (warns and skips do not fail a run), 1 when any failed,
+2 for a bad command line (an unknown test name among them).
 """
 
 from __future__ import annotations
@@ -73,7 +84,7 @@ ORDER_BYTES = 4 << 20            # above the 256 KiB inline limit: the copy engi
 BANDWIDTH_BYTES = 64 << 20
 #: Warn when a pinned copy moves less than this share of a host memcpy's GB/s. The copy
 #: engines copy between shared mappings in the firmware process, so a healthy copy runs at
-#: a good fraction of memcpy (docs/tools.md gives the figures seen).
+#: a good fraction of memcpy (docs/diag.md gives the figures seen).
 COPY_WARN_BELOW = 0.1
 EVENT_BYTES = 16 << 20           # a memset long enough that an unordered reader would see it
 GRAPH_BYTES = 1 << 20
@@ -89,7 +100,7 @@ COUNTER_POLL_S = 2.0
 TEARDOWN_POLL_S = 10.0
 
 
-#: Reason codes: short, stable identifiers a script can match on (docs/tools.md lists them).
+#: Reason codes: short, stable identifiers a script can match on (docs/diag.md lists them).
 REASONS = {
     "ok": "passed, every figure within its threshold",
     "bandwidth-low": "passed, but a bandwidth is below its share of the host baseline",
@@ -374,7 +385,7 @@ def runtime_properties(d: Diag, i: int, name: str) -> str:
 LATENCY_ROUNDS = 50
 #: Warn when a no-op's round trip takes more than this many host pipe round trips. A no-op
 #: is two FUSE transactions plus the firmware's doorbell and interrupt: 60-70 pipe round
-#: trips on a healthy, idle machine, and more on a loaded one (docs/tools.md).
+#: trips on a healthy, idle machine, and more on a loaded one (docs/diag.md).
 NOOP_WARN_ABOVE = 250.0
 
 _ECHO = "import os\nwhile (b := os.read(0, 1)):\n    os.write(1, b)\n"
@@ -1275,7 +1286,7 @@ def run_suite(diag: Diag, tests: Sequence[DiagTest], progress: bool = False) -> 
     return results
 
 
-#: The JSON document's schema version (docs/tools.md); bumped when a field changes meaning.
+#: The JSON document's schema version (docs/diag.md); bumped when a field changes meaning.
 JSON_VERSION = 1
 STATUSES = ("pass", "warn", "fail", "skip")
 
