@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.core import Failure, Row, write_json
+from bench.core import Failure, Row, fmt_value, write_json
 
 DEFAULT_DIR = Path(__file__).resolve().parent / "reports" / "latest"
 #: Bar colours: goal met, goal missed, no goal (informational).
@@ -36,15 +36,12 @@ def write_report(folder: Path, meta: dict[str, Any], groups: dict[str, list[Row]
     return [md, folder / "results.json", *plots]
 
 
-def _cell(value: float, unit: str) -> str:
-    return f"{value:.4g} {unit}"
-
-
 def markdown(meta: dict[str, Any], groups: dict[str, list[Row]], failures: Sequence[Failure],
              plots: Sequence[str]) -> str:
     """The report's text: the run's identity, the table of every row, the failures, the
     plots (by file name, relative to the report)."""
-    commit = f"{meta.get('commit', '')[:12] or 'unknown'}{' (dirty)' if meta.get('dirty') else ''}"
+    commit = meta.get("commit", "")[:12] or "unknown"
+    commit += " (dirty)" if meta.get("dirty") else ""
     lines = [
         "# accel-emu benchmark report", "",
         f"- date: {meta.get('time', '?')}",
@@ -59,18 +56,16 @@ def markdown(meta: dict[str, Any], groups: dict[str, list[Row]], failures: Seque
     ]
     for group, rows in groups.items():
         for r in rows:
-            met = "-" if r.met is None else ("yes" if r.met else "NO")
-            goal = "-" if r.goal is None else f"<= {r.goal:g}x"
-            lines.append(f"| {group} | {_escape(r.benchmark)} | {_cell(r.value, r.unit)} | "
-                         f"{_escape(r.baseline)} | {_cell(r.baseline_value, r.unit)} | "
-                         f"{r.ratio:.3g}x | {goal} | {met} |")
+            lines.append(f"| {group} | {_escape(r.benchmark)} | {fmt_value(r.value, r.unit)} | "
+                         f"{_escape(r.baseline)} | {fmt_value(r.baseline_value, r.unit)} | "
+                         f"{r.ratio:.3g}x | {r.goal_text} | {r.met_text} |")
     for f in failures:
         lines += ["", f"**{f.benchmark} failed:** `{f.error.strip().splitlines()[-1]}`"]
     if plots:
         lines += ["", "## Plots", "",
                   "One per group: each row's ratio as a bar (green: goal met, red: missed, "
-                  "grey: no goal), its goal as a black line across the bar, and a dotted line at 1x "
-                  "(as fast as the baseline)."]
+                  "grey: no goal), its goal as a black line across the bar, and a dotted "
+                  "line at 1x (as fast as the baseline)."]
         lines += [f"\n![{Path(p).stem}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
 

@@ -95,13 +95,13 @@ def test_report_has_every_row_and_one_valid_png_per_group(tmp_path):
     assert table[0] == ("| group | benchmark | figure | baseline | baseline value | ratio | "
                         "goal | met |")
     assert table[1:] == [
-        "| command_round_trips | device-query round trip | 120 us | echo-fs pwrite+pread | "
-        "100 us | 1.2x | <= 1.3x | yes |",
-        "| command_round_trips | no-op \\| submit+wait | 450 us | echo-fs pwrite+pread | 100 us | "
-        "4.5x | - | - |",
-        "| kernels | SIMT saxpy | 2 us | numba CUDA simulator | 5e+04 us | 4e-05x | "
+        "| command_round_trips | device-query round trip | 120.0 us | echo-fs pwrite+pread | "
+        "100.0 us | 1.2x | <= 1.3x | yes |",
+        "| command_round_trips | no-op \\| submit+wait | 450.0 us | echo-fs pwrite+pread | "
+        "100.0 us | 4.5x | - | - |",
+        "| kernels | SIMT saxpy | 2.0 us | numba CUDA simulator | 50,000.0 us | 4e-05x | "
         "<= 0.0001x | yes |",
-        "| kernels | GEMM 256x256 | 9 ms | numpy matmul | 1 ms | 9x | <= 2x | NO |"]
+        "| kernels | GEMM 256x256 | 9.0 ms | numpy matmul | 1.0 ms | 9x | <= 2x | NO |"]
     assert "**floods failed:** `RuntimeError: x`" in md
     assert "![kernels](kernels.png)" in md
 
