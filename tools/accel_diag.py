@@ -1320,11 +1320,14 @@ def render(diag: Diag, spec: str, level: int | None, results: list[Result],
 
 
 def listing() -> str:
-    """``--list``: every test with its level, scope, needs and one-line description."""
+    """``--list``: every test with its level, scope, needs and one-line description, then
+    the reason codes a result may carry."""
     rows = [[t.name, t.level, "device" if t.per_device else "machine",
              ", ".join(t.needs) or "-", t.doc] for t in all_tests()]
-    return tabulate(rows, headers=["Test", "Level", "Runs per", "Needs", "Description"],
-                    tablefmt="simple", maxcolwidths=[None, None, None, 30, 70])
+    table = tabulate(rows, headers=["Test", "Level", "Runs per", "Needs", "Description"],
+                     tablefmt="simple", maxcolwidths=[None, None, None, 30, 70])
+    legend = "\n".join(f"  {code:<18} {meaning}" for code, meaning in REASONS.items())
+    return f"{table}\n\nReason codes:\n{legend}"
 
 
 def _level(text: str) -> int | None:

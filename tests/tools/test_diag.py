@@ -218,13 +218,17 @@ def test_list_names_every_test_with_its_level_and_description() -> None:
     proc = subprocess.run([sys.executable, "-m", "tools.accel_diag", "--list"],
                           capture_output=True, text=True, cwd=REPO, timeout=30)
     assert proc.returncode == 0, proc.stderr
-    rows = [line.split(None, 4) for line in proc.stdout.splitlines()[2:]
-            if line and not line.startswith(" ")]  # a wrapped description continues indented
+    tests, _, legend = proc.stdout.partition("\n\nReason codes:\n")
+    rows = [line.split(None, 4) for line in tests.splitlines()[2:]
+            if not line.startswith(" ")]  # a wrapped description continues indented
     assert [r[0] for r in rows] == LEVEL1 + LEVEL2[len(LEVEL1):] + LEVEL3[len(LEVEL2):]
     levels = {r[0]: int(r[1]) for r in rows}
     assert all(levels[n] == 1 for n in LEVEL1) and all(levels[n] == 3 for n in LEVEL3[-6:])
     assert {r[0] for r in rows if r[2] == "machine"} == MACHINE
     assert all(len(r) == 5 and r[4].strip() for r in rows), rows
+    assert [line.split()[0] for line in legend.splitlines()] == [
+        "ok", "bandwidth-low", "latency-high", "mismatch", "check-failed", "device-failed",
+        "error", "dependency-failed", "not-applicable"]
 
 
 @pytest.mark.timeout(60)
@@ -370,6 +374,7 @@ def test_no_daemon_fails_the_driver_test(daemon, tmp_path: Path) -> None:
 def test_a_capability_adds_tests_by_registering_them(daemon) -> None:
     code = textwrap.dedent("""
         import sys
+        import numpy as np
         from tools import accel_diag as d
 
         @d.diag_test(1, needs=("noop",))
@@ -384,6 +389,13 @@ def test_a_capability_adds_tests_by_registering_them(daemon) -> None:
         def extra_fail(diag):
             raise RuntimeError("boom")
 
+        @d.diag_test(2)
+        def extra_mismatch(diag):
+            want = np.arange(64, dtype=np.uint8)
+            got = want.copy()
+            got[40] ^= 0x10  # one flipped bit, as a bad memory cell would give
+            d._same(got, want, "pattern")
+
         sys.exit(d.main(sys.argv[1:]))
     """)
     run = lambda spec: subprocess.run(  # noqa: E731
@@ -395,14 +407,18 @@ def test_a_capability_adds_tests_by_registering_them(daemon) -> None:
     assert [n for n, _ in doc["order"]][-1] == "extra_pass"
     assert doc["by"][("extra_pass", None)]["detail"] == "saw accel0,accel1"
 
-    proc = run("extra_skip,extra_fail")
+    proc = run("extra_skip,extra_fail,extra_mismatch")
     assert proc.returncode == 1
     doc = results(proc)
     assert doc["order"] == [("extra_skip", "accel0"), ("extra_skip", "accel1"),
-                            ("extra_fail", None)]
+                            ("extra_fail", None), ("extra_mismatch", None)]
     assert doc["by"][("extra_skip", "accel1")] | {"seconds": 0} == {
         "name": "extra_skip", "level": 2, "device": "accel1", "result": "skip",
         "reason": "not-applicable", "detail": "not on accel1", "seconds": 0, "figures": []}
     fail = doc["by"][("extra_fail", None)]
     assert (fail["result"], fail["reason"], fail["detail"]) == (
         "fail", "error", "RuntimeError: boom")
+    bad = doc["by"][("extra_mismatch", None)]
+    assert (bad["result"], bad["reason"], bad["detail"]) == (
+        "fail", "mismatch",
+        "pattern: 1 of 64 bytes differ, first at offset 40: 0x38 instead of 0x28")
