@@ -50,6 +50,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -61,6 +62,7 @@ from typing import Any
 
 import numpy as np
 from tabulate import tabulate
+from tqdm import tqdm
 
 import runtime
 from abi import uapi, userq
@@ -394,8 +396,6 @@ _ECHO = "import os\nwhile (b := os.read(0, 1)):\n    os.write(1, b)\n"
 def _pipe_round_trip_s(rounds: int) -> float:
     """Median seconds for one byte to go to another process over a pipe and come back: the
     host's own cost of waking a process and being woken, the no-op latency's baseline."""
-    import subprocess
-
     child = subprocess.Popen([sys.executable, "-c", _ECHO], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, bufsize=0)
     assert child.stdin is not None and child.stdout is not None
@@ -430,7 +430,7 @@ def noop(d: Diag, i: int, name: str) -> Outcome:
 
 
 @diag_test(1, needs=("noop",), per_device=True)
-def memory_roundtrip(d: Diag, i: int, name: str) -> str | Outcome:
+def memory_roundtrip(d: Diag, i: int, name: str) -> str:
     """Device memory holds what pinned and pageable copies put there; freeing gives it back."""
     runtime.empty_cache(i)  # measure from a process that holds nothing on the device
     free0, total = runtime.mem_get_info(i)
@@ -470,7 +470,7 @@ def _roundtrip(i: int, name: str, x: np.ndarray, y: np.ndarray) -> list[runtime.
 
 
 @diag_test(1, needs=("memory_roundtrip",), per_device=True)
-def stream_order(d: Diag, i: int, name: str) -> str | Outcome:
+def stream_order(d: Diag, i: int, name: str) -> str:
     """Work on one stream runs in order: of several memsets and copies, the last one wins."""
     values = (0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88)
 
@@ -587,7 +587,7 @@ def _timed_s(fn: Callable[[], object]) -> float:
 
 
 @diag_test(2, needs=("stream_order",), per_device=True)
-def events(d: Diag, i: int, name: str) -> str | Outcome:
+def events(d: Diag, i: int, name: str) -> str:
     """An event joins two streams on the device; timing events measure a positive interval."""
     with _streams(i, i) as (s1, s2):
         a = runtime.empty(EVENT_BYTES, np.uint8, device=i, stream=s1)
@@ -613,7 +613,7 @@ def events(d: Diag, i: int, name: str) -> str | Outcome:
 
 
 @diag_test(2, needs=("stream_order",), per_device=True)
-def graph_replay(d: Diag, i: int, name: str) -> str | Outcome:
+def graph_replay(d: Diag, i: int, name: str) -> str:
     """A captured graph of 3 nodes (H2D, D2D, D2H) replays 10 times with fresh data."""
     with _streams(i) as (s,):
         src = runtime.pinned_empty(GRAPH_BYTES, np.uint8, device=i)
@@ -643,7 +643,7 @@ def graph_replay(d: Diag, i: int, name: str) -> str | Outcome:
 
 
 @diag_test(2, needs=("stream_order",), per_device=True)
-def fault_isolation(d: Diag, i: int, name: str) -> str | Outcome:
+def fault_isolation(d: Diag, i: int, name: str) -> str:
     """A copy from an unmapped address faults its stream only; another stream keeps working."""
     with _streams(i, i) as (bad, good):
         a = runtime.empty(ORDER_BYTES, np.uint8, device=i, stream=good)
@@ -677,7 +677,7 @@ def fault_isolation(d: Diag, i: int, name: str) -> str | Outcome:
 
 
 @diag_test(2, needs=("memory_roundtrip",), per_device=True)
-def managed_migration(d: Diag, i: int, name: str) -> str | Outcome:
+def managed_migration(d: Diag, i: int, name: str) -> str:
     """A device copy from managed memory migrates its pages (managed_faults counts them)."""
     pages = MANAGED_BYTES // MANAGED_PAGE
 
@@ -736,20 +736,10 @@ def multi_process(d: Diag) -> str:
                           daemon=True) for _ in range(WORKER_PROCESSES)]
     for w in workers:
         w.start()
-    reports = []
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
     try:
-        for _ in workers:
-            reports.append(results.get(timeout=max(0.1, deadline - time.monotonic())))
-    except Exception:  # queue.Empty: a worker hung or died without reporting
-        raise AssertionError(f"only {len(reports)} of {WORKER_PROCESSES} workers reported "
-                             f"within {WORKER_TIMEOUT_S:g} s") from None
+        reports = _collect(results, len(workers))
     finally:
-        for w in workers:
-            w.join(timeout=5)
-            if w.is_alive():
-                w.terminate()
-                w.join()
+        _reap(workers)
     errors = [f"pid {r['pid']}: {r['error']}" for r in reports if r["error"]]
     _check(not errors, "; ".join(errors))
     for r in reports:
@@ -988,8 +978,8 @@ def _collect(results: Any, count: int) -> list[dict[str, Any]]:
         for _ in range(count):
             reports.append(results.get(timeout=max(0.1, deadline - time.monotonic())))
     except Exception:  # queue.Empty: a worker hung or died without reporting
-        raise AssertionError(f"only {len(reports)} of {count} worker(s) reported "
-                             f"within {WORKER_TIMEOUT_S:g} s") from None
+        raise Failure(f"only {len(reports)} of {count} worker(s) reported "
+                      f"within {WORKER_TIMEOUT_S:g} s") from None
     return reports
 
 
@@ -1261,8 +1251,6 @@ def _execute(test: DiagTest, diag: Diag, i: int, device: str | None, free: bool
 def run_suite(diag: Diag, tests: Sequence[DiagTest], progress: bool = False) -> list[Result]:
     """Run ``tests`` in order, each once per device when per-device, skipping those whose
     needs did not pass; ``progress`` shows a bar on stderr while it runs."""
-    from tqdm import tqdm
-
     results: list[Result] = []
     passed: set[tuple[str, str | None]] = set()
     steps = [(t, i, dev) for t in tests for i, dev in _targets(t, diag)]
