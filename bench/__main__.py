@@ -1,4 +1,4 @@
-"""``python -m bench [--quick] [--json PATH] [--only NAME ...] [--check]``."""
+"""``python -m bench [--quick] [--json PATH] [--report DIR] [--only NAME ...] [--check]``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import traceback
 from pathlib import Path
 
 from bench.core import Env, Failure, Row, environment, table, write_json
+from bench.report import DEFAULT_DIR, write_report
 from bench.suite import BENCHMARKS
 
 
@@ -20,6 +21,9 @@ def _parser() -> argparse.ArgumentParser:
                     "measured side by side in the same run.")
     p.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the results here")
+    p.add_argument("--report", type=Path, metavar="DIR", default=DEFAULT_DIR,
+                   help="write report.md, results.json and one plot per benchmark group "
+                        "here (default: bench/reports/latest)")
     p.add_argument("--only", action="append", metavar="NAME", default=[],
                    help="run only benchmarks whose name contains NAME (repeatable)")
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"accel-emu benchmarks ({'quick' if args.quick else 'full'} run) on {meta['host']}, "
           f"{meta['cpus']} CPUs, load {', '.join(f'{x:.2f}' for x in meta['loadavg'])}, "
           f"commit {meta['commit'][:12]}{' (dirty)' if meta['dirty'] else ''}", flush=True)
-    rows: list[Row] = []
+    groups: dict[str, list[Row]] = {}
     failures: list[Failure] = []
     meta["pinned"] = not args.no_pin
     env = Env(args.quick, keep_workdir=args.keep_workdir, pin=not args.no_pin)
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append(Failure(name, "".join(traceback.format_exception(exc))))
                 print(f" FAILED: {exc!r}", flush=True)
                 continue
-            rows += got
+            groups[name] = got
             print(f" {time.monotonic() - t0:.1f} s", flush=True)
         interrupted = False
     finally:
@@ -87,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench: cleanup: {p}", file=sys.stderr)
     meta["duration_s"] = time.monotonic() - t_start
     meta["cleanup_problems"] = problems
+    rows = [r for got in groups.values() for r in got]
 
     print()
     if rows:
@@ -110,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, meta, rows, failures)
         print(f"  results written to {args.json}")
+    write_report(args.report, meta, groups, failures)
+    print(f"  report written to {args.report / 'report.md'}")
     if failures or problems:
         return 1
     if args.check and any(r.met is False for r in rows):

@@ -45,6 +45,10 @@ def _run(tree: Path, name: str, quick: bool, out: Path) -> dict[str, float] | No
     cmd = [sys.executable, "-m", "bench", "--only", name, "--json", str(out)]
     if quick:
         cmd.append("--quick")
+    if (tree / "bench" / "report.py").exists():
+        # a report of one benchmark must not replace the checkout's bench/reports/latest;
+        # a base from before the report has no --report and writes none
+        cmd += ["--report", str(out.with_name("report"))]
     env = dict(os.environ, PYTHONPATH=str(tree))
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
                           timeout=3600, check=False)

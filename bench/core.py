@@ -53,6 +53,16 @@ class Row:
     def met(self) -> bool | None:
         return None if self.goal is None else self.ratio <= self.goal
 
+    @property
+    def goal_text(self) -> str:
+        """The goal as the console table and the report show it."""
+        return "-" if self.goal is None else f"<= {self.goal:g}x"
+
+    @property
+    def met_text(self) -> str:
+        """``yes``, ``NO`` (capitals: a miss must stand out), or ``-`` without a goal."""
+        return "-" if self.met is None else ("yes" if self.met else "NO")
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(ratio=self.ratio, met=self.met)
@@ -300,7 +310,8 @@ Benchmark = Callable[[Env], list[Row]]
 # --- the report -------------------------------------------------------------------------
 
 
-def _fmt(value: float, unit: str) -> str:
+def fmt_value(value: float, unit: str) -> str:
+    """A figure as the console table and the report show it."""
     if unit == "us":
         return f"{value:,.1f} us"
     if unit == "ms":
@@ -312,10 +323,9 @@ def table(rows: list[Row]) -> str:
     body = []
     for r in rows:
         spread = f"{r.spread[0]:.2f}-{r.spread[1]:.2f}" if r.spread else "-"
-        met = "-" if r.met is None else ("yes" if r.met else "NO")
-        body.append([r.benchmark, _fmt(r.value, r.unit), r.baseline,
-                     _fmt(r.baseline_value, r.unit), f"{r.ratio:.2f}x", spread,
-                     "-" if r.goal is None else f"<= {r.goal:g}x", met])
+        body.append([r.benchmark, fmt_value(r.value, r.unit), r.baseline,
+                     fmt_value(r.baseline_value, r.unit), f"{r.ratio:.2f}x", spread,
+                     r.goal_text, r.met_text])
     return tabulate(body, headers=["benchmark", "measured", "baseline", "baseline value",
                                    "ratio", "rounds IQR", "goal", "met?"],
                     colalign=("left", "right", "left", "right", "right", "right", "left",
