@@ -252,8 +252,9 @@ def test_holistic_trace_analysis_names_our_kernels_with_their_device_times(daemo
                                                         include_memory_kernels=True)
     rows = {r["name"]: r for r in kernels.to_dict("records")}
     assert rows["scale"]["kernel_type"] == "COMPUTATION" and rows["scale"]["rank"] == 0
-    # HTA keeps whole microseconds of each event: up to one lost per event
-    assert abs(rows["scale"]["sum (us)"] - sum(kernel_durs)) <= len(kernel_durs)
+    # HTA rounds a fractional event inward to whole microseconds (its start up, its end
+    # down: hta/common/trace_parser.py round_down_time_stamps): up to 2 us lost per event
+    assert 0 <= sum(kernel_durs) - rows["scale"]["sum (us)"] <= 2 * len(kernel_durs)
     assert {"Memcpy DtoD", "Memcpy HtoD", "Memcpy DtoH", "Memset"} <= set(rows)
     assert {rows[n]["kernel_type"] for n in ("Memcpy DtoD", "Memset")} == {"MEMORY"}
     assert "Marker Sync" not in rows
