@@ -410,6 +410,14 @@ def compute_apps(tree: Tree, devices: list[str]) -> list[dict[str, str]]:
     return apps
 
 
+def _process_lines(value: str) -> str:
+    """``-q``'s processes: ``PID NAME N MiB`` per process, as nvidia-smi's ``-q`` names
+    each process; ``None`` without one."""
+    rows = [f"{p['pid']} {process_name(p['pid'])} {mib(str(p['used_memory']))} MiB"
+            for p in processes(value)]
+    return "\n".join(rows) or "None"
+
+
 def show_process_table(apps: list[dict[str, str]]) -> str:
     """The table's bottom part, as nvidia-smi's: device, pid, name, memory used."""
     if not apps:
@@ -496,6 +504,8 @@ def show_query(tree: Tree, devices: list[str], only: tuple[str, ...] | None = No
                              "devcoredump/data)") if a[k] else "N/A"
                 if k.startswith("memory_") and a[k].isdigit():
                     value = f"{mib(a[k])} MiB ({a[k]} bytes)"
+                if k == "processes":
+                    value = _process_lines(a[k])
                 first, *more = value.splitlines()  # a table: its rows under the first
                 out.append(f"        {k:<{width - 8}}: {first}")
                 out += [" " * (width + 2) + line for line in more]

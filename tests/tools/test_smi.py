@@ -108,6 +108,8 @@ def test_query_one_device_shows_every_attribute_of_it_only(daemon) -> None:
             continue
         if key.startswith("memory_"):
             assert values[key] == f"{int(value) >> 20} MiB ({value} bytes)"
+        elif key == "processes":  # named, in MiB (test_query_names_the_processes)
+            assert value == "pid device_bytes" and values[key] == "None"
         elif key == "devcoredump/data":  # a held dump is summarised, not printed
             held = values[key].startswith(f"held, {len(value)} bytes")
             assert held if value else values[key] == "N/A"

@@ -158,6 +158,9 @@ def test_processes_table_compute_apps_json_and_pmon(make_daemon) -> None:
         assert proc.returncode == 2 and "unknown field 'colour' in --query-compute-apps" \
             in proc.stderr
 
+        proc = smi(d, "-q", "-d", "PIDS", "-i", "0")  # named, as nvidia-smi -q does
+        assert f"processes                 : {pid} {comm} {mib} MiB" in proc.stdout, proc.stdout
+
         doc = json.loads(smi(d, "--json").stdout)
         assert doc["devices"][0]["processes"] == [{"pid": pid, "used_memory": used}]
         assert doc["devices"][1]["processes"] == []
