@@ -182,15 +182,23 @@ class Deadlines:
         self._cond = threading.Condition()
         self._entries: dict[int, tuple[np.ndarray, float, float]] = {}
         self._ids = itertools.count()
+        #: when the timer thread wakes next (monotonic seconds; inf: only when told)
+        self._wakes_at = float("inf")
         threading.Thread(target=self._run, name="deadlines", daemon=True).start()
 
     def add(self, abort: np.ndarray, watchdog_s: float, quantum_s: float | None) -> int:
+        """Watch ``abort``'s launch. The timer thread is woken only when this deadline
+        comes before its next wake-up: back-to-back inline launches (a 0.25 s watchdog
+        each) then wake it about once per watchdog period, not once per launch (a thread
+        hand-off per launch, on the control loop's GIL)."""
         now = time.monotonic()
         token = next(self._ids)
+        watchdog = now + watchdog_s
+        quantum = now + quantum_s if quantum_s else float("inf")
         with self._cond:
-            self._entries[token] = (abort, now + watchdog_s,
-                                    now + quantum_s if quantum_s else float("inf"))
-            self._cond.notify()
+            self._entries[token] = (abort, watchdog, quantum)
+            if min(watchdog, quantum) < self._wakes_at:
+                self._cond.notify()
         return token
 
     def remove(self, token: int) -> None:
@@ -211,4 +219,5 @@ class Deadlines:
                         nearest = min(nearest, watchdog)
                     else:
                         nearest = min(nearest, quantum, watchdog)
+                self._wakes_at = nearest
                 self._cond.wait(None if nearest == float("inf") else max(0.0, nearest - now))
