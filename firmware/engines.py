@@ -105,7 +105,10 @@ class EnginePool:
     def __init__(self, name: str, count: int, counters: Counters) -> None:
         self._heap: list[_Queued] = []
         self._turns = _Turns()
-        self._cond = threading.Condition()
+        #: the condition's lock, taken directly by add/remove (``with`` on the Condition
+        #: runs two Python-level calls per launch)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._arrivals = itertools.count()
         self._counters = counters
         self.name = name  # an engine kind, abi.mailbox.ENGINE_KINDS
@@ -179,7 +182,10 @@ class Deadlines:
 
     def __init__(self, preempt: int, watchdog: int) -> None:
         self.preempt, self.watchdog = preempt, watchdog
-        self._cond = threading.Condition()
+        #: the condition's lock, taken directly by add/remove (``with`` on the Condition
+        #: runs two Python-level calls per launch)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._entries: dict[int, tuple[np.ndarray, float, float]] = {}
         self._ids = itertools.count()
         #: when the timer thread wakes next (monotonic seconds; inf: only when told)
@@ -195,14 +201,14 @@ class Deadlines:
         token = next(self._ids)
         watchdog = now + watchdog_s
         quantum = now + quantum_s if quantum_s else float("inf")
-        with self._cond:
+        with self._lock:
             self._entries[token] = (abort, watchdog, quantum)
             if min(watchdog, quantum) < self._wakes_at:
                 self._cond.notify()
         return token
 
     def remove(self, token: int) -> None:
-        with self._cond:
+        with self._lock:
             self._entries.pop(token, None)
 
     def _run(self) -> None:

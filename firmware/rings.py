@@ -152,6 +152,8 @@ class FwModule:
     #: module's IR never changes once parsed, so a launch need not compare it with the
     #: JIT cache's copy again (firmware/launches.py)
     compiled: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict)
+    #: (kernel index, argument block bytes) -> its argument plan (firmware/launches.py)
+    plans: dict[tuple[int, bytes], list] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
