@@ -9,7 +9,10 @@
   least 10,000x);
 * the first launch of a kernel with a cold JIT cache vs after a firmware restart with a
   warm one (goal: warm at most 5% of cold);
-* a kernel and a copy on two streams at once vs one after the other (copy/compute overlap).
+* a kernel and a copy on two streams at once vs one after the other (copy/compute overlap);
+* ``tiny_launches``: a 1-block x 256-thread kernel against a no-op packet on the same ring:
+  the host call (goal 2x), back to back end to end (5x, aiming at 100,000/s) and launch
+  plus synchronize (3x).
 """
 
 from __future__ import annotations
