@@ -9,7 +9,10 @@
   least 10,000x);
 * the first launch of a kernel with a cold JIT cache vs after a firmware restart with a
   warm one (goal: warm at most 5% of cold);
-* a kernel and a copy on two streams at once vs one after the other (copy/compute overlap).
+* a kernel and a copy on two streams at once vs one after the other (copy/compute overlap);
+* ``tiny_launches``: a 1-block x 256-thread kernel against a no-op packet on the same ring:
+  the host call (goal 2x), back to back end to end (5x, aiming at 100,000/s) and launch
+  plus synchronize (3x).
 """
 
 from __future__ import annotations
@@ -18,10 +21,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 
 from bench.core import Env, Row, Samples, interleave, timed_row
 
 SIM_N = 16 * 1024
+#: launches per timed burst of the host-call row: well under a queue's depth and the
+#: runtime's argument slots, so the burst measures the calls, not the firmware's pace
+HOST_BURST = 100
 
 
 def _timed(fn, reps: int) -> Samples:  # type: ignore[no-untyped-def]
@@ -270,3 +277,76 @@ def _cold_vs_warm(env: Env) -> Row:
                note="the firmware loads the compiled kernel from its on-disk cache; it warmed "
                     f"its JIT at boot (cache not empty), ready {warmup * 1e3:.0f} ms after "
                     "the daemon was up")
+
+
+def _per_call_ns(fn: Callable[[], object], n: int, sync: Callable[[], None]) -> tuple[int, int]:
+    """(host ns per call, end-to-end ns per call) of ``n`` calls back to back, then one
+    synchronize: what an operator-per-launch framework pays per operator."""
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter_ns()
+    sync()
+    return (t1 - t0) // n, (time.perf_counter_ns() - t0) // n
+
+
+def tiny_launches(env: Env) -> list[Row]:
+    """A 1-block x 256-thread kernel's launch against a no-op packet on the same ring:
+    the host call, back-to-back end to end, and launch plus synchronize. Goals (a) 2x,
+    (b) 5x (and at least 100,000 launches/s), (c) 3x."""
+    import numpy as np
+
+    from abi import userq
+
+    with env.accel_root_env():
+        import runtime
+        from runtime import kernel_lib
+
+        runtime.init()
+        lib = runtime.compile(kernel_lib.SOURCE)
+        s = runtime.Stream()
+        out = runtime.empty(256, np.float32)
+        one = np.float32(1)
+        nop = bytes(userq.accel_packet(opcode=userq.Op.NOP))
+
+        def launch() -> None:
+            lib.fill[1, 256](out, one, stream=s)
+
+        def noop() -> None:
+            s._write((nop,))
+
+        for _ in range(200):
+            launch()
+        s.synchronize()
+        if not (out.copy_to_host() == 1).all():
+            raise RuntimeError("the tiny fill kernel did not fill")
+        n, rounds = (2_000, 6) if env.quick else (10_000, 10)
+        host = {k: Samples(k) for k in ("launch", "noop")}
+        e2e = {k: Samples(k) for k in ("launch", "noop")}
+        for r in range(rounds):
+            for name in ("launch", "noop") if r % 2 == 0 else ("noop", "launch"):
+                fn = launch if name == "launch" else noop
+                # the host call alone: bursts shorter than the queue's depth, so that no
+                # call waits for the firmware to make room
+                h = sum(_per_call_ns(fn, HOST_BURST, s.synchronize)[0]
+                        for _ in range(n // HOST_BURST)) // (n // HOST_BURST)
+                e = _per_call_ns(fn, n, s.synchronize)[1]
+                for out_samples, v in ((host, h), (e2e, e)):
+                    out_samples[name].ns.append(v)
+                    out_samples[name].block_medians.append(v)
+        rt = interleave({"launch": lambda: (launch(), s.synchronize()),
+                         "noop": lambda: s.wait_seqno(s._write((nop,)))},
+                        block=env.sizes.block, rounds=env.sizes.rounds, warmup=100)
+    rate = 1e6 / e2e["launch"].median_us
+    return [
+        timed_row("tiny launch (1x256 fill), host call", host["launch"],
+                  "no-op packet submit, same ring", host["noop"], goal=2.0,
+                  note=f"mean per call over bursts of {HOST_BURST} (each then synchronized, "
+                       f"untimed), median of {rounds} rounds"),
+        timed_row("tiny launches back to back, end to end", e2e["launch"],
+                  "no-op packets back to back, end to end", e2e["noop"], goal=5.0,
+                  note=f"{n} submitted then one synchronize, divided; {rate:,.0f} launches/s "
+                       f"(aim: at least 100,000/s, {'met' if rate >= 100_000 else 'NOT met'})"),
+        timed_row("tiny launch + synchronize", rt["launch"], "no-op submit-to-completion",
+                  rt["noop"], goal=3.0, note="per call, interleaved blocks"),
+    ]

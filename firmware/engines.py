@@ -105,7 +105,10 @@ class EnginePool:
     def __init__(self, name: str, count: int, counters: Counters) -> None:
         self._heap: list[_Queued] = []
         self._turns = _Turns()
-        self._cond = threading.Condition()
+        #: the condition's lock, taken directly by add/remove (``with`` on the Condition
+        #: runs two Python-level calls per launch)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._arrivals = itertools.count()
         self._counters = counters
         self.name = name  # an engine kind, abi.mailbox.ENGINE_KINDS
@@ -179,22 +182,33 @@ class Deadlines:
 
     def __init__(self, preempt: int, watchdog: int) -> None:
         self.preempt, self.watchdog = preempt, watchdog
-        self._cond = threading.Condition()
+        #: the condition's lock, taken directly by add/remove (``with`` on the Condition
+        #: runs two Python-level calls per launch)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._entries: dict[int, tuple[np.ndarray, float, float]] = {}
         self._ids = itertools.count()
+        #: when the timer thread wakes next (monotonic seconds; inf: only when told)
+        self._wakes_at = float("inf")
         threading.Thread(target=self._run, name="deadlines", daemon=True).start()
 
     def add(self, abort: np.ndarray, watchdog_s: float, quantum_s: float | None) -> int:
+        """Watch ``abort``'s launch. The timer thread is woken only when this deadline
+        comes before its next wake-up: back-to-back inline launches (a 0.25 s watchdog
+        each) then wake it about once per watchdog period, not once per launch (a thread
+        hand-off per launch, on the control loop's GIL)."""
         now = time.monotonic()
         token = next(self._ids)
-        with self._cond:
-            self._entries[token] = (abort, now + watchdog_s,
-                                    now + quantum_s if quantum_s else float("inf"))
-            self._cond.notify()
+        watchdog = now + watchdog_s
+        quantum = now + quantum_s if quantum_s else float("inf")
+        with self._lock:
+            self._entries[token] = (abort, watchdog, quantum)
+            if min(watchdog, quantum) < self._wakes_at:
+                self._cond.notify()
         return token
 
     def remove(self, token: int) -> None:
-        with self._cond:
+        with self._lock:
             self._entries.pop(token, None)
 
     def _run(self) -> None:
@@ -211,4 +225,5 @@ class Deadlines:
                         nearest = min(nearest, watchdog)
                     else:
                         nearest = min(nearest, quantum, watchdog)
+                self._wakes_at = nearest
                 self._cond.wait(None if nearest == float("inf") else max(0.0, nearest - now))

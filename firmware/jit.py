@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -157,6 +158,16 @@ def _config_value(name: str) -> Any:
 # --------------------------------------------------------------------------- compiled kernel
 
 
+@functools.lru_cache(maxsize=1024)
+def _dims_in_range(gx: int, gy: int, gz: int, bx: int, by: int, bz: int) -> bool:
+    """Every dimension in ``[1, MAX_DIM]`` and a block at most ``MAX_BLOCK_THREADS``
+    (plain ints only: the caller checks their types, so equal keys are equal values):
+    cached, since a program launches a few shapes over and over and the check cost ~1 us
+    of a tiny launch."""
+    return all(1 <= d <= MAX_DIM for d in (gx, gy, gz, bx, by, bz)) \
+        and bx * by * bz <= MAX_BLOCK_THREADS
+
+
 class CompiledKernel:
     """One kernel compiled for one set of argument types and options."""
 
@@ -213,8 +224,8 @@ class CompiledKernel:
         generated code's arithmetic relies on these; ValueError otherwise)."""
         gx, gy, gz = grid
         bx, by, bz = block
-        if not all(isinstance(d, int) and 1 <= d <= MAX_DIM for d in (*grid, *block)) \
-                or bx * by * bz > MAX_BLOCK_THREADS:
+        if not (type(gx) is type(gy) is type(gz) is type(bx) is type(by) is type(bz) is int
+                and _dims_in_range(gx, gy, gz, bx, by, bz)):
             raise ValueError(f"grid {grid} or block {block} outside the launch limits")
         if not 0 <= block_lo <= block_hi <= gx * gy * gz:
             raise ValueError(f"blocks [{block_lo}, {block_hi}) outside grid {grid}")

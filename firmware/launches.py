@@ -5,7 +5,7 @@ until it is); the JIT -- numba -- is created on first use, or at boot when the k
 says kernels ran here before, so a device that never runs kernels never pays for it.
 
 A launch is checked in Python integers before anything runs: its kernel, its dimensions
-against the device's limits, its argument block (:func:`decode_args`: every buffer
+against the device's limits, its argument block (:func:`plan_args`, :func:`bind_args`: every buffer
 resolved against the context, every shape against its buffer). A small launch of a
 compiled, statically bounded kernel (no loops) runs inline on the control loop, under a
 watchdog; any other is split into one :class:`BlockJob` per compute engine, each running
@@ -18,6 +18,7 @@ address it tried, saturated into the 64-bit space.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import queue
 import threading
@@ -150,12 +151,12 @@ class Kernels:
         if args_len > userq.ACCEL_ARGS_MAX:
             raise memory.Fault(args_va, errno.EINVAL)
         m, off = ring.ctx.space.resolve(args_va, args_len)
-        values, types, buffers = decode_args(ring.ctx.space, bytes(m.data[off : off + args_len]),
-                                             kir.get("params"))
+        values, types, buffers = bind_args(ring.ctx.space, self._plan(
+            mod, handle & 0xFFFF, kir, bytes(m.data[off : off + args_len])))
         launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block, dynamic)
         nblocks = grid[0] * grid[1] * grid[2]
         if nblocks * threads <= INLINE_THREADS and self._jit is not None:
-            kernel = self._jit.cached(kir, types, _options())
+            kernel = self._compiled(mod, handle & 0xFFFF, kir, types)
             # small, compiled and statically bounded: no engine hand-off (no GIL ping-pong)
             if kernel is not None and kernel.inline_ok:
                 if not kernel.capabilities <= self.capabilities:
@@ -171,6 +172,29 @@ class Kernels:
         for job in jobs[1:]:
             sched.compute.submit(ring.priority, job)
         return jobs[0]  # the scheduler submits the first, marking the ring busy
+
+    def _plan(self, mod: FwModule, index: int, kir: dict, raw: bytes) -> list[Step]:
+        """The argument block's plan (:func:`plan_args`), kept by its module: a framework
+        launches the same kernel with the same arguments over and over, and parsing the
+        records costs more than resolving the buffers again, which happens every launch."""
+        key = (index, raw)
+        steps = mod.plans.get(key)
+        if steps is None:
+            if len(mod.plans) >= PLAN_CACHE:
+                mod.plans.clear()
+            steps = mod.plans[key] = plan_args(raw, kir.get("params"))
+        return steps
+
+    def _compiled(self, mod: FwModule, index: int, kir: dict, types: tuple[str, ...]) -> Any:
+        """The kernel's compiled form if the JIT has it (None otherwise), remembered on its
+        module: the JIT cache's lookup compares the whole IR with its own copy (~10 us for
+        a small kernel), which a module's parsed, unchanging IR need pass only once."""
+        kernel = mod.compiled.get((index, types))
+        if kernel is None and self._jit is not None:
+            kernel = self._jit.cached(kir, types, _options())
+            if kernel is not None:
+                mod.compiled[(index, types)] = kernel
+        return kernel
 
     def _run_inline(self, launch: Launch, kernel: Any, nblocks: int) -> None:
         """Run a small launch on the scheduler thread; faults raise as packet faults."""
@@ -190,7 +214,9 @@ class Kernels:
             raise memory.Fault(0, errno.ETIMEDOUT)
 
 
+@functools.cache
 def _options() -> Any:
+    """The JIT options every launch uses (one instance: built per launch it cost ~2 us)."""
     from firmware.jit import Options
 
     return Options()
@@ -315,55 +341,84 @@ class BlockJob(Job):
             self.finish(status, addr)
 
 
-def decode_args(space: memory.AddressSpace, raw: bytes, params: Any
-                ) -> tuple[list, tuple[str, ...], list[tuple[str, int, int]]]:
-    """The argument block of a launch -> (values, types for the JIT, buffer addresses).
-    Everything is the process's: a record that does not fit its kernel's parameters, a
-    shape whose product is not the buffer's element count (checked in Python integers,
-    so it cannot overflow) or a buffer outside the context's memory faults the launch."""
+#: launch-ABI dtype code -> numpy dtype (np.dtype(name) per argument cost ~1 us)
+_DTYPES = {code: np.dtype(name) for code, name in kernel_lang.DTYPE_NAMES.items()}
+
+
+#: a step of an argument plan: ("scalar", value, type), ("buffer", va, nbytes, dtype,
+#: shape, type, param name, shape ok) or ("fault", addr, errno)
+Step = tuple
+#: plans a module keeps (per kernel and argument block bytes) before it starts over
+PLAN_CACHE = 64
+
+
+def plan_args(raw: bytes, params: Any) -> list[Step]:
+    """What the block says, checked against the parameters: a pure function of the bytes
+    and the IR, so a module may keep it (:meth:`Kernels.launch`). It never raises: a bad
+    record becomes a fault step where decoding would have stopped, so that faults keep the
+    order of a straight decode (a buffer outside memory before a later bad record)."""
     if not isinstance(params, list) or len(raw) % userq.ARG_RECORD.size:
-        raise memory.Fault(0, errno.EINVAL)
+        return [("fault", 0, errno.EINVAL)]
     recs = [userq.ARG_RECORD.unpack_from(raw, off) for off in range(0, len(raw), userq.ARG_RECORD.size)]
-    values: list = []
-    types: list[str] = []
-    buffers: list[tuple[str, int, int]] = []
+    steps: list[Step] = []
     i = 0
     for p in params:
         if i >= len(recs) or not isinstance(p, dict):
-            raise memory.Fault(0, errno.EINVAL)
+            return [*steps, ("fault", 0, errno.EINVAL)]
         kind, code, value, nbytes = recs[i]
         i += 1
         dtype_name = kernel_lang.DTYPE_NAMES.get(code)
         want = p.get("dtype")
         if dtype_name is None or not (want is None or want == dtype_name):
-            raise memory.Fault(0, errno.EINVAL)
-        dtype = np.dtype(dtype_name)
+            return [*steps, ("fault", 0, errno.EINVAL)]
+        dtype = _DTYPES[code]
         if kind == userq.ARG_SCALAR and p.get("kind") == "scalar":
-            values.append(np.frombuffer(value.to_bytes(8, "little")[: dtype.itemsize], dtype)[0])
-            types.append(dtype_name)
+            scalar = np.frombuffer(value.to_bytes(8, "little")[: dtype.itemsize], dtype)[0]
+            steps.append(("scalar", scalar, dtype_name))
         elif kind == userq.ARG_BUFFER and p.get("kind") == "buffer":
             shape: list[int] = []
             while i < len(recs) and recs[i][0] == userq.ARG_SHAPE:
                 count = recs[i][1]
                 if count not in (1, 2):
-                    raise memory.Fault(0, errno.EINVAL)
+                    return [*steps, ("fault", 0, errno.EINVAL)]
                 shape += [int(recs[i][2]), int(recs[i][3])][:count]
                 i += 1
             if nbytes % dtype.itemsize or len(shape) > 8:
-                raise memory.Fault(value, errno.EINVAL)
-            m, off = space.resolve(value, nbytes)
+                return [*steps, ("fault", value, errno.EINVAL)]
             elements = nbytes // dtype.itemsize
             shape = shape or [elements]
             product = 1
             for d in shape:
                 product *= d
-            if product != elements:
-                raise memory.Fault(value, errno.EINVAL)
-            values.append(m.data[off : off + nbytes].view(dtype).reshape(shape))
-            types.append(f"{dtype_name}[{len(shape)}d]")
-            buffers.append((str(p.get("name")), value, dtype.itemsize))
+            steps.append(("buffer", value, nbytes, dtype, tuple(shape),
+                          f"{dtype_name}[{len(shape)}d]", str(p.get("name")),
+                          product == elements))
         else:
-            raise memory.Fault(0, errno.EINVAL)
+            return [*steps, ("fault", 0, errno.EINVAL)]
     if i != len(recs):
-        raise memory.Fault(0, errno.EINVAL)
+        steps.append(("fault", 0, errno.EINVAL))
+    return steps
+
+
+def bind_args(space: memory.AddressSpace, steps: list[Step]
+              ) -> tuple[list, tuple[str, ...], list[tuple[str, int, int]]]:
+    """A plan against the context's memory now: every buffer resolved (and faulted when
+    outside it) and viewed, on every launch, in the plan's order."""
+    values: list = []
+    types: list[str] = []
+    buffers: list[tuple[str, int, int]] = []
+    for step in steps:
+        if step[0] == "scalar":
+            values.append(step[1])
+            types.append(step[2])
+        elif step[0] == "buffer":
+            _, va, nbytes, dtype, shape, type_name, pname, shape_ok = step
+            m, off = space.resolve(va, nbytes)
+            if not shape_ok:
+                raise memory.Fault(va, errno.EINVAL)
+            values.append(m.data[off : off + nbytes].view(dtype).reshape(shape))
+            types.append(type_name)
+            buffers.append((pname, va, dtype.itemsize))
+        else:
+            raise memory.Fault(step[1], step[2])
     return values, tuple(types), buffers

@@ -19,6 +19,7 @@ from __future__ import annotations
 import array
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -147,6 +148,12 @@ class FwModule:
     raw: bytes
     kernels: list[tuple[str, dict]] | None = None  # (name, IR) in the module's order
     error: int = 0  # errno when the image did not parse
+    #: (kernel index, argument types) -> its CompiledKernel, once the JIT had it: the
+    #: module's IR never changes once parsed, so a launch need not compare it with the
+    #: JIT cache's copy again (firmware/launches.py)
+    compiled: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict)
+    #: (kernel index, argument block bytes) -> its argument plan (firmware/launches.py)
+    plans: dict[tuple[int, bytes], list] = field(default_factory=dict)
 
 
 @dataclass(eq=False)

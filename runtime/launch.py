@@ -11,11 +11,12 @@ one LAUNCH packet: no driver call. Kernel handles belong to the context that loa
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -23,14 +24,18 @@ from abi import kernel_lang, uapi, userq
 from runtime import devices as _device
 from runtime import _trace, errors
 from runtime._shm import sealed_memfd
-from runtime.memory import DeviceArray, HostArray, _packet, pinned_empty
+from runtime.memory import DeviceArray, HostArray, pinned_empty
 from runtime.stream import Stream, current_stream
 
 ARG_SLOT = 1024  # bytes of one launch's argument block
 ARG_SLOTS = 256
+#: numpy scalar type -> launch-ABI dtype code
+_SCALAR_CODES = {np.dtype(name).type: code for name, code in kernel_lang.DTYPE_CODES.items()}
 
 
 def _dims(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
+    if type(value) is int and 1 <= value < 1 << 21:  # the common case, without the tuples
+        return value, 1, 1
     dims = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
     if not 1 <= len(dims) <= 3 or any(not isinstance(d, (int, np.integer)) or d < 1
                                       or d >= 1 << 21 for d in dims):
@@ -39,23 +44,66 @@ def _dims(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
     return tuple(int(d) for d in (*dims, 1, 1)[:3])  # type: ignore[return-value]
 
 
+class _Param(NamedTuple):
+    """What a launch checks an argument against, read from the kernel's IR once (not per
+    launch, per argument)."""
+
+    name: str
+    buffer: bool
+    dtype: str | None
+    ndim: int | None
+    #: scalars with a declared dtype: its numpy scalar type and launch-ABI code
+    scalar_type: type | None
+    code: int
+
+    @classmethod
+    def of(cls, p: dict[str, Any]) -> _Param:
+        want = p.get("dtype")
+        scalar = p["kind"] != "buffer" and want is not None
+        return cls(p["name"], p["kind"] == "buffer", want, p.get("ndim"),
+                   np.dtype(want).type if scalar else None,
+                   kernel_lang.DTYPE_CODES[want] if scalar else 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _buffer_tail(dtype: np.dtype, shape: tuple[int, ...]) -> tuple[str, int, int, bytes]:
+    """(dtype name, dtype code, byte size, packed shape records) of a buffer: the same few
+    dtypes and shapes recur launch after launch, and dtype.name, np.prod and packing the
+    records cost more than the rest of a launch's argument checks."""
+    code = kernel_lang.DTYPE_CODES[dtype.name]
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    dims = [int(d) for d in shape] if shape else [1]
+    out = []
+    for i in range(0, len(dims), 2):
+        pair = dims[i : i + 2]
+        out.append(userq.ARG_RECORD.pack(userq.ARG_SHAPE, len(pair), pair[0],
+                                         pair[1] if len(pair) > 1 else 0))
+    return dtype.name, code, nbytes, b"".join(out)
+
+
 class _ArgArena:
     """Pinned slots for argument blocks; a slot is reused only after its launch completed."""
 
     def __init__(self, device: int) -> None:
         self.buf = pinned_empty(ARG_SLOT * ARG_SLOTS, np.uint8, device=device)
+        #: each slot's device address, computed once (HostArray.device_va costs ~2 us)
+        self.vas = [self.buf.device_va + i * ARG_SLOT for i in range(ARG_SLOTS)]
+        #: each slot as a plain memoryview (slicing a HostArray runs its Python-level
+        #: __array_finalize__, ~0.7 us a launch)
+        self.slots = [memoryview(self.buf[i * ARG_SLOT : (i + 1) * ARG_SLOT])
+                      for i in range(ARG_SLOTS)]
         self.last: list[tuple[Stream, int] | None] = [None] * ARG_SLOTS
         self.next = 0
         self.lock = threading.Lock()
 
-    def take(self) -> tuple[int, np.ndarray]:
+    def take(self) -> tuple[int, memoryview]:
         with self.lock:
             i = self.next
             self.next = (i + 1) % ARG_SLOTS
             prev = self.last[i]
             if prev is not None and prev[0].completed < prev[1]:
                 prev[0].wait_seqno(prev[1])
-            return i, self.buf[i * ARG_SLOT : (i + 1) * ARG_SLOT]
+            return i, self.slots[i]
 
     def used(self, i: int, stream: Stream, seqno: int) -> None:
         self.last[i] = (stream, seqno)
@@ -71,6 +119,7 @@ class Kernel:
     def __init__(self, module: Module, name: str, ir: dict[str, Any], handle: int) -> None:
         self.module, self.name, self.ir, self.handle = module, name, ir, handle
         self.params: list[dict[str, Any]] = ir["params"]
+        self._layout = [_Param.of(p) for p in self.params]
 
     def __repr__(self) -> str:
         return f"<Kernel {self.name} on accel:{self.module.device}>"
@@ -80,61 +129,68 @@ class Kernel:
         return lambda *args, stream=None, shared_mem=0: self.launch(grid, block, args,
                                                                      stream, shared_mem)
 
-    def _record_args(self, args: Sequence[Any], into: np.ndarray) -> tuple[int, list[Any]]:
-        if len(args) != len(self.params):
-            names = ", ".join(p["name"] for p in self.params)
-            raise errors.InvalidValueError(f"{self.name} takes {len(self.params)} arguments "
+    def _record_args(self, args: Sequence[Any], into: np.ndarray | memoryview
+                     ) -> tuple[int, list[Any]]:
+        if len(args) != len(self._layout):
+            names = ", ".join(p.name for p in self._layout)
+            raise errors.InvalidValueError(f"{self.name} takes {len(self._layout)} arguments "
                                            f"({names}), got {len(args)}")
         records: list[bytes] = []
         uses: list[Any] = []
-        for p, value in zip(self.params, args):
-            records += self._arg(p, value, uses)
+        for p, value in zip(self._layout, args):
+            if p.buffer:
+                records.append(self._buffer_arg(p, value))
+                uses.append(value)
+            else:
+                records.append(self._scalar_arg(p, value))
         raw = b"".join(records)
         if len(raw) > ARG_SLOT:
             raise errors.InvalidValueError(f"{self.name}: too many or too large arguments")
-        into[: len(raw)] = np.frombuffer(raw, np.uint8)
+        memoryview(into)[: len(raw)] = raw
         return len(raw), uses
 
-    def _arg(self, p: dict[str, Any], value: Any, uses: list[Any]) -> list[bytes]:
-        want = p.get("dtype")
-        if p["kind"] == "buffer":
-            if isinstance(value, DeviceArray):
-                va, dtype, shape = value.va, value.dtype, value.shape
-                if value._allocator.closed is not None:
-                    raise value.dropped()
-                if value.device != self.module.device:
-                    raise errors.InvalidValueError(
-                        f"{self.name}: argument {p['name']} lives on accel:{value.device}, the "
-                        f"kernel runs on accel:{self.module.device}")
-            elif isinstance(value, HostArray) and value._accel is not None:
-                va, dtype, shape = value.device_va, value.dtype, value.shape
-            else:
+    def _buffer_arg(self, p: _Param, value: Any) -> bytes:
+        """A buffer's records: checked against the parameter on every launch; what depends
+        only on its dtype and shape comes from :func:`_buffer_tail`."""
+        if isinstance(value, DeviceArray):
+            va, dtype, shape = value.va, value.dtype, value.shape
+            if value._allocator.closed is not None:
+                raise value.dropped()
+            if value.device != self.module.device:
                 raise errors.InvalidValueError(
-                    f"{self.name}: argument {p['name']} must be a device array (or pinned or "
-                    f"managed memory), got {type(value).__name__}")
-            if want is not None and dtype.name != want:
-                raise errors.InvalidValueError(f"{self.name}: argument {p['name']} must be "
-                                               f"{want}, got {dtype.name}")
-            if p.get("ndim") not in (None, len(shape)):
-                raise errors.InvalidValueError(f"{self.name}: argument {p['name']} must have "
-                                               f"{p['ndim']} dimensions, got {len(shape)}")
-            code = kernel_lang.DTYPE_CODES[dtype.name]
-            nbytes = int(np.prod(shape)) * dtype.itemsize
-            out = [userq.ARG_RECORD.pack(userq.ARG_BUFFER, code, va, nbytes)]
-            dims = [int(d) for d in shape] if shape else [1]
-            for i in range(0, len(dims), 2):
-                pair = dims[i : i + 2]
-                out.append(userq.ARG_RECORD.pack(userq.ARG_SHAPE, len(pair), pair[0],
-                                                pair[1] if len(pair) > 1 else 0))
-            uses.append(value)
-            return out
+                    f"{self.name}: argument {p.name} lives on accel:{value.device}, the "
+                    f"kernel runs on accel:{self.module.device}")
+        elif isinstance(value, HostArray) and value._accel is not None:
+            va, dtype, shape = value.device_va, value.dtype, value.shape
+        else:
+            raise errors.InvalidValueError(
+                f"{self.name}: argument {p.name} must be a device array (or pinned or "
+                f"managed memory), got {type(value).__name__}")
+        name, code, nbytes, tail = _buffer_tail(dtype, shape)
+        if p.dtype is not None and name != p.dtype:
+            raise errors.InvalidValueError(f"{self.name}: argument {p.name} must be "
+                                           f"{p.dtype}, got {name}")
+        if p.ndim not in (None, len(shape)):
+            raise errors.InvalidValueError(f"{self.name}: argument {p.name} must have "
+                                           f"{p.ndim} dimensions, got {len(shape)}")
+        return userq.ARG_RECORD.pack(userq.ARG_BUFFER, code, va, nbytes) + tail
+
+    def _scalar_arg(self, p: _Param, value: Any) -> bytes:
+        """A scalar's record. A numpy scalar of exactly the parameter's type (or of any
+        launch-ABI type, for an untyped parameter) is its own bytes; anything else converts
+        through numpy (which rounds and range-checks)."""
+        code = _SCALAR_CODES.get(type(value)) if p.dtype is None else \
+            (p.code if type(value) is p.scalar_type else None)
+        if code is not None:
+            bits = int.from_bytes(value.tobytes(), "little")
+            return userq.ARG_RECORD.pack(userq.ARG_SCALAR, code, bits, 0)
         if not isinstance(value, (int, float, bool, np.number, np.bool_)):
-            raise errors.InvalidValueError(f"{self.name}: argument {p['name']} must be a "
+            raise errors.InvalidValueError(f"{self.name}: argument {p.name} must be a "
                                            f"number, got {type(value).__name__}")
-        dtype = np.dtype(want) if want else (np.dtype(value.dtype) if isinstance(
+        dtype = np.dtype(p.dtype) if p.dtype else (np.dtype(value.dtype) if isinstance(
             value, (np.number, np.bool_)) else np.dtype(type(value)))
         bits = int.from_bytes(np.array(value, dtype).tobytes().ljust(8, b"\0"), "little")
-        return [userq.ARG_RECORD.pack(userq.ARG_SCALAR, kernel_lang.DTYPE_CODES[dtype.name], bits, 0)]
+        return userq.ARG_RECORD.pack(userq.ARG_SCALAR, kernel_lang.DTYPE_CODES[dtype.name], bits, 0)
 
     def launch(self, grid: Any, block: Any, args: Sequence[Any], stream: Stream | None = None,
                shared_mem: int = 0) -> int:
@@ -168,16 +224,18 @@ class Kernel:
         arena = _arena(self.module.device)
         slot, buf = arena.take()
         length, uses = self._record_args(args, buf)
-        seqno = s.submit([self._packet(g, b, int(shared_mem), buf.device_va, length)],
+        seqno = s.submit([self._packet(g, b, int(shared_mem), arena.vas[slot], length)],
                          uses=uses)
         s.note_kernel(seqno, self.name)
         arena.used(slot, s, seqno)
         return seqno
 
     def _packet(self, grid: tuple[int, int, int], block: tuple[int, int, int], dynamic: int,
-                args_va: int, length: int) -> userq.accel_packet:
-        return _packet(userq.Op.LAUNCH, self.handle, userq.pack_dims(grid), userq.pack_dims(block),
-                       dynamic, args_va, length)
+                args_va: int, length: int) -> bytes:
+        """The LAUNCH packet's 64 bytes, packed in one call (a ctypes packet and its
+        conversion to bytes cost several times more)."""
+        return userq.PACKET.pack(userq.Op.LAUNCH, 0, self.handle, userq.pack_dims(grid),
+                                 userq.pack_dims(block), dynamic, args_va, length, 0)
 
 
 class Module:
