@@ -1,9 +1,13 @@
 """Temperature, clocks and thermal faults of one package: a device, with its partitions.
 
 A first-order model, read lazily (no timer runs): the die sits at ``AMBIENT_C`` plus a
-load term that follows the firmware's packet rate (so it moves with work), plus heat that
-an injection adds and that decays with time constant ``TAU_S``. Over ``SLOWDOWN_C`` the
-clocks throttle to half (NVML's ``clocks_event_reasons.sw_thermal_slowdown``); over
+load term that follows the work it runs -- the firmware's packet rate or its compute
+engines' utilization (kmod_emul/activity.py), whichever is the larger share of full load
+-- plus heat that an injection adds; both settle with time constant ``TAU_S``. Sustained
+full load settles at ``AMBIENT_C + LOAD_C`` (92 C), over ``SLOWDOWN_C``: after about four
+seconds of it the clocks throttle, as a real part's do under sustained load, and stop
+throttling soon after the load stops. Over ``SLOWDOWN_C`` the clocks throttle to half
+(NVML's ``clocks_event_reasons.sw_thermal_slowdown``); over
 ``SHUTDOWN_C`` the device shuts down: it fails, its firmware stops, every context is lost
 (record 141), and with ``recovery`` auto the driver resets it once it has cooled below
 the slowdown threshold.
@@ -36,8 +40,9 @@ if TYPE_CHECKING:
 AMBIENT_C = 35.0
 SLOWDOWN_C = 85.0
 SHUTDOWN_C = 95.0
-#: Degrees the die gains at full load (``FULL_LOAD_PPS`` packets a second and more).
-LOAD_C = 30.0
+#: Degrees the die gains at sustained full load (``FULL_LOAD_PPS`` packets a second, or
+#: the compute engines always busy): between the slowdown and the shutdown thresholds.
+LOAD_C = 57.0
 FULL_LOAD_PPS = 20_000.0
 #: Injected heat decays with this time constant (the device cools).
 TAU_S = 2.0
@@ -70,7 +75,8 @@ class Thermal:
             # per device: a restarted firmware counts from 0 again, a new partition from 0
             done = sum(max(0, n - before.get(i, 0)) for i, n in packets.items())
             rate = done / (now - then)
-            target = LOAD_C * min(1.0, rate / FULL_LOAD_PPS)
+            busy = max(d.activity.utilization("compute") for d in self.members()) / 100
+            target = LOAD_C * max(min(1.0, rate / FULL_LOAD_PPS), busy)
             self._load += (target - self._load) * (1 - math.exp(-(now - then) / TAU_S))
             self._sample = (now, packets)
         return AMBIENT_C + self._load + self._heat_now(now)

@@ -155,3 +155,32 @@ print(open(os.environ["ACCEL_EMU_ROOT"] + "/sys/class/accel/accel0/fdinfo").read
     finally:
         root_client.stdin.close()
         root_client.wait(timeout=60)
+
+
+#: both compute engines busy all the time: two streams of long counting kernels
+FULL_LOAD = _load(
+    "from runtime import kernel_lib\nmod = runtime.compile(kernel_lib.SOURCE)\n"
+    "x = runtime.empty(128 * 256, np.float32)\nstreams = [runtime.Stream(), runtime.Stream()]",
+    "for s in streams:\n    mod.spin[128, 256](x, 50000, stream=s)\nruntime.synchronize()")
+
+
+def test_sustained_full_load_throttles_the_clocks(make_daemon):
+    """Sustained full use heats the die past the slowdown threshold within seconds (the
+    thermal model's load term follows utilization), the clocks throttle and power's
+    dynamic part halves; once the load stops the die cools and the clocks come back."""
+    d = make_daemon()
+    assert (d.attr(0, "throttle_reasons"), d.attr(0, "clock")) == ("none", "1500")
+    load = d.popen_py(FULL_LOAD)
+    try:
+        load.stdout.readline()
+        deadline = time.monotonic() + 30
+        while d.attr(0, "throttle_reasons") != "sw_thermal_slowdown":
+            assert time.monotonic() < deadline, (d.attr(0, "temperature"),
+                                                 d.attr(0, "utilization"))
+            time.sleep(0.2)
+        assert d.attr(0, "clock") == "750" and float(d.attr(0, "temperature")) >= 85
+    finally:
+        load.stdin.close()
+        load.wait(timeout=120)
+    _until(d, "throttle_reasons", "none", timeout=30)
+    assert d.attr(0, "clock") == "1500"
