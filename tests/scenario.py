@@ -68,6 +68,16 @@ s.synchronize()
 print("ok")
 """
 
+#: A tenant holding data on its first visible device: it says "ready", then waits for a
+#: line on stdin; what follows reads ``x`` back and says what happened.
+HOLD_DATA = """
+import numpy as np, runtime
+x = runtime.to_device(np.ones(4096, np.float32))
+runtime.synchronize()
+print("ready", flush=True)
+input()
+"""
+
 IDLE = {"memory_used": "0", "contexts": "0", "processes": "pid device_bytes"}
 
 

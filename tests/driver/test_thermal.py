@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from scenario import NOP_LOAD
+from scenario import HOLD_DATA, NOP_LOAD
 
 from kmod_emul import thermal
 from stress.harness import Bystander, assert_contained, snapshot
@@ -51,12 +51,7 @@ def test_the_temperature_follows_load(make_daemon):
     assert float(d.attr(0, "temperature")) > idle
 
 
-HOLDER = """
-import numpy as np, runtime
-x = runtime.to_device(np.ones(4096, np.float32))
-runtime.synchronize()
-print("ready", flush=True)
-input()
+HOLDER = HOLD_DATA + """
 try:
     x.copy_to_host()
     print("ran")

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from scenario import NOP_LOAD
+from scenario import HOLD_DATA, NOP_LOAD
 
 from kmod_emul import thermal
 from stress.harness import REPO, Daemon
@@ -29,12 +29,7 @@ THROTTLE, SHUTDOWN = 140, 141  # THERMAL_THROTTLE, THERMAL_SHUTDOWN
 
 #: A tenant of one partition (the only device it sees): holds data, then on each line of
 #: stdin reads it back and says what happened.
-HOLDER = """
-import numpy as np, runtime
-x = runtime.to_device(np.ones(4096, np.float32))
-runtime.synchronize()
-print("ready", flush=True)
-input()
+HOLDER = HOLD_DATA + """
 try:
     print("ran", float(x.copy_to_host().sum()))
 except runtime.AccelError as exc:
