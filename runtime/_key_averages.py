@@ -19,6 +19,15 @@ if TYPE_CHECKING:
 
 #: what ``table(sort_by=...)`` takes; the numbers sort largest first
 SORT_KEYS = ("name", "calls", "host_total", "host_avg", "device_total", "device_avg")
+#: torch.profiler's names for the same columns, so that a torch user's
+#: ``table(sort_by="cuda_time_total")`` works here too (the CPU is our host)
+TORCH_SORT_KEYS = {
+    "count": "calls", "cpu_time_total": "host_total", "self_cpu_time_total": "host_total",
+    "cpu_time": "host_avg", "device_time_total": "device_total",
+    "self_device_time_total": "device_total", "cuda_time_total": "device_total",
+    "self_cuda_time_total": "device_total", "device_time": "device_avg",
+    "cuda_time": "device_avg",
+}
 
 
 @dataclass(slots=True)
@@ -69,8 +78,10 @@ class KeyAverages(list[KeyAverage]):
         return cls(rows.values())
 
     def table(self, sort_by: str = "device_total", row_limit: int | None = None) -> str:
-        """A text table sorted by one of :data:`SORT_KEYS` (``name`` alphabetically, the
-        rest largest first), at most ``row_limit`` rows."""
+        """A text table sorted by one of :data:`SORT_KEYS` or torch's name for it
+        (:data:`TORCH_SORT_KEYS`; ``name`` alphabetically, the rest largest first), at
+        most ``row_limit`` rows."""
+        sort_by = TORCH_SORT_KEYS.get(sort_by, sort_by)
         if sort_by not in SORT_KEYS:
             raise ValueError(f"sort_by={sort_by!r}: one of {', '.join(SORT_KEYS)}")
         if sort_by == "name":
