@@ -1,7 +1,5 @@
 """Kernel benchmarks (bring-up 4), each against a baseline measured in the same run.
 
-* saxpy over 16 Mi float32 on the device vs the same loop as a plain numba ``njit``
-  function in this process (goal: at least 0.8x its speed, i.e. time ratio <= 1.25);
 * GEMM 1024x1024 float32 (the library's ``matmul``: one output tile per block on the
   matrix unit) vs numpy's matmul (goal 0.5x); the library's tiled SIMT ``gemm`` is shown
   against the same baseline, without a goal;
@@ -76,13 +74,7 @@ def kernels(env: Env) -> list[Row]:
         dev_saxpy()  # compile outside the timing
         if not np.allclose(dout.copy_to_host(), out):
             raise RuntimeError("device saxpy disagrees with njit")
-        reps = 3 if env.quick else 8
-        dev = _timed(dev_saxpy, reps)
-        ref = _timed(lambda: njit_saxpy(np.float32(2.0), x, y, out), reps)
-        rows.append(timed_row(f"saxpy {n >> 20} Mi float32 (SIMT kernel)", dev,
-                              "numba njit loop, in process", ref, goal=1.25,
-                              note="time ratio <= 1.25 is at least 0.8x njit's speed; includes "
-                                   "launch and synchronize"))
+        reps = 3 if env.quick else 8  # the saxpy row itself: bench/elementwise.py
 
         # Before the GEMM rows: numpy's OpenBLAS threads spin for ~0.1 s after a matmul.
         small = runtime.to_device(x[:SIM_N])

@@ -19,6 +19,7 @@ from bench.core import Benchmark, Env, Row, interleave, middle_half, timed_row
 from bench.faults import fault_recovery
 from bench.partitions import partition_isolation
 from bench.floods import bystander_launches_under_floods, bystander_under_floods
+from bench.elementwise import elementwise
 from bench.kernels import kernels, tiny_launches
 from bench.memory import allocator_and_copies, daemon_memory_per_context
 from bench.procs import AccelDaemon, EchoServer
@@ -196,6 +197,7 @@ BENCHMARKS: list[tuple[str, Benchmark]] = [
     ("bystander_launches_under_floods", bystander_launches_under_floods),
     ("kernels", kernels),
     ("tiny_launches", tiny_launches),
+    ("elementwise", elementwise),
     ("fault_recovery", fault_recovery),
     ("partition_isolation", partition_isolation),
 ]
