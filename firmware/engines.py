@@ -127,6 +127,11 @@ class EnginePool:
         turn = self._turns.take(job.ring.ctx.id)
         heapq.heappush(self._heap, _Queued((rank, turn, next(self._arrivals)), job))
 
+    def busy(self) -> bool:
+        """Is an engine running a job, or a job waiting for one? (read without the lock:
+        a stale answer only costs the control loop one spin or one wake-up)"""
+        return self._busy > 0 or bool(self._heap)
+
     def higher_waiting(self, priority: int) -> bool:
         """Is a job of higher priority than ``priority`` waiting? (checked between chunks)"""
         with self._cond:

@@ -153,10 +153,11 @@ class Kernels:
         m, off = ring.ctx.space.resolve(args_va, args_len)
         values, types, buffers = bind_args(ring.ctx.space, self._plan(
             mod, handle & 0xFFFF, kir, bytes(m.data[off : off + args_len])))
-        launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block, dynamic)
+        kernel = self._compiled(mod, handle & 0xFFFF, kir, types)
+        launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block, dynamic,
+                        kernel)
         nblocks = grid[0] * grid[1] * grid[2]
-        if nblocks * threads <= INLINE_THREADS and self._jit is not None:
-            kernel = self._compiled(mod, handle & 0xFFFF, kir, types)
+        if nblocks * threads <= INLINE_THREADS:
             # small, compiled and statically bounded: no engine hand-off (no GIL ping-pong)
             if kernel is not None and kernel.inline_ok:
                 if not kernel.capabilities <= self.capabilities:
@@ -194,7 +195,14 @@ class Kernels:
             kernel = self._jit.cached(kir, types, _options())
             if kernel is not None:
                 mod.compiled[(index, types)] = kernel
+                self.publish_jit_counts(self._jit)
         return kernel
+
+    def publish_jit_counts(self, jit: Any) -> None:
+        """The JIT's own hit and compile counts, as the device's counters (once per
+        lookup in the JIT, not per launch: a module remembers what it found)."""
+        self._counters.peak("jit_compiles", jit.compiles)
+        self._counters.peak("jit_hits", jit.hits)
 
     def _run_inline(self, launch: Launch, kernel: Any, nblocks: int) -> None:
         """Run a small launch on the scheduler thread; faults raise as packet faults."""
@@ -236,6 +244,9 @@ class Launch:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     dynamic_shared: int  # bytes per block for its dynamic_shared arrays
+    #: the compiled kernel when the module had it at dispatch, else None (the engine asks
+    #: the JIT: a lookup there compares the whole IR, ~17 us of an engine's turn)
+    compiled: Any = None
     remaining: int = 0  # engine jobs not finished
     fault: tuple[int, int] | None = None  # (errno, address)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -293,10 +304,11 @@ class BlockJob(Job):
     def run(self) -> bool:
         sched, launch, kernels = self.sched, self.launch, self.sched.kernels
         try:
-            jit = kernels.jit()
-            kernel = jit.get(launch.kernel_ir, launch.arg_types, _options())
-            sched.counters.peak("jit_compiles", jit.compiles)
-            sched.counters.peak("jit_hits", jit.hits)
+            kernel = launch.compiled
+            if kernel is None:
+                jit = kernels.jit()
+                kernel = jit.get(launch.kernel_ir, launch.arg_types, _options())
+                kernels.publish_jit_counts(jit)
             if not kernel.capabilities <= kernels.capabilities:
                 launch.record_fault(errno.EOPNOTSUPP, 0)
                 self._share_done()

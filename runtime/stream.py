@@ -35,10 +35,15 @@ _NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
 _WPTR, _RPTR = userq.RING_WPTR >> 3, userq.RING_RPTR >> 3
 _ERROR_SEQNO = userq.RING_ERROR_SEQNO >> 3
 _DB_LOST = userq.DB_LOST >> 3
-#: Poll the fence in shared memory this long (yielding the CPU, which the firmware may
-#: need on a 2-core machine) before sleeping on the context's event pipe: waking a
-#: sleeping firmware takes a few hundred microseconds here.
+#: Poll the fence in shared memory this long before sleeping on the context's event pipe
+#: (waking a sleeping waiter takes a few hundred microseconds here)...
 SPIN_WAIT_S = 2e-3
+#: ...tightly (yielding) for this long: a small launch or copy completes within it...
+SPIN_TIGHT_S = 50e-6
+#: ...then napping this long between polls: the device's engines are threads on the same
+#: two CPUs, and a waiter that keeps one busy (even yielding: the engines run at a lower
+#: priority) held a 1 Mi-element launch's second engine off for most of the launch.
+SPIN_NAP_S = 20e-6
 
 
 class Stream:
@@ -249,11 +254,12 @@ class Stream:
             # CPUs the device (and everyone else) needs, on a machine with two
             events.spinner = True
             try:
-                spin_until = time.perf_counter() + SPIN_WAIT_S
-                polls = 0
-                while self.completed < seqno and time.perf_counter() < spin_until:
-                    polls += 1
-                    if polls > 64:  # a short wait spins; a longer one shares the CPU
+                now = time.perf_counter()
+                spin_until, nap_after = now + SPIN_WAIT_S, now + SPIN_TIGHT_S
+                while self.completed < seqno and (now := time.perf_counter()) < spin_until:
+                    if now > nap_after:  # a longer wait lends the CPU to the engines
+                        time.sleep(SPIN_NAP_S)
+                    else:
                         os.sched_yield()
             finally:
                 events.spinner = False
