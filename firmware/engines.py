@@ -48,12 +48,14 @@ class Job:
     False when it gave way (it is queued again, behind the work it yields to). A job ends
     its packet through :meth:`finish`; should ``run`` raise, the engine calls ``fail``."""
 
-    __slots__ = ("opcode", "ring", "sched", "seqno", "start_ns")
+    __slots__ = ("charged_ns", "opcode", "ring", "sched", "seqno", "start_ns")
 
     def __init__(self, sched: Scheduler, ring: Ring, seqno: int, opcode: int,
                  start_ns: int) -> None:
         self.sched, self.ring, self.seqno, self.opcode = sched, ring, seqno, opcode
         self.start_ns = start_ns
+        #: engine time of the current turn already counted (EnginePool.charge)
+        self.charged_ns = 0
 
     def run(self) -> bool:  # pragma: no cover - interface
         raise NotImplementedError
@@ -127,6 +129,14 @@ class EnginePool:
         turn = self._turns.take(job.ring.ctx.id)
         heapq.heappush(self._heap, _Queued((rank, turn, next(self._arrivals)), job))
 
+    def charge(self, job: Job, ns: int) -> None:
+        """Count ``ns`` of engine time of a turn still running: a launch of seconds on an
+        idle engine gives way to nobody, and counted only when its turn ended, the device
+        would read 0% busy (and stay cool) for all of it."""
+        self._counters.add(self._busy_stat, ns)
+        job.ring.ctx.engine_time.add(self.name, ns)
+        job.charged_ns += ns
+
     def busy(self) -> bool:
         """Is an engine running a job, or a job waiting for one? (read without the lock:
         a stale answer only costs the control loop one spin or one wake-up)"""
@@ -160,12 +170,13 @@ class EnginePool:
                 self._busy += 1
                 self._counters.peak("copy_engines_busy_peak", self._busy)
             start = time.perf_counter_ns()
+            item.job.charged_ns = 0
             try:
                 done = item.job.run()
             except BaseException as exc:  # noqa: BLE001 - last resort: the engine lives on
                 item.job.fail(exc)
                 done = True
-            busy = time.perf_counter_ns() - start
+            busy = time.perf_counter_ns() - start - item.job.charged_ns
             self._counters.add(self._busy_stat, busy)
             item.job.ring.ctx.engine_time.add(self.name, busy)
             with self._cond:
