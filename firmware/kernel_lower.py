@@ -48,6 +48,16 @@ Why the generated code looks the way it does
   once) has its index range over the block checked once before the thread loop: in range,
   the block runs the phase's ``_phf`` variant without those checks; otherwise the checked
   ``_ph`` loop, which faults exactly as before. Checked saxpy: ~6.6-7 ms instead of ~18.
+* Vectorised phases (docs/kernels.md, "Vectorised phases"): a phase with a ``range`` loop
+  whose bounds are uniform across the block gets a third variant, ``_phv``, one call per
+  block: that loop runs outside the thread loops (innermost over ``local_id(0)``), so LLVM
+  vectorises across threads. The range checks of affine accesses cover the variables of such
+  loops (their range is computed at block level) and uniform products (``group_id(1) * 16``),
+  and ``_phv`` runs only when every access of the phase passed them, so it cannot fault; a
+  block that fails runs the checked per-thread loop, whose fault record is the old one.
+  Locals living across its thread loops are per-thread arrays of their exact numba type or
+  affine locals recomputed per thread; stored buffers are accessed in one thread loop
+  outside the interchanged loops, so every buffer sees its accesses in the old order.
 * ``shared_array``: allocated (zeroed) once per block at block level, passed to the
   phases. Bounds misses on it report the local's name as ``param``. ``dynamic_shared``
   arrays are views of one zeroed block of the launch's dynamic bytes (``_dyn``, a
