@@ -968,7 +968,8 @@ class _Lowering:
 
     def stores_confined(self, segs: list["_Segment"]) -> bool:
         """Whether every buffer the phase stores into is accessed in one segment that is
-        outside the interchanged loops (then its accesses happen in the old order)."""
+        outside the interchanged loops (then its accesses happen in the old order). The
+        ``dynamic_shared`` arrays are one buffer: they alias."""
         where: dict[str, set[int]] = {}
         stored: set[str] = set()
         for i, seg in enumerate(segs):
@@ -976,6 +977,8 @@ class _Lowering:
                 for n in ast.walk(s):
                     if _is_access(n, self.k):
                         name = _access_name(n)
+                        if self.k.shared.get(name, (None,))[0] == DYNAMIC_SHAPE:
+                            name = "dynamic_shared()"
                         where.setdefault(name, set()).add(i)
                         if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store):
                             stored.add(name)

@@ -235,3 +235,26 @@ def test_interchanged_loop_sees_the_abort_word(cache: KernelCache) -> None:
     assert not th.is_alive(), "the vectorised loop did not see the abort word"
     assert isinstance(result[0], KernelFault) and result[0].kind == "watchdog"
     assert jit.FIRMWARE_JIT_ABI >= 6  # generated code changed: stale entries must miss
+
+
+DYNAMIC_ALIAS = ir_of("""
+    def alias(out, n):
+        a = dynamic_shared("float64")
+        b = dynamic_shared("float64")
+        t = local_id(0)
+        acc = 0.0
+        for k in range(n):
+            acc += b[k]
+        a[t] = acc + t + 1
+        out[global_id(0)] = a[t]
+""")
+
+
+def test_aliasing_dynamic_shared_arrays_keep_the_per_thread_order(cache: KernelCache) -> None:
+    # a and b are the same bytes: thread t's store a[t] is seen by later threads' loads of
+    # b[k], which only the per-thread order gives (a race, but the old, defined, result)
+    k = cache.get(DYNAMIC_ALIAS, ("float64[1d]", "int64"), Options())
+    assert vectorised(k.source) == set()
+    out = np.zeros(4)
+    k.run(0, 1, (1, 1, 1), (4, 1, 1), [out, np.int64(4)], no_abort(), dynamic_shared=4 * 8)
+    np.testing.assert_array_equal(out, [1.0, 3.0, 7.0, 15.0])  # vectorised: 1, 2, 3, 4
