@@ -48,6 +48,16 @@ Why the generated code looks the way it does
   once) has its index range over the block checked once before the thread loop: in range,
   the block runs the phase's ``_phf`` variant without those checks; otherwise the checked
   ``_ph`` loop, which faults exactly as before. Checked saxpy: ~6.6-7 ms instead of ~18.
+* Vectorised phases (docs/kernels.md, "Vectorised phases"): a phase with a ``range`` loop
+  whose bounds are uniform across the block gets a third variant, ``_phv``, one call per
+  block: that loop runs outside the thread loops (innermost over ``local_id(0)``), so LLVM
+  vectorises across threads. The range checks of affine accesses cover the variables of such
+  loops (their range is computed at block level) and uniform products (``group_id(1) * 16``),
+  and ``_phv`` runs only when every access of the phase passed them, so it cannot fault; a
+  block that fails runs the checked per-thread loop, whose fault record is the old one.
+  Locals living across its thread loops are per-thread arrays of their exact numba type or
+  affine locals recomputed per thread; stored buffers are accessed in one thread loop
+  outside the interchanged loops, so every buffer sees its accesses in the old order.
 * ``shared_array``: allocated (zeroed) once per block at block level, passed to the
   phases. Bounds misses on it report the local's name as ``param``. ``dynamic_shared``
   arrays are views of one zeroed block of the launch's dynamic bytes (``_dyn``, a
@@ -75,7 +85,7 @@ from __future__ import annotations
 
 import ast
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -242,6 +252,81 @@ def _assigned(stmts: list[ast.stmt]) -> set[str]:
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
 
+def _is_access(n: ast.AST, k: Kernel) -> bool:
+    """Whether ``n`` reads or writes an element of a buffer or shared array (a subscript
+    or an ``atomic_add``)."""
+    if isinstance(n, ast.Subscript):
+        return isinstance(n.value, ast.Name) and (n.value.id in k.buffers or n.value.id in k.shared)
+    return (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "atomic_add"
+            and isinstance(n.args[0], ast.Name))
+
+
+def _access_name(n: ast.AST) -> str:
+    """The buffer of an access (see _is_access)."""
+    return (n.value if isinstance(n, ast.Subscript) else n.args[0]).id  # type: ignore
+
+
+@dataclass(frozen=True)
+class _Affine:
+    """An index as (at most one) thread index ``("g"|"l", d)``, variables of uniform loops
+    (each at most once) and block-uniform offset texts; ``bound`` bounds the magnitude of
+    every partial sum of its range (static, or guarded at block level)."""
+
+    thread: tuple[str, int] | None
+    loops: tuple[str, ...]
+    offs: tuple[str, ...]
+    bound: int
+
+    def plus(self, o: "_Affine") -> "_Affine | None":
+        if (self.thread and o.thread) or set(self.loops) & set(o.loops) \
+                or len(self.offs) + len(o.offs) > _Lowering._MAX_OFFSETS:
+            return None
+        return _Affine(self.thread or o.thread, self.loops + o.loops, self.offs + o.offs,
+                       self.bound + o.bound)
+
+    def minus(self, o: "_Affine") -> "_Affine | None":
+        if o.thread or o.loops or len(self.offs) + len(o.offs) > _Lowering._MAX_OFFSETS:
+            return None
+        return _Affine(self.thread, self.loops, self.offs + tuple(f"-({x})" for x in o.offs),
+                       self.bound + o.bound)
+
+    def span(self, loops: dict[str, tuple[str, str, tuple[str, ...]]]) -> tuple[str, str]:
+        """Block-level texts of the first and last index the block's threads can use."""
+        base = list(self.offs)
+        last: list[str] = []
+        if self.thread is not None:
+            kind, d = self.thread
+            if kind == "g":
+                base.append(f"_g{d} * _ls{d}")
+            last.append(f"_ls{d} - 1")
+        first = base + [f"({loops[v][0]})" for v in self.loops]
+        last = base + last + [f"({loops[v][1]})" for v in self.loops]
+        return " + ".join(first) or "0", " + ".join(last) or "0"
+
+
+@dataclass
+class _Segment:
+    """A vectorised phase's statements run as one thread loop, inside the interchanged
+    loops ``loop_vars``; ``remat``: the affine locals it recomputes per thread."""
+
+    stmts: list[ast.stmt]
+    loop_vars: tuple[str, ...]
+    remat: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _VLoop:
+    """An interchanged uniform loop of a vectorised phase, around its body's items."""
+
+    loop: ast.For
+    items: list[Any]
+
+
+def _segments(items: list[Any]) -> list[_Segment]:
+    return [s for it in items
+            for s in ([it] if isinstance(it, _Segment) else _segments(it.items))]
+
+
 class _Lowering:
     """Generates the module text for one validated kernel."""
 
@@ -258,10 +343,16 @@ class _Lowering:
         self.fast = False  # generating a phase's block-range-checked variant
         self.fast_phases: set[int] = set()
         self.def_guards: dict[str, list[str]] = {}
+        self.def_values: dict[str, ast.expr] = {}  # affine locals assigned once -> value
+        self.carried: dict[str, _Affine] = {}  # ... at the kernel body's top level
+        self.vector_phases: dict[int, list[Any]] = {}  # phase -> its vectorised form
+        self.vector_locals: set[str] = set()  # locals vectorised phases keep per thread
         self.stores: dict[str, int] = {}
+        self.loads: dict[str, int] = {}
         for n in ast.walk(k.fn):
-            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
-                self.stores[n.id] = self.stores.get(n.id, 0) + 1
+            if isinstance(n, ast.Name):
+                count = self.stores if isinstance(n.ctx, ast.Store) else self.loads
+                count[n.id] = count.get(n.id, 0) + 1
 
     # -- helpers --------------------------------------------------------------------------
     def fresh(self, prefix: str) -> str:
@@ -468,15 +559,17 @@ class _Lowering:
         return (isinstance(s, ast.Assign) and isinstance(s.value, ast.Call)
                 and isinstance(s.value.func, ast.Name) and s.value.func.id in DECLARATIONS)
 
-    def structure(self, stmts: list[ast.stmt], ind: str, in_loop: bool) -> list[str]:
+    def structure(self, stmts: list[ast.stmt], ind: str, in_loop: bool,
+                  top: bool = False) -> list[str]:
         """Block-level code: thread loops over phases, with block-level (uniform) control
-        flow around the phases that contain barriers."""
+        flow around the phases that contain barriers (``top``: ``stmts`` is the kernel's
+        body)."""
         out: list[str] = []
         pending: list[ast.stmt] = []
 
         def flush() -> None:
             if pending:
-                out.extend(self.thread_loop(list(pending), ind, in_loop))
+                out.extend(self.thread_loop(list(pending), ind, in_loop, top))
                 pending.clear()
 
         for s in stmts:
@@ -514,10 +607,26 @@ class _Lowering:
         flush()
         return out
 
-    def thread_loop(self, stmts: list[ast.stmt], ind: str, in_loop: bool) -> list[str]:
+    def thread_loop(self, stmts: list[ast.stmt], ind: str, in_loop: bool, top: bool
+                    ) -> list[str]:
+        """A phase: vectorised when it can be (``_phv``, under the block's range checks,
+        the checked per-thread loop otherwise), else a loop over the threads calling the
+        per-thread phase function (``_phf`` under the range checks of its affine accesses,
+        when it has any)."""
         idx = len(self.phases)
         self.phases.append((stmts, in_loop))
-        conds = self.affine_ranges(stmts) if self.checked else []
+        before = dict(self.carried)
+        conds = self.affine_ranges(stmts, top)
+        if not self.checked:
+            conds = []
+        plan = self.vector_plan(stmts, in_loop, before)
+        if plan is not None:
+            self.vector_phases[idx] = plan
+            call = [f"{ind}if _phv{idx}(@VARGS@) != 0:", f"{ind}    return _blk"]
+            if not conds:
+                return call
+            return ([f"{ind}if {' and '.join(conds)}:"] + [f"    {c}" for c in call]
+                    + [f"{ind}else:"] + self.thread_loop_text(f"_ph{idx}", idx, ind + "    "))
         if not conds:
             return self.thread_loop_text(f"_ph{idx}", idx, ind)
         self.fast_phases.add(idx)
@@ -550,107 +659,389 @@ class _Lowering:
                 f"{ind}                return _blk"]
 
     # -- block-level range checks of affine accesses -----------------------------------------
-    _OFFSET_LIMIT = 1 << 40  # |offset| bound, and how many: with MAX_DIM, the block's
-    _MAX_OFFSETS = 16  # range arithmetic stays below 2**46 (no int64 wrap-around)
+    _OFFSET_LIMIT = 1 << 40  # |offset| bound of a scalar parameter or a loop bound
+    _MAX_OFFSETS = 16  # offsets per index (expression length)
+    #: Bound on the magnitude of every partial sum of a checked index range: with the
+    #: per-term bounds below (MAX_DIM, MAX_BLOCK_THREADS, _OFFSET_LIMIT) the block-level
+    #: range arithmetic never wraps an int64.
+    _RANGE_LIMIT = 1 << 62
 
-    def affine_offset(self, e: ast.AST, guards: dict[str, None]) -> str | None:
-        """An offset that is the same for every thread of the launch: an int constant or
-        an integer scalar parameter the kernel never assigns (its magnitude is checked at
-        block level, ``guards``)."""
+    def uniform_term(self, e: ast.AST, guards: dict[str, None],
+                     allow_vars: bool) -> tuple[str, int] | None:
+        """``(text, bound)`` when ``e`` is the same integer for every thread of a block
+        and ``|e| <= bound`` (a static bound; a scalar parameter's or a block-level loop
+        variable's magnitude is checked at block level, ``guards``): int constants,
+        never-assigned integer scalar parameters, ``group_id``/``num_groups``/
+        ``local_size``, block-level loop variables (``allow_vars``), and sums, differences
+        and products of those (products only of signed terms, so numba types them int64)."""
         c = const_int(e)
         if c is not None:
-            return str(c) if abs(c) < self._OFFSET_LIMIT else None
+            return (str(c), abs(c)) if abs(c) < self._OFFSET_LIMIT else None
+        lim = self._OFFSET_LIMIT
         if isinstance(e, ast.Name) and e.id in self.k.scalars and not self.stores.get(e.id):
             dt = self.k.arg_types[self.k.params.index(e.id)].dtype
             if dt in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"):
-                lim = self._OFFSET_LIMIT
                 guards[f"-{lim} < {_u(e.id)} < {lim}"] = None
-                return _u(e.id)
+                return _u(e.id), lim
+            return None
+        if isinstance(e, ast.Name) and allow_vars and e.id in self.uniform_vars \
+                and self.stores.get(e.id) == 1:
+            guards[f"-{lim} < {_u(e.id)} < {lim}"] = None
+            return _u(e.id), lim
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and len(e.args) == 1 \
+                and e.func.id in ("group_id", "num_groups", "local_size"):
+            d = const_int(e.args[0])
+            if d is None or not 0 <= d <= 2:
+                return None
+            bound = MAX_BLOCK_THREADS if e.func.id == "local_size" else MAX_DIM
+            return f"{ID_BUILTINS[e.func.id]}{d}", bound
+        if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Add, ast.Sub, ast.Mult)):
+            if isinstance(e.op, ast.Mult) and not (self.signed(e.left) and self.signed(e.right)):
+                return None
+            left = self.uniform_term(e.left, guards, allow_vars)
+            right = self.uniform_term(e.right, guards, allow_vars) if left else None
+            if left is None or right is None:
+                return None
+            op, bound = {ast.Add: ("+", left[1] + right[1]), ast.Sub: ("-", left[1] + right[1]),
+                         ast.Mult: ("*", left[1] * right[1])}[type(e.op)]
+            return (f"({left[0]} {op} {right[0]})", bound) if bound < self._RANGE_LIMIT >> 1 \
+                else None
         return None
 
-    def affine(self, e: ast.AST, defs: dict[str, tuple[str, int, tuple[str, ...]]],
-               guards: dict[str, None]) -> tuple[str, int, tuple[str, ...]] | None:
-        """``(kind, d, offsets)`` when ``e`` is ``global_id(d)`` (kind "g") or
-        ``local_id(d)`` ("l") plus/minus offsets, directly or through locals in ``defs``."""
+    def signed(self, e: ast.AST) -> bool:
+        """Whether a uniform term is typed as a signed integer by numba (not an unsigned
+        scalar parameter)."""
+        if isinstance(e, ast.Name) and e.id in self.k.scalars:
+            return not self.k.arg_types[self.k.params.index(e.id)].dtype.startswith("u")
+        return not isinstance(e, ast.Name) or e.id in self.uniform_vars
+
+    def affine(self, e: ast.AST, defs: dict[str, "_Affine"], guards: dict[str, None],
+               loops: dict[str, tuple[str, str, tuple[str, ...]]], allow_vars: bool = True) -> "_Affine | None":
+        """``e`` as a thread index (``global_id(d)``/``local_id(d)``, at most one) plus
+        variables of uniform loops in ``loops`` (each at most once) plus uniform offsets,
+        directly or through locals in ``defs``; None when it is not of that form."""
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) \
                 and e.func.id in ("global_id", "local_id") and len(e.args) == 1:
             d = const_int(e.args[0])
             if d is not None and 0 <= d <= 2:
-                return ("g" if e.func.id == "global_id" else "l", d, ())
+                return _Affine(("g" if e.func.id == "global_id" else "l", d), (), (), 1 << 38)
             return None
-        if isinstance(e, ast.Name):
-            if e.id in defs:
-                for g in self.def_guards.get(e.id, ()):
-                    guards[g] = None
-            return defs.get(e.id)
+        if isinstance(e, ast.Name) and e.id in loops:
+            for g in loops[e.id][2]:
+                guards[g] = None
+            return _Affine(None, (e.id,), (), 1 << 41)
+        if isinstance(e, ast.Name) and e.id in defs:
+            for g in self.def_guards.get(e.id, ()):
+                guards[g] = None
+            return defs[e.id]
         if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Add, ast.Sub)):
-            left = self.affine(e.left, defs, guards)
-            if left is not None:
-                off = self.affine_offset(e.right, guards)
-                if off is None or len(left[2]) >= self._MAX_OFFSETS:
-                    return None
-                return left[0], left[1], left[2] + ((off if isinstance(e.op, ast.Add)
-                                                     else f"-{off}"),)
-            if isinstance(e.op, ast.Add):
-                right = self.affine(e.right, defs, guards)
-                off = self.affine_offset(e.left, guards) if right is not None else None
-                if right is not None and off is not None and len(right[2]) < self._MAX_OFFSETS:
-                    return right[0], right[1], right[2] + (off,)
-        return None
+            left = self.affine(e.left, defs, guards, loops, allow_vars)
+            right = self.affine(e.right, defs, guards, loops, allow_vars) if left else None
+            if left is None or right is None:
+                return None
+            return left.plus(right) if isinstance(e.op, ast.Add) else left.minus(right)
+        term = self.uniform_term(e, guards, allow_vars)
+        return _Affine(None, (), (term[0],), term[1]) if term else None
 
-    def affine_ranges(self, stmts: list[ast.stmt]) -> list[str]:
-        """Mark the phase's accesses whose every index is affine in a thread index (and
-        the same for every thread otherwise): over a block's threads such an index spans
-        ``[first, first + local_size - 1]``, which the block checks once before the thread
-        loop. Returns those block-level conditions (empty: no fast variant). A superset of
-        the indices the threads really use is checked (guards and control flow are
-        ignored), so a block that passes cannot miss; one that does not runs the
-        per-element checked loop, which faults exactly as without this."""
+    def uniform_range_arg(self, e: ast.AST) -> bool:
+        """Whether a ``range`` argument is the same for every thread of a block and can be
+        evaluated at block level before the phase: no locals, no loads, no thread ids."""
         k = self.k
-        defs: dict[str, tuple[str, int, tuple[str, ...]]] = {}
+        for n in ast.walk(e):
+            if isinstance(n, ast.Call):
+                if not (isinstance(n.func, ast.Name)
+                        and n.func.id in ("group_id", "num_groups", "local_size")):
+                    return False
+            elif isinstance(n, ast.Subscript):
+                if not isinstance(n.value, ast.Attribute):
+                    return False  # a loaded value
+            elif isinstance(n, ast.Name):
+                if not ((n.id in k.scalars and not self.stores.get(n.id)) or n.id in k.buffers
+                        or (n.id in self.uniform_vars and self.stores.get(n.id) == 1)
+                        or n.id in ("group_id", "num_groups", "local_size")):
+                    return False
+        return True
+
+    def loop_range(self, s: ast.For, guards: dict[str, None]) -> tuple[str, str] | None:
+        """``(first, last)`` block-level texts of the values a uniform loop's variable
+        takes (``last < first`` when it runs no iteration), or None when the loop is not a
+        ``range`` with uniform arguments and a positive step, or its variable is assigned
+        anywhere else in the kernel."""
+        var = s.target.id  # type: ignore[attr-defined]
+        args = s.iter.args  # type: ignore[attr-defined]
+        if self.stores.get(var) != 1 or not all(self.uniform_range_arg(a) for a in args):
+            return None
+        lim = self._OFFSET_LIMIT
+        texts = [self.expr(a) for a in args]
+        lo, hi = ("0", texts[0]) if len(texts) == 1 else (texts[0], texts[1])
+        for t in (lo, hi):
+            guards[f"-{lim} < ({t}) < {lim}"] = None
+        if len(texts) < 3 or const_int(args[2]) == 1:
+            return lo, f"({hi}) - 1"
+        step = texts[2]
+        if const_int(args[2]) is None:
+            guards[f"1 <= ({step}) < {lim}"] = None
+        elif const_int(args[2]) < 1:  # type: ignore[operator]
+            return None
+        return lo, f"({lo}) + (({hi}) - ({lo}) - 1) // ({step}) * ({step})"
+
+    def access_conds(self, name: str, ranges: list["_Affine"], loops: dict[str, tuple[str, str, tuple[str, ...]]]
+                     ) -> list[str]:
+        """Block-level conditions under which every index of an affine access is inside
+        ``name``'s shape."""
+        u = _u(name)
+        out = []
+        for dim, r in enumerate(ranges):
+            lo, hi = r.span(loops)
+            out.append(f"({lo}) >= 0")
+            out.append(f"({hi}) < {u}.shape[{dim}]")
+        return out
+
+    def affine_ranges(self, stmts: list[ast.stmt], top: bool) -> list[str]:
+        """Mark the phase's accesses whose every index is affine (see :meth:`affine`):
+        over a block such an index spans a range computed from the block's ids, the
+        uniform loops' bounds and the offsets, which the block checks once before the
+        thread loop. Returns those block-level conditions (empty: no fast variant). A
+        superset of the indices the threads really use is checked (guards and control flow
+        are ignored), so a block that passes cannot miss; one that does not runs the
+        per-element checked loop, which faults exactly as without this. Locals assigned
+        once in the kernel, at the top level of its body, keep their affine value for the
+        rest of the kernel (``self.carried``); others for the rest of the phase."""
+        defs: dict[str, _Affine] = dict(self.carried)
         conds: dict[str, None] = {}
         for s in stmts:
-            for n in ast.walk(s):
-                if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name):
-                    name, idx, node = n.value.id, _indices(n), n
-                elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) \
-                        and n.func.id == "atomic_add" and isinstance(n.args[0], ast.Name):
-                    name, node = n.args[0].id, n
-                    idx = list(n.args[1].elts) if isinstance(n.args[1], ast.Tuple) \
-                        else [n.args[1]]
-                else:
-                    continue
-                if name not in k.buffers and name not in k.shared:
-                    continue
-                if len(idx) != buffer_ndim(k, name):
-                    continue
-                guards: dict[str, None] = {}
-                ranges = [self.affine(i, defs, guards) for i in idx]
-                if any(r is None for r in ranges):
-                    continue
-                here: list[str] = list(guards)
-                for dim, r in enumerate(ranges):
-                    assert r is not None
-                    kind, d, offs = r
-                    first = " + ".join(([f"_g{d} * _ls{d}"] if kind == "g" else [])
-                                       + list(offs)) or "0"
-                    here.append(f"({first}) >= 0")
-                    here.append(f"({first}) + _ls{d} - 1 < {_u(name)}.shape[{dim}]")
-                node._aff = True  # type: ignore[attr-defined]
-                for c in here:
-                    conds[c] = None
-            # a local assigned once in the whole kernel, here, keeps its value for the rest
-            # of the phase
+            self.mark_affine(s, defs, {}, conds)
             if isinstance(s, ast.Assign) and len(s.targets) == 1 \
                     and isinstance(s.targets[0], ast.Name):
                 v = s.targets[0].id
-                if v in k.locals and self.stores.get(v) == 1:
-                    guards = {}
-                    r = self.affine(s.value, defs, guards)
+                if v in self.k.locals and self.stores.get(v) == 1:
+                    guards: dict[str, None] = {}
+                    r = self.affine(s.value, defs, guards, {})
                     if r is not None:
                         defs[v] = r
                         self.def_guards[v] = list(guards)  # for the accesses that use v
+                        self.def_values[v] = s.value
+                    carried = self.affine(s.value, self.carried, {}, {}, allow_vars=False)
+                    if top and carried is not None:
+                        self.carried[v] = carried
         return list(conds)
+
+    def mark_affine(self, s: ast.stmt, defs: dict[str, "_Affine"],
+                    loops: dict[str, tuple[str, str, tuple[str, ...]]], conds: dict[str, None]) -> None:
+        """affine_ranges for one statement, with the ranges of the uniform loops around it:
+        the accesses of ``s`` outside its nested statements, then those statements (a
+        uniform loop's body with its variable's range)."""
+        k = self.k
+        nested = [c for f in ("body", "orelse") for c in getattr(s, f, [])]
+        inner = {id(n) for c in nested for n in ast.walk(c)}
+        for n in ast.walk(s):
+            if id(n) in inner:
+                continue
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name):
+                name, idx, node = n.value.id, _indices(n), n
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) \
+                    and n.func.id == "atomic_add" and isinstance(n.args[0], ast.Name):
+                name, node = n.args[0].id, n
+                idx = list(n.args[1].elts) if isinstance(n.args[1], ast.Tuple) \
+                    else [n.args[1]]
+            else:
+                continue
+            if name not in k.buffers and name not in k.shared:
+                continue
+            if len(idx) != buffer_ndim(k, name):
+                continue
+            guards: dict[str, None] = {}
+            ranges = [self.affine(i, defs, guards, loops) for i in idx]
+            if any(r is None or r.bound >= self._RANGE_LIMIT for r in ranges):
+                continue
+            here = list(guards) + self.access_conds(name, ranges, loops)  # type: ignore[arg-type]
+            node._aff = True  # type: ignore[attr-defined]
+            for c in here:
+                conds[c] = None
+        if isinstance(s, ast.For):
+            guards = {}
+            rng = self.loop_range(s, guards)
+            if rng is not None:
+                loops = {**loops, s.target.id: (*rng, tuple(guards))}  # type: ignore[attr-defined]
+        for c in nested:
+            self.mark_affine(c, defs, loops, conds)
+
+    # -- vectorised phases -------------------------------------------------------------------
+    def interchangeable(self, s: ast.stmt) -> bool:
+        """Whether a phase's loop can run outside the thread loop (see "Vectorised phases"
+        in docs/kernels.md): a ``range`` loop with uniform bounds (loop_range), no
+        break/continue of its own, and a variable read only in its body (so no thread
+        needs its value after the loop)."""
+        if not isinstance(s, ast.For) or self.loop_range(s, {}) is None:
+            return False
+        if any(structural(c, True) for c in s.body):
+            return False
+        var = s.target.id  # type: ignore[attr-defined]
+        inside = sum(1 for c in s.body for n in ast.walk(c)
+                     if isinstance(n, ast.Name) and n.id == var and isinstance(n.ctx, ast.Load))
+        return inside == self.loads.get(var, 0)
+
+    def split(self, stmts: list[ast.stmt], loop_vars: tuple[str, ...]) -> list[Any]:
+        """A phase's statements as segments (thread loops) and interchanged loops around
+        further segments."""
+        items: list[Any] = []
+        seg: list[ast.stmt] = []
+        for s in stmts:
+            if not self.interchangeable(s):
+                seg.append(s)
+                continue
+            if seg:
+                items.append(_Segment(seg, loop_vars))
+                seg = []
+            var = s.target.id  # type: ignore[attr-defined]
+            items.append(_VLoop(s, self.split(s.body, loop_vars + (var,))))
+        if seg:
+            items.append(_Segment(seg, loop_vars))
+        return items
+
+    def vector_plan(self, stmts: list[ast.stmt], in_loop: bool,
+                    before: dict[str, "_Affine"]) -> list[Any] | None:
+        """The vectorised form of a phase, or None when it keeps the per-thread form:
+        it must have an interchangeable loop, no ``return``/atomics, every access range
+        checked per block (so the vectorised variant cannot fault: a block that fails the
+        check runs the per-thread checked loop, whose fault records are the old ones),
+        every block-shared or global buffer it stores into accessed in one segment outside
+        the interchanged loops (so each buffer sees its accesses in the old order), and
+        every local that lives across segments recomputable (an affine local assigned
+        once) or a per-thread array of its exact numba type."""
+        if contains(stmts, lambda n: isinstance(n, ast.Return) or (
+                isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                and n.func.id in ("atomic_add", "mma"))):
+            return None
+        if self.checked and any(not getattr(n, "_aff", False) for s in stmts for n in ast.walk(s)
+                                if _is_access(n, self.k)):
+            return None
+        items = self.split(stmts, ())
+        if not any(isinstance(i, _VLoop) for i in items):
+            return None
+        segs = _segments(items)
+        if not self.stores_confined(segs):
+            return None
+        order = list(before) + [s.targets[0].id for s in stmts  # type: ignore[attr-defined]
+                                if isinstance(s, ast.Assign) and len(s.targets) == 1
+                                and isinstance(s.targets[0], ast.Name)
+                                and self.def_values.get(s.targets[0].id) is s.value]
+        avail = set(before)
+        users: dict[str, list[_Segment]] = {}
+        for seg in segs:
+            used = (_names(seg.stmts) & self.k.locals) - set(self.k.shared) - set(seg.loop_vars)
+            seg.remat = self.remat(used - _assigned(seg.stmts), avail, order)
+            for n in used - set(seg.remat):
+                users.setdefault(n, []).append(seg)
+            if not seg.loop_vars:
+                avail |= {n for s in seg.stmts if isinstance(s, ast.Assign)
+                          for n in _assigned([s]) if n in order}
+        kinds = self.infer_kinds()
+        assigned = _assigned(stmts)
+        for n, where in users.items():
+            if n in assigned and (len(where) > 1 or where[0].loop_vars):
+                if not (in_loop or self.exact_float(n, kinds)):
+                    return None
+                self.vector_locals.add(n)
+        return items
+
+    def remat(self, used: set[str], avail: set[str], order: list[str]) -> list[str]:
+        """The affine locals a segment recomputes (those it uses, and what their
+        definitions use), in definition order."""
+        need = used & avail
+        while True:
+            more = {d for n in need for d in _names([ast.Expr(self.def_values[n])])
+                    if d in avail} - need
+            if not more:
+                return [n for n in order if n in need]
+            need |= more
+
+    def exact_float(self, name: str, kinds: dict[str, str]) -> bool:
+        """Whether a float64 per-thread array is the local's exact numba type: a float
+        local that is assigned a float constant somewhere (numba unifies its type to
+        float64)."""
+        return kinds.get(name) == "float" and any(
+            isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+            and isinstance(n.value.value, float)
+            and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
+            for n in ast.walk(self.k.fn))
+
+    def stores_confined(self, segs: list["_Segment"]) -> bool:
+        """Whether every buffer the phase stores into is accessed in one segment that is
+        outside the interchanged loops (then its accesses happen in the old order). The
+        ``dynamic_shared`` arrays are one buffer: they alias."""
+        where: dict[str, set[int]] = {}
+        stored: set[str] = set()
+        for i, seg in enumerate(segs):
+            for s in seg.stmts:
+                for n in ast.walk(s):
+                    if _is_access(n, self.k):
+                        name = _access_name(n)
+                        if self.k.shared.get(name, (None,))[0] == DYNAMIC_SHAPE:
+                            name = "dynamic_shared()"
+                        where.setdefault(name, set()).add(i)
+                        if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store):
+                            stored.add(name)
+        return all(len(where[b]) == 1 and not segs[next(iter(where[b]))].loop_vars
+                   for b in stored)
+
+    def vector_params(self) -> list[str]:
+        """A vectorised phase's parameters: a phase's, less the thread's own indices."""
+        return [p for p in self.phase_params() if p not in ("_l0", "_l1", "_l2", "_t")]
+
+    def vector_function(self, i: int, items: list[Any], pt: dict[str, str]) -> list[str]:
+        """``_phv<i>``: the phase for a whole block, interchanged loops outside, thread
+        loops (innermost over ``local_id(0)``) inside; only run when the block's range
+        checks passed (or without bounds checks), so its accesses are unchecked."""
+        lines = ["", "@njit(**_NJ)", f"def _phv{i}({', '.join(self.vector_params())}):"]
+        self.fast = True
+        try:
+            lines += self.vector_items(items, "    ", pt, i)
+        finally:
+            self.fast = False
+        return lines + ["    return 0", ""]
+
+    def vector_items(self, items: list[Any], ind: str, pt: dict[str, str], idx: int
+                     ) -> list[str]:
+        out: list[str] = []
+        for it in items:
+            if isinstance(it, _Segment):
+                out += self.segment(it, ind, pt, idx)
+                continue
+            s = it.loop
+            names = []
+            for a in s.iter.args:
+                text, _ = self.hexpr(a, ind, out)  # uniform: no loads
+                r = self.fresh("r")
+                out.append(f"{ind}{r} = {text}")
+                names.append(r)
+            out.append(f"{ind}for {_u(s.target.id)} in range({', '.join(names)}):")
+            out += self.abort_check(ind + "    ", "1")
+            out += self.vector_items(it.items, ind + "    ", pt, idx)
+        return out
+
+    def segment(self, seg: "_Segment", ind: str, pt: dict[str, str], idx: int) -> list[str]:
+        """One thread loop of a vectorised phase: recomputed affine locals, per-thread
+        locals loaded from and written back to their arrays, the statements."""
+        inner = ind + "            "
+        keep = set(seg.loop_vars) | set(seg.remat)
+        used = (_names(seg.stmts) & set(pt)) - keep
+        assigned = (_assigned(seg.stmts) & set(pt)) - keep
+        writeback = [f"_pt_{n}[_t] = {_u(n)}" for n in sorted(assigned)]
+        body = [f"{inner}_gid{d} = _g{d} * _ls{d} + _l{d}" for d in range(3)]
+        for n in seg.remat:
+            text, _ = self.hexpr(self.def_values[n], inner, body)
+            body.append(f"{inner}{_u(n)} = ({text})")
+        body += [f"{inner}{_u(n)} = _pt_{n}[_t]" for n in sorted(used)]
+        body += self.block(seg.stmts, inner, writeback)
+        body += [f"{inner}{w}" for w in writeback]
+        skip = [f"{inner}if _done[_t]:", f"{inner}    continue"] \
+            if self.returns and idx > 0 else []
+        return [f"{ind}for _l2 in range(_ls2):",
+                f"{ind}    for _l1 in range(_ls1):",
+                f"{ind}        for _l0 in range(_ls0):",
+                f"{inner}_t = (_l2 * _ls1 + _l1) * _ls0 + _l0",
+                *skip, *body]
 
     def phase_args(self) -> str:
         return ", ".join(self.phase_params())
@@ -678,7 +1069,7 @@ class _Lowering:
                 if in_loop:
                     result.add(name)
         result |= {n for n, c in count.items() if c > 1}
-        result |= self.block_locals
+        result |= self.block_locals | self.vector_locals
         kinds = self.infer_kinds()
         return {n: kinds.get(n, "float") for n in sorted(result)}
 
@@ -750,12 +1141,13 @@ class _Lowering:
         k = self.k
         body = [s for s in k.fn.body]
         uses_mma = calls_mma(body)
-        block_code = self.structure(body, "        ", False)
+        block_code = self.structure(body, "        ", False, True)
         pt = self.per_thread()
         self.per_thread_order = list(pt)
         # Calls were emitted before the uniform loop variables and per-thread arrays were
         # all known: fill in the (now final) argument list.
-        block_code = [line.replace("@ARGS@", self.phase_args()) for line in block_code]
+        block_code = [line.replace("@ARGS@", self.phase_args())
+                      .replace("@VARGS@", ", ".join(self.vector_params())) for line in block_code]
         nj = (f"dict(nogil=True, cache=True, fastmath={self.opt.fastmath}, "
               f"boundscheck=False, error_model='numpy')")
         lines = [
@@ -792,6 +1184,8 @@ class _Lowering:
         # phase functions
         for i, (stmts, _in_loop) in enumerate(self.phases):
             lines += self.phase_function(i, stmts, pt)
+            if i in self.vector_phases:
+                lines += self.vector_function(i, self.vector_phases[i], pt)
             if i in self.fast_phases:
                 self.fast = True
                 try:

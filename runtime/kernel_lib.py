@@ -39,13 +39,19 @@ def saxpy(a, x, y, out):
 
 
 def reduce_sum(x, total):
+    # a grid-stride loop: thread i adds x[i], x[i + stride], ... (stride = the grid's
+    # threads); its full strides are a uniform loop (every thread in range, so the engine
+    # runs it across the block's threads), the partial last one a phase of its own
     part = shared_array(256, "float64")
     t = local_id(0)
     i = global_id(0)
     acc = 0.0
-    while i < x.size:
-        acc += x[i]
-        i += local_size(0) * num_groups(0)
+    for j in range(0, x.size - local_size(0) * num_groups(0) + 1, local_size(0) * num_groups(0)):
+        acc += x[j + i]
+    barrier()
+    tail = x.size - x.size % (local_size(0) * num_groups(0)) + i
+    if tail < x.size:
+        acc += x[tail]
     part[t] = acc
     barrier()
     for k in range(8):  # a uniform loop: every thread meets every barrier

@@ -1,0 +1,260 @@
+"""Vectorised phases of the kernel lowering (firmware/kernel_lower.py, "Vectorised phases"
+in docs/kernels.md): which phases take the block-wide form, and that every observable --
+results, barriers, returns, faults, aborts, atomics -- is what the per-thread form gives.
+
+Compiled kernels are shared through one module-scoped cache, as in test_jit_unit.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_jit_unit import ir_of, no_abort
+
+from firmware import jit
+from firmware.jit import ABORT_WATCHDOG, KernelCache, KernelFault, Options
+from runtime import kernel_lib, kernels
+
+pytestmark = pytest.mark.timeout(300)
+
+LIB = kernels.compile_module(kernel_lib.SOURCE)["kernels"]
+GEMM_T = ("float32[2d]", "float32[2d]", "float32[2d]", "int64")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> KernelCache:
+    root: Path = tmp_path_factory.mktemp("jitcache")
+    return KernelCache(root)
+
+
+def vectorised(src: str) -> set[int]:
+    """The phases of a generated module that have a vectorised form."""
+    return {int(line.split("def _phv")[1].split("(")[0])
+            for line in src.splitlines() if line.startswith("def _phv")}
+
+
+def test_tiled_gemm_inner_loop_is_vectorised_and_exact(cache: KernelCache) -> None:
+    k = cache.get(LIB["gemm"], GEMM_T, Options())
+    assert vectorised(k.source) == {2}  # for k in range(16): acc += ta[ty, k] * tb[k, tx]
+    fn = k.source.split("def _phv2(")[1].split("@njit")[0]
+    assert "_miss(" not in fn and -1 < fn.index("for u_k in range(") < fn.index("for _l0 in")
+    unchecked = cache.get(LIB["gemm"], GEMM_T, Options(boundscheck=False))
+    assert vectorised(unchecked.source) == {2}
+    rng = np.random.default_rng(1)
+    for m in (64, 40):  # 40: the edge blocks fail the range checks, run per thread
+        a = rng.standard_normal((m, m), dtype=np.float32)
+        b = rng.standard_normal((m, m), dtype=np.float32)
+        grid = ((m + 15) // 16, (m + 15) // 16, 1)
+        outs = []
+        for kk in (k, unchecked):
+            c = np.zeros((m, m), np.float32)
+            kk.run(0, grid[0] * grid[1], grid, (16, 16, 1), [a, b, c, np.int64(m)], no_abort())
+            outs.append(c)
+        # per-thread float64 sums of float32 products, k in order: the same bits both ways
+        ref = np.zeros((m, m))
+        for j in range(m):
+            ref += (a[:, j:j + 1] * b[j:j + 1, :]).astype(np.float64)
+        np.testing.assert_array_equal(outs[0], ref.astype(np.float32))
+        np.testing.assert_array_equal(outs[1], outs[0])
+
+
+def test_reduce_sum_grid_stride_loop_is_vectorised_and_exact(cache: KernelCache) -> None:
+    k = cache.get(LIB["reduce_sum"], ("float32[1d]", "float64[1d]"), Options())
+    assert vectorised(k.source) == {0}  # the full strides; the partial one is phase 1
+    x = np.random.default_rng(2).integers(-1000, 1000, 300_001).astype(np.float32)
+    for nb in (1, 7, 64):
+        total = np.zeros(1)
+        k.run(0, nb, (nb, 1, 1), (256, 1, 1), [x, total], no_abort())
+        assert total[0] == x.astype(np.int64).sum()  # integers: every order is exact
+    y = np.random.default_rng(3).random(100_000, dtype=np.float32)
+    total = np.zeros(1)
+    k.run(0, 25, (25, 1, 1), (256, 1, 1), [y, total], no_abort())
+    assert np.isclose(total[0], y.astype(np.float64).sum(), rtol=1e-12)
+
+
+BARRIER_LOOP = ir_of("""
+    def rows(x, out, n):
+        s = shared_array(64, "float64")
+        t = local_id(0)
+        acc = 0.0
+        for r in range(n):
+            s[t] = x[r * 64 + t]
+            barrier()
+            for k in range(64):
+                acc += s[k] * (t + 1)
+            barrier()
+        out[global_id(0)] = acc
+""")
+
+
+def test_barriers_inside_uniform_loops(cache: KernelCache) -> None:
+    k = cache.get(BARRIER_LOOP, ("float64[1d]", "float64[1d]", "int64"), Options())
+    assert vectorised(k.source) == {2}
+    x = np.random.default_rng(4).random(64 * 5)
+    out = np.zeros(128)
+    k.run(0, 2, (2, 1, 1), (64, 1, 1), [x, out, np.int64(5)], no_abort())
+    acc = np.zeros(64)
+    for r in range(5):
+        for j in range(64):
+            acc += x[r * 64 + j] * (np.arange(64) + 1)
+    np.testing.assert_array_equal(out, np.tile(acc, 2))
+
+
+RETURN_FIRST = ir_of("""
+    def ret(x, out):
+        t = local_id(0)
+        acc = 0.0
+        if t >= 24:
+            return
+        barrier()
+        for k in range(8):
+            acc += x[k] * t
+        out[global_id(0)] = acc
+""")
+
+
+def test_thread_return_before_a_vectorised_phase(cache: KernelCache) -> None:
+    k = cache.get(RETURN_FIRST, ("float64[1d]", "float64[1d]"), Options())
+    assert vectorised(k.source) == {1}
+    x = np.arange(8, dtype=np.float64)
+    out = np.full(64, -1.0)
+    k.run(0, 2, (2, 1, 1), (32, 1, 1), [x, out], no_abort())
+    t = np.arange(64) % 32
+    np.testing.assert_array_equal(out, np.where(t < 24, x.sum() * t, -1.0))
+
+
+OOB_LOOP = ir_of("""
+    def oob(x, out, m):
+        t = local_id(0)
+        acc = 0.0
+        for k in range(m):
+            acc += x[k, t + 5]
+        out[global_id(0)] = acc
+""", {"x": 2})
+
+
+def test_out_of_bounds_in_an_interchanged_loop_faults_as_per_thread(cache: KernelCache) -> None:
+    k = cache.get(OOB_LOOP, ("float32[2d]", "float32[1d]", "int64"), Options())
+    assert vectorised(k.source) == {0}
+    x = np.ones((5, 40), np.float32)
+    out = np.zeros(64, np.float32)
+    # thread 0 misses first at x[5, 5] (k = 5); in k-major order x[0, 40] (thread 35) would
+    with pytest.raises(KernelFault) as ei:
+        k.run(0, 1, (1, 1, 1), (64, 1, 1), [x, out, np.int64(8)], no_abort())
+    assert (ei.value.kind, ei.value.param, ei.value.index, ei.value.block) == \
+        ("bounds", "x", 5 * 40 + 5, 0)
+    assert k.run(0, 1, (1, 1, 1), (32, 1, 1), [x, out, np.int64(5)], no_abort()) == 1
+    np.testing.assert_array_equal(out[:32], 5.0)  # in range: the vectorised form ran
+
+
+ATOMIC_LOOP = ir_of("""
+    def hist(bins, n):
+        t = local_id(0)
+        for k in range(n):
+            atomic_add(bins, (t + k) % 8, 1)
+""")
+DIVERGENT = ir_of("""
+    def tri(x, out):
+        t = local_id(0)
+        acc = 0.0
+        for k in range(t):
+            acc += x[k]
+        out[global_id(0)] = acc
+""")
+STORE_IN_LOOP = ir_of("""
+    def acc_out(x, out):
+        t = global_id(0)
+        for k in range(4):
+            out[t] += x[k]
+""")
+FLOAT32_LOCAL = ir_of("""
+    def f32(x, out):
+        t = global_id(0)
+        v = x[t]
+        for k in range(3):
+            v = v * v
+        out[t] = v
+""")
+
+
+def test_what_keeps_the_per_thread_form(cache: KernelCache) -> None:
+    # atomics (their order), a thread-dependent loop, a store inside the uniform loop, a
+    # float32 local living across the loop (a float64 array would round differently)
+    h = cache.get(ATOMIC_LOOP, ("int64[1d]", "int64"), Options())
+    t = cache.get(DIVERGENT, ("float64[1d]", "float64[1d]"), Options())
+    s = cache.get(STORE_IN_LOOP, ("float64[1d]", "float64[1d]"), Options())
+    f = cache.get(FLOAT32_LOCAL, ("float32[1d]", "float32[1d]"), Options())
+    assert all(vectorised(k.source) == set() for k in (h, t, s, f))
+    bins = np.zeros(8, np.int64)
+    h.run(0, 3, (3, 1, 1), (64, 1, 1), [bins, np.int64(10)], no_abort())
+    assert (bins == 3 * 64 * 10 // 8).all()
+    x = np.arange(64, dtype=np.float64)
+    out = np.zeros(64)
+    t.run(0, 1, (1, 1, 1), (64, 1, 1), [x, out], no_abort())
+    np.testing.assert_array_equal(out, np.cumsum(np.r_[0, x[:-1]]))
+    out = np.zeros(64)
+    s.run(0, 1, (1, 1, 1), (64, 1, 1), [x, out], no_abort())
+    assert (out == x[:4].sum()).all()
+    xf = np.random.default_rng(5).random(64, dtype=np.float32) + np.float32(0.5)
+    of = np.zeros(64, np.float32)
+    f.run(0, 1, (1, 1, 1), (64, 1, 1), [xf, of], no_abort())
+    np.testing.assert_array_equal(of, ((xf * xf) * (xf * xf)) * ((xf * xf) * (xf * xf)))
+
+
+SPIN_LOOP = ir_of("""
+    def spin(out, n):
+        acc = 0.0
+        for k in range(n):
+            acc += 1.0
+        out[global_id(0)] = acc
+""")
+
+
+def test_interchanged_loop_sees_the_abort_word(cache: KernelCache) -> None:
+    k = cache.get(SPIN_LOOP, ("float64[1d]", "int64"), Options())
+    assert vectorised(k.source) == {0}
+    out = np.zeros(64)
+    abort = no_abort()
+    result: list[BaseException | int] = []
+
+    def go() -> None:
+        try:
+            result.append(k.run(0, 1, (1, 1, 1), (64, 1, 1), [out, np.int64(1 << 40)], abort))
+        except BaseException as exc:  # noqa: BLE001
+            result.append(exc)
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    time.sleep(0.3)
+    assert th.is_alive()
+    abort[0] = ABORT_WATCHDOG
+    th.join(10)
+    assert not th.is_alive(), "the vectorised loop did not see the abort word"
+    assert isinstance(result[0], KernelFault) and result[0].kind == "watchdog"
+    assert jit.FIRMWARE_JIT_ABI >= 6  # generated code changed: stale entries must miss
+
+
+DYNAMIC_ALIAS = ir_of("""
+    def alias(out, n):
+        a = dynamic_shared("float64")
+        b = dynamic_shared("float64")
+        t = local_id(0)
+        acc = 0.0
+        for k in range(n):
+            acc += b[k]
+        a[t] = acc + t + 1
+        out[global_id(0)] = a[t]
+""")
+
+
+def test_aliasing_dynamic_shared_arrays_keep_the_per_thread_order(cache: KernelCache) -> None:
+    # a and b are the same bytes: thread t's store a[t] is seen by later threads' loads of
+    # b[k], which only the per-thread order gives (a race, but the old, defined, result)
+    k = cache.get(DYNAMIC_ALIAS, ("float64[1d]", "int64"), Options())
+    assert vectorised(k.source) == set()
+    out = np.zeros(4)
+    k.run(0, 1, (1, 1, 1), (4, 1, 1), [out, np.int64(4)], no_abort(), dynamic_shared=4 * 8)
+    np.testing.assert_array_equal(out, [1.0, 3.0, 7.0, 15.0])  # vectorised: 1, 2, 3, 4
