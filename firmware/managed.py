@@ -65,11 +65,12 @@ def inline_ok(pages: list[PageMap]) -> bool:
 
 def migrate(residency: Residency, pages: list[PageMap]) -> None:
     """Migrate the pages marked since the last call and clear their marks. Engines running
-    other blocks of the launch may mark concurrently: only the marks read here are
-    cleared, after they were read, so a mark is never lost (at worst a page is seen again
-    next time, resident then)."""
+    other blocks of the launch may mark concurrently: the marks are read from a snapshot
+    (numpy's nonzero refuses an array that changes under it) and only those read are
+    cleared, after the read, so a mark is never lost (at worst a page is seen again next
+    time, resident then)."""
     for p in pages:
-        touched = np.flatnonzero(p.marks)
+        touched = np.flatnonzero(p.marks.copy())
         if len(touched):
             p.marks[touched] = 0
             residency.touch_pages(p.mapping, (touched + p.first).tolist())
