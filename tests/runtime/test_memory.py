@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from scenario import IDLE
@@ -347,6 +348,34 @@ def test_bounds_fault_on_managed_memory_has_the_same_record(make_daemon):
         print(records[0] == records[1], records[1])
     """)
     assert lines == ["faults=0", "faults=1", "True ('oob', 'EFAULT', 256)"]
+
+
+@pytest.mark.timeout(180)
+def test_process_killed_mid_kernel_on_managed_memory_leaves_nothing_resident(make_daemon):
+    d = make_daemon()
+    code = PRELUDE + MANAGED_KERNELS + """
+slow = runtime.compile('''
+def slow(x, n):
+    i = global_id(0)
+    for k in range(n):
+        x[i] = x[i] + 1.0
+''').slow
+x = runtime.managed_empty(64 * PAGE, np.float32)
+slow[1, 1](x, 1); runtime.synchronize()                # compiled, page 0 resident
+slow[64 * PAGE // 256, 256](x, 4_000_000)               # blocks of ~1 s on both engines
+print("running", flush=True)
+time.sleep(60)
+"""
+    proc = d.popen_py(code)
+    try:
+        assert proc.stdout.readline().strip() == "running"
+        time.sleep(0.5)  # inside the first blocks: their pages are marked, not yet migrated
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # the context's teardown waits for the running blocks, whose pages then migrate, and
+    # drops them with the mapping
+    d.wait_attrs(0, {**IDLE, "managed_resident": "0"}, timeout=60)
 
 
 def test_peer_access_needs_enabling(daemon):
