@@ -89,3 +89,17 @@ def test_managed_is_a_buffer_type_of_its_own():
     assert len(t.extra_numba_types()) == 2
     with pytest.raises(kernel_check.KernelCompileError):
         kernel_check.ArgType.parse("float32@managed")
+
+
+@pytest.mark.timeout(300)
+def test_matrix_unit_operands_are_marked_whole(cache):
+    from runtime import kernel_lib, kernels
+
+    ir = kernels.compile_module(kernel_lib.SOURCE)["kernels"]["matmul"]
+    a, b = np.ones((128, 256), np.float32), np.ones((256, 128), np.float32)  # 2 pages each
+    c = np.zeros((128, 128), np.float32)
+    pa, pc = np.zeros(2, np.uint8), np.zeros(1, np.uint8)
+    k = cache.get(ir, ("float32[2d]@managed", "float32[2d]", "float32[2d]@managed"),
+                        Options())
+    k.run(0, 1, (1, 1, 1), (32, 1, 1), [a, b, c, pa, 0, pc, 0], np.zeros(1, np.int64))
+    assert pa.tolist() == [1, 1] and pc.tolist() == [1] and (c == 256).all()
