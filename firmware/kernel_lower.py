@@ -57,6 +57,13 @@ Why the generated code looks the way it does
   assigned to the local is an integer/bool (then int64): a conservative static guess,
   since the phase functions are typed by numba only after the arrays are declared.
 * Loops with an ``else`` clause are rejected (the contract does not list them).
+* A buffer in managed memory (argument type suffix ``@managed``) adds two trailing
+  arguments, its page map ``_pm_x`` (a uint8 per 64 KiB page) and its first byte's offset
+  in its page ``_po_x``: a checked access marks its page once the check passed, a phase's
+  range-checked affine accesses mark the block's index box once before the thread loop
+  (a store per element would sit in the loop the range check keeps free of checks; not
+  measured), unchecked code and mma operands mark the whole buffer; firmware/managed.py
+  migrates what is marked. Other buffers' code is unchanged.
 
 The abort word
 --------------
