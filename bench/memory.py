@@ -13,9 +13,10 @@ Times are per operation, so "ratio <= 1.43" is "at least 0.7x numpy's bandwidth"
 from __future__ import annotations
 
 import os
+import time
 
 from abi import uapi
-from bench.core import Env, Row, interleave, middle_half, timed_row
+from bench.core import Env, Row, Samples, interleave, middle_half, timed_row
 
 COPY_BYTES = 64 << 20
 QUICK_COPY_BYTES = 16 << 20
@@ -158,3 +159,69 @@ def daemon_memory_per_context(env: Env) -> list[Row]:
                 details={"before_kib": before, "after_kib": after,
                          "echo_before_kib": echo_before, "echo_after_kib": echo_after})]
 
+
+
+MANAGED_KERNEL_BYTES = 64 << 20
+QUICK_MANAGED_KERNEL_BYTES = 16 << 20
+
+
+def managed_kernels(env: Env) -> list[Row]:
+    """A kernel over managed memory whose pages are on the host (first touch: each page
+    faults and migrates, firmware/managed.py) against the same launch right after, its
+    pages resident: what migration adds to a launch; and that resident launch against the
+    same kernel on device memory: what the managed variant's page marking costs. Each
+    round sends the pages back to the host first (an untimed PREFETCH), then times the
+    launches in that order (the order is the point), so every case sees the same machine
+    state round by round."""
+    import numpy as np
+
+    with env.accel_root_env():
+        import runtime
+        from runtime import kernel_lib
+
+        runtime.init()
+        lib = runtime.compile(kernel_lib.SOURCE)
+        n = QUICK_MANAGED_KERNEL_BYTES if env.quick else MANAGED_KERNEL_BYTES
+        x = runtime.managed_empty(n // 4, np.float32)
+        x[:] = 0
+        dev = runtime.empty(n // 4, np.float32)
+        stream = runtime.Stream()
+        faults = env.accel.root / "sys/class/accel/accel0/managed_faults"
+        grid = n // 4 // 256
+
+        def launch(value: float, out: object = x) -> int:
+            t0 = time.perf_counter_ns()
+            lib.fill[grid, 256](out, value, stream=stream)
+            stream.synchronize()
+            return time.perf_counter_ns() - t0
+
+        launch(1.0)  # compiles the managed variant
+        launch(1.0, dev)  # and the plain one
+        first, resident = Samples("first touch"), Samples("resident")
+        device = Samples("device memory")
+        migrated = []
+        for r in range(6 if env.quick else 12):
+            x.prefetch(to_device=False, stream=stream)
+            before = int(faults.read_text())
+            first.ns.append(launch(float(r)))
+            resident.ns.append(launch(float(r) + 0.5))
+            migrated.append(int(faults.read_text()) - before)
+            device.ns.append(launch(float(r), dev))
+        if not (x == r + 0.5).all():
+            raise RuntimeError("the kernel's writes to managed memory are wrong on the host")
+        for smp in (first, resident, device):
+            smp.block_medians = list(smp.ns)
+        pages = n >> 16
+        del x, dev
+        runtime.empty_cache()
+    return [timed_row(
+        f"kernel over managed memory, first touch (fill, {n >> 20} MiB)", first,
+        "same, pages resident", resident, goal=None,
+        note=f"{pages} pages fault and migrate per first-touch launch (managed_faults "
+             f"grew by {sorted(set(migrated))} per round, read a moment after each; the "
+             "firmware publishes its counters when it idles); launch + synchronize",
+        pages=pages, faults_per_round=migrated), timed_row(
+        f"kernel over managed memory, resident (fill, {n >> 20} MiB)", resident,
+        "same kernel over device memory", device, goal=None,
+        note="the managed variant marks each block's pages and the engine reads the page "
+             "map after each slice; launch + synchronize")]

@@ -21,7 +21,7 @@ from bench.partitions import partition_isolation
 from bench.floods import bystander_launches_under_floods, bystander_under_floods
 from bench.elementwise import elementwise
 from bench.kernels import kernels, tiny_launches
-from bench.memory import allocator_and_copies, daemon_memory_per_context
+from bench.memory import allocator_and_copies, daemon_memory_per_context, managed_kernels
 from bench.procs import AccelDaemon, EchoServer
 from bench.submission import idle_cpu, submission
 
@@ -191,6 +191,7 @@ BENCHMARKS: list[tuple[str, Benchmark]] = [
     ("daemon_start", daemon_start),
     ("allocator_and_copies", allocator_and_copies),
     ("daemon_memory_per_context", daemon_memory_per_context),
+    ("managed_kernels", managed_kernels),
     ("submission", submission),
     ("idle_cpu", idle_cpu),
     ("bystander_under_floods", bystander_under_floods),

@@ -69,7 +69,7 @@ from firmware.kernel_lower import (ABORT_KILL, ABORT_PREEMPT, ABORT_WATCHDOG, FA
 #: The firmware's JIT compatibility boundary. Bump it whenever anything the generated code
 #: depends on outside itself changes meaning (firmware/intrinsics.py, the ``_grid`` calling
 #: convention, the fault-array layout): every cached entry then misses.
-FIRMWARE_JIT_ABI = 6
+FIRMWARE_JIT_ABI = 7
 DEFAULT_ISA = "aemu-isa 1.0"
 #: Entries the persistent cache keeps on disk (about 150 KB each), least recently used out.
 MAX_CACHE_ENTRIES = 2048
@@ -208,6 +208,9 @@ class CompiledKernel:
         except (KeyError, AttributeError):  # pragma: no cover - numba internals moved
             self._entry = dispatcher
         self._checks = [(i, np.dtype(t.dtype), t.ndim) for i, t in enumerate(arg_types) if t.ndim]
+        #: arguments ``run`` takes: the parameters, then each managed buffer's page map
+        #: and first-page offset (firmware/managed.py)
+        self.nargs = len(params) + sum(len(t.extra_numba_types()) for t in arg_types)
 
     def run(self, block_lo: int, block_hi: int, grid: tuple[int, int, int],
             block: tuple[int, int, int], args: list[Any], abort: np.ndarray,
@@ -231,8 +234,8 @@ class CompiledKernel:
             raise ValueError(f"blocks [{block_lo}, {block_hi}) outside grid {grid}")
         if not (type(abort) is np.ndarray and abort.dtype == np.int64 and abort.shape == (1,)):
             raise TypeError("abort must be an int64 array of shape (1,)")
-        if len(args) != len(self.params):
-            raise TypeError(f"{self.name} takes {len(self.params)} arguments, got {len(args)}")
+        if len(args) != self.nargs:
+            raise TypeError(f"{self.name} takes {self.nargs} arguments, got {len(args)}")
         for i, dt, nd in self._checks:
             a = args[i]
             if not (isinstance(a, np.ndarray) and a.dtype == dt and a.ndim == nd
@@ -547,7 +550,8 @@ class KernelCache:
         abort_t = types.Array(types.int64, 1, "C")
         sig = (types.int64, types.int64, types.int64, types.int64, types.int64,
                types.int64, types.int64, types.int64, abort_t, abort_t, abort_t, types.int64,
-               *[t.numba_type() for t in k.arg_types])
+               *[t.numba_type() for t in k.arg_types],
+               *[x for t in k.arg_types for x in t.extra_numba_types()])
         disp = mod._grid
         try:
             disp.compile(sig)

@@ -30,6 +30,7 @@ import numpy as np
 from numba import types
 
 from abi import kernel_lang
+from firmware.managed import MANAGED_SUFFIX
 
 #: The language itself (element types, built-ins, collectives, operators) is the
 #: contract's, abi/kernel_lang.py: the runtime's front end reads the same tables.
@@ -91,11 +92,19 @@ class ArgType:
 
     dtype: str
     ndim: int  # 0 for a scalar
+    #: a buffer in managed memory (the suffix MANAGED_SUFFIX): its accesses mark the pages
+    #: they touch in an extra page-map argument (firmware/managed.py)
+    managed: bool = False
 
     @staticmethod
     def parse(text: str) -> "ArgType":
         if not isinstance(text, str):
             raise KernelCompileError(f"argument type {text!r} is not a string")
+        managed = text.endswith(MANAGED_SUFFIX)
+        if managed:
+            text = text[: -len(MANAGED_SUFFIX)]
+            if not text.endswith("d]"):
+                raise KernelCompileError(f"a managed scalar in argument type {text[:40]!r}")
         name, ndim = text, 0
         if text.endswith("d]") and "[" in text:
             name, _, rest = text.partition("[")
@@ -108,11 +117,17 @@ class ArgType:
         name = DTYPE_ALIASES.get(name, name)
         if name not in DTYPE_NAMES:
             raise KernelCompileError(f"unknown dtype in argument type {text[:40]!r}")
-        return ArgType(name, ndim)
+        return ArgType(name, ndim, managed)
 
     def numba_type(self) -> Any:
         scalar = types.boolean if self.dtype == "bool" else getattr(types, self.dtype)
         return types.Array(scalar, self.ndim, "C") if self.ndim else scalar
+
+    def extra_numba_types(self) -> tuple[Any, ...]:
+        """The trailing ``_grid`` arguments this argument adds: a managed buffer's page map
+        (uint8, one per 64 KiB page its bytes span) and its first byte's offset in its first
+        page (int64); nothing for any other argument."""
+        return (types.Array(types.uint8, 1, "C"), types.int64) if self.managed else ()
 
     @property
     def kind(self) -> str:

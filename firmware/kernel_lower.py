@@ -67,6 +67,13 @@ Why the generated code looks the way it does
   assigned to the local is an integer/bool (then int64): a conservative static guess,
   since the phase functions are typed by numba only after the arrays are declared.
 * Loops with an ``else`` clause are rejected (the contract does not list them).
+* A buffer in managed memory (argument type suffix ``@managed``) adds two trailing
+  arguments, its page map ``_pm_x`` (a uint8 per 64 KiB page) and its first byte's offset
+  in its page ``_po_x``: a checked access marks its page once the check passed, a phase's
+  range-checked affine accesses mark the block's index box once before the thread loop
+  (a store per element would sit in the loop the range check keeps free of checks; not
+  measured), unchecked code and mma operands mark the whole buffer; firmware/managed.py
+  migrates what is marked. Other buffers' code is unchanged.
 
 The abort word
 --------------
@@ -222,7 +229,8 @@ class _Rewrite(ast.NodeTransformer):
             self.cond_loads = True
             return ast.Call(ast.Name(f"_ld_{name}", ast.Load()),
                             [ast.Name(_u(name), ast.Load()), *idx,
-                             ast.Name("fault", ast.Load())], [])
+                             ast.Name("fault", ast.Load()),
+                             *[ast.Name(v, ast.Load()) for v in self.low.page_map(name)]], [])
         if self.checked:
             assert self.pre is not None
             idx = [ast.Name(v, ast.Load()) for v in self.low.hoist_index(
@@ -349,6 +357,8 @@ class _Lowering:
         self.vector_locals: set[str] = set()  # locals vectorised phases keep per thread
         self.stores: dict[str, int] = {}
         self.loads: dict[str, int] = {}
+        #: managed buffer parameters (their accesses mark pages: see page_map)
+        self.managed = [p for p, t in zip(k.params, k.arg_types) if t.managed]
         for n in ast.walk(k.fn):
             if isinstance(n, ast.Name):
                 count = self.stores if isinstance(n.ctx, ast.Store) else self.loads
@@ -379,6 +389,49 @@ class _Lowering:
             return self.k.buffers[name]
         return len(self.k.params) + list(self.k.shared).index(name)
 
+    # -- managed memory: which 64 KiB pages the launch touched -----------------------------
+    def page_map(self, name: str) -> list[str]:
+        """The page map and first-page offset arguments of a managed buffer (``[]`` for
+        any other): its accesses set ``_pm_x[page] = 1`` so that the firmware migrates
+        exactly the pages touched (firmware/managed.py)."""
+        return [f"_pm_{name}", f"_po_{name}"] if name in self.managed else []
+
+    def mark(self, name: str, ivars: list[str], ind: str, array: str = "") -> list[str]:
+        """Mark the page of one checked (in-range) access of a managed buffer (``array``:
+        the buffer's name where it is not ``u_<name>``)."""
+        if name not in self.managed:
+            return []
+        isz = np.dtype(buffer_dtype(self.k, name)).itemsize
+        return [f"{ind}_mark({', '.join(self.page_map(name))}, {isz}, "
+                f"{array or _u(name)}.shape, ({', '.join(ivars)},))"]
+
+    def box_marks(self, stmts: list[ast.stmt], ind: str) -> list[str]:
+        """Mark, once per block, the pages of the block's index box of every affine access
+        of a managed buffer in the phase (its range check passed): exact for an affine
+        access every thread makes; a superset when a guard skips some threads."""
+        out: dict[str, None] = {}
+        for s in stmts:
+            for n in ast.walk(s):
+                box = getattr(n, "_box", None)
+                if box is None or box[0] not in self.managed:
+                    continue
+                name, firsts, sizes = box
+                isz = np.dtype(buffer_dtype(self.k, name)).itemsize
+                lo = ", ".join(f"np.int64({f})" for f in firsts)
+                out[f"{ind}_mark_box({', '.join(self.page_map(name))}, {isz}, "
+                    f"{_u(name)}.shape, ({lo},), ({', '.join(sizes)},))"] = None
+        return list(out)
+
+    def whole_marks(self) -> list[str]:
+        """Managed buffers whose accesses are not marked one by one -- every access when
+        the code is unchecked, the matrix unit's operands -- are marked whole (a superset
+        of the pages touched) when the launch's code starts."""
+        mma_operands = {a.id for n in ast.walk(self.k.fn) if isinstance(n, ast.Call)
+                        and isinstance(n.func, ast.Name) and n.func.id == "mma"
+                        for a in n.args[:3] if isinstance(a, ast.Name)}
+        return [f"    _pm_{p}[:] = 1" for p in self.managed
+                if not self.checked or p in mma_operands]
+
     # -- phase functions: thread-level code ------------------------------------------------
     def hoist_index(self, name: str, idx: list[str], out: list[str], ind: str) -> list[str]:
         """Evaluate an access's indices into int64 temporaries and check them (unsigned
@@ -396,6 +449,7 @@ class _Lowering:
                 f"{ind}    _miss(fault, {self.pos_of(name)}, ({', '.join(ivars)},), {u}.shape)",
                 f"{ind}    return 1"]
         out += [f"{ind}{v} = _rt_opaque({v})" for v in ivars]  # see intrinsics._rt_opaque
+        out += self.mark(name, ivars, ind)
         return ivars
 
     def fault_check(self, ind: str) -> list[str]:
@@ -625,12 +679,13 @@ class _Lowering:
             call = [f"{ind}if _phv{idx}(@VARGS@) != 0:", f"{ind}    return _blk"]
             if not conds:
                 return call
-            return ([f"{ind}if {' and '.join(conds)}:"] + [f"    {c}" for c in call]
+            return ([f"{ind}if {' and '.join(conds)}:"] + self.box_marks(stmts, ind + "    ")
+                    + [f"    {c}" for c in call]
                     + [f"{ind}else:"] + self.thread_loop_text(f"_ph{idx}", idx, ind + "    "))
         if not conds:
             return self.thread_loop_text(f"_ph{idx}", idx, ind)
         self.fast_phases.add(idx)
-        return ([f"{ind}if {' and '.join(conds)}:"]
+        return ([f"{ind}if {' and '.join(conds)}:"] + self.box_marks(stmts, ind + "    ")
                 + self.thread_loop_text(f"_phf{idx}", idx, ind + "    ")
                 + [f"{ind}else:"]
                 + self.thread_loop_text(f"_ph{idx}", idx, ind + "    "))
@@ -856,6 +911,10 @@ class _Lowering:
                 continue
             here = list(guards) + self.access_conds(name, ranges, loops)  # type: ignore[arg-type]
             node._aff = True  # type: ignore[attr-defined]
+            # the block's index box, for a managed buffer's page marks (box_marks)
+            spans = [r.span(loops) for r in ranges]  # type: ignore[union-attr]
+            node._box = (name, [lo for lo, _ in spans],  # type: ignore[attr-defined]
+                         [f"({hi}) - ({lo}) + 1" for lo, hi in spans])
             for c in here:
                 conds[c] = None
         if isinstance(s, ast.For):
@@ -1052,7 +1111,8 @@ class _Lowering:
                 + [_u(v) for v in self.uniform_vars]
                 + [_u(s) for s in self.k.shared]
                 + [f"_pt_{v}" for v in self.per_thread_order]
-                + [_u(p) for p in self.k.params])
+                + [_u(p) for p in self.k.params]
+                + [a for p in self.managed for a in self.page_map(p)])
 
     # -- per-thread locals -----------------------------------------------------------------
     def per_thread(self) -> dict[str, str]:
@@ -1176,6 +1236,8 @@ class _Lowering:
         ]
         if uses_mma:
             lines += matrix.helper_source(ABORT_PREEMPT, FAULT_ABORT).splitlines()
+        if self.managed:
+            lines += _MARK_HELPERS.splitlines()
         loaded = {n.value.id for n in ast.walk(k.fn)  # type: ignore[attr-defined]
                   if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name)}
         if self.checked:
@@ -1194,10 +1256,11 @@ class _Lowering:
                     self.fast = False
         # the grid function
         sig = ["block_lo", "block_hi", "_ng0", "_ng1", "_ng2", "_ls0", "_ls1", "_ls2",
-               "abort", "fault", "_blas", "_dyn"] + [_u(p) for p in k.params]
+               "abort", "fault", "_blas", "_dyn"] + [_u(p) for p in k.params] \
+            + [a for p in self.managed for a in self.page_map(p)]
         lines += ["", "@njit(**_NJ)", f"def _grid({', '.join(sig)}):",
                   "    _nt = _ls0 * _ls1 * _ls2",
-                  "    _done = np.zeros(max(_nt, 1), np.uint8)"]
+                  "    _done = np.zeros(max(_nt, 1), np.uint8)", *self.whole_marks()]
         for name, kind in pt.items():
             dt = "np.float64" if kind == "float" else "np.int64"
             lines.append(f"    _pt_{name} = np.zeros(max(_nt, 1), {dt})")
@@ -1233,11 +1296,14 @@ class _Lowering:
         conds = " or ".join(f"np.uint64(j{d}) >= np.uint64(a.shape[{d}])" for d in range(ndim))
         jvars = ", ".join(f"j{d}" for d in range(ndim))
         sub = ", ".join(f"np.uint64(_rt_opaque(j{d}))" for d in range(ndim))
-        return ["", "@njit(**_NJ)", f"def _ld_{name}(a, {', '.join(ivars)}, fault):",
+        pm = self.page_map(name)
+        return ["", "@njit(**_NJ)",
+                f"def _ld_{name}(a, {', '.join(ivars)}, {', '.join(['fault', *pm])}):",
                 *[f"    j{d} = _rt_index(i{d})" for d in range(ndim)],
                 f"    if {conds}:",
                 f"        _miss(fault, {self.pos_of(name)}, ({jvars},), a.shape)",
                 f"        return {zero}",
+                *self.mark(name, [jvars], "    ", "a"),
                 f"    return a[{sub}]", ""]
 
     def phase_function(self, i: int, stmts: list[ast.stmt], pt: dict[str, str],
@@ -1253,6 +1319,36 @@ class _Lowering:
         lines += self.block(stmts, "    ", writeback)
         lines += [f"    {w}" for w in writeback] + ["    return 0", ""]
         return lines
+
+
+#: The page-marking helpers of a module with managed buffers: a flat element index of a
+#: C-order buffer -> its byte -> its 64 KiB page (``po``: the buffer's first byte's offset
+#: in its first page); a box of indices is marked row by row (rows are contiguous).
+_MARK_HELPERS = """
+@njit(**_NJ)
+def _mark(pm, po, isz, shape, idx):
+    flat = 0
+    for d in range(len(idx)):
+        flat = flat * shape[d] + idx[d]
+    pm[(po + flat * isz) >> 16] = 1
+
+
+@njit(**_NJ)
+def _mark_box(pm, po, isz, shape, lo, n):
+    last = len(lo) - 1
+    rows = 1
+    for d in range(last):
+        rows *= n[d]
+    for r in range(rows):
+        q = r
+        flat = lo[last]
+        stride = 1
+        for d in range(last - 1, -1, -1):
+            stride *= shape[d + 1]
+            flat += (lo[d] + q % n[d]) * stride
+            q //= n[d]
+        pm[(po + flat * isz) >> 16:((po + (flat + n[last]) * isz - 1) >> 16) + 1] = 1
+"""
 
 
 def _join(*kinds: str) -> str:

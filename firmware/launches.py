@@ -33,7 +33,7 @@ import numpy as np
 
 from abi import kernel_lang, userq
 from abi.userq import Op
-from firmware import memory
+from firmware import managed, memory
 from firmware.engines import Deadlines, Job
 from firmware.rings import FwContext, FwModule, Ring
 from firmware.telemetry import Counters, log_unexpected
@@ -157,19 +157,24 @@ class Kernels:
         if args_len > userq.ACCEL_ARGS_MAX:
             raise memory.Fault(args_va, errno.EINVAL)
         m, off = ring.ctx.space.resolve(args_va, args_len)
-        values, types, buffers = bind_args(ring.ctx.space, self._plan(
+        values, types, buffers, pages = bind_args(ring.ctx.space, self._plan(
             mod, handle & 0xFFFF, kir, bytes(m.data[off : off + args_len])))
         kernel = self._compiled(mod, handle & 0xFFFF, kir, types)
         nblocks = grid[0] * grid[1] * grid[2]
-        if nblocks * threads <= INLINE_THREADS and kernel is not None and kernel.inline_ok:
+        if nblocks * threads <= INLINE_THREADS and kernel is not None and kernel.inline_ok \
+                and (pages is None or managed.inline_ok(pages)):
             # small, compiled and statically bounded: no engine hand-off (no GIL ping-pong)
             if not kernel.capabilities <= self.capabilities:
                 raise memory.Fault(0, errno.EOPNOTSUPP)
-            self._run_inline(name, buffers, kernel, nblocks, grid, block, values, dynamic)
+            try:
+                self._run_inline(name, buffers, kernel, nblocks, grid, block, values, dynamic)
+            finally:
+                if pages is not None:  # what it touched, up to where it stopped
+                    managed.migrate(sched.residency, pages)
             sched.tally.add("launches")
             return None
         launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block, dynamic,
-                        kernel)
+                        kernel, pages=pages)
         launch.nblocks = nblocks
         launch.engines = max(1, min(self.compute_engines, nblocks))
         # a chunk of at least CHUNK_MIN_THREADS, but never so large that the engines
@@ -267,6 +272,7 @@ class Launch:
     running: int = 0  # chunks handed out and not finished
     ended: bool = False  # its packet was completed
     fault: tuple[int, int] | None = None  # (errno, address)
+    pages: list[managed.PageMap] | None = None  # its managed buffers' page maps, if any
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record_fault(self, code: int, addr: int) -> None:
@@ -388,6 +394,8 @@ class BlockJob(Job):
                                        launch.args, abort, launch.dynamic_shared)
             finally:
                 deadlines.remove(token)
+                if launch.pages is not None:  # what the chunk touched (firmware/managed.py)
+                    managed.migrate(sched.residency, launch.pages)
             if abort[0] > deadlines.preempt:  # the watchdog, between blocks
                 raise _Watchdog()
             if self.next == self.hi:
@@ -477,12 +485,15 @@ def plan_args(raw: bytes, params: Any) -> list[Step]:
 
 
 def bind_args(space: memory.AddressSpace, steps: list[Step]
-              ) -> tuple[list, tuple[str, ...], list[tuple[str, int, int]]]:
+              ) -> tuple[list, tuple[str, ...], list[tuple[str, int, int]],
+                         list[managed.PageMap] | None]:
     """A plan against the context's memory now: every buffer resolved (and faulted when
-    outside it) and viewed, on every launch, in the plan's order."""
+    outside it) and viewed, on every launch, in the plan's order; a managed buffer adds a
+    page map (returned, None when there is none; its arguments follow the values)."""
     values: list = []
     types: list[str] = []
     buffers: list[tuple[str, int, int]] = []
+    pages: list[managed.PageMap] | None = None
     for step in steps:
         if step[0] == "scalar":
             values.append(step[1])
@@ -493,8 +504,12 @@ def bind_args(space: memory.AddressSpace, steps: list[Step]
             if not shape_ok:
                 raise memory.Fault(va, errno.EINVAL)
             values.append(m.data[off : off + nbytes].view(dtype).reshape(shape))
+            if m.resident is not None:
+                pages, type_name = managed.bind(pages, m, off, nbytes, type_name)
             types.append(type_name)
             buffers.append((pname, va, dtype.itemsize))
         else:
             raise memory.Fault(step[1], step[2])
-    return values, tuple(types), buffers
+    if pages is not None:
+        values += managed.arguments(pages)
+    return values, tuple(types), buffers, pages

@@ -22,6 +22,7 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,10 +69,15 @@ class Residency:
 
     def touch_device(self, m: Mapping, start: int, end: int) -> None:
         """Device access to bytes [start, end) of managed mapping ``m``: fault pages in."""
+        self.touch_pages(m, range(start // MANAGED_PAGE, (end - 1) // MANAGED_PAGE + 1))
+
+    def touch_pages(self, m: Mapping, pages: Iterable[int]) -> None:
+        """Device access to these pages of managed mapping ``m`` (a copy's range, the
+        pages a kernel marked): fault in the ones on the host, refresh the others' LRU
+        position."""
         assert m.resident is not None
-        first, last = start // MANAGED_PAGE, (end - 1) // MANAGED_PAGE
         with self.lock:
-            for page in range(first, last + 1):
+            for page in pages:
                 key = (id(m), page)
                 if m.resident[page]:
                     self._lru.move_to_end(key)

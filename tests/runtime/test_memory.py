@@ -11,7 +11,10 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
+import time
 
+import pytest
 from scenario import IDLE
 from scenario import MEMORY_PRELUDE as PRELUDE
 from scenario import run_scenario
@@ -229,6 +232,150 @@ def test_managed_memory_migrates_oversubscribes_and_reports(make_daemon):
         print(int(open(root + "managed_bytes_to_host").read()) > 0)
     """, timeout=120)
     assert lines == ["4 3", "True True True True", "True"]
+
+
+#: Kernels on managed memory: ``counters()`` reads the device's managed_* counters, and
+#: ``delta(before, **expect)`` polls until they reach ``before`` + ``expect`` (the firmware
+#: publishes them a moment after the packet completes), then prints the exact deltas.
+MANAGED_KERNELS = '''
+import time
+ROOT = os.environ["ACCEL_EMU_ROOT"] + "/sys/class/accel/accel0/managed_"
+NAMES = ("faults", "bytes_to_device", "bytes_to_host", "evictions", "resident")
+def counters():
+    return {k: int(open(ROOT + k).read()) for k in NAMES}
+def delta(before, **expect):
+    deadline = time.monotonic() + 5
+    while True:
+        now = counters()
+        d = {k: now[k] - before[k] for k in expect}
+        if d == expect or time.monotonic() > deadline:
+            print(*(f"{k}={v}" for k, v in d.items()))
+            return now
+        time.sleep(0.01)
+mod = runtime.compile("""
+def pick(x, out, k):
+    out[0] = x[k]
+
+def scale(x, a):
+    i = global_id(0)
+    if i < x.shape[0]:
+        x[i] = x[i] * a
+
+def scale_one_block(x, a):
+    for i in range(local_id(0), x.shape[0], local_size(0)):
+        x[i] = x[i] * a
+
+def oob(x, n):
+    i = global_id(0)
+    x[i + n] = 1.0
+""")
+PAGE = 65536 // 4                                # float32 elements per 64 KiB page
+'''
+
+
+def run_managed(d, body: str) -> list[str]:
+    return run(d, MANAGED_KERNELS + textwrap.dedent(body), timeout=150)
+
+
+@pytest.mark.timeout(180)
+def test_kernels_on_managed_memory_migrate_the_pages_they_touch(make_daemon):
+    d = make_daemon()
+    lines = run_managed(d, """
+        n = 64 * PAGE                               # 4 MiB: 64 pages
+        x = runtime.managed_empty(n, np.float32)
+        x[:] = np.arange(n) % 7
+        out = runtime.empty(1, np.float32)
+        c = counters()
+        mod.pick[1, 1](x, out, 20 * PAGE + 3); runtime.synchronize()
+        c = delta(c, faults=1, bytes_to_device=65536, resident=65536)
+        print(out.copy_to_host()[0] == x[20 * PAGE + 3])
+        y = runtime.managed_empty(n, np.float32)
+        y[:] = 1
+        for faults in (64, 0):                      # all pages once, then all resident
+            mod.scale[n // 256, 256](y, 3.0); runtime.synchronize()
+            c = delta(c, faults=faults, bytes_to_device=faults * 65536)
+        print(bool((y == 9).all()))                 # the kernels' writes, read on the host
+        small = runtime.managed_empty(4 * PAGE, np.float32)  # 4 pages: inline once compiled
+        small[:] = 5
+        for page, faults in ((0, 1), (2, 1), (2, 0)):
+            mod.pick[1, 1](small, out, page * PAGE); runtime.synchronize()
+            c = delta(c, faults=faults)
+        print(out.copy_to_host()[0], c["evictions"], c["bytes_to_host"])
+    """)
+    assert lines == ["faults=1 bytes_to_device=65536 resident=65536", "True",
+                     "faults=64 bytes_to_device=4194304", "faults=0 bytes_to_device=0", "True",
+                     "faults=1", "faults=1", "faults=0", "5.0 0 0"]
+
+
+@pytest.mark.timeout(180)
+def test_kernel_on_oversubscribed_managed_memory_evicts_and_is_correct(make_daemon):
+    d = make_daemon(extra=["--memory", "16M"])       # 256 pages of device memory
+    lines = run_managed(d, """
+        n = 384 * PAGE                              # 24 MiB of managed memory
+        x = runtime.managed_empty(n, np.float32)
+        x[:] = 1
+        c = counters()
+        # one block (never cut, so its pages migrate in order after it): the first 256
+        # pages fill the device, the last 128 evict the least recently used
+        mod.scale_one_block[1, 256](x, 3.0); runtime.synchronize()
+        c = delta(c, faults=384, evictions=128, bytes_to_host=128 * 65536, resident=16 << 20)
+        print(bool((x == 3).all()))
+        mod.scale_one_block[1, 256](x, 2.0); runtime.synchronize()  # LRU: every page again
+        c = delta(c, faults=384, evictions=384, resident=0)
+        print(bool((x == 6).all()))
+    """)
+    assert lines == ["faults=384 evictions=128 bytes_to_host=8388608 resident=16777216", "True",
+                     "faults=384 evictions=384 resident=0", "True"]
+
+
+@pytest.mark.timeout(180)
+def test_bounds_fault_on_managed_memory_has_the_same_record(make_daemon):
+    d = make_daemon()
+    lines = run_managed(d, """
+        dev = runtime.to_device(np.zeros(64, np.float32))
+        man = runtime.managed_empty(64, np.float32)
+        records = []
+        for x, va, faults in ((dev, dev.va, 0), (man, man.device_va, 1)):
+            s = runtime.Stream()
+            c = counters()
+            mod.oob[1, 64](x, 10, stream=s)       # threads 0-53 write page 0, 54 misses
+            try:
+                s.synchronize()
+            except runtime.KernelFaultError as e:
+                r = e.record
+                records.append((r["kernel"], r["errno"], r["address"] - va))
+            c = delta(c, faults=faults)
+        print(records[0] == records[1], records[1])
+    """)
+    assert lines == ["faults=0", "faults=1", "True ('oob', 'EFAULT', 256)"]
+
+
+@pytest.mark.timeout(180)
+def test_process_killed_mid_kernel_on_managed_memory_leaves_nothing_resident(make_daemon):
+    d = make_daemon()
+    code = PRELUDE + MANAGED_KERNELS + """
+slow = runtime.compile('''
+def slow(x, n):
+    i = global_id(0)
+    for k in range(n):
+        x[i] = x[i] + 1.0
+''').slow
+x = runtime.managed_empty(64 * PAGE, np.float32)
+slow[1, 1](x, 1); runtime.synchronize()                # compiled, page 0 resident
+slow[64 * PAGE // 256, 256](x, 4_000_000)               # blocks of ~1 s on both engines
+print("running", flush=True)
+time.sleep(60)
+"""
+    proc = d.popen_py(code)
+    try:
+        assert proc.stdout.readline().strip() == "running"
+        time.sleep(0.5)  # inside the first blocks: their pages are marked, not yet migrated
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # the context's teardown waits for the running blocks, whose pages then migrate, and
+    # drops them with the mapping
+    d.wait_attrs(0, {**IDLE, "managed_resident": "0"}, timeout=60)
 
 
 def test_peer_access_needs_enabling(daemon):
