@@ -116,9 +116,13 @@ class Scheduler:
             del ring.ctx.slots[ring.slot]
 
     def pending(self) -> bool:
-        """Work the scheduler can start now (a launch parked for its module is woken by
-        the loader)."""
-        return any(r.ready() for r in self.active)
+        """Work the scheduler can start now. Not a ring waiting on a queue's fence or
+        parked for its module, even with packets behind: what it waits for wakes the loop
+        (a completion on an engine, the module loader). Counted as runnable, such a ring
+        kept the loop polling with no timeout, holding the GIL from the thread importing
+        numba that the awaited launch needed: a launch on a cold JIT followed by a
+        wait_event on another stream never completed on a loaded machine."""
+        return any(r.ready() and r.blocked is None and r.parked is None for r in self.active)
 
     def doorbells_moved(self) -> bool:
         return any(c.db.get(userq.DB_SEQ) != c.seen_seq for c in self.contexts.values())

@@ -382,6 +382,9 @@ def test_a_wait_completes_once_the_other_fence_passes(device, ctx):
     device.step()
     device.step()
     assert b.ring.fence == 0 and b.ring.blocked is not None  # a's fence is 1
+    # nothing to run until a's fence moves: the control loop may sleep (its NOP behind the
+    # wait does not count), or it would spin without a timeout
+    assert b.ring.ready() and not device.sched.pending()
     a.submit(packet(Op.NOP))
     device.run_until(lambda: b.ring.fence == 2)
     waited, released = device.ended(b)[1], device.ended(a)[2]
