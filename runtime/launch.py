@@ -29,6 +29,8 @@ from runtime.stream import Stream, current_stream
 
 ARG_SLOT = 1024  # bytes of one launch's argument block
 ARG_SLOTS = 256
+#: launch shapes a kernel remembers as checked (Kernel._config)
+CONFIGS = 64
 #: numpy scalar type -> launch-ABI dtype code
 _SCALAR_CODES = {np.dtype(name).type: code for name, code in kernel_lang.DTYPE_CODES.items()}
 
@@ -42,6 +44,12 @@ def _dims(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
         raise errors.InvalidValueError(f"{what} must be 1 to 3 positive ints below 2**21, "
                                        f"got {value!r}")
     return tuple(int(d) for d in (*dims, 1, 1)[:3])  # type: ignore[return-value]
+
+
+def _plain(dims: Any) -> bool:
+    """An int or a tuple of ints: a shape that cannot change after it was checked (a list
+    can, and a numpy integer hashes like an int of the same value anyway)."""
+    return type(dims) is int or (type(dims) is tuple and all(type(d) is int for d in dims))
 
 
 class _Param(NamedTuple):
@@ -120,6 +128,8 @@ class Kernel:
         self.module, self.name, self.ir, self.handle = module, name, ir, handle
         self.params: list[dict[str, Any]] = ir["params"]
         self._layout = [_Param.of(p) for p in self.params]
+        #: (grid, block) as written -> the checked, packed dimensions (_config)
+        self._configs: dict[tuple[Any, Any], tuple[int, int]] = {}
 
     def __repr__(self) -> str:
         return f"<Kernel {self.name} on accel:{self.module.device}>"
@@ -128,6 +138,25 @@ class Kernel:
         grid, block = config
         return lambda *args, stream=None, shared_mem=0: self.launch(grid, block, args,
                                                                      stream, shared_mem)
+
+    def _config(self, grid: Any, block: Any) -> tuple[int, int]:
+        """The packet words of a grid and block, checked against the device: a program
+        launches a few shapes over and over, so a shape written as ints or tuples of ints
+        is checked once (anything else, a list say, is checked every time)."""
+        try:
+            return self._configs[grid, block]
+        except (KeyError, TypeError):
+            pass
+        g, b = _dims(grid, "grid"), _dims(block, "block")
+        props = self.module.properties
+        if b[0] * b[1] * b[2] > props.max_threads_per_block:
+            raise errors.InvalidValueError(
+                f"{self.name}: block of {b[0] * b[1] * b[2]} threads; accel:{self.module.device} "
+                f"allows {props.max_threads_per_block}")
+        words = userq.pack_dims(g), userq.pack_dims(b)
+        if _plain(grid) and _plain(block) and len(self._configs) < CONFIGS:
+            self._configs[grid, block] = words
+        return words
 
     def _record_args(self, args: Sequence[Any], into: np.ndarray | memoryview
                      ) -> tuple[int, list[Any]]:
@@ -198,19 +227,9 @@ class Kernel:
         if (rec := _trace.active) is not None and rec.outermost():
             return rec.call("Kernel.launch", {"kernel": self.name}, self.launch, grid, block,
                             args, stream, shared_mem)
-        g, b = _dims(grid, "grid"), _dims(block, "block")
-        props = self.module.properties
-        if b[0] * b[1] * b[2] > props.max_threads_per_block:
-            raise errors.InvalidValueError(
-                f"{self.name}: block of {b[0] * b[1] * b[2]} threads; accel:{self.module.device} "
-                f"allows {props.max_threads_per_block}")
-        static = self.ir.get("shared_mem", 0)
-        if not isinstance(shared_mem, (int, np.integer)) or isinstance(shared_mem, bool) \
-                or shared_mem < 0 or static + shared_mem > props.max_shared_mem_per_block:
-            raise errors.InvalidValueError(
-                f"{self.name}: shared_mem={shared_mem!r} dynamic bytes per block on top of its "
-                f"{static} static bytes; accel:{self.module.device} allows "
-                f"{props.max_shared_mem_per_block} per block")
+        g, b = self._config(grid, block)
+        if type(shared_mem) is not int or shared_mem != 0:
+            self._check_shared_mem(shared_mem)
         s = stream or current_stream(self.module.device)
         if s.device != self.module.device:
             raise errors.InvalidValueError(f"{self.name}: stream is on accel:{s.device}")
@@ -230,12 +249,23 @@ class Kernel:
         arena.used(slot, s, seqno)
         return seqno
 
-    def _packet(self, grid: tuple[int, int, int], block: tuple[int, int, int], dynamic: int,
-                args_va: int, length: int) -> bytes:
-        """The LAUNCH packet's 64 bytes, packed in one call (a ctypes packet and its
-        conversion to bytes cost several times more)."""
-        return userq.PACKET.pack(userq.Op.LAUNCH, 0, self.handle, userq.pack_dims(grid),
-                                 userq.pack_dims(block), dynamic, args_va, length, 0)
+    def _check_shared_mem(self, shared_mem: Any) -> None:
+        """Dynamic shared bytes: an int, not negative, within the device's per-block limit
+        on top of the kernel's static bytes (the static bytes alone were checked at
+        load)."""
+        static = self.ir.get("shared_mem", 0)
+        limit = self.module.properties.max_shared_mem_per_block
+        if not isinstance(shared_mem, (int, np.integer)) or isinstance(shared_mem, bool) \
+                or shared_mem < 0 or static + shared_mem > limit:
+            raise errors.InvalidValueError(
+                f"{self.name}: shared_mem={shared_mem!r} dynamic bytes per block on top of its "
+                f"{static} static bytes; accel:{self.module.device} allows {limit} per block")
+
+    def _packet(self, grid: int, block: int, dynamic: int, args_va: int, length: int) -> bytes:
+        """The LAUNCH packet's 64 bytes (grid and block as packed words), packed in one
+        call (a ctypes packet and its conversion to bytes cost several times more)."""
+        return userq.PACKET.pack(userq.Op.LAUNCH, 0, self.handle, grid, block, dynamic,
+                                 args_va, length, 0)
 
 
 class Module:

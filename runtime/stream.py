@@ -39,7 +39,7 @@ _DB_LOST = userq.DB_LOST >> 3
 #: (waking a sleeping waiter takes a few hundred microseconds here)...
 SPIN_WAIT_S = 2e-3
 #: ...tightly (yielding) for this long: a small launch or copy completes within it...
-SPIN_TIGHT_S = 50e-6
+SPIN_TIGHT_S = 100e-6
 #: ...then napping this long between polls: the device's engines are threads on the same
 #: two CPUs, and a waiter that keeps one busy (even yielding: the engines run at a lower
 #: priority) held a 1 Mi-element launch's second engine off for most of the launch.

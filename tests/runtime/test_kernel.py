@@ -351,7 +351,9 @@ def test_dynamic_shared_memory_sized_per_launch(kdaemon):
         buf = pinned_empty(4096, np.uint8)
         length, _ = k._record_args([x], buf)
         raw = runtime.Stream()
-        raw.submit([k._packet((1, 1, 1), (1, 1, 1), 48 * 1024 + 4, buf.device_va, length)])
+        from abi import userq
+        one = userq.pack_dims((1, 1, 1))
+        raw.submit([k._packet(one, one, 48 * 1024 + 4, buf.device_va, length)])
         try:
             raw.synchronize()
         except runtime.DeviceFaultError as e:
