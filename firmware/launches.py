@@ -8,10 +8,9 @@ A launch is checked in Python integers before anything runs: its kernel, its dim
 against the device's limits, its argument block (:func:`plan_args`, :func:`bind_args`: every buffer
 resolved against the context, every shape against its buffer). A small launch of a
 compiled, statically bounded kernel (no loops) runs inline on the control loop, under a
-watchdog; any other gets one :class:`BlockJob` per compute engine, which take its blocks
-in chunks as they get to them (an engine that starts late takes less, or nothing), in time
-slices (``QUANTUM_S``, a block is never cut) between which each gives way to waiting
-work of at least its priority, so one giant grid cannot hold both engines. A
+watchdog; any other is split into one :class:`BlockJob` per compute engine, each running
+its blocks in time slices (``QUANTUM_S``, a block is never cut) between which it gives way
+to waiting work of at least its priority, so one giant grid cannot hold both engines. A
 block that runs past the image's ``watchdog_ms`` is stopped (ETIMEDOUT). A fault names the
 address it tried, saturated into the 64-bit space.
 """
@@ -50,10 +49,6 @@ INLINE_WATCHDOG_S = 0.25
 #: A launch runs in slices of about this long (a block is never cut): between slices its
 #: engine takes waiting work first.
 QUANTUM_S = 0.02
-
-#: The fewest threads' worth of blocks an engine takes from a launch at a time (a claim
-#: costs a few microseconds of Python: deadlines, argument checks, the numba entry).
-CHUNK_MIN_THREADS = 32 * 1024
 
 #: What :meth:`Kernels.launch` returns for a launch whose module is not parsed yet.
 PARKED = object()
@@ -175,13 +170,11 @@ class Kernels:
             return None
         launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block, dynamic,
                         kernel, pages=pages)
-        launch.nblocks = nblocks
-        launch.engines = max(1, min(self.compute_engines, nblocks))
-        # a chunk of at least CHUNK_MIN_THREADS, but never so large that the engines
-        # cannot share the grid: a grid of 128 long blocks is 4 chunks of 32
-        launch.chunk_min = min(max(1, CHUNK_MIN_THREADS // threads),
-                               -(-nblocks // (2 * launch.engines)))
-        jobs = [BlockJob(sched, launch, start_ns) for _ in range(launch.engines)]
+        parts = max(1, min(self.compute_engines, nblocks))
+        bounds = [nblocks * i // parts for i in range(parts + 1)]
+        launch.remaining = parts
+        jobs = [BlockJob(sched, launch, lo, hi, start_ns)
+                for lo, hi in zip(bounds, bounds[1:])]
         for job in jobs[1:]:
             sched.compute.submit(ring.priority, job)
         return jobs[0]  # the scheduler submits the first, marking the ring busy
@@ -246,11 +239,7 @@ def _options() -> Any:
 
 @dataclass
 class Launch:
-    """One LAUNCH packet in flight. Its blocks are handed out in chunks to the engines
-    that take part (:class:`BlockJob`), as a GPU's block scheduler hands blocks to the SMs
-    as they free up: an engine that starts late (busy, or not given a CPU yet) takes what
-    is left, or nothing, and the launch never waits for it. The chunks shrink as the grid
-    runs out (guided self-scheduling), so the engines finish close together."""
+    """One LAUNCH packet in flight: its blocks are split across the compute engines."""
 
     ring: Ring
     seqno: int
@@ -265,12 +254,7 @@ class Launch:
     #: the compiled kernel when the module had it at dispatch, else None (the engine asks
     #: the JIT: a lookup there compares the whole IR, ~17 us of an engine's turn)
     compiled: Any = None
-    nblocks: int = 0
-    engines: int = 1  # engine jobs taking part
-    chunk_min: int = 1  # blocks
-    next_block: int = 0  # the first block not handed out
-    running: int = 0  # chunks handed out and not finished
-    ended: bool = False  # its packet was completed
+    remaining: int = 0  # engine shares not finished
     fault: tuple[int, int] | None = None  # (errno, address)
     pages: list[managed.PageMap] | None = None  # its managed buffers' page maps, if any
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -281,35 +265,11 @@ class Launch:
             if self.fault is None:
                 self.fault = (code, addr)
 
-    def claim(self) -> tuple[int, int] | None:
-        """The next chunk of blocks for an engine: a share of what is left, split among
-        the engines twice over, at least ``chunk_min``; None when nothing is left or the
-        launch faulted."""
+    def share_done(self) -> bool:
+        """One engine's share finished: True for the last (which completes the packet)."""
         with self.lock:
-            lo = self.next_block
-            if self.fault is not None or lo >= self.nblocks:
-                return None
-            size = max(self.chunk_min, -(-(self.nblocks - lo) // (2 * self.engines)))
-            self.next_block = hi = min(self.nblocks, lo + size)
-            self.running += 1
-            return lo, hi
-
-    def chunk_done(self) -> None:
-        with self.lock:
-            self.running -= 1
-
-    def leave(self, held: bool) -> bool:
-        """An engine is done with the launch (``held``: it abandons a chunk it had not
-        finished, on a fault). True for the one that must complete the packet: nothing is
-        running and nothing is left to run (or a fault stops the rest), once."""
-        with self.lock:
-            self.running -= held
-            if self.ended or self.running or (self.fault is None
-                                              and self.next_block < self.nblocks):
-                return False
-            self.ended = True
-            return True
-
+            self.remaining -= 1
+            return self.remaining == 0
 
 def fault_of(name: str, buffers: list[tuple[str, int, int]], exc: Exception
              ) -> tuple[int, int]:
@@ -337,18 +297,17 @@ class _Watchdog(Exception):
 
 
 class BlockJob(Job):
-    """One engine's part in a launch: it claims chunks of blocks (:meth:`Launch.claim`)
-    until none are left, in time slices, giving way between slices to higher-priority
-    work, and to any waiting work once a slice is up; a block running longer than the
-    watchdog is stopped. Whichever part finishes the last chunk completes the packet,
-    with the launch's first fault if any."""
+    """Engine work over blocks [lo, hi) of a launch: in time slices, giving way between
+    slices to higher-priority work, and to any waiting work once a slice is up; a block
+    running longer than the watchdog is stopped. The last share to finish completes the
+    packet, with the launch's first fault if any."""
 
     __slots__ = ("hi", "launch", "next")
 
-    def __init__(self, sched: Scheduler, launch: Launch, start_ns: int) -> None:
+    def __init__(self, sched: Scheduler, launch: Launch, lo: int, hi: int,
+                 start_ns: int) -> None:
         super().__init__(sched, launch.ring, launch.seqno, Op.LAUNCH, start_ns)
-        self.launch = launch
-        self.next = self.hi = 0  # the chunk it holds: blocks [next, hi), none when equal
+        self.launch, self.next, self.hi = launch, lo, hi
 
     def run(self) -> bool:
         sched, launch, kernels = self.sched, self.launch, self.sched.kernels
@@ -360,65 +319,52 @@ class BlockJob(Job):
                 kernels.publish_jit_counts(jit)
             if not kernel.capabilities <= kernels.capabilities:
                 launch.record_fault(errno.EOPNOTSUPP, 0)
-            elif not self._blocks(kernel):
-                return False  # the slice is up and work waits: give way, chunk kept
+            elif not self._slices(kernel):
+                return False  # the slice is up and work waits: give way
         except _Watchdog:
             launch.record_fault(errno.ETIMEDOUT, 0)
         except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
             launch.record_fault(*fault_of(launch.name, launch.buffers, exc))
-        self._leave()
+        self._share_done()
         return True
 
-    def _blocks(self, kernel: Any) -> bool:
-        """Run chunks until none are left (True) or the slice is up with work waiting
-        (False). Raises what the kernel raised, or :class:`_Watchdog`."""
+    def _slices(self, kernel: Any) -> bool:
+        """Run the share in time slices until it is done or the launch stopped (True), or
+        a slice is up with work waiting (False). Raises what the kernel raised, or
+        :class:`_Watchdog`."""
         sched, launch, deadlines = self.sched, self.launch, self.sched.kernels.deadlines
         assert deadlines is not None  # made with the JIT
         abort = np.zeros(1, np.int64)
-        slice_ends = time.monotonic() + QUANTUM_S
-        charged = time.perf_counter_ns()
-        while launch.fault is None:
-            if self.next == self.hi:
-                chunk = launch.claim()
-                if chunk is None:
-                    return True
-                self.next, self.hi = chunk
+        while self.next < self.hi and launch.fault is None:
             if launch.ring.faulted:  # its context is being torn down: stop, unrun
                 launch.record_fault(errno.ECANCELED, 0)
-                return True
+                break
             abort[0] = 0
-            token = deadlines.add(abort, self.sched.kernels.watchdog_s,
-                                  max(slice_ends - time.monotonic(), 0.0) or None)
+            began = time.perf_counter_ns()
+            token = deadlines.add(abort, sched.kernels.watchdog_s, QUANTUM_S)
             try:
-                self.next = kernel.run(self.next, self.hi, launch.grid, launch.block,
-                                       launch.args, abort, launch.dynamic_shared)
+                done_to = kernel.run(self.next, self.hi, launch.grid, launch.block,
+                                     launch.args, abort, launch.dynamic_shared)
             finally:
                 deadlines.remove(token)
-                if launch.pages is not None:  # what the chunk touched (firmware/managed.py)
+                if launch.pages is not None:  # what the slice touched (firmware/managed.py)
                     managed.migrate(sched.residency, launch.pages)
+                sched.compute.charge(self, time.perf_counter_ns() - began)  # as it runs
             if abort[0] > deadlines.preempt:  # the watchdog, between blocks
                 raise _Watchdog()
-            if self.next == self.hi:
-                launch.chunk_done()
-            if time.monotonic() >= slice_ends:
-                now = time.perf_counter_ns()
-                sched.compute.charge(self, now - charged)  # counted as it runs
-                charged = now
-                left = self.next < self.hi or launch.next_block < launch.nblocks
-                if left and sched.compute.waiting(launch.ring.priority):
-                    return False
-                slice_ends = time.monotonic() + QUANTUM_S
+            self.next = done_to
+            if self.next < self.hi and sched.compute.waiting(launch.ring.priority):
+                return False
         return True
 
     def fail(self, exc: BaseException) -> None:
         log_unexpected(f"kernel {self.launch.name} failed on an engine", exc)
         self.launch.record_fault(errno.EIO, 0)
-        self._leave()
+        self._share_done()
 
-    def _leave(self) -> None:
-        held, self.next, self.hi = self.next != self.hi, 0, 0
+    def _share_done(self) -> None:
         launch = self.launch
-        if launch.leave(held):
+        if launch.share_done():
             status, addr = launch.fault or (0, 0)
             if not status:
                 self.sched.counters.add("launches")
