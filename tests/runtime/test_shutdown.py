@@ -204,9 +204,10 @@ def test_keyboard_interrupt_during_synchronize(tenant):
     ends by SIGINT."""
     d, by = tenant
     wait = """
+SPIN_N = 3_000_000  # seconds of work: the vectorised spin counts 100,000 in ~0.1 s
 s = runtime.Stream(1)
 out = runtime.empty(1 << 14, np.float32, device=1)
-runtime.compile(SPIN, device=1).spin[64, 256](out, 100000, stream=s)
+runtime.compile(SPIN, device=1).spin[64, 256](out, SPIN_N, stream=s)
 print("waiting", flush=True)
 t0 = time.monotonic()
 """
@@ -216,7 +217,7 @@ try:
 except KeyboardInterrupt:
     print("interrupted", time.monotonic() - t0 < 5, flush=True)
 runtime.synchronize(1)
-print(bool((out.copy_to_host() == 100000).all()))
+print(bool((out.copy_to_host() == SPIN_N).all()))
 """), (False, "runtime.synchronize(1)\n")):
         before = snapshot(d)
         proc = d.popen_py(PRELUDE + wait + body)
