@@ -25,6 +25,7 @@ from runtime.devices import (
 from runtime.discovery import device_count, is_available
 from runtime.memory import (
     DeviceArray,
+    DeviceView,
     HostArray,
     IpcHandle,
     empty,
@@ -67,7 +68,7 @@ from runtime.errors import (
 )
 
 __all__ = [
-    "AccelError", "AccelTimeoutError", "Context", "DeviceArray", "DeviceBusyError",
+    "AccelError", "AccelTimeoutError", "Context", "DeviceArray", "DeviceBusyError", "DeviceView",
     "DeviceFaultError", "DeviceInResetError", "DeviceLostError", "DeviceProperties",
     "DriverVersionMismatchError", "Event", "Fence", "FirmwareBootError",
     "FirmwareCorruptError", "FirmwareError", "FirmwareMissingError", "Graph", "HostArray",

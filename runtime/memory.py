@@ -280,6 +280,13 @@ class DeviceArray:
             [_packet(userq.Op.MEMSET, self.va, self.nbytes, value)], uses=(self,))
         return self
 
+    def view(self, dtype: Any, shape: tuple[int, ...] | int, offset: int = 0) -> DeviceView:
+        """These bytes from ``offset`` seen as a C-order array of ``dtype`` and ``shape``,
+        sharing this array's memory (as a torch storage backs many tensors): what a
+        framework backend launches kernels on. The view keeps this array alive; a view
+        reaching past its end is ``InvalidValueError``."""
+        return DeviceView(self, dtype, shape, offset)
+
     def ipc_handle(self) -> IpcHandle:
         """A handle another process opens with ``open_ipc_handle`` (it maps the segment)."""
         _refuse_allocation_in_capture("exporting memory")
@@ -302,6 +309,33 @@ class IpcHandle:
     offset: int
     shape: tuple[int, ...]
     dtype: str
+
+
+class DeviceView(DeviceArray):
+    """Part of another array's memory under its own dtype and shape (``DeviceArray.view``);
+    it frees nothing, its base does, once no view holds it."""
+
+    __slots__ = ("base",)
+
+    def __init__(self, base: DeviceArray, dtype: Any, shape: tuple[int, ...] | int,
+                 offset: int = 0) -> None:  # noqa: D107 - see DeviceArray.view
+        self.shape = (shape,) if type(shape) is int else tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        if (self.shape and min(self.shape) < 0) or offset < 0 or offset + self.nbytes > base.nbytes:
+            raise errors.InvalidValueError(
+                f"a view of {self.shape} {self.dtype} at byte {offset} does not fit in {base!r} "
+                f"({base.nbytes} bytes)")
+        self.base = base.base if isinstance(base, DeviceView) else base
+        self.device, self._allocator = base.device, base._allocator
+        self._block = None  # the base's to free; record_stream goes to the base
+        self.va = base.va + offset
+
+    def __del__(self) -> None:
+        pass
+
+    def record_stream(self, stream: Stream) -> None:
+        self.base.record_stream(stream)
 
 
 class ImportedArray(DeviceArray):

@@ -75,6 +75,38 @@ def test_copies_h2d_d2h_d2d_memset_ordered_on_one_stream(daemon):
     assert lines == ["True 0", "True"]
 
 
+def test_views_share_their_base_and_keep_it_alive(daemon):
+    """``DeviceArray.view``: bytes of one allocation under another dtype, shape and offset
+    (what a torch storage does for its tensors); copies and kernels see the same memory,
+    a view past the end is refused, and the base is freed only after its last view."""
+    lines = run(daemon, """
+        import gc
+        base = runtime.to_device(np.arange(16, dtype=np.float32))
+        v = base.view(np.float32, (2, 3), offset=8)            # elements 2..7
+        print(v.copy_to_host().tolist())
+        v.copy_from_host(np.zeros((2, 3), np.float32))
+        print(base.copy_to_host().tolist()[:9])
+        for args in ((np.float32, 5, 48), (np.float32, 1, -4), (np.float64, 9, 0)):
+            try:
+                base.view(*args)
+            except runtime.InvalidValueError as e:
+                print("refused:", str(e).split(" does not fit")[0])
+        w = v.view(np.uint8, 4, offset=4)                      # a view of a view: same base
+        print(w.base is base, hex(w.va - base.va))
+        before = runtime.memory_allocated()
+        del base, v; gc.collect()
+        print(runtime.memory_allocated() == before)            # w still holds it
+        del w; gc.collect()
+        print(runtime.memory_allocated() < before)
+    """)
+    assert lines == ["[[2.0, 3.0, 4.0], [5.0, 6.0, 7.0]]",
+                     "[0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 8.0]",
+                     "refused: a view of (5,) float32 at byte 48",
+                     "refused: a view of (1,) float32 at byte -4",
+                     "refused: a view of (9,) float64 at byte 0",
+                     "True 0xc", "True", "True"]
+
+
 def test_bad_copies_fail_clearly_and_change_no_byte(daemon):
     lines = run(daemon, """
         d = runtime.to_device(np.full(4096, 9, np.uint8))
