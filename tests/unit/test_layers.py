@@ -20,6 +20,8 @@ FORBIDDEN = {
     "firmware": {"kmod_emul", "runtime"},
     "runtime": {"kmod_emul", "firmware"},
     "abi": {"kmod_emul", "firmware", "runtime", "tools"},
+    # the PyTorch backend is a user of the runtime, like any framework
+    "torch_accel": {"kmod_emul", "firmware", "tools"},
 }
 #: Layouts that are not ours: statfs(2)'s struct, and the bare shared-memory ping-pong
 #: the benchmarks measure the user-mode queue against (no contract of the device).

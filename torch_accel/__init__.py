@@ -1,0 +1,1 @@
+"""``import torch_accel``: PyTorch's out-of-tree ``accel`` backend on the emulated device."""
