@@ -1,0 +1,109 @@
+"""What every kernel module here shares: compiling a source once per device per process,
+choosing the stream, flat/2-D views of buffers, grid sizes and op-code dispatch text.
+
+Each distinct (kernel, argument dtypes) costs the firmware a numba compile of seconds on
+first use, so the library has few kernels, most of them choosing their operation by an
+int scalar (``op``) that is uniform across the launch; :func:`dispatch` writes that
+``if op == ...: elif ...`` chain from a table so that no two kernels repeat it by hand.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Union
+
+import numpy as np
+
+import runtime
+
+Array = Union[runtime.DeviceArray, runtime.DeviceView]
+
+#: threads per block of the one-thread-per-element kernels and of the block reductions
+BLOCK = 256
+
+_modules: dict[tuple[str, int], runtime.Module] = {}
+_lock = threading.Lock()
+
+
+def module(name: str, source: str, device: int) -> runtime.Module:
+    """The module compiled from ``source`` on ``device``, loaded once per process (the
+    firmware compiles each kernel when it is first launched with new argument dtypes)."""
+    key = (name, device)
+    mod = _modules.get(key)
+    if mod is None:
+        with _lock:
+            mod = _modules.get(key)
+            if mod is None:
+                mod = _modules[key] = runtime.compile(source, device=device)
+    return mod
+
+
+def stream_of(arr: Array, stream: runtime.Stream | None) -> runtime.Stream:
+    """The stream to launch on: the given one, else the current stream of ``arr``'s device."""
+    return stream if stream is not None else runtime.current_stream(arr.device)
+
+
+def size(arr: Array) -> int:
+    """Number of elements."""
+    return int(np.prod(arr.shape, dtype=np.int64)) if arr.shape else 1
+
+
+def flat(arr: Array, dtype: np.dtype | str | None = None) -> runtime.DeviceView:
+    """``arr``'s bytes as a 1-D array (of ``dtype``, default its own): the elementwise
+    kernels index flat buffers, and a launch checks each buffer's number of dimensions."""
+    dt = np.dtype(dtype) if dtype is not None else arr.dtype
+    return arr.view(dt, (arr.nbytes // dt.itemsize,), 0)
+
+
+def matrix(arr: Array, rows: int, cols: int) -> runtime.DeviceView:
+    """The first ``rows * cols`` elements of ``arr`` as a C-order ``[rows, cols]`` array:
+    2-D indexing checks each index against its own extent (a column past ``cols`` faults
+    even where the flat element would exist)."""
+    return arr.view(arr.dtype, (rows, cols), 0)
+
+
+def grid(n: int, block: int = BLOCK) -> int:
+    """Blocks for one thread per element (at least one)."""
+    return max(1, -(-n // block))
+
+
+def as_bytes_if_bool(arr: Array) -> Array:
+    """A bool buffer as uint8 (same bytes, 0 or 1): bool kernels are the uint8 kernels,
+    which saves a compile per kernel and avoids numba's arithmetic on booleans."""
+    return flat(arr, np.uint8) if arr.dtype == np.bool_ else arr
+
+
+def scalar(value: float | int | bool, dtype: np.dtype) -> np.generic:
+    """``value`` as a numpy scalar of the kernel's compute type for ``dtype``: float64 for
+    floats, int64 for signed ints and bool, uint64 for uint64 (numba types ``uint64 op
+    int64`` as float64, which would round large values)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":  # rounded to the buffer's dtype first, as torch casts a scalar
+        return np.float64(dtype.type(value))
+    if dtype == np.uint64:
+        return np.uint64(int(value) & (2**64 - 1))
+    return np.int64(int(value))
+
+
+def kind(dtype: np.dtype) -> str:
+    """``"f"`` for float dtypes, ``"i"`` for integers and bool: the two variants of each
+    op-code kernel (operations such as ``~`` or ``&`` do not type on floats)."""
+    return "f" if np.dtype(dtype).kind == "f" else "i"
+
+
+def dispatch(ops: Mapping[int, str], indent: str) -> str:
+    """``if op == k: <statement>`` / ``elif`` lines for each op code and its statement
+    (one line of kernel source, possibly several joined by newlines at ``indent``)."""
+    lines = []
+    for i, (code, stmt) in enumerate(ops.items()):
+        lines.append(f"{indent}{'if' if i == 0 else 'elif'} op == {int(code)}:")
+        lines += [f"{indent}    {s}" for s in stmt.split("\n")]
+    return "\n".join(lines)
+
+
+def check_same(*arrays: Array) -> None:
+    """Refuse arrays of different dtypes where a kernel needs one dtype."""
+    dts = {a.dtype for a in arrays}
+    if len(dts) != 1:
+        raise TypeError(f"expected one dtype, got {sorted(str(d) for d in dts)}")
