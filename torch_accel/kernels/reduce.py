@@ -1,0 +1,153 @@
+"""Row reductions of a contiguous ``[rows, n]`` buffer: ``reduce_rows``.
+
+A block of 256 threads reduces one chunk of a row (each thread a strided walk, then a
+shared-memory tree) into a float64 (or int64) value and an int64 index; a row longer than
+one chunk gets several blocks and a second pass over their partial results (rows=1,
+n=16M: 512 blocks, then one); a last one-thread-per-row kernel writes ``out`` in its own
+dtype (mean's division, argmax's index). Accumulating in float64 keeps float32 sums of
+millions of elements within float32 rounding of numpy's; NaN counts as the maximum (and
+the minimum), and ties keep the first index, as torch does.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+import runtime
+from torch_accel.kernels import _launch as L
+from torch_accel.kernels._launch import Array
+
+
+class Reduce(enum.IntEnum):
+    """``reduce_rows`` op codes."""
+
+    sum = 0
+    prod = 1
+    mean = 2
+    amax = 3
+    amin = 4
+    argmax = 5
+    argmin = 6
+    any = 7
+    all = 8
+
+
+ALIASES = {"max": Reduce.amax, "min": Reduce.amin}
+#: elements one block reduces (a longer row is split, then a second pass)
+CHUNK = 32768
+
+# the loop and the tree combine (acc, ai) with (v, k); k < 0 marks "no element"
+_EXTREME = ("if k >= 0 and (ai < 0 or v {cmp} acc or (v != v and acc == acc) or "
+            "((v == acc or (v != v and acc != acc)) and k < ai)):\n    acc = v\n    ai = k")
+_COMBINE = {
+    Reduce.sum: "acc += v",
+    Reduce.prod: "acc *= v",
+    Reduce.amax: _EXTREME.format(cmp=">"),
+    Reduce.amin: _EXTREME.format(cmp="<"),
+    Reduce.any: "if v != 0:\n    acc = 1",
+    Reduce.all: "if v == 0:\n    acc = 0",
+}
+#: each op's combine and the final value it writes
+_FAMILY = {Reduce.sum: Reduce.sum, Reduce.mean: Reduce.sum, Reduce.prod: Reduce.prod,
+           Reduce.amax: Reduce.amax, Reduce.argmax: Reduce.amax, Reduce.amin: Reduce.amin,
+           Reduce.argmin: Reduce.amin, Reduce.any: Reduce.any, Reduce.all: Reduce.all}
+
+
+
+
+def _source() -> str:
+    parts = []
+    for k, acc in (("f", "float64"), ("i", "int64")):
+        parts.append(f"""def stage_{k}(val, idx, x, xi, op: 'int64', n: 'int64', chunk: 'int64',
+            nchunks: 'int64', use_idx: 'int64', init):
+    part = shared_array(256, "{acc}")
+    pidx = shared_array(256, "int64")
+    t = local_id(0)
+    c = group_id(0)
+    r = group_id(1)
+    lo = c * chunk
+    hi = min(n, lo + chunk)
+    acc = init
+    ai = -1
+    for j in range(lo + t, hi, 256):
+        v = x[r * n + j]
+        k = j
+        if use_idx != 0:
+            k = xi[r * n + j]
+{L.dispatch(_COMBINE, " " * 8)}
+    part[t] = acc
+    pidx[t] = ai
+    barrier()
+    for s in range(8):
+        step = 128 >> s
+        if t < step:
+            acc = part[t]
+            ai = pidx[t]
+            v = part[t + step]
+            k = pidx[t + step]
+{L.dispatch(_COMBINE, " " * 12)}
+            part[t] = acc
+            pidx[t] = ai
+        barrier()
+    if t == 0:
+        val[r * nchunks + c] = part[0]
+        idx[r * nchunks + c] = pidx[0]
+""")
+    parts.append(f"""def finish(out, val, idx, op: 'int64', rows: 'int64', n: 'int64'):
+    r = global_id(0)
+    if r < rows:
+        if op == {int(Reduce.mean)}:
+            out[r] = val[r] / n
+        elif op == {int(Reduce.argmax)} or op == {int(Reduce.argmin)}:
+            out[r] = idx[r]
+        else:
+            out[r] = val[r]
+""")
+    return "\n".join(parts)
+
+
+SOURCE = _source()
+_INT64 = np.iinfo(np.int64)
+
+
+def _init(fam: Reduce, floating: bool) -> float | int:
+    if fam == Reduce.amax:
+        return -np.inf if floating else int(_INT64.min)
+    if fam == Reduce.amin:
+        return np.inf if floating else int(_INT64.max)
+    return 1 if fam in (Reduce.prod, Reduce.all) else 0
+
+
+def reduce_rows(op: Reduce | str, out: Array, x: Array, rows: int, n: int,
+                stream: runtime.Stream | None = None) -> None:
+    """``out[r] = OP(x[r, :])`` for each of ``rows`` rows of ``n`` contiguous elements.
+    ``out`` may have another dtype (int64 for argmax/argmin and for sums of ints, bool for
+    any/all). An empty row gives the op's identity (-inf for amax, index -1 for argmax)."""
+    if isinstance(op, str):
+        op = ALIASES.get(op) or Reduce[op]
+    op = Reduce(op)
+    if rows == 0:
+        return
+    floating = x.dtype.kind == "f"
+    if op == Reduce.mean and not floating:
+        raise TypeError("mean needs float input")
+    s = L.stream_of(out, stream)
+    k = "f" if floating else "i"
+    acc = np.float64 if floating else np.int64
+    fam = _FAMILY[op]
+    mod = L.module("reduce", SOURCE, out.device)
+    stage = mod.get_kernel(f"stage_{k}")
+    src, src_idx, use_idx, width = L.as_bytes_if_bool(L.flat(x)), None, 0, n
+    while True:  # each pass leaves `nchunks` partial results per row
+        nchunks = max(1, -(-width // CHUNK))
+        val = runtime.empty(rows * nchunks, acc, device=out.device)
+        idx = runtime.empty(rows * nchunks, np.int64, device=out.device)
+        stage[(nchunks, rows), L.BLOCK](val, idx, src, src_idx if use_idx else idx, int(fam),
+                                       width, CHUNK, nchunks, use_idx,
+                                       L.scalar(_init(fam, floating), acc), stream=s)
+        if nchunks == 1:
+            break
+        src, src_idx, use_idx, width = val, idx, 1, nchunks
+    mod.finish[L.grid(rows), L.BLOCK](L.flat(out), val, idx, int(op), rows, n, stream=s)
