@@ -107,3 +107,14 @@ def check_same(*arrays: Array) -> None:
     dts = {a.dtype for a in arrays}
     if len(dts) != 1:
         raise TypeError(f"expected one dtype, got {sorted(str(d) for d in dts)}")
+
+
+def block_tree(part: str, combine: str, indent: str = "    ") -> str:
+    """Kernel text for a tree over the 256-entry shared array ``part`` (each thread has
+    stored its value at ``part[t]``, ``t = local_id(0)``): ``combine`` is an expression of
+    ``{a}`` and ``{b}`` (e.g. ``{a} + {b}``); afterwards ``part[0]`` holds the block's result and
+    every thread may read it (a barrier ends the tree)."""
+    c = combine.format(a=f"{part}[t]", b=f"{part}[t + step]")
+    return "\n".join(f"{indent}{s}" for s in (
+        "barrier()", "for s in range(8):", "    step = 128 >> s", "    if t < step:",
+        f"        {part}[t] = {c}", "    barrier()"))
