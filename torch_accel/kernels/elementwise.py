@@ -276,7 +276,7 @@ def _operand_b(b: Array | float | int | bool, a: Array, b_stride: int
     """(buffer, scalar, stride) for operand ``b``: a Python scalar becomes the kernel's
     scalar (stride -1 selects it; ``a`` stands in for the unused buffer)."""
     if isinstance(b, (int, float, bool, np.generic)):
-        return a, L.scalar(b, a.dtype), -1
+        return L.as_bytes_if_bool(L.flat(a)), L.scalar(b, a.dtype), -1
     return L.as_bytes_if_bool(L.flat(b)), L.scalar(0, a.dtype), b_stride
 
 
