@@ -17,6 +17,8 @@ DEMO_ROOT ?= $(shell mktemp -u -d /tmp/accel-emu-demo.XXXXXX)
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	@echo "building torch_accel's C++ shim (about a minute the first time)"
+	$(PY) -c 'import torch_accel'
 	touch $@
 
 setup: .venv/.installed

@@ -1,0 +1,42 @@
+"""Build (once) and load the C++ shim, ``torch_accel._C``.
+
+The shim is compiled with torch's own extension builder against the installed torch, into
+``torch_accel/_build/`` (kept between runs: the first build takes about a minute on two
+cores, a later import only loads the library). ``make setup`` builds it; an import finds it
+built, or builds it then. The build directory is keyed by torch's version and the source's
+hash, so a changed shim or another torch rebuilds instead of loading a stale library
+(and the stale builds are removed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch.utils import cpp_extension
+
+HERE = Path(__file__).resolve().parent
+SOURCES = [HERE / "csrc" / "shim.cpp"]
+
+
+def build_dir() -> Path:
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
+    return HERE / "_build" / f"torch-{torch.__version__}-{digest}"
+
+
+def load(verbose: bool = False) -> ModuleType:
+    """The built shim (building it first when this source and torch have none yet)."""
+    where = build_dir()
+    if not where.exists():  # a new source or torch: the older builds are stale
+        for old in where.parent.glob("torch-*"):
+            shutil.rmtree(old, ignore_errors=True)
+    where.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+    return cpp_extension.load(name="torch_accel_C", sources=[str(p) for p in SOURCES],
+                              build_directory=str(where), extra_cflags=["-O2"],
+                              verbose=verbose)
+

@@ -1,0 +1,474 @@
+// torch_accel's C++ shim: only what torch accepts as C++ objects (docs/torch.md, "Why C++").
+//
+// Every decision is made in Python (torch_accel/_hooks.py): this file adapts torch's C++
+// interfaces to calls of that module's functions, with the GIL taken for each. A Python
+// exception raised there travels back as itself (torch's bindings restore
+// py::error_already_set), so a device OOM is torch.OutOfMemoryError and a use after
+// fork is the runtime's UseAfterForkError, not a generic RuntimeError.
+//
+//   * DeviceGuardImpl: current device, streams (ids: 0 the default stream, others made by
+//     Python), events (handles are Python event ids), synchronisation, elapsed time.
+//   * DeviceAllocator: storages are runtime caching-allocator blocks; the data pointer is
+//     the block's device address, never dereferenced here.
+//   * PrivateUse1HooksInterface: lazy init, primary contexts, generators, pinned memory.
+//   * a Philox-style counter generator (seed, offset), read by the random kernels.
+//   * the metadata-only tensor kernels (empty, views, set_, resize_): torch implements them
+//     only in C++, per device.
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/GeneratorForPrivateuseone.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/view_native.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/DeviceCapability.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+using c10::DeviceIndex;
+using c10::DeviceType;
+
+namespace {
+
+constexpr DeviceType kAccel = DeviceType::PrivateUse1;
+
+// The Python module whose functions decide everything (set once by _register).
+py::object* g_hooks = nullptr;
+
+bool python_alive() { return Py_IsInitialized() && !_Py_IsFinalizing(); }
+
+template <typename R = py::object, typename... Args>
+R call(const char* name, Args&&... args) {
+  TORCH_CHECK(g_hooks != nullptr, "torch_accel is not initialised (import torch_accel)");
+  py::gil_scoped_acquire gil;
+  py::object out = g_hooks->attr(name)(std::forward<Args>(args)...);
+  if constexpr (std::is_same_v<R, py::object>) {
+    return out;
+  } else if constexpr (std::is_same_v<R, void>) {
+    return;
+  } else {
+    return out.cast<R>();
+  }
+}
+
+// Calls from noexcept and destructor paths: an error is printed, never thrown.
+template <typename... Args>
+void call_quietly(const char* name, Args&&... args) noexcept {
+  if (g_hooks == nullptr || !python_alive()) return;
+  py::gil_scoped_acquire gil;
+  try {
+    g_hooks->attr(name)(std::forward<Args>(args)...);
+  } catch (py::error_already_set& e) {
+    e.discard_as_unraisable(name);
+  } catch (...) {
+  }
+}
+
+c10::Device accel(DeviceIndex index) { return c10::Device(kAccel, index); }
+
+// --------------------------------------------------------------------- device guard
+struct AccelGuardImpl final : c10::impl::DeviceGuardImplInterface {
+  static constexpr DeviceType static_type = kAccel;
+
+  DeviceType type() const override { return kAccel; }
+
+  c10::Device exchangeDevice(c10::Device d) const override {
+    return accel(call<DeviceIndex>("exchange_device", d.index()));
+  }
+  c10::Device getDevice() const override { return accel(call<DeviceIndex>("current_device")); }
+  void setDevice(c10::Device d) const override { call<void>("set_device", d.index()); }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    call_quietly("set_device", d.index());
+  }
+
+  // torch passes "accel" without an index for the current device
+  c10::Device resolved(c10::Device d) const { return d.has_index() ? d : getDevice(); }
+  c10::Stream stream_of(c10::Device d, int64_t id) const {
+    return c10::Stream(c10::Stream::UNSAFE, resolved(d), id);
+  }
+  c10::Stream getStream(c10::Device d) const override {
+    return stream_of(d, call<int64_t>("current_stream", resolved(d).index()));
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override { return stream_of(d, 0); }
+  c10::Stream getNewStream(c10::Device d, int priority) const override {
+    return stream_of(d, call<int64_t>("new_stream", resolved(d).index(), priority));
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool high_priority) const override {
+    return stream_of(d, call<int64_t>("new_stream", resolved(d).index(), high_priority ? -1 : 0));
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    return stream_of(s.device(), call<int64_t>("exchange_stream", s.device_index(), s.id()));
+  }
+  bool queryStream(const c10::Stream& s) const override {
+    return call<bool>("stream_query", s.device_index(), s.id());
+  }
+  void synchronizeStream(const c10::Stream& s) const override {
+    call<void>("stream_synchronize", s.device_index(), s.id());
+  }
+  void synchronizeDevice(const DeviceIndex index) const override {
+    call<void>("synchronize", index);
+  }
+
+  // Event handles are Python event ids (never 0) stored in the void*.
+  void record(void** event, const c10::Stream& s, const DeviceIndex index,
+              const c10::EventFlag flag) const override {
+    auto id = call<int64_t>("event_record", reinterpret_cast<intptr_t>(*event), index,
+                            s.device_index(), s.id(), flag == c10::EventFlag::BACKEND_DEFAULT);
+    *event = reinterpret_cast<void*>(id);
+  }
+  void block(void* event, const c10::Stream& s) const override {
+    if (event) call<void>("event_block", reinterpret_cast<intptr_t>(event), s.device_index(), s.id());
+  }
+  bool queryEvent(void* event) const override {
+    return !event || call<bool>("event_query", reinterpret_cast<intptr_t>(event));
+  }
+  void synchronizeEvent(void* event) const override {
+    if (event) call<void>("event_synchronize", reinterpret_cast<intptr_t>(event));
+  }
+  double elapsedTime(void* start, void* end, const DeviceIndex) const override {
+    TORCH_CHECK(start && end, "Both events must be recorded before calculating elapsed time.");
+    return call<double>("event_elapsed", reinterpret_cast<intptr_t>(start),
+                        reinterpret_cast<intptr_t>(end));
+  }
+  void destroyEvent(void* event, const DeviceIndex) const noexcept override {
+    if (event) call_quietly("event_destroy", reinterpret_cast<intptr_t>(event));
+  }
+  void recordDataPtrOnStream(const c10::DataPtr& p, const c10::Stream& s) const override;
+
+  // Every dtype allocates and converts (the kernels' types natively, the others as bits
+  // or through the host), except complex and quantized ones: no strided copy for them.
+  c10::DeviceCapability getDeviceCapability(c10::Device) const override {
+    c10::DeviceCapability cap;
+    auto& t = cap.capability_data.supported_scalar_types;
+    t.has_ComplexHalf = t.has_ComplexFloat = t.has_ComplexDouble = 0;
+    t.has_QInt8 = t.has_QUInt8 = t.has_QInt32 = t.has_QUInt4x2 = t.has_QUInt2x4 = 0;
+    return cap;
+  }
+
+  DeviceIndex deviceCount() const noexcept override {
+    if (g_hooks == nullptr || !python_alive()) return 0;
+    py::gil_scoped_acquire gil;
+    try {
+      return g_hooks->attr("device_count")().cast<DeviceIndex>();
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("device_count");
+      return 0;
+    }
+  }
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, AccelGuardImpl);
+
+// ------------------------------------------------------------------------ allocator
+// A storage's context: the block's device address and device (addresses of different
+// devices may coincide, so the address alone does not name the block).
+struct Block {
+  intptr_t va;
+  DeviceIndex device;
+};
+
+void free_block(void* ctx) {
+  auto* b = static_cast<Block*>(ctx);
+  call_quietly("free", b->device, b->va);
+  delete b;
+}
+
+struct AccelAllocator final : c10::DeviceAllocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    auto device = call<DeviceIndex>("current_device");
+    if (nbytes == 0) return c10::DataPtr(nullptr, accel(device));
+    auto va = call<intptr_t>("alloc", nbytes, device);
+    auto* block = new Block{va, device};
+    return c10::DataPtr(reinterpret_cast<void*>(va), block, &free_block, accel(device));
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    call<void>("copy_data", call<DeviceIndex>("current_device"),
+               reinterpret_cast<intptr_t>(dest), reinterpret_cast<intptr_t>(src), count);
+  }
+
+  bool initialized() override { return call<bool>("is_initialized"); }
+  void emptyCache(c10::MempoolId_t) override { call<void>("empty_cache"); }
+  void recordStream(const c10::DataPtr& p, c10::Stream s) override {
+    auto* block = static_cast<Block*>(p.get_context());
+    if (block && p.get_deleter() == &free_block)
+      call<void>("record_stream", block->device, block->va, s.id());
+  }
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex device) override {
+    auto stats = call<py::dict>("memory_stats", device);
+    c10::CachingDeviceAllocator::DeviceStats out;
+    auto fill = [&](c10::CachingAllocator::StatArray& arr, const char* name) {
+      const char* pools[] = {"all", "small_pool", "large_pool"};
+      for (size_t i = 0; i < arr.size(); ++i) {
+        std::string base = std::string(name) + "." + pools[i] + ".";
+        arr[i].current = stats[py::str(base + "current")].cast<int64_t>();
+        arr[i].peak = stats[py::str(base + "peak")].cast<int64_t>();
+        arr[i].allocated = stats[py::str(base + "allocated")].cast<int64_t>();
+        arr[i].freed = stats[py::str(base + "freed")].cast<int64_t>();
+      }
+    };
+    fill(out.allocation, "allocation");
+    fill(out.segment, "segment");
+    fill(out.active, "active");
+    fill(out.inactive_split, "inactive_split");
+    fill(out.allocated_bytes, "allocated_bytes");
+    fill(out.reserved_bytes, "reserved_bytes");
+    fill(out.active_bytes, "active_bytes");
+    fill(out.inactive_split_bytes, "inactive_split_bytes");
+    fill(out.requested_bytes, "requested_bytes");
+    out.num_alloc_retries = stats["num_alloc_retries"].cast<int64_t>();
+    out.num_ooms = stats["num_ooms"].cast<int64_t>();
+    out.num_sync_all_streams = stats["num_sync_all_streams"].cast<int64_t>();
+    out.num_device_alloc = stats["num_device_alloc"].cast<int64_t>();
+    out.num_device_free = stats["num_device_free"].cast<int64_t>();
+    out.max_split_size = stats["max_split_size"].cast<int64_t>();
+    return out;
+  }
+  void resetAccumulatedStats(DeviceIndex device) override {
+    call<void>("reset_accumulated_memory_stats", device);
+  }
+  void resetPeakStats(DeviceIndex device) override {
+    call<void>("reset_peak_memory_stats", device);
+  }
+  std::pair<size_t, size_t> getMemoryInfo(DeviceIndex device) override {
+    return call<std::pair<size_t, size_t>>("mem_get_info", device);
+  }
+};
+
+AccelAllocator g_allocator;
+
+void AccelGuardImpl::recordDataPtrOnStream(const c10::DataPtr& p, const c10::Stream& s) const {
+  g_allocator.recordStream(p, s);
+}
+
+// Pinned host memory: the runtime's pinned class (a sealed memfd the copy engines reach).
+void free_pinned(void* ptr) { call_quietly("pinned_free", reinterpret_cast<intptr_t>(ptr)); }
+
+struct PinnedAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    if (nbytes == 0) return c10::DataPtr(nullptr, c10::Device(DeviceType::CPU));
+    auto ptr = reinterpret_cast<void*>(call<intptr_t>("pinned_alloc", nbytes));
+    return c10::DataPtr(ptr, ptr, &free_pinned, c10::Device(DeviceType::CPU));
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_pinned; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+};
+
+PinnedAllocator g_pinned;
+
+// Storage growth (resize_, storage.resize_): a new block, the old bytes copied over on
+// the device, the old block freed once the copy's stream is done with it.
+void resize_storage(const c10::Storage& storage, size_t newsize) {
+  auto* impl = storage.unsafeGetStorageImpl();
+  TORCH_CHECK(impl->resizable(), "Trying to resize storage that is not resizable");
+  c10::DeviceGuard guard(storage.device());
+  c10::DataPtr fresh = g_allocator.allocate(newsize);
+  size_t keep = std::min(newsize, impl->nbytes());
+  if (keep && storage.data_ptr().get())
+    g_allocator.copy_data(fresh.get(), storage.data_ptr().get(), keep);
+  impl->set_data_ptr_noswap(std::move(fresh));
+  impl->set_nbytes(newsize);
+}
+
+// ------------------------------------------------------------------------ generator
+// Counter-based: a draw of n numbers reads (seed, offset) and moves offset past them, so
+// a kernel's numbers depend only on the seed, the offset and the element index.
+struct AccelGenerator final : c10::GeneratorImpl {
+  explicit AccelGenerator(DeviceIndex index)
+      : c10::GeneratorImpl(accel(index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)) {}
+
+  void set_current_seed(uint64_t seed) override { seed_ = seed; offset_ = 0; }
+  void set_offset(uint64_t offset) override { offset_ = offset; }
+  uint64_t get_offset() const override { return offset_; }
+  uint64_t current_seed() const override { return seed_; }
+  uint64_t seed() override {
+    auto s = c10::detail::getNonDeterministicRandom(true);
+    set_current_seed(s);
+    return s;
+  }
+  // The state is 16 bytes, seed then offset (little-endian u64s), in a CPU uint8 tensor.
+  void set_state(const c10::TensorImpl& state) override {
+    TORCH_CHECK(state.dtype() == caffe2::TypeMeta::Make<uint8_t>() && state.numel() == 16 &&
+                    state.device().is_cpu(),
+                "RNG state must be a CPU torch.ByteTensor of 16 bytes, got ", state.numel(),
+                " elements of ", state.dtype().name());
+    std::memcpy(&seed_, state.data(), 8);
+    std::memcpy(&offset_, static_cast<const char*>(state.data()) + 8, 8);
+  }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    auto t = at::detail::empty_cpu({16}, at::kByte, std::nullopt, std::nullopt, std::nullopt,
+                                   std::nullopt);
+    std::memcpy(t.data_ptr(), &seed_, 8);
+    std::memcpy(static_cast<char*>(t.data_ptr()) + 8, &offset_, 8);
+    return t.getIntrusivePtr();
+  }
+  std::pair<uint64_t, uint64_t> take(uint64_t increment) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto out = std::make_pair(seed_, offset_);
+    offset_ += increment;
+    return out;
+  }
+  static DeviceType device_type() { return kAccel; }
+
+ private:
+  AccelGenerator* clone_impl() const override {
+    auto* g = new AccelGenerator(device().index());
+    g->seed_ = seed_;
+    g->offset_ = offset_;
+    return g;
+  }
+  uint64_t seed_ = c10::default_rng_seed_val;
+  uint64_t offset_ = 0;
+};
+
+// ---------------------------------------------------------------------------- hooks
+struct AccelHooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return call<bool>("is_available"); }
+  void init() const override { call<void>("lazy_init"); }
+  bool hasPrimaryContext(DeviceIndex index) const override {
+    return call<bool>("has_primary_context", index);
+  }
+  DeviceIndex deviceCount() const override { return call<DeviceIndex>("device_count"); }
+  void setCurrentDevice(DeviceIndex index) const override { call<void>("set_device", index); }
+  DeviceIndex getCurrentDevice() const override { return call<DeviceIndex>("current_device"); }
+  DeviceIndex exchangeDevice(DeviceIndex index) const override {
+    return call<DeviceIndex>("exchange_device", index);
+  }
+  DeviceIndex maybeExchangeDevice(DeviceIndex index) const override {
+    return exchangeDevice(index);
+  }
+  at::Device getDeviceFromPtr(void*) const override {
+    // device addresses of different devices may coincide: only the storage knows
+    TORCH_CHECK(false, "accel: a bare device pointer does not name its device");
+  }
+  bool isPinnedPtr(const void* data) const override {
+    return call<bool>("is_pinned", reinterpret_cast<intptr_t>(data));
+  }
+  at::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned; }
+
+  const at::Generator& getDefaultGenerator(DeviceIndex index) const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (index < 0) index = call<DeviceIndex>("current_device");
+    if (generators_.empty()) generators_.resize(call<DeviceIndex>("device_count"));
+    TORCH_CHECK(index < static_cast<DeviceIndex>(generators_.size()), "accel: invalid device ",
+                index, " (", generators_.size(), " visible)");
+    auto& g = generators_[index];
+    if (!g.defined()) g = at::make_generator<AccelGenerator>(index);
+    return g;
+  }
+  at::Generator getNewGenerator(DeviceIndex index) const override {
+    if (index < 0) index = call<DeviceIndex>("current_device");
+    return at::make_generator<AccelGenerator>(index);
+  }
+
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    resize_storage(storage, newsize);
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::vector<at::Generator> generators_;
+};
+
+// -------------------------------------------------------------- metadata-only kernels
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                               std::optional<c10::Layout>, std::optional<c10::Device> device,
+                               std::optional<bool>, std::optional<c10::MemoryFormat> format) {
+  c10::OptionalDeviceGuard guard(device);
+  return at::detail::empty_generic(size, &g_allocator, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                   c10::dtype_or_default(dtype), format);
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+                         std::optional<c10::ScalarType> dtype, std::optional<c10::Layout>,
+                         std::optional<c10::Device> device, std::optional<bool>) {
+  c10::OptionalDeviceGuard guard(device);
+  return at::detail::empty_strided_generic(size, stride, &g_allocator,
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                           c10::dtype_or_default(dtype));
+}
+
+at::Tensor& set_source_storage_offset(at::Tensor& self, c10::Storage source, int64_t offset,
+                                      c10::IntArrayRef size, c10::IntArrayRef stride) {
+  at::native::checkSetStorage(self, source, offset, size, stride);
+  self.unsafeGetTensorImpl()->set_storage_offset(offset);
+  at::OptionalIntArrayRef strides =
+      stride.data() ? at::OptionalIntArrayRef(stride) : std::nullopt;
+  at::native::resize_impl_cpu_(self.unsafeGetTensorImpl(), size, strides, /*resize_storage=*/false);
+  at::native::checkInBoundsForStorage(size, self.strides(), offset, self.dtype(), self.storage());
+  return self;
+}
+
+at::Tensor& set_source_storage(at::Tensor& self, c10::Storage source) {
+  int64_t numel = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
+  return set_source_storage_offset(self, std::move(source), 0, {numel}, {});
+}
+
+const at::Tensor& resize(const at::Tensor& self, c10::SymIntArrayRef sym_size,
+                         std::optional<c10::MemoryFormat> format) {
+  auto size = C10_AS_INTARRAYREF_SLOW(sym_size);
+  auto* impl = self.unsafeGetTensorImpl();
+  int64_t numel = c10::multiply_integers(size);
+  size_t needed = numel == 0 ? 0
+      : static_cast<size_t>(impl->storage_offset() + numel) * self.dtype().itemsize();
+  if (needed > self.storage().nbytes()) resize_storage(self.storage(), needed);
+  at::native::resize_impl_cpu_(impl, size, std::nullopt, /*resize_storage=*/false);
+  if (format.has_value() && *format != c10::MemoryFormat::Preserve)
+    impl->empty_tensor_restride(*format);
+  return self;
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", empty_memory_format);
+  m.impl("empty_strided", empty_strided);
+  m.impl("as_strided", at::native::as_strided_tensorimpl);
+  m.impl("view", at::native::view);
+  m.impl("_reshape_alias", at::native::_reshape_alias);
+  m.impl("set_.source_Storage", set_source_storage);
+  m.impl("set_.source_Storage_storage_offset", set_source_storage_offset);
+  m.impl("resize_", resize);
+}
+
+std::once_flag g_registered;
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "torch_accel's C++ shim (see shim.cpp's header)";
+  m.def("_register", [](py::object hooks) {
+    std::call_once(g_registered, [&] {
+      g_hooks = new py::object(std::move(hooks));  // lives as long as the process
+      c10::SetAllocator(kAccel, &g_allocator);
+      at::RegisterPrivateUse1HooksInterface(new AccelHooks());
+    });
+  });
+  m.def("_philox_take", [](const at::Generator& gen, uint64_t increment) {
+    TORCH_CHECK(gen.device().type() == kAccel, "expected an accel generator, got one on ",
+                gen.device());
+    auto* impl = at::check_generator<AccelGenerator>(gen);
+    return impl->take(increment);
+  }, "(seed, offset) for a draw of `increment` counter values; moves the offset past them");
+  m.def("_default_generator", [](DeviceIndex index) {
+    return at::detail::getPrivateUse1Hooks().getDefaultGenerator(index);
+  }, "the device's default generator (what torch.manual_seed seeds)");
+  m.def("_storage_block", [](const at::Tensor& t) {
+    // (device, block address) of a tensor's storage: the runtime block it lives in
+    const auto& p = t.storage().data_ptr();
+    auto* block = static_cast<Block*>(p.get_context());
+    TORCH_CHECK(p.get_deleter() == &free_block && block, "tensor's storage is not an accel block");
+    return std::make_pair(block->device, block->va);
+  });
+}
