@@ -1,0 +1,57 @@
+"""Tensors as runtime arrays: what an operator hands its device kernels.
+
+A storage is one runtime caching-allocator block (torch_accel/_hooks.py ``blocks``); a
+tensor is a window on it. ``view_of`` gives a contiguous tensor's elements as a
+``runtime.DeviceView`` (no copy); ``storage_of`` the whole storage in elements, with the
+tensor's element offset, for kernels that walk strides themselves.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import runtime
+from torch_accel import _C, _hooks
+
+#: torch dtypes the device's kernel language has, as numpy dtypes
+NUMPY = {
+    torch.bool: np.dtype(np.bool_), torch.uint8: np.dtype(np.uint8),
+    torch.int8: np.dtype(np.int8), torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64),
+    torch.uint16: np.dtype(np.uint16), torch.uint32: np.dtype(np.uint32),
+    torch.uint64: np.dtype(np.uint64),
+    torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
+}
+
+
+def base_of(t: torch.Tensor) -> runtime.DeviceArray:
+    """The runtime block holding ``t``'s storage."""
+    return _hooks.blocks[_C._storage_block(t)]
+
+
+def _np(t: torch.Tensor) -> np.dtype:
+    # dtypes without a device kernel type (float16, complex ...) are viewed as bytes
+    return NUMPY.get(t.dtype, np.dtype(np.uint8))
+
+
+def view_of(t: torch.Tensor) -> runtime.DeviceView:
+    """A contiguous tensor's elements, flat, as a runtime view (a 0-d tensor is one
+    element long)."""
+    assert t.is_contiguous(), "view_of needs a contiguous tensor"
+    dtype = _np(t)
+    return base_of(t).view(dtype, t.numel() * t.element_size() // dtype.itemsize,
+                           t.storage_offset() * t.element_size())
+
+
+def storage_of(t: torch.Tensor) -> runtime.DeviceView:
+    """``t``'s whole storage as elements of its dtype (index it with the tensor's own
+    offset and strides)."""
+    base = base_of(t)
+    dtype = _np(t)
+    return base.view(dtype, t.untyped_storage().nbytes() // dtype.itemsize)
+
+
+def stream(device: int) -> runtime.Stream:
+    """The runtime stream torch sees as current on ``device``."""
+    return _hooks.stream_of(device, _hooks.current_stream(device))
