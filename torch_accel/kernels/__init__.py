@@ -1,3 +1,52 @@
 """The backend's device kernels, written in the runtime's kernel language and launched on
 runtime arrays (``runtime.DeviceArray`` / ``DeviceView``): no torch in here, so each is
-tested against numpy on its own (tests/torch/test_device_kernels.py)."""
+tested against numpy on its own (tests/torch/test_device_kernels.py).
+
+Every function launches on ``stream`` (default: the current stream of the output's
+device) and returns without synchronising. Modules are compiled once per device per
+process, on first use; each (kernel, argument dtypes) is a numba compile in the firmware
+on its first launch, so most kernels choose their operation by an op code (the enums).
+"""
+
+from torch_accel.kernels.elementwise import (
+    Binary,
+    Compare,
+    Predicate,
+    Unary,
+    arange,
+    binary,
+    compare,
+    fill,
+    predicate,
+    unary,
+    where,
+)
+from torch_accel.kernels.layout import strided_copy
+from torch_accel.kernels.matmul import bmm, mm
+from torch_accel.kernels.nn import (
+    Backward,
+    Reduction,
+    activation_backward,
+    gelu_backward,
+    index_add_rows,
+    index_rows,
+    nll_loss_backward_rows,
+    nll_loss_rows,
+    sigmoid_backward,
+    softmax_backward_rows,
+    softmax_rows,
+    tanh_backward,
+    threshold_backward,
+)
+from torch_accel.kernels.random import bernoulli_mask, counters, normal, uniform
+from torch_accel.kernels.reduce import Reduce, reduce_rows
+from torch_accel.kernels.sleep import sleep
+
+__all__ = [
+    "Backward", "Binary", "Compare", "Predicate", "Reduce", "Reduction", "Unary",
+    "activation_backward", "arange", "bernoulli_mask", "binary", "bmm", "compare", "counters",
+    "fill", "gelu_backward", "index_add_rows", "index_rows", "mm", "nll_loss_backward_rows",
+    "nll_loss_rows", "normal", "predicate", "reduce_rows", "sigmoid_backward", "sleep",
+    "softmax_backward_rows", "softmax_rows", "strided_copy", "tanh_backward",
+    "threshold_backward", "unary", "uniform", "where",
+]

@@ -92,12 +92,12 @@ def kind(dtype: np.dtype) -> str:
     return "f" if np.dtype(dtype).kind == "f" else "i"
 
 
-def dispatch(ops: Mapping[int, str], indent: str) -> str:
+def dispatch(ops: Mapping[int, str], indent: str, var: str = "op") -> str:
     """``if op == k: <statement>`` / ``elif`` lines for each op code and its statement
     (one line of kernel source, possibly several joined by newlines at ``indent``)."""
     lines = []
     for i, (code, stmt) in enumerate(ops.items()):
-        lines.append(f"{indent}{'if' if i == 0 else 'elif'} op == {int(code)}:")
+        lines.append(f"{indent}{'if' if i == 0 else 'elif'} {var} == {int(code)}:")
         lines += [f"{indent}    {s}" for s in stmt.split("\n")]
     return "\n".join(lines)
 

@@ -1,10 +1,11 @@
 """Row reductions of a contiguous ``[rows, n]`` buffer: ``reduce_rows``.
 
-A block of 256 threads reduces one chunk of a row (each thread a strided walk, then a
-shared-memory tree) into a float64 (or int64) value and an int64 index; a row longer than
-one chunk gets several blocks and a second pass over their partial results (rows=1,
-n=16M: 512 blocks, then one); a last one-thread-per-row kernel writes ``out`` in its own
-dtype (mean's division, argmax's index). Accumulating in float64 keeps float32 sums of
+A block of 256 threads reduces one chunk of :data:`CHUNK` elements of a row (each thread
+a strided walk, then a shared-memory tree) into a float64 (or int64) value and an int64
+index; a row longer than one chunk gets several blocks (rows=1, n=16M: 512). Then one
+thread per row combines the row's partial results and writes ``out`` in its own dtype
+(mean's division, argmax's index): a second pass of the block kernel over the float64
+partials would be one more numba compile (~20 s here) for each input dtype. Accumulating in float64 keeps float32 sums of
 millions of elements within float32 rounding of numpy's; NaN counts as the maximum (and
 the minimum), and ties keep the first index, as torch does.
 """
@@ -60,8 +61,8 @@ _FAMILY = {Reduce.sum: Reduce.sum, Reduce.mean: Reduce.sum, Reduce.prod: Reduce.
 def _source() -> str:
     parts = []
     for k, acc in (("f", "float64"), ("i", "int64")):
-        parts.append(f"""def stage_{k}(val, idx, x, xi, op: 'int64', n: 'int64', chunk: 'int64',
-            nchunks: 'int64', use_idx: 'int64', init):
+        parts.append(f"""def stage_{k}(val, idx, x, op: 'int64', n: 'int64', chunk: 'int64',
+            nchunks: 'int64', init):
     part = shared_array(256, "{acc}")
     pidx = shared_array(256, "int64")
     t = local_id(0)
@@ -71,11 +72,8 @@ def _source() -> str:
     hi = min(n, lo + chunk)
     acc = init
     ai = -1
-    for j in range(lo + t, hi, 256):
-        v = x[r * n + j]
-        k = j
-        if use_idx != 0:
-            k = xi[r * n + j]
+    for k in range(lo + t, hi, 256):
+        v = x[r * n + k]
 {L.dispatch(_COMBINE, " " * 8)}
     part[t] = acc
     pidx[t] = ai
@@ -95,15 +93,22 @@ def _source() -> str:
         val[r * nchunks + c] = part[0]
         idx[r * nchunks + c] = pidx[0]
 """)
-    parts.append(f"""def finish(out, val, idx, op: 'int64', rows: 'int64', n: 'int64'):
+    parts.append(f"""def finish(out, val, idx, op: 'int64', fam: 'int64', rows: 'int64', nchunks: 'int64',
+           n: 'int64', init):
     r = global_id(0)
     if r < rows:
+        acc = init
+        ai = -1
+        for q in range(nchunks):
+            v = val[r * nchunks + q]
+            k = idx[r * nchunks + q]
+{L.dispatch(_COMBINE, " " * 12, "fam")}
         if op == {int(Reduce.mean)}:
-            out[r] = val[r] / n
+            out[r] = acc / n
         elif op == {int(Reduce.argmax)} or op == {int(Reduce.argmin)}:
-            out[r] = idx[r]
+            out[r] = ai
         else:
-            out[r] = val[r]
+            out[r] = acc
 """)
     return "\n".join(parts)
 
@@ -134,20 +139,14 @@ def reduce_rows(op: Reduce | str, out: Array, x: Array, rows: int, n: int,
     if op == Reduce.mean and not floating:
         raise TypeError("mean needs float input")
     s = L.stream_of(out, stream)
-    k = "f" if floating else "i"
     acc = np.float64 if floating else np.int64
     fam = _FAMILY[op]
+    init = L.scalar(_init(fam, floating), acc)
+    nchunks = max(1, -(-n // CHUNK))
+    val = runtime.empty(rows * nchunks, acc, device=out.device)
+    idx = runtime.empty(rows * nchunks, np.int64, device=out.device)
     mod = L.module("reduce", SOURCE, out.device)
-    stage = mod.get_kernel(f"stage_{k}")
-    src, src_idx, use_idx, width = L.as_bytes_if_bool(L.flat(x)), None, 0, n
-    while True:  # each pass leaves `nchunks` partial results per row
-        nchunks = max(1, -(-width // CHUNK))
-        val = runtime.empty(rows * nchunks, acc, device=out.device)
-        idx = runtime.empty(rows * nchunks, np.int64, device=out.device)
-        stage[(nchunks, rows), L.BLOCK](val, idx, src, src_idx if use_idx else idx, int(fam),
-                                       width, CHUNK, nchunks, use_idx,
-                                       L.scalar(_init(fam, floating), acc), stream=s)
-        if nchunks == 1:
-            break
-        src, src_idx, use_idx, width = val, idx, 1, nchunks
-    mod.finish[L.grid(rows), L.BLOCK](L.flat(out), val, idx, int(op), rows, n, stream=s)
+    mod.get_kernel(f"stage_{'f' if floating else 'i'}")[(nchunks, rows), L.BLOCK](
+        val, idx, L.as_bytes_if_bool(L.flat(x)), int(fam), n, CHUNK, nchunks, init, stream=s)
+    mod.finish[L.grid(rows), L.BLOCK](L.flat(out), val, idx, int(op), int(fam), rows, nchunks,
+                                      n, init, stream=s)
