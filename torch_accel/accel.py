@@ -178,10 +178,10 @@ class stream:
 
 def _sleep(cycles: int) -> None:
     """Keep the current stream busy for about ``cycles`` loop turns (torch.cuda._sleep)."""
-    from torch_accel.kernels import misc
+    from torch_accel.kernels import sleep
 
     idx = current_device()
-    misc.sleep(cycles, stream=_hooks.stream_of(idx, _hooks.current_stream(idx)))
+    sleep(cycles, stream=_hooks.stream_of(idx, _hooks.current_stream(idx)))
 
 
 # ------------------------------------------------------------------------------ memory

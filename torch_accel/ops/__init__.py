@@ -1,4 +1,14 @@
 """The ``accel`` operators: device kernels where written (one module per family), every
-other operator through the counted CPU fallback (fallback.py)."""
+other operator through the counted CPU fallback (fallback.py). ``_register.native`` lists
+the natively implemented ``name.overload``s."""
 
-from torch_accel.ops import copy, fallback  # noqa: F401 - each registers its kernels
+from torch_accel.ops import (  # noqa: F401 - each registers its kernels
+    copy,
+    elementwise,
+    fallback,
+    linalg,
+    nn,
+    random,
+    reduce,
+    shape,
+)

@@ -1,0 +1,290 @@
+"""Elementwise operators: arithmetic with broadcasting and type promotion, comparisons,
+``where``, unary math and activations, fills; each a launch of one op-coded kernel.
+
+Every family registers its functional, in-place and ``out=`` overloads (those aten has):
+``add.Tensor``, ``add_.Tensor``, ``add.out``, and the ``.Scalar`` forms. Promotion is
+torch's own (``torch.result_type``), an in-place result that cannot be cast to ``self``'s
+dtype is refused with torch's message, and dtypes the kernels lack go to the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torch_accel import kernels as K
+from torch_accel.kernels.elementwise import FLOAT_ONLY, INT_ONLY_BINARY
+from torch_accel.ops import _operands as O
+from torch_accel.ops._register import Unsupported, implements
+from torch_accel.ops._tensors import stream, view_of
+
+_FLOATING = (torch.float32, torch.float64)
+
+
+def _check_cast(result: torch.dtype, out: torch.Tensor | None) -> None:
+    if out is not None and not torch.can_cast(result, out.dtype):
+        raise RuntimeError(f"result type {_name(result)} can't be cast to the desired output "
+                           f"type {_name(out.dtype)}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long",
+            torch.int32: "Int", torch.bool: "Bool", torch.int16: "Short",
+            torch.int8: "Char", torch.uint8: "Byte"}.get(dtype, str(dtype))
+
+
+# ------------------------------------------------------------------------ binary
+def binary_op(op: K.Binary, a: Any, b: Any, alpha: Any = 1,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    a, b = O.as_number(a), O.as_number(b)
+    device = O.device_of(a, b)
+    result = torch.result_type(a, b)
+    compute = result
+    if op == K.Binary.div and not result.is_floating_point:
+        result = compute = torch.get_default_dtype()
+    if not O.supported(compute) or (compute in _FLOATING and op in INT_ONLY_BINARY):
+        raise Unsupported
+    _check_cast(result, out)
+    shape = O.broadcast(a, b)
+    if O.is_number(a):  # the kernel's first operand is a buffer
+        a = O.number_buffer(a, compute, device), 0
+    else:
+        a = O.operand(a, compute, shape, device)
+    bb, sb = O.operand(b, compute, shape, device)
+    return O.result(shape, compute, device, out, lambda o: K.binary(
+        op, o, a[0], bb, alpha, a_stride=a[1], b_stride=sb, stream=stream(device.index)))
+
+
+def _binary_family(name: str, op: K.Binary) -> None:
+    """Register ``name``'s Tensor/Scalar, in-place and out= overloads on ``op``."""
+    overloads = set(getattr(torch.ops.aten, name).overloads())
+    inplace = set(getattr(torch.ops.aten, f"{name}_").overloads()) \
+        if hasattr(torch.ops.aten, f"{name}_") else set()
+
+    def functional(a: Any, b: Any, *, alpha: Any = 1) -> torch.Tensor:
+        return binary_op(op, a, b, alpha)
+
+    def in_place(a: torch.Tensor, b: Any, *, alpha: Any = 1) -> torch.Tensor:
+        return binary_op(op, a, b, alpha, out=a)
+
+    def with_out(a: Any, b: Any, *, alpha: Any = 1, out: torch.Tensor) -> torch.Tensor:
+        return binary_op(op, a, b, alpha, out=out)
+
+    if "default" in overloads:
+        implements(name)(lambda a, b: binary_op(op, a, b))
+    for form in ("Tensor", "Scalar"):
+        if form in overloads:
+            implements(f"{name}.{form}")(functional)
+        if form in inplace:
+            implements(f"{name}_.{form}")(in_place)
+    if "out" in overloads:
+        implements(f"{name}.out")(with_out)
+
+
+for _name_, _op in (("add", K.Binary.add), ("sub", K.Binary.sub), ("mul", K.Binary.mul),
+                    ("div", K.Binary.div), ("remainder", K.Binary.remainder),
+                    ("maximum", K.Binary.maximum), ("minimum", K.Binary.minimum),
+                    ("bitwise_and", K.Binary.bitwise_and), ("bitwise_or", K.Binary.bitwise_or),
+                    ("bitwise_xor", K.Binary.bitwise_xor), ("floor_divide", K.Binary.floor_divide)):
+    _binary_family(_name_, _op)
+
+
+@implements("div.Tensor_mode", "div.Scalar_mode")
+def div_mode(a: Any, b: Any, *, rounding_mode: str | None = None) -> torch.Tensor:
+    if rounding_mode is None:
+        return binary_op(K.Binary.div, a, b)
+    if rounding_mode == "floor":
+        return binary_op(K.Binary.floor_divide, a, b)
+    q = binary_op(K.Binary.div, a, b)
+    result = torch.result_type(O.as_number(a), O.as_number(b))
+    return unary_op(K.Unary.trunc, q).to(result)
+
+
+@implements("pow.Tensor_Tensor", "pow.Tensor_Scalar")
+def pow_(a: Any, b: Any) -> torch.Tensor:
+    return binary_op(K.Binary.pow, a, b)
+
+
+@implements("pow.Scalar")
+def pow_scalar(a: Any, b: torch.Tensor) -> torch.Tensor:
+    return binary_op(K.Binary.pow, a, b)
+
+
+@implements("pow_.Scalar", "pow_.Tensor")
+def pow_inplace(a: torch.Tensor, b: Any) -> torch.Tensor:
+    return binary_op(K.Binary.pow, a, b, out=a)
+
+
+def _logical(op: K.Binary, a: Any, b: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+    a, b = O.as_number(a), O.as_number(b)
+    device = O.device_of(a, b)
+    compute = torch.result_type(a, b)
+    if not O.supported(compute):
+        raise Unsupported
+    shape = O.broadcast(a, b)
+    ab, sa = O.operand(a, compute, shape, device)
+    bb, sb = O.operand(b, compute, shape, device)
+    tmp = torch.empty(shape, dtype=compute, device=device)
+    K.binary(op, view_of(tmp), ab, bb, a_stride=sa, b_stride=sb, stream=stream(device.index))
+    if out is None:
+        return tmp.to(torch.bool)
+    if out.shape != shape:
+        out.resize_(shape)
+    return out.copy_(tmp)
+
+
+for _name_, _op in (("logical_and", K.Binary.logical_and), ("logical_or", K.Binary.logical_or),
+                    ("logical_xor", K.Binary.logical_xor)):
+    implements(f"{_name_}")(lambda a, b, _o=_op: _logical(_o, a, b))
+    implements(f"{_name_}.out")(lambda a, b, *, out, _o=_op: _logical(_o, a, b, out))
+    implements(f"{_name_}_")(lambda a, b, _o=_op: _logical(_o, a, b, a))
+
+
+# ------------------------------------------------------------------------ compare
+def compare_op(op: K.Compare, a: Any, b: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+    a, b = O.as_number(a), O.as_number(b)
+    device = O.device_of(a, b)
+    compute = torch.result_type(a, b)
+    if not O.supported(compute):
+        raise Unsupported
+    shape = O.broadcast(a, b)
+    if O.is_number(a):
+        a = O.number_buffer(a, compute, device), 0
+    else:
+        a = O.operand(a, compute, shape, device)
+    bb, sb = O.operand(b, compute, shape, device)
+    return O.result(shape, torch.bool, device, out, lambda o: K.compare(
+        op, o, a[0], bb, a_stride=a[1], b_stride=sb, stream=stream(device.index)))
+
+
+for _name_, _op in (("eq", K.Compare.eq), ("ne", K.Compare.ne), ("lt", K.Compare.lt),
+                    ("le", K.Compare.le), ("gt", K.Compare.gt), ("ge", K.Compare.ge)):
+    implements(f"{_name_}.Tensor", f"{_name_}.Scalar")(lambda a, b, _o=_op: compare_op(_o, a, b))
+    implements(f"{_name_}.Tensor_out", f"{_name_}.Scalar_out")(
+        lambda a, b, *, out, _o=_op: compare_op(_o, a, b, out))
+    implements(f"{_name_}_.Tensor", f"{_name_}_.Scalar")(
+        lambda a, b, _o=_op: compare_op(_o, a, b, a))
+
+
+# -------------------------------------------------------------------------- unary
+def unary_op(op: K.Unary, x: torch.Tensor, p0: float = 0.0, p1: float = 0.0,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    compute = x.dtype
+    if op in FLOAT_ONLY and not compute.is_floating_point:
+        compute = torch.get_default_dtype()
+    if not O.supported(compute) or (compute == torch.bool and op != K.Unary.bitwise_not):
+        raise Unsupported
+    _check_cast(compute, out)
+    xb, _ = O.operand(x, compute, x.shape, x.device)
+    return O.result(x.shape, compute, x.device, out, lambda o: K.unary(
+        op, o, xb, p0, p1, stream=stream(x.device.index)))
+
+
+_UNARY = ("neg", "abs", "exp", "log", "log2", "log10", "log1p", "expm1", "sqrt", "rsqrt",
+          "reciprocal", "sin", "cos", "tan", "tanh", "sigmoid", "relu", "silu", "sign",
+          "floor", "ceil", "trunc", "bitwise_not")
+
+
+def _unary_family(name: str, op: K.Unary) -> None:
+    implements(f"{name}")(lambda x, _o=op: unary_op(_o, x))
+    if "out" in getattr(torch.ops.aten, name).overloads():
+        implements(f"{name}.out")(lambda x, *, out, _o=op: unary_op(_o, x, out=out))
+    if hasattr(torch.ops.aten, f"{name}_"):
+        implements(f"{name}_")(lambda x, _o=op: unary_op(_o, x, out=x))
+
+
+for _name_ in _UNARY:
+    _unary_family(_name_, K.Unary[_name_])
+
+
+@implements("round")
+def round_(x: torch.Tensor) -> torch.Tensor:
+    return unary_op(K.Unary.round, x)
+
+
+@implements("gelu")
+def gelu(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
+    return unary_op(K.Unary.gelu_tanh if approximate == "tanh" else K.Unary.gelu, x)
+
+
+@implements("leaky_relu")
+def leaky_relu(x: torch.Tensor, negative_slope: float = 0.01) -> torch.Tensor:
+    return unary_op(K.Unary.leaky_relu, x, float(negative_slope))
+
+
+@implements("hardtanh")
+def hardtanh(x: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0) -> torch.Tensor:
+    return unary_op(K.Unary.clamp, x, min_val, max_val)
+
+
+@implements("clamp")
+def clamp(x: torch.Tensor, min: Any = None, max: Any = None) -> torch.Tensor:  # noqa: A002
+    if isinstance(min, torch.Tensor) or isinstance(max, torch.Tensor):
+        raise Unsupported
+    big = float("inf") if x.dtype.is_floating_point else torch.iinfo(x.dtype).max \
+        if x.dtype != torch.bool else 1
+    lo = -big if min is None else min
+    hi = big if max is None else max
+    if x.dtype.is_floating_point is False and (isinstance(lo, float) or isinstance(hi, float)):
+        raise Unsupported  # torch promotes an int tensor clamped by floats
+    return unary_op(K.Unary.clamp, x, lo, hi)
+
+
+@implements("nan_to_num")
+def nan_to_num(x: torch.Tensor, nan: float | None = None, posinf: float | None = None,
+               neginf: float | None = None) -> torch.Tensor:
+    if not x.dtype.is_floating_point or (nan not in (None, 0.0)):
+        raise Unsupported
+    info = torch.finfo(x.dtype)
+    return unary_op(K.Unary.nan_to_num, x, info.max if posinf is None else posinf,
+                    info.min if neginf is None else neginf)
+
+
+def _predicate(op: K.Predicate, x: torch.Tensor) -> torch.Tensor:
+    if not O.supported(x.dtype):
+        raise Unsupported
+    xb, _ = O.operand(x, x.dtype, x.shape, x.device)
+    return O.result(x.shape, torch.bool, x.device, None, lambda o: K.predicate(
+        op, o, xb, stream=stream(x.device.index)))
+
+
+implements("isnan")(lambda x: _predicate(K.Predicate.isnan, x))
+implements("logical_not")(lambda x: _predicate(K.Predicate.logical_not, x))
+implements("signbit")(lambda x: _predicate(K.Predicate.signbit, x))
+
+
+# -------------------------------------------------------------------- where, fill
+@implements("where.self")
+def where(cond: torch.Tensor, a: Any, b: Any) -> torch.Tensor:
+    a, b = O.as_number(a), O.as_number(b)
+    device = O.device_of(cond, a, b)
+    compute = torch.result_type(a, b)
+    if not O.supported(compute):
+        raise Unsupported
+    shape = O.broadcast(cond, a, b)
+    cb, sc = O.operand(cond, torch.bool, shape, device)
+    ab, sa = (O.number_buffer(a, compute, device), 0) if O.is_number(a) else \
+        O.operand(a, compute, shape, device)
+    bb, sb = (O.number_buffer(b, compute, device), 0) if O.is_number(b) else \
+        O.operand(b, compute, shape, device)
+    return O.result(shape, compute, device, None, lambda o: K.where(
+        o, cb, ab, bb, cond_stride=sc, a_stride=sa, b_stride=sb, stream=stream(device.index)))
+
+
+@implements("fill_.Scalar")
+def fill_(x: torch.Tensor, value: Any) -> torch.Tensor:
+    if not O.supported(x.dtype):
+        raise Unsupported
+    return O.result(x.shape, x.dtype, x.device, x, lambda o: K.fill(
+        o, value, stream=stream(x.device.index)))
+
+
+@implements("fill_.Tensor")
+def fill_tensor(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    return fill_(x, value.item())
+
+
+@implements("zero_")
+def zero_(x: torch.Tensor) -> torch.Tensor:
+    return fill_(x, 0)

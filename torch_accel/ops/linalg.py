@@ -1,0 +1,89 @@
+"""Matrix products on the device's matrix unit: ``mm``, ``addmm``, ``bmm`` (``linear`` and
+``matmul`` decompose into them). float32 and float64; operands are made contiguous first
+(a transposed weight is copied once per call, as the unit reads row-major tiles); other
+dtypes run on the CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torch_accel import kernels as K
+from torch_accel.ops._register import Unsupported, implements
+from torch_accel.ops._tensors import stream, view_of
+from torch_accel.ops.copy import contiguous_on_device, strided_into
+
+_FLOAT = (torch.float32, torch.float64)
+
+
+def _matrices(*ts: torch.Tensor) -> list[torch.Tensor]:
+    dtype = ts[0].dtype
+    if dtype not in _FLOAT or any(t.dtype != dtype for t in ts):
+        raise Unsupported
+    return [contiguous_on_device(t) for t in ts]
+
+
+def _into(out: torch.Tensor | None, res: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return res
+    if out.shape != res.shape:
+        out.resize_(res.shape)
+    strided_into(out, res)
+    return out
+
+
+def _view(t: torch.Tensor) -> Any:
+    return view_of(t).view(view_of(t).dtype, tuple(t.shape))
+
+
+def _check(ok: bool) -> None:
+    if not ok:
+        raise Unsupported  # the CPU raises torch's own shape error
+
+
+@implements("mm")
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    _check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0])
+    a, b = _matrices(a, b)
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    K.mm(_view(out), _view(a), _view(b), stream=stream(a.device.index))
+    return out
+
+
+@implements("mm.out")
+def mm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    return _into(out, mm(a, b))
+
+
+@implements("addmm")
+def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1,
+          alpha: Any = 1) -> torch.Tensor:
+    _check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0] and bias.dim() <= 2)
+    a, b = _matrices(a, b)
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    if beta != 0:
+        strided_into(out, bias.to(a.dtype))  # bias broadcast into the output first
+    K.mm(_view(out), _view(a), _view(b), beta=float(beta), alpha=float(alpha),
+         stream=stream(a.device.index))
+    return out
+
+
+@implements("addmm.out")
+def addmm_out(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1,
+              alpha: Any = 1, out: torch.Tensor) -> torch.Tensor:
+    return _into(out, addmm(bias, a, b, beta=beta, alpha=alpha))
+
+
+@implements("bmm")
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    _check(a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1])
+    a, b = _matrices(a, b)
+    out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
+    K.bmm(_view(out), _view(a), _view(b), stream=stream(a.device.index))
+    return out
+
+
+@implements("bmm.out")
+def bmm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    return _into(out, bmm(a, b))

@@ -1,0 +1,154 @@
+"""Neural-network operators and their backwards: softmax and log_softmax, activation
+backwards, ``nll_loss`` (so ``cross_entropy``), ``embedding`` (``index_select`` on rows)
+and its dense backward. Each reduces over rows of a contiguous ``[rows, n]`` layout, with
+the softmax dimension moved last first."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torch_accel import kernels as K
+from torch_accel.ops import _operands as O
+from torch_accel.ops._register import Unsupported, implements
+from torch_accel.ops._tensors import stream, view_of
+from torch_accel.ops.copy import contiguous_on_device
+
+_FLOAT = (torch.float32, torch.float64)
+
+
+def _last(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, list[int]]:
+    """``x`` with ``dim`` moved last, contiguous, and the permutation that undoes it."""
+    if x.dim() == 0:
+        return x.reshape(1), []
+    dim %= x.dim()
+    perm = [d for d in range(x.dim()) if d != dim] + [dim]
+    inverse = sorted(range(len(perm)), key=perm.__getitem__)
+    return contiguous_on_device(x.permute(perm)), inverse
+
+
+def _back(y: torch.Tensor, inverse: list[int], shape: torch.Size) -> torch.Tensor:
+    return y.permute(inverse) if inverse else y.reshape(shape)
+
+
+def _softmax(x: torch.Tensor, dim: int, half_to_float: bool, log: bool) -> torch.Tensor:
+    if x.dtype not in _FLOAT or half_to_float:
+        raise Unsupported
+    dense, inverse = _last(x, dim)
+    n = dense.shape[-1] if dense.dim() else 1
+    rows = dense.numel() // n if n else 0
+    out = torch.empty_like(dense)
+    K.softmax_rows(view_of(out), view_of(dense), rows, n, log=log, stream=stream(x.device.index))
+    return _back(out, inverse, x.shape)
+
+
+implements("_softmax")(lambda x, dim, half_to_float: _softmax(x, dim, half_to_float, False))
+implements("_log_softmax")(lambda x, dim, half_to_float: _softmax(x, dim, half_to_float, True))
+
+
+def _softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int, input_dtype: torch.dtype,
+                      log: bool) -> torch.Tensor:
+    if y.dtype not in _FLOAT or grad.dtype != y.dtype or input_dtype != y.dtype:
+        raise Unsupported
+    g, inverse = _last(grad, dim)
+    yd, _ = _last(y, dim)
+    n = yd.shape[-1] if yd.dim() else 1
+    out = torch.empty_like(yd)
+    K.softmax_backward_rows(view_of(out), view_of(g), view_of(yd), yd.numel() // n if n else 0,
+                            n, log=log, stream=stream(y.device.index))
+    return _back(out, inverse, y.shape)
+
+
+implements("_softmax_backward_data")(
+    lambda grad, y, dim, input_dtype: _softmax_backward(grad, y, dim, input_dtype, False))
+implements("_log_softmax_backward_data")(
+    lambda grad, y, dim, input_dtype: _softmax_backward(grad, y, dim, input_dtype, True))
+
+
+def _activation_backward(op: K.Backward, grad: torch.Tensor, x: torch.Tensor,
+                         p0: float = 0.0) -> torch.Tensor:
+    if x.dtype not in _FLOAT or grad.dtype != x.dtype:
+        raise Unsupported
+    shape = O.broadcast(grad, x)
+    g, _ = O.operand(grad, x.dtype, shape, x.device)
+    v, _ = O.operand(x, x.dtype, shape, x.device)
+    return O.result(shape, x.dtype, x.device, None, lambda o: K.activation_backward(
+        op, o, g, v, p0, stream=stream(x.device.index)))
+
+
+implements("threshold_backward")(
+    lambda grad, x, threshold: _activation_backward(K.Backward.threshold, grad, x, float(threshold)))
+implements("gelu_backward")(
+    lambda grad, x, *, approximate="none": _activation_backward(
+        K.Backward.gelu_tanh if approximate == "tanh" else K.Backward.gelu, grad, x))
+implements("sigmoid_backward")(lambda grad, y: _activation_backward(K.Backward.sigmoid, grad, y))
+implements("tanh_backward")(lambda grad, y: _activation_backward(K.Backward.tanh, grad, y))
+implements("silu_backward")(lambda grad, x: _activation_backward(K.Backward.silu, grad, x))
+
+
+def _nll_args(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    if (weight is not None or logp.dtype not in _FLOAT or logp.dim() not in (1, 2)
+            or target.dtype != torch.int64):
+        raise Unsupported  # class weights, K-dimensional losses: the CPU
+    lp = contiguous_on_device(logp.reshape(1, -1) if logp.dim() == 1 else logp)
+    return lp, contiguous_on_device(target.reshape(-1)), lp.shape[0], lp.shape[1]
+
+
+@implements("nll_loss_forward")
+def nll_loss_forward(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                     reduction: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lp, tg, rows, n = _nll_args(logp, target, weight)
+    s = stream(logp.device.index)
+    out = torch.empty(rows if reduction == 0 and logp.dim() == 2 else (), dtype=logp.dtype,
+                      device=logp.device)
+    K.nll_loss_rows(view_of(out), view_of(lp), view_of(tg), rows, n, reduction, ignore_index,
+                    stream=s)
+    # torch's total_weight: the count of targets that are not ignored (no class weights)
+    total = (tg != ignore_index).sum().to(logp.dtype) if reduction != 0 else \
+        torch.zeros((), dtype=logp.dtype, device=logp.device)
+    return out, total
+
+
+@implements("nll_loss_backward")
+def nll_loss_backward(grad: torch.Tensor, logp: torch.Tensor, target: torch.Tensor,
+                      weight: torch.Tensor | None, reduction: int, ignore_index: int,
+                      total_weight: torch.Tensor) -> torch.Tensor:
+    lp, tg, rows, n = _nll_args(logp, target, weight)
+    out = torch.empty_like(lp)
+    K.nll_loss_backward_rows(view_of(out), view_of(contiguous_on_device(grad.reshape(-1))),
+                             view_of(tg), rows, n, reduction, ignore_index,
+                             stream=stream(logp.device.index))
+    return out.reshape(logp.shape)
+
+
+@implements("index_select")
+def index_select(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    if index.device != x.device or index.dtype not in (torch.int64, torch.int32) \
+            or not O.supported(x.dtype) or x.dim() == 0 or index.dim() > 1:
+        raise Unsupported
+    moved = contiguous_on_device(x.movedim(dim, 0))
+    row = math.prod(moved.shape[1:])
+    idx = contiguous_on_device(index.reshape(-1))
+    out = torch.empty((idx.numel(), *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    K.index_rows(view_of(out), view_of(moved), view_of(idx), idx.numel(), row,
+                 stream=stream(x.device.index))
+    return out.movedim(0, dim)
+
+
+@implements("embedding_dense_backward")
+def embedding_dense_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: int,
+                             padding_idx: int, scale_grad_by_freq: bool) -> torch.Tensor:
+    if scale_grad_by_freq or grad.dtype not in _FLOAT or indices.dtype != torch.int64:
+        raise Unsupported
+    row = grad.shape[-1]
+    idx = contiguous_on_device(indices.reshape(-1))
+    src = contiguous_on_device(grad.reshape(-1, row))
+    if padding_idx >= 0:  # rows of the padding index get no gradient
+        keep = (idx != padding_idx).to(grad.dtype).reshape(-1, 1)
+        src = contiguous_on_device(src * keep)
+    out = torch.zeros(num_weights, row, dtype=grad.dtype, device=grad.device)
+    K.index_add_rows(view_of(out), view_of(idx), view_of(src), idx.numel(), row,
+                     stream=stream(grad.device.index))
+    return out

@@ -1,0 +1,167 @@
+"""Reductions: ``sum``, ``mean``, ``prod``, ``amax``/``amin``, ``argmax``/``argmin``,
+``max``/``min`` (whole and ``.dim``), ``any``/``all``, over any set of dimensions.
+
+The reduced dimensions are moved last (a view), the tensor made contiguous as
+``[rows, n]``, and the device's row reduction runs once (floats accumulate in float64,
+ints in int64). Reductions of nothing that torch refuses (a max of no elements) go to the
+CPU, which raises torch's own error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from torch_accel import kernels as K
+from torch_accel.ops import _operands as O
+from torch_accel.ops._register import Unsupported, implements
+from torch_accel.ops._tensors import stream, view_of
+from torch_accel.ops.copy import contiguous_on_device
+
+_EXTREMES = (K.Reduce.amax, K.Reduce.amin, K.Reduce.argmax, K.Reduce.argmin)
+
+
+def _dims(x: torch.Tensor, dim: int | Sequence[int] | None) -> list[int]:
+    if x.dim() == 0:
+        return []  # a 0-d tensor reduces over itself, whatever dim says
+    if dim is None or (not isinstance(dim, int) and len(dim) == 0):
+        return list(range(x.dim()))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted({d % x.dim() for d in dims})
+
+
+def reduce_op(op: K.Reduce, x: torch.Tensor, dim: int | Sequence[int] | None, keepdim: bool,
+           compute: torch.dtype, out_dtype: torch.dtype,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    if not O.supported(compute, out_dtype):
+        raise Unsupported
+    dims = _dims(x, dim)
+    kept = [d for d in range(x.dim()) if d not in dims]
+    rows = math.prod(x.shape[d] for d in kept)
+    n = math.prod(x.shape[d] for d in dims)
+    if n == 0 and op in _EXTREMES:
+        raise Unsupported  # torch's error for a reduction of no elements
+    dense = contiguous_on_device(x.permute(*kept, *dims) if x.dim() else x, compute)
+    shape = [1 if d in dims else x.shape[d] for d in range(x.dim())] if keepdim \
+        else [x.shape[d] for d in kept]
+    flat = torch.empty(rows, dtype=out_dtype, device=x.device)
+    K.reduce_rows(op, view_of(flat), view_of(dense), rows, n, stream=stream(x.device.index))
+    res = flat.reshape(shape)
+    if out is None:
+        return res
+    if out.shape != res.shape:
+        out.resize_(res.shape)
+    return out.copy_(res)
+
+
+def _sum_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    return torch.int64 if not x.dtype.is_floating_point else x.dtype
+
+
+@implements("sum")
+def sum_(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    d = _sum_dtype(x, dtype)
+    return reduce_op(K.Reduce.sum, x, None, False, d if d.is_floating_point else torch.int64, d)
+
+
+@implements("sum.dim_IntList")
+def sum_dim(x: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    d = _sum_dtype(x, dtype)
+    return reduce_op(K.Reduce.sum, x, dim, keepdim, d if d.is_floating_point else torch.int64, d)
+
+
+@implements("sum.IntList_out")
+def sum_out(x: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *,
+            dtype: torch.dtype | None = None, out: torch.Tensor) -> torch.Tensor:
+    d = dtype or out.dtype
+    return reduce_op(K.Reduce.sum, x, dim, keepdim, d if d.is_floating_point else torch.int64, d,
+                  out)
+
+
+def _mean_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    d = dtype or x.dtype
+    if not d.is_floating_point:
+        raise Unsupported  # torch's "mean(): could not infer output dtype" error
+    return d
+
+
+@implements("mean")
+def mean(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    d = _mean_dtype(x, dtype)
+    return reduce_op(K.Reduce.mean, x, None, False, d, d)
+
+
+@implements("mean.dim")
+def mean_dim(x: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+    d = _mean_dtype(x, dtype)
+    return reduce_op(K.Reduce.mean, x, dim, keepdim, d, d)
+
+
+@implements("prod")
+def prod(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    d = _sum_dtype(x, dtype)
+    return reduce_op(K.Reduce.prod, x, None, False, d if d.is_floating_point else torch.int64, d)
+
+
+@implements("prod.dim_int")
+def prod_dim(x: torch.Tensor, dim: int, keepdim: bool = False, *,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+    d = _sum_dtype(x, dtype)
+    return reduce_op(K.Reduce.prod, x, dim, keepdim, d if d.is_floating_point else torch.int64, d)
+
+
+def _extreme(op: K.Reduce, x: torch.Tensor, dim: Sequence[int] | int | None,
+             keepdim: bool) -> torch.Tensor:
+    if x.dtype == torch.bool:
+        raise Unsupported
+    return reduce_op(op, x, dim, keepdim, x.dtype, x.dtype)
+
+
+implements("amax")(lambda x, dim=(), keepdim=False: _extreme(K.Reduce.amax, x, dim, keepdim))
+implements("amin")(lambda x, dim=(), keepdim=False: _extreme(K.Reduce.amin, x, dim, keepdim))
+implements("max")(lambda x: _extreme(K.Reduce.amax, x, None, False))
+implements("min")(lambda x: _extreme(K.Reduce.amin, x, None, False))
+
+
+def _arg(op: K.Reduce, x: torch.Tensor, dim: int | None, keepdim: bool) -> torch.Tensor:
+    if x.dtype == torch.bool:
+        raise Unsupported
+    if dim is None:
+        res = reduce_op(op, x.reshape(-1), 0, False, x.dtype, torch.int64)
+        return res.reshape([1] * x.dim()) if keepdim else res
+    return reduce_op(op, x, dim, keepdim, x.dtype, torch.int64)
+
+
+implements("argmax")(lambda x, dim=None, keepdim=False: _arg(K.Reduce.argmax, x, dim, keepdim))
+implements("argmin")(lambda x, dim=None, keepdim=False: _arg(K.Reduce.argmin, x, dim, keepdim))
+
+
+@implements("max.dim")
+def max_dim(x: torch.Tensor, dim: int, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return _extreme(K.Reduce.amax, x, dim, keepdim), _arg(K.Reduce.argmax, x, dim, keepdim)
+
+
+@implements("min.dim")
+def min_dim(x: torch.Tensor, dim: int, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return _extreme(K.Reduce.amin, x, dim, keepdim), _arg(K.Reduce.argmin, x, dim, keepdim)
+
+
+def _logical(op: K.Reduce, x: torch.Tensor, dim: Sequence[int] | int | None,
+             keepdim: bool) -> torch.Tensor:
+    if x.dtype == torch.uint8:
+        raise Unsupported  # torch keeps uint8 for any/all of uint8
+    return reduce_op(op, x, dim, keepdim, x.dtype, torch.bool)
+
+
+implements("any")(lambda x: _logical(K.Reduce.any, x, None, False))
+implements("all")(lambda x: _logical(K.Reduce.all, x, None, False))
+implements("any.dim", "any.dims")(
+    lambda x, dim=None, keepdim=False: _logical(K.Reduce.any, x, dim, keepdim))
+implements("all.dim", "all.dims")(
+    lambda x, dim=None, keepdim=False: _logical(K.Reduce.all, x, dim, keepdim))
