@@ -25,8 +25,17 @@ NUMPY = {
 }
 
 
+_EMPTY: dict[int, runtime.DeviceArray] = {}
+
+
 def base_of(t: torch.Tensor) -> runtime.DeviceArray:
-    """The runtime block holding ``t``'s storage."""
+    """The runtime block holding ``t``'s storage; a storage of no bytes has none (its
+    pointer is null), and is a zero-length array that kernels see as "nothing to do"."""
+    if t.untyped_storage().nbytes() == 0:
+        dev = t.device.index
+        if dev not in _EMPTY:
+            _EMPTY[dev] = runtime.empty(0, np.uint8, device=dev)
+        return _EMPTY[dev]
     return _hooks.blocks[_C._storage_block(t)]
 
 
@@ -40,8 +49,8 @@ def view_of(t: torch.Tensor) -> runtime.DeviceView:
     element long)."""
     assert t.is_contiguous(), "view_of needs a contiguous tensor"
     dtype = _np(t)
-    return base_of(t).view(dtype, t.numel() * t.element_size() // dtype.itemsize,
-                           t.storage_offset() * t.element_size())
+    count = t.numel() * t.element_size() // dtype.itemsize
+    return base_of(t).view(dtype, count, t.storage_offset() * t.element_size() if count else 0)
 
 
 def storage_of(t: torch.Tensor) -> runtime.DeviceView:

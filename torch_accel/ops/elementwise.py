@@ -141,6 +141,50 @@ for _name_, _op in (("logical_and", K.Binary.logical_and), ("logical_or", K.Bina
     implements(f"{_name_}_")(lambda a, b, _o=_op: _logical(_o, a, b, a))
 
 
+# ---------------------------------------------- optimiser arithmetic (Adam, SGD ...)
+def _into(out: torch.Tensor | None, res: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return res
+    _check_cast(res.dtype, out)
+    if out.shape != res.shape:
+        out.resize_(res.shape)
+    return out.copy_(res)
+
+
+def _addc(op: K.Binary, x: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor, value: Any,
+          out: torch.Tensor | None) -> torch.Tensor:
+    """``x + value * (t1 OP t2)``: two launches."""
+    return _into(out, binary_op(K.Binary.add, x, binary_op(op, t1, t2), value))
+
+
+implements("addcmul")(lambda x, t1, t2, *, value=1: _addc(K.Binary.mul, x, t1, t2, value, None))
+implements("addcmul_")(lambda x, t1, t2, *, value=1: _addc(K.Binary.mul, x, t1, t2, value, x))
+implements("addcmul.out")(
+    lambda x, t1, t2, *, value=1, out: _addc(K.Binary.mul, x, t1, t2, value, out))
+implements("addcdiv")(lambda x, t1, t2, *, value=1: _addc(K.Binary.div, x, t1, t2, value, None))
+implements("addcdiv_")(lambda x, t1, t2, *, value=1: _addc(K.Binary.div, x, t1, t2, value, x))
+implements("addcdiv.out")(
+    lambda x, t1, t2, *, value=1, out: _addc(K.Binary.div, x, t1, t2, value, out))
+
+
+def _lerp(start: torch.Tensor, end: torch.Tensor, weight: Any,
+          out: torch.Tensor | None) -> torch.Tensor:
+    """torch's formula, exact at both ends: ``start + w * (end - start)`` for ``|w| < 0.5``,
+    else ``end + (w - 1) * (end - start)`` (a weight tensor goes to the CPU)."""
+    weight = O.as_number(weight)
+    if not O.is_number(weight):
+        raise Unsupported
+    step = binary_op(K.Binary.sub, end, start)
+    near_end = abs(weight) >= 0.5
+    base, coeff = (end, weight - 1) if near_end else (start, weight)
+    return _into(out, binary_op(K.Binary.add, base, binary_op(K.Binary.mul, step, coeff)))
+
+
+implements("lerp.Scalar", "lerp.Tensor")(lambda a, b, w: _lerp(a, b, w, None))
+implements("lerp_.Scalar", "lerp_.Tensor")(lambda a, b, w: _lerp(a, b, w, a))
+implements("lerp.Scalar_out", "lerp.Tensor_out")(lambda a, b, w, *, out: _lerp(a, b, w, out))
+
+
 # ------------------------------------------------------------------------ compare
 def compare_op(op: K.Compare, a: Any, b: Any, out: torch.Tensor | None = None) -> torch.Tensor:
     a, b = O.as_number(a), O.as_number(b)

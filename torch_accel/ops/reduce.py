@@ -21,6 +21,9 @@ from torch_accel.ops._tensors import stream, view_of
 from torch_accel.ops.copy import contiguous_on_device
 
 _EXTREMES = (K.Reduce.amax, K.Reduce.amin, K.Reduce.argmax, K.Reduce.argmin)
+#: what a reduction of no elements is (torch's)
+_EMPTY_VALUE = {K.Reduce.sum: 0, K.Reduce.prod: 1, K.Reduce.mean: float("nan"),
+                K.Reduce.any: False, K.Reduce.all: True}
 
 
 def _dims(x: torch.Tensor, dim: int | Sequence[int] | None) -> list[int]:
@@ -43,14 +46,19 @@ def reduce_op(op: K.Reduce, x: torch.Tensor, dim: int | Sequence[int] | None, ke
     n = math.prod(x.shape[d] for d in dims)
     if n == 0 and op in _EXTREMES:
         raise Unsupported  # torch's error for a reduction of no elements
-    dense = contiguous_on_device(x.permute(*kept, *dims) if x.dim() else x, compute)
     shape = [1 if d in dims else x.shape[d] for d in range(x.dim())] if keepdim \
         else [x.shape[d] for d in kept]
+    if n == 0:  # nothing to read (an empty storage has no device address to launch on)
+        res = torch.full(shape, _EMPTY_VALUE[op], dtype=out_dtype, device=x.device)
+        return res if out is None else _into(out, res)
+    dense = contiguous_on_device(x.permute(*kept, *dims) if x.dim() else x, compute)
     flat = torch.empty(rows, dtype=out_dtype, device=x.device)
     K.reduce_rows(op, view_of(flat), view_of(dense), rows, n, stream=stream(x.device.index))
     res = flat.reshape(shape)
-    if out is None:
-        return res
+    return res if out is None else _into(out, res)
+
+
+def _into(out: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
     if out.shape != res.shape:
         out.resize_(res.shape)
     return out.copy_(res)
