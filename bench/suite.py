@@ -24,6 +24,7 @@ from bench.kernels import kernels, tiny_launches
 from bench.memory import allocator_and_copies, daemon_memory_per_context, managed_kernels
 from bench.procs import AccelDaemon, EchoServer
 from bench.submission import idle_cpu, submission
+from bench.torch_backend import torch_backend
 
 ECHO_TXN = "echo-fs pwrite+pread"
 
@@ -201,4 +202,5 @@ BENCHMARKS: list[tuple[str, Benchmark]] = [
     ("elementwise", elementwise),
     ("fault_recovery", fault_recovery),
     ("partition_isolation", partition_isolation),
+    ("torch_backend", torch_backend),
 ]
