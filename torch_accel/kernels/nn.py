@@ -40,7 +40,7 @@ class Reduction(enum.IntEnum):
 
 
 _BACKWARD = {
-    Backward.threshold: "out[i] = g if v > p0 else g * 0",
+    Backward.threshold: "out[i] = g if v > p0 else 0",
     Backward.gelu: erf_source("v * 0.7071067811865476", "e")
     + "\nout[i] = g * (0.5 * (1.0 + e) + v * exp(-0.5 * v * v) * 0.3989422804014327)",
     Backward.gelu_tanh: "th = tanh(0.7978845608028654 * (v + 0.044715 * v * v * v))\n"
