@@ -203,6 +203,9 @@ def test_reduce_rows(daemon):
             for op, f in (("any", np.any), ("all", np.all)):
                 K.reduce_rows(op, ob, dx, rows, n)
                 check(f"{op} {rows}x{n}", host(ob), f(x != 0, 1))
+        of = runtime.empty(3, np.float32)
+        K.reduce_rows("sum", of, runtime.empty(0, np.float32), 3, 0)
+        check("sum of empty rows", host(of), np.zeros(3, np.float32))
         n = 4_000_000
         x = rng.random(n, dtype=np.float32)
         x[3_999_000] = 2.0
