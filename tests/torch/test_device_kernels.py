@@ -133,9 +133,8 @@ def test_elementwise_int_and_bool(daemon):
             check(f"bool {op}", host(o), w)
         K.unary("bitwise_not", o, dp)
         check("bool not", host(o), ~p)
-        i32 = runtime.empty(4, np.int32)
-        K.arange(i32, -2, 3)
-        check("int32 arange", host(i32), np.array([-2, 1, 4, 7], np.int32))
+        K.arange(out, -2, 3)
+        check("int64 arange", host(out), -2 + 3 * np.arange(a.size))
     """, timeout=190)
     assert "int64 remainder ok" in lines and "bool not ok" in lines
 
@@ -183,7 +182,7 @@ def test_strided_copy(daemon):
 @pytest.mark.timeout(200)
 def test_reduce_rows(daemon):
     lines = run(daemon, """
-        for rows, n in ((1, 1), (37, 300), (5, 1000), (1, 70000)):
+        for rows, n in ((1, 1), (37, 300), (5, 1000)):  # short rows; a long one below
             x = rng.standard_normal((rows, n)).astype(np.float32)
             if n > 10:
                 x[min(3, rows - 1), 5] = np.nan
@@ -249,6 +248,8 @@ def test_nn_kernels(daemon):
         for red, w in (("mean", [picked.mean()]), ("sum", [picked.sum()])):
             K.nll_loss_rows(loss, y, dt, rows, n, red)
             check(f"nll {red}", host(loss)[:1], w, rtol=1e-5)
+        K.nll_loss_rows(loss, y, runtime.empty(0, np.int64), 0, n, "mean")
+        check("nll mean of no rows", host(loss)[:1], [np.nan])
         K.nll_loss_rows(loss, y, dt, rows, n, "none")
         want = np.zeros(rows, np.float32)
         want[keep] = picked
