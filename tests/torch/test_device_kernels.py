@@ -179,7 +179,7 @@ def test_strided_copy(daemon):
     assert "cat ok" in lines
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_reduce_rows(daemon):
     lines = run(daemon, """
         for rows, n in ((1, 1), (37, 300), (5, 1000)):  # short rows; a long one below
@@ -202,6 +202,12 @@ def test_reduce_rows(daemon):
             for op, f in (("any", np.any), ("all", np.all)):
                 K.reduce_rows(op, ob, dx, rows, n)
                 check(f"{op} {rows}x{n}", host(ob), f(x != 0, 1))
+        x = rng.standard_normal((37, 300)).astype(np.float32)
+        dx, of = dev(x), runtime.empty(37, np.float32)
+        K.var_rows(of, dx, 37, 300)
+        check("var", host(of), x.astype(np.float64).var(1, ddof=1), rtol=1e-5)
+        K.var_rows(of, dx, 37, 300, correction=0, std=True)
+        check("std", host(of), x.astype(np.float64).std(1), rtol=1e-5)
         of = runtime.empty(3, np.float32)
         K.reduce_rows("sum", of, runtime.empty(0, np.float32), 3, 0)
         check("sum of empty rows", host(of), np.zeros(3, np.float32))
@@ -218,11 +224,11 @@ def test_reduce_rows(daemon):
         for op, w in (("sum", xi.sum(1)), ("amax", xi.max(1)), ("argmin", xi.argmin(1))):
             K.reduce_rows(op, oi, dxi, 6, 333)
             check(f"int64 {op}", host(oi), w)
-    """, timeout=190)
+    """, timeout=290)
     assert "argmax 4M ok" in lines and "int64 argmin ok" in lines
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_nn_kernels(daemon):
     lines = run(daemon, """
         rows, n = 7, 300
@@ -299,7 +305,7 @@ def test_nn_kernels(daemon):
             runtime.synchronize()
         except runtime.KernelFaultError as exc:
             print("bad index faults", "index_rows" in str(exc))
-    """, timeout=190)
+    """, timeout=290)
     assert "gelu float64 ok" in lines[-2] and lines[-1] == "bad index faults True"
 
 

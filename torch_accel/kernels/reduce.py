@@ -20,7 +20,8 @@ import numpy as np
 import runtime
 from torch_accel.kernels import _launch as L
 from torch_accel.kernels._launch import Array
-from torch_accel.kernels.elementwise import fill
+from torch_accel.kernels.elementwise import Binary, Unary, binary, fill, unary
+from torch_accel.kernels.layout import strided_copy
 
 
 class Reduce(enum.IntEnum):
@@ -169,3 +170,25 @@ def _no_index(device: int) -> runtime.DeviceArray:
     if device not in _dummies:
         _dummies[device] = runtime.empty(1, np.int64, device=device)
     return _dummies[device]
+
+
+def var_rows(out: Array, x: Array, rows: int, n: int, correction: int = 1, std: bool = False,
+             stream: runtime.Stream | None = None) -> None:
+    """Variance (or standard deviation) of each row, ``sum((x - mean)**2) / (n -
+    correction)`` (NaN where ``n <= correction``), float input. Two passes composed of
+    kernels the backend compiles anyway (mean, a broadcast copy, sub, mul, sum), so it
+    costs no compile of its own; it needs a temporary of ``x``'s size."""
+    if x.dtype.kind != "f":
+        raise TypeError("var/std need float input")
+    s = L.stream_of(out, stream)
+    mean = runtime.empty(rows, x.dtype, device=x.device)
+    reduce_rows(Reduce.mean, mean, x, rows, n, s)
+    dev = runtime.empty(rows * n, x.dtype, device=x.device)
+    strided_copy(dev, mean, (rows, n), (1, 0), 0, (n, 1), 0, s)
+    binary(Binary.sub, dev, x, dev, stream=s)
+    binary(Binary.mul, dev, dev, dev, stream=s)
+    reduce_rows(Reduce.sum, out, dev, rows, n, s)
+    dof = n - correction
+    binary(Binary.mul, out, out, 1.0 / dof if dof > 0 else np.inf, stream=s)
+    if std:
+        unary(Unary.sqrt, out, out, stream=s)
