@@ -39,7 +39,7 @@ from torch_accel.kernels.nn import (
     threshold_backward,
 )
 from torch_accel.kernels.random import bernoulli_mask, counters, normal, uniform
-from torch_accel.kernels.reduce import Reduce, reduce_rows
+from torch_accel.kernels.reduce import Reduce, reduce_rows, var_rows
 from torch_accel.kernels.sleep import sleep
 
 __all__ = [
@@ -48,5 +48,5 @@ __all__ = [
     "fill", "gelu_backward", "index_add_rows", "index_rows", "mm", "nll_loss_backward_rows",
     "nll_loss_rows", "normal", "predicate", "reduce_rows", "sigmoid_backward", "sleep",
     "softmax_backward_rows", "softmax_rows", "strided_copy", "tanh_backward",
-    "threshold_backward", "unary", "uniform", "where",
+    "threshold_backward", "unary", "uniform", "var_rows", "where",
 ]

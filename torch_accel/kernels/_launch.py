@@ -110,11 +110,12 @@ def check_same(*arrays: Array) -> None:
 
 
 def block_tree(part: str, combine: str, indent: str = "    ") -> str:
-    """Kernel text for a tree over the 256-entry shared array ``part`` (each thread has
-    stored its value at ``part[t]``, ``t = local_id(0)``): ``combine`` is an expression of
-    ``{a}`` and ``{b}`` (e.g. ``{a} + {b}``); afterwards ``part[0]`` holds the block's result and
-    every thread may read it (a barrier ends the tree)."""
-    c = combine.format(a=f"{part}[t]", b=f"{part}[t + step]")
+    """Kernel text combining the 256-entry shared array ``part`` (each thread has stored
+    its value at ``part[t]``, ``t = local_id(0)``) into ``part[0]``, which every thread
+    may then read. ``combine`` is an expression of ``{a}`` and ``{b}`` (``{a} + {b}``).
+    Thread 0 walks the 256 values: one phase, where a barrier tree is eight, each a numba
+    function of its own to compile (seconds), for a few hundred nanoseconds per block."""
+    c = combine.format(a="_acc", b=f"{part}[_q]")
     return "\n".join(f"{indent}{s}" for s in (
-        "barrier()", "for s in range(8):", "    step = 128 >> s", "    if t < step:",
-        f"        {part}[t] = {c}", "    barrier()"))
+        "barrier()", "if t == 0:", f"    _acc = {part}[0]", "    for _q in range(1, 256):",
+        f"        _acc = {c}", f"    {part}[0] = _acc", "barrier()"))

@@ -169,7 +169,7 @@ _UNARY_OPS = {
     Unary.abs: "out[i] = abs(v)",
     Unary.square: "out[i] = v * v",
     Unary.sign: "out[i] = v * 0 if v == 0 or v != v else (1 if v > 0 else -1)",
-    Unary.relu: "out[i] = v if v > 0 else v * 0",
+    Unary.relu: "out[i] = v if v > 0 or v != v else 0",
     Unary.clamp: "out[i] = p0 if v < p0 else (p1 if v > p1 else v)",
     Unary.bitwise_not: "out[i] = ~v",
     Unary.exp: "out[i] = exp(v)",

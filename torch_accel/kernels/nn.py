@@ -40,7 +40,7 @@ class Reduction(enum.IntEnum):
 
 
 _BACKWARD = {
-    Backward.threshold: "out[i] = g if v > p0 else g * 0",
+    Backward.threshold: "out[i] = g if v > p0 else 0",
     Backward.gelu: erf_source("v * 0.7071067811865476", "e")
     + "\nout[i] = g * (0.5 * (1.0 + e) + v * exp(-0.5 * v * v) * 0.3989422804014327)",
     Backward.gelu_tanh: "th = tanh(0.7978845608028654 * (v + 0.044715 * v * v * v))\n"
@@ -263,6 +263,10 @@ def nll_loss_rows(out_loss: Array, logp: Array, target: Array, rows: int, n: int
     divided by the count of non-ignored targets (mean; NaN when all are ignored). One
     block: the batch's rows, not their classes, are the work."""
     red = Reduction[reduction] if isinstance(reduction, str) else Reduction(reduction)
+    if rows == 0:  # an empty batch (whose buffers no launch may name): torch's values
+        if red != Reduction.none:
+            fill(out_loss, np.nan if red == Reduction.mean else 0.0, stream)
+        return
     _mod(out_loss.device).nll_loss[1, L.BLOCK](
         L.flat(out_loss), L.matrix(logp, rows, n), L.flat(target), rows, int(red),
         ignore_index, stream=L.stream_of(out_loss, stream))
@@ -277,6 +281,8 @@ def nll_loss_backward_rows(grad_logp: Array, grad_out: Array, target: Array, row
     red = Reduction[reduction] if isinstance(reduction, str) else Reduction(reduction)
     s = L.stream_of(grad_logp, stream)
     fill(grad_logp, 0, s)
+    if rows == 0:
+        return
     _mod(grad_logp.device).nll_loss_backward[1, L.BLOCK](
         L.matrix(grad_logp, rows, n), L.flat(grad_out), L.flat(target), rows, int(red),
         ignore_index, stream=s)

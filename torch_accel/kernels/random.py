@@ -68,7 +68,7 @@ def _outputs(wide: bool) -> str:
     width = len(us)
     lines = [f"base = g * {width}"]
     lines += [f"u{q} = {u}" for q, u in enumerate(us)]
-    # normals: pairs (u0, u1), (u2, u3); u1 of a pair shifted into (0, 1] for the log
+    # normals: Box-Muller on pairs (u0, u1), (u2, u3), the first shifted into (0, 1] for the log
     norm = []
     for q in range(0, width, 2):
         norm += [f"r{q} = sqrt(-2.0 * log(u{q} + {half}))",

@@ -1,12 +1,13 @@
 """Row reductions of a contiguous ``[rows, n]`` buffer: ``reduce_rows``.
 
-A block of 256 threads reduces one chunk of :data:`CHUNK` elements of a row (each thread
-a strided walk, then a shared-memory tree) into a float64 (or int64) value and an int64
-index; a row longer than one chunk gets several blocks (rows=1, n=16M: 512). Then one
-thread per row combines the row's partial results and writes ``out`` in its own dtype
-(mean's division, argmax's index): a second pass of the block kernel over the float64
-partials would be one more numba compile (~20 s here) for each input dtype. Accumulating in float64 keeps float32 sums of
-millions of elements within float32 rounding of numpy's; NaN counts as the maximum (and
+A row of at most :data:`SHORT` elements is reduced by one thread. A longer row is cut
+into chunks of :data:`CHUNK`; a block of 256 threads reduces each (a strided walk per
+thread, then thread 0 over the block's 256 partials) into a float64 (or int64) value and
+an int64 index (rows=1, n=16M: 512 blocks). Then one thread per row combines the row's
+partial results and writes ``out`` in its own dtype (mean's division, argmax's index): a
+second pass of the block kernel over the float64 partials would be one more numba compile
+(~20 s here) per input dtype. Accumulating in float64 keeps float32 sums of millions of
+elements within float32 rounding of numpy's; NaN counts as the maximum (and
 the minimum), and ties keep the first index, as torch does.
 """
 
@@ -19,6 +20,8 @@ import numpy as np
 import runtime
 from torch_accel.kernels import _launch as L
 from torch_accel.kernels._launch import Array
+from torch_accel.kernels.elementwise import Binary, Unary, binary, fill, unary
+from torch_accel.kernels.layout import strided_copy
 
 
 class Reduce(enum.IntEnum):
@@ -36,8 +39,11 @@ class Reduce(enum.IntEnum):
 
 
 ALIASES = {"max": Reduce.amax, "min": Reduce.amin}
-#: elements one block reduces (a longer row is split, then a second pass)
+#: elements one block reduces (a longer row gets several blocks)
 CHUNK = 32768
+#: rows at most this long are reduced by one thread each (a block per short row spent
+#: more time in block overhead than in the row: 65536 rows of 64 took 0.8 s)
+SHORT = 1024
 
 # the loop and the tree combine (acc, ai) with (v, k); k < 0 marks "no element"
 _EXTREME = ("if k >= 0 and (ai < 0 or v {cmp} acc or (v != v and acc == acc) or "
@@ -78,30 +84,25 @@ def _source() -> str:
     part[t] = acc
     pidx[t] = ai
     barrier()
-    for s in range(8):
-        step = 128 >> s
-        if t < step:
-            acc = part[t]
-            ai = pidx[t]
-            v = part[t + step]
-            k = pidx[t + step]
-{L.dispatch(_COMBINE, " " * 12)}
-            part[t] = acc
-            pidx[t] = ai
-        barrier()
     if t == 0:
-        val[r * nchunks + c] = part[0]
-        idx[r * nchunks + c] = pidx[0]
+        for q in range(1, 256):
+            v = part[q]
+            k = pidx[q]
+{L.dispatch(_COMBINE, " " * 12)}
+        val[r * nchunks + c] = acc
+        idx[r * nchunks + c] = ai
 """)
     parts.append(f"""def finish(out, val, idx, op: 'int64', fam: 'int64', rows: 'int64', nchunks: 'int64',
-           n: 'int64', init):
+           n: 'int64', init, use_idx: 'int64'):
     r = global_id(0)
     if r < rows:
         acc = init
         ai = -1
         for q in range(nchunks):
             v = val[r * nchunks + q]
-            k = idx[r * nchunks + q]
+            k = q
+            if use_idx != 0:
+                k = idx[r * nchunks + q]
 {L.dispatch(_COMBINE, " " * 12, "fam")}
         if op == {int(Reduce.mean)}:
             out[r] = acc / n
@@ -142,11 +143,52 @@ def reduce_rows(op: Reduce | str, out: Array, x: Array, rows: int, n: int,
     acc = np.float64 if floating else np.int64
     fam = _FAMILY[op]
     init = L.scalar(_init(fam, floating), acc)
-    nchunks = max(1, -(-n // CHUNK))
+    if n == 0:  # an empty x is an empty allocation, which no launch may name
+        fill(out, np.nan if op == Reduce.mean else -1 if op in (Reduce.argmax, Reduce.argmin)
+             else init, s)
+        return
+    mod = L.module("reduce", SOURCE, out.device)
+    xf = L.as_bytes_if_bool(L.flat(x))
+    if n <= SHORT:  # a thread per row, walking it: no block, barrier or partials
+        mod.finish[L.grid(rows), L.BLOCK](L.flat(out), xf, _no_index(out.device), int(op),
+                                          int(fam), rows, n, n, init, 0, stream=s)
+        return
+    nchunks = -(-n // CHUNK)
     val = runtime.empty(rows * nchunks, acc, device=out.device)
     idx = runtime.empty(rows * nchunks, np.int64, device=out.device)
-    mod = L.module("reduce", SOURCE, out.device)
     mod.get_kernel(f"stage_{'f' if floating else 'i'}")[(nchunks, rows), L.BLOCK](
-        val, idx, L.as_bytes_if_bool(L.flat(x)), int(fam), n, CHUNK, nchunks, init, stream=s)
+        val, idx, xf, int(fam), n, CHUNK, nchunks, init, stream=s)
     mod.finish[L.grid(rows), L.BLOCK](L.flat(out), val, idx, int(op), int(fam), rows, nchunks,
-                                      n, init, stream=s)
+                                      n, init, 1, stream=s)
+
+
+_dummies: dict[int, runtime.DeviceArray] = {}
+
+
+def _no_index(device: int) -> runtime.DeviceArray:
+    """An int64 buffer for ``finish``'s unused ``idx`` (one per device, never read)."""
+    if device not in _dummies:
+        _dummies[device] = runtime.empty(1, np.int64, device=device)
+    return _dummies[device]
+
+
+def var_rows(out: Array, x: Array, rows: int, n: int, correction: int = 1, std: bool = False,
+             stream: runtime.Stream | None = None) -> None:
+    """Variance (or standard deviation) of each row, ``sum((x - mean)**2) / (n -
+    correction)`` (NaN where ``n <= correction``), float input. Two passes composed of
+    kernels the backend compiles anyway (mean, a broadcast copy, sub, mul, sum), so it
+    costs no compile of its own; it needs a temporary of ``x``'s size."""
+    if x.dtype.kind != "f":
+        raise TypeError("var/std need float input")
+    s = L.stream_of(out, stream)
+    mean = runtime.empty(rows, x.dtype, device=x.device)
+    reduce_rows(Reduce.mean, mean, x, rows, n, s)
+    dev = runtime.empty(rows * n, x.dtype, device=x.device)
+    strided_copy(dev, mean, (rows, n), (1, 0), 0, (n, 1), 0, s)
+    binary(Binary.sub, dev, x, dev, stream=s)
+    binary(Binary.mul, dev, dev, dev, stream=s)
+    reduce_rows(Reduce.sum, out, dev, rows, n, s)
+    dof = n - correction
+    binary(Binary.mul, out, out, 1.0 / dof if dof > 0 else np.inf, stream=s)
+    if std:
+        unary(Unary.sqrt, out, out, stream=s)
