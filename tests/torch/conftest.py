@@ -19,8 +19,13 @@ assert torch.accel is torch_accel.accel and torch._C._get_privateuse1_backend_na
 """
 
 
+#: a snippet's default time limit: the first use of a kernel compiles it in the firmware
+#: (seconds each on this machine), and a fresh daemon has compiled none
+SNIPPET_TIMEOUT = 200
+
+
 @pytest.fixture
 def torch_run(daemon) -> Callable[..., list[str]]:
-    def run(body: str, **kw) -> list[str]:
-        return run_scenario(daemon, TORCH_PRELUDE, body, **kw)
+    def run(body: str, timeout: float = SNIPPET_TIMEOUT, **kw) -> list[str]:
+        return run_scenario(daemon, TORCH_PRELUDE, body, timeout=timeout, **kw)
     return run

@@ -9,6 +9,7 @@ dtype is refused with torch's message, and dtypes the kernels lack go to the CPU
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -318,6 +319,13 @@ def where(cond: torch.Tensor, a: Any, b: Any) -> torch.Tensor:
 
 @implements("fill_.Scalar")
 def fill_(x: torch.Tensor, value: Any) -> torch.Tensor:
+    """A fill with zero bits is a memset packet (the copy engine's, as cudaMemset);
+    anything else the fill kernel."""
+    if x.is_contiguous() and not isinstance(value, complex) and value == 0 \
+            and math.copysign(1.0, value) > 0:
+        if x.numel():
+            view_of(x).memset(0, stream=stream(x.device.index))
+        return x
     if not O.supported(x.dtype):
         raise Unsupported
     return O.result(x.shape, x.dtype, x.device, x, lambda o: K.fill(
