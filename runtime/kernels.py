@@ -424,6 +424,9 @@ class _Checker:
             self.fail(t, f"cannot assign to `{name}`: it is a kernel built-in")
         if name in self.buffers:
             self.fail(t, f"cannot rebind buffer parameter `{name}`")
+        if name in self.params and not is_shared:  # the firmware's rule too: one value a launch
+            self.fail(t, f"cannot assign to scalar parameter `{name}`; copy it to a local "
+                         "first")
         if is_shared:
             if name in self.params:
                 self.fail(t, f"parameter `{name}` cannot be bound to a shared array")

@@ -457,6 +457,9 @@ REJECTED = [
     ("def k(x, n):\n    x[0] = x.shape[n]\n", 2, "constant non-negative int"),
     ("def k(x, y):\n    y[0] = x + 1\n    x[0] = 2\n", 2, "array `x` can only be indexed"),
     ("def k(x):\n    x = 3\n    x[0] = 1\n", 2, "cannot rebind buffer parameter"),
+    # the firmware refuses it too (at launch, as a faulted packet): said here, with the line
+    ("def k(x, n):\n    n = 3\n    x[0] = n\n", 2, "cannot assign to scalar parameter `n`"),
+    ("def k(x, n):\n    n += 1\n    x[0] = n\n", 2, "cannot assign to scalar parameter `n`"),
     ("def k(x):\n    i = 0\n    x[0] = i[0]\n", 3, "is a scalar, not an array"),
     # barrier uniformity
     ("def k(x, n):\n    if global_id(0) < n:\n        barrier()\n", 3,
