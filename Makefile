@@ -17,11 +17,16 @@ DEMO_ROOT ?= $(shell mktemp -u -d /tmp/accel-emu-demo.XXXXXX)
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	@echo "building torch_accel's C++ shim (about a minute the first time)"
-	$(PY) -c 'import torch_accel'
 	touch $@
 
-setup: .venv/.installed
+# torch_accel's C++ shim, built again when its source changes (torch_accel/_build.py)
+SHIM_BUILT := torch_accel/_build/.built
+$(SHIM_BUILT): .venv/.installed torch_accel/csrc/shim.cpp
+	@echo "building torch_accel's C++ shim (about a minute on 2 cores)"
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -c 'import torch_accel'
+	touch $@
+
+setup: .venv/.installed $(SHIM_BUILT)
 
 run: setup
 	@root=$(DEMO_ROOT); \
