@@ -305,13 +305,18 @@ def binary(op: Binary | str, out: Array, a: Array, b: Array | float | int | bool
                           stream=L.stream_of(out, stream))
 
 
+def _into_bool(codes: type[enum.IntEnum], op: enum.IntEnum | str, out: Array,
+               what: str) -> tuple[enum.IntEnum, int]:
+    """(op code, element count) of a kernel writing a bool buffer."""
+    if out.dtype != np.bool_:
+        raise TypeError(f"{what} writes a bool buffer")
+    return (codes[op] if isinstance(op, str) else codes(op)), L.size(out)
+
+
 def compare(op: Compare | str, out: Array, a: Array, b: Array | float | int | bool,
             a_stride: int = 1, b_stride: int = 1, stream: runtime.Stream | None = None) -> None:
     """``out[i] = a[i * a_stride] CMP b[i * b_stride]`` into a bool buffer."""
-    op = Compare[op] if isinstance(op, str) else Compare(op)
-    if out.dtype != np.bool_:
-        raise TypeError("compare writes a bool buffer")
-    n = L.size(out)
+    op, n = _into_bool(Compare, op, out, "compare")
     if n == 0:
         return
     bb, bs, sb = _operand_b(b, a, b_stride)
@@ -346,10 +351,7 @@ def predicate(op: Predicate | str, out: Array, x: Array,
               stream: runtime.Stream | None = None) -> None:
     """``out[i] = OP(x[i])`` into a bool buffer (isnan, isinf, isfinite, logical_not,
     signbit)."""
-    op = Predicate[op] if isinstance(op, str) else Predicate(op)
-    if out.dtype != np.bool_:
-        raise TypeError("predicate writes a bool buffer")
-    n = L.size(out)
+    op, n = _into_bool(Predicate, op, out, "predicate")
     if n == 0:
         return
     _mod(out.device).get_kernel(f"predicate_{L.kind(x.dtype)}")[L.grid(n), L.BLOCK](

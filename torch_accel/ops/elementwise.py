@@ -36,25 +36,38 @@ def _name(dtype: torch.dtype) -> str:
 
 
 # ------------------------------------------------------------------------ binary
+class _Pair:
+    """Two inputs of an elementwise kernel after torch's rules: numbers for 0-d CPU
+    tensors, the device, the promoted dtype and the broadcast shape."""
+
+    def __init__(self, a: Any, b: Any) -> None:
+        self.a, self.b = O.as_number(a), O.as_number(b)
+        self.device = O.device_of(self.a, self.b)
+        self.result = torch.result_type(self.a, self.b)
+        self.shape = O.broadcast(self.a, self.b)
+
+    def buffers(self, compute: torch.dtype) -> tuple[tuple[Any, int], tuple[Any, int]]:
+        """((a's buffer, stride), (b's buffer or number, stride)) in ``compute``; the
+        kernels take a number for ``b`` only, so a number ``a`` becomes a buffer."""
+        if not O.supported(compute):
+            raise Unsupported
+        a = (O.number_buffer(self.a, compute, self.device), 0) if O.is_number(self.a) \
+            else O.operand(self.a, compute, self.shape, self.device)
+        return a, O.operand(self.b, compute, self.shape, self.device)
+
+
 def binary_op(op: K.Binary, a: Any, b: Any, alpha: Any = 1,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    a, b = O.as_number(a), O.as_number(b)
-    device = O.device_of(a, b)
-    result = torch.result_type(a, b)
-    compute = result
-    if op == K.Binary.div and not result.is_floating_point:
-        result = compute = torch.get_default_dtype()
-    if not O.supported(compute) or (compute in _FLOATING and op in INT_ONLY_BINARY):
+    p = _Pair(a, b)
+    compute = p.result
+    if op == K.Binary.div and not compute.is_floating_point:
+        compute = torch.get_default_dtype()
+    if compute in _FLOATING and op in INT_ONLY_BINARY:
         raise Unsupported
-    _check_cast(result, out)
-    shape = O.broadcast(a, b)
-    if O.is_number(a):  # the kernel's first operand is a buffer
-        a = O.number_buffer(a, compute, device), 0
-    else:
-        a = O.operand(a, compute, shape, device)
-    bb, sb = O.operand(b, compute, shape, device)
-    return O.result(shape, compute, device, out, lambda o: K.binary(
-        op, o, a[0], bb, alpha, a_stride=a[1], b_stride=sb, stream=stream(device.index)))
+    _check_cast(compute, out)
+    (ab, sa), (bb, sb) = p.buffers(compute)
+    return O.result(p.shape, compute, p.device, out, lambda o: K.binary(
+        op, o, ab, bb, alpha, a_stride=sa, b_stride=sb, stream=stream(p.device.index)))
 
 
 def _binary_family(name: str, op: K.Binary) -> None:
@@ -118,20 +131,15 @@ def pow_inplace(a: torch.Tensor, b: Any) -> torch.Tensor:
 
 
 def _logical(op: K.Binary, a: Any, b: Any, out: torch.Tensor | None = None) -> torch.Tensor:
-    a, b = O.as_number(a), O.as_number(b)
-    device = O.device_of(a, b)
-    compute = torch.result_type(a, b)
-    if not O.supported(compute):
-        raise Unsupported
-    shape = O.broadcast(a, b)
-    ab, sa = O.operand(a, compute, shape, device)
-    bb, sb = O.operand(b, compute, shape, device)
-    tmp = torch.empty(shape, dtype=compute, device=device)
-    K.binary(op, view_of(tmp), ab, bb, a_stride=sa, b_stride=sb, stream=stream(device.index))
+    """The kernel's logical op in the promoted dtype (0 or 1), then converted to bool."""
+    p = _Pair(a, b)
+    (ab, sa), (bb, sb) = p.buffers(p.result)
+    tmp = torch.empty(p.shape, dtype=p.result, device=p.device)
+    K.binary(op, view_of(tmp), ab, bb, a_stride=sa, b_stride=sb, stream=stream(p.device.index))
     if out is None:
         return tmp.to(torch.bool)
-    if out.shape != shape:
-        out.resize_(shape)
+    if out.shape != p.shape:
+        out.resize_(p.shape)
     return out.copy_(tmp)
 
 
@@ -188,19 +196,10 @@ implements("lerp.Scalar_out", "lerp.Tensor_out")(lambda a, b, w, *, out: _lerp(a
 
 # ------------------------------------------------------------------------ compare
 def compare_op(op: K.Compare, a: Any, b: Any, out: torch.Tensor | None = None) -> torch.Tensor:
-    a, b = O.as_number(a), O.as_number(b)
-    device = O.device_of(a, b)
-    compute = torch.result_type(a, b)
-    if not O.supported(compute):
-        raise Unsupported
-    shape = O.broadcast(a, b)
-    if O.is_number(a):
-        a = O.number_buffer(a, compute, device), 0
-    else:
-        a = O.operand(a, compute, shape, device)
-    bb, sb = O.operand(b, compute, shape, device)
-    return O.result(shape, torch.bool, device, out, lambda o: K.compare(
-        op, o, a[0], bb, a_stride=a[1], b_stride=sb, stream=stream(device.index)))
+    p = _Pair(a, b)
+    (ab, sa), (bb, sb) = p.buffers(p.result)
+    return O.result(p.shape, torch.bool, p.device, out, lambda o: K.compare(
+        op, o, ab, bb, a_stride=sa, b_stride=sb, stream=stream(p.device.index)))
 
 
 for _name_, _op in (("eq", K.Compare.eq), ("ne", K.Compare.ne), ("lt", K.Compare.lt),
