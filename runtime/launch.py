@@ -14,6 +14,7 @@ import errno
 import functools
 import json
 import os
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -33,6 +34,10 @@ ARG_SLOTS = 256
 CONFIGS = 64
 #: numpy scalar type -> launch-ABI dtype code
 _SCALAR_CODES = {np.dtype(name).type: code for name, code in kernel_lang.DTYPE_CODES.items()}
+_FLOAT64_CODE = kernel_lang.DTYPE_CODES["float64"]
+_INT64_CODE = kernel_lang.DTYPE_CODES["int64"]
+_INT64_RANGE = (-(1 << 63), (1 << 63) - 1, (1 << 64) - 1)
+_F64, _F64_BITS = struct.Struct("<d"), struct.Struct("<Q")
 
 
 def _dims(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
@@ -63,14 +68,20 @@ class _Param(NamedTuple):
     #: scalars with a declared dtype: its numpy scalar type and launch-ABI code
     scalar_type: type | None
     code: int
+    #: declared integer scalars: the range a Python int must lie in to be packed directly,
+    #: and the mask of its width (the record holds the dtype's little-endian bytes)
+    int_range: tuple[int, int, int] | None
 
     @classmethod
     def of(cls, p: dict[str, Any]) -> _Param:
         want = p.get("dtype")
         scalar = p["kind"] != "buffer" and want is not None
+        ints = scalar and np.dtype(want).kind in "iu"
         return cls(p["name"], p["kind"] == "buffer", want, p.get("ndim"),
                    np.dtype(want).type if scalar else None,
-                   kernel_lang.DTYPE_CODES[want] if scalar else 0)
+                   kernel_lang.DTYPE_CODES[want] if scalar else 0,
+                   (int(np.iinfo(want).min), int(np.iinfo(want).max),
+                    (1 << np.iinfo(want).bits) - 1) if ints else None)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -213,6 +224,17 @@ class Kernel:
         if code is not None:
             bits = int.from_bytes(value.tobytes(), "little")
             return userq.ARG_RECORD.pack(userq.ARG_SCALAR, code, bits, 0)
+        # A Python int for an integer parameter (what a framework passes for sizes, strides
+        # and op codes): its two's-complement bits, without a numpy array per argument
+        # (~5 us each). Out of range goes on to numpy, which says so.
+        if type(value) is int:
+            (lo, hi, mask), code = (p.int_range, p.code) if p.int_range is not None else \
+                (_INT64_RANGE, _INT64_CODE) if p.dtype is None else ((1, 0, 0), 0)
+            if lo <= value <= hi:
+                return userq.ARG_RECORD.pack(userq.ARG_SCALAR, code, value & mask, 0)
+        if type(value) is float and p.dtype in (None, "float64"):
+            return userq.ARG_RECORD.pack(userq.ARG_SCALAR, _FLOAT64_CODE,
+                                         _F64_BITS.unpack(_F64.pack(value))[0], 0)
         if not isinstance(value, (int, float, bool, np.number, np.bool_)):
             raise errors.InvalidValueError(f"{self.name}: argument {p.name} must be a "
                                            f"number, got {type(value).__name__}")

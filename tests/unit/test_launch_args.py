@@ -1,0 +1,47 @@
+"""A launch's scalar records (runtime/launch.py): Python ints and floats take a direct
+packing path (the common case for a framework: sizes, strides, op codes), which must give
+exactly the bytes the numpy conversion gives, and leave every out-of-range value to it."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from abi import kernel_lang, userq
+from runtime import launch
+
+DTYPES = (None, "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8",
+          "bool", "float64", "float32")
+VALUES = (0, 1, -1, 127, -128, 255, 256, 2**31 - 1, -2**31, 2**32 - 1, 2**63 - 1, -2**63,
+          2**64 - 1, 2**64, 0.5, -3.25, 1e300, True, float("nan"), float("-inf"))
+
+
+class _Kernel:
+    name = "k"
+
+
+def _numpy_record(p: launch._Param, value: object) -> bytes:
+    """The record as numpy converts the value (the path every other argument takes)."""
+    dtype = np.dtype(p.dtype) if p.dtype else np.dtype(type(value))
+    bits = int.from_bytes(np.array(value, dtype).tobytes().ljust(8, b"\0"), "little")
+    return userq.ARG_RECORD.pack(userq.ARG_SCALAR, kernel_lang.DTYPE_CODES[dtype.name], bits, 0)
+
+
+def _outcome(fn, *args):  # noqa: ANN001, ANN202 - a record, or the exception's type
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # numpy's overflow warnings
+            return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the type is what is compared
+        return type(exc)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_python_scalars_pack_as_numpy_converts_them(dtype):
+    p = launch._Param.of({"name": "n", "kind": "scalar", "dtype": dtype})
+    differ = [(v, _outcome(_numpy_record, p, v), _outcome(launch.Kernel._scalar_arg, _Kernel, p, v))
+              for v in VALUES]
+    assert [d for d in differ if d[1] != d[2]] == []
