@@ -194,24 +194,25 @@ def _sleep(cycles: int) -> None:
 # ------------------------------------------------------------------------------ memory
 def memory_stats(dev: Any = None) -> OrderedDict[str, Any]:
     """torch.accelerator's answer, so both name the same keys (torch adds the oversize
-    counters the runtime's allocator has no pool for) with the same values."""
+    counters the runtime's allocator has no pool for) with the same values; empty, and
+    initialising nothing, before the device is initialised (as torch.cuda's)."""
     return torch.accelerator.memory_stats(_index(dev))
 
 
 def memory_allocated(dev: Any = None) -> int:
-    return memory_stats(dev)["allocated_bytes.all.current"]
+    return memory_stats(dev).get("allocated_bytes.all.current", 0)
 
 
 def max_memory_allocated(dev: Any = None) -> int:
-    return memory_stats(dev)["allocated_bytes.all.peak"]
+    return memory_stats(dev).get("allocated_bytes.all.peak", 0)
 
 
 def memory_reserved(dev: Any = None) -> int:
-    return memory_stats(dev)["reserved_bytes.all.current"]
+    return memory_stats(dev).get("reserved_bytes.all.current", 0)
 
 
 def max_memory_reserved(dev: Any = None) -> int:
-    return memory_stats(dev)["reserved_bytes.all.peak"]
+    return memory_stats(dev).get("reserved_bytes.all.peak", 0)
 
 
 def reset_peak_memory_stats(dev: Any = None) -> None:

@@ -15,6 +15,8 @@ MiB = 1 << 20
 def test_statistics_move_with_tensors_under_torchs_names(torch_run):
     lines = torch_run("""
         acc, MiB = torch.accelerator, 1 << 20
+        print(dict(acc.memory_stats()), torch.accel.memory_allocated(), torch.accel.max_memory_reserved(),
+              torch.accel.is_initialized())        # nothing to report, nothing initialised
         base = acc.memory_allocated()
         x = torch.empty(8 * MiB, dtype=torch.uint8, device="accel")
         print(acc.memory_allocated() - base, acc.memory_reserved() >= acc.memory_allocated(),
@@ -40,7 +42,7 @@ def test_statistics_move_with_tensors_under_torchs_names(torch_run):
         print(acc.memory_allocated() == base, acc.memory_allocated(1) >= MiB,
               torch.accel.memory_allocated("accel:1") == acc.memory_allocated(1))
     """)
-    assert lines == [f"{8 * MiB} True True", "True []", "True True", f"{256 * MiB} True",
+    assert lines == ["{} 0 0 False", f"{8 * MiB} True True", "True []", "True True", f"{256 * MiB} True",
                      "True True", "True True", "True True", "True True", "True True True"]
 
 
