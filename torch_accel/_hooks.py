@@ -81,11 +81,10 @@ def set_device(index: int) -> None:
     if index < 0:
         return  # torch's "no device": leave the current one
     lazy_init()
-    count = discovery.device_count()
-    if index >= count:
-        raise RuntimeError(f"accel: invalid device ordinal {index}: the device index is out of "
-                           f"range ({count} device(s) visible)")
-    runtime.set_device(index)
+    try:
+        runtime.set_device(index)
+    except runtime.InvalidValueError as exc:  # the runtime's only refusal: no such index
+        raise RuntimeError(f"accel: {exc} (the device index is out of range)") from None
 
 
 def exchange_device(index: int) -> int:

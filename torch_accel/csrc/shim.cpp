@@ -4,7 +4,7 @@
 // interfaces to calls of that module's functions, with the GIL taken for each. A Python
 // exception raised there travels back as itself (torch's bindings restore
 // py::error_already_set), so a device OOM is torch.OutOfMemoryError and a use after
-// fork is the runtime's UseAfterForkError, not a generic RuntimeError.
+// fork is torch's "Cannot re-initialize accel in forked subprocess" RuntimeError.
 //
 //   * DeviceGuardImpl: current device, streams (ids: 0 the default stream, others made by
 //     Python), events (handles are Python event ids), synchronisation, elapsed time.
@@ -14,6 +14,8 @@
 //   * a Philox-style counter generator (seed, offset), read by the random kernels.
 //   * the metadata-only tensor kernels (empty, views, set_, resize_): torch implements them
 //     only in C++, per device.
+//   * record_stream and CPU/accel shallow copies (``x.data = y``), which need the block or
+//     the dispatch keys; autocast's fallthrough and casting lists.
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
@@ -469,9 +471,9 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 
 // Autocast (torch.autocast(device_type="accel")): torch registers nothing for the
 // AutocastPrivateUse1 key, not even the fallthrough, so without these every operator run
-// under autocast fails. Every operator passes through except torch.cuda's lists below:
-// matrix products in the autocast dtype (the matrix unit's fast path), reductions and
-// losses in float32.
+// under autocast fails. Every operator passes through except those below, from torch.cuda's
+// lists (dot as OpenReg does): matrix products in the autocast dtype (the matrix unit's
+// fast path), reductions and losses in float32.
 TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFallthrough());
 }
