@@ -75,10 +75,16 @@ def current_device() -> int:
 
 
 def set_device(index: int) -> None:
+    """torch's device guard and ``torch.accel.set_device``: an index out of range is
+    torch's RuntimeError (as torch.cuda's "invalid device ordinal"), not the runtime's
+    ValueError, so ``torch.empty(1, device="accel:9")`` fails as it would on CUDA."""
     if index < 0:
         return  # torch's "no device": leave the current one
     lazy_init()
-    runtime.set_device(index)
+    try:
+        runtime.set_device(index)
+    except runtime.InvalidValueError as exc:  # the runtime's only refusal: no such index
+        raise RuntimeError(f"accel: {exc} (the device index is out of range)") from None
 
 
 def exchange_device(index: int) -> int:
@@ -200,6 +206,13 @@ def event_synchronize(eid: int) -> None:
 
 
 def event_elapsed(start: int, end: int) -> float:
+    """Milliseconds between two events: the shim's, after torch checked them, and
+    ``torch.accel.Event.elapsed_time``'s, which torch never checked (so both checks are
+    here too, with torch's messages and exception types)."""
+    if not start or not end:
+        raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+    if not (_events[start].enable_timing and _events[end].enable_timing):
+        raise ValueError("Both events must be created with argument 'enable_timing=True'.")
     try:
         return _events[start].elapsed_time(_events[end])
     except runtime.InvalidValueError as exc:

@@ -20,8 +20,9 @@ from torch_accel._hooks import device_count, is_available, is_initialized
 
 __all__ = [
     "Event", "Stream", "current_device", "current_stream", "default_stream", "device",
-    "device_count", "device_of", "empty_cache", "get_device_capability", "get_device_name",
-    "get_device_properties", "get_rng_state", "get_rng_state_all", "init", "initial_seed",
+    "device_count", "device_of", "empty_cache", "get_amp_supported_dtype",
+    "get_device_capability", "get_device_name", "get_device_properties", "get_rng_state",
+    "get_rng_state_all", "init", "initial_seed",
     "is_available", "is_initialized", "manual_seed", "manual_seed_all", "max_memory_allocated",
     "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_reserved",
     "memory_stats", "reset_peak_memory_stats", "seed", "seed_all", "set_device",
@@ -137,6 +138,12 @@ class Event(torch.Event):
         return super().__new__(cls, device="accel", enable_timing=enable_timing,
                                blocking=blocking, interprocess=interprocess)
 
+    def elapsed_time(self, end_event: torch.Event) -> float:
+        """Milliseconds from this event to ``end_event`` (both recorded, both timing).
+        torch's binding accepts only an exact torch.Event as ``end_event``, so a subclass
+        would be refused there: the two are measured by the ids torch keeps for them."""
+        return _hooks.event_elapsed(self.event_id, end_event.event_id)
+
 
 def current_stream(dev: Any = None) -> Stream:
     idx = _index(dev)
@@ -186,23 +193,26 @@ def _sleep(cycles: int) -> None:
 
 # ------------------------------------------------------------------------------ memory
 def memory_stats(dev: Any = None) -> OrderedDict[str, Any]:
-    return OrderedDict(sorted(_hooks.memory_stats(_index(dev)).items()))
+    """torch.accelerator's answer, so both name the same keys (torch adds the oversize
+    counters the runtime's allocator has no pool for) with the same values; empty, and
+    initialising nothing, before the device is initialised (as torch.cuda's)."""
+    return torch.accelerator.memory_stats(_index(dev))
 
 
 def memory_allocated(dev: Any = None) -> int:
-    return memory_stats(dev)["allocated_bytes.all.current"]
+    return memory_stats(dev).get("allocated_bytes.all.current", 0)
 
 
 def max_memory_allocated(dev: Any = None) -> int:
-    return memory_stats(dev)["allocated_bytes.all.peak"]
+    return memory_stats(dev).get("allocated_bytes.all.peak", 0)
 
 
 def memory_reserved(dev: Any = None) -> int:
-    return memory_stats(dev)["reserved_bytes.all.current"]
+    return memory_stats(dev).get("reserved_bytes.all.current", 0)
 
 
 def max_memory_reserved(dev: Any = None) -> int:
-    return memory_stats(dev)["reserved_bytes.all.peak"]
+    return memory_stats(dev).get("reserved_bytes.all.peak", 0)
 
 
 def reset_peak_memory_stats(dev: Any = None) -> None:
@@ -215,6 +225,13 @@ def empty_cache() -> None:
 
 def mem_get_info(dev: Any = None) -> tuple[int, int]:
     return _hooks.mem_get_info(_index(dev))
+
+
+# ---------------------------------------------------------------------------- autocast
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """The dtypes ``torch.autocast(device_type="accel", dtype=...)`` accepts (torch asks the
+    device module): the matrix unit's 16-bit inputs. float16 is the default."""
+    return [torch.float16, torch.bfloat16]
 
 
 # ---------------------------------------------------------------------- random numbers

@@ -97,3 +97,28 @@ def test_resize_and_untyped_storage(torch_run):
         print(t.cpu().tolist())
     """)
     assert lines == ["torch.Size([10]) [0.0, 1.0, 2.0, 3.0]", "accel:0 64", "[2.0, 3.0]"]
+
+
+def test_pinned_storages_location_tags_and_restore_locations(torch_run):
+    """Pinned host storages stay pinned through slices and rewrapping; storages carry
+    their device as serialisation's location tag, and a tag restores onto that device."""
+    lines = torch_run("""
+        import warnings
+        warnings.simplefilter("ignore")  # TypedStorage's deprecation
+        pinned = torch.arange(10.0).pin_memory()
+        rewrapped = torch.tensor((), dtype=torch.float32).set_(
+            pinned.untyped_storage()[8:], size=(5,), stride=(1,), storage_offset=0)
+        print(pinned[2:5].is_pinned(), rewrapped.is_pinned(), rewrapped.data_ptr() != pinned.data_ptr(),
+              rewrapped.equal(pinned[2:7]))
+        for s in (torch.randn(10).storage(), torch.randn(10).untyped_storage()):
+            print(s.is_pinned("accel"), s.pin_memory("accel").is_pinned("accel"))
+        tag = torch.serialization.location_tag
+        print(tag(torch.UntypedStorage(4, device="accel")), tag(torch.UntypedStorage(4, device="accel:1")),
+              tag(torch.empty(2, device="accel:1").storage()))
+        cpu = torch.arange(4.0).storage()
+        for where in ("accel:0", "accel:1"):
+            restored = torch.serialization.default_restore_location(cpu, where)
+            print(restored.is_accel, restored.device, restored.cpu().tolist())
+    """)
+    assert lines == ["True True True True", "False True", "False True", "accel:0 accel:1 accel:1",
+                     "True accel:0 [0.0, 1.0, 2.0, 3.0]", "True accel:1 [0.0, 1.0, 2.0, 3.0]"]

@@ -4,7 +4,7 @@
 // interfaces to calls of that module's functions, with the GIL taken for each. A Python
 // exception raised there travels back as itself (torch's bindings restore
 // py::error_already_set), so a device OOM is torch.OutOfMemoryError and a use after
-// fork is the runtime's UseAfterForkError, not a generic RuntimeError.
+// fork is torch's "Cannot re-initialize accel in forked subprocess" RuntimeError.
 //
 //   * DeviceGuardImpl: current device, streams (ids: 0 the default stream, others made by
 //     Python), events (handles are Python event ids), synchronisation, elapsed time.
@@ -14,8 +14,11 @@
 //   * a Philox-style counter generator (seed, offset), read by the random kernels.
 //   * the metadata-only tensor kernels (empty, views, set_, resize_): torch implements them
 //     only in C++, per device.
+//   * record_stream and CPU/accel shallow copies (``x.data = y``), which need the block or
+//     the dispatch keys; autocast's fallthrough and casting lists.
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/GeneratorForPrivateuseone.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/Resize.h>
@@ -61,11 +64,15 @@ R call(const char* name, Args&&... args) {
   }
 }
 
-// Calls from noexcept and destructor paths: an error is printed, never thrown.
+// Calls from noexcept and destructor paths: an error is printed, never thrown. They run
+// while Python unwinds too (a failed operator's temporary tensors are freed with its
+// exception pending): the pending exception is set aside for the call and put back after,
+// or the call would consume it and Python would see "error return without exception set".
 template <typename... Args>
 void call_quietly(const char* name, Args&&... args) noexcept {
   if (g_hooks == nullptr || !python_alive()) return;
   py::gil_scoped_acquire gil;
+  py::error_scope pending;
   try {
     g_hooks->attr(name)(std::forward<Args>(args)...);
   } catch (py::error_already_set& e) {
@@ -431,7 +438,27 @@ const at::Tensor& resize(const at::Tensor& self, c10::SymIntArrayRef sym_size,
   return self;
 }
 
+// Tensor.record_stream: the storage's block is not handed out again after it is freed
+// until the work queued on ``s`` so far is done (the CPU fallback cannot do this: the
+// block lives on the device).
+void record_stream(at::Tensor& self, c10::Stream s) {
+  TORCH_CHECK(s.device() == self.device(), "record_stream: the stream is on ", s.device(),
+              " but the tensor is on ", self.device());
+  g_allocator.recordStream(self.storage().data_ptr(), s);
+}
+
+// torch.cuda's rule: CPU and device dense tensors may take each other's data
+// (``cpu_tensor.data = accel_tensor``); TensorImpl's built-in list omits PrivateUse1.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto dense = [](const at::Tensor& t) {
+    return t.layout() == c10::kStrided && (t.is_cpu() || t.device().type() == kAccel);
+  };
+  return self.key_set() == from.key_set() || (dense(self) && dense(from));
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
+  m.impl("record_stream", record_stream);
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
   m.impl("as_strided", at::native::as_strided_tensorimpl);
@@ -440,6 +467,30 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage", set_source_storage);
   m.impl("set_.source_Storage_storage_offset", set_source_storage_offset);
   m.impl("resize_", resize);
+}
+
+// Autocast (torch.autocast(device_type="accel")): torch registers nothing for the
+// AutocastPrivateUse1 key, not even the fallthrough, so without these every operator run
+// under autocast fails. Every operator passes through except those below, from torch.cuda's
+// lists (dot as OpenReg does): matrix products in the autocast dtype (the matrix unit's
+// fast path), reductions and losses in float32.
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+  KERNEL_PRIVATEUSEONE(mm, lower_precision_fp)
+  KERNEL_PRIVATEUSEONE(bmm, lower_precision_fp)
+  KERNEL_PRIVATEUSEONE(addmm, lower_precision_fp)
+  KERNEL_PRIVATEUSEONE(baddbmm, lower_precision_fp)
+  KERNEL_PRIVATEUSEONE(matmul, lower_precision_fp)
+  KERNEL_PRIVATEUSEONE(linear, lower_precision_fp)
+  KERNEL_PRIVATEUSEONE(dot, fp32)
+  KERNEL_PRIVATEUSEONE(mse_loss, fp32)
+  KERNEL_PRIVATEUSEONE(nll_loss, fp32)
+  KERNEL_PRIVATEUSEONE(softmax, int, fp32)
+  KERNEL_PRIVATEUSEONE(log_softmax, int, fp32)
+  KERNEL_PRIVATEUSEONE(cumsum, fp32)
 }
 
 std::once_flag g_registered;

@@ -1,0 +1,51 @@
+"""Autocast on accel (OpenReg's test_autocast): torch.autocast(device_type="accel") takes
+the dtypes torch.accel.get_amp_supported_dtype names (float16 by default), runs matrix
+products in that dtype and reductions/losses in float32, passes every other operator
+through, and refuses float32 with torch's warning."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_autocast_casts_by_torch_cudas_lists(torch_run):
+    lines = torch_run("""
+        print(torch.get_autocast_dtype("accel"), torch.accel.get_amp_supported_dtype())
+        a, b = torch.randn(2, 3, device="accel"), torch.randn(3, 3, device="accel")
+        h = torch.randn(4, device="accel", dtype=torch.half)
+        with torch.autocast(device_type="accel"):
+            print(torch.is_autocast_enabled("accel"), torch.mm(a, b).dtype, (a @ b).dtype,
+                  (a + 1).dtype, torch.dot(h, h).dtype, torch.softmax(h, 0).dtype)
+            with torch.autocast(device_type="accel", enabled=False):
+                print(torch.mm(a, b).dtype)
+        with torch.amp.autocast(device_type="accel", dtype=torch.bfloat16):
+            lin = torch.nn.Linear(3, 2).accel()
+            out = lin(a)
+            print(out.dtype, torch.bmm(a[None], b[None]).dtype)
+        out.float().sum().backward()
+        print(lin.weight.grad.dtype, lin.weight.grad.device, torch.is_autocast_enabled("accel"))
+        ref = torch.mm(a.cpu().half().float(), b.cpu().half().float())
+        with torch.autocast(device_type="accel"):
+            print(torch.allclose(torch.mm(a, b).float().cpu(), ref, atol=1e-2))
+    """)
+    assert lines == ["torch.float16 [torch.float16, torch.bfloat16]",
+                     "True torch.float16 torch.float16 torch.float32 torch.float32 torch.float32",
+                     "torch.float32", "torch.bfloat16 torch.bfloat16",
+                     "torch.float32 accel:0 False", "True"]
+
+
+def test_unsupported_dtype_warns_and_disables_autocast(torch_run):
+    lines = torch_run("""
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.autocast(device_type="accel", dtype=torch.float32):
+                print(torch.is_autocast_enabled("accel"),
+                      torch.mm(torch.ones(2, 2, device="accel"), torch.ones(2, 2, device="accel")).dtype)
+        print([(w.category.__name__, str(w.message)) for w in caught])
+    """)
+    assert lines == ["False torch.float32", str([(
+        "UserWarning", "In accel autocast, but the target dtype is not supported. Disabling "
+        "autocast.\naccel Autocast only supports dtypes of torch.float16, torch.bfloat16 currently.")])]

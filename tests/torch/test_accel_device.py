@@ -1,0 +1,117 @@
+"""Devices (OpenReg's test_device): discovery that initialises nothing, switching the
+current device through torch.accel, torch.accelerator and device guards, a current device
+per thread, capability and properties, and errors that leave the device usable."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_discovery_initialises_nothing_so_a_fork_after_it_is_fine(torch_run):
+    """is_available and device_count read the device tree only (torch.cuda's rule): the
+    process stays uninitialised, and a child forked then owns its device state."""
+    lines = torch_run("""
+        print(torch.accel.is_available(), torch.accel.device_count(),
+              torch.accelerator.is_available(), torch.accelerator.device_count(),
+              torch.accelerator.current_accelerator())
+        print(torch.accel.is_initialized())
+        pid = os.fork()
+        if pid == 0:
+            ok = torch.ones(3, device="accel").sum().item() == 3 and torch.accel.is_initialized()
+            os._exit(0 if ok else 1)
+        print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), torch.accel.is_initialized())
+        torch.accel.init()
+        print(torch.accel.is_initialized())
+    """)
+    assert lines == ["True 2 True 2 accel", "False", "0 False", "True"]
+
+
+def test_set_device_and_device_contexts_move_where_tensors_go(torch_run):
+    lines = torch_run("""
+        def where():
+            # a new tensor's device, torch.accelerator's and torch.accel's current device
+            return (torch.empty(1, device="accel").device.index,
+                    torch.accelerator.current_device_index(), torch.accel.current_device())
+        torch.accel.set_device(1); print(where())
+        torch.accelerator.set_device_index(0); print(where())
+        with torch.accel.device(1):
+            print(where())
+        print(where())
+        with torch.accelerator.device_index(1):
+            with torch.accelerator.device_index(None):  # None: stay where we are
+                print(where())
+        try:
+            with torch.accelerator.device_index(1), torch.accel.device("accel:0"):
+                raise KeyError
+        except KeyError:
+            print("restored", where())
+        with torch.accel.device_of(torch.ones(2, device="accel:1")):
+            print(where())
+        torch.accel.set_device(torch.device("accel:1")); print(where())
+    """)
+    assert lines == ["(1, 1, 1)", "(0, 0, 0)", "(1, 1, 1)", "(0, 0, 0)", "(1, 1, 1)",
+                     "restored (0, 0, 0)", "(1, 1, 1)", "(1, 1, 1)"]
+
+
+def test_bad_index_and_failed_operators_raise_and_leave_the_device_usable(torch_run):
+    """An index out of range is torch's RuntimeError; an operator's own error (shapes)
+    arrives as itself, also when its arguments are temporaries freed while it unwinds."""
+    lines = torch_run("""
+        for bad in (lambda: torch.accelerator.set_device_index(2), lambda: torch.accel.set_device(2),
+                    lambda: torch.empty(1, device="accel:2")):
+            try:
+                bad()
+            except RuntimeError as e:
+                print(type(e).__name__, "the device index is out of range" in str(e))
+        try:
+            torch.matmul(torch.ones(5, 5, device="accel"), torch.ones(3, 3, device="accel"))
+        except RuntimeError as e:
+            print(type(e).__name__, e)
+        print(torch.accelerator.current_device_index(),
+              (torch.ones(2, 2, device="accel") @ torch.ones(2, 2, device="accel")).sum().item())
+    """)
+    assert lines == ["RuntimeError True"] * 3 + [
+        "RuntimeError mat1 and mat2 shapes cannot be multiplied (5x5 and 3x3)", "0 8.0"]
+
+
+def test_current_device_is_per_thread(torch_run):
+    """A thread starts on device 0 whatever another thread chose; set_device in one thread
+    never moves another, even while they interleave."""
+    lines = torch_run("""
+        import threading
+        torch.accel.set_device(1)
+        barrier, seen = threading.Barrier(4), {}
+        def worker(n):
+            start = torch.accel.current_device()
+            barrier.wait()
+            torch.accelerator.set_device_index(n % 2)
+            moved = 0
+            for _ in range(10):
+                x = torch.ones(4, device="accel")
+                moved += x.device.index != n % 2 or torch.accel.current_device() != n % 2
+            seen[n] = (start, x.device.index, moved)
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        print(sorted(seen.items()), torch.accel.current_device())
+    """)
+    assert lines == ["[(0, (0, 0, 0)), (1, (0, 1, 0)), (2, (0, 0, 0)), (3, (0, 1, 0))] 1"]
+
+
+def test_capability_and_properties(torch_run):
+    lines = torch_run("""
+        cap = torch.accelerator.get_device_capability("accel:0")
+        dtypes = cap["supported_dtypes"]
+        print(type(dtypes).__name__, {torch.float32, torch.float16, torch.bfloat16, torch.float64,
+              torch.int64, torch.int8, torch.uint8, torch.bool} <= dtypes,
+              torch.complex64 in dtypes, cap == torch.accelerator.get_device_capability("accel:1"))
+        props = torch.accel.get_device_properties("accel:1")
+        print(props.total_memory, torch.accel.get_device_name(1) == props.name,
+              torch.accel.get_device_capability())
+        print(torch.accel.is_initialized())
+    """)
+    assert lines == ["set True False True", f"{256 << 20} True (1, 0)", "True"]
