@@ -10,6 +10,7 @@ hash, so a changed shim or another torch rebuilds instead of loading a stale lib
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -31,12 +32,20 @@ def build_dir() -> Path:
 def load(verbose: bool = False) -> ModuleType:
     """The built shim (building it first when this source and torch have none yet)."""
     where = build_dir()
-    if not where.exists():  # a new source or torch: the older builds are stale
-        for old in where.parent.glob("torch-*"):
-            shutil.rmtree(old, ignore_errors=True)
-    where.mkdir(parents=True, exist_ok=True)
+    where.parent.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
-    return cpp_extension.load(name="torch_accel_C", sources=[str(p) for p in SOURCES],
-                              build_directory=str(where), extra_cflags=["-O2"],
-                              verbose=verbose)
+    # One builder at a time under a lock the kernel drops when its holder dies: torch's
+    # own baton is a plain file, which a build killed midway (a test's timeout) leaves
+    # behind, and every later import would wait on it forever. Holding ours, any baton
+    # there is such a leftover.
+    with open(where.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not where.exists():  # a new source or torch: the older builds are stale
+            for old in where.parent.glob("torch-*"):
+                shutil.rmtree(old, ignore_errors=True)
+        where.mkdir(exist_ok=True)
+        (where / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(name="torch_accel_C", sources=[str(p) for p in SOURCES],
+                                  build_directory=str(where), extra_cflags=["-O2"],
+                                  verbose=verbose)
 

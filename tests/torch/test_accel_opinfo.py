@@ -1,7 +1,8 @@
 """Operator correctness against torch's CPU kernels with torch's own OpInfo database:
 every sample input of every natively implemented operator (``torch_accel.ops``) gives the
 CPU result within torch's default tolerance for the dtype (``torch.testing.assert_close``),
-NaNs where the CPU has them. One process per group: the samples of a group share one
+NaNs where the CPU has them; for operators that sum many terms (``SUMMING``) the absolute
+tolerance scales with the result's largest magnitude. One process per group: the samples of a group share one
 interpreter (and its compiled kernels).
 
 Each group also names the operators it may leave to the CPU fallback (overloads that have
@@ -25,12 +26,23 @@ INTEGER = ("add sub mul div remainder floor_divide maximum minimum bitwise_and b
            "argmin max min any all cat stack index_select")
 REDUCE_NN = ("sum mean prod amax amin argmax argmin max min any all mm bmm addmm "
              "nn.functional.linear matmul softmax log_softmax nn.functional.cross_entropy "
-             "nn.functional.nll_loss nn.functional.embedding index_select cat stack")
+             "nn.functional.nll_loss nn.functional.mse_loss nn.functional.embedding "
+             "index_select cat stack")
+
+#: operators whose float results sum many terms: their absolute tolerance scales with
+#: the largest result (a sum of products of values ~10 in another order than the CPU's
+#: differs by ~1e-5 in float32: matmul's samples reach 213 with an error of 3e-5)
+SUMMING = {"sum", "mean", "prod", "mm", "bmm", "addmm", "matmul", "nn.functional.linear",
+           "nn.functional.cross_entropy", "nn.functional.nll_loss", "nn.functional.mse_loss"}
 
 GROUPS = {
     "elementwise-float32": (ELEMENTWISE, "float32", {"aten::round.decimals_out", "aten::clamp.Tensor_out"}),
     "integer-int64": (INTEGER, "int64", {"aten::clamp.Tensor_out", "aten::index_select", "aten::cat"}),
-    "reduce-nn-float32": (REDUCE_NN, "float32", {"aten::cat", "aten::index_select"}),
+    # class weights, 2-D targets and max_norm have no device kernel
+    "reduce-nn-float32": (REDUCE_NN, "float32", {"aten::cat", "aten::index_select",
+                                                 "aten::nll_loss_forward",
+                                                 "aten::nll_loss2d_forward",
+                                                 "aten::embedding_renorm_"}),
 }
 
 SCRIPT = """
@@ -38,6 +50,7 @@ import collections
 from torch.testing._internal.common_methods_invocations import op_db
 from torch.utils._pytree import tree_map
 names, dtype = {names!r}.split(), getattr(torch, {dtype!r})
+SUMMING = {summing!r}
 by = collections.defaultdict(list)
 for o in op_db:
     by[o.name].append(o)
@@ -55,7 +68,12 @@ for name in names:
             d = s.transform(to_accel)
             try:
                 got = tree_map(to_cpu, info(d.input, *d.args, **d.kwargs))
-                torch.testing.assert_close(got, ref, equal_nan=True, check_device=False)
+                tol = {{}}
+                if name in SUMMING and dtype.is_floating_point:  # error grows with the terms
+                    big = max((t.abs().max().item() for t in torch.utils._pytree.tree_leaves(ref)
+                               if isinstance(t, torch.Tensor) and t.numel()), default=1.0)
+                    tol = dict(rtol=1.3e-6, atol=1e-5 * max(1.0, big))
+                torch.testing.assert_close(got, ref, equal_nan=True, check_device=False, **tol)
             except Exception as e:
                 bad.append(f"{{name}}.{{info.variant_test_name}}[{{i}}]: {{str(e).splitlines()[0]}}")
 print(counted >= len(names))  # every operator had samples
@@ -67,6 +85,6 @@ print(sorted(torch_accel.fallback_counts))
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_native_operators_match_cpu_on_every_opinfo_sample(torch_run, group):
     names, dtype, allowed = GROUPS[group]
-    lines = torch_run(SCRIPT.format(names=names, dtype=dtype), timeout=580)
+    lines = torch_run(SCRIPT.format(names=names, dtype=dtype, summing=SUMMING), timeout=580)
     assert lines[:2] == ["True", "[]"]
     assert set(eval(lines[2])) <= allowed  # noqa: S307 - our own subprocess's list

@@ -46,6 +46,10 @@ def test_copies_host_device_peer_any_strides_and_dtypes(torch_run):
             "host strided": x.t().to("accel").cpu().equal(x.t()),
             "item": d[2, 3].item() == 15.0,
             "clone": d.clone().cpu().equal(x),
+            "item of [1, 1]": torch.ones(1, 1, device="accel").item() == 1.0,
+            # a copy to the host is an ordinary CPU tensor: its storage can still grow
+            "host copy resizable": d.cpu().resize_(100).shape == (100,),
+            "copy_ into resizable": torch.empty(4, 6).copy_(d).resize_(50).numel() == 50,
         }
         print([k for k, ok in checks.items() if not ok])
         print(d.to("accel:1").device, torch.empty(2, device="accel:1").device)

@@ -10,6 +10,8 @@ the host returns once the data has arrived and one to the device once it is stag
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -23,11 +25,17 @@ lib = torch.library.Library("aten", "IMPL", "PrivateUse1")
 
 def _host_array(t: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor's bytes as numpy, a pinned array when torch pinned them
-    (so the copy engines reach them without staging)."""
-    pinned = _hooks.pinned_at(t.data_ptr()) if t.numel() else None
+    (so the copy engines reach them without staging). Not ``Tensor.numpy()``: that marks
+    the storage as shared with numpy for good, and a user's tensor could never be resized
+    again (``out=`` operators resize theirs). The caller holds ``t`` while the bytes are
+    in use."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    pinned = _hooks.pinned_at(t.data_ptr())
     if pinned is not None:
-        return pinned[:t.numel() * t.element_size()]
-    return t.view(torch.uint8).numpy() if t.dim() else t.reshape(1).view(torch.uint8).numpy()
+        return pinned[:nbytes]
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(t.data_ptr()))
 
 
 #: same-size integer types, to move the bits of dtypes the kernels have no type for
@@ -122,7 +130,8 @@ def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 
 
 def _local_scalar_dense(t: torch.Tensor):  # noqa: ANN202 - a Python number of t's kind
-    return _copy_from(t, torch.empty((), dtype=t.dtype)).item()
+    """``t.item()`` of any one-element tensor (``[1, 1]`` as well as 0-d)."""
+    return _copy_from(t.reshape(()), torch.empty((), dtype=t.dtype)).item()
 
 
 lib.impl("_copy_from", _copy_from)

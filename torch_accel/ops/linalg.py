@@ -1,5 +1,5 @@
-"""Matrix products on the device's matrix unit: ``mm``, ``addmm``, ``bmm`` (``linear`` and
-``matmul`` decompose into them). float32 and float64; operands are made contiguous first
+"""Matrix products on the device's matrix unit: ``mm``, ``addmm``, ``bmm``, and ``mv``,
+``addmv`` and ``dot`` as thin tiles (``linear`` and ``matmul`` decompose into them). float32 and float64; operands are made contiguous first
 (a transposed weight is copied once per call, as the unit reads row-major tiles); other
 dtypes run on the CPU."""
 
@@ -87,3 +87,30 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @implements("bmm.out")
 def bmm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
     return _into(out, bmm(a, b))
+
+
+@implements("mv")
+def mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A matrix-vector product is an ``[m, k] @ [k, 1]`` tile on the unit."""
+    _check(a.dim() == 2 and v.dim() == 1 and a.shape[1] == v.shape[0])
+    return mm(a, v.reshape(-1, 1)).reshape(-1)
+
+
+@implements("addmv")
+def addmv(bias: torch.Tensor, a: torch.Tensor, v: torch.Tensor, *, beta: Any = 1,
+          alpha: Any = 1) -> torch.Tensor:
+    _check(a.dim() == 2 and v.dim() == 1 and a.shape[1] == v.shape[0] and bias.dim() <= 1)
+    column = bias.reshape(-1, 1) if bias.dim() == 1 else bias
+    return addmm(column, a, v.reshape(-1, 1), beta=beta, alpha=alpha).reshape(-1)
+
+
+@implements("addmv.out")
+def addmv_out(bias: torch.Tensor, a: torch.Tensor, v: torch.Tensor, *, beta: Any = 1,
+              alpha: Any = 1, out: torch.Tensor) -> torch.Tensor:
+    return _into(out, addmv(bias, a, v, beta=beta, alpha=alpha))
+
+
+@implements("dot")
+def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    _check(a.dim() == 1 and b.dim() == 1 and a.shape == b.shape)
+    return mm(a.reshape(1, -1), b.reshape(-1, 1)).reshape(())

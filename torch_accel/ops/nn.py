@@ -1,5 +1,5 @@
 """Neural-network operators and their backwards: softmax and log_softmax, activation
-backwards, ``nll_loss`` (so ``cross_entropy``), ``embedding`` (``index_select`` on rows)
+backwards, ``nll_loss`` (so ``cross_entropy``), ``mse_loss``, ``embedding`` (``index_select`` on rows)
 and its dense backward. Each reduces over rows of a contiguous ``[rows, n]`` layout, with
 the softmax dimension moved last first."""
 
@@ -14,6 +14,8 @@ from torch_accel.ops import _operands as O
 from torch_accel.ops._register import Unsupported, implements
 from torch_accel.ops._tensors import stream, view_of
 from torch_accel.ops.copy import contiguous_on_device
+from torch_accel.ops.elementwise import binary_op
+from torch_accel.ops.reduce import mean, sum_
 
 _FLOAT = (torch.float32, torch.float64)
 
@@ -152,3 +154,24 @@ def embedding_dense_backward(grad: torch.Tensor, indices: torch.Tensor, num_weig
     K.index_add_rows(view_of(out), view_of(idx), view_of(src), idx.numel(), row,
                      stream=stream(grad.device.index))
     return out
+
+
+@implements("mse_loss")
+def mse_loss(x: torch.Tensor, target: torch.Tensor, reduction: int = 1) -> torch.Tensor:
+    """``(x - target) ** 2``, then none/mean/sum (torch's reduction enum 0/1/2)."""
+    if x.dtype not in _FLOAT or target.dtype != x.dtype:
+        raise Unsupported
+    diff = binary_op(K.Binary.sub, x, target)
+    sq = binary_op(K.Binary.mul, diff, diff)
+    return sq if reduction == 0 else mean(sq) if reduction == 1 else sum_(sq)
+
+
+@implements("mse_loss_backward")
+def mse_loss_backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor,
+                      reduction: int) -> torch.Tensor:
+    """``2 (x - target) grad``, divided by the element count for mean."""
+    if x.dtype not in _FLOAT or target.dtype != x.dtype:
+        raise Unsupported
+    scale = 2.0 / max(math.prod(O.broadcast(x, target)), 1) if reduction == 1 else 2.0
+    diff = binary_op(K.Binary.sub, x, target)
+    return binary_op(K.Binary.mul, binary_op(K.Binary.mul, diff, grad), scale)

@@ -1,0 +1,27 @@
+"""torch_accel's shim build (torch_accel/_build.py): a build killed midway leaves torch's
+baton file behind, and the next import must not wait on it forever."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stress.harness import REPO
+
+
+@pytest.mark.timeout(300)
+def test_a_leftover_build_baton_does_not_hang_the_next_import():
+    from torch_accel import _build  # noqa: PLC0415 - torch only for this test
+
+    where = _build.build_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "lock").write_text("")  # what a killed torch.utils.cpp_extension build leaves
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    out = subprocess.run([sys.executable, "-c", "import torch_accel; print(torch_accel._C.__name__)"],
+                         capture_output=True, text=True, env=env, timeout=240, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["torch_accel_C"]
+    assert not (where / "lock").exists()
