@@ -88,3 +88,27 @@ def test_native_operators_match_cpu_on_every_opinfo_sample(torch_run, group):
     lines = torch_run(SCRIPT.format(names=names, dtype=dtype, summing=SUMMING), timeout=580)
     assert lines[:2] == ["True", "[]"]
     assert set(eval(lines[2])) <= allowed  # noqa: S307 - our own subprocess's list
+
+
+def test_factories_match_cpu(torch_run):
+    """Factories that are device kernels (``arange``, ``full``/``zeros``/``ones`` as fills
+    and memsets) give the CPU's values, counts and dtypes, and leave nothing to the CPU."""
+    lines = torch_run("""
+        cases = [(0, 10, 1, torch.int64), (0, 1, 0.25, torch.float32), (-3, 7, 2, torch.int64),
+                 (5, 0, -1, torch.int64), (0.1, 1.3, 0.3, torch.float64), (0, 0, 1, torch.int64),
+                 (1, 2.5, 0.5, torch.float32), (0, 10, 3, torch.int32)]
+        bad = []
+        for start, end, step, dtype in cases:
+            ref = torch.arange(start, end, step, dtype=dtype)
+            got = torch.arange(start, end, step, dtype=dtype, device="accel").cpu()
+            try:
+                torch.testing.assert_close(got, ref)
+            except AssertionError as e:
+                bad.append((start, end, step, str(dtype), str(e).splitlines()[0]))
+        for make in (lambda d: torch.zeros(3, 4, device=d), lambda d: torch.ones(5, dtype=torch.int32, device=d),
+                     lambda d: torch.full((2, 2), -1.5, device=d), lambda d: torch.arange(6, device=d)):
+            if not torch.equal(make("accel").cpu(), make("cpu")):
+                bad.append(str(make("cpu")))
+        print(bad, dict(torch_accel.fallback_counts))
+    """)
+    assert lines == ["[] {}"]

@@ -70,3 +70,33 @@ def test_seeding_functions_reach_every_default_generator(torch_run):
     """)
     assert lines == ["[42, 42] 42", "[7, 42]", "[123, 123] 123", "5 5", "123", "[123, 5]", "123",
                      "True True", "True"]
+
+
+def test_device_sampling_is_reproducible_per_seed_and_state(torch_run):
+    """``rand``/``randn``/``bernoulli_``/dropout draw on the device from the counter-based
+    generator: the same seed (or a restored state) gives the same numbers, another seed
+    others, a draw moves the generator's offset by the counters it used, and the values
+    have the distribution asked for."""
+    lines = torch_run("""
+        import torch.nn.functional as F
+        def draws():
+            return [torch.rand(1000, device="accel").cpu(), torch.randn(777, dtype=torch.float64, device="accel").cpu(),
+                    torch.empty(500, device="accel").bernoulli_(0.25).cpu(),
+                    F.dropout(torch.ones(600, device="accel"), 0.5, training=True).cpu()]
+        torch.accel.manual_seed(7); a = draws()
+        torch.accel.manual_seed(7); b = draws()
+        torch.accel.manual_seed(8); c = draws()
+        print(all(torch.equal(x, y) for x, y in zip(a, b)), any(torch.equal(x, y) for x, y in zip(a, c)))
+        g = torch.accel.default_generator()
+        state = g.get_state(); first = torch.rand(64, device="accel").cpu()
+        print(g.get_offset() - int.from_bytes(bytes(state[8:].tolist()), "little"))  # 64 floats: 16 counters
+        g.set_state(state); print(torch.equal(torch.rand(64, device="accel").cpu(), first))
+        own = torch.Generator(device="accel").manual_seed(7)
+        print(torch.equal(torch.rand(1000, device="accel", generator=own).cpu(), a[0]))
+        u, n, m, d = (x.double() for x in a)
+        print(0 <= u.min().item() and u.max().item() < 1, abs(u.mean().item() - 0.5) < 0.05,
+              abs(n.mean().item()) < 0.15, abs(n.std().item() - 1) < 0.1,
+              abs(m.mean().item() - 0.25) < 0.06, set(d.unique().tolist()) == {0.0, 2.0})
+        print(dict(torch_accel.fallback_counts))
+    """)
+    assert lines == ["True False", "16", "True", "True", "True True True True True True", "{}"]

@@ -339,3 +339,22 @@ def fill_tensor(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 @implements("zero_")
 def zero_(x: torch.Tensor) -> torch.Tensor:
     return fill_(x, 0)
+
+
+@implements("arange.start_out")
+def arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> torch.Tensor:
+    """``start + i * step`` for i below torch's count ``ceil((end - start) / step)``,
+    computed in float64 (int64 for integer outputs) and stored, as torch's CPU kernel."""
+    if not O.supported(out.dtype) or out.dtype == torch.bool or step == 0:
+        raise Unsupported  # torch's own errors (a zero step, a bool range) from the CPU
+    if out.dtype.is_floating_point:
+        count = math.ceil((float(end) - float(start)) / float(step))
+    else:
+        count = -((int(start) - int(end)) // int(step))  # ceil division, exact in ints
+    if count < 0:
+        raise Unsupported
+    if out.numel() != count:
+        out.resize_(count)
+    return O.result(out.shape, out.dtype, out.device, out, lambda o: K.arange(
+        o, start, step, stream=stream(out.device.index)))
+
