@@ -80,5 +80,30 @@ def result(shape: torch.Size, dtype: torch.dtype, device: torch.device,
     return out
 
 
+def _type_name(dtype: torch.dtype) -> str:
+    """torch's name of a dtype in its messages ("Float", "Long")."""
+    return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long",
+            torch.int32: "Int", torch.bool: "Bool", torch.int16: "Short",
+            torch.int8: "Char", torch.uint8: "Byte"}.get(dtype, str(dtype))
+
+
+def check_cast(result: torch.dtype, out: torch.Tensor | None) -> None:
+    """torch's refusal of an in-place or ``out=`` result its dtype cannot hold."""
+    if out is not None and not torch.can_cast(result, out.dtype):
+        raise RuntimeError(f"result type {_type_name(result)} can't be cast to the desired "
+                           f"output type {_type_name(out.dtype)}")
+
+
+def into(out: torch.Tensor | None, res: torch.Tensor) -> torch.Tensor:
+    """A computed result given to an ``out=`` tensor (resized as torch's ``out=`` rule
+    says, converted to its dtype), or the result itself without one."""
+    if out is None:
+        return res
+    check_cast(res.dtype, out)
+    if out.shape != res.shape:
+        out.resize_(res.shape)
+    return out.copy_(res)
+
+
 def broadcast(*xs: Any) -> torch.Size:
     return torch.broadcast_shapes(*(x.shape for x in xs if isinstance(x, torch.Tensor)))

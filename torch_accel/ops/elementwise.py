@@ -23,18 +23,6 @@ from torch_accel.ops._tensors import stream, view_of
 _FLOATING = (torch.float32, torch.float64)
 
 
-def _check_cast(result: torch.dtype, out: torch.Tensor | None) -> None:
-    if out is not None and not torch.can_cast(result, out.dtype):
-        raise RuntimeError(f"result type {_name(result)} can't be cast to the desired output "
-                           f"type {_name(out.dtype)}")
-
-
-def _name(dtype: torch.dtype) -> str:
-    return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long",
-            torch.int32: "Int", torch.bool: "Bool", torch.int16: "Short",
-            torch.int8: "Char", torch.uint8: "Byte"}.get(dtype, str(dtype))
-
-
 # ------------------------------------------------------------------------ binary
 class _Pair:
     """Two inputs of an elementwise kernel after torch's rules: numbers for 0-d CPU
@@ -64,7 +52,7 @@ def binary_op(op: K.Binary, a: Any, b: Any, alpha: Any = 1,
         compute = torch.get_default_dtype()
     if compute in _FLOATING and op in INT_ONLY_BINARY:
         raise Unsupported
-    _check_cast(compute, out)
+    O.check_cast(compute, out)
     (ab, sa), (bb, sb) = p.buffers(compute)
     return O.result(p.shape, compute, p.device, out, lambda o: K.binary(
         op, o, ab, bb, alpha, a_stride=sa, b_stride=sb, stream=stream(p.device.index)))
@@ -151,19 +139,10 @@ for _name_, _op in (("logical_and", K.Binary.logical_and), ("logical_or", K.Bina
 
 
 # ---------------------------------------------- optimiser arithmetic (Adam, SGD ...)
-def _into(out: torch.Tensor | None, res: torch.Tensor) -> torch.Tensor:
-    if out is None:
-        return res
-    _check_cast(res.dtype, out)
-    if out.shape != res.shape:
-        out.resize_(res.shape)
-    return out.copy_(res)
-
-
 def _addc(op: K.Binary, x: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor, value: Any,
           out: torch.Tensor | None) -> torch.Tensor:
     """``x + value * (t1 OP t2)``: two launches."""
-    return _into(out, binary_op(K.Binary.add, x, binary_op(op, t1, t2), value))
+    return O.into(out, binary_op(K.Binary.add, x, binary_op(op, t1, t2), value))
 
 
 implements("addcmul")(lambda x, t1, t2, *, value=1: _addc(K.Binary.mul, x, t1, t2, value, None))
@@ -186,7 +165,7 @@ def _lerp(start: torch.Tensor, end: torch.Tensor, weight: Any,
     step = binary_op(K.Binary.sub, end, start)
     near_end = abs(weight) >= 0.5
     base, coeff = (end, weight - 1) if near_end else (start, weight)
-    return _into(out, binary_op(K.Binary.add, base, binary_op(K.Binary.mul, step, coeff)))
+    return O.into(out, binary_op(K.Binary.add, base, binary_op(K.Binary.mul, step, coeff)))
 
 
 implements("lerp.Scalar", "lerp.Tensor")(lambda a, b, w: _lerp(a, b, w, None))
@@ -219,7 +198,7 @@ def unary_op(op: K.Unary, x: torch.Tensor, p0: float = 0.0, p1: float = 0.0,
         compute = torch.get_default_dtype()
     if not O.supported(compute) or (compute == torch.bool and op != K.Unary.bitwise_not):
         raise Unsupported
-    _check_cast(compute, out)
+    O.check_cast(compute, out)
     xb, _ = O.operand(x, compute, x.shape, x.device)
     return O.result(x.shape, compute, x.device, out, lambda o: K.unary(
         op, o, xb, p0, p1, stream=stream(x.device.index)))

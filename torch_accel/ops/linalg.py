@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from torch_accel import kernels as K
+from torch_accel.ops import _operands as O
 from torch_accel.ops._register import Unsupported, implements
 from torch_accel.ops._tensors import stream, view_of
 from torch_accel.ops.copy import contiguous_on_device, strided_into
@@ -24,15 +25,6 @@ def _matrices(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [contiguous_on_device(t) for t in ts]
 
 
-def _into(out: torch.Tensor | None, res: torch.Tensor) -> torch.Tensor:
-    if out is None:
-        return res
-    if out.shape != res.shape:
-        out.resize_(res.shape)
-    strided_into(out, res)
-    return out
-
-
 def _view(t: torch.Tensor) -> Any:
     return view_of(t).view(view_of(t).dtype, tuple(t.shape))
 
@@ -42,37 +34,31 @@ def _check(ok: bool) -> None:
         raise Unsupported  # the CPU raises torch's own shape error
 
 
-@implements("mm")
-def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    _check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0])
+def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+             beta: Any = 0, alpha: Any = 1) -> torch.Tensor:
+    """``beta * bias + alpha * a @ b`` on the unit (``bias`` broadcast into the output
+    first; beta 0 ignores it, NaN included)."""
     a, b = _matrices(a, b)
     out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
-    K.mm(_view(out), _view(a), _view(b), stream=stream(a.device.index))
+    beta = float(beta) if bias is not None else 0.0
+    if beta != 0:
+        strided_into(out, bias.to(a.dtype))
+    K.mm(_view(out), _view(a), _view(b), beta=beta, alpha=float(alpha),
+         stream=stream(a.device.index))
     return out
 
 
-@implements("mm.out")
-def mm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
-    return _into(out, mm(a, b))
+@implements("mm")
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    _check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0])
+    return _product(a, b)
 
 
 @implements("addmm")
 def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1,
           alpha: Any = 1) -> torch.Tensor:
     _check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0] and bias.dim() <= 2)
-    a, b = _matrices(a, b)
-    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
-    if beta != 0:
-        strided_into(out, bias.to(a.dtype))  # bias broadcast into the output first
-    K.mm(_view(out), _view(a), _view(b), beta=float(beta), alpha=float(alpha),
-         stream=stream(a.device.index))
-    return out
-
-
-@implements("addmm.out")
-def addmm_out(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1,
-              alpha: Any = 1, out: torch.Tensor) -> torch.Tensor:
-    return _into(out, addmm(bias, a, b, beta=beta, alpha=alpha))
+    return _product(a, b, bias, beta, alpha)
 
 
 @implements("bmm")
@@ -82,11 +68,6 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
     K.bmm(_view(out), _view(a), _view(b), stream=stream(a.device.index))
     return out
-
-
-@implements("bmm.out")
-def bmm_out(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
-    return _into(out, bmm(a, b))
 
 
 @implements("mv")
@@ -104,13 +85,16 @@ def addmv(bias: torch.Tensor, a: torch.Tensor, v: torch.Tensor, *, beta: Any = 1
     return addmm(column, a, v.reshape(-1, 1), beta=beta, alpha=alpha).reshape(-1)
 
 
-@implements("addmv.out")
-def addmv_out(bias: torch.Tensor, a: torch.Tensor, v: torch.Tensor, *, beta: Any = 1,
-              alpha: Any = 1, out: torch.Tensor) -> torch.Tensor:
-    return _into(out, addmv(bias, a, v, beta=beta, alpha=alpha))
-
-
 @implements("dot")
 def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _check(a.dim() == 1 and b.dim() == 1 and a.shape == b.shape)
     return mm(a.reshape(1, -1), b.reshape(-1, 1)).reshape(())
+
+
+def _out_form(fn: Any) -> Any:
+    """The ``out=`` overload of a product: computed, then moved into ``out``."""
+    return lambda *args, out, **kwargs: O.into(out, fn(*args, **kwargs))
+
+
+for _name_, _fn in (("mm", mm), ("addmm", addmm), ("bmm", bmm), ("addmv", addmv)):
+    implements(f"{_name_}.out")(_out_form(_fn))

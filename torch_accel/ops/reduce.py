@@ -50,18 +50,12 @@ def reduce_op(op: K.Reduce, x: torch.Tensor, dim: int | Sequence[int] | None, ke
         else [x.shape[d] for d in kept]
     if n == 0:  # nothing to read (an empty storage has no device address to launch on)
         res = torch.full(shape, _EMPTY_VALUE[op], dtype=out_dtype, device=x.device)
-        return res if out is None else _into(out, res)
+        return O.into(out, res)
     dense = contiguous_on_device(x.permute(*kept, *dims) if x.dim() else x, compute)
     flat = torch.empty(rows, dtype=out_dtype, device=x.device)
     K.reduce_rows(op, view_of(flat), view_of(dense), rows, n, stream=stream(x.device.index))
     res = flat.reshape(shape)
-    return res if out is None else _into(out, res)
-
-
-def _into(out: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
-    if out.shape != res.shape:
-        out.resize_(res.shape)
-    return out.copy_(res)
+    return O.into(out, res)
 
 
 def _sum_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
