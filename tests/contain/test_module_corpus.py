@@ -43,7 +43,8 @@ def _assert_clean(report) -> None:
 def test_module_corpus(make_daemon, short_watchdog):
     """~250 fixed cases, 60 mutants, 100 loads of a 1 MiB module, the module quotas; as
     uid 65534, with a bystander on each device (about 20-40 s)."""
-    d = make_daemon(devices=2, firmware_dir=short_watchdog, tenants=True)
+    d = make_daemon(devices=2, firmware_dir=short_watchdog, tenants=True,
+                    jit_cache="private")  # the run checks the cache's files
     report = mc.run(d, count=60, seed=20261201)
     print(report.line())
     for note in report.notes:
@@ -60,7 +61,8 @@ def test_module_corpus(make_daemon, short_watchdog):
 @pytest.mark.timeout(300)
 def test_module_corpus_on_a_device_lacking_capabilities(make_daemon, lacking_caps):
     """What needs the matrix unit, atomics or barriers is refused with EOPNOTSUPP."""
-    d = make_daemon(devices=1, firmware_dir=lacking_caps, tenants=True)
+    d = make_daemon(devices=1, firmware_dir=lacking_caps, tenants=True,
+                    jit_cache="private")  # the run checks the cache's files
     report = mc.run(d, count=20, seed=7, churn=0, quota=False)
     print(report.line())
     _assert_clean(report)
@@ -125,7 +127,7 @@ def test_cached_kernel_does_not_skip_validation_of_an_equal_ir(make_daemon):
 def test_failed_compile_leaves_no_files_in_the_jit_cache(make_daemon):
     """A kernel that validated but did not compile left ROOT/<key>.lock and an empty
     shard directory in the JIT cache, one per distinct kernel a tenant launched."""
-    d = make_daemon(devices=1)
+    d = make_daemon(devices=1, jit_cache="private")  # an empty cache, its files looked at
     c = mc.Corpus(set(), 48 << 10, 10_000)
     for i in range(3):  # numba refuses a float index: no entry, and no file either
         _one(c, f"float-index-{i}", {**mc.GOOD, "source": f"def k(x):\n    x[0.5] = {i}.0\n"},
