@@ -92,23 +92,25 @@ def make_daemon(tmp_path: Path, jit_cache_dir: Path) -> Iterator:
     """Private daemons; ``tenants=True`` roots one where other users can reach it (pytest's
     temporary directories are 0700), for tests that attack as another uid.
     ``jit_cache="private"`` gives one its own, empty kernel cache (STATE_DIR/jit-cache) for
-    tests that count compiles or look at the cache's files; by default ("shared") it uses
-    the session's."""
+    tests that count compiles or look at the cache's files; a directory gives it that one
+    (a cache kept apart from the session's but shared by a few tests); by default
+    ("shared") it uses the session's."""
     started: list[Daemon] = []
     shared: list[str] = []
 
     def make(devices: int = 1, firmware_dir: Path | None = None, extra: list[str] | None = None,
              start: bool = True, name: str = "d", tenants: bool = False,
-             jit_cache: str = "shared") -> Daemon:
-        if jit_cache not in ("shared", "private"):
-            raise ValueError(f"jit_cache={jit_cache!r}: 'shared' or 'private'")
+             jit_cache: str | Path = "shared") -> Daemon:
+        if not isinstance(jit_cache, Path) and jit_cache not in ("shared", "private"):
+            raise ValueError(f"jit_cache={jit_cache!r}: 'shared', 'private' or a directory")
         base = tmp_path
         if tenants:
             shared.append(tempfile.mkdtemp(prefix="accel-tenants-", dir="/tmp"))
             os.chmod(shared[-1], 0o755)
             base = Path(shared[-1])
         d = _new_daemon(base / f"{name}{len(started)}", devices, firmware_dir, extra or [],
-                        jit_cache_dir if jit_cache == "shared" else None)
+                        jit_cache_dir if jit_cache == "shared" else
+                        jit_cache if isinstance(jit_cache, Path) else None)
         if tenants:
             os.chmod(d.root.parent, 0o755)
         started.append(d)

@@ -34,21 +34,30 @@ def lacking_caps(tmp_path: Path) -> Path:
     return image.build_into(tmp_path / "fw-caps", watchdog_ms=1500, capabilities=caps)
 
 
+@pytest.fixture(scope="module")
+def corpus_jit_cache(tmp_path_factory) -> Path:
+    """The corpus runs' kernel cache: apart from the session's, since each run checks the
+    files it leaves there (no new file that is not a complete entry), but the same for both
+    runs, so the second finds the first one's kernels compiled (and still refuses what needs
+    a capability its device lacks: the firmware reads that from the source either way)."""
+    return tmp_path_factory.mktemp("corpus-jit-cache")
+
+
 def _assert_clean(report) -> None:
     text = report.line() + "\n" + "\n".join(report.notes)
     assert report.ok, text
 
 
 @pytest.mark.timeout(300)
-def test_module_corpus(make_daemon, short_watchdog):
+def test_module_corpus(make_daemon, short_watchdog, corpus_jit_cache):
     """~250 fixed cases, 20 mutants, 100 loads of a 1 MiB module, the module quotas; as
     uid 65534, with a bystander on each device (about 40-70 s, most of it the fixed
-    corpus's ~35 first compiles: this daemon's JIT cache is its own). The fixed corpus
+    corpus's ~35 first compiles: the session's JIT cache is not used). The fixed corpus
     answers every errno asserted below; seed 20261201's first 20 mutants (``python -m
     stress`` makes 2,000) are answered each way a mutant may be (success, EINVAL at load
     and at launch, ENOEXEC, EFAULT), as its first 60 were."""
     d = make_daemon(devices=2, firmware_dir=short_watchdog, tenants=True,
-                    jit_cache="private")  # the run checks the cache's files
+                    jit_cache=corpus_jit_cache)
     report = mc.run(d, count=20, seed=20261201)
     print(report.line())
     for note in report.notes:
@@ -65,12 +74,13 @@ def test_module_corpus(make_daemon, short_watchdog):
 
 
 @pytest.mark.timeout(300)
-def test_module_corpus_on_a_device_lacking_capabilities(make_daemon, lacking_caps):
+def test_module_corpus_on_a_device_lacking_capabilities(make_daemon, lacking_caps,
+                                                        corpus_jit_cache):
     """What needs the matrix unit, atomics or barriers is refused with EOPNOTSUPP (the
     fixed corpus again, on this device, and 8 mutants: answered EINVAL, ENOEXEC and
     EFAULT, as 20 were)."""
     d = make_daemon(devices=1, firmware_dir=lacking_caps, tenants=True,
-                    jit_cache="private")  # the run checks the cache's files
+                    jit_cache=corpus_jit_cache)
     report = mc.run(d, count=8, seed=7, churn=0, quota=False)
     print(report.line())
     _assert_clean(report)
