@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -37,6 +38,21 @@ from kmod_emul import daemon as kdaemon
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _sigint_by_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def interruptible() -> dict[str, Any]:
+    """``subprocess.Popen`` keywords for a child that will be sent SIGINT: where this process
+    ignores SIGINT (a runner started in the background by a shell without job control,
+    ``make test &``, inherits SIGINT ignored), the child would inherit that and Python would
+    keep it ignored -- no KeyboardInterrupt, ever. The child gets the default disposition
+    back, as when run from a terminal (Python then installs its KeyboardInterrupt handler)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return {"preexec_fn": _sigint_by_default}
+    return {}
+
+
 @dataclass
 class Daemon:
     root: Path
@@ -44,11 +60,15 @@ class Daemon:
     firmware_dir: Path
     devices: int
     extra: list[str] = field(default_factory=list)
+    #: the firmware's persistent kernel cache (``--jit-cache``); None: the daemon's own,
+    #: STATE_DIR/jit-cache (tests/conftest.py points test daemons at one for the session)
+    jit_cache: Path | None = None
 
     def start(self, check: bool = True) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "tools.accel_emud", "--root", str(self.root),
                "--devices", str(self.devices), "--memory", "256M",
                "--state-dir", str(self.state_dir), "--firmware-dir", str(self.firmware_dir),
+               *(["--jit-cache", str(self.jit_cache)] if self.jit_cache else []),
                *self.extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
         if check and proc.returncode != 0:
@@ -57,6 +77,11 @@ class Daemon:
 
     def stop(self) -> None:
         kdaemon.stop(self.root)
+
+    @property
+    def jit_cache_dir(self) -> Path:
+        """Where this daemon's firmware keeps compiled kernels."""
+        return self.jit_cache or self.state_dir / "jit-cache"
 
     @property
     def pid(self) -> int:
@@ -107,11 +132,12 @@ class Daemon:
 
     def popen_py(self, code: str, *args: str, **env: str) -> subprocess.Popen[str]:
         """Start a snippet in a fresh interpreter against this root, with text pipes on
-        stdin, stdout and stderr (for processes a test holds open, signals or kills)."""
+        stdin, stdout and stderr (for processes a test holds open, signals or kills; SIGINT
+        raises KeyboardInterrupt in them even where this process ignores it)."""
         return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args],
                                 env=self.env(**env), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=REPO)
+                                cwd=REPO, **interruptible())
 
     def run_py(self, code: str, *, timeout: float = 60, **env: str
                ) -> subprocess.CompletedProcess[str]:
@@ -399,5 +425,5 @@ def user_environment(dest: Path, uid: int = NOBODY,
 
 
 __all__ = ["BOOKS", "Bystander", "Daemon", "NOBODY", "OtherUser", "REPO", "Snapshot", "alive",
-           "as_user", "assert_contained", "fd_count", "snapshot", "tenant_code",
-           "user_environment"]
+           "as_user", "assert_contained", "fd_count", "interruptible", "snapshot",
+           "tenant_code", "user_environment"]

@@ -1065,7 +1065,7 @@ def _state_files(d: Daemon) -> set[str]:
 def jit_cache_orphans(d: Daemon) -> list[str]:
     """What the JIT cache holds that is not a complete entry: temporary build directories,
     lock files without their entry, empty shard directories."""
-    root = d.state_dir / "jit-cache"
+    root = d.jit_cache_dir
     out = []
     try:
         names = os.listdir(root)
@@ -1088,7 +1088,7 @@ def jit_cache_orphans(d: Daemon) -> list[str]:
 def jit_cache_usage(d: Daemon) -> tuple[int, int]:
     """(complete entries, bytes) of the daemon's JIT cache."""
     entries = size = 0
-    for dirpath, _dirs, files in os.walk(d.state_dir / "jit-cache"):
+    for dirpath, _dirs, files in os.walk(d.jit_cache_dir):
         entries += "manifest.json" in files
         for f in files:
             try:

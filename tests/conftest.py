@@ -7,6 +7,15 @@ snippet in a fresh interpreter (the runtime's state is per process, as the fork 
 need) against a given root. ``other_user`` runs snippets as uid 65534 in an interpreter
 that never was root (stress/harness.py, ``OtherUser``).
 
+Every daemon these fixtures start keeps its compiled kernels in one JIT cache for the
+whole session (``jit_cache_dir``, passed as ``accel-emud --jit-cache``): a kernel compiled
+in one test's daemon is a cache hit in the next one's (a first compile of a kernel with
+loops costs seconds). The cache is built to be shared (firmware/jit.py: entries keyed on
+every compatibility input -- a different image's ISA or stepping is another key -- built
+under a lock and renamed into place). A test that asserts the cache's own behaviour
+(compile counts, misses, the files in it) asks ``make_daemon(jit_cache="private")``: its
+daemon keeps STATE_DIR/jit-cache, empty at its start.
+
 The tests live by layer (README.md, "Tests"): unit/ (no mount), driver/ (raw transactions
 on a mount), runtime/, tools/, contain/. This file's fixtures serve them all; a layer's
 own conftest.py holds only what that layer alone uses. The shared helpers sit next to
@@ -36,14 +45,23 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
 
-def _new_daemon(tmp: Path, devices: int, firmware_dir: Path | None, extra: list[str]) -> Daemon:
+def _new_daemon(tmp: Path, devices: int, firmware_dir: Path | None, extra: list[str],
+                jit_cache: Path | None) -> Daemon:
     tmp.mkdir(parents=True, exist_ok=True)
-    return Daemon(tmp / "root", tmp / "state", firmware_dir or IMAGE_DIR, devices, extra)
+    return Daemon(tmp / "root", tmp / "state", firmware_dir or IMAGE_DIR, devices, extra,
+                  jit_cache)
 
 
 @pytest.fixture(scope="session")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = _new_daemon(tmp_path_factory.mktemp("shared"), 2, None, [])
+def jit_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's kernel cache, shared by every daemon of ``daemon`` and
+    ``make_daemon`` (but those asked for ``jit_cache="private"``)."""
+    return tmp_path_factory.mktemp("jit-cache")
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory, jit_cache_dir: Path) -> Iterator[Daemon]:
+    d = _new_daemon(tmp_path_factory.mktemp("shared"), 2, None, [], jit_cache_dir)
     d.start()
     try:
         yield d
@@ -70,20 +88,29 @@ def other_user() -> Iterator[OtherUser]:
 
 
 @pytest.fixture
-def make_daemon(tmp_path: Path) -> Iterator:
+def make_daemon(tmp_path: Path, jit_cache_dir: Path) -> Iterator:
     """Private daemons; ``tenants=True`` roots one where other users can reach it (pytest's
-    temporary directories are 0700), for tests that attack as another uid."""
+    temporary directories are 0700), for tests that attack as another uid.
+    ``jit_cache="private"`` gives one its own, empty kernel cache (STATE_DIR/jit-cache) for
+    tests that count compiles or look at the cache's files; a directory gives it that one
+    (a cache kept apart from the session's but shared by a few tests); by default
+    ("shared") it uses the session's."""
     started: list[Daemon] = []
     shared: list[str] = []
 
     def make(devices: int = 1, firmware_dir: Path | None = None, extra: list[str] | None = None,
-             start: bool = True, name: str = "d", tenants: bool = False) -> Daemon:
+             start: bool = True, name: str = "d", tenants: bool = False,
+             jit_cache: str | Path = "shared") -> Daemon:
+        if not isinstance(jit_cache, Path) and jit_cache not in ("shared", "private"):
+            raise ValueError(f"jit_cache={jit_cache!r}: 'shared', 'private' or a directory")
         base = tmp_path
         if tenants:
             shared.append(tempfile.mkdtemp(prefix="accel-tenants-", dir="/tmp"))
             os.chmod(shared[-1], 0o755)
             base = Path(shared[-1])
-        d = _new_daemon(base / f"{name}{len(started)}", devices, firmware_dir, extra or [])
+        d = _new_daemon(base / f"{name}{len(started)}", devices, firmware_dir, extra or [],
+                        jit_cache_dir if jit_cache == "shared" else
+                        jit_cache if isinstance(jit_cache, Path) else None)
         if tenants:
             os.chmod(d.root.parent, 0o755)
         started.append(d)

@@ -1,10 +1,11 @@
 """Containment in the firmware: no packet, argument block or kernel takes a device down or
 holds it from the other tenants (docs/containment.md, findings 3, 4, 5 and 13).
 
-The tests share one 2-device daemon (numba compiles take seconds here, and its kernel cache
-makes the second compile of a kernel a cache hit); each attack is followed by the
-harness's checks (stress/harness.py): the same daemon and firmware processes live, devices
-operational, the bystanders' data intact, books and descriptors back to where they were.
+The tests share one 2-device daemon (numba compiles take seconds here, and the session's
+kernel cache, tests/conftest.py, makes the second compile of a kernel a cache hit); each
+attack is followed by the harness's checks (stress/harness.py): the same daemon and
+firmware processes live, devices operational, the bystanders' data intact, books and
+descriptors back to where they were.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ def fault(s):
 
 
 @pytest.fixture(scope="module")
-def fw_daemon(tmp_path_factory):
+def fw_daemon(tmp_path_factory, jit_cache_dir):
     from firmware.image import IMAGE_DIR
 
     base = tmp_path_factory.mktemp("contain-fw")
-    d = Daemon(base / "root", base / "state", IMAGE_DIR, 2)
+    d = Daemon(base / "root", base / "state", IMAGE_DIR, 2, jit_cache=jit_cache_dir)
     d.start()
     try:
         yield d

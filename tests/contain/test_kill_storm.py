@@ -1,10 +1,14 @@
-"""The SIGKILL storm (stress/kill_storm.py) in CI size: 100 kills with a fixed seed on a
-private 2-device daemon that another uid can reach (about 30-60 s on the 2-core machine).
+"""The SIGKILL storm (stress/kill_storm.py) in CI size: 60 kills with a fixed seed on a
+private 2-device daemon that another uid can reach (about 20-40 s on the 2-core machine;
+``python -m stress`` makes 1,000).
 
 Victims work on both devices -- allocations of every kind, copies, peer copies, kernels,
 cross-device event waits, IPC imports and exports -- and die by SIGKILL at random points;
-bystanders and a long-lived exporter check their data throughout; after every 25 kills and
-at the end the daemon's books, descriptors and /dev/shm must be back.
+bystanders and a long-lived exporter check their data throughout; after every 15 kills and
+at the end the daemon's books, descriptors and /dev/shm must be back. At this size a run
+still kills victims after every one of their markers and at their start, while blocked
+behind a giant grid, and kills the exporter once (the report's ``done``: 100 kills gave
+nothing more).
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from stress.harness import assert_contained, snapshot
 @pytest.mark.timeout(300)
 def test_kill_storm_leaves_nothing_behind(make_daemon):
     d = make_daemon(devices=2, tenants=True)
-    report = kill_storm.run(d, count=100, seed=20261201)
+    report = kill_storm.run(d, count=60, seed=20261201, check_every=15)
     print(report.line())
     assert report.ok, f"{report.line()}\n" + "\n".join(report.notes)
-    assert report.done.get("kills", 0) == 100, report.done
+    assert report.done.get("kills", 0) == 60, report.done
     assert report.done.get("victims_uid65534", 0) > 0, report.done
     assert report.done.get("checks", 0) >= 4, report.done
     # every victim died by the storm's SIGKILL, none of an error of its own, and the

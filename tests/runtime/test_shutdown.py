@@ -62,11 +62,12 @@ runtime.compile(SPIN, device=1).spin[64, 256](spin_out, 100000, stream=spin_stre
 
 
 @pytest.fixture(scope="module")
-def tenant(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Bystander]]:
+def tenant(tmp_path_factory: pytest.TempPathFactory,
+           jit_cache_dir: Path) -> Iterator[tuple[Daemon, Bystander]]:
     """A 2-device daemon of this module's own with a bystander on device 0 (the shared
     daemon's tests expect idle devices, which a bystander's context is not)."""
     tmp = Path(tmp_path_factory.mktemp("shutdown"))
-    d = Daemon(tmp / "root", tmp / "state", IMAGE_DIR, 2)
+    d = Daemon(tmp / "root", tmp / "state", IMAGE_DIR, 2, jit_cache=jit_cache_dir)
     d.start()
     try:
         with Bystander(d, 0) as by:

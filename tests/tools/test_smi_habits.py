@@ -20,6 +20,7 @@ import pytest
 from test_smi import REPO, query_values, smi
 
 from abi import faults, uapi
+from stress.harness import interruptible
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,7 +37,8 @@ def attr_or_none(d, dev: int, name: str) -> str | None:
 
 def popen_smi(d, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "tools.accel_smi", *args], env=d.env(),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **interruptible())  # it is sent SIGINT
 
 
 def test_query_gpu_is_query_device(daemon) -> None:
