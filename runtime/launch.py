@@ -37,7 +37,6 @@ _SCALAR_CODES = {np.dtype(name).type: code for name, code in kernel_lang.DTYPE_C
 _FLOAT64_CODE = kernel_lang.DTYPE_CODES["float64"]
 _INT64_CODE = kernel_lang.DTYPE_CODES["int64"]
 _INT64_RANGE = (-(1 << 63), (1 << 63) - 1, (1 << 64) - 1)
-_F64, _F64_BITS = struct.Struct("<d"), struct.Struct("<Q")
 
 
 def _dims(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
@@ -234,7 +233,7 @@ class Kernel:
                 return userq.ARG_RECORD.pack(userq.ARG_SCALAR, code, value & mask, 0)
         if type(value) is float and p.dtype in (None, "float64"):
             return userq.ARG_RECORD.pack(userq.ARG_SCALAR, _FLOAT64_CODE,
-                                         _F64_BITS.unpack(_F64.pack(value))[0], 0)
+                                         int.from_bytes(struct.pack("<d", value), "little"), 0)
         if not isinstance(value, (int, float, bool, np.number, np.bool_)):
             raise errors.InvalidValueError(f"{self.name}: argument {p.name} must be a "
                                            f"number, got {type(value).__name__}")
