@@ -79,7 +79,9 @@ except RuntimeError as e:
 host = x.cpu()
 dist.all_reduce(host)
 x.copy_(host)  # the sum back on the device
-print(f"rank {rank} on {x.device}: {x.cpu().tolist()} device tensors: {refused}", flush=True)
+# one write of the whole line: the ranks share the launcher's stdout, and print's separate
+# writes of text and newline interleaved between them once
+os.write(1, f"rank {rank} on {x.device}: {x.cpu().tolist()} device tensors: {refused}\\n".encode())
 dist.destroy_process_group()
 """
 
@@ -104,7 +106,7 @@ def test_dataloader_workers_feed_pinned_batches_to_training_on_accel(daemon, tmp
 def test_torchrun_ranks_compute_on_their_devices_and_all_reduce_through_the_host(daemon, tmp_path):
     lines = run_script(daemon, tmp_path, RANK, "-m", "torch.distributed.run", "--standalone",
                        "--nproc-per-node=2")
-    ranks = sorted(line for line in lines if re.match(r"rank \d", line))
+    ranks = sorted(re.findall(r"rank \d on [^\n]*?device type accel", "\n".join(lines)))
     refusal = "No backend type associated with device type accel"
     assert ranks == [f"rank {r} on accel:{r}: [0.0, 3.0, 6.0, 9.0] device tensors: {refusal}"
                      for r in (0, 1)], lines
