@@ -33,7 +33,7 @@ __all__ = [
 DEVICE_TYPE = 20
 
 
-def _index(dev: Any = None, *, optional: bool = True) -> int:
+def _index(dev: Any = None) -> int:
     """torch's device argument (None, an int, ``"accel:1"``, a torch.device) as an index."""
     if dev is None:
         return current_device()
@@ -187,8 +187,8 @@ def _sleep(cycles: int) -> None:
     """Keep the current stream busy for about ``cycles`` loop turns (torch.cuda._sleep)."""
     from torch_accel.kernels import sleep
 
-    idx = current_device()
-    sleep(cycles, stream=_hooks.stream_of(idx, _hooks.current_stream(idx)))
+    _hooks.lazy_init()
+    sleep(cycles)
 
 
 # ------------------------------------------------------------------------------ memory

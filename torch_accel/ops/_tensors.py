@@ -62,5 +62,6 @@ def storage_of(t: torch.Tensor) -> runtime.DeviceView:
 
 
 def stream(device: int) -> runtime.Stream:
-    """The runtime stream torch sees as current on ``device``."""
-    return _hooks.stream_of(device, _hooks.current_stream(device))
+    """The runtime stream torch sees as current on ``device``: the runtime's current
+    stream itself (torch's stream switches set it), without a round trip through ids."""
+    return runtime.current_stream(device)

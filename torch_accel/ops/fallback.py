@@ -49,8 +49,7 @@ def cpu_fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     out = op(*cpu_args, **cpu_kwargs)
     written: dict[int, torch.Tensor] = {}  # cpu tensor id -> the accel tensor it stands for
     schema = op._schema
-    flat = dict(zip([a.name for a in schema.arguments], [*args, *([None] * len(schema.arguments))]))
-    flat.update(kwargs)
+    flat = {**dict(zip((a.name for a in schema.arguments), args)), **kwargs}
     for arg in schema.arguments:
         value = flat.get(arg.name)
         if arg.alias_info is not None and arg.alias_info.is_write:
