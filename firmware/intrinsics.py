@@ -87,14 +87,48 @@ def _rt_index(typingctx: Any, v: Any) -> Any:
         return None
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        vt = signature.args[0]
-        wide = context.cast(builder, args[0], vt, types.int64)
-        if isinstance(vt, types.Integer) and not vt.signed and vt.bitwidth == 64:
-            top = ir.Constant(wide.type, _INT64_MAX)
-            return builder.select(builder.icmp_unsigned(">", wide, top), top, wide)
-        return wide
+        return _index_codegen(context, builder, signature.args[0], args[0])
 
     return types.int64(v), codegen
+
+
+def _index_codegen(context: Any, builder: Any, vt: Any, v: Any) -> Any:
+    """``v`` of integer type ``vt`` widened to 64 bits, a uint64 above int64's range
+    saturating to 2**63-1."""
+    wide = context.cast(builder, v, vt, types.int64)
+    if isinstance(vt, types.Integer) and not vt.signed and vt.bitwidth == 64:
+        top = ir.Constant(wide.type, _INT64_MAX)
+        return builder.select(builder.icmp_unsigned(">", wide, top), top, wide)
+    return wide
+
+
+@intrinsic
+def _rt_uindex(typingctx: Any, v: Any) -> Any:
+    """``np.uint64(_rt_index(v))`` as one call: the element index of an access (unsigned,
+    so numba emits no negative-index wraparound). One intrinsic instead of a numpy
+    constructor around another halves what numba types per access (compile time)."""
+    if not isinstance(v, (types.Integer, types.Boolean)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return _index_codegen(context, builder, signature.args[0], args[0])
+
+    return types.uint64(v), codegen
+
+
+@intrinsic
+def _rt_oob(typingctx: Any, i: Any, n: Any) -> Any:
+    """Whether int64 index ``i`` misses extent ``n``: an unsigned ``i >= n``, so a
+    negative index misses too (the check of every checked access, one call)."""
+    if not (isinstance(i, types.Integer) and isinstance(n, types.Integer)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        a = context.cast(builder, args[0], signature.args[0], types.int64)
+        b = context.cast(builder, args[1], signature.args[1], types.int64)
+        return builder.icmp_unsigned(">=", a, b)
+
+    return types.boolean(i, n), codegen
 
 
 @intrinsic

@@ -7,9 +7,12 @@ Why the generated code looks the way it does
   *args)``, runs a *range of blocks*, so the engines can split a launch across threads
   and preempt it between blocks: it returns the first block it did not run.
 * A block's threads run as loops (the CPU-OpenCL / POCL scheme). The kernel body is cut at
-  every ``barrier()`` into *phases*; each phase is its own ``@njit`` function called in a
-  loop over the block's threads (LLVM inlines it). Putting a phase in a function makes a
-  user ``return`` ("this thread is done") a plain ``return`` at any loop depth. Locals that
+  every ``barrier()`` into *phases*; each phase is a loop over the block's threads. A
+  small phase without loops is written into that loop (a user ``return``, "this thread is
+  done", is a ``continue``); any other is its own ``@njit`` function called in the loop
+  (LLVM inlines it), where a ``return`` at any loop depth is a plain ``return``: every
+  function is a compile unit of its own to numba, seconds of a first launch
+  (docs/kernels.md, "Compile time"). Locals that
   live across phases become per-thread arrays; a ``for``/``while``/``if`` that contains a
   barrier stays at block level (it must be uniform across the block) and the phases inside
   it are thread loops.
@@ -36,9 +39,9 @@ Why the generated code looks the way it does
   :attr:`CompiledKernel.needs_serial` is always False.
 * ``error_model="numpy"``: a division by zero gives inf/nan/0 as on a GPU instead of
   raising inside the engine thread.
-* Buffer elements are indexed with ``np.uint64`` indices: with a signed index numba emits
-  Python's negative-index wraparound, which stops LLVM vectorising and made a bounds-free
-  saxpy ~4x slower; here a negative index is a bounds miss (checked) or undefined
+* Buffer elements are indexed with uint64 indices (``_rt_uindex``): with a signed index
+  numba emits Python's negative-index wraparound, which stops LLVM vectorising and made a
+  bounds-free saxpy ~4x slower; here a negative index is a bounds miss (checked) or undefined
   (``boundscheck=False``, the caller's choice of an unsafe kernel).
 * Cost (16 Mi float32 saxpy, 2-core machine): ``boundscheck=False`` runs as fast as a
   plain numba loop (~6.5 vs 7 ms); with checks ~18 ms, because a check that can stop the
@@ -154,9 +157,9 @@ def _u(name: str) -> str:
 class _Rewrite(ast.NodeTransformer):
     """Expression rewriting: user names get a ``u_`` prefix (so they never collide with
     the generated code's names or modules) and built-ins become loop variables or ``math``
-    calls. Buffer loads are indexed with ``np.uint64`` (numba then emits no negative-index
-    wraparound, which would block vectorisation; a negative index is a bounds miss here
-    anyway). With bounds checks, a load that is always evaluated is *hoisted*: its index
+    calls. Buffer loads are indexed unsigned (``_rt_uindex``: numba then emits no
+    negative-index wraparound, which would block vectorisation; a negative index is a
+    bounds miss here anyway). With bounds checks, a load that is always evaluated is *hoisted*: its index
     goes to a temporary, checked before the statement (a miss stops the thread at once);
     a load under short-circuit evaluation (``and``/``or``, a conditional expression, the
     tail of a chained comparison) must not be hoisted, and calls a helper that records the
@@ -243,10 +246,9 @@ def _indices(n: ast.Subscript) -> list[ast.expr]:
 
 
 def _subscript(name: str, idx: list[ast.expr], ctx: ast.expr_context) -> ast.Subscript:
-    """``u_name[np.uint64(_rt_index(i)), ...]`` (an index is an integer; see the module
-    doc)."""
-    cast = [ast.Call(ast.parse("np.uint64", mode="eval").body,
-                     [ast.Call(ast.Name("_rt_index", ast.Load()), [i], [])], []) for i in idx]
+    """``u_name[_rt_uindex(i), ...]`` (an index is an integer, used unsigned; see the
+    module doc)."""
+    cast = [ast.Call(ast.Name("_rt_uindex", ast.Load()), [i], []) for i in idx]
     sl = ast.Tuple(cast, ast.Load()) if len(cast) > 1 else cast[0]
     return ast.Subscript(ast.Name(_u(name), ast.Load()), sl, ctx)
 
@@ -349,7 +351,14 @@ class _Lowering:
         self.block_locals: set[str] = set()  # locals read by block-level code (as thread 0's)
         self.returns = contains(k.fn.body, lambda n: isinstance(n, ast.Return))
         self.fast = False  # generating a phase's block-range-checked variant
+        #: what thread-level code runs to stop the launch (a fault or the abort word) and
+        #: to end the thread's phase (its ``return``): in a phase function, returns; in a
+        #: phase inlined into the block's thread loop (see inline_phase), ``return _blk``
+        #: and ``continue``
+        self.stop = "return 1"
+        self.done = "return 0"
         self.fast_phases: set[int] = set()
+        self.inlined: set[int] = set()  # phases written into the block's thread loops
         self.def_guards: dict[str, list[str]] = {}
         self.def_values: dict[str, ast.expr] = {}  # affine locals assigned once -> value
         self.carried: dict[str, _Affine] = {}  # ... at the kernel body's top level
@@ -443,21 +452,23 @@ class _Lowering:
             v = self.fresh("k")
             out.append(f"{ind}{v} = _rt_index({i})")
             ivars.append(v)
-        conds = " or ".join(f"np.uint64({v}) >= np.uint64({u}.shape[{d}])"
-                            for d, v in enumerate(ivars))
+        conds = " or ".join(f"_rt_oob({v}, {u}.shape[{d}])" for d, v in enumerate(ivars))
         out += [f"{ind}if {conds}:",
-                f"{ind}    _miss(fault, {self.pos_of(name)}, ({', '.join(ivars)},), {u}.shape)",
-                f"{ind}    return 1"]
-        out += [f"{ind}{v} = _rt_opaque({v})" for v in ivars]  # see intrinsics._rt_opaque
-        out += self.mark(name, ivars, ind)
-        return ivars
+                f"{ind}    {_miss_call(self.pos_of(name), ivars, u)}",
+                f"{ind}    {self.stop}"]
+        # see intrinsics._rt_opaque; new names, as every temporary here: a variable
+        # assigned twice costs numba's SSA pass work in every block of the function
+        hidden = [f"{v}o" for v in ivars]
+        out += [f"{ind}{h} = _rt_opaque({v})" for h, v in zip(hidden, ivars)]
+        out += self.mark(name, hidden, ind)
+        return hidden
 
     def fault_check(self, ind: str) -> list[str]:
-        return [f"{ind}if fault[0] != 0:", f"{ind}    return 1"]
+        return [f"{ind}if fault[0] != 0:", f"{ind}    {self.stop}"]
 
-    def abort_check(self, ind: str, ret: str) -> list[str]:
+    def abort_check(self, ind: str, stop: str) -> list[str]:
         return [f"{ind}if _rt_abort_word(abort) > {ABORT_PREEMPT}:",
-                f"{ind}    fault[0] = {FAULT_ABORT}", f"{ind}    return {ret}"]
+                f"{ind}    fault[0] = {FAULT_ABORT}", f"{ind}    {stop}"]
 
     def access(self, name: str, idx_nodes: list[ast.expr], ind: str,
                out: list[str], node: ast.AST | None = None) -> tuple[list[str], bool]:
@@ -567,11 +578,11 @@ class _Lowering:
             if any_loads:
                 out += self.fault_check(ind)
             out.append(f"{ind}for {_u(s.target.id)} in range({', '.join(names)}):")  # type: ignore
-            out += self.abort_check(ind + "    ", "1")
+            out += self.abort_check(ind + "    ", self.stop)
             return out + self.block(s.body, ind + "    ", writeback)
         if isinstance(s, ast.While):
             inner = ind + "    "
-            out = [f"{ind}while True:"] + self.abort_check(inner, "1")
+            out = [f"{ind}while True:"] + self.abort_check(inner, self.stop)
             test, loads = self.hexpr(s.test, inner, out)
             if loads:
                 out += self.fault_check(inner)
@@ -579,7 +590,7 @@ class _Lowering:
             return out + self.block(s.body, inner, writeback)
         if isinstance(s, ast.Return):
             out = [f"{ind}_done[_t] = 1"] if self.returns else []
-            return out + [f"{ind}{w}" for w in writeback] + [f"{ind}return 0"]
+            return out + [f"{ind}{w}" for w in writeback] + [f"{ind}{self.done}"]
         if isinstance(s, (ast.Break, ast.Continue, ast.Pass)):
             return [f"{ind}{type(s).__name__.lower()}"]
         raise reject(s, f"{type(s).__name__} cannot be lowered")
@@ -600,7 +611,7 @@ class _Lowering:
         slot = matrix.SLOT[buffer_dtype(self.k, names[0])]
         args = ([_u(n) for n in names] + values
                 + [f"_blas[{slot}]", "abort", "fault"] + [str(self.pos_of(n)) for n in names])
-        return out + [f"{ind}if _mma({', '.join(args)}) != 0:", f"{ind}    return 1"]
+        return out + [f"{ind}if _mma({', '.join(args)}) != 0:", f"{ind}    {self.stop}"]
 
     def block(self, stmts: list[ast.stmt], ind: str, writeback: list[str]) -> list[str]:
         out: list[str] = []
@@ -652,11 +663,11 @@ class _Lowering:
                     self.uniform_vars.append(var)
                 rng = ", ".join(self.expr(a) for a in s.iter.args)  # type: ignore
                 out.append(f"{ind}for {_u(var)} in range({rng}):")
-                out += self.abort_check(ind + "    ", "_blk")
+                out += self.abort_check(ind + "    ", "return _blk")
                 out += self.structure(s.body, ind + "    ", True)
             elif isinstance(s, ast.While):
                 out.append(f"{ind}while {self.expr(s.test)}:")
-                out += self.abort_check(ind + "    ", "_blk")
+                out += self.abort_check(ind + "    ", "return _blk")
                 out += self.structure(s.body, ind + "    ", True)
         flush()
         return out
@@ -702,16 +713,73 @@ class _Lowering:
         return skip + [f"{inner}_l0 = 0", f"{inner}_l1 = 0", f"{inner}_l2 = 0", f"{inner}_t = 0",
                        f"{inner}if _ph{idx}(@ARGS@) != 0:", f"{inner}    return _blk"]
 
+    #: Largest phase (syntax-tree nodes) written into the thread loops. Numba's SSA and
+    #: liveness passes grow faster than linearly with a function's blocks times its
+    #: variables, so past a size a phase is cheaper as a function of its own; measured
+    #: (first compile, CPU seconds, function -> inlined): ``where`` (73 nodes) 2.0-2.3 ->
+    #: 1.3-1.4, ``binary_f`` (352) 2.9-3.9 -> 3.0-3.6, ``unary_f`` (1,209) 6.5-7.5 ->
+    #: 9.3-9.5. A phase with a loop stays a function too: inlined, the loop's exits (the
+    #: abort check's ``return _blk``) leave four loops at once, and LLVM optimised such
+    #: loops worse (bench ``kernels``, same hour: softmax rows 1.73x -> 3.15x numpy,
+    #: tiled gemm 30x -> 117x).
+    _INLINE_NODES = 250
+
     def thread_loop_text(self, fn: str, idx: int, ind: str) -> list[str]:
-        skip = [f"{ind}            if _done[_t]:", f"{ind}                continue"] \
+        """The loop over the block's threads running phase ``idx`` (``fn``: its checked
+        ``_ph`` or range-checked ``_phf`` variant). Inlined (see inline_phase) when the
+        phase is small and has no loop (_INLINE_NODES; without loops, a thread's
+        ``return`` is a ``continue`` of the thread loop). The inlined body is written once
+        the per-thread arrays are known (module()), so this leaves a placeholder line."""
+        stmts, _ = self.phases[idx]
+        if sum(1 for s in stmts for _ in ast.walk(s)) <= self._INLINE_NODES and not contains(
+                stmts, lambda n: isinstance(n, (ast.For, ast.While))):
+            self.inlined.add(idx)
+            return [f"{ind}@INLINE {idx} {'_phf' if fn.startswith('_phf') else '_ph'}@"]
+        inner = ind + " " * 12
+        return self.threads(ind, [f"{inner}if {fn}(@ARGS@) != 0:", f"{inner}    return _blk"],
+                            idx)
+
+    def threads(self, ind: str, body: list[str], idx: int) -> list[str]:
+        """Loops over the block's threads around ``body`` (indented ``ind`` + 12), which
+        phase ``idx``'s threads that have returned skip."""
+        inner = ind + " " * 12
+        skip = [f"{inner}if _done[_t]:", f"{inner}    continue"] \
             if self.returns and idx > 0 else []
         return [f"{ind}for _l2 in range(_ls2):",
                 f"{ind}    for _l1 in range(_ls1):",
                 f"{ind}        for _l0 in range(_ls0):",
-                f"{ind}            _t = (_l2 * _ls1 + _l1) * _ls0 + _l0",
-                *skip,
-                f"{ind}            if {fn}(@ARGS@) != 0:",
-                f"{ind}                return _blk"]
+                f"{inner}_t = (_l2 * _ls1 + _l1) * _ls0 + _l0",
+                *skip, *body]
+
+    def inline_phase(self, line: str, pt: dict[str, str]) -> list[str]:
+        """A placeholder of thread_loop_text as the thread loop with the phase's code in
+        it: a fault or abort returns the block from ``_grid``, a thread's ``return`` is
+        ``continue``. Numba compiles each ``@njit`` function on its own (typing, lowering,
+        wrappers, an LLVM module, re-optimised in every caller): one function fewer per
+        phase variant halved ``where``'s first compile (docs/kernels.md, "Compile time")."""
+        ind = line[:len(line) - len(line.lstrip())]
+        idx_text, variant = line.strip().strip("@").split()[1:]
+        idx = int(idx_text)
+        self.fast, self.stop, self.done = variant == "_phf", "return _blk", "continue"
+        try:
+            body = self.phase_body(self.phases[idx][0], pt, ind + " " * 12)
+        finally:
+            self.fast, self.stop, self.done = False, "return 1", "return 0"
+        return self.threads(ind, body, idx)
+
+    def phase_body(self, stmts: list[ast.stmt], pt: dict[str, str], ind: str,
+                   keep: frozenset[str] = frozenset(), pre: tuple[str, ...] = ()) -> list[str]:
+        """One thread's code of a phase: the global ids it uses, ``pre``, its per-thread
+        locals (but ``keep``) loaded from their arrays, the statements, and what it
+        assigned written back (also before a ``return``)."""
+        used = (_names(stmts) & set(pt)) - keep
+        assigned = (_assigned(stmts) & set(pt)) - keep
+        writeback = [f"_pt_{n}[_t] = {_u(n)}" for n in sorted(assigned)]
+        code = [*pre, *[f"{ind}{_u(n)} = _pt_{n}[_t]" for n in sorted(used)]]
+        code += self.block(stmts, ind, writeback) + [f"{ind}{w}" for w in writeback]
+        text = "\n".join(code)
+        return [f"{ind}_gid{d} = _g{d} * _ls{d} + _l{d}" for d in range(3)
+                if f"_gid{d}" in text] + code
 
     # -- block-level range checks of affine accesses -----------------------------------------
     _OFFSET_LIMIT = 1 << 40  # |offset| bound of a scalar parameter or a loop bound
@@ -1075,7 +1143,7 @@ class _Lowering:
                 out.append(f"{ind}{r} = {text}")
                 names.append(r)
             out.append(f"{ind}for {_u(s.target.id)} in range({', '.join(names)}):")
-            out += self.abort_check(ind + "    ", "1")
+            out += self.abort_check(ind + "    ", self.stop)
             out += self.vector_items(it.items, ind + "    ", pt, idx)
         return out
 
@@ -1083,31 +1151,20 @@ class _Lowering:
         """One thread loop of a vectorised phase: recomputed affine locals, per-thread
         locals loaded from and written back to their arrays, the statements."""
         inner = ind + "            "
-        keep = set(seg.loop_vars) | set(seg.remat)
-        used = (_names(seg.stmts) & set(pt)) - keep
-        assigned = (_assigned(seg.stmts) & set(pt)) - keep
-        writeback = [f"_pt_{n}[_t] = {_u(n)}" for n in sorted(assigned)]
-        body = [f"{inner}_gid{d} = _g{d} * _ls{d} + _l{d}" for d in range(3)]
+        pre: list[str] = []
         for n in seg.remat:
-            text, _ = self.hexpr(self.def_values[n], inner, body)
-            body.append(f"{inner}{_u(n)} = ({text})")
-        body += [f"{inner}{_u(n)} = _pt_{n}[_t]" for n in sorted(used)]
-        body += self.block(seg.stmts, inner, writeback)
-        body += [f"{inner}{w}" for w in writeback]
-        skip = [f"{inner}if _done[_t]:", f"{inner}    continue"] \
-            if self.returns and idx > 0 else []
-        return [f"{ind}for _l2 in range(_ls2):",
-                f"{ind}    for _l1 in range(_ls1):",
-                f"{ind}        for _l0 in range(_ls0):",
-                f"{inner}_t = (_l2 * _ls1 + _l1) * _ls0 + _l0",
-                *skip, *body]
+            text, _ = self.hexpr(self.def_values[n], inner, pre)
+            pre.append(f"{inner}{_u(n)} = ({text})")
+        keep = frozenset(seg.loop_vars) | frozenset(seg.remat)
+        return self.threads(ind, self.phase_body(seg.stmts, pt, inner, keep, tuple(pre)), idx)
 
     def phase_args(self) -> str:
         return ", ".join(self.phase_params())
 
     def phase_params(self) -> list[str]:
         return (["_l0", "_l1", "_l2", "_g0", "_g1", "_g2", "_ls0", "_ls1", "_ls2",
-                 "_ng0", "_ng1", "_ng2", "_t", "_done", "abort", "fault", "_blas"]
+                 "_ng0", "_ng1", "_ng2", "_t", *(["_done"] if self.returns else []),
+                 "abort", "fault", "_blas"]
                 + [_u(v) for v in self.uniform_vars]
                 + [_u(s) for s in self.k.shared]
                 + [f"_pt_{v}" for v in self.per_thread_order]
@@ -1206,8 +1263,10 @@ class _Lowering:
         self.per_thread_order = list(pt)
         # Calls were emitted before the uniform loop variables and per-thread arrays were
         # all known: fill in the (now final) argument list.
-        block_code = [line.replace("@ARGS@", self.phase_args())
-                      .replace("@VARGS@", ", ".join(self.vector_params())) for line in block_code]
+        block_code = [out for line in block_code for out in (
+            self.inline_phase(line, pt) if line.lstrip().startswith("@INLINE ") else
+            [line.replace("@ARGS@", self.phase_args())
+             .replace("@VARGS@", ", ".join(self.vector_params()))])]
         nj = (f"dict(nogil=True, cache=True, fastmath={self.opt.fastmath}, "
               f"boundscheck=False, error_model='numpy')")
         lines = [
@@ -1217,23 +1276,16 @@ class _Lowering:
             "import numpy as np",
             "from numba import njit",
             "from firmware.intrinsics import (_rt_abort_word, _rt_atomic_add, _rt_floor, "
-            "_rt_index, _rt_int, _rt_opaque, _rt_pow, _rt_shl, _rt_shr)",
+            "_rt_index, _rt_int, _rt_oob, _rt_opaque, _rt_pow, _rt_shl, _rt_shr, _rt_uindex)",
             *(["from firmware.matrix import _rt_gemm, _rt_span"] if uses_mma else []),
             "",
             f"_NJ = {nj}",
             "",
             "",
-            "@njit(**_NJ)",
-            "def _miss(fault, pos, idx, shape):",
-            "    if fault[0] == 0:",
-            f"        fault[0] = {FAULT_BOUNDS}",
-            "        fault[1] = pos",
-            f"        fault[{FAULT_NDIM}] = len(idx)",
-            "        for d in range(len(idx)):",
-            f"            fault[{FAULT_INDEX} + d] = idx[d]",
-            f"            fault[{FAULT_SHAPE} + d] = shape[d]",
-            "",
         ]
+        ndims = {buffer_ndim(k, n) for n in [*k.buffers, *k.shared]} | ({2} if uses_mma else set())
+        for n in sorted(ndims):
+            lines += _miss_helper(n)
         if uses_mma:
             lines += matrix.helper_source(ABORT_PREEMPT, FAULT_ABORT).splitlines()
         if self.managed:
@@ -1245,10 +1297,11 @@ class _Lowering:
                 lines += self.load_helper(name)
         # phase functions
         for i, (stmts, _in_loop) in enumerate(self.phases):
-            lines += self.phase_function(i, stmts, pt)
+            if i not in self.inlined:
+                lines += self.phase_function(i, stmts, pt)
             if i in self.vector_phases:
                 lines += self.vector_function(i, self.vector_phases[i], pt)
-            if i in self.fast_phases:
+            if i in self.fast_phases and i not in self.inlined:
                 self.fast = True
                 try:
                     lines += self.phase_function(i, stmts, pt, "_phf")
@@ -1260,7 +1313,10 @@ class _Lowering:
             + [a for p in self.managed for a in self.page_map(p)]
         lines += ["", "@njit(**_NJ)", f"def _grid({', '.join(sig)}):",
                   "    _nt = _ls0 * _ls1 * _ls2",
-                  "    _done = np.zeros(max(_nt, 1), np.uint8)", *self.whole_marks()]
+                  # which threads returned: only a kernel with a return needs it (an
+                  # allocation's numba implementation costs ~0.4 s of a first compile)
+                  *(["    _done = np.zeros(max(_nt, 1), np.uint8)"] if self.returns else []),
+                  *self.whole_marks()]
         for name, kind in pt.items():
             dt = "np.float64" if kind == "float" else "np.int64"
             lines.append(f"    _pt_{name} = np.zeros(max(_nt, 1), {dt})")
@@ -1293,32 +1349,23 @@ class _Lowering:
         dtype = buffer_dtype(self.k, name)
         zero = "False" if dtype == "bool" else f"np.{dtype}(0)"
         ivars = [f"i{d}" for d in range(ndim)]
-        conds = " or ".join(f"np.uint64(j{d}) >= np.uint64(a.shape[{d}])" for d in range(ndim))
+        conds = " or ".join(f"_rt_oob(j{d}, a.shape[{d}])" for d in range(ndim))
         jvars = ", ".join(f"j{d}" for d in range(ndim))
-        sub = ", ".join(f"np.uint64(_rt_opaque(j{d}))" for d in range(ndim))
+        sub = ", ".join(f"_rt_uindex(_rt_opaque(j{d}))" for d in range(ndim))
         pm = self.page_map(name)
         return ["", "@njit(**_NJ)",
                 f"def _ld_{name}(a, {', '.join(ivars)}, {', '.join(['fault', *pm])}):",
                 *[f"    j{d} = _rt_index(i{d})" for d in range(ndim)],
                 f"    if {conds}:",
-                f"        _miss(fault, {self.pos_of(name)}, ({jvars},), a.shape)",
+                f"        {_miss_call(self.pos_of(name), jvars.split(', '), 'a')}",
                 f"        return {zero}",
                 *self.mark(name, [jvars], "    ", "a"),
                 f"    return a[{sub}]", ""]
 
     def phase_function(self, i: int, stmts: list[ast.stmt], pt: dict[str, str],
                        prefix: str = "_ph") -> list[str]:
-        used = _names(stmts) & set(pt)
-        assigned = _assigned(stmts) & set(pt)
-        writeback = [f"_pt_{n}[_t] = {_u(n)}" for n in sorted(assigned)]
-        lines = ["", "@njit(**_NJ)", f"def {prefix}{i}({', '.join(self.phase_params())}):"]
-        for d in range(3):
-            lines.append(f"    _gid{d} = _g{d} * _ls{d} + _l{d}")
-        for n in sorted(used):
-            lines.append(f"    {_u(n)} = _pt_{n}[_t]")
-        lines += self.block(stmts, "    ", writeback)
-        lines += [f"    {w}" for w in writeback] + ["    return 0", ""]
-        return lines
+        return ["", "@njit(**_NJ)", f"def {prefix}{i}({', '.join(self.phase_params())}):",
+                *self.phase_body(stmts, pt, "    "), "    return 0", ""]
 
 
 #: The page-marking helpers of a module with managed buffers: a flat element index of a
@@ -1349,6 +1396,27 @@ def _mark_box(pm, po, isz, shape, lo, n):
             q //= n[d]
         pm[(po + flat * isz) >> 16:((po + (flat + n[last]) * isz - 1) >> 16) + 1] = 1
 """
+
+
+def _miss_helper(ndim: int) -> list[str]:
+    """``_miss<ndim>(fault, pos, j0.., s0..)``: record a bounds miss (the first one only)
+    of buffer ``pos`` at index ``j`` of shape ``s`` (layout: FAULT_NDIM and below). One per
+    number of dimensions, of scalars: numba compiles a helper taking tuples, or a literal
+    position, once per distinct call (~0.2 s each, measured), this once per module."""
+    js = [f"j{d}" for d in range(ndim)]
+    ss = [f"s{d}" for d in range(ndim)]
+    return ["", "@njit(**_NJ)", f"def _miss{ndim}(fault, pos, {', '.join(js + ss)}):",
+            "    if fault[0] == 0:", f"        fault[0] = {FAULT_BOUNDS}",
+            "        fault[1] = pos", f"        fault[{FAULT_NDIM}] = {ndim}",
+            *[f"        fault[{FAULT_INDEX + d}] = j{d}" for d in range(ndim)],
+            *[f"        fault[{FAULT_SHAPE + d}] = s{d}" for d in range(ndim)], ""]
+
+
+def _miss_call(pos: int, ivars: list[str], array: str) -> str:
+    """The call of the miss helper for an access of ``array`` at ``ivars`` (``pos`` goes
+    as an int64, not a literal: see _miss_helper)."""
+    shape = [f"{array}.shape[{d}]" for d in range(len(ivars))]
+    return f"_miss{len(ivars)}(fault, np.int64({pos}), {', '.join(ivars + shape)})"
 
 
 def _join(*kinds: str) -> str:

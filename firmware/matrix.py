@@ -178,10 +178,10 @@ def _mma_tile_miss(fault, pos, rows, cols, r0, nr, c0, nc):
     miss recorded as the tile corner that does not (its start when anything is negative,
     else its far end)."""
     if nr < 0 or nc < 0 or r0 < 0 or c0 < 0:
-        _miss(fault, pos, (r0, c0), (rows, cols))
+        _miss2(fault, pos, r0, c0, rows, cols)
         return True
     if r0 > rows or nr > rows - r0 or c0 > cols or nc > cols - c0:
-        _miss(fault, pos, (_mma_far(r0, nr), _mma_far(c0, nc)), (rows, cols))
+        _miss2(fault, pos, _mma_far(r0, nr), _mma_far(c0, nc), rows, cols)
         return True
     return False
 

@@ -287,14 +287,22 @@ def _phase_source(source: str, fn: str) -> str:
     return source.split(f"def {fn}(")[1].split("@njit")[0]
 
 
+def _fast_and_checked(source: str) -> tuple[str, str]:
+    """A one-phase kernel's two thread loops, inlined in ``_grid``: the one run under the
+    block's range checks, then the checked one (the ``else`` of those checks)."""
+    fast, checked = source.split("def _grid(")[1].split("\n        else:\n", 1)
+    return fast, checked
+
+
 def test_affine_accesses_are_range_checked_once_per_block(cache: KernelCache) -> None:
     # saxpy's accesses are all global_id(0) (+ a scalar offset): the block checks their
     # range once and runs a thread loop without per-element checks.
     for ir, types in ((SAXPY, SAXPY_T), (SHIFT, SHIFT_T)):
         src = cache.get(ir, types, Options()).source
-        assert "_miss(" not in _phase_source(src, "_phf0")
-        assert "_miss(" in _phase_source(src, "_ph0")  # the fallback keeps its checks
-        assert "if _phf0(" in src and "if _ph0(" in src
+        fast, checked = _fast_and_checked(src)
+        assert "_miss1(" not in fast
+        assert "_miss1(" in checked  # the fallback keeps its checks
+        assert "def _ph" not in src  # small phases are written into the thread loops
     assert "u_off < " in cache.get(SHIFT, SHIFT_T, Options()).source  # offset bounded
     # a gather is not affine: that load keeps its per-element check in the fast variant
     gather = ir_of("""
@@ -303,11 +311,32 @@ def test_affine_accesses_are_range_checked_once_per_block(cache: KernelCache) ->
             out[i] = x[idx[i]]
     """)
     src = cache.get(gather, ("float32[1d]", "int64[1d]", "float32[1d]"), Options()).source
-    fast = _phase_source(src, "_phf0")
-    assert "_miss(fault, 0," in fast and "_miss(fault, 1," not in fast \
-        and "_miss(fault, 2," not in fast
+    fast, _ = _fast_and_checked(src)
+    assert "_miss1(fault, np.int64(0)," in fast and "np.int64(1)" not in fast \
+        and "np.int64(2)" not in fast
+
+
+def test_a_large_phase_stays_a_function_with_both_variants(cache: KernelCache) -> None:
+    """Past _INLINE_NODES a phase is compiled as functions (numba's SSA work grows faster
+    than linearly inlined): the range-checked ``_phf0`` and the checked ``_ph0``, which
+    still compute the same values."""
+    chain = "".join(f"\n        {'if' if c == 0 else 'elif'} op == {c}:\n"
+                    f"            out[i] = x[i] * {c}.0 + {c}.5 - x[i] / {c + 1}.0"
+                    for c in range(24))
+    ir = ir_of("def chain(x, out, op):\n    i = global_id(0)\n"
+               "    if i < out.size:" + chain + "\n")
+    src = cache.get(ir, ("float64[1d]", "float64[1d]", "int64"), Options()).source
+    assert "_miss1(" not in _phase_source(src, "_phf0")
+    assert "_miss1(" in _phase_source(src, "_ph0")
+    assert "if _phf0(" in src and "if _ph0(" in src
+    k = cache.get(ir, ("float64[1d]", "float64[1d]", "int64"), Options())
+    x = np.arange(300, dtype=np.float64)
+    out = np.zeros(300)
+    assert k.run(0, 2, (2, 1, 1), (256, 1, 1), [x, out, np.int64(7)], no_abort()) == 2
+    np.testing.assert_array_equal(out, x * 7.0 + 7.5 - x / 8.0)
+
     # without bounds checks there is nothing to hoist
-    assert "_phf0" not in jit.lower(SAXPY, SAXPY_T, Options(boundscheck=False))
+    assert "else:" not in jit.lower(SAXPY, SAXPY_T, Options(boundscheck=False))
 
 
 def test_affine_miss_in_one_block_still_faults_with_the_index(cache: KernelCache) -> None:

