@@ -1120,7 +1120,7 @@ class _Lowering:
         """``_phv<i>``: the phase for a whole block, interchanged loops outside, thread
         loops (innermost over ``local_id(0)``) inside; only run when the block's range
         checks passed (or without bounds checks), so its accesses are unchecked."""
-        lines = ["", "@njit(**_NJ)", f"def _phv{i}({', '.join(self.vector_params())}):"]
+        lines = ["", "@njit(**_NJI)", f"def _phv{i}({', '.join(self.vector_params())}):"]
         self.fast = True
         try:
             lines += self.vector_items(items, "    ", pt, i)
@@ -1280,6 +1280,9 @@ class _Lowering:
             *(["from firmware.matrix import _rt_gemm, _rt_span"] if uses_mma else []),
             "",
             f"_NJ = {nj}",
+            # every function but _grid is called from compiled code only: no CPython or C
+            # wrapper (numba builds both per function, ~0.2 s of each first compile)
+            "_NJI = dict(_NJ, no_cpython_wrapper=True, no_cfunc_wrapper=True)",
             "",
             "",
         ]
@@ -1338,7 +1341,10 @@ class _Lowering:
                 size = np.dtype(dtype).itemsize
                 lines.append(f"        {_u(name)} = _dsh[:_dyn // {size} * {size}].view({np_dt})")
             else:
-                lines.append(f"        {_u(name)} = np.zeros({shape!r}, {np_dt})")
+                # a 1-D array by its length: np.zeros of an int is the per-thread arrays'
+                # implementation, already compiled (each signature costs ~0.3 s once)
+                dims = shape[0] if len(shape) == 1 else shape
+                lines.append(f"        {_u(name)} = np.zeros({dims!r}, {np_dt})")
         lines += block_code
         lines += ["    return block_hi", ""]
         return "\n".join(lines)
@@ -1353,7 +1359,7 @@ class _Lowering:
         jvars = ", ".join(f"j{d}" for d in range(ndim))
         sub = ", ".join(f"_rt_uindex(_rt_opaque(j{d}))" for d in range(ndim))
         pm = self.page_map(name)
-        return ["", "@njit(**_NJ)",
+        return ["", "@njit(**_NJI)",
                 f"def _ld_{name}(a, {', '.join(ivars)}, {', '.join(['fault', *pm])}):",
                 *[f"    j{d} = _rt_index(i{d})" for d in range(ndim)],
                 f"    if {conds}:",
@@ -1364,7 +1370,7 @@ class _Lowering:
 
     def phase_function(self, i: int, stmts: list[ast.stmt], pt: dict[str, str],
                        prefix: str = "_ph") -> list[str]:
-        return ["", "@njit(**_NJ)", f"def {prefix}{i}({', '.join(self.phase_params())}):",
+        return ["", "@njit(**_NJI)", f"def {prefix}{i}({', '.join(self.phase_params())}):",
                 *self.phase_body(stmts, pt, "    "), "    return 0", ""]
 
 
@@ -1372,7 +1378,7 @@ class _Lowering:
 #: C-order buffer -> its byte -> its 64 KiB page (``po``: the buffer's first byte's offset
 #: in its first page); a box of indices is marked row by row (rows are contiguous).
 _MARK_HELPERS = """
-@njit(**_NJ)
+@njit(**_NJI)
 def _mark(pm, po, isz, shape, idx):
     flat = 0
     for d in range(len(idx)):
@@ -1405,7 +1411,7 @@ def _miss_helper(ndim: int) -> list[str]:
     position, once per distinct call (~0.2 s each, measured), this once per module."""
     js = [f"j{d}" for d in range(ndim)]
     ss = [f"s{d}" for d in range(ndim)]
-    return ["", "@njit(**_NJ)", f"def _miss{ndim}(fault, pos, {', '.join(js + ss)}):",
+    return ["", "@njit(**_NJI)", f"def _miss{ndim}(fault, pos, {', '.join(js + ss)}):",
             "    if fault[0] == 0:", f"        fault[0] = {FAULT_BOUNDS}",
             "        fault[1] = pos", f"        fault[{FAULT_NDIM}] = {ndim}",
             *[f"        fault[{FAULT_INDEX + d}] = j{d}" for d in range(ndim)],

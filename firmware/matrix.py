@@ -164,7 +164,7 @@ def _rt_span(typingctx: Any, ary: Any) -> Any:
 #: of two non-negative values, and the reported far corner saturates. Once a tile passes,
 #: every offset below is inside an existing array (at most its element count).
 HELPER = '''
-@njit(**_NJ)
+@njit(**_NJI)
 def _mma_far(start, extent):
     """start + extent - 1 for start, extent >= 0, saturated at 2**63-1 (a fault record)."""
     if extent - 1 > 9223372036854775807 - start:
@@ -172,7 +172,7 @@ def _mma_far(start, extent):
     return start + (extent - 1)
 
 
-@njit(**_NJ)
+@njit(**_NJI)
 def _mma_tile_miss(fault, pos, rows, cols, r0, nr, c0, nc):
     """False when [r0, r0+nr) x [c0, c0+nc) lies in a rows x cols matrix; else True, the
     miss recorded as the tile corner that does not (its start when anything is negative,
@@ -186,7 +186,7 @@ def _mma_tile_miss(fault, pos, rows, cols, r0, nr, c0, nc):
     return False
 
 
-@njit(**_NJ)
+@njit(**_NJI)
 def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, fn, abort, fault, pc, pa, pb):
     for arr, pos, r0, nr, q0, nq in ((c, pc, row, tm, col, tn), (a, pa, row, tm, k0, tk),
                                       (b, pb, k0, tk, col, tn)):
