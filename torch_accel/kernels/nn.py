@@ -61,7 +61,7 @@ SOURCE = f"""def activation_backward(out, grad, x, op: 'int64', p0, n: 'int64'):
     if i < n:
         g = grad[i]
         v = x[i]
-{L.dispatch(_BACKWARD, " " * 8)}
+{L.dispatch_store(_BACKWARD, " " * 8, "0.0")}
 
 
 def softmax(out, x, n: 'int64', logf: 'int64'):
