@@ -358,7 +358,9 @@ class _Lowering:
         self.stop = "return 1"
         self.done = "return 0"
         self.fast_phases: set[int] = set()
-        self.inlined: set[int] = set()  # phases written into the block's thread loops
+        #: phases written into the block's thread loops, by their placeholder line's
+        #: token: (phase, range-checked variant)
+        self.inline_sites: dict[str, tuple[int, bool]] = {}
         self.def_guards: dict[str, list[str]] = {}
         self.def_values: dict[str, ast.expr] = {}  # affine locals assigned once -> value
         self.carried: dict[str, _Affine] = {}  # ... at the kernel body's top level
@@ -733,8 +735,9 @@ class _Lowering:
         stmts, _ = self.phases[idx]
         if sum(1 for s in stmts for _ in ast.walk(s)) <= self._INLINE_NODES and not contains(
                 stmts, lambda n: isinstance(n, (ast.For, ast.While))):
-            self.inlined.add(idx)
-            return [f"{ind}@INLINE {idx} {'_phf' if fn.startswith('_phf') else '_ph'}@"]
+            token = f"@INLINE{len(self.inline_sites)}@"
+            self.inline_sites[token] = (idx, fn.startswith("_phf"))
+            return [ind + token]
         inner = ind + " " * 12
         return self.threads(ind, [f"{inner}if {fn}(@ARGS@) != 0:", f"{inner}    return _blk"],
                             idx)
@@ -758,13 +761,13 @@ class _Lowering:
         wrappers, an LLVM module, re-optimised in every caller): one function fewer per
         phase variant halved ``where``'s first compile (docs/kernels.md, "Compile time")."""
         ind = line[:len(line) - len(line.lstrip())]
-        idx_text, variant = line.strip().strip("@").split()[1:]
-        idx = int(idx_text)
-        self.fast, self.stop, self.done = variant == "_phf", "return _blk", "continue"
+        idx, fast = self.inline_sites[line.strip()]
+        saved = self.fast, self.stop, self.done
+        self.fast, self.stop, self.done = fast, "return _blk", "continue"
         try:
             body = self.phase_body(self.phases[idx][0], pt, ind + " " * 12)
         finally:
-            self.fast, self.stop, self.done = False, "return 1", "return 0"
+            self.fast, self.stop, self.done = saved
         return self.threads(ind, body, idx)
 
     def phase_body(self, stmts: list[ast.stmt], pt: dict[str, str], ind: str,
@@ -1264,7 +1267,7 @@ class _Lowering:
         # Calls were emitted before the uniform loop variables and per-thread arrays were
         # all known: fill in the (now final) argument list.
         block_code = [out for line in block_code for out in (
-            self.inline_phase(line, pt) if line.lstrip().startswith("@INLINE ") else
+            self.inline_phase(line, pt) if line.strip() in self.inline_sites else
             [line.replace("@ARGS@", self.phase_args())
              .replace("@VARGS@", ", ".join(self.vector_params()))])]
         nj = (f"dict(nogil=True, cache=True, fastmath={self.opt.fastmath}, "
@@ -1299,12 +1302,13 @@ class _Lowering:
             for name in sorted(loaded):
                 lines += self.load_helper(name)
         # phase functions
+        inlined = {idx for idx, _ in self.inline_sites.values()}
         for i, (stmts, _in_loop) in enumerate(self.phases):
-            if i not in self.inlined:
+            if i not in inlined:
                 lines += self.phase_function(i, stmts, pt)
             if i in self.vector_phases:
                 lines += self.vector_function(i, self.vector_phases[i], pt)
-            if i in self.fast_phases and i not in self.inlined:
+            if i in self.fast_phases and i not in inlined:
                 self.fast = True
                 try:
                     lines += self.phase_function(i, stmts, pt, "_phf")
@@ -1356,16 +1360,16 @@ class _Lowering:
         zero = "False" if dtype == "bool" else f"np.{dtype}(0)"
         ivars = [f"i{d}" for d in range(ndim)]
         conds = " or ".join(f"_rt_oob(j{d}, a.shape[{d}])" for d in range(ndim))
-        jvars = ", ".join(f"j{d}" for d in range(ndim))
+        js = [f"j{d}" for d in range(ndim)]
         sub = ", ".join(f"_rt_uindex(_rt_opaque(j{d}))" for d in range(ndim))
         pm = self.page_map(name)
         return ["", "@njit(**_NJI)",
                 f"def _ld_{name}(a, {', '.join(ivars)}, {', '.join(['fault', *pm])}):",
                 *[f"    j{d} = _rt_index(i{d})" for d in range(ndim)],
                 f"    if {conds}:",
-                f"        {_miss_call(self.pos_of(name), jvars.split(', '), 'a')}",
+                f"        {_miss_call(self.pos_of(name), js, 'a')}",
                 f"        return {zero}",
-                *self.mark(name, [jvars], "    ", "a"),
+                *self.mark(name, [", ".join(js)], "    ", "a"),
                 f"    return a[{sub}]", ""]
 
     def phase_function(self, i: int, stmts: list[ast.stmt], pt: dict[str, str],

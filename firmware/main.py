@@ -139,7 +139,7 @@ class Firmware:
         self.sched.contexts = self.contexts
         self.sched.on_fault = self._report_fault
         self._poller.register(self.sched.wake_fd, select.POLLIN)
-        if _has_entries(self.jit_cache_dir):
+        if has_cache_entries(self.jit_cache_dir):
             self.sched.kernels.warm_up()  # kernels ran here before: have the JIT ready
         self.mbx.set_versions(img.version, str(img.manifest["isa_version"]))
         self.mbx.beat(time.monotonic_ns())
@@ -460,7 +460,7 @@ class Firmware:
             self._drain_fd(self.doorbell_fd)
 
 
-def _has_entries(cache_dir: str) -> bool:
+def has_cache_entries(cache_dir: str | os.PathLike[str]) -> bool:
     """Whether the persistent kernel cache holds anything (its entries live in
     two-character shard directories). Then the JIT warms up at boot, off the hot path:
     a firmware on a machine that never ran a kernel does not pay for numba."""

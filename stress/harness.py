@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from abi import faults, uapi
+from firmware.main import has_cache_entries
 from kmod_emul import daemon as kdaemon
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,7 +69,7 @@ class Daemon:
     warms_at_boot: bool = field(default=False, init=False)
 
     def start(self, check: bool = True) -> subprocess.CompletedProcess[str]:
-        self.warms_at_boot = _has_entries(self.jit_cache_dir)
+        self.warms_at_boot = has_cache_entries(self.jit_cache_dir)
         cmd = [sys.executable, "-m", "tools.accel_emud", "--root", str(self.root),
                "--devices", str(self.devices), "--memory", "256M",
                "--state-dir", str(self.state_dir), "--firmware-dir", str(self.firmware_dir),
@@ -185,14 +186,6 @@ def _fw_pid(d, dev: int) -> int:
     return int(text) if text.isdigit() else -1
 
 
-def _has_entries(cache: Path) -> bool:
-    """The firmware's own test for warming up at boot: an entry's shard directory."""
-    try:
-        return any(p.is_dir() and len(p.name) == 2 for p in cache.iterdir())
-    except OSError:
-        return False
-
-
 def settle(d, timeout: float = 60.0) -> None:
     """Wait out a boot-time JIT warm-up (``jit_ready`` turns 1 when it ends): while numba
     loads, the firmware's descriptor count flickers by one (measured: 11/12 for ~0.7 s on
@@ -208,7 +201,13 @@ def settle(d, timeout: float = 60.0) -> None:
 
 
 def snapshot(d) -> Snapshot:
+    """A baseline: the processes, descriptors, books and /dev/shm once the firmware has
+    settled (see settle)."""
     settle(d)
+    return _now(d)
+
+
+def _now(d) -> Snapshot:
     fw = [_fw_pid(d, i) for i in range(d.devices)]
     return Snapshot(d.pid, fw, fd_count(d.pid), [fd_count(p) if p > 0 else 0 for p in fw],
                     [{k: d.attr(i, k) for k in BOOKS} for i in range(d.devices)],
@@ -225,7 +224,7 @@ def assert_contained(d, before: Snapshot, timeout: float = 30.0,
     kept = [i for i in range(d.devices) if i not in reset]
     deadline = time.monotonic() + timeout
     while True:
-        now = snapshot(d)
+        now = _now(d)  # polled: the baseline settled already
         states = [d.attr(i, "state") for i in range(d.devices)]
         problems = []
         if (now.daemon_pid, [now.fw_pids[i] for i in kept]) != (
