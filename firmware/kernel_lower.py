@@ -722,8 +722,8 @@ class _Lowering:
     #: 1.3-1.4, ``binary_f`` (352) 2.9-3.9 -> 3.0-3.6, ``unary_f`` (1,209) 6.5-7.5 ->
     #: 9.3-9.5. A phase with a loop stays a function too: inlined, the loop's exits (the
     #: abort check's ``return _blk``) leave four loops at once, and LLVM optimised such
-    #: loops worse (bench ``kernels``, same hour: softmax rows 1.73x -> 3.15x numpy,
-    #: tiled gemm 30x -> 117x).
+    #: loops worse (bench ``kernels``, old and new lowering in consecutive runs: softmax
+    #: rows 1.73x -> 3.15x numpy, tiled gemm 30x -> 117x).
     _INLINE_NODES = 250
 
     def thread_loop_text(self, fn: str, idx: int, ind: str) -> list[str]:
