@@ -332,6 +332,18 @@ class _VLoop:
     items: list[Any]
 
 
+class _Shift(ast.NodeTransformer):
+    """Reads of loop variable ``var`` as ``var + by`` (an unroll-and-jam copy)."""
+
+    def __init__(self, var: str, by: int) -> None:
+        self.var, self.by = var, by
+
+    def visit_Name(self, n: ast.Name) -> ast.AST:
+        if n.id != self.var or not isinstance(n.ctx, ast.Load):
+            return n
+        return ast.BinOp(n, ast.Add(), ast.Constant(self.by))
+
+
 def _segments(items: list[Any]) -> list[_Segment]:
     return [s for it in items
             for s in ([it] if isinstance(it, _Segment) else _segments(it.items))]
@@ -364,6 +376,8 @@ class _Lowering:
         self.def_guards: dict[str, list[str]] = {}
         self.def_values: dict[str, ast.expr] = {}  # affine locals assigned once -> value
         self.carried: dict[str, _Affine] = {}  # ... at the kernel body's top level
+        #: phase -> the carried affine locals defined before it (recomputed, not loaded)
+        self.carried_before: dict[int, dict[str, _Affine]] = {}
         self.vector_phases: dict[int, list[Any]] = {}  # phase -> its vectorised form
         self.vector_locals: set[str] = set()  # locals vectorised phases keep per thread
         self.stores: dict[str, int] = {}
@@ -556,6 +570,8 @@ class _Lowering:
             out.append(f"{ind}{v} = {self.conversion(call.args[0])}({value})")
             out.append(f"{ind}_rt_atomic_add({_u(name)}, ({', '.join(ivars)},), {v})")
             return out
+        if isinstance(s, ast.If) and self.selectable(s):
+            return self.select(s, ind)
         if isinstance(s, ast.If):
             test, loads = self.hexpr(s.test, ind, out)
             if loads:
@@ -596,6 +612,70 @@ class _Lowering:
         if isinstance(s, (ast.Break, ast.Continue, ast.Pass)):
             return [f"{ind}{type(s).__name__.lower()}"]
         raise reject(s, f"{type(s).__name__} cannot be lowered")
+
+    def selectable(self, s: ast.If) -> bool:
+        """Whether ``if c: t = x else: t = y`` may run as ``t = x if c else y`` with both
+        values computed first (a select, which LLVM vectorises; a branch around a load it
+        cannot): in a block's range-checked variant, where every load of ``x`` and ``y`` is
+        an access whose range the block checked whatever the guards (so a load the guard
+        would have skipped is in range), the values are loads, names, constants, ``+ - *``
+        of them, both float (an int and a uint64 would unify to float64), and the target
+        is the same local or block-checked element in both."""
+        if not (self.fast and self.checked and len(s.body) == 1 and len(s.orelse) == 1):
+            return False
+        a, b = s.body[0], s.orelse[0]
+        if not (isinstance(a, ast.Assign) and isinstance(b, ast.Assign)
+                and len(a.targets) == 1 and len(b.targets) == 1
+                and ast.dump(a.targets[0]) == ast.dump(b.targets[0])):
+            return False
+        t = a.targets[0]
+        if not (isinstance(t, ast.Name) or (getattr(t, "_aff", False)
+                                            and getattr(b.targets[0], "_aff", False))):
+            return False
+        kinds = self.infer_kinds()
+        return all(self.speculable(v) and self.kind(v, kinds) == "float"
+                   for v in (a.value, b.value))
+
+    def speculable(self, e: ast.AST) -> bool:
+        """An expression without effects or faults: constants, names, thread ids,
+        block-checked loads, ``buf.shape[k]``, unary minus and ``+ - *``."""
+        for n in ast.walk(e):
+            if isinstance(n, ast.Subscript):
+                if not (isinstance(n.value, ast.Attribute) or getattr(n, "_aff", False)):
+                    return False
+            elif isinstance(n, ast.BinOp):
+                if not isinstance(n.op, (ast.Add, ast.Sub, ast.Mult)):
+                    return False
+            elif isinstance(n, ast.UnaryOp):
+                if not isinstance(n.op, (ast.USub, ast.UAdd)):
+                    return False
+            elif isinstance(n, ast.Call):
+                if not (isinstance(n.func, ast.Name) and n.func.id in ID_BUILTINS):
+                    return False
+            elif not isinstance(n, (ast.Constant, ast.Name, ast.Attribute, ast.Tuple,
+                                    ast.expr_context, ast.operator, ast.unaryop)):
+                return False
+        return True
+
+    def select(self, s: ast.If, ind: str) -> list[str]:
+        """A selectable ``if`` (see selectable): both values, then one assignment."""
+        out: list[str] = []
+        a, b = s.body[0], s.orelse[0]
+        assert isinstance(a, ast.Assign) and isinstance(b, ast.Assign)
+        values = []
+        for v in (a.value, b.value):
+            text, _ = self.hexpr(v, ind, out)  # block-checked loads: nothing to check
+            name = self.fresh("s")
+            out.append(f"{ind}{name} = {text}")
+            values.append(name)
+        test, loads = self.hexpr(s.test, ind, out)
+        if loads:
+            c = self.fresh("c")
+            out += [f"{ind}{c} = {test}"] + self.fault_check(ind)
+            test = c
+        tgt = self.target(a.targets[0], ind, out)
+        conv = self.conversion(a.targets[0])
+        return out + [f"{ind}{tgt} = {conv}({values[0]} if {test} else {values[1]})"]
 
     def mma(self, call: ast.Call, ind: str) -> list[str]:
         """The matrix unit's call: operands, then the seven scalar arguments evaluated
@@ -683,6 +763,7 @@ class _Lowering:
         idx = len(self.phases)
         self.phases.append((stmts, in_loop))
         before = dict(self.carried)
+        self.carried_before[idx] = before
         conds = self.affine_ranges(stmts, top)
         if not self.checked:
             conds = []
@@ -765,10 +846,28 @@ class _Lowering:
         saved = self.fast, self.stop, self.done
         self.fast, self.stop, self.done = fast, "return _blk", "continue"
         try:
-            body = self.phase_body(self.phases[idx][0], pt, ind + " " * 12)
+            body = self.phase_body(self.phases[idx][0], pt, ind + " " * 12,
+                                   *self.recomputed(idx, ind + " " * 12))
         finally:
             self.fast, self.stop, self.done = saved
         return self.threads(ind, body, idx)
+
+    def recomputed(self, idx: int, ind: str) -> tuple[frozenset[str], tuple[str, ...]]:
+        """The affine locals phase ``idx`` recomputes from the thread's ids instead of
+        loading them from their per-thread arrays (those defined once at the kernel's top
+        level in an earlier phase, ``tx = local_id(0)``, ``row = group_id(1) * 16 + ty``),
+        as phase_body's ``keep`` and ``pre``. The loop over the threads then sees them as
+        functions of ``_l0``, so LLVM can vectorise it (tiled ``gemm``'s tile loads:
+        docs/kernels.md, "Vectorised phases")."""
+        before = self.carried_before.get(idx, {})
+        stmts = self.phases[idx][0]
+        used = (_names(stmts) & self.k.locals) - _assigned(stmts)
+        pre: list[str] = []
+        names = self.remat(used, set(before), list(before))
+        for n in names:
+            text, _ = self.hexpr(self.def_values[n], ind, pre)
+            pre.append(f"{ind}{_u(n)} = ({text})")
+        return frozenset(names), tuple(pre)
 
     def phase_body(self, stmts: list[ast.stmt], pt: dict[str, str], ind: str,
                    keep: frozenset[str] = frozenset(), pre: tuple[str, ...] = ()) -> list[str]:
@@ -1145,10 +1244,53 @@ class _Lowering:
                 r = self.fresh("r")
                 out.append(f"{ind}{r} = {text}")
                 names.append(r)
-            out.append(f"{ind}for {_u(s.target.id)} in range({', '.join(names)}):")
-            out += self.abort_check(ind + "    ", self.stop)
-            out += self.vector_items(it.items, ind + "    ", pt, idx)
+            var = _u(s.target.id)
+            jam = self.jammed(it)
+            if jam is None:
+                out.append(f"{ind}for {var} in range({', '.join(names)}):")
+                out += self.abort_check(ind + "    ", self.stop)
+                out += self.vector_items(it.items, ind + "    ", pt, idx)
+                continue
+            # unroll-and-jam: JAM iterations per pass of the thread loops, the rest after
+            lo, hi = (names[0], names[1]) if len(names) > 1 else ("0", names[0])
+            step = const_int(s.iter.args[2]) if len(names) == 3 else 1
+            split = self.fresh("r")
+            out.append(f"{ind}{split} = {lo} + len(range({', '.join(names)})) "
+                       f"// {self._JAM} * {self._JAM * step}")
+            for rng, seg in ((f"{lo}, {split}, {self._JAM * step}", jam),
+                             (f"{split}, {hi}, {step}", it.items[0])):
+                out.append(f"{ind}for {var} in range({rng}):")
+                out += self.abort_check(ind + "    ", self.stop)
+                out += self.segment(seg, ind + "    ", pt, idx)
         return out
+
+    #: Iterations of an interchanged loop run per pass of the thread loops (unroll-and-jam),
+    #: and the largest loop body (syntax-tree nodes) so unrolled.
+    _JAM = 4
+    _JAM_NODES = 80
+
+    def jammed(self, it: "_VLoop") -> "_Segment | None":
+        """The segment running ``_JAM`` iterations of an interchanged loop whose body is one
+        small thread loop and whose step is a constant: the body once per iteration, the
+        loop variable ``v`` read as ``v + m * step``. Each thread still runs its
+        iterations in order (the same arithmetic, bit for bit); what changes is that its
+        per-thread locals (``gemm``'s accumulator) are loaded and stored once per
+        ``_JAM`` iterations instead of every one (docs/kernels.md, "Vectorised phases")."""
+        s = it.loop
+        if len(it.items) != 1 or not isinstance(it.items[0], _Segment):
+            return None
+        if len(s.iter.args) == 3 and not const_int(s.iter.args[2]):  # type: ignore
+            return None  # a step that is not a constant (or is 0: range raises)
+        seg = it.items[0]
+        if sum(1 for st in seg.stmts for _ in ast.walk(st)) > self._JAM_NODES:
+            return None
+        step = const_int(s.iter.args[2]) if len(s.iter.args) == 3 else 1  # type: ignore
+        var = s.target.id  # type: ignore[attr-defined]
+        stmts: list[ast.stmt] = []
+        for m in range(self._JAM):
+            for st in copy.deepcopy(seg.stmts):
+                stmts.append(_Shift(var, m * step).visit(st) if m else st)
+        return _Segment(stmts, seg.loop_vars, seg.remat)
 
     def segment(self, seg: "_Segment", ind: str, pt: dict[str, str], idx: int) -> list[str]:
         """One thread loop of a vectorised phase: recomputed affine locals, per-thread
@@ -1375,7 +1517,8 @@ class _Lowering:
     def phase_function(self, i: int, stmts: list[ast.stmt], pt: dict[str, str],
                        prefix: str = "_ph") -> list[str]:
         return ["", "@njit(**_NJI)", f"def {prefix}{i}({', '.join(self.phase_params())}):",
-                *self.phase_body(stmts, pt, "    "), "    return 0", ""]
+                *self.phase_body(stmts, pt, "    ", *self.recomputed(i, "    ")),
+                "    return 0", ""]
 
 
 #: The page-marking helpers of a module with managed buffers: a flat element index of a

@@ -258,3 +258,79 @@ def test_aliasing_dynamic_shared_arrays_keep_the_per_thread_order(cache: KernelC
     out = np.zeros(4)
     k.run(0, 1, (1, 1, 1), (4, 1, 1), [out, np.int64(4)], no_abort(), dynamic_shared=4 * 8)
     np.testing.assert_array_equal(out, [1.0, 3.0, 7.0, 15.0])  # vectorised: 1, 2, 3, 4
+
+
+STRIDED_SUM = ir_of("""
+    def strided(x, out, lo, hi):
+        t = local_id(0)
+        acc = 0.0
+        for k in range(lo, hi, 3):
+            acc += x[k, t]
+        out[global_id(0)] = acc
+""", {"x": 2})
+STEP_PARAM = ir_of("""
+    def by_step(x, out, n, step):
+        t = local_id(0)
+        acc = 0.0
+        for k in range(0, n, step):
+            acc += x[k, t]
+        out[global_id(0)] = acc
+""", {"x": 2})
+
+
+def test_unroll_and_jam_keeps_each_threads_order(cache: KernelCache) -> None:
+    # four iterations per pass of the thread loops, then the remainder one by one: each
+    # thread still adds its terms in loop order, so the rounding is the per-thread form's
+    k = cache.get(STRIDED_SUM, ("float64[2d]", "float64[1d]", "int64", "int64"), Options())
+    assert vectorised(k.source) == {0}
+    fn = k.source.split("def _phv0(")[1].split("@njit")[0]
+    assert "len(range(" in fn and "_rt_uindex(u_k + 9)" in fn and "u_k + 12" not in fn
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((40, 64)) * 10.0 ** rng.integers(-8, 8, (40, 64))
+    for lo, hi in ((0, 40), (1, 38), (2, 3), (5, 5), (7, 2), (0, 12)):  # 14, 13, 1, 0 trips
+        out = np.zeros(64)
+        k.run(0, 1, (1, 1, 1), (64, 1, 1), [x, out, np.int64(lo), np.int64(hi)], no_abort())
+        ref = np.zeros(64)
+        for kk in range(lo, hi, 3):
+            ref = ref + x[kk]
+        np.testing.assert_array_equal(out, ref)
+    s = cache.get(STEP_PARAM, ("float64[2d]", "float64[1d]", "int64", "int64"), Options())
+    assert vectorised(s.source) == {0} and "len(range(" not in s.source  # step unknown
+    out = np.zeros(64)
+    s.run(0, 1, (1, 1, 1), (64, 1, 1), [x, out, np.int64(40), np.int64(7)], no_abort())
+    np.testing.assert_array_equal(out, sum((x[j] for j in range(0, 40, 7)), np.zeros(64)))
+
+
+GUARDED_LOAD = ir_of("""
+    def guarded(x, out, n):
+        i = global_id(0)
+        if i < n:
+            v = x[i] * 2.0
+        else:
+            v = -1.0
+        out[i] = v
+""")
+
+
+def test_a_guarded_load_runs_as_a_select_where_the_block_checked_it(cache: KernelCache) -> None:
+    # in a block whose range check passed, the load the guard skips is in range anyway: it
+    # is made for every thread and the guard picks the value (a select, which vectorises)
+    k = cache.get(GUARDED_LOAD, ("float32[1d]", "float32[1d]", "int64"), Options())
+    assert " if u_i < u_n else " in k.source
+    x = np.arange(256, dtype=np.float32)
+    for n, nblocks in ((200, 4), (64, 2)):  # guard false for some threads of checked blocks
+        out = np.zeros(256, np.float32)
+        k.run(0, nblocks, (nblocks, 1, 1), (64, 1, 1), [x, out, np.int64(n)], no_abort())
+        want = np.where(np.arange(256) < n, x * 2, -1.0).astype(np.float32)
+        want[nblocks * 64:] = 0.0
+        np.testing.assert_array_equal(out, want)
+    # x shorter than the grid: the last block's check fails, its threads run checked, and
+    # the guard keeps them from x's missing elements (no fault)
+    short = np.arange(100, dtype=np.float32)
+    out = np.zeros(128, np.float32)
+    k.run(0, 2, (2, 1, 1), (64, 1, 1), [short, out, np.int64(100)], no_abort())
+    np.testing.assert_array_equal(out, np.where(np.arange(128) < 100,
+                                                np.r_[short, np.zeros(28, np.float32)] * 2, -1))
+    with pytest.raises(KernelFault) as ei:  # the guard lets an index past x: the same fault
+        k.run(0, 2, (2, 1, 1), (64, 1, 1), [short, out, np.int64(110)], no_abort())
+    assert (ei.value.kind, ei.value.param, ei.value.index, ei.value.block) == ("bounds", "x", 100, 1)
