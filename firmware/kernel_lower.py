@@ -61,6 +61,13 @@ Why the generated code looks the way it does
   Locals living across its thread loops are per-thread arrays of their exact numba type or
   affine locals recomputed per thread; stored buffers are accessed in one thread loop
   outside the interchanged loops, so every buffer sees its accesses in the old order.
+  An interchanged loop with a constant step and a small one-loop body runs 4 iterations
+  per pass of the thread loops (unroll-and-jam, each thread's order kept).
+* In every phase after the one defining it, a local assigned once at the kernel's top
+  level with an affine value is recomputed from the thread's ids rather than loaded from
+  its per-thread array; in a block's range-checked variant, ``if c: t = x else: t = y``
+  of float loads and arithmetic is a select (a load the guard skips is in range there),
+  so the thread loop can vectorise (docs/kernels.md, "Tile loads and register blocking").
 * ``shared_array``: allocated (zeroed) once per block at block level, passed to the
   phases. Bounds misses on it report the local's name as ``param``. ``dynamic_shared``
   arrays are views of one zeroed block of the launch's dynamic bytes (``_dyn``, a
