@@ -302,9 +302,9 @@ def test_unroll_and_jam_keeps_each_threads_order(cache: KernelCache) -> None:
 
 
 GUARDED_LOAD = ir_of("""
-    def guarded(x, out, n):
+    def guarded(x, out, m):
         i = global_id(0)
-        if i < n:
+        if local_id(0) < m:
             v = x[i] * 2.0
         else:
             v = -1.0
@@ -316,21 +316,85 @@ def test_a_guarded_load_runs_as_a_select_where_the_block_checked_it(cache: Kerne
     # in a block whose range check passed, the load the guard skips is in range anyway: it
     # is made for every thread and the guard picks the value (a select, which vectorises)
     k = cache.get(GUARDED_LOAD, ("float32[1d]", "float32[1d]", "int64"), Options())
-    assert " if u_i < u_n else " in k.source
+    assert " if _l0 < u_m else " in k.source
     x = np.arange(256, dtype=np.float32)
-    for n, nblocks in ((200, 4), (64, 2)):  # guard false for some threads of checked blocks
+    t = np.arange(256) % 64
+    for m in (64, 20, 0):  # the guard false for some threads of blocks that passed
         out = np.zeros(256, np.float32)
-        k.run(0, nblocks, (nblocks, 1, 1), (64, 1, 1), [x, out, np.int64(n)], no_abort())
-        want = np.where(np.arange(256) < n, x * 2, -1.0).astype(np.float32)
-        want[nblocks * 64:] = 0.0
-        np.testing.assert_array_equal(out, want)
+        k.run(0, 4, (4, 1, 1), (64, 1, 1), [x, out, np.int64(m)], no_abort())
+        np.testing.assert_array_equal(out, np.where(t < m, x * 2, -1.0).astype(np.float32))
     # x shorter than the grid: the last block's check fails, its threads run checked, and
     # the guard keeps them from x's missing elements (no fault)
     short = np.arange(100, dtype=np.float32)
     out = np.zeros(128, np.float32)
-    k.run(0, 2, (2, 1, 1), (64, 1, 1), [short, out, np.int64(100)], no_abort())
-    np.testing.assert_array_equal(out, np.where(np.arange(128) < 100,
-                                                np.r_[short, np.zeros(28, np.float32)] * 2, -1))
+    k.run(0, 2, (2, 1, 1), (64, 1, 1), [short, out, np.int64(36)], no_abort())
+    want = np.where(np.arange(128) % 64 < 36, np.r_[short, np.zeros(28, np.float32)] * 2, -1)
+    np.testing.assert_array_equal(out, want.astype(np.float32))
     with pytest.raises(KernelFault) as ei:  # the guard lets an index past x: the same fault
-        k.run(0, 2, (2, 1, 1), (64, 1, 1), [short, out, np.int64(110)], no_abort())
+        k.run(0, 2, (2, 1, 1), (64, 1, 1), [short, out, np.int64(40)], no_abort())
     assert (ei.value.kind, ei.value.param, ei.value.index, ei.value.block) == ("bounds", "x", 100, 1)
+
+
+BOUNDS_GUARD = ir_of("""
+    def add(x, y, n):
+        i = global_id(0)
+        if i < n:
+            x[i] += y[i]
+""")
+LOWER_GUARD = ir_of("""
+    def shift(out, x, k):
+        i = global_id(0)
+        if k <= i:
+            out[i] = x[i - k]
+""")
+LOCAL_GUARD = ir_of("""
+    def halves(x, out):
+        t = local_id(0)
+        v = 0.0
+        if t < 32:
+            v = x[global_id(0)]
+        out[global_id(0)] = v
+""")
+
+
+def fast_body(src: str) -> str:
+    """The thread loop the block runs when its range checks passed (the inlined phase)."""
+    return src.split("def _grid(")[1].split("        else:")[0]
+
+
+def test_a_bounds_guard_true_for_the_whole_block_is_checked_once(cache: KernelCache) -> None:
+    # if i < n: x[i] += y[i] -- a block whose last thread passes the guard runs without it
+    # (vectorised); the grid's edge block runs the checked per-thread loop
+    k = cache.get(BOUNDS_GUARD, ("float32[1d]", "float32[1d]", "int64"), Options())
+    fast = fast_body(k.source)
+    assert "< (u_n)" in fast and "if u_i < u_n" not in fast
+    for n, blocks in ((256, 4), (200, 4), (1, 1), (0, 2)):
+        x = np.zeros(256, np.float32)
+        y = np.arange(256, dtype=np.float32)
+        k.run(0, blocks, (blocks, 1, 1), (64, 1, 1), [x, y, np.int64(n)], no_abort())
+        np.testing.assert_array_equal(x, np.where(np.arange(256) < min(n, blocks * 64), y, 0))
+    # the guard lets threads past x: the same fault (first missing index, its block)
+    x = np.zeros(100, np.float32)
+    with pytest.raises(KernelFault) as ei:
+        k.run(0, 2, (2, 1, 1), (64, 1, 1), [x, np.zeros(128, np.float32), np.int64(128)],
+              no_abort())
+    assert (ei.value.kind, ei.value.param, ei.value.index, ei.value.block) == ("bounds", "x", 100, 1)
+    # a lower bound written either way round
+    s = cache.get(LOWER_GUARD, ("float32[1d]", "float32[1d]", "int64"), Options())
+    assert "if u_k <= u_i" not in fast_body(s.source)
+    for kk in (0, 3, 64, 70):
+        out = np.full(192, -1.0, np.float32)
+        xs = np.arange(192, dtype=np.float32)
+        s.run(0, 3, (3, 1, 1), (64, 1, 1), [out, xs, np.int64(kk)], no_abort())
+        want = np.where(np.arange(192) >= kk, np.arange(192) - kk, -1).astype(np.float32)
+        np.testing.assert_array_equal(out, want)
+
+
+def test_a_guard_on_local_ids_stays_per_thread(cache: KernelCache) -> None:
+    # if t < 32 holds for half of every block: kept as a branch, the block stays range-checked
+    k = cache.get(LOCAL_GUARD, ("float32[1d]", "float32[1d]"), Options())
+    assert "if u_t < 32" in fast_body(k.source)
+    x = np.arange(256, dtype=np.float32)
+    out = np.full(256, -1.0, np.float32)
+    k.run(0, 4, (4, 1, 1), (64, 1, 1), [x, out], no_abort())
+    np.testing.assert_array_equal(out, np.where(np.arange(256) % 64 < 32, x, 0))
