@@ -388,6 +388,7 @@ class _Lowering:
         self.carried_before: dict[int, dict[str, _Affine]] = {}
         self.vector_phases: dict[int, list[Any]] = {}  # phase -> its vectorised form
         self.vector_locals: set[str] = set()  # locals vectorised phases keep per thread
+        self._kinds: dict[str, str] | None = None  # infer_kinds, once per kernel
         self.stores: dict[str, int] = {}
         self.loads: dict[str, int] = {}
         #: managed buffer parameters (their accesses mark pages: see page_map)
@@ -1050,8 +1051,8 @@ class _Lowering:
         conds: dict[str, None] = {}
         for s in stmts:
             self.mark_affine(s, defs, {}, conds)
-            # a diamond is better a select (gemm's tile loads: 151-230 against 223-274 ms
-            # with the guard checked per block instead, one core, same run)
+            # a diamond is better left a select (gemm's tile loads: 151-230 against 223-274
+            # ms with the guard checked per block instead, one core, same run)
             held = self.holds_for_block(s.test, defs) \
                 if isinstance(s, ast.If) and not self.diamond(s) else None
             if held is not None:
@@ -1403,7 +1404,10 @@ class _Lowering:
 
     def infer_kinds(self) -> dict[str, str]:
         """'float' unless every value ever assigned to the local is an integer (or bool):
-        a conservative type for per-thread arrays, iterated to a fixed point."""
+        a conservative type for per-thread arrays, iterated to a fixed point. A function of
+        the kernel alone, computed once (every ``if`` of every phase asks, see diamond)."""
+        if self._kinds is not None:
+            return self._kinds
         k = self.k
         kinds: dict[str, str] = {n: "int" for n in k.locals}
         assigns: list[tuple[str, ast.AST | None, ast.operator | None]] = []
@@ -1428,6 +1432,7 @@ class _Lowering:
                 if kind == "float" and kinds.get(name) != "float":
                     kinds[name] = "float"
                     changed = True
+        self._kinds = kinds
         return kinds
 
     def kind(self, e: ast.AST, kinds: dict[str, str]) -> str:
