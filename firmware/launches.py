@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -68,6 +68,8 @@ class Kernels:
         self.capabilities = frozenset(config.get("capabilities", ()))
         self.watchdog_s = config.get("watchdog_ms", 10_000) / 1000
         self.deadlines: Deadlines | None = None
+        #: the abort word of the inline launches (one runs at a time, on the control loop)
+        self._inline_abort = np.zeros(1, np.int64)
         self._counters = counters
         self._wake = wake  # the scheduler's: a parked launch's module is ready
         self._jit_cache_dir = jit_cache_dir
@@ -138,9 +140,20 @@ class Kernels:
             if mod.error:
                 raise memory.Fault(0, mod.error)
             return PARKED
-        if (handle & 0xFFFF) >= len(mod.kernels):
+        index = handle & 0xFFFF
+        if index >= len(mod.kernels):
             raise memory.Fault(0, errno.EINVAL)
-        name, kir = mod.kernels[handle & 0xFFFF]
+        space = ring.ctx.space
+        try:
+            raw: bytes | None = _argument_block(space, args_va, args_len)
+        except memory.Fault:
+            raw = None  # raised below, after the checks that come first
+        bound = None if raw is None else mod.bound.get((index, raw, grid_w, block_w, dynamic))
+        if bound is not None and bound.generation == space.generation:
+            self._run_inline(bound, dynamic)
+            sched.tally.add("launches")
+            return None
+        name, kir = mod.kernels[index]
         static = kir.get("shared_mem", 0)
         if type(static) is not int or not 0 <= static <= self.max_shared \
                 or dynamic > self.max_shared - static:  # checked again against the source
@@ -149,23 +162,27 @@ class Kernels:
         threads = block[0] * block[1] * block[2]
         if min(grid) < 1 or min(block) < 1 or threads > self.max_threads:
             raise memory.Fault(0, errno.EINVAL)
-        if args_len > userq.ACCEL_ARGS_MAX:
-            raise memory.Fault(args_va, errno.EINVAL)
-        m, off = ring.ctx.space.resolve(args_va, args_len)
-        values, types, buffers, pages = bind_args(ring.ctx.space, self._plan(
-            mod, handle & 0xFFFF, kir, bytes(m.data[off : off + args_len])))
-        kernel = self._compiled(mod, handle & 0xFFFF, kir, types)
+        if raw is None:
+            raw = _argument_block(space, args_va, args_len)
+        generation = space.generation  # before binding: a change meanwhile binds again
+        values, types, buffers, pages = bind_args(space, self._plan(mod, index, kir, raw))
+        kernel = self._compiled(mod, index, kir, types)
         nblocks = grid[0] * grid[1] * grid[2]
         if nblocks * threads <= INLINE_THREADS and kernel is not None and kernel.inline_ok \
                 and (pages is None or managed.inline_ok(pages)):
             # small, compiled and statically bounded: no engine hand-off (no GIL ping-pong)
             if not kernel.capabilities <= self.capabilities:
                 raise memory.Fault(0, errno.EOPNOTSUPP)
+            bound = Bound(generation, name, kernel, buffers, values, nblocks, grid, block)
             try:
-                self._run_inline(name, buffers, kernel, nblocks, grid, block, values, dynamic)
+                self._run_inline(bound, dynamic)
             finally:
                 if pages is not None:  # what it touched, up to where it stopped
                     managed.migrate(sched.residency, pages)
+            if pages is None:  # managed pages migrate per launch: those bind every time
+                if len(mod.bound) >= PLAN_CACHE:
+                    mod.bound.clear()
+                mod.bound[index, raw, grid_w, block_w, dynamic] = bound
             sched.tally.add("launches")
             return None
         launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block, dynamic,
@@ -209,24 +226,49 @@ class Kernels:
         self._counters.peak("jit_compiles", jit.compiles)
         self._counters.peak("jit_hits", jit.hits)
 
-    def _run_inline(self, name: str, buffers: list[tuple[str, int, int]], kernel: Any,
-                    nblocks: int, grid: tuple[int, int, int], block: tuple[int, int, int],
-                    args: list, dynamic: int) -> None:
+    def _run_inline(self, b: Bound, dynamic: int) -> None:
         """Run a small launch on the scheduler thread; faults raise as packet faults. No
-        :class:`Launch` record: nothing but this call sees it."""
+        :class:`Launch` record: nothing but this call sees it. Inline launches run one at
+        a time, so they share one abort word (cleared before each; the watchdog writes it
+        only while the launch is on its list)."""
         deadlines = self.deadlines
         assert deadlines is not None  # the JIT exists
-        abort = np.zeros(1, np.int64)
+        abort = self._inline_abort
+        abort[0] = 0
         token = deadlines.add(abort, INLINE_WATCHDOG_S, None)
         try:
-            kernel.run(0, nblocks, grid, block, args, abort, dynamic)
+            b.kernel.run(0, b.nblocks, b.grid, b.block, b.values, abort, dynamic)
         except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
-            code, addr = fault_of(name, buffers, exc)
+            code, addr = fault_of(b.name, b.buffers, exc)
             raise memory.Fault(addr, code) from None
         finally:
             deadlines.remove(token)
         if abort[0] > deadlines.preempt:
             raise memory.Fault(0, errno.ETIMEDOUT)
+
+
+class Bound(NamedTuple):
+    """An inline launch checked and bound against its context's memory: the same
+    kernel, argument block and shape run again without decoding or resolving anything,
+    while the context's mappings stay as they were (``generation``)."""
+
+    generation: int
+    name: str
+    kernel: Any
+    buffers: list[tuple[str, int, int]]
+    values: list
+    nblocks: int
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+
+
+def _argument_block(space: memory.AddressSpace, va: int, length: int) -> bytes:
+    """The launch's argument block as it is now (the process may rewrite a slot between
+    launches); Fault where it is too long or outside the context's memory."""
+    if length > userq.ACCEL_ARGS_MAX:
+        raise memory.Fault(va, errno.EINVAL)
+    m, off = space.resolve(va, length)
+    return bytes(m.data[off : off + length])
 
 
 @functools.cache

@@ -137,15 +137,20 @@ class AddressSpace:
         self._starts: list[int] = []
         self._maps: list[Mapping] = []
         self._lock = threading.Lock()
+        #: moves with every change of the mappings: what was resolved against an older
+        #: generation must be resolved again (firmware/launches.py keeps bound launches)
+        self.generation = 0
 
     def add(self, m: Mapping) -> None:
         with self._lock:
+            self.generation += 1
             i = bisect.bisect_left(self._starts, m.va)
             self._starts.insert(i, m.va)
             self._maps.insert(i, m)
 
     def remove(self, va: int) -> Mapping | None:
         with self._lock:
+            self.generation += 1
             i = bisect.bisect_left(self._starts, va)
             if i < len(self._starts) and self._starts[i] == va:
                 del self._starts[i]

@@ -456,6 +456,51 @@ def test_a_kernel_launches_on_an_engine_then_inline_and_faults_out_of_bounds(dev
     assert moved(device, before) == {"packets": 1, "faults": 1}
 
 
+@pytest.mark.timeout(240)
+def test_a_repeated_inline_launch_reads_its_block_and_memory_as_they_are_now(device, ctx):
+    """An inline launch bound once runs again unbound (firmware/launches.py ``Bound``),
+    but only while its argument block says the same and the context's mappings did not
+    change: a rewritten block runs with its new values, and a buffer unmapped since then
+    faults at its address instead of being written through the old view."""
+    from runtime.kernels import canonical_json, compile_module
+
+    q = ctx.queue(1)
+    device.sched.kernels.load_module(ctx.ctx, 4, canonical_json(compile_module(KERNEL)))
+    n, args_va, x_va = 256, VA, VA + SIZE  # x in a mapping of its own, after the first
+    x_mem = np.frombuffer(mmap.mmap(-1, MiB), np.uint8)
+    ctx.ctx.space.add(memory.Mapping(x_va, MiB, uapi.MemKind.HOST_PINNED, 0, x_mem))
+    x = x_mem[: 4 * n].view(np.float32)
+    pkt = packet(Op.LAUNCH, 4 << 16, userq.pack_dims((n // 64, 1, 1)),
+                 userq.pack_dims((64, 1, 1)), 0, args_va, len(_args(x_va, n, 0)))
+
+    def launch(v: float) -> Completion:
+        ctx.mem[: len(pkt)] = 0
+        args = _args(x_va, n, v)
+        ctx.mem[: len(args)] = np.frombuffer(args, np.uint8)
+        seqno = q.submit(pkt)
+        device.run_until(lambda: q.ring.fence == seqno, timeout=200)
+        return device.ended(q)[seqno]
+
+    assert launch(1.5).status == 0 and (x == 1.5).all()  # on an engine, if not compiled yet
+    for v in (2.5, 2.5, 3.5):  # inline: bound, then bound again, then a new block
+        before = device.counters.snapshot()
+        assert launch(v).status == 0 and (x == v).all()
+        inline = moved(device, before)
+        inline.pop("jit_hits", None)  # the first inline run may find it in the JIT
+        assert inline == {"packets": 1, "launches": 1}
+    # one binding per block: 2.5's was reused, 3.5's is new (1.5's if it ran inline)
+    bound = [float(b.values[1]) for b in ctx.ctx.modules[4].bound.values()]
+    assert sorted(bound) in ([2.5, 3.5], [1.5, 2.5, 3.5])
+    ctx.ctx.space.remove(x_va)
+    x[:] = 0
+    before = device.counters.snapshot()
+    c = launch(3.5)
+    assert c.status == errno.EFAULT and c.fault == (q.ring.fence, errno.EFAULT, Op.LAUNCH, x_va)
+    assert (x == 0).all()  # nothing written through the unmapped buffer's old view
+    assert moved(device, before) == {"packets": 1, "faults": 1}
+    check_written_back(q, device.ended(q))
+
+
 @pytest.mark.timeout(60)
 def test_counters_lose_no_update_across_threads_and_a_tally_merges_once():
     counters = Counters(["n", "peak"])
