@@ -45,3 +45,33 @@ def test_python_scalars_pack_as_numpy_converts_them(dtype):
     differ = [(v, _outcome(_numpy_record, p, v), _outcome(launch.Kernel._scalar_arg, _Kernel, p, v))
               for v in VALUES]
     assert [d for d in differ if d[1] != d[2]] == []
+
+
+def _numpy_scalars() -> list[np.generic]:
+    """Every launch-ABI dtype's extremes, and float NaNs whose payloads a float
+    conversion would change (a signalling NaN, a negative one)."""
+    out: list[np.generic] = [np.bool_(True), np.bool_(False)]
+    for name in kernel_lang.DTYPE_CODES:
+        dt = np.dtype(name)
+        if dt.kind in "iu":
+            info = np.iinfo(dt)
+            out += [dt.type(info.min), dt.type(info.max), dt.type(1)]
+        elif dt.kind == "f":
+            bits = np.dtype(f"uint{dt.itemsize * 8}")
+            snan = 0x7F800001 if dt.itemsize == 4 else 0x7FF0000000000001
+            out += [dt.type(-0.0), dt.type(np.inf), dt.type(np.finfo(dt).tiny),
+                    np.array(snan, bits).view(dt)[()], np.array(np.iinfo(bits).max, bits).view(dt)[()]]
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("typed", [True, False], ids=["declared", "untyped"])
+def test_numpy_scalars_are_their_own_bits(typed):
+    """A numpy scalar of the parameter's type (or any, for an untyped parameter) packs as
+    its own bytes, NaN payloads included."""
+    for value in _numpy_scalars():
+        name = value.dtype.name
+        p = launch._Param.of({"name": "v", "kind": "scalar", "dtype": name if typed else None})
+        want = userq.ARG_RECORD.pack(userq.ARG_SCALAR, kernel_lang.DTYPE_CODES[name],
+                                     int.from_bytes(value.tobytes(), "little"), 0)
+        assert launch.Kernel._scalar_arg(_Kernel, p, value) == want, (name, value)
