@@ -50,6 +50,7 @@ _SCALAR_STRUCTS = {code: _scalar_struct(name) for name, code in kernel_lang.DTYP
 _FLOAT64_CODE = kernel_lang.DTYPE_CODES["float64"]
 _INT64_CODE = kernel_lang.DTYPE_CODES["int64"]
 _INT64_RANGE = (-(1 << 63), (1 << 63) - 1, (1 << 64) - 1)
+_BUFFER_RECORD = userq.ARG_RECORD.pack
 
 
 def _dims(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
@@ -136,9 +137,6 @@ class _ArgArena:
                 prev[0].wait_seqno(prev[1])
             return i, self.slots[i]
 
-    def used(self, i: int, stream: Stream, seqno: int) -> None:
-        self.last[i] = (stream, seqno)
-
 
 def _arena(device: int) -> _ArgArena:
     return _device.get(device).part("arguments", lambda: _ArgArena(device))
@@ -181,25 +179,32 @@ class Kernel:
             self._configs[grid, block] = words
         return words
 
-    def _record_args(self, args: Sequence[Any], into: np.ndarray | memoryview
-                     ) -> tuple[int, list[Any]]:
-        if len(args) != len(self._layout):
-            names = ", ".join(p.name for p in self._layout)
-            raise errors.InvalidValueError(f"{self.name} takes {len(self._layout)} arguments "
+    def _record_args(self, args: Sequence[Any], into: np.ndarray | memoryview) -> int:
+        """Write the argument block of ``args`` into ``into``; return its length. Every
+        argument is checked against its parameter on every launch."""
+        layout = self._layout
+        if len(args) != len(layout):
+            names = ", ".join(p.name for p in layout)
+            raise errors.InvalidValueError(f"{self.name} takes {len(layout)} arguments "
                                            f"({names}), got {len(args)}")
         records: list[bytes] = []
-        uses: list[Any] = []
-        for p, value in zip(self._layout, args):
-            if p.buffer:
-                records.append(self._buffer_arg(p, value))
-                uses.append(value)
-            else:
+        for p, value in zip(layout, args):
+            if not p.buffer:
                 records.append(self._scalar_arg(p, value))
+            elif type(value) is DeviceArray and value.device == self.module.device \
+                    and value._allocator.closed is None:  # the common case, without a call
+                name, code, nbytes, tail = _buffer_tail(value.dtype, value.shape)
+                if (p.dtype is not None and name != p.dtype) or \
+                        (p.ndim is not None and p.ndim != len(value.shape)):
+                    self._buffer_arg(p, value)  # raises, saying which
+                records.append(_BUFFER_RECORD(userq.ARG_BUFFER, code, value.va, nbytes) + tail)
+            else:
+                records.append(self._buffer_arg(p, value))
         raw = b"".join(records)
         if len(raw) > ARG_SLOT:
             raise errors.InvalidValueError(f"{self.name}: too many or too large arguments")
         memoryview(into)[: len(raw)] = raw
-        return len(raw), uses
+        return len(raw)
 
     def _buffer_arg(self, p: _Param, value: Any) -> bytes:
         """A buffer's records: checked against the parameter on every launch; what depends
@@ -225,7 +230,7 @@ class Kernel:
         if p.ndim not in (None, len(shape)):
             raise errors.InvalidValueError(f"{self.name}: argument {p.name} must have "
                                            f"{p.ndim} dimensions, got {len(shape)}")
-        return userq.ARG_RECORD.pack(userq.ARG_BUFFER, code, va, nbytes) + tail
+        return _BUFFER_RECORD(userq.ARG_BUFFER, code, va, nbytes) + tail
 
     def _scalar_arg(self, p: _Param, value: Any) -> bytes:
         """A scalar's record. A numpy scalar of exactly the parameter's type (or of any
@@ -261,30 +266,35 @@ class Kernel:
 
     def launch(self, grid: Any, block: Any, args: Sequence[Any], stream: Stream | None = None,
                shared_mem: int = 0) -> int:
-        """Queue the launch; return its seqno on the stream."""
+        """Queue the launch; return its seqno on the stream. The hot path of a framework
+        (an operator is a launch): a few calls, each check made once."""
         if (rec := _trace.active) is not None and rec.outermost():
             return rec.call("Kernel.launch", {"kernel": self.name}, self.launch, grid, block,
                             args, stream, shared_mem)
-        g, b = self._config(grid, block)
+        try:
+            g, b = self._configs[grid, block]
+        except (KeyError, TypeError):
+            g, b = self._config(grid, block)
         if type(shared_mem) is not int or shared_mem != 0:
             self._check_shared_mem(shared_mem)
-        s = stream or current_stream(self.module.device)
-        if s.device != self.module.device:
-            raise errors.InvalidValueError(f"{self.name}: stream is on accel:{s.device}")
+        device = self.module.device
+        s = stream or current_stream(device)
+        if s.device != device:
+            raise errors.InvalidValueError(f"{self.name}: stream is on accel:{device}")
         if s.capturing is not None:  # the graph owns this launch's argument block
-            buf = s.capturing.argument_block(ARG_SLOT, self.module.device)
-            length, uses = self._record_args(args, buf)
+            buf = s.capturing.argument_block(ARG_SLOT, device)
+            length = self._record_args(args, buf)
+            uses = [v for p, v in zip(self._layout, args) if p.buffer]
             seqno = s.submit([self._packet(g, b, int(shared_mem), buf.device_va, length)],
                              uses=uses)
             s.capturing.record_kernel(self.name)
             return seqno
-        arena = _arena(self.module.device)
+        arena = _arena(device)
         slot, buf = arena.take()
-        length, uses = self._record_args(args, buf)
-        seqno = s.submit([self._packet(g, b, int(shared_mem), arena.vas[slot], length)],
-                         uses=uses)
+        length = self._record_args(args, buf)
+        seqno = s._write((self._packet(g, b, int(shared_mem), arena.vas[slot], length),))
         s.note_kernel(seqno, self.name)
-        arena.used(slot, s, seqno)
+        arena.last[slot] = (s, seqno)
         return seqno
 
     def _check_shared_mem(self, shared_mem: Any) -> None:

@@ -86,6 +86,10 @@ class Stream:
         self._db = self.ctx.db.words
         #: packets the firmware takes past what it has taken: more wait for room
         self._depth = self.ctx.queue_depth
+        #: the write pointer the queue has room below, as of the last read of its read
+        #: pointer: the firmware moves that word with every packet it takes, so reading it
+        #: per packet is a cache miss per packet; it is read again only at this bound
+        self._room = self._depth
         self.ctx.streams.add(self)
         self._kernels: dict[int, str] = {}  # seqno -> kernel name, for fault records
         self.last_seqno = 0
@@ -125,9 +129,12 @@ class Stream:
             if (tracer := _trace.active) is not None:
                 tracer.submitting(self, wptr, packets)
             for pkt in packets:
-                if wptr - words[_RPTR] >= self._depth:
-                    self._publish(wptr)  # full: let the firmware see what is there, wait
-                    self._wait_room(wptr)
+                if wptr >= self._room:  # maybe full: look at what the firmware took
+                    self._room = words[_RPTR] + self._depth
+                    if wptr >= self._room:
+                        self._publish(wptr)  # full: let the firmware see what is there, wait
+                        self._wait_room(wptr)
+                        self._room = words[_RPTR] + self._depth
                 ring.write_packet(wptr, pkt if isinstance(pkt, bytes) else bytes(pkt))
                 wptr += 1
             self._publish(wptr)

@@ -349,7 +349,7 @@ def test_dynamic_shared_memory_sized_per_launch(kdaemon):
         from runtime.launch import pinned_empty
         k = mod.rev
         buf = pinned_empty(4096, np.uint8)
-        length, _ = k._record_args([x], buf)
+        length = k._record_args([x], buf)
         raw = runtime.Stream()
         from abi import userq
         one = userq.pack_dims((1, 1, 1))
