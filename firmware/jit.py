@@ -213,9 +213,18 @@ class CompiledKernel:
         #: and first-page offset (firmware/managed.py)
         self.nargs = len(params) + sum(len(t.extra_numba_types()) for t in arg_types)
 
+    def _check_buffers(self, args: list[Any]) -> None:
+        """What the native entry point assumes of its buffers and would not check."""
+        for i, dt, nd in self._checks:
+            a = args[i]
+            if not (isinstance(a, np.ndarray) and (a.dtype is dt or a.dtype == dt)
+                    and a.ndim == nd and a.flags.c_contiguous):
+                raise TypeError(f"argument {self.params[i]!r} must be a C-contiguous "
+                                f"{dt}[{nd}d] array")
+
     def run(self, block_lo: int, block_hi: int, grid: tuple[int, int, int],
             block: tuple[int, int, int], args: list[Any], abort: np.ndarray,
-            dynamic_shared: int = 0) -> int:
+            dynamic_shared: int = 0, args_checked: bool = False) -> int:
         """Run blocks ``[block_lo, block_hi)`` (linear ids, x fastest) of a launch of
         ``grid`` blocks of ``block`` threads, each with ``dynamic_shared`` bytes for its
         ``dynamic_shared`` arrays (the caller checks it against the device's limit).
@@ -225,7 +234,9 @@ class CompiledKernel:
 
         Every dimension must be in ``[1, MAX_DIM]`` and a block at most
         ``MAX_BLOCK_THREADS`` threads, ``dynamic_shared`` at most ``SHARED_LIMIT`` (the
-        generated code's arithmetic relies on these; ValueError otherwise)."""
+        generated code's arithmetic relies on these; ValueError otherwise). The buffers
+        must be C-contiguous arrays of the compiled types (TypeError otherwise), checked
+        unless ``args_checked`` says this very list passed before, unchanged since."""
         gx, gy, gz = grid
         bx, by, bz = block
         if not (type(gx) is type(gy) is type(gz) is type(bx) is type(by) is type(bz) is int
@@ -238,14 +249,10 @@ class CompiledKernel:
         if not (type(abort) is np.ndarray and (abort.dtype is _INT64 or abort.dtype == _INT64)
                 and abort.shape == (1,)):
             raise TypeError("abort must be an int64 array of shape (1,)")
-        if len(args) != self.nargs:
-            raise TypeError(f"{self.name} takes {self.nargs} arguments, got {len(args)}")
-        for i, dt, nd in self._checks:
-            a = args[i]
-            if not (isinstance(a, np.ndarray) and (a.dtype is dt or a.dtype == dt)
-                    and a.ndim == nd and a.flags.c_contiguous):
-                raise TypeError(f"argument {self.params[i]!r} must be a C-contiguous "
-                                f"{dt}[{nd}d] array")
+        if not args_checked:
+            if len(args) != self.nargs:
+                raise TypeError(f"{self.name} takes {self.nargs} arguments, got {len(args)}")
+            self._check_buffers(args)
         fault = np.zeros(FAULT_WORDS, np.int64)
         if dynamic_shared < 0:
             raise ValueError(f"negative dynamic shared memory {dynamic_shared}")

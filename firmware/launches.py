@@ -150,7 +150,7 @@ class Kernels:
             raw = None  # raised below, after the checks that come first
         bound = None if raw is None else mod.bound.get((index, raw, grid_w, block_w, dynamic))
         if bound is not None and bound.generation == space.generation:
-            self._run_inline(bound, dynamic)
+            self._run_inline(bound, dynamic, args_checked=True)
             sched.tally.add("launches")
             return None
         name, kir = mod.kernels[index]
@@ -226,7 +226,7 @@ class Kernels:
         self._counters.peak("jit_compiles", jit.compiles)
         self._counters.peak("jit_hits", jit.hits)
 
-    def _run_inline(self, b: Bound, dynamic: int) -> None:
+    def _run_inline(self, b: Bound, dynamic: int, args_checked: bool = False) -> None:
         """Run a small launch on the scheduler thread; faults raise as packet faults. No
         :class:`Launch` record: nothing but this call sees it. Inline launches run one at
         a time, so they share one abort word (cleared before each; the watchdog writes it
@@ -237,7 +237,7 @@ class Kernels:
         abort[0] = 0
         token = deadlines.add(abort, INLINE_WATCHDOG_S, None)
         try:
-            b.kernel.run(0, b.nblocks, b.grid, b.block, b.values, abort, dynamic)
+            b.kernel.run(0, b.nblocks, b.grid, b.block, b.values, abort, dynamic, args_checked)
         except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
             code, addr = fault_of(b.name, b.buffers, exc)
             raise memory.Fault(addr, code) from None
