@@ -179,7 +179,7 @@ class CompiledKernel:
     def __init__(self, key: str, name: str, params: list[str], arg_types: list[ArgType],
                  shared: list[str], dispatcher: Any, signature: tuple[Any, ...],
                  source: str, module_path: Path, blas: np.ndarray, uses_mma: bool,
-                 inline_ok: bool, capabilities: frozenset[str]) -> None:
+                 work_per_thread: int | None, capabilities: frozenset[str]) -> None:
         self.key = key
         self.name = name
         self.params = params
@@ -193,12 +193,14 @@ class CompiledKernel:
         #: Whether it calls the matrix unit: its work then grows with the tiles, not with
         #: the thread count.
         self.uses_mma = uses_mma
-        #: Whether its work per thread is statically bounded and small
-        #: (kernel_check.bounded_work: no loops, no mma, at most INLINE_MAX_NODES nodes),
-        #: so that a launch of a bounded number of threads is bounded work whatever its
-        #: arguments: the scheduler may then run it on its control thread, which must do
-        #: bounded work per pass (a kernel with a loop could hold it until the watchdog).
-        self.inline_ok = inline_ok
+        #: Its work per thread when that is statically bounded and small
+        #: (kernel_check.bounded_work: no loops, no mma, at most INLINE_MAX_NODES nodes,
+        #: each evaluated at most once), else None: a launch of a bounded number of
+        #: threads is then bounded work whatever its arguments, and the scheduler may run
+        #: it on its control thread, which must do bounded work per pass (a kernel with a
+        #: loop could hold it until the watchdog).
+        self.work_per_thread = work_per_thread
+        self.inline_ok = work_per_thread is not None
         #: The device capabilities its source uses (kernel_check.capabilities_used): the
         #: scheduler refuses a launch on a device that lacks one, whatever the IR claimed.
         self.capabilities = capabilities
@@ -573,7 +575,7 @@ class KernelCache:
         compiled = 1 if sum(disp.stats.cache_misses.values()) else 0
         ck = CompiledKernel(key, k.fn.name, k.params, k.arg_types, list(k.shared), disp, sig,
                             source, path, self.blas, calls_mma(k.fn.body),
-                            bounded_work(k) is not None, capabilities_used(k))
+                            bounded_work(k), capabilities_used(k))
         return ck, compiled
 
 

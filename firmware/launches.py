@@ -40,9 +40,16 @@ from firmware.telemetry import Counters, log_unexpected
 if TYPE_CHECKING:
     from firmware.scheduler import Scheduler
 
-#: Launches of at most this many threads of an already-compiled kernel whose work is
-#: statically bounded (``CompiledKernel.inline_ok``: no loops) run inline on the scheduler.
-INLINE_THREADS = 16 * 1024
+#: A launch of an already-compiled kernel whose work per thread is statically bounded
+#: (``CompiledKernel.work_per_thread``: no loops, at most 256 syntax-tree nodes) runs
+#: inline on the scheduler when its threads times that work is at most this: a 1 Mi-thread
+#: elementwise kernel (~25 nodes) takes ~0.3-0.6 ms here, less than handing it to the
+#: engines costs (an engine starts ~0.25 ms after dispatch on this 2-CPU machine, and
+#: two engines over one memory-bound loop were no faster than one: docs/kernels.md)...
+INLINE_WORK = 1 << 25
+#: ...and at most this many threads (a launch of many near-empty threads still costs per
+#: thread).
+INLINE_THREADS = 1 << 20
 #: An inline launch that still runs this long is stopped (it cannot happen for a bounded
 #: kernel; the control thread must never be held long).
 INLINE_WATCHDOG_S = 0.25
@@ -168,7 +175,9 @@ class Kernels:
         values, types, buffers, pages = bind_args(space, self._plan(mod, index, kir, raw))
         kernel = self._compiled(mod, index, kir, types)
         nblocks = grid[0] * grid[1] * grid[2]
-        if nblocks * threads <= INLINE_THREADS and kernel is not None and kernel.inline_ok \
+        total = nblocks * threads
+        if kernel is not None and kernel.inline_ok and total <= INLINE_THREADS \
+                and total * kernel.work_per_thread <= INLINE_WORK \
                 and (pages is None or managed.inline_ok(pages)):
             # small, compiled and statically bounded: no engine hand-off (no GIL ping-pong)
             if not kernel.capabilities <= self.capabilities:

@@ -940,10 +940,13 @@ def test_bounded_work_says_which_kernels_may_run_inline(ir: dict[str, Any],
 
 
 def test_compiled_kernels_carry_inline_ok(cache: KernelCache) -> None:
-    assert cache.get(SAXPY, SAXPY_T, Options()).inline_ok is True
-    assert cache.get(SPIN, ("float64[1d]",), Options()).inline_ok is False
+    k = cache.get(SAXPY, SAXPY_T, Options())
+    assert k.inline_ok is True
+    assert k.work_per_thread == kernel_check.bounded_work(jit.validate(SAXPY, SAXPY_T))
+    k = cache.get(SPIN, ("float64[1d]",), Options())
+    assert (k.inline_ok, k.work_per_thread) == (False, None)
     k = cache.get(TILE, ("float32[2d]",) * 3 + ("int64",) * 3, Options())
-    assert (k.inline_ok, k.uses_mma) == (False, True)
+    assert (k.inline_ok, k.work_per_thread, k.uses_mma) == (False, None, True)
 
 
 # --------------------------------------------------------------------------- cache locking

@@ -457,6 +457,45 @@ def test_a_kernel_launches_on_an_engine_then_inline_and_faults_out_of_bounds(dev
 
 
 @pytest.mark.timeout(240)
+def test_a_loop_free_launch_runs_inline_within_the_work_budget(device, ctx, monkeypatch):
+    """Inline on the control loop while threads x work per thread fits INLINE_WORK (and
+    the threads INLINE_THREADS); one thread more, and it goes to the engines."""
+    from firmware import launches
+    from runtime.kernels import canonical_json, compile_module
+
+    q = ctx.queue(1)
+    device.sched.kernels.load_module(ctx.ctx, 5, canonical_json(compile_module(KERNEL)))
+    n, x_va, args_va = 64 * 1024, VA + MiB, VA
+    args = _args(x_va, n, 4.5)
+    ctx.mem[: len(args)] = np.frombuffer(args, np.uint8)
+    x = ctx.mem[MiB : MiB + 4 * n].view(np.float32)
+
+    def launch(threads: int) -> int:
+        return q.submit(packet(Op.LAUNCH, 5 << 16, userq.pack_dims((threads // 64, 1, 1)),
+                               userq.pack_dims((64, 1, 1)), 0, args_va, len(args)))
+
+    first = launch(64)
+    device.run_until(lambda: q.ring.fence == first, timeout=200)  # compiled now
+    kernel = next(iter(ctx.ctx.modules[5].compiled.values()))
+    budget = kernel.work_per_thread * n // 2
+    monkeypatch.setattr(launches, "INLINE_WORK", budget)
+    x[:] = 0
+    seqno = launch(n // 2)  # exactly the budget: inline, done within one pass
+    device.step()
+    assert q.ring.fence == seqno and seqno not in device.engine_done(q)
+    assert (x[: n // 2] == 4.5).all() and (x[n // 2 :] == 0).all()
+    seqno = launch(n // 2 + 64)  # one block more: on an engine
+    device.run_until(lambda: q.ring.fence == seqno)
+    assert seqno in device.engine_done(q) and (x[: n // 2 + 64] == 4.5).all()
+    monkeypatch.setattr(launches, "INLINE_WORK", budget * 4)
+    monkeypatch.setattr(launches, "INLINE_THREADS", n // 2)
+    seqno = launch(n // 2 + 64)  # within the work, over the threads: on an engine
+    device.run_until(lambda: q.ring.fence == seqno)
+    assert seqno in device.engine_done(q)
+    assert all(c.status == 0 for c in device.ended(q).values())
+
+
+@pytest.mark.timeout(240)
 def test_a_repeated_inline_launch_reads_its_block_and_memory_as_they_are_now(device, ctx):
     """An inline launch bound once runs again unbound (firmware/launches.py ``Bound``),
     but only while its argument block says the same and the context's mappings did not
