@@ -77,6 +77,10 @@ class Kernels:
         self.deadlines: Deadlines | None = None
         #: the abort word of the inline launches (one runs at a time, on the control loop)
         self._inline_abort = np.zeros(1, np.int64)
+        #: work run inline (INLINE_WORK's units) since the scheduler last zeroed it: a
+        #: ring's turn of a pass ends once it reaches INLINE_WORK, so that one ring of
+        #: large inline launches holds the others (and higher priorities) one launch long
+        self.inline_work = 0
         self._counters = counters
         self._wake = wake  # the scheduler's: a parked launch's module is ready
         self._jit_cache_dir = jit_cache_dir
@@ -133,6 +137,10 @@ class Kernels:
         if self._jit is None:
             threading.Thread(target=self.jit, name="jit-warm-up", daemon=True).start()
 
+    def turn_spent(self) -> bool:
+        """Whether a ring's turn of the scheduler's pass ran its inline work's worth."""
+        return self.inline_work >= INLINE_WORK
+
     # --- launches -------------------------------------------------------------------------
     def launch(self, sched: Scheduler, ring: Ring, seqno: int, a: list[int],
                start_ns: int) -> Any:
@@ -182,7 +190,8 @@ class Kernels:
             # small, compiled and statically bounded: no engine hand-off (no GIL ping-pong)
             if not kernel.capabilities <= self.capabilities:
                 raise memory.Fault(0, errno.EOPNOTSUPP)
-            bound = Bound(generation, name, kernel, buffers, values, nblocks, grid, block)
+            bound = Bound(generation, name, kernel, buffers, values, nblocks, grid, block,
+                          total * kernel.work_per_thread)
             try:
                 self._run_inline(bound, dynamic)
             finally:
@@ -244,6 +253,7 @@ class Kernels:
         assert deadlines is not None  # the JIT exists
         abort = self._inline_abort
         abort[0] = 0
+        self.inline_work += b.work
         token = deadlines.add(abort, INLINE_WATCHDOG_S, None)
         try:
             b.kernel.run(0, b.nblocks, b.grid, b.block, b.values, abort, dynamic, args_checked)
@@ -269,6 +279,7 @@ class Bound(NamedTuple):
     nblocks: int
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
+    work: int  # threads x work per thread (INLINE_WORK)
 
 
 def _argument_block(space: memory.AddressSpace, va: int, length: int) -> bytes:

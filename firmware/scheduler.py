@@ -182,6 +182,8 @@ class Scheduler:
 
     def _poll_ring(self, ring: Ring) -> int:
         done = 0
+        kernels = self.kernels
+        kernels.inline_work = 0  # the ring's turn begins (Kernels.turn_spent)
         if ring.parked is not None and not ring.busy:
             if not self.kernels.module_ready(ring, ring.parked[1]):
                 return 0
@@ -190,7 +192,7 @@ class Scheduler:
             done += 1
             if not self._start(ring, seqno, pkt):
                 return done
-        while done < BATCH and ring.ready():
+        while done < BATCH and ring.ready() and not kernels.turn_spent():
             if ring.blocked is not None:
                 if not self._unblocked(ring):
                     break

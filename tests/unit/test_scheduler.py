@@ -496,6 +496,38 @@ def test_a_loop_free_launch_runs_inline_within_the_work_budget(device, ctx, monk
 
 
 @pytest.mark.timeout(240)
+def test_a_rings_turn_ends_after_its_inline_works_worth(device, ctx, monkeypatch):
+    """Large inline launches queued on one ring take one turn each: a pass runs one of
+    them, then the next ring's (small) launch, not the whole batch first."""
+    from firmware import launches
+    from runtime.kernels import canonical_json, compile_module
+
+    big, small = ctx.queue(1), ctx.queue(2)
+    device.sched.kernels.load_module(ctx.ctx, 6, canonical_json(compile_module(KERNEL)))
+    n, x_va, args_va = 16 * 1024, VA + MiB, VA
+    args = _args(x_va, n, 5.5)
+    ctx.mem[: len(args)] = np.frombuffer(args, np.uint8)
+
+    def launch(threads: int) -> bytes:
+        return packet(Op.LAUNCH, 6 << 16, userq.pack_dims((threads // 64, 1, 1)),
+                      userq.pack_dims((64, 1, 1)), 0, args_va, len(args))
+
+    first = small.submit(launch(64))
+    device.run_until(lambda: small.ring.fence == first, timeout=200)  # compiled now
+    kernel = next(iter(ctx.ctx.modules[6].compiled.values()))
+    monkeypatch.setattr(launches, "INLINE_WORK", kernel.work_per_thread * n)
+    big.submit(launch(n), launch(n), launch(n))
+    last = small.submit(launch(64))
+    device.step()  # one pass: one large launch, then the other ring's
+    assert (big.ring.fence, small.ring.fence) == (1, last)
+    device.step()
+    assert big.ring.fence == 2
+    device.run_until(lambda: big.ring.fence == 3)
+    assert not device.engine_done(big)  # all three inline, one turn each
+    assert all(c.status == 0 for q in (big, small) for c in device.ended(q).values())
+
+
+@pytest.mark.timeout(240)
 def test_a_repeated_inline_launch_reads_its_block_and_memory_as_they_are_now(device, ctx):
     """An inline launch bound once runs again unbound (firmware/launches.py ``Bound``),
     but only while its argument block says the same and the context's mappings did not
