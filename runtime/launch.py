@@ -280,7 +280,7 @@ class Kernel:
         device = self.module.device
         s = stream or current_stream(device)
         if s.device != device:
-            raise errors.InvalidValueError(f"{self.name}: stream is on accel:{device}")
+            raise errors.InvalidValueError(f"{self.name}: stream is on accel:{s.device}")
         if s.capturing is not None:  # the graph owns this launch's argument block
             buf = s.capturing.argument_block(ARG_SLOT, device)
             length = self._record_args(args, buf)

@@ -141,6 +141,29 @@ def test_decorator_and_launch_checks(kdaemon, tmp_path):
     assert lines[10] == "foreign module 1"  # EPERM: another context's handle
 
 
+@pytest.mark.timeout(240)
+def test_a_launch_on_another_devices_stream_is_refused_and_queues_nothing(daemon):
+    """The kernel is loaded on accel:0 and the stream is on accel:1: InvalidValueError
+    naming the stream's device, nothing queued there, and the kernel still runs on its
+    own device."""
+    out = run(daemon, """
+        lib = runtime.compile(kernel_lib.SOURCE, 0)
+        x = runtime.empty(256, np.float32, device=0)
+        s1 = runtime.Stream(1)
+        try:
+            lib.fill[1, 256](x, np.float32(1), stream=s1)
+        except runtime.InvalidValueError as e:
+            print("refused:", e)
+        print("queued on accel:1:", s1.last_seqno)
+        s0 = runtime.Stream(0)
+        lib.fill[1, 256](x, np.float32(2), stream=s0)
+        s0.synchronize()
+        print("ran on accel:0:", bool((x.copy_to_host() == 2).all()))
+    """)
+    assert out == ["refused: fill: stream is on accel:1", "queued on accel:1: 0",
+                   "ran on accel:0: True"]
+
+
 def test_out_of_bounds_is_a_device_fault_with_a_record(kdaemon):
     lines = run(kdaemon, """
         mod = runtime.compile('''
