@@ -16,6 +16,7 @@ import struct
 import threading
 from typing import Final
 
+from abi import kernel_lang
 from abi._struct import Struct
 
 
@@ -79,6 +80,16 @@ def unpack_dims(word: int) -> tuple[int, int, int]:
 #: Argument records of a launch's argument block (docs/kernels.md "Launch ABI").
 ARG_SCALAR, ARG_BUFFER, ARG_SHAPE = 0, 1, 2
 ARG_RECORD = struct.Struct("<IIQQ")
+#: A scalar record with its value packed in its dtype's own format, low bytes first: the
+#: same bytes as ARG_RECORD holding the value's bits, and packing a numpy scalar this way
+#: costs a sixth of converting it to those bits. Launch-ABI dtype code -> its Struct.
+ARG_SCALAR_RECORDS: Final = {
+    code: struct.Struct(f"<II{char}{8 - size}xQ")
+    for name, (code, size) in kernel_lang.DTYPES.items()
+    for char in [{"int8": "b", "uint8": "B", "int16": "h", "uint16": "H", "int32": "i",
+                  "uint32": "I", "int64": "q", "uint64": "Q", "float32": "f", "float64": "d",
+                  "bool": "?"}[name]]
+}
 #: Longest argument block a LAUNCH may name (a longer one faults the launch, EINVAL).
 ACCEL_ARGS_MAX: Final = 4096
 

@@ -353,6 +353,7 @@ class Firmware:
 
     def _unmap(self, ctx: FwContext, va: int) -> None:
         m = ctx.space.remove(va)
+        ctx.drop_bindings()
         if m is not None and m.resident is not None:
             assert self.sched is not None
             self.sched.residency.drop(m)

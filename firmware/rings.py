@@ -206,6 +206,13 @@ class FwContext:
     def went_idle(self, ring: Ring) -> None:
         self.consumed[ring.slot] = ring.taken
 
+    def drop_bindings(self) -> None:
+        """Forget every module's bound launches (a mapping went away): their views would
+        keep its memory, and a host mapping's descriptor, alive until the kernel's next
+        launch (their generation already keeps them from running)."""
+        for mod in self.modules.values():
+            mod.bound.clear()
+
     def close(self) -> None:
         for fd in (self.doorbell, self.event):
             if fd >= 0:

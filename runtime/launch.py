@@ -34,19 +34,6 @@ ARG_SLOTS = 256
 CONFIGS = 64
 #: numpy scalar type -> launch-ABI dtype code
 _SCALAR_CODES = {np.dtype(name).type: code for name, code in kernel_lang.DTYPE_CODES.items()}
-
-
-def _scalar_struct(name: str) -> struct.Struct:
-    """A scalar record with the value packed in its dtype's own format, low bytes first:
-    ``Struct.pack`` of a numpy scalar costs a sixth of ``int.from_bytes(v.tobytes())``."""
-    dt = np.dtype(name)
-    char = "?" if dt.kind == "b" else {"i": "bhiq", "u": "BHIQ", "f": "xxfd"}[dt.kind][
-        dt.itemsize.bit_length() - 1]
-    return struct.Struct(f"<II{char}{8 - dt.itemsize}xQ")
-
-
-#: launch-ABI dtype code -> its scalar record's Struct
-_SCALAR_STRUCTS = {code: _scalar_struct(name) for name, code in kernel_lang.DTYPE_CODES.items()}
 _FLOAT64_CODE = kernel_lang.DTYPE_CODES["float64"]
 _INT64_CODE = kernel_lang.DTYPE_CODES["int64"]
 _INT64_RANGE = (-(1 << 63), (1 << 63) - 1, (1 << 64) - 1)
@@ -240,7 +227,7 @@ class Kernel:
             (p.code if type(value) is p.scalar_type else None)
         if code is not None:
             if value == value:
-                return _SCALAR_STRUCTS[code].pack(userq.ARG_SCALAR, code, value, 0)
+                return userq.ARG_SCALAR_RECORDS[code].pack(userq.ARG_SCALAR, code, value, 0)
             # a NaN keeps its bits (packing goes through a C double, which would quiet a
             # signalling NaN)
             bits = int.from_bytes(value.tobytes(), "little")
