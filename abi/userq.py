@@ -83,13 +83,11 @@ ARG_RECORD = struct.Struct("<IIQQ")
 #: A scalar record with its value packed in its dtype's own format, low bytes first: the
 #: same bytes as ARG_RECORD holding the value's bits, and packing a numpy scalar this way
 #: costs a sixth of converting it to those bits. Launch-ABI dtype code -> its Struct.
-ARG_SCALAR_RECORDS: Final = {
-    code: struct.Struct(f"<II{char}{8 - size}xQ")
-    for name, (code, size) in kernel_lang.DTYPES.items()
-    for char in [{"int8": "b", "uint8": "B", "int16": "h", "uint16": "H", "int32": "i",
-                  "uint32": "I", "int64": "q", "uint64": "Q", "float32": "f", "float64": "d",
-                  "bool": "?"}[name]]
-}
+_STRUCT_CHARS: Final = {"int8": "b", "uint8": "B", "int16": "h", "uint16": "H", "int32": "i",
+                        "uint32": "I", "int64": "q", "uint64": "Q", "float32": "f",
+                        "float64": "d", "bool": "?"}
+ARG_SCALAR_RECORDS: Final = {code: struct.Struct(f"<II{_STRUCT_CHARS[name]}{8 - size}xQ")
+                             for name, (code, size) in kernel_lang.DTYPES.items()}
 #: Longest argument block a LAUNCH may name (a longer one faults the launch, EINVAL).
 ACCEL_ARGS_MAX: Final = 4096
 

@@ -200,7 +200,6 @@ class CompiledKernel:
         #: it on its control thread, which must do bounded work per pass (a kernel with a
         #: loop could hold it until the watchdog).
         self.work_per_thread = work_per_thread
-        self.inline_ok = work_per_thread is not None
         #: The device capabilities its source uses (kernel_check.capabilities_used): the
         #: scheduler refuses a launch on a device that lacks one, whatever the IR claimed.
         self.capabilities = capabilities
@@ -214,6 +213,11 @@ class CompiledKernel:
         #: arguments ``run`` takes: the parameters, then each managed buffer's page map
         #: and first-page offset (firmware/managed.py)
         self.nargs = len(params) + sum(len(t.extra_numba_types()) for t in arg_types)
+
+    @property
+    def inline_ok(self) -> bool:
+        """Whether the scheduler may run a launch of it on its control thread."""
+        return self.work_per_thread is not None
 
     def _check_buffers(self, args: list[Any]) -> None:
         """What the native entry point assumes of its buffers and would not check."""

@@ -185,7 +185,7 @@ class Scheduler:
         kernels = self.kernels
         kernels.inline_work = 0  # the ring's turn begins (Kernels.turn_spent)
         if ring.parked is not None and not ring.busy:
-            if not self.kernels.module_ready(ring, ring.parked[1]):
+            if not kernels.module_ready(ring, ring.parked[1]):
                 return 0
             seqno, pkt = ring.parked
             ring.parked = None
