@@ -111,6 +111,10 @@ RING_COMPLETED: Final = 128  # u64, firmware: the fence, the last completed seqn
 RING_ERROR_SEQNO: Final = 192  # u64, firmware: first faulted packet (0: none)
 RING_ERROR_CODE: Final = 200  # u32 errno, then u32 opcode (one u64 word)
 RING_ERROR_ADDR: Final = 208  # u64
+#: u64, firmware: 1 while an engine thread runs the ring's current packet, 0 while the
+#: firmware's own loop does (or nothing does). A hint for waiters only: the engines share
+#: the host's CPUs, so a waiter naps while they run and spins while they do not.
+RING_ON_ENGINE: Final = 256
 RING_IRQ_SEQNO: Final = 320  # u64, waiter: write the event pipe when the fence reaches it
 RING_HEADER_SIZE: Final = 4096
 RING_SLOTS: Final = 1024

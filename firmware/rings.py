@@ -67,7 +67,7 @@ class Ring(userq.RingView):
         self.fence_only = fence_only  # another device's queue, imported to wait on
         self.taken = self.rptr
         self.published = self.taken  # what the scheduler may take (Scheduler.publish)
-        self.busy = False  # an engine runs its current packet
+        self.busy = False  # an engine runs its current packet (on_engine)
         self.blocked: tuple[Ring, int, int] | None = None  # (ring, seqno) it waits for, since
         self.parked: tuple[int, tuple[int, ...]] | None = None  # a launch awaiting its module
         self.faulted = self.read_fault()[0] != 0
@@ -103,6 +103,12 @@ class Ring(userq.RingView):
         w = self.wptr
         return (not self.busy and self.blocked is None and self.parked is None
                 and (self.taken == w or (self.faulted and self.taken > w)))
+
+    def on_engine(self, busy: bool) -> None:
+        """An engine took (True) or ended (False) the ring's current packet: kept here
+        for the scheduler and published for the ring's waiters (``RING_ON_ENGINE``)."""
+        self.busy = busy
+        self.set(userq.RING_ON_ENGINE, busy)
 
     def take(self) -> tuple[int, tuple[int, ...]]:
         seqno = self.taken + 1

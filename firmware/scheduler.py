@@ -247,7 +247,7 @@ class Scheduler:
             if job is PARKED:
                 ring.parked = (seqno, tuple(pkt))
                 return False
-            ring.busy = True
+            ring.on_engine(True)
             (self.compute if opcode == Op.LAUNCH else self.copy).submit(ring.priority, job)
             return False
         self.complete(ring, seqno, Completion.failed(seqno, opcode, code, addr, start_ns,
@@ -289,7 +289,7 @@ class Scheduler:
             first_fault = c.fault is not None and not ring.faulted
             passed = ring.complete(seqno, c)
             if from_engine:
-                ring.busy = False
+                ring.on_engine(False)
             userq.full_barrier()  # store the fence, then load what waiters armed (they mirror)
             irq = ring.irq_due()
         count = self.counters if from_engine else self.tally

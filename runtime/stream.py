@@ -35,14 +35,18 @@ _NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
 _WPTR, _RPTR = userq.RING_WPTR >> 3, userq.RING_RPTR >> 3
 _ERROR_SEQNO = userq.RING_ERROR_SEQNO >> 3
 _DB_LOST = userq.DB_LOST >> 3
+_ON_ENGINE = userq.RING_ON_ENGINE >> 3
 #: Poll the fence in shared memory this long before sleeping on the context's event pipe
 #: (waking a sleeping waiter takes a few hundred microseconds here)...
 SPIN_WAIT_S = 2e-3
 #: ...tightly (yielding) for this long: a small launch or copy completes within it...
 SPIN_TIGHT_S = 100e-6
-#: ...then napping this long between polls: the device's engines are threads on the same
-#: two CPUs, and a waiter that keeps one busy (even yielding: the engines run at a lower
-#: priority) held a 1 Mi-element launch's second engine off for most of the launch.
+#: ...then, while the firmware says an engine runs the stream's packet (``RING_ON_ENGINE``),
+#: napping this long between polls: the device's engines are threads on the same two CPUs,
+#: and a waiter that keeps one busy (even yielding: the engines run at a lower priority)
+#: held a 1 Mi-element launch's second engine off for most of the launch. Work the
+#: firmware's loop runs itself needs no CPU of ours, and a nap costs a halted vCPU's
+#: wake-up (tens of microseconds here), so then the waiter keeps yielding.
 SPIN_NAP_S = 20e-6
 
 
@@ -260,11 +264,12 @@ class Stream:
             # one thread of a context spins at a time: many spinning threads would take the
             # CPUs the device (and everyone else) needs, on a machine with two
             events.spinner = True
+            words = self._ring.words
             try:
                 now = time.perf_counter()
                 spin_until, nap_after = now + SPIN_WAIT_S, now + SPIN_TIGHT_S
                 while self.completed < seqno and (now := time.perf_counter()) < spin_until:
-                    if now > nap_after:  # a longer wait lends the CPU to the engines
+                    if now > nap_after and words[_ON_ENGINE]:  # lend the CPU to the engines
                         time.sleep(SPIN_NAP_S)
                     else:
                         os.sched_yield()

@@ -943,7 +943,8 @@ class Client:
         self.packets += len(pkts)
         self.rings_done += 1
         for off in rng.sample((userq.RING_RPTR, userq.RING_COMPLETED, userq.RING_ERROR_SEQNO,
-                               userq.RING_ERROR_CODE, userq.RING_ERROR_ADDR, userq.RING_IRQ_SEQNO), 2):
+                               userq.RING_ERROR_CODE, userq.RING_ERROR_ADDR, userq.RING_IRQ_SEQNO,
+                               userq.RING_ON_ENGINE), 2):
             ring.set(off, rng.choice(U64))
         self.publish(self.A, qid, w)
         time.sleep(0.005)

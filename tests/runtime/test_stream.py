@@ -209,6 +209,33 @@ except KeyboardInterrupt:
         d.debug(0, "sched_hold").write_text("0")
 
 
+
+def test_a_host_wait_naps_only_while_an_engine_runs_the_work(daemon):
+    # The engines are threads on the host's CPUs: a waiter lends its CPU (naps) while the
+    # firmware says an engine runs the stream's packet, and otherwise keeps polling, since a
+    # nap costs a halted vCPU's wake-up (docs/submission.md)
+    lines = run(daemon, """
+        import threading
+        naps, real_sleep, main = [], time.sleep, threading.get_ident()
+        def sleep(seconds):
+            if threading.get_ident() == main:
+                naps.append(seconds)
+            real_sleep(seconds)
+        time.sleep = sleep
+        s = runtime.Stream()
+        a, b = runtime.empty(64 << 20, np.uint8), runtime.empty(64 << 20, np.uint8)
+        b.copy_(a, stream=s)  # a copy engine's: milliseconds
+        s.synchronize()
+        print("engine", len(naps) > 0)
+        naps.clear()
+        hold(True)  # nothing runs: the wait polls for its 2 ms, then sleeps on its pipe
+        s.submit([pkt(userq.Op.NOP)])
+        threading.Timer(0.05, hold, (False,)).start()
+        s.synchronize()
+        print("not on an engine", naps, s.completed == s.last_seqno)
+    """)
+    assert lines == ["engine True", "not on an engine [] True"]
+
 def test_fence_timeout_on_hung_device(make_daemon):
     d = make_daemon(extra=["--heartbeat-timeout", "60"])
     out = d.run_py(f"""

@@ -247,6 +247,30 @@ def test_large_copies_and_memsets_run_on_the_copy_engines(device, ctx):
     assert not q.ring.busy
 
 
+
+@pytest.mark.timeout(60)
+def test_a_ring_says_while_an_engine_runs_its_packet(device, ctx):
+    """``RING_ON_ENGINE``, the waiters' hint (runtime/stream.py naps only while it is 1):
+    set from the scheduler handing the packet to an engine until the engine ends it, and
+    never for work the control loop runs itself."""
+    q = ctx.queue(1)
+    gate, log = threading.Event(), []
+    for i in range(image.DEFAULT_PAYLOAD["copy_engines"]):  # every copy engine held
+        device.sched.copy.submit(0, _Gate(f"holder{i}", log, gate, ctx=ctx.ctx.id))
+    try:
+        w = q.submit(packet(Op.NOP), packet(Op.MEMSET, VA, copies.INLINE_BYTES + 1, 3))
+        device.step()
+        assert q.ring.fence == 1 and q.ring.busy  # the no-op inline, the memset queued
+        assert q.prod.get(userq.RING_ON_ENGINE) == 1
+    finally:
+        gate.set()
+    device.run_until(lambda: q.ring.fence == w)
+    assert q.prod.get(userq.RING_ON_ENGINE) == 0 and not q.ring.busy
+    assert (ctx.mem[: copies.INLINE_BYTES + 1] == 3).all()
+    w = q.submit(packet(Op.MEMSET, VA, 16, 4))  # small: the control loop runs it
+    device.step()
+    assert q.ring.fence == w and q.prod.get(userq.RING_ON_ENGINE) == 0
+
 BAD_PACKETS = {
     # name: (packet, errno, faulting address in the record)
     "copy past the mapping": (packet(Op.COPY, VA + SIZE - 8, VA, 16), errno.EFAULT, VA + SIZE),
