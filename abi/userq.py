@@ -63,6 +63,9 @@ class accel_packet(Struct):
 #: accel_packet as the firmware unpacks it in one call: opcode, flags, a0..a6.
 PACKET = struct.Struct("<II7Q")
 assert PACKET.size == ctypes.sizeof(accel_packet) == 64
+#: u64 word of a LAUNCH packet holding its argument block's address (a4), counted from the
+#: packet's start: a producer may store the address after writing the rest of the packet
+LAUNCH_ARGS_VA_WORD: Final = 1 + 4
 
 
 # --- launch arguments ----------------------------------------------------------------------

@@ -25,8 +25,8 @@ from abi import kernel_lang, uapi, userq
 from runtime import devices as _device
 from runtime import _trace, errors
 from runtime._shm import sealed_memfd
-from runtime.memory import DeviceArray, HostArray, pinned_empty
-from runtime.stream import Stream, current_stream
+from runtime.memory import DeviceArray, DeviceView, HostArray, pinned_empty
+from runtime.stream import STREAM_ARG_SLOT, ArgArena, Stream, current_stream
 
 ARG_SLOT = 1024  # bytes of one launch's argument block
 ARG_SLOTS = 256
@@ -38,6 +38,8 @@ _FLOAT64_CODE = kernel_lang.DTYPE_CODES["float64"]
 _INT64_CODE = kernel_lang.DTYPE_CODES["int64"]
 _INT64_RANGE = (-(1 << 63), (1 << 63) - 1, (1 << 64) - 1)
 _BUFFER_RECORD = userq.ARG_RECORD.pack
+#: the arrays whose records a launch caches on them (DeviceArray._launch_record)
+_RECORDED = (DeviceArray, DeviceView)
 
 
 def _dims(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
@@ -129,6 +131,22 @@ def _arena(device: int) -> _ArgArena:
     return _device.get(device).part("arguments", lambda: _ArgArena(device))
 
 
+def _stream_arena(s: Stream) -> ArgArena:
+    """The stream's own argument arena, made on its first launch (``ArgArena``)."""
+    slots = s._depth + 1
+    host = pinned_empty(STREAM_ARG_SLOT * slots, np.uint8, device=s.device)
+    s.arg_arena = ArgArena(memoryview(host.reshape(-1).view(np.ndarray)), host.device_va,
+                           slots, host)
+    return s.arg_arena
+
+
+def _launch_record(value: DeviceArray) -> tuple[str, int, bytes]:
+    """(dtype name, ndim, records) of a device array as a launch argument: what
+    ``_record_args`` caches on it (its address, dtype and shape never change)."""
+    name, code, nbytes, tail = _buffer_tail(value.dtype, value.shape)
+    return name, len(value.shape), _BUFFER_RECORD(userq.ARG_BUFFER, code, value.va, nbytes) + tail
+
+
 class Kernel:
     """One kernel of a loaded module; ``kernel[grid, block](*args, stream=None)`` launches."""
 
@@ -138,14 +156,24 @@ class Kernel:
         self._layout = [_Param.of(p) for p in self.params]
         #: (grid, block) as written -> the checked, packed dimensions (_config)
         self._configs: dict[tuple[Any, Any], tuple[int, int]] = {}
+        #: (grid, block) as written -> its launcher (__getitem__), for the same shapes
+        self._launchers: dict[tuple[Any, Any], Callable[..., int]] = {}
 
     def __repr__(self) -> str:
         return f"<Kernel {self.name} on accel:{self.module.device}>"
 
     def __getitem__(self, config: tuple[Any, Any]) -> Callable[..., int]:
+        try:
+            return self._launchers[config]
+        except (KeyError, TypeError):
+            pass
         grid, block = config
-        return lambda *args, stream=None, shared_mem=0: self.launch(grid, block, args,
-                                                                     stream, shared_mem)
+
+        def launcher(*args: Any, stream: Stream | None = None, shared_mem: int = 0) -> int:
+            return self.launch(grid, block, args, stream, shared_mem)
+        if _plain(grid) and _plain(block) and len(self._launchers) < CONFIGS:
+            self._launchers[config] = launcher
+        return launcher
 
     def _config(self, grid: Any, block: Any) -> tuple[int, int]:
         """The packet words of a grid and block, checked against the device: a program
@@ -166,32 +194,41 @@ class Kernel:
             self._configs[grid, block] = words
         return words
 
-    def _record_args(self, args: Sequence[Any], into: np.ndarray | memoryview) -> int:
-        """Write the argument block of ``args`` into ``into``; return its length. Every
-        argument is checked against its parameter on every launch."""
+    def _record_args(self, args: Sequence[Any]) -> bytes:
+        """The argument block of ``args``. Every argument is checked against its
+        parameter on every launch; what depends only on a device array (its records) is
+        computed on its first launch and kept on it."""
         layout = self._layout
         if len(args) != len(layout):
             names = ", ".join(p.name for p in layout)
             raise errors.InvalidValueError(f"{self.name} takes {len(layout)} arguments "
                                            f"({names}), got {len(args)}")
+        device = self.module.device
         records: list[bytes] = []
         for p, value in zip(layout, args):
             if not p.buffer:
-                records.append(self._scalar_arg(p, value))
-            elif type(value) is DeviceArray and value.device == self.module.device \
+                code = _SCALAR_CODES.get(type(value)) if p.dtype is None else \
+                    (p.code if type(value) is p.scalar_type else None)
+                # a numpy scalar of its own type, not a NaN (see _scalar_arg), without a call
+                records.append(userq.ARG_SCALAR_RECORDS[code].pack(userq.ARG_SCALAR, code,
+                                                                   value, 0)
+                               if code is not None and value == value else
+                               self._scalar_arg(p, value))
+                continue
+            if type(value) in _RECORDED and value.device == device \
                     and value._allocator.closed is None:  # the common case, without a call
-                name, code, nbytes, tail = _buffer_tail(value.dtype, value.shape)
-                if (p.dtype is not None and name != p.dtype) or \
-                        (p.ndim is not None and p.ndim != len(value.shape)):
-                    self._buffer_arg(p, value)  # raises, saying which
-                records.append(_BUFFER_RECORD(userq.ARG_BUFFER, code, value.va, nbytes) + tail)
-            else:
-                records.append(self._buffer_arg(p, value))
+                try:
+                    name, ndim, record = value._launch_record
+                except AttributeError:  # its first launch
+                    name, ndim, record = value._launch_record = _launch_record(value)
+                if (p.dtype is None or name == p.dtype) and (p.ndim is None or p.ndim == ndim):
+                    records.append(record)
+                    continue
+            records.append(self._buffer_arg(p, value))  # checks it all, raising saying why
         raw = b"".join(records)
         if len(raw) > ARG_SLOT:
             raise errors.InvalidValueError(f"{self.name}: too many or too large arguments")
-        memoryview(into)[: len(raw)] = raw
-        return len(raw)
+        return raw
 
     def _buffer_arg(self, p: _Param, value: Any) -> bytes:
         """A buffer's records: checked against the parameter on every launch; what depends
@@ -268,19 +305,24 @@ class Kernel:
         s = stream or current_stream(device)
         if s.device != device:
             raise errors.InvalidValueError(f"{self.name}: stream is on accel:{s.device}")
+        raw = self._record_args(args)
+        n = len(raw)
         if s.capturing is not None:  # the graph owns this launch's argument block
             buf = s.capturing.argument_block(ARG_SLOT, device)
-            length = self._record_args(args, buf)
+            memoryview(buf)[:n] = raw
             uses = [v for p, v in zip(self._layout, args) if p.buffer]
-            seqno = s.submit([self._packet(g, b, int(shared_mem), buf.device_va, length)],
-                             uses=uses)
+            seqno = s.submit([self._packet(g, b, int(shared_mem), buf.device_va, n)], uses=uses)
             s.capturing.record_kernel(self.name)
             return seqno
-        arena = _arena(device)
+        if n <= STREAM_ARG_SLOT:  # the stream's own slot for the seqno: _write puts it there
+            if s.arg_arena is None:
+                _stream_arena(s)
+            return s._write((self._packet(g, b, int(shared_mem), 0, n),), (self.name, raw))
+        arena = _arena(device)  # a long block: a slot of the device's shared arena
         slot, buf = arena.take()
-        length = self._record_args(args, buf)
-        seqno = s._write((self._packet(g, b, int(shared_mem), arena.vas[slot], length),))
-        s.note_kernel(seqno, self.name)
+        buf[:n] = raw
+        seqno = s._write((self._packet(g, b, int(shared_mem), arena.vas[slot], n),),
+                         (self.name, None))
         arena.last[slot] = (s, seqno)
         return seqno
 
@@ -350,6 +392,11 @@ class Module:
             reply = self._ctx.channel.call(uapi.ACCEL_CMD_KERNEL_GET, uapi.accel_kernel_get(
                 ctx_id=self._ctx.id, module_id=self.id, name=name.encode()))
             k = self._kernels[name] = Kernel(self, name, self.ir["kernels"][name], reply.handle)
+            if not name.startswith("_") and name not in vars(self) \
+                    and not hasattr(type(self), name):
+                # ``module.name`` from now on without __getattr__ (a failed lookup first:
+                # ~2 us, more than the rest of a small launch's checks)
+                setattr(self, name, k)
         return k
 
     @property

@@ -153,7 +153,9 @@ class DeviceArray:
 
     # Slots: a cached allocate+free is a hot path (goal 5 us) and plain attributes cost.
     __slots__ = ("shape", "dtype", "nbytes", "device", "va", "_allocator", "_block",
-                 "__weakref__")
+                 "_launch_record", "__weakref__")
+    #: _launch_record: this array's records as a kernel argument (runtime/launch.py), set
+    #: on its first launch: they depend only on its address, dtype and shape, which are fixed
 
     def __init__(self, shape: tuple[int, ...] | int, dtype: Any, *, device: _device.DeviceLike = None,
                  stream: Stream | None = None) -> None:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from abi import faults as fault_abi
 from abi import uapi, userq
@@ -36,6 +36,12 @@ _WPTR, _RPTR = userq.RING_WPTR >> 3, userq.RING_RPTR >> 3
 _ERROR_SEQNO = userq.RING_ERROR_SEQNO >> 3
 _DB_LOST = userq.DB_LOST >> 3
 _ON_ENGINE = userq.RING_ON_ENGINE >> 3
+#: ring word of slot 0's LAUNCH argument-block address (a slot is 8 words further)
+_ARGS_VA_WORD = (userq.RING_PACKETS >> 3) + userq.LAUNCH_ARGS_VA_WORD
+#: kernel names remembered per stream, for fault records (seqno modulo this)
+_NAMES = 4 * userq.RING_SLOTS
+#: the longest argument block a stream's own arena takes (longer ones: runtime/launch.py)
+STREAM_ARG_SLOT = 256
 #: Poll the fence in shared memory this long before sleeping on the context's event pipe
 #: (waking a sleeping waiter takes a few hundred microseconds here)...
 SPIN_WAIT_S = 2e-3
@@ -48,6 +54,20 @@ SPIN_TIGHT_S = 100e-6
 #: firmware's loop runs itself needs no CPU of ours, and a nap costs a halted vCPU's
 #: wake-up (tens of microseconds here), so then the waiter keeps yielding.
 SPIN_NAP_S = 20e-6
+
+
+class ArgArena(NamedTuple):
+    """A stream's own argument blocks: one ``STREAM_ARG_SLOT`` slot per seqno modulo
+    ``slots`` = the queue's depth + 1, in pinned memory ``host`` (runtime/launch.py makes it
+    on the stream's first launch). Seqno P's slot is next written for P + depth + 1,
+    which the ring admits only once the firmware took P + 1; it takes a queue's packets one
+    at a time, in order, so by then P has completed. So a block is never overwritten while
+    the device may read it, and a launch needs no completion check for its slot."""
+
+    mem: memoryview
+    va: int
+    slots: int
+    host: Any
 
 
 class Stream:
@@ -95,7 +115,10 @@ class Stream:
         #: per packet is a cache miss per packet; it is read again only at this bound
         self._room = self._depth
         self.ctx.streams.add(self)
-        self._kernels: dict[int, str] = {}  # seqno -> kernel name, for fault records
+        #: (seqno, kernel name) at seqno % _NAMES, for fault records and the profiler
+        self._kernels: list[tuple[int, str] | None] = [None] * _NAMES
+        #: this stream's argument arena, from its first launch (runtime/launch.py)
+        self.arg_arena: ArgArena | None = None
         self.last_seqno = 0
         self._lock = threading.Lock()
         #: graph capture in progress on this stream (see runtime.graphs)
@@ -118,8 +141,14 @@ class Stream:
             return self.capturing.record(self, packets, uses)
         return self._write(packets)
 
-    def _write(self, packets: Sequence[Any]) -> int:
-        """The hot path of every submission: plain word accesses, no method per word."""
+    def _write(self, packets: Sequence[Any],
+               launch: tuple[str, bytes | None] | None = None) -> int:
+        """The hot path of every submission: plain word accesses, no method per word.
+
+        ``launch``: the packets are one LAUNCH, of the kernel named, whose argument block
+        (when given) goes in this stream's ``arg_arena`` slot for the packet's seqno, and
+        its address into the packet, before the packet is published (the seqno is known
+        only here, under the lock)."""
         ring = self._ring
         words = ring.words
         if self._closed or self._pid != _device._pid:
@@ -141,6 +170,15 @@ class Stream:
                         self._room = words[_RPTR] + self._depth
                 ring.write_packet(wptr, pkt if isinstance(pkt, bytes) else bytes(pkt))
                 wptr += 1
+            if launch is not None:
+                name, raw = launch
+                if raw is not None:
+                    a = self.arg_arena
+                    assert a is not None
+                    off = (wptr % a.slots) * STREAM_ARG_SLOT
+                    a.mem[off : off + len(raw)] = raw
+                    words[_ARGS_VA_WORD + ((wptr - 1) % userq.RING_SLOTS) * 8] = a.va + off
+                self._kernels[wptr % _NAMES] = (wptr, name)
             self._publish(wptr)
             self.last_seqno = wptr
             return wptr
@@ -180,15 +218,14 @@ class Stream:
             userq.full_barrier()  # store the arming, then load the fence (the firmware mirrors)
 
     def note_kernel(self, seqno: int, name: str) -> None:
-        """Remember which kernel a launch was, so its fault can name it."""
-        self._kernels[seqno] = name
-        if len(self._kernels) > 4 * userq.RING_SLOTS:
-            for old in list(self._kernels)[: userq.RING_SLOTS]:
-                del self._kernels[old]
+        """Remember which kernel a launch was, so its fault can name it (a launch that
+        ``_write`` queued is remembered there)."""
+        self._kernels[seqno % _NAMES] = (seqno, name)
 
     def kernel_name(self, seqno: int) -> str | None:
         """The kernel a launch of this stream ran, while it is remembered (the profiler)."""
-        return self._kernels.get(seqno)
+        entry = self._kernels[seqno % _NAMES]
+        return entry[1] if entry is not None and entry[0] == seqno else None
 
     def submit_nop(self) -> int:
         """Queue a no-op (a marker); return its seqno."""
@@ -343,7 +380,7 @@ def fault_error(stream: Stream, seqno: int, code: int, opcode: int,
     cls: type[errors.DeviceFaultError] = errors.DeviceFaultError
     if opcode == userq.Op.LAUNCH:
         cls = errors.KernelFaultError
-        record["kernel"] = stream._kernels.get(seqno, "?")
+        record["kernel"] = stream.kernel_name(seqno) or "?"
         what = f"kernel {record['kernel']}"
         if code == errno.ETIMEDOUT:
             what += " (stopped by the watchdog)"

@@ -141,6 +141,53 @@ def test_decorator_and_launch_checks(kdaemon, tmp_path):
     assert lines[10] == "foreign module 1"  # EPERM: another context's handle
 
 
+
+def test_each_launch_reads_its_own_argument_block_past_the_queues_depth(kdaemon):
+    """A stream keeps its launches' argument blocks in slots of its own, one per seqno
+    modulo the queue's depth + 1, reused without a completion check (runtime/stream.py
+    ``ArgArena``): 3,000 launches with distinct arguments, queued while the firmware holds
+    still, each write their own value. A block longer than a slot (12 buffers) takes the
+    device's shared arena. ``module.name`` stays the same kernel from launch to launch, and
+    a kernel named like a module attribute does not hide that attribute."""
+    lines = run(kdaemon, """
+        src = (
+            "def put(x, i, v):\\n"
+            "    if global_id(0) == 0:\\n"
+            "        x[i] = v\\n"
+            "def wide(" + ", ".join(f"a{k}" for k in range(11)) + ", out):\\n"
+            "    if global_id(0) == 0:\\n"
+            "        out[0] = " + " + ".join(f"a{k}[0]" for k in range(11)) + "\\n"
+            "def kernels(x):\\n"
+            "    x[0] = 1.0\\n")
+        mod = runtime.compile(src)
+        n = 3000
+        x = runtime.empty(n, np.float32)
+        s = runtime.Stream()
+        mod.put[1, 32](x, 0, np.float32(-1.0), stream=s)
+        s.synchronize()  # compiled: the rest is queued faster than it runs
+        hold = f"{ROOT}/sys/kernel/debug/accel/accel0/sched_hold"
+        open(hold, "w").write("1")
+        try:
+            for i in range(n - 1, -1, -1):
+                if i == n - 1000:
+                    open(hold, "w").write("0")  # the rest wait for room as the ring drains
+                mod.put[1, 32](x, i, np.float32(i * 0.5), stream=s)
+        finally:
+            open(hold, "w").write("0")
+        s.synchronize()
+        print("own blocks", bool((x.copy_to_host() == np.arange(n, dtype=np.float32) * 0.5).all()))
+        parts = [runtime.to_device(np.full(1, k, np.float32)) for k in range(11)]
+        out = runtime.empty(1, np.float32)
+        mod.wide[1, 32](*parts, out, stream=s)
+        s.synchronize()
+        print("long block", out.copy_to_host()[0])
+        print("same kernel", mod.put is mod.put is mod.get_kernel("put"))
+        k = mod.get_kernel("kernels")
+        print("attribute kept", mod.kernels == ["put", "wide", "kernels"], k.name)
+    """)
+    assert lines == ["own blocks True", "long block 55.0", "same kernel True",
+                     "attribute kept True kernels"]
+
 @pytest.mark.timeout(240)
 def test_a_launch_on_another_devices_stream_is_refused_and_queues_nothing(daemon):
     """The kernel is loaded on accel:0 and the stream is on accel:1: InvalidValueError
@@ -372,7 +419,9 @@ def test_dynamic_shared_memory_sized_per_launch(kdaemon):
         from runtime.launch import pinned_empty
         k = mod.rev
         buf = pinned_empty(4096, np.uint8)
-        length = k._record_args([x], buf)
+        block = k._record_args([x])
+        buf[:len(block)] = np.frombuffer(block, np.uint8)
+        length = len(block)
         raw = runtime.Stream()
         from abi import userq
         one = userq.pack_dims((1, 1, 1))

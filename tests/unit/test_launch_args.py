@@ -5,6 +5,7 @@ exactly the bytes the numpy conversion gives, and leave every out-of-range value
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +21,16 @@ VALUES = (0, 1, -1, 127, -128, 255, 256, 2**31 - 1, -2**31, 2**32 - 1, 2**63 - 1
 
 class _Kernel:
     name = "k"
+    module = SimpleNamespace(device=0)
+    _scalar_arg = launch.Kernel._scalar_arg
+
+
+def _block_of_one(p: launch._Param, value: object) -> bytes:
+    """The argument block of a one-scalar kernel (``_record_args``, whose common cases
+    are inline rather than calls to ``_scalar_arg``)."""
+    k = _Kernel()
+    k._layout = [p]  # type: ignore[attr-defined]
+    return launch.Kernel._record_args(k, (value,))  # type: ignore[arg-type]
 
 
 def _numpy_record(p: launch._Param, value: object) -> bytes:
@@ -42,9 +53,9 @@ def _outcome(fn, *args):  # noqa: ANN001, ANN202 - a record, or the exception's 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_python_scalars_pack_as_numpy_converts_them(dtype):
     p = launch._Param.of({"name": "n", "kind": "scalar", "dtype": dtype})
-    differ = [(v, _outcome(_numpy_record, p, v), _outcome(launch.Kernel._scalar_arg, _Kernel, p, v))
-              for v in VALUES]
-    assert [d for d in differ if d[1] != d[2]] == []
+    differ = [(v, _outcome(_numpy_record, p, v), _outcome(_Kernel()._scalar_arg, p, v),
+               _outcome(_block_of_one, p, v)) for v in VALUES]
+    assert [d for d in differ if not d[1] == d[2] == d[3]] == []
 
 
 def _numpy_scalars() -> list[np.generic]:
@@ -74,4 +85,5 @@ def test_numpy_scalars_are_their_own_bits(typed):
         p = launch._Param.of({"name": "v", "kind": "scalar", "dtype": name if typed else None})
         want = userq.ARG_RECORD.pack(userq.ARG_SCALAR, kernel_lang.DTYPE_CODES[name],
                                      int.from_bytes(value.tobytes(), "little"), 0)
-        assert launch.Kernel._scalar_arg(_Kernel, p, value) == want, (name, value)
+        assert _Kernel()._scalar_arg(p, value) == want, (name, value)
+        assert _block_of_one(p, value) == want, (name, value)
