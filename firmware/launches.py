@@ -77,6 +77,8 @@ class Kernels:
         self.deadlines: Deadlines | None = None
         #: the abort word of the inline launches (one runs at a time, on the control loop)
         self._inline_abort = np.zeros(1, np.int64)
+        #: the watchdog entry of a ring turn's inline launches (end_turn removes it)
+        self._inline_watch: int | None = None
         #: work run inline (INLINE_WORK's units) since the scheduler last zeroed it: a
         #: ring's turn of a pass ends once it reaches INLINE_WORK, so that one ring of
         #: large inline launches holds the others (and higher priorities) one launch long
@@ -140,6 +142,16 @@ class Kernels:
     def turn_spent(self) -> bool:
         """Whether a ring's turn of the scheduler's pass ran its inline work's worth."""
         return self.inline_work >= INLINE_WORK
+
+    def end_turn(self) -> None:
+        """A ring's turn ended: its inline launches' watchdog entry goes. One entry covers
+        a whole turn: the turn's inline work is bounded (``turn_spent``, plus the one launch
+        that crossed it), and adding and removing an entry per launch was a sixth of a
+        small launch's time."""
+        if self._inline_watch is not None:
+            assert self.deadlines is not None
+            self.deadlines.remove(self._inline_watch)
+            self._inline_watch = None
 
     # --- launches -------------------------------------------------------------------------
     def launch(self, sched: Scheduler, ring: Ring, seqno: int, a: list[int],
@@ -247,22 +259,22 @@ class Kernels:
     def _run_inline(self, b: Bound, dynamic: int, args_checked: bool = False) -> None:
         """Run a small launch on the scheduler thread; faults raise as packet faults. No
         :class:`Launch` record: nothing but this call sees it. Inline launches run one at
-        a time, so they share one abort word (cleared before each; the watchdog writes it
-        only while the launch is on its list)."""
+        a time, so they share one abort word, cleared when a ring's turn adds its watchdog
+        entry (``end_turn``): a launch the watchdog stopped faults its ring, which cancels
+        the rest of that turn."""
         deadlines = self.deadlines
         assert deadlines is not None  # the JIT exists
         abort = self._inline_abort
-        abort[0] = 0
+        if self._inline_watch is None:  # the turn's first inline launch (end_turn)
+            abort[0] = 0
+            self._inline_watch = deadlines.add(abort, INLINE_WATCHDOG_S, None)
         self.inline_work += b.work
-        token = deadlines.add(abort, INLINE_WATCHDOG_S, None)
         try:
             b.kernel.run(0, b.nblocks, b.grid, b.block, b.values, abort, dynamic, args_checked)
         except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
             code, addr = fault_of(b.name, b.buffers, exc)
             raise memory.Fault(addr, code) from None
-        finally:
-            deadlines.remove(token)
-        if abort[0] > deadlines.preempt:
+        if abort[0] > deadlines.preempt:  # the ring faults: the rest of its turn cancels
             raise memory.Fault(0, errno.ETIMEDOUT)
 
 

@@ -181,6 +181,13 @@ class Scheduler:
         return done
 
     def _poll_ring(self, ring: Ring) -> int:
+        """One ring's turn of a pass: its packets, up to the batch and the inline budget."""
+        try:
+            return self._take_turn(ring)
+        finally:
+            self.kernels.end_turn()
+
+    def _take_turn(self, ring: Ring) -> int:
         done = 0
         kernels = self.kernels
         kernels.inline_work = 0  # the ring's turn begins (Kernels.turn_spent)

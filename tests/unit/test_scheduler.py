@@ -480,6 +480,49 @@ def test_a_kernel_launches_on_an_engine_then_inline_and_faults_out_of_bounds(dev
     assert moved(device, before) == {"packets": 1, "faults": 1}
 
 
+
+@pytest.mark.timeout(240)
+def test_a_rings_inline_launches_share_one_watchdog_entry_per_turn(device, ctx, monkeypatch):
+    """One watchdog entry covers a ring's turn of inline launches (Kernels.end_turn), none
+    is left once the turn ended, and after a launch the watchdog stopped (its ring
+    faults) the next ring's launch runs under a fresh entry, not stopped by the old word."""
+    from runtime.kernels import canonical_json, compile_module
+
+    kernels = device.sched.kernels
+    kernels.load_module(ctx.ctx, 6, canonical_json(compile_module(KERNEL)))
+    n, x_va, args_va = 256, VA + MiB, VA
+    args = _args(x_va, n, 1.5)
+    ctx.mem[: len(args)] = np.frombuffer(args, np.uint8)
+    x = ctx.mem[MiB : MiB + 4 * n].view(np.float32)
+    fill = packet(Op.LAUNCH, 6 << 16, userq.pack_dims((n // 64, 1, 1)),
+                  userq.pack_dims((64, 1, 1)), 0, args_va, len(args))
+    q1, q2 = ctx.queue(1), ctx.queue(2)
+    w = q1.submit(fill)
+    device.run_until(lambda: q1.ring.fence == w, timeout=200)  # compiled (on an engine)
+    deadlines = kernels.deadlines
+    real_add, adds = deadlines.add, []
+
+    def add(abort, watchdog_s, quantum_s):  # noqa: ANN001, ANN202
+        adds.append(watchdog_s)
+        return real_add(abort, watchdog_s, quantum_s)
+    monkeypatch.setattr(deadlines, "add", add)
+    w = q1.submit(*[fill] * 10)
+    device.step()
+    assert q1.ring.fence == w and len(adds) == 1 and deadlines._entries == {}
+
+    def expired(abort, watchdog_s, quantum_s):  # noqa: ANN001, ANN202 - fires at once
+        token = add(abort, watchdog_s, quantum_s)
+        abort[0] = deadlines.watchdog
+        monkeypatch.setattr(deadlines, "add", add)
+        return token
+    monkeypatch.setattr(deadlines, "add", expired)
+    x[:] = 0
+    w1, w2 = q1.submit(fill), q2.submit(fill)
+    device.step()
+    assert device.ended(q1)[w1].status == errno.ETIMEDOUT
+    assert device.ended(q2)[w2].status == 0 and (x == 1.5).all()
+    assert len(adds) == 3 and deadlines._entries == {}
+
 @pytest.mark.timeout(240)
 def test_a_loop_free_launch_runs_inline_within_the_work_budget(device, ctx, monkeypatch):
     """Inline on the control loop while threads x work per thread fits INLINE_WORK (and
