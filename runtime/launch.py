@@ -132,19 +132,17 @@ def _arena(device: int) -> _ArgArena:
 
 
 def _stream_arena(s: Stream) -> ArgArena:
-    """The stream's own argument arena, made on its first launch (``ArgArena``)."""
+    """The stream's own argument arena (``ArgArena``), for its first launch."""
     slots = s._depth + 1
     host = pinned_empty(STREAM_ARG_SLOT * slots, np.uint8, device=s.device)
-    s.arg_arena = ArgArena(memoryview(host.reshape(-1).view(np.ndarray)), host.device_va,
-                           slots, host)
-    return s.arg_arena
+    return ArgArena(memoryview(host.reshape(-1).view(np.ndarray)), host.device_va, slots, host)
 
 
-def _launch_record(value: DeviceArray) -> tuple[str, int, bytes]:
-    """(dtype name, ndim, records) of a device array as a launch argument: what
-    ``_record_args`` caches on it (its address, dtype and shape never change)."""
-    name, code, nbytes, tail = _buffer_tail(value.dtype, value.shape)
-    return name, len(value.shape), _BUFFER_RECORD(userq.ARG_BUFFER, code, value.va, nbytes) + tail
+def _buffer_records(va: int, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[str, int, bytes]:
+    """(dtype name, ndim, records) of a buffer argument: what ``_record_args`` caches on
+    a device array (its address, dtype and shape never change)."""
+    name, code, nbytes, tail = _buffer_tail(dtype, shape)
+    return name, len(shape), _BUFFER_RECORD(userq.ARG_BUFFER, code, va, nbytes) + tail
 
 
 class Kernel:
@@ -220,7 +218,8 @@ class Kernel:
                 try:
                     name, ndim, record = value._launch_record
                 except AttributeError:  # its first launch
-                    name, ndim, record = value._launch_record = _launch_record(value)
+                    name, ndim, record = value._launch_record = _buffer_records(
+                        value.va, value.dtype, value.shape)
                 if (p.dtype is None or name == p.dtype) and (p.ndim is None or p.ndim == ndim):
                     records.append(record)
                     continue
@@ -247,14 +246,14 @@ class Kernel:
             raise errors.InvalidValueError(
                 f"{self.name}: argument {p.name} must be a device array (or pinned or "
                 f"managed memory), got {type(value).__name__}")
-        name, code, nbytes, tail = _buffer_tail(dtype, shape)
+        name, ndim, record = _buffer_records(va, dtype, shape)
         if p.dtype is not None and name != p.dtype:
             raise errors.InvalidValueError(f"{self.name}: argument {p.name} must be "
                                            f"{p.dtype}, got {name}")
-        if p.ndim not in (None, len(shape)):
+        if p.ndim not in (None, ndim):
             raise errors.InvalidValueError(f"{self.name}: argument {p.name} must have "
-                                           f"{p.ndim} dimensions, got {len(shape)}")
-        return _BUFFER_RECORD(userq.ARG_BUFFER, code, va, nbytes) + tail
+                                           f"{p.ndim} dimensions, got {ndim}")
+        return record
 
     def _scalar_arg(self, p: _Param, value: Any) -> bytes:
         """A scalar's record. A numpy scalar of exactly the parameter's type (or of any
@@ -316,7 +315,7 @@ class Kernel:
             return seqno
         if n <= STREAM_ARG_SLOT:  # the stream's own slot for the seqno: _write puts it there
             if s.arg_arena is None:
-                _stream_arena(s)
+                s.arg_arena = _stream_arena(s)
             return s._write((self._packet(g, b, int(shared_mem), 0, n),), (self.name, raw))
         arena = _arena(device)  # a long block: a slot of the device's shared arena
         slot, buf = arena.take()
