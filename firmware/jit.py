@@ -50,6 +50,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Iterator
 
 import llvmlite
@@ -230,7 +231,7 @@ class CompiledKernel:
 
     def run(self, block_lo: int, block_hi: int, grid: tuple[int, int, int],
             block: tuple[int, int, int], args: list[Any], abort: np.ndarray,
-            dynamic_shared: int = 0, args_checked: bool = False) -> int:
+            dynamic_shared: int = 0) -> int:
         """Run blocks ``[block_lo, block_hi)`` (linear ids, x fastest) of a launch of
         ``grid`` blocks of ``block`` threads, each with ``dynamic_shared`` bytes for its
         ``dynamic_shared`` arrays (the caller checks it against the device's limit).
@@ -241,8 +242,48 @@ class CompiledKernel:
         Every dimension must be in ``[1, MAX_DIM]`` and a block at most
         ``MAX_BLOCK_THREADS`` threads, ``dynamic_shared`` at most ``SHARED_LIMIT`` (the
         generated code's arithmetic relies on these; ValueError otherwise). The buffers
-        must be C-contiguous arrays of the compiled types (TypeError otherwise), checked
-        unless ``args_checked`` says this very list passed before, unchanged since."""
+        must be C-contiguous arrays of the compiled types (TypeError otherwise)."""
+        self._check(block_lo, block_hi, grid, block, args, abort, dynamic_shared)
+        fault = np.zeros(FAULT_WORDS, np.int64)
+        try:
+            done = self._entry(block_lo, block_hi, *grid, *block, abort, fault, self.blas,
+                               dynamic_shared, *args)
+        except Exception as exc:  # noqa: BLE001 - raised by the kernel's code (numba's)
+            raise KernelFault("error", message=f"{self.name}: {exc!r}") from exc
+        if fault[0]:
+            self._raise_fault(fault, done, abort)
+        return int(done)
+
+    def bind(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list[Any],
+             abort: np.ndarray, dynamic_shared: int = 0) -> Callable[[], int]:
+        """A launch of the whole grid with these very arguments, checked once here (as
+        :meth:`run` checks them); calling the result runs it as ``run`` would, raising the
+        same faults. What the firmware keeps for a launch it repeats (firmware/launches.py
+        ``Bound``): ``run``'s checks and argument passing were a fifth of a tiny launch.
+        The launch has one fault array, cleared after each fault it raised."""
+        nblocks = grid[0] * grid[1] * grid[2]
+        self._check(0, nblocks, grid, block, args, abort, dynamic_shared)
+        fault = np.zeros(FAULT_WORDS, np.int64)
+        call = functools.partial(self._entry, 0, nblocks, *grid, *block, abort, fault,
+                                 self.blas, dynamic_shared, *args)
+
+        def launch() -> int:
+            try:
+                done = call()
+            except Exception as exc:  # noqa: BLE001 - raised by the kernel's code (numba's)
+                raise KernelFault("error", message=f"{self.name}: {exc!r}") from exc
+            if fault[0]:
+                try:
+                    self._raise_fault(fault, done, abort)
+                finally:
+                    fault[:] = 0
+            return done
+        return launch
+
+    def _check(self, block_lo: int, block_hi: int, grid: tuple[int, int, int],
+               block: tuple[int, int, int], args: list[Any], abort: np.ndarray,
+               dynamic_shared: int) -> None:
+        """What the generated code relies on and would not check (``run``'s docstring)."""
         gx, gy, gz = grid
         bx, by, bz = block
         if not (type(gx) is type(gy) is type(gz) is type(bx) is type(by) is type(bz) is int
@@ -255,20 +296,16 @@ class CompiledKernel:
         if not (type(abort) is np.ndarray and (abort.dtype is _INT64 or abort.dtype == _INT64)
                 and abort.shape == (1,)):
             raise TypeError("abort must be an int64 array of shape (1,)")
-        if not args_checked:
-            if len(args) != self.nargs:
-                raise TypeError(f"{self.name} takes {self.nargs} arguments, got {len(args)}")
-            self._check_buffers(args)
-        fault = np.zeros(FAULT_WORDS, np.int64)
+        if len(args) != self.nargs:
+            raise TypeError(f"{self.name} takes {self.nargs} arguments, got {len(args)}")
+        self._check_buffers(args)
         if dynamic_shared < 0:
             raise ValueError(f"negative dynamic shared memory {dynamic_shared}")
         if dynamic_shared > SHARED_LIMIT:
             raise ValueError(f"dynamic shared memory {dynamic_shared} above {SHARED_LIMIT}")
-        try:
-            done = self._entry(block_lo, block_hi, gx, gy, gz, bx, by, bz, abort, fault,
-                               self.blas, dynamic_shared, *args)
-        except Exception as exc:  # noqa: BLE001 - raised by the kernel's code (numba's)
-            raise KernelFault("error", message=f"{self.name}: {exc!r}") from exc
+
+    def _raise_fault(self, fault: np.ndarray, done: int, abort: np.ndarray) -> None:
+        """The :class:`KernelFault` of a fault array the kernel wrote (``fault[0]`` set)."""
         kind = int(fault[0])
         if kind == FAULT_BOUNDS:
             pos = int(fault[1])
@@ -283,7 +320,7 @@ class CompiledKernel:
             why = "watchdog" if int(abort[0]) == ABORT_WATCHDOG else "abort"
             raise KernelFault(why, block=int(done),
                               message=f"{self.name}: stopped by {why} in block {int(done)}")
-        return int(done)
+        raise KernelFault("error", message=f"{self.name}: fault word {kind}")
 
 
 def _flat_index(fault: np.ndarray) -> tuple[int, bool]:

@@ -177,7 +177,7 @@ class Kernels:
             raw = None  # raised below, after the checks that come first
         bound = None if raw is None else mod.bound.get((index, raw, grid_w, block_w, dynamic))
         if bound is not None and bound.generation == space.generation:
-            self._run_inline(bound, dynamic, args_checked=True)
+            self._run_inline(bound)
             sched.tally.add("launches")
             return None
         name, kir = mod.kernels[index]
@@ -202,10 +202,11 @@ class Kernels:
             # small, compiled and statically bounded: no engine hand-off (no GIL ping-pong)
             if not kernel.capabilities <= self.capabilities:
                 raise memory.Fault(0, errno.EOPNOTSUPP)
-            bound = Bound(generation, name, kernel, buffers, values, nblocks, grid, block,
-                          total * kernel.work_per_thread)
+            bound = Bound(generation, name,
+                          kernel.bind(grid, block, values, self._inline_abort, dynamic),
+                          buffers, values, total * kernel.work_per_thread)
             try:
-                self._run_inline(bound, dynamic)
+                self._run_inline(bound)
             finally:
                 if pages is not None:  # what it touched, up to where it stopped
                     managed.migrate(sched.residency, pages)
@@ -256,7 +257,7 @@ class Kernels:
         self._counters.peak("jit_compiles", jit.compiles)
         self._counters.peak("jit_hits", jit.hits)
 
-    def _run_inline(self, b: Bound, dynamic: int, args_checked: bool = False) -> None:
+    def _run_inline(self, b: Bound) -> None:
         """Run a small launch on the scheduler thread; faults raise as packet faults. No
         :class:`Launch` record: nothing but this call sees it. Inline launches run one at
         a time, so they share one abort word, cleared when a ring's turn adds its watchdog
@@ -270,7 +271,7 @@ class Kernels:
             self._inline_watch = deadlines.add(abort, INLINE_WATCHDOG_S, None)
         self.inline_work += b.work
         try:
-            b.kernel.run(0, b.nblocks, b.grid, b.block, b.values, abort, dynamic, args_checked)
+            b.run()
         except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
             code, addr = fault_of(b.name, b.buffers, exc)
             raise memory.Fault(addr, code) from None
@@ -285,12 +286,11 @@ class Bound(NamedTuple):
 
     generation: int
     name: str
-    kernel: Any
+    #: the whole grid over ``values`` (``CompiledKernel.bind``: checked once, with the
+    #: inline launches' abort word)
+    run: Callable[[], int]
     buffers: list[tuple[str, int, int]]
     values: list
-    nblocks: int
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
     work: int  # threads x work per thread (INLINE_WORK)
 
 

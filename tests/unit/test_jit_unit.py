@@ -477,6 +477,38 @@ def test_run_checks_argument_types(cache: KernelCache) -> None:
         k.run(0, 2, (1, 1, 1), (64, 1, 1), [np.float32(1), x, x, x], no_abort())
 
 
+GATHER = ir_of("""
+    def gather(x, idx, out):
+        i = global_id(0)
+        if i < out.size:
+            out[i] = x[idx[i]]
+""")
+
+
+def test_a_bound_launch_checks_once_and_faults_like_run_every_time(cache: KernelCache) -> None:
+    """``bind``: the checks of ``run`` when bound, then each call runs the whole grid over
+    the very arrays bound, as they are now, and faults as ``run`` does; its one fault
+    array is cleared after a fault, so a later clean run does not fault and a later miss
+    names its own index."""
+    k = cache.get(GATHER, ("float32[1d]", "int64[1d]", "float32[1d]"), Options())
+    x, idx = np.arange(100, dtype=np.float32), np.arange(64, dtype=np.int64)
+    out = np.zeros(64, np.float32)
+    with pytest.raises(TypeError):
+        k.bind((1, 1, 1), (64, 1, 1), [x, idx.astype(np.int32), out], no_abort())
+    with pytest.raises(ValueError):
+        k.bind((1, 1, 1), (1 << 20, 1, 1), [x, idx, out], no_abort())
+    launch = k.bind((1, 1, 1), (64, 1, 1), [x, idx, out], no_abort())
+    assert launch() == 1 and (out == x[:64]).all()
+    for i, bad in ((5, 1000), (7, -3)):
+        idx[i] = bad
+        with pytest.raises(KernelFault) as ei:
+            launch()
+        assert (ei.value.kind, ei.value.param, ei.value.index) == ("bounds", "x", bad)
+        idx[i] = i
+        out[:] = 0
+        assert launch() == 1 and (out == x[:64]).all()
+
+
 # --------------------------------------------------------------------------- the cache
 
 
