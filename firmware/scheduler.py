@@ -29,7 +29,7 @@ import errno
 import os
 import threading
 from collections.abc import Callable
-from time import monotonic_ns, perf_counter_ns
+from time import monotonic_ns
 from typing import Any
 
 from abi import userq
@@ -49,8 +49,9 @@ _BLOCKED = object()
 
 #: The engine kind whose time a packet run inline is charged to (utilization, fdinfo): the
 #: control loop stands in for an engine of that kind.
-_INLINE_KIND = {op: (kind, f"{kind}_busy_ns") for op, kind in (
-    (Op.LAUNCH, "compute"), (Op.COPY, "copy"), (Op.MEMSET, "copy"), (Op.PREFETCH, "copy"))}
+_INLINE_KIND = {Op.LAUNCH: "compute", Op.COPY: "copy", Op.MEMSET: "copy", Op.PREFETCH: "copy"}
+#: each kind's busy counter
+_BUSY_COUNTER = {kind: f"{kind}_busy_ns" for kind in set(_INLINE_KIND.values())}
 
 
 class Scheduler:
@@ -61,6 +62,9 @@ class Scheduler:
         self.counters = counters
         #: what this thread (the control loop) counts, merged into ``counters`` per pass
         self.tally = Tally()
+        #: the engine time (ns, by kind) the control loop spent on the packets of the
+        #: current ring's turn, charged when the turn ends (``_charge_turn``), not per packet
+        self._turn_busy = dict.fromkeys(_BUSY_COUNTER, 0)
         self.copy = EnginePool("copy", config["copy_engines"], counters)
         self.compute = EnginePool("compute", config["compute_engines"], counters)
         self.kernels = Kernels(config, jit_cache_dir, counters, self.wake)
@@ -186,6 +190,16 @@ class Scheduler:
             return self._take_turn(ring)
         finally:
             self.kernels.end_turn()
+            self._charge_turn(ring)
+
+    def _charge_turn(self, ring: Ring) -> None:
+        """The turn's inline engine time, to the counters and to the ring's context."""
+        busy = self._turn_busy
+        for kind, ns in busy.items():
+            if ns:
+                self.tally.add(_BUSY_COUNTER[kind], ns)
+                ring.ctx.engine_time.add(kind, ns)
+                busy[kind] = 0
 
     def _take_turn(self, ring: Ring) -> int:
         done = 0
@@ -226,9 +240,7 @@ class Scheduler:
     def _start(self, ring: Ring, seqno: int, pkt: tuple[int, ...]) -> bool:
         """Begin one packet. True if it finished inline (the ring may go on)."""
         opcode, flags, *a = pkt
-        start_ns = monotonic_ns()
-        kind = _INLINE_KIND.get(opcode)
-        began = perf_counter_ns() if kind else 0
+        start_ns = monotonic_ns()  # the clock of perf_counter too, so also the busy time's
         if ring.faulted:
             self.complete(ring, seqno, Completion(errno.ECANCELED, start_ns, start_ns))
             return True
@@ -243,11 +255,11 @@ class Scheduler:
             code, addr = errno.EINVAL, 0
         else:
             if job is None:
-                self.complete(ring, seqno, Completion(0, start_ns, monotonic_ns()))
-                if kind:
-                    busy = perf_counter_ns() - began
-                    self.tally.add(kind[1], busy)
-                    ring.ctx.engine_time.add(kind[0], busy)
+                end_ns = monotonic_ns()
+                self.complete(ring, seqno, Completion(0, start_ns, end_ns))
+                kind = _INLINE_KIND.get(opcode)
+                if kind is not None:
+                    self._turn_busy[kind] += end_ns - start_ns
                 return True
             if job is _BLOCKED:
                 return False
@@ -265,6 +277,8 @@ class Scheduler:
                  start_ns: int) -> Any:
         """Validate a packet; run it now (return None), return the engine job for it, or
         say that it waits (``_BLOCKED``, ``PARKED``)."""
+        if opcode == Op.LAUNCH:  # a framework's every operator: first
+            return self.kernels.launch(self, ring, seqno, a, start_ns)
         if opcode == Op.NOP:
             return None
         if opcode == Op.COPY:
@@ -281,8 +295,6 @@ class Scheduler:
             return _BLOCKED
         if opcode == Op.PREFETCH:
             return copies.prefetch(self, ring, seqno, a, start_ns)
-        if opcode == Op.LAUNCH:
-            return self.kernels.launch(self, ring, seqno, a, start_ns)
         raise memory.Fault(0, errno.EINVAL)
 
     # --- completions ----------------------------------------------------------------------
