@@ -140,6 +140,9 @@ class AddressSpace:
         #: moves with every change of the mappings: what was resolved against an older
         #: generation must be resolved again (firmware/launches.py keeps bound launches)
         self.generation = 0
+        #: (generation, mapping) of the last resolve: a stream's argument blocks, read on
+        #: every launch, all lie in its one arena (no lock, no bisect while it holds)
+        self._last: tuple[int, Mapping] | None = None
 
     def add(self, m: Mapping) -> None:
         with self._lock:
@@ -163,13 +166,21 @@ class AddressSpace:
 
     def resolve(self, va: int, size: int) -> tuple[Mapping, int]:
         """(mapping, offset) holding all of [va, va + size); raises Fault otherwise."""
+        last = self._last
+        if last is not None and last[0] == self.generation:
+            m = last[1]
+            end = m.va + m.size
+            if m.va <= va < end and va + size <= end:
+                return m, va - m.va
         with self._lock:
             i = bisect.bisect_right(self._starts, va) - 1
             m = self._maps[i] if i >= 0 else None
+            generation = self.generation
         if m is None or va >= m.va + m.size:
             raise Fault(va)
         if va + size > m.va + m.size:
             raise Fault(m.va + m.size)
+        self._last = (generation, m)
         return m, va - m.va
 
 
