@@ -38,6 +38,7 @@ _DB_LOST = userq.DB_LOST >> 3
 _ON_ENGINE = userq.RING_ON_ENGINE >> 3
 #: ring word of slot 0's LAUNCH argument-block address (a slot is 8 words further)
 _ARGS_VA_WORD = (userq.RING_PACKETS >> 3) + userq.LAUNCH_ARGS_VA_WORD
+_SLOTS = userq.RING_SLOTS
 #: kernel names remembered per stream, for fault records (seqno modulo this)
 _NAMES = 4 * userq.RING_SLOTS
 #: the longest argument block a stream's own arena takes (longer ones: runtime/launch.py)
@@ -141,14 +142,14 @@ class Stream:
             return self.capturing.record(self, packets, uses)
         return self._write(packets)
 
-    def _write(self, packets: Sequence[Any],
-               launch: tuple[str, bytes | None] | None = None) -> int:
+    def _write(self, packets: Sequence[Any], kernel: str | None = None,
+               args: bytes | None = None) -> int:
         """The hot path of every submission: plain word accesses, no method per word.
 
-        ``launch``: the packets are one LAUNCH, of the kernel named, whose argument block
-        (when given) goes in this stream's ``arg_arena`` slot for the packet's seqno, and
-        its address into the packet, before the packet is published (the seqno is known
-        only here, under the lock)."""
+        ``kernel``: the packets are one LAUNCH of the kernel named; ``args``, its argument
+        block, goes in this stream's ``arg_arena`` slot for the packet's seqno, and its
+        address into the packet, before the packet is published (the seqno is known only
+        here, under the lock)."""
         ring = self._ring
         words = ring.words
         if self._closed or self._pid != _device._pid:
@@ -170,15 +171,14 @@ class Stream:
                         self._room = words[_RPTR] + self._depth
                 ring.write_packet(wptr, pkt if isinstance(pkt, bytes) else bytes(pkt))
                 wptr += 1
-            if launch is not None:
-                name, raw = launch
-                if raw is not None:
+            if kernel is not None:
+                if args is not None:
                     a = self.arg_arena
                     assert a is not None
                     off = (wptr % a.slots) * STREAM_ARG_SLOT
-                    a.mem[off : off + len(raw)] = raw
-                    words[_ARGS_VA_WORD + ((wptr - 1) % userq.RING_SLOTS) * 8] = a.va + off
-                self._kernels[wptr % _NAMES] = (wptr, name)
+                    a.mem[off : off + len(args)] = args
+                    words[_ARGS_VA_WORD + (wptr - 1) % _SLOTS * 8] = a.va + off
+                self._kernels[wptr % _NAMES] = (wptr, kernel)
             self._publish(wptr)
             self.last_seqno = wptr
             return wptr

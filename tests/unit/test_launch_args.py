@@ -1,6 +1,8 @@
-"""A launch's scalar records (runtime/launch.py): Python ints and floats take a direct
-packing path (the common case for a framework: sizes, strides, op codes), which must give
-exactly the bytes the numpy conversion gives, and leave every out-of-range value to it."""
+"""A launch's argument records (runtime/launch.py, runtime/arg_packer.py): Python ints
+and floats take a direct packing path (the common case for a framework: sizes, strides, op
+codes), which must give exactly the bytes the numpy conversion gives, and leave every
+out-of-range value to it; a kernel's generated packer gives exactly the checked path's
+block for every argument it takes, and takes the common ones."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from abi import kernel_lang, userq
-from runtime import launch
+from runtime import arg_packer, launch
+from runtime.memory import ImportedArray
 
 DTYPES = (None, "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8",
           "bool", "float64", "float32")
@@ -23,13 +28,15 @@ class _Kernel:
     name = "k"
     module = SimpleNamespace(device=0)
     _scalar_arg = launch.Kernel._scalar_arg
+    _buffer_arg = launch.Kernel._buffer_arg
 
 
 def _block_of_one(p: launch._Param, value: object) -> bytes:
     """The argument block of a one-scalar kernel (``_record_args``, whose common cases
-    are inline rather than calls to ``_scalar_arg``)."""
+    are the packer's rather than calls to ``_scalar_arg``)."""
     k = _Kernel()
     k._layout = [p]  # type: ignore[attr-defined]
+    k._pack = arg_packer.packer([p], 0, "k")  # type: ignore[attr-defined]
     return launch.Kernel._record_args(k, (value,))  # type: ignore[arg-type]
 
 
@@ -87,3 +94,102 @@ def test_numpy_scalars_are_their_own_bits(typed):
                                      int.from_bytes(value.tobytes(), "little"), 0)
         assert _Kernel()._scalar_arg(p, value) == want, (name, value)
         assert _block_of_one(p, value) == want, (name, value)
+
+
+# --- the generated packer (runtime/arg_packer.py) against the checked path ----------------
+_BUFFER_DTYPES = ("float32", "float64", "int32", "uint8")
+
+
+def _array(dtype: str, shape: tuple[int, ...], device: int = 0, closed: bool = False,
+           recorded: bool = True, cls: type = launch.DeviceArray) -> launch.DeviceArray:
+    """A device array as a launch sees one (no device behind it: only the fields read)."""
+    a = cls.__new__(cls)
+    a.shape, a.dtype, a.device, a.va = shape, np.dtype(dtype), device, 0x10_0000
+    a.nbytes = int(np.prod(shape)) * a.dtype.itemsize
+    a._allocator = SimpleNamespace(closed=launch.errors.DeviceLostError("reset") if closed
+                                   else None)
+    if recorded:
+        a._launch_record = launch._buffer_records(a.va, a.dtype, a.shape)
+    return a
+
+
+def _checked(layout: list[launch._Param], args: tuple) -> object:
+    """The block the checked path builds (no packer), or the type of what it raises."""
+    k = _Kernel()
+    k._layout = layout  # type: ignore[attr-defined]
+    k._pack = lambda args: None  # type: ignore[attr-defined]
+    return _outcome(launch.Kernel._record_args, k, args)
+
+
+@st.composite
+def _launches(draw: st.DrawFn) -> tuple[list[launch._Param], tuple]:
+    """A parameter list and arguments for it: each argument fits its parameter (the
+    packer's cases) or, one time in three, is drawn from anything, fitting or not."""
+    layout, args = [], []
+    for _ in range(draw(st.integers(0, 4))):
+        anything = draw(st.integers(0, 2)) == 0
+        if draw(st.booleans()):
+            ndim = draw(st.sampled_from([None, 1, 2, 3]))
+            want = draw(st.sampled_from([None, *_BUFFER_DTYPES]))
+            layout.append(launch._Param.of({"name": "b", "kind": "buffer", "dtype": want,
+                                            "ndim": ndim}))
+            nd = draw(st.integers(0, 3)) if anything or ndim is None else ndim
+            dt = draw(st.sampled_from(_BUFFER_DTYPES)) if anything or want is None else want
+            shape = tuple(draw(st.lists(st.integers(1, 5), min_size=nd, max_size=nd)))
+            odd = (lambda: draw(st.integers(0, 3)) == 0) if anything else (lambda: False)
+            args.append(7 if odd() else _array(
+                dt, shape, device=int(odd()), closed=odd(), recorded=not odd(),
+                cls=ImportedArray if odd() else launch.DeviceArray))
+        else:
+            want = draw(st.sampled_from(DTYPES))
+            p = launch._Param.of({"name": "s", "kind": "scalar", "dtype": want})
+            layout.append(p)
+            fitting = [v for v in _numpy_scalars() if want in (None, v.dtype.name)]
+            if p.int_range is not None or want is None:
+                lo, hi, _ = p.int_range or arg_packer.INT64_RANGE
+                fitting.append(draw(st.integers(lo, hi)))
+            args.append(draw(st.sampled_from(fitting)) if not anything else draw(st.one_of(
+                st.sampled_from(_numpy_scalars()), st.sampled_from(VALUES),
+                st.integers(-2**65, 2**65), st.floats(), st.just("x"))))
+    if draw(st.integers(0, 9)) == 0:  # a wrong number of arguments
+        args = args[:-1] if args and draw(st.booleans()) else [*args, np.float32(1)]
+    return layout, tuple(args)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=400, deadline=None)
+@given(_launches())
+def test_the_packer_gives_the_checked_block_or_leaves_it_to_the_checked_path(case):
+    layout, args = case
+    pack = arg_packer.packer(layout, 0, "k")
+    for _ in range(2):  # before and after the checked path recorded the arrays
+        want, got = _checked(layout, args), _outcome(pack, args)
+        assert got is None or got == want, (layout, args, got, want)
+
+
+@pytest.mark.timeout(60)
+def test_the_packer_takes_the_common_arguments_and_nothing_it_must_not():
+    fill = [launch._Param.of({"name": "out", "kind": "buffer", "dtype": "float32", "ndim": 1}),
+            launch._Param.of({"name": "v", "kind": "scalar", "dtype": None}),
+            launch._Param.of({"name": "n", "kind": "scalar", "dtype": "int32"}),
+            launch._Param.of({"name": "a", "kind": "scalar", "dtype": "float32"})]
+    pack = arg_packer.packer(fill, 0, "fill")
+    out = _array("float32", (256,))
+    common = [(out, np.float32(1), 5, np.float32(2)), (out, np.int64(-3), np.int32(7), np.float32(0)),
+              (out, 2**63 - 1, -2**31, np.float32(-1)),
+              (_array("float32", (8,)), -2**63, 2**31 - 1, np.float32(np.inf))]
+    for args in common:
+        assert pack(args) == _checked(fill, args), args
+    left = [(_array("float32", (256,), recorded=False), np.float32(1), 5, np.float32(2)),
+            (_array("float32", (256,), closed=True), np.float32(1), 5, np.float32(2)),
+            (_array("float32", (256,), device=1), np.float32(1), 5, np.float32(2)),
+            (_array("float64", (256,)), np.float32(1), 5, np.float32(2)),
+            (_array("float32", (16, 16)), np.float32(1), 5, np.float32(2)),
+            (_array("float32", (256,), cls=ImportedArray), np.float32(1), 5,
+             np.float32(2)),
+            (out, np.float32("nan"), 5, np.float32(2)), (out, 1.5, 5, np.float32(2)),
+            (out, 2**63, 5, np.float32(2)), (out, np.float32(1), 2**31, np.float32(2)),
+            (out, np.float32(1), np.int64(5), np.float32(2)), (out, np.float32(1), True, 0.5),
+            (out, np.float32(1), 5, np.float64(2)), (out, np.float32(1), 5)]
+    for args in left:
+        assert pack(args) is None, args
