@@ -26,7 +26,7 @@ is wrong, so it cannot disagree with the checked path about an error.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -44,15 +44,31 @@ INT64_RANGE = (-(1 << 63), (1 << 63) - 1, (1 << 64) - 1)
 Packer = Callable[[Sequence[Any]], "bytes | None"]
 
 
-class Param(Protocol):
-    """What the packer reads of a parameter (``runtime.launch._Param``)."""
+class Param(NamedTuple):
+    """What a launch checks an argument against, read from the kernel's IR once (not per
+    launch, per argument)."""
 
+    name: str
     buffer: bool
     dtype: str | None
     ndim: int | None
+    #: scalars with a declared dtype: its numpy scalar type and launch-ABI code
     scalar_type: type | None
     code: int
+    #: declared integer scalars: the range a Python int must lie in to be packed directly,
+    #: and the mask of its width (the record holds the dtype's little-endian bytes)
     int_range: tuple[int, int, int] | None
+
+    @classmethod
+    def of(cls, p: dict[str, Any]) -> Param:
+        want = p.get("dtype")
+        scalar = p["kind"] != "buffer" and want is not None
+        ints = scalar and np.dtype(want).kind in "iu"
+        return cls(p["name"], p["kind"] == "buffer", want, p.get("ndim"),
+                   np.dtype(want).type if scalar else None,
+                   kernel_lang.DTYPE_CODES[want] if scalar else 0,
+                   (int(np.iinfo(want).min), int(np.iinfo(want).max),
+                    (1 << np.iinfo(want).bits) - 1) if ints else None)
 
 
 def _buffer(i: int, p: Param) -> list[str]:

@@ -17,13 +17,14 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from abi import kernel_lang, uapi, userq
 from runtime import devices as _device
 from runtime import _trace, arg_packer, errors
+from runtime.arg_packer import Param
 from runtime._shm import sealed_memfd
 from runtime.memory import DeviceArray, HostArray, pinned_empty
 from runtime.stream import STREAM_ARG_SLOT, ArgArena, Stream, current_stream
@@ -51,33 +52,6 @@ def _plain(dims: Any) -> bool:
     """An int or a tuple of ints: a shape that cannot change after it was checked (a list
     can, and a numpy integer hashes like an int of the same value anyway)."""
     return type(dims) is int or (type(dims) is tuple and all(type(d) is int for d in dims))
-
-
-class _Param(NamedTuple):
-    """What a launch checks an argument against, read from the kernel's IR once (not per
-    launch, per argument)."""
-
-    name: str
-    buffer: bool
-    dtype: str | None
-    ndim: int | None
-    #: scalars with a declared dtype: its numpy scalar type and launch-ABI code
-    scalar_type: type | None
-    code: int
-    #: declared integer scalars: the range a Python int must lie in to be packed directly,
-    #: and the mask of its width (the record holds the dtype's little-endian bytes)
-    int_range: tuple[int, int, int] | None
-
-    @classmethod
-    def of(cls, p: dict[str, Any]) -> _Param:
-        want = p.get("dtype")
-        scalar = p["kind"] != "buffer" and want is not None
-        ints = scalar and np.dtype(want).kind in "iu"
-        return cls(p["name"], p["kind"] == "buffer", want, p.get("ndim"),
-                   np.dtype(want).type if scalar else None,
-                   kernel_lang.DTYPE_CODES[want] if scalar else 0,
-                   (int(np.iinfo(want).min), int(np.iinfo(want).max),
-                    (1 << np.iinfo(want).bits) - 1) if ints else None)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -145,7 +119,7 @@ class Kernel:
     def __init__(self, module: Module, name: str, ir: dict[str, Any], handle: int) -> None:
         self.module, self.name, self.ir, self.handle = module, name, ir, handle
         self.params: list[dict[str, Any]] = ir["params"]
-        self._layout = [_Param.of(p) for p in self.params]
+        self._layout = [Param.of(p) for p in self.params]
         self._pack = arg_packer.packer(self._layout, module.device, name)
         #: (grid, block) as written -> the checked, packed dimensions (_config)
         self._configs: dict[tuple[Any, Any], tuple[int, int]] = {}
@@ -233,7 +207,7 @@ class Kernel:
             raise errors.InvalidValueError(f"{self.name}: too many or too large arguments")
         return raw
 
-    def _buffer_arg(self, p: _Param, value: Any) -> bytes:
+    def _buffer_arg(self, p: Param, value: Any) -> bytes:
         """A buffer's records, checked against the parameter. What depends only on its
         address, dtype and shape is computed once (a device array keeps it, for the
         packer: ``_launch_record``; the rest share :func:`_buffer_tail`)."""
@@ -266,7 +240,7 @@ class Kernel:
                                            f"{p.ndim} dimensions, got {ndim}")
         return record
 
-    def _scalar_arg(self, p: _Param, value: Any) -> bytes:
+    def _scalar_arg(self, p: Param, value: Any) -> bytes:
         """A scalar's record. A numpy scalar of exactly the parameter's type (or of any
         launch-ABI type, for an untyped parameter) is its own bytes; anything else converts
         through numpy (which rounds and range-checks)."""

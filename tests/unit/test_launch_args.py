@@ -31,7 +31,7 @@ class _Kernel:
     _buffer_arg = launch.Kernel._buffer_arg
 
 
-def _block_of_one(p: launch._Param, value: object) -> bytes:
+def _block_of_one(p: arg_packer.Param, value: object) -> bytes:
     """The argument block of a one-scalar kernel (``_record_args``, whose common cases
     are the packer's rather than calls to ``_scalar_arg``)."""
     k = _Kernel()
@@ -40,7 +40,7 @@ def _block_of_one(p: launch._Param, value: object) -> bytes:
     return launch.Kernel._record_args(k, (value,))  # type: ignore[arg-type]
 
 
-def _numpy_record(p: launch._Param, value: object) -> bytes:
+def _numpy_record(p: arg_packer.Param, value: object) -> bytes:
     """The record as numpy converts the value (the path every other argument takes)."""
     dtype = np.dtype(p.dtype) if p.dtype else np.dtype(type(value))
     bits = int.from_bytes(np.array(value, dtype).tobytes().ljust(8, b"\0"), "little")
@@ -59,7 +59,7 @@ def _outcome(fn, *args):  # noqa: ANN001, ANN202 - a record, or the exception's 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_python_scalars_pack_as_numpy_converts_them(dtype):
-    p = launch._Param.of({"name": "n", "kind": "scalar", "dtype": dtype})
+    p = arg_packer.Param.of({"name": "n", "kind": "scalar", "dtype": dtype})
     differ = [(v, _outcome(_numpy_record, p, v), _outcome(_Kernel()._scalar_arg, p, v),
                _outcome(_block_of_one, p, v)) for v in VALUES]
     assert [d for d in differ if not d[1] == d[2] == d[3]] == []
@@ -89,7 +89,7 @@ def test_numpy_scalars_are_their_own_bits(typed):
     its own bytes, NaN payloads included."""
     for value in _numpy_scalars():
         name = value.dtype.name
-        p = launch._Param.of({"name": "v", "kind": "scalar", "dtype": name if typed else None})
+        p = arg_packer.Param.of({"name": "v", "kind": "scalar", "dtype": name if typed else None})
         want = userq.ARG_RECORD.pack(userq.ARG_SCALAR, kernel_lang.DTYPE_CODES[name],
                                      int.from_bytes(value.tobytes(), "little"), 0)
         assert _Kernel()._scalar_arg(p, value) == want, (name, value)
@@ -113,7 +113,7 @@ def _array(dtype: str, shape: tuple[int, ...], device: int = 0, closed: bool = F
     return a
 
 
-def _checked(layout: list[launch._Param], args: tuple) -> object:
+def _checked(layout: list[arg_packer.Param], args: tuple) -> object:
     """The block the checked path builds (no packer), or the type of what it raises."""
     k = _Kernel()
     k._layout = layout  # type: ignore[attr-defined]
@@ -122,7 +122,7 @@ def _checked(layout: list[launch._Param], args: tuple) -> object:
 
 
 @st.composite
-def _launches(draw: st.DrawFn) -> tuple[list[launch._Param], tuple]:
+def _launches(draw: st.DrawFn) -> tuple[list[arg_packer.Param], tuple]:
     """A parameter list and arguments for it: each argument fits its parameter (the
     packer's cases) or, one time in three, is drawn from anything, fitting or not."""
     layout, args = [], []
@@ -131,7 +131,7 @@ def _launches(draw: st.DrawFn) -> tuple[list[launch._Param], tuple]:
         if draw(st.booleans()):
             ndim = draw(st.sampled_from([None, 1, 2, 3]))
             want = draw(st.sampled_from([None, *_BUFFER_DTYPES]))
-            layout.append(launch._Param.of({"name": "b", "kind": "buffer", "dtype": want,
+            layout.append(arg_packer.Param.of({"name": "b", "kind": "buffer", "dtype": want,
                                             "ndim": ndim}))
             nd = draw(st.integers(0, 3)) if anything or ndim is None else ndim
             dt = draw(st.sampled_from(_BUFFER_DTYPES)) if anything or want is None else want
@@ -142,7 +142,7 @@ def _launches(draw: st.DrawFn) -> tuple[list[launch._Param], tuple]:
                 cls=ImportedArray if odd() else launch.DeviceArray))
         else:
             want = draw(st.sampled_from(DTYPES))
-            p = launch._Param.of({"name": "s", "kind": "scalar", "dtype": want})
+            p = arg_packer.Param.of({"name": "s", "kind": "scalar", "dtype": want})
             layout.append(p)
             fitting = [v for v in _numpy_scalars() if want in (None, v.dtype.name)]
             if p.int_range is not None or want is None:
@@ -169,10 +169,10 @@ def test_the_packer_gives_the_checked_block_or_leaves_it_to_the_checked_path(cas
 
 @pytest.mark.timeout(60)
 def test_the_packer_takes_the_common_arguments_and_nothing_it_must_not():
-    fill = [launch._Param.of({"name": "out", "kind": "buffer", "dtype": "float32", "ndim": 1}),
-            launch._Param.of({"name": "v", "kind": "scalar", "dtype": None}),
-            launch._Param.of({"name": "n", "kind": "scalar", "dtype": "int32"}),
-            launch._Param.of({"name": "a", "kind": "scalar", "dtype": "float32"})]
+    fill = [arg_packer.Param.of({"name": "out", "kind": "buffer", "dtype": "float32", "ndim": 1}),
+            arg_packer.Param.of({"name": "v", "kind": "scalar", "dtype": None}),
+            arg_packer.Param.of({"name": "n", "kind": "scalar", "dtype": "int32"}),
+            arg_packer.Param.of({"name": "a", "kind": "scalar", "dtype": "float32"})]
     pack = arg_packer.packer(fill, 0, "fill")
     out = _array("float32", (256,))
     common = [(out, np.float32(1), 5, np.float32(2)), (out, np.int64(-3), np.int32(7), np.float32(0)),
