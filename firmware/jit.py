@@ -48,9 +48,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, Iterator
 
 import llvmlite
@@ -244,15 +244,7 @@ class CompiledKernel:
         generated code's arithmetic relies on these; ValueError otherwise). The buffers
         must be C-contiguous arrays of the compiled types (TypeError otherwise)."""
         self._check(block_lo, block_hi, grid, block, args, abort, dynamic_shared)
-        fault = np.zeros(FAULT_WORDS, np.int64)
-        try:
-            done = self._entry(block_lo, block_hi, *grid, *block, abort, fault, self.blas,
-                               dynamic_shared, *args)
-        except Exception as exc:  # noqa: BLE001 - raised by the kernel's code (numba's)
-            raise KernelFault("error", message=f"{self.name}: {exc!r}") from exc
-        if fault[0]:
-            self._raise_fault(fault, done, abort)
-        return int(done)
+        return int(self._blocks(block_lo, block_hi, grid, block, args, abort, dynamic_shared)())
 
     def bind(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list[Any],
              abort: np.ndarray, dynamic_shared: int = 0) -> Callable[[], int]:
@@ -263,8 +255,15 @@ class CompiledKernel:
         The launch has one fault array, cleared after each fault it raised."""
         nblocks = grid[0] * grid[1] * grid[2]
         self._check(0, nblocks, grid, block, args, abort, dynamic_shared)
+        return self._blocks(0, nblocks, grid, block, args, abort, dynamic_shared)
+
+    def _blocks(self, block_lo: int, block_hi: int, grid: tuple[int, int, int],
+                block: tuple[int, int, int], args: list[Any], abort: np.ndarray,
+                dynamic_shared: int) -> Callable[[], int]:
+        """The native entry point over checked arguments, as a call that raises what the
+        kernel's fault array says (and clears it, for the next call)."""
         fault = np.zeros(FAULT_WORDS, np.int64)
-        call = functools.partial(self._entry, 0, nblocks, *grid, *block, abort, fault,
+        call = functools.partial(self._entry, block_lo, block_hi, *grid, *block, abort, fault,
                                  self.blas, dynamic_shared, *args)
 
         def launch() -> int:
