@@ -8,9 +8,10 @@ A launch is checked in Python integers before anything runs: its kernel, its dim
 against the device's limits, its argument block (:func:`plan_args`, :func:`bind_args`: every buffer
 resolved against the context, every shape against its buffer). A small launch of a
 compiled, statically bounded kernel (no loops) runs inline on the control loop, under a
-watchdog; any other is split into one :class:`BlockJob` per compute engine, each running
-its blocks in time slices (``QUANTUM_S``, a block is never cut) between which it gives way
-to waiting work of at least its priority, so one giant grid cannot hold both engines. A
+watchdog; any other goes to one :class:`BlockJob` per compute engine, each claiming
+chunks of its blocks as it gets to them and running them in time slices (``QUANTUM_S``, a
+block is never cut) between which it gives way to waiting work of at least its priority,
+so one giant grid cannot hold both engines. A
 block that runs past the image's ``watchdog_ms`` is stopped (ETIMEDOUT). A fault names the
 address it tried, saturated into the 64-bit space.
 """
@@ -56,6 +57,10 @@ INLINE_WATCHDOG_S = 0.25
 #: A launch runs in slices of about this long (a block is never cut): between slices its
 #: engine takes waiting work first.
 QUANTUM_S = 0.02
+#: An engine claims at least 1/(this x engines) of a grid's blocks at a time
+#: (:meth:`Launch.claim`): each claim costs a call into the kernel (~20 us), so a chunk
+#: stays long against it for any grid big enough to leave the control loop.
+CHUNKS_PER_ENGINE = 8
 
 #: What :meth:`Kernels.launch` returns for a launch whose module is not parsed yet.
 PARKED = object()
@@ -216,13 +221,10 @@ class Kernels:
                 mod.bound[index, raw, grid_w, block_w, dynamic] = bound
             sched.tally.add("launches")
             return None
-        launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block, dynamic,
-                        kernel, pages=pages)
         parts = max(1, min(self.compute_engines, nblocks))
-        bounds = [nblocks * i // parts for i in range(parts + 1)]
-        launch.remaining = parts
-        jobs = [BlockJob(sched, launch, lo, hi, start_ns)
-                for lo, hi in zip(bounds, bounds[1:])]
+        launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block, dynamic,
+                        kernel, pages=pages, nblocks=nblocks, engines=parts, remaining=parts)
+        jobs = [BlockJob(sched, launch, start_ns) for _ in range(parts)]
         for job in jobs[1:]:
             sched.compute.submit(ring.priority, job)
         return jobs[0]  # the scheduler submits the first, marking the ring busy
@@ -328,10 +330,29 @@ class Launch:
     #: the compiled kernel when the module had it at dispatch, else None (the engine asks
     #: the JIT: a lookup there compares the whole IR, ~17 us of an engine's turn)
     compiled: Any = None
-    remaining: int = 0  # engine shares not finished
+    nblocks: int = 0
+    engines: int = 1  # the engine jobs sharing its blocks
+    remaining: int = 0  # engine jobs not finished
+    claimed: int = 0  # blocks [0, claimed) are some engine's (Launch.claim)
     fault: tuple[int, int] | None = None  # (errno, address)
     pages: list[managed.PageMap] | None = None  # its managed buffers' page maps, if any
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def claim(self) -> tuple[int, int] | None:
+        """The next chunk of blocks for an engine, or None when every block is claimed or
+        the launch faulted. A chunk is a share of what is left -- a quarter of it for two
+        engines, at least a sixteenth of the grid -- not a fixed half of the grid: each
+        engine takes the next chunk as it gets to it, so an engine that starts late (a
+        wake-up costs ~0.25 ms here) or whose CPU is taken by something else leaves the
+        rest to the other instead of the packet waiting for its half."""
+        with self.lock:
+            lo, left = self.claimed, self.nblocks - self.claimed
+            if left <= 0 or self.fault is not None:
+                return None
+            floor = -(-self.nblocks // (CHUNKS_PER_ENGINE * self.engines))
+            hi = lo + min(left, max(floor, -(-left // (2 * self.engines))))
+            self.claimed = hi
+            return lo, hi
 
     def record_fault(self, code: int, addr: int) -> None:
         """The launch's first fault is its packet's (the other engines' stop there)."""
@@ -371,17 +392,17 @@ class _Watchdog(Exception):
 
 
 class BlockJob(Job):
-    """Engine work over blocks [lo, hi) of a launch: in time slices, giving way between
-    slices to higher-priority work, and to any waiting work once a slice is up; a block
-    running longer than the watchdog is stopped. The last share to finish completes the
-    packet, with the launch's first fault if any."""
+    """One engine's part of a launch: chunks of its blocks claimed one after another
+    (:meth:`Launch.claim`), run in time slices between which it gives way to waiting work
+    of at least its priority; a block running longer than the watchdog is stopped. The
+    last job to find nothing left to claim completes the packet, with the launch's first
+    fault if any."""
 
     __slots__ = ("hi", "launch", "next")
 
-    def __init__(self, sched: Scheduler, launch: Launch, lo: int, hi: int,
-                 start_ns: int) -> None:
+    def __init__(self, sched: Scheduler, launch: Launch, start_ns: int) -> None:
         super().__init__(sched, launch.ring, launch.seqno, Op.LAUNCH, start_ns)
-        self.launch, self.next, self.hi = launch, lo, hi
+        self.launch, self.next, self.hi = launch, 0, 0  # its chunk: blocks [next, hi)
 
     def run(self) -> bool:
         sched, launch, kernels = self.sched, self.launch, self.sched.kernels
@@ -403,19 +424,26 @@ class BlockJob(Job):
         return True
 
     def _slices(self, kernel: Any) -> bool:
-        """Run the share in time slices until it is done or the launch stopped (True), or
-        a slice is up with work waiting (False). Raises what the kernel raised, or
-        :class:`_Watchdog`."""
+        """Run chunks until none is left or the launch stopped (True), or until a time
+        slice is up with work waiting (False: the chunk's rest is this job's next turn).
+        Raises what the kernel raised, or :class:`_Watchdog`."""
         sched, launch, deadlines = self.sched, self.launch, self.sched.kernels.deadlines
         assert deadlines is not None  # made with the JIT
         abort = np.zeros(1, np.int64)
-        while self.next < self.hi and launch.fault is None:
+        slice_ends = time.perf_counter_ns() + int(QUANTUM_S * 1e9)
+        while launch.fault is None:
+            if self.next >= self.hi:
+                chunk = launch.claim()
+                if chunk is None:
+                    break
+                self.next, self.hi = chunk
             if launch.ring.faulted:  # its context is being torn down: stop, unrun
                 launch.record_fault(errno.ECANCELED, 0)
                 break
             abort[0] = 0
             began = time.perf_counter_ns()
-            token = deadlines.add(abort, sched.kernels.watchdog_s, QUANTUM_S)
+            token = deadlines.add(abort, sched.kernels.watchdog_s,
+                                  max(slice_ends - began, 1) / 1e9)
             try:
                 done_to = kernel.run(self.next, self.hi, launch.grid, launch.block,
                                      launch.args, abort, launch.dynamic_shared)
@@ -423,12 +451,16 @@ class BlockJob(Job):
                 deadlines.remove(token)
                 if launch.pages is not None:  # what the slice touched (firmware/managed.py)
                     managed.migrate(sched.residency, launch.pages)
-                sched.compute.charge(self, time.perf_counter_ns() - began)  # as it runs
+                ended = time.perf_counter_ns()
+                sched.compute.charge(self, ended - began)  # as it runs
             if abort[0] > deadlines.preempt:  # the watchdog, between blocks
                 raise _Watchdog()
             self.next = done_to
-            if self.next < self.hi and sched.compute.waiting(launch.ring.priority):
-                return False
+            if ended >= slice_ends or abort[0]:  # the slice is up
+                left = self.next < self.hi or launch.claimed < launch.nblocks
+                if left and sched.compute.waiting(launch.ring.priority):
+                    return False
+                slice_ends = ended + int(QUANTUM_S * 1e9)
         return True
 
     def fail(self, exc: BaseException) -> None:

@@ -563,6 +563,58 @@ def test_a_loop_free_launch_runs_inline_within_the_work_budget(device, ctx, monk
 
 
 @pytest.mark.timeout(240)
+def test_a_launchs_blocks_go_to_whichever_engine_gets_to_them(device, ctx, monkeypatch):
+    """An engine launch's blocks are claimed in chunks (Launch.claim), not cut in one half
+    per engine: while the engine with the first chunk is held up in it (its CPU taken,
+    say), the other runs every other block; the packet completes with the held chunk."""
+    from firmware import launches
+    from runtime.kernels import canonical_json, compile_module
+
+    q = ctx.queue(1)
+    device.sched.kernels.load_module(ctx.ctx, 8, canonical_json(compile_module(KERNEL)))
+    n, x_va, args_va = 64 * 1024, VA + MiB, VA
+    args = _args(x_va, n, 6.5)
+    ctx.mem[: len(args)] = np.frombuffer(args, np.uint8)
+    x = ctx.mem[MiB : MiB + 4 * n].view(np.float32)
+
+    def launch(threads: int) -> int:
+        return q.submit(packet(Op.LAUNCH, 8 << 16, userq.pack_dims((threads // 64, 1, 1)),
+                               userq.pack_dims((64, 1, 1)), 0, args_va, len(args)))
+
+    first = launch(64)
+    device.run_until(lambda: q.ring.fence == first, timeout=200)  # compiled now
+    monkeypatch.setattr(launches, "INLINE_THREADS", 64)  # the whole grid on the engines
+    claims: list[tuple[int, int]] = []
+    gate = threading.Event()
+    real_claim = launches.Launch.claim
+
+    def claim(self: launches.Launch) -> tuple[int, int] | None:
+        chunk = real_claim(self)
+        if chunk is not None:
+            claims.append(chunk)
+            if chunk[0] == 0:  # the first chunk's engine is held up before running it
+                assert gate.wait(30)
+        return chunk
+    monkeypatch.setattr(launches.Launch, "claim", claim)
+    blocks = n // 64
+    x[:] = 0
+    try:
+        seqno = launch(n)
+        device.run_until(lambda: bool((x[n // 4 :] == 6.5).all()))
+        assert q.ring.fence < seqno and (x[: n // 4] == 0).all()
+    finally:
+        gate.set()
+    device.run_until(lambda: q.ring.fence == seqno)
+    assert device.ended(q)[seqno].status == 0 and (x == 6.5).all()
+    # the chunks tile the grid: a quarter of what was left each (two engines), never less
+    # than a sixteenth of the grid
+    assert claims[0] == (0, blocks // 4)
+    assert [lo for lo, _ in claims] == [0] + [hi for _, hi in claims[:-1]]
+    assert claims[-1][1] == blocks
+    assert all(hi - lo >= blocks // 16 or hi == blocks for lo, hi in claims)
+
+
+@pytest.mark.timeout(240)
 def test_a_rings_turn_ends_after_its_inline_works_worth(device, ctx, monkeypatch):
     """Large inline launches queued on one ring take one turn each: a pass runs one of
     them, then the next ring's (small) launch, not the whole batch first."""
