@@ -58,9 +58,11 @@ INLINE_WATCHDOG_S = 0.25
 #: engine takes waiting work first.
 QUANTUM_S = 0.02
 #: An engine claims at least 1/(this x engines) of a grid's blocks at a time
-#: (:meth:`Launch.claim`): each claim costs a call into the kernel (~20 us), so a chunk
-#: stays long against it for any grid big enough to leave the control loop.
-CHUNKS_PER_ENGINE = 8
+#: (:meth:`Launch.claim`). Each claim costs a call into the kernel (~20 us), and the last
+#: chunk is the imbalance between the engines at the end: with a 16th of the grid as the
+#: floor, a 64-block sum reduction read ~9% slower than with halves; with a 64th, 6%
+#: faster (docs/kernels.md, "Sixth round").
+CHUNKS_PER_ENGINE = 32
 
 #: What :meth:`Kernels.launch` returns for a launch whose module is not parsed yet.
 PARKED = object()
@@ -341,7 +343,7 @@ class Launch:
     def claim(self) -> tuple[int, int] | None:
         """The next chunk of blocks for an engine, or None when every block is claimed or
         the launch faulted. A chunk is a share of what is left -- a quarter of it for two
-        engines, at least a sixteenth of the grid -- not a fixed half of the grid: each
+        engines, at least a 64th of the grid -- not a fixed half of the grid: each
         engine takes the next chunk as it gets to it, so an engine that starts late (a
         wake-up costs ~0.25 ms here) or whose CPU is taken by something else leaves the
         rest to the other instead of the packet waiting for its half."""
@@ -424,44 +426,52 @@ class BlockJob(Job):
         return True
 
     def _slices(self, kernel: Any) -> bool:
-        """Run chunks until none is left or the launch stopped (True), or until a time
-        slice is up with work waiting (False: the chunk's rest is this job's next turn).
-        Raises what the kernel raised, or :class:`_Watchdog`."""
+        """Run time slices until no block is left or the launch stopped (True), or until
+        a slice is up with work waiting (False: the rest is this job's next turn). Raises
+        what the kernel raised, or :class:`_Watchdog`. One deadline entry covers a slice
+        and all its chunks, as it covered a slice of a half before chunks (an entry per
+        chunk would wake the timer thread per chunk)."""
         sched, launch, deadlines = self.sched, self.launch, self.sched.kernels.deadlines
         assert deadlines is not None  # made with the JIT
         abort = np.zeros(1, np.int64)
-        slice_ends = time.perf_counter_ns() + int(QUANTUM_S * 1e9)
+        while True:
+            abort[0] = 0
+            token = deadlines.add(abort, sched.kernels.watchdog_s, QUANTUM_S)
+            try:
+                left = self._chunks(kernel, abort)
+            finally:
+                deadlines.remove(token)
+            if abort[0] > deadlines.preempt:  # the watchdog, between blocks
+                raise _Watchdog()
+            if not left:
+                return True
+            if sched.compute.waiting(launch.ring.priority):
+                return False
+
+    def _chunks(self, kernel: Any, abort: np.ndarray) -> bool:
+        """Claim and run chunks until the abort word stops the slice (True: blocks are
+        left) or none is left or the launch stopped (False)."""
+        sched, launch = self.sched, self.launch
         while launch.fault is None:
             if self.next >= self.hi:
                 chunk = launch.claim()
                 if chunk is None:
-                    break
+                    return False
                 self.next, self.hi = chunk
             if launch.ring.faulted:  # its context is being torn down: stop, unrun
                 launch.record_fault(errno.ECANCELED, 0)
-                break
-            abort[0] = 0
+                return False
             began = time.perf_counter_ns()
-            token = deadlines.add(abort, sched.kernels.watchdog_s,
-                                  max(slice_ends - began, 1) / 1e9)
             try:
-                done_to = kernel.run(self.next, self.hi, launch.grid, launch.block,
-                                     launch.args, abort, launch.dynamic_shared)
+                self.next = kernel.run(self.next, self.hi, launch.grid, launch.block,
+                                       launch.args, abort, launch.dynamic_shared)
             finally:
-                deadlines.remove(token)
-                if launch.pages is not None:  # what the slice touched (firmware/managed.py)
+                if launch.pages is not None:  # what the chunk touched (firmware/managed.py)
                     managed.migrate(sched.residency, launch.pages)
-                ended = time.perf_counter_ns()
-                sched.compute.charge(self, ended - began)  # as it runs
-            if abort[0] > deadlines.preempt:  # the watchdog, between blocks
-                raise _Watchdog()
-            self.next = done_to
-            if ended >= slice_ends or abort[0]:  # the slice is up
-                left = self.next < self.hi or launch.claimed < launch.nblocks
-                if left and sched.compute.waiting(launch.ring.priority):
-                    return False
-                slice_ends = ended + int(QUANTUM_S * 1e9)
-        return True
+                sched.compute.charge(self, time.perf_counter_ns() - began)  # as it runs
+            if abort[0]:
+                return self.next < self.hi or launch.claimed < launch.nblocks
+        return False
 
     def fail(self, exc: BaseException) -> None:
         log_unexpected(f"kernel {self.launch.name} failed on an engine", exc)
