@@ -58,10 +58,10 @@ INLINE_WATCHDOG_S = 0.25
 #: engine takes waiting work first.
 QUANTUM_S = 0.02
 #: An engine claims at least 1/(this x engines) of a grid's blocks at a time
-#: (:meth:`Launch.claim`). Each claim costs a call into the kernel (~20 us), and the last
-#: chunk is the imbalance between the engines at the end: with a 16th of the grid as the
-#: floor, a 64-block sum reduction read ~9% slower than with halves; with a 64th, 6%
-#: faster (docs/kernels.md, "Sixth round").
+#: (:meth:`Launch.claim`). Each claim costs a call into the kernel (~4 us, its checks),
+#: and the last chunk is the imbalance between the engines at the end: with a 16th of the
+#: grid as the floor, a 64-block sum reduction read 5-11% slower than with halves; with a
+#: 64th, 7% faster (docs/kernels.md, "Sixth round").
 CHUNKS_PER_ENGINE = 32
 
 #: What :meth:`Kernels.launch` returns for a launch whose module is not parsed yet.
