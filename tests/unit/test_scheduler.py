@@ -523,26 +523,36 @@ def test_a_rings_inline_launches_share_one_watchdog_entry_per_turn(device, ctx, 
     assert device.ended(q2)[w2].status == 0 and (x == 1.5).all()
     assert len(adds) == 3 and deadlines._entries == {}
 
+def _compiled_fill(device: Device, ctx: Context, module: int, n: int, v: float
+                   ) -> tuple[Queue, np.ndarray, Callable[[int], int]]:
+    """A queue, the ``n`` floats ``fill`` writes ``v`` to, and a launch of it over a given
+    number of threads (64 a block); compiled already, by a first launch of one block."""
+    from runtime.kernels import canonical_json, compile_module
+
+    q = ctx.queue(1)
+    device.sched.kernels.load_module(ctx.ctx, module, canonical_json(compile_module(KERNEL)))
+    x_va, args_va = VA + MiB, VA
+    args = _args(x_va, n, v)
+    ctx.mem[: len(args)] = np.frombuffer(args, np.uint8)
+
+    def launch(threads: int) -> int:
+        return q.submit(packet(Op.LAUNCH, module << 16,
+                               userq.pack_dims((threads // 64, 1, 1)),
+                               userq.pack_dims((64, 1, 1)), 0, args_va, len(args)))
+
+    first = launch(64)
+    device.run_until(lambda: q.ring.fence == first, timeout=200)  # compiled now
+    return q, ctx.mem[MiB : MiB + 4 * n].view(np.float32), launch
+
+
 @pytest.mark.timeout(240)
 def test_a_loop_free_launch_runs_inline_within_the_work_budget(device, ctx, monkeypatch):
     """Inline on the control loop while threads x work per thread fits INLINE_WORK (and
     the threads INLINE_THREADS); one thread more, and it goes to the engines."""
     from firmware import launches
-    from runtime.kernels import canonical_json, compile_module
 
-    q = ctx.queue(1)
-    device.sched.kernels.load_module(ctx.ctx, 5, canonical_json(compile_module(KERNEL)))
-    n, x_va, args_va = 64 * 1024, VA + MiB, VA
-    args = _args(x_va, n, 4.5)
-    ctx.mem[: len(args)] = np.frombuffer(args, np.uint8)
-    x = ctx.mem[MiB : MiB + 4 * n].view(np.float32)
-
-    def launch(threads: int) -> int:
-        return q.submit(packet(Op.LAUNCH, 5 << 16, userq.pack_dims((threads // 64, 1, 1)),
-                               userq.pack_dims((64, 1, 1)), 0, args_va, len(args)))
-
-    first = launch(64)
-    device.run_until(lambda: q.ring.fence == first, timeout=200)  # compiled now
+    n = 64 * 1024
+    q, x, launch = _compiled_fill(device, ctx, 5, n, 4.5)
     kernel = next(iter(ctx.ctx.modules[5].compiled.values()))
     budget = kernel.work_per_thread * n // 2
     monkeypatch.setattr(launches, "INLINE_WORK", budget)
@@ -568,21 +578,9 @@ def test_a_launchs_blocks_go_to_whichever_engine_gets_to_them(device, ctx, monke
     per engine: while the engine with the first chunk is held up in it (its CPU taken,
     say), the other runs every other block; the packet completes with the held chunk."""
     from firmware import launches
-    from runtime.kernels import canonical_json, compile_module
 
-    q = ctx.queue(1)
-    device.sched.kernels.load_module(ctx.ctx, 8, canonical_json(compile_module(KERNEL)))
-    n, x_va, args_va = 64 * 1024, VA + MiB, VA
-    args = _args(x_va, n, 6.5)
-    ctx.mem[: len(args)] = np.frombuffer(args, np.uint8)
-    x = ctx.mem[MiB : MiB + 4 * n].view(np.float32)
-
-    def launch(threads: int) -> int:
-        return q.submit(packet(Op.LAUNCH, 8 << 16, userq.pack_dims((threads // 64, 1, 1)),
-                               userq.pack_dims((64, 1, 1)), 0, args_va, len(args)))
-
-    first = launch(64)
-    device.run_until(lambda: q.ring.fence == first, timeout=200)  # compiled now
+    n = 64 * 1024
+    q, x, launch = _compiled_fill(device, ctx, 8, n, 6.5)
     monkeypatch.setattr(launches, "INLINE_THREADS", 64)  # the whole grid on the engines
     claims: list[tuple[int, int]] = []
     gate = threading.Event()
