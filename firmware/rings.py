@@ -196,11 +196,16 @@ class FwContext:
             pass
 
     def moved_slots(self) -> list[int]:
-        """Doorbell slots of known rings that hold news, if the page's sequence moved."""
+        """Doorbell slots of known rings that hold news, if the page's sequence moved;
+        none once the driver wrote the page's "lost" word. It writes that before the
+        context's commands answer ENODEV, and its destroy message reaches us later, on the
+        mailbox: until then, packets written to a lost context's rings must not run."""
         seq = self.db.get(userq.DB_SEQ)
         if seq == self.seen_seq:
             return []
         self.seen_seq = seq
+        if self.db.get(userq.DB_LOST):
+            return []
         if len(self.slots) <= _SCAN_IN_PYTHON:  # a few rings: cheaper than numpy's calls
             words, base, consumed = self.db.words, userq.DB_SLOTS >> 3, self.consumed
             return [slot for slot in self.slots if words[base + slot] != consumed[slot]]

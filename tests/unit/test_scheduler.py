@@ -308,6 +308,20 @@ def test_a_bad_packet_faults_its_own_queue_only(device, ctx, name):
 
 
 @pytest.mark.timeout(60)
+def test_a_lost_contexts_doorbell_starts_nothing(device, ctx):
+    """Once the driver wrote a context's "lost" word (before its commands answer ENODEV,
+    its destroy message still on the way), packets rung on its rings do not run."""
+    q = ctx.queue(1)
+    ran = q.submit(packet(Op.NOP))
+    device.run_until(lambda: q.ring.fence == ran)
+    ctx.ctx.db.set(userq.DB_LOST, errno.ENODEV)
+    q.submit(packet(Op.NOP), packet(Op.NOP))
+    for _ in range(5):
+        device.step()
+    assert q.ring.fence == ran and q.ring.taken == ran
+
+
+@pytest.mark.timeout(60)
 def test_a_write_pointer_jump_faults_the_ring_in_one_step(device, ctx):
     q = ctx.queue(1)
     q.submit(packet(Op.NOP))
