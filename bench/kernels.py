@@ -173,7 +173,7 @@ def kernels(env: Env) -> list[Row]:
 def _reduction_rows(env: Env, runtime: Any, lib: Any, np: Any, x: Any, dx: Any,
                     s: Any) -> list[Row]:
     """A sum over ``x`` (``reduce_sum`` on 64 blocks, split over both compute engines, and
-    on the 256 x 256 grid of a grid-stride reduction) and a row softmax, each against numpy
+    on a 256 x 256 grid) and a row softmax, each against numpy
     in the same run, alternating blocks of calls."""
     n = x.size
     total = runtime.to_device(np.zeros(1))
@@ -199,7 +199,7 @@ def _reduction_rows(env: Env, runtime: Any, lib: Any, np: Any, x: Any, dx: Any,
                            "and synchronize"),
             timed_row(f"reduce_sum (block reduction) {n >> 20} Mi float32, grid 256 x 256",
                       sums["256"], "numpy x.sum()", sums["numpy"], goal=2.0,
-                      note="grid-stride loop, shared-memory tree, one atomic per block")]
+                      note="a contiguous span per block, shared-memory tree, one atomic per block")]
     r, c = (1024, 1024) if env.quick else (4096, 1024)
     sx = np.random.default_rng(4).random((r, c), dtype=np.float32)
     dsx, dso = runtime.to_device(sx), runtime.empty((r, c), np.float32)
