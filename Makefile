@@ -35,8 +35,12 @@ run: setup
 	ACCEL_EMU_ROOT=$$root $(PY) -m tools.demo && \
 	ACCEL_EMU_ROOT=$$root .venv/bin/accel-smi
 
+# Two workers, each taking whole test files (a file's module fixtures and its daemon stay
+# in one process): most tests wait on a mount or a child process, so two workers on the two
+# cores of CI take about half the serial time. TEST_WORKERS=0 runs the suite serially.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 bench: setup
 	$(PY) -m bench

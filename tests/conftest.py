@@ -55,7 +55,13 @@ def _new_daemon(tmp: Path, devices: int, firmware_dir: Path | None, extra: list[
 @pytest.fixture(scope="session")
 def jit_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The session's kernel cache, shared by every daemon of ``daemon`` and
-    ``make_daemon`` (but those asked for ``jit_cache="private"``)."""
+    ``make_daemon`` (but those asked for ``jit_cache="private"``). Under pytest-xdist the
+    workers of one run share it too (their base directories sit side by side in the
+    run's): the cache is built for concurrent use, and a kernel compiles once a run."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "jit-cache"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("jit-cache")
 
 
