@@ -20,19 +20,31 @@ def run(d, body: str, timeout: float = 120, **env) -> list[str]:
 
 
 def test_submission_takes_no_system_call_while_the_firmware_is_awake(daemon):
+    """A submit writes the doorbell pipe only while the firmware says it sleeps. Counted
+    per submit, over the submits that found it awake before and after: on a loaded
+    machine (the suite's other worker) the firmware may not run for milliseconds, and
+    then every submit of a quick loop rightly finds it asleep. One write in 50 is allowed
+    for a firmware that fell asleep between the look and the submit's own."""
     lines = run(daemon, """
         s = runtime.Stream()
         s.synchronize()
-        before = open(f"/proc/{os.getpid()}/io").read()
-        syscalls = lambda: int([l for l in open(f"/proc/{os.getpid()}/io") if l.startswith("syscw")][0].split()[1])
-        n0 = syscalls()
+        sleeping = s.ctx.db.words[userq.DB_FW_SLEEPING >> 3 : (userq.DB_FW_SLEEPING >> 3) + 1]
+        io = open(f"/proc/{os.getpid()}/io", "rb", buffering=0)
+        def writes():
+            io.seek(0)
+            return int(io.read().split(b"syscw: ")[1].split()[0])
+        awake = awake_writes = 0
         for _ in range(2000):
+            asleep, n0 = sleeping[0], writes()
             s.submit([pkt(userq.Op.NOP)])
-        n1 = syscalls()
+            n1 = writes()
+            if not asleep and not sleeping[0]:
+                awake += 1
+                awake_writes += n1 - n0
         s.synchronize()
-        print(s.completed == s.last_seqno == 2000, n1 - n0 < 2000)
+        print(s.completed == s.last_seqno == 2000, awake >= 200, awake_writes <= awake // 50)
     """)
-    assert lines == ["True True"]  # write syscalls only for doorbells while it slept
+    assert lines == ["True True True"]
 
 
 def test_in_order_within_a_stream_and_fence_in_shared_memory(daemon):
