@@ -63,9 +63,6 @@ class accel_packet(Struct):
 #: accel_packet as the firmware unpacks it in one call: opcode, flags, a0..a6.
 PACKET = struct.Struct("<II7Q")
 assert PACKET.size == ctypes.sizeof(accel_packet) == 64
-#: u64 word of a LAUNCH packet holding its argument block's address (a4), counted from the
-#: packet's start: a producer may store the address after writing the rest of the packet
-LAUNCH_ARGS_VA_WORD: Final = 1 + 4
 
 
 # --- launch arguments ----------------------------------------------------------------------
@@ -119,6 +116,15 @@ RING_ERROR_ADDR: Final = 208  # u64
 #: the host's CPUs, so a waiter naps while they run and spins while they do not.
 RING_ON_ENGINE: Final = 256
 RING_IRQ_SEQNO: Final = 320  # u64, waiter: write the event pipe when the fence reaches it
+#: u64 words, producer, written before the first packet that uses them: the queue's own
+#: argument arena, RING_ARGS_SLOTS blocks of RING_ARGS_SLOT_BYTES from device address
+#: RING_ARGS_VA (0: none). A LAUNCH whose a4 is 0 and whose a5 is at most
+#: RING_ARGS_SLOT_BYTES takes its argument block from its seqno's slot, RING_ARGS_VA +
+#: seqno % RING_ARGS_SLOTS * RING_ARGS_SLOT_BYTES: its packet is then the same bytes at
+#: every launch (docs/kernels.md "Launch ABI"). With no arena, a4 0 is address 0 (EFAULT).
+RING_ARGS_VA: Final = 384
+RING_ARGS_SLOTS: Final = 392
+RING_ARGS_SLOT_BYTES: Final = 256
 RING_HEADER_SIZE: Final = 4096
 RING_SLOTS: Final = 1024
 RING_PACKETS: Final = RING_HEADER_SIZE  # RING_SLOTS accel_packets

@@ -178,6 +178,8 @@ class Kernels:
         if index >= len(mod.kernels):
             raise memory.Fault(0, errno.EINVAL)
         space = ring.ctx.space
+        if not args_va and args_len <= userq.RING_ARGS_SLOT_BYTES:
+            args_va = ring.args_slot(seqno)  # the queue's own arena (abi/userq.py), or 0
         try:
             raw: bytes | None = _argument_block(space, args_va, args_len)
         except memory.Fault:

@@ -30,6 +30,8 @@ from firmware.telemetry import EngineTime
 #: A context with at most this many rings has its doorbell slots compared one by one;
 #: more are compared in one numpy operation.
 _SCAN_IN_PYTHON = 16
+#: ring words of the queue's argument arena (Ring.args_slot)
+_ARGS_VA, _ARGS_SLOTS = userq.RING_ARGS_VA >> 3, userq.RING_ARGS_SLOTS >> 3
 
 
 @dataclass(slots=True)
@@ -109,6 +111,16 @@ class Ring(userq.RingView):
         for the scheduler and published for the ring's waiters (``RING_ON_ENGINE``)."""
         self.busy = busy
         self.set(userq.RING_ON_ENGINE, busy)
+
+    def args_slot(self, seqno: int) -> int:
+        """The device address of ``seqno``'s slot in the queue's own argument arena (the
+        producer's ``RING_ARGS_VA``/``RING_ARGS_SLOTS``), 0 where it named none. Both are
+        the process's words: whatever they say is only an address in its own memory,
+        resolved like any other."""
+        va, slots = self.words[_ARGS_VA], self.words[_ARGS_SLOTS]
+        if not va or not slots:
+            return 0
+        return va + seqno % slots * userq.RING_ARGS_SLOT_BYTES
 
     def take(self) -> tuple[int, tuple[int, ...]]:
         seqno = self.taken + 1

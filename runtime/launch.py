@@ -301,7 +301,7 @@ class Kernel:
             return seqno
         if n <= STREAM_ARG_SLOT:  # the stream's own slot for the seqno: _write puts it there
             if s.arg_arena is None:
-                s.arg_arena = _stream_arena(s)
+                s.set_arg_arena(_stream_arena(s))
             return s._write((self._packet(g, b, int(shared_mem), 0, n),), self.name, raw)
         arena = _arena(device)  # a long block: a slot of the device's shared arena
         slot, buf = arena.take()

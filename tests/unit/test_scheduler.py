@@ -724,3 +724,45 @@ def test_counters_lose_no_update_across_threads_and_a_tally_merges_once():
     tally.flush(counters)
     tally.flush(counters)
     assert counters.snapshot() == {"n": 80_006, "peak": 79_999}
+
+
+@pytest.mark.timeout(240)
+def test_a_launch_naming_no_address_reads_its_queues_arena_slot(device, ctx):
+    """A LAUNCH whose argument address is 0 takes its block from its seqno's slot of the
+    arena its producer named in the ring (``RING_ARGS_VA``/``RING_ARGS_SLOTS``, abi/userq.py):
+    the same packet bytes launch with each slot's values. With no arena named, address 0
+    faults (EFAULT at 0); an arena outside the context's memory faults at the slot's
+    address; and a faulted queue leaves the next queue's launches as they were."""
+    from runtime.kernels import canonical_json, compile_module
+
+    device.sched.kernels.load_module(ctx.ctx, 5, canonical_json(compile_module(KERNEL)))
+    n, x_va, slots = 256, VA + MiB, 3
+    x = ctx.mem[MiB : MiB + 4 * n].view(np.float32)
+    length = len(_args(x_va, n, 0))
+    pkt = packet(Op.LAUNCH, 5 << 16, userq.pack_dims((n // 64, 1, 1)),
+                 userq.pack_dims((64, 1, 1)), 0, 0, length)
+
+    def launch(q: Queue) -> Completion:
+        seqno = q.submit(pkt)
+        device.run_until(lambda: q.ring.fence == seqno, timeout=200)
+        return device.ended(q)[seqno]
+
+    bare = ctx.queue(1)  # names no arena
+    c = launch(bare)
+    assert c.status == errno.EFAULT and c.fault == (1, errno.EFAULT, Op.LAUNCH, 0)
+
+    hostile = ctx.queue(2)  # an arena past the end of the context's one mapping
+    hostile.prod.set(userq.RING_ARGS_VA, VA + SIZE)
+    hostile.prod.set(userq.RING_ARGS_SLOTS, (1 << 64) - 1)
+    c = launch(hostile)
+    assert c.status == errno.EFAULT
+    assert c.fault == (1, errno.EFAULT, Op.LAUNCH, VA + SIZE + userq.RING_ARGS_SLOT_BYTES)
+
+    q = ctx.queue(3)
+    q.prod.set(userq.RING_ARGS_VA, VA)
+    q.prod.set(userq.RING_ARGS_SLOTS, slots)
+    for seqno, v in enumerate((1.5, 2.5, 3.5, 4.5), 1):  # slots 1, 2, 0, then 1 again
+        off = seqno % slots * userq.RING_ARGS_SLOT_BYTES
+        ctx.mem[off : off + length] = np.frombuffer(_args(x_va, n, v), np.uint8)
+        assert launch(q).status == 0 and (x == v).all()
+    check_written_back(q, device.ended(q))
