@@ -108,11 +108,11 @@ def graph(g: Graph, stream: Stream | None = None) -> Iterator[Graph]:
     if s.capturing is not None or capturing_graph() is not None:
         raise errors.InvalidValueError(f"{s!r} or this thread is already capturing")
     g.stream = s
-    s.capturing = g
+    s.set_capture(g)
     _capturing.graph = g
     try:
         yield g
     finally:
-        s.capturing = None
+        s.set_capture(None)
         _capturing.graph = None
         g.captured = True

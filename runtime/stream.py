@@ -119,8 +119,12 @@ class Stream:
         self.arg_arena: ArgArena | None = None
         self.last_seqno = 0
         self._lock = threading.Lock()
-        #: graph capture in progress on this stream (see runtime.graphs)
+        #: graph capture in progress on this stream (runtime.graphs; set_capture)
         self.capturing: Any = None
+        #: the stream's device while a generated launcher may write its launches here
+        #: directly (it has its argument arena and captures nothing), else -1: one word
+        #: for the launcher to compare instead of three (runtime/arg_packer.py)
+        self.launch_device = -1
 
     def __repr__(self) -> str:
         return f"<Stream queue {self.queue_id} on accel:{self.device} priority {self.priority}>"
@@ -139,20 +143,12 @@ class Stream:
             return self.capturing.record(self, packets, uses)
         return self._write(packets)
 
-    def _write(self, packets: Sequence[Any], kernel: str | None = None,
-               args: bytes | None = None) -> int:
-        """The hot path of every submission: plain word accesses, no method per word.
-
-        ``kernel``: the packets are one LAUNCH of the kernel named; ``args``, its argument
-        block, goes in this stream's ``arg_arena`` slot for the packet's seqno before the
-        packet is published (the seqno is known only here, under the lock). The packet
-        names no address: the firmware finds the slot from the seqno (``set_arg_arena``)."""
+    def _write(self, packets: Sequence[Any]) -> int:
+        """The hot path of every submission: plain word accesses, no method per word."""
         ring = self._ring
         words = ring.words
-        if self._closed or self._pid != _device._pid:
-            raise self._closed_error()
-        if self._db[_DB_LOST]:
-            raise self.ctx.lost_error(f"{self!r}: submit")
+        if self._closed or self._pid != _device._pid or self._db[_DB_LOST]:
+            self._refuse()
         with self._lock:
             if words[_ERROR_SEQNO]:
                 self._raise_fault(self.last_seqno, refusing=True)
@@ -160,34 +156,83 @@ class Stream:
             if (tracer := _trace.active) is not None:
                 tracer.submitting(self, wptr, packets)
             for pkt in packets:
-                if wptr >= self._room:  # maybe full: look at what the firmware took
-                    self._room = words[_RPTR] + self._depth
-                    if wptr >= self._room:
-                        self._publish(wptr)  # full: let the firmware see what is there, wait
-                        self._wait_room(wptr)
-                        self._room = words[_RPTR] + self._depth
+                if wptr >= self._room:
+                    self._make_room(wptr)
                 ring.write_packet(wptr, pkt if isinstance(pkt, bytes) else bytes(pkt))
                 wptr += 1
-            if kernel is not None:
-                if args is not None:
-                    a = self.arg_arena
-                    assert a is not None
-                    off = (wptr % a.slots) * STREAM_ARG_SLOT
-                    a.mem[off : off + len(args)] = args
-                self._kernels[wptr % _NAMES] = (wptr, kernel)
             self._publish(wptr)
             self.last_seqno = wptr
             return wptr
+
+    def _write_launch(self, pkt: bytes, kernel: str, args: bytes | None) -> int:
+        """``_write`` of one LAUNCH packet of the kernel named, the hot path of a framework
+        (an operator is a launch): one packet, so no loop and no conversion. ``args``, the
+        argument block, goes in this stream's ``arg_arena`` slot for the packet's seqno
+        before the packet is published (the seqno is known only here, under the lock);
+        the packet names no address, the firmware finds the slot from the seqno
+        (``set_arg_arena``). None: the packet names its block's address itself."""
+        ring = self._ring
+        words = ring.words
+        if self._closed or self._pid != _device._pid or self._db[_DB_LOST]:
+            self._refuse()
+        with self._lock:
+            if words[_ERROR_SEQNO]:
+                self._raise_fault(self.last_seqno, refusing=True)
+            wptr = self.last_seqno
+            if (tracer := _trace.active) is not None:
+                tracer.submitting(self, wptr, (pkt,))
+            if wptr >= self._room:
+                self._make_room(wptr)
+            ring.write_packet(wptr, pkt)
+            wptr += 1
+            if args is not None:
+                a = self.arg_arena
+                assert a is not None
+                off = (wptr % a.slots) * STREAM_ARG_SLOT
+                a.mem[off : off + len(args)] = args
+            self._kernels[wptr % _NAMES] = (wptr, kernel)
+            self._publish(wptr)
+            self.last_seqno = wptr
+            return wptr
+
+    def _refuse(self) -> None:
+        """Raise why this stream takes no submission: closed, used across a fork, or its
+        context lost."""
+        if self._closed or self._pid != _device._pid:
+            raise self._closed_error()
+        raise self.ctx.lost_error(f"{self!r}: submit")
+
+    def _make_room(self, wptr: int) -> None:
+        """The ring may be full at ``wptr`` (the caller holds the lock): look at what the
+        firmware took and, if it is full, let the firmware see what is there and wait."""
+        words = self._ring.words
+        self._room = words[_RPTR] + self._depth
+        if wptr >= self._room:
+            self._publish(wptr)
+            self._wait_room(wptr)
+            self._room = words[_RPTR] + self._depth
 
     def set_arg_arena(self, arena: ArgArena) -> None:
         """Give the stream its argument arena (before its first launch) and tell the
         firmware where it is: a LAUNCH packet naming address 0 then has its block in the
         arena's slot for its seqno (``RING_ARGS_VA``, abi/userq.py), so the packet of a
         kernel's launch is the same bytes every time and no address is stored per launch
-        (0.15 us of a 3.4 us launch call)."""
-        self.arg_arena = arena
-        self._ring.set(userq.RING_ARGS_VA, arena.va)
-        self._ring.set(userq.RING_ARGS_SLOTS, arena.slots)
+        (0.15 us of a 3.4 us launch call). Threads launching first on one stream at once
+        may each make one: the first given wins, under the lock the writes take, so no
+        launch's block goes in one arena while the ring names another."""
+        with self._lock:
+            if self.arg_arena is not None:
+                return
+            self._ring.set(userq.RING_ARGS_VA, arena.va)
+            self._ring.set(userq.RING_ARGS_SLOTS, arena.slots)
+            self.arg_arena = arena
+            self.set_capture(self.capturing)
+
+    def set_capture(self, graph: Any) -> None:
+        """Begin (a graph) or end (None) a graph capture on this stream."""
+        self.capturing = graph
+        self.launch_device = self.device if graph is None and self.arg_arena is not None \
+            else -1
 
     def _wait_room(self, wptr: int) -> None:
         """The queue is full (its depth of packets untaken): wait until a quarter of it is

@@ -327,6 +327,9 @@ def test_graph_captures_kernel_launches(kdaemon):
         x = runtime.to_device(np.arange(n, dtype=np.float32))
         acc = runtime.to_device(np.zeros(n, np.float32))
         s = runtime.Stream()
+        scratch = runtime.empty(n, np.float32)  # a launch before: s has its argument arena,
+        lib.saxpy[n // 256, 256](np.float32(0), x, x, scratch, stream=s)  # so the capture
+        s.synchronize()  # below is what keeps the launchers from writing to its ring
         g = runtime.Graph()
         with runtime.graph(g, s):
             lib.saxpy[n // 256, 256](np.float32(2), x, acc, acc, stream=s)   # acc += 2x
@@ -435,3 +438,37 @@ def test_dynamic_shared_memory_sized_per_launch(kdaemon):
         print("again", np.array_equal(x.copy_to_host(stream=ok), np.arange(256)))
     """)
     assert lines == ["reversed True", "short EFAULT rev", "raw EINVAL", "again True"]
+
+
+def test_threads_launching_first_on_one_stream_all_run(kdaemon):
+    """A stream's argument arena is made on its first launch and named in its ring: threads
+    that launch first on one stream at once must end with one arena, the one the ring
+    names, so that every launch reads its own block (two once made a launch read a slot
+    of the arena the ring no longer named: EINVAL)."""
+    lines = run(kdaemon, """
+        import threading
+        lib = runtime.compile(kernel_lib.SOURCE)
+        outs = [runtime.empty(256, np.float32) for _ in range(6)]
+        failed, wrong = [], 0
+        for trial in range(15):
+            s, barrier = runtime.Stream(), threading.Barrier(len(outs))
+            def work(i):
+                barrier.wait()
+                try:
+                    lib.fill[1, 256](outs[i], np.float32(trial * 10 + i), stream=s)
+                except runtime.AccelError as e:
+                    failed.append(repr(e))
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(len(outs))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            try:
+                s.synchronize()
+            except runtime.AccelError as e:
+                failed.append(repr(e))
+                continue
+            wrong += sum(not (o.copy_to_host() == trial * 10 + i).all() for i, o in enumerate(outs))
+        print(failed[:1], wrong)
+    """)
+    assert lines == ["[] 0"]

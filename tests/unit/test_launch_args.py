@@ -193,3 +193,69 @@ def test_the_packer_takes_the_common_arguments_and_nothing_it_must_not():
             (out, np.float32(1), 5, np.float64(2)), (out, np.float32(1), 5)]
     for args in left:
         assert pack(args) is None, args
+
+
+class _Stream:
+    """What a generated launcher reads of a stream and calls on it."""
+
+    def __init__(self, launch_device: int = 0) -> None:
+        self.launch_device, self.written = launch_device, []
+
+    def _write_launch(self, pkt: bytes, name: str, raw: bytes) -> int:
+        self.written.append((pkt, name, raw))
+        return 7
+
+
+def _launcher(layout: list[arg_packer.Param]):  # noqa: ANN202 - (launcher, its slow calls)
+    slow: list[tuple] = []
+
+    def launch_(*call: object) -> int:
+        slow.append(call)
+        return 9
+
+    make = arg_packer.launcher_maker(layout, 0, "k")
+    return make(4, 256, launch_, lambda n: b"P%d" % n), slow
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=300, deadline=None)
+@given(_launches())
+def test_a_launcher_writes_what_the_packer_packs_and_hands_the_rest_on(case):
+    """``kernel[grid, block](*args)`` (arg_packer.launcher_maker) writes the launch itself
+    exactly when the packer takes the arguments, with the packer's block; anything else
+    reaches ``Kernel.launch`` with the arguments exactly as given."""
+    layout, args = case
+    run, slow = _launcher(layout)
+    s = _Stream()
+    raw = arg_packer.packer(layout, 0, "k")(args)
+    fits = raw is not None and len(raw) <= launch.STREAM_ARG_SLOT
+    assert run(*args, stream=s) == (7 if fits else 9)
+    if fits:
+        assert s.written == [(b"P%d" % len(raw), "k", raw)] and slow == []
+    else:
+        assert s.written == [] and slow == [(4, 256, args, s, 0)]
+
+
+@pytest.mark.timeout(60)
+def test_a_launcher_hands_on_every_launch_it_must_not_write(monkeypatch):
+    """Dynamic shared memory (any value but the int 0), a stream it may not write (no
+    arena, a capture, another device: ``launch_device``) and a profiler all take the
+    checked path, with the arguments as given."""
+    fill = [arg_packer.Param.of({"name": "out", "kind": "buffer", "dtype": "float32", "ndim": 1}),
+            arg_packer.Param.of({"name": "v", "kind": "scalar", "dtype": None})]
+    args = (_array("float32", (256,)), np.float32(1))
+    run, slow = _launcher(fill)
+    for shared in (0.0, False, np.int64(0), 1):
+        s = _Stream()
+        run(*args, stream=s, shared_mem=shared)
+        assert s.written == [] and slow[-1] == (4, 256, args, s, shared)
+    for s in (_Stream(-1), _Stream(1)):
+        run(*args, stream=s)
+        assert s.written == [] and slow[-1] == (4, 256, args, s, 0)
+    monkeypatch.setattr(launch._trace, "active", object())
+    s = _Stream()
+    run(*args, stream=s)
+    assert s.written == [] and slow[-1] == (4, 256, args, s, 0)
+    monkeypatch.undo()
+    run(*args, stream=s)
+    assert len(s.written) == 1 and len(slow) == 7
