@@ -38,8 +38,10 @@ from abi._struct import Struct
 #: whose runtime speaks another major (EPROTO); minors are backward compatible.
 ACCEL_ABI_MAJOR: Final = 2
 #: 2.1: DEVICE_RESET. 2.2: DEVICE_QUERY reports max_queues_per_process and
-#: max_queue_depth (in what was reserved).
-ACCEL_ABI_MINOR: Final = 2
+#: max_queue_depth (in what was reserved). 2.3: a queue's ring may name its argument arena
+#: (abi/userq.py RING_ARGS_VA) and a LAUNCH then names no address; a runtime of 2.3 does,
+#: so a driver (and firmware) of 2.2 must refuse it.
+ACCEL_ABI_MINOR: Final = 3
 
 # --- _IOC encoding, as in include/uapi/asm-generic/ioctl.h ---------------------------
 _IOC_NRBITS, _IOC_TYPEBITS, _IOC_SIZEBITS = 8, 8, 14
