@@ -168,7 +168,7 @@ def launcher_maker(params: Sequence[Param], device: int, name: str) -> LauncherM
 
     env = _env(device)
     env.update(current_stream=current_stream, TRACE=_trace, MISSING=_MISSING, given=_given,
-               SLOT=STREAM_ARG_SLOT, NAME=name, ZERO=0)
+               SLOT=STREAM_ARG_SLOT, ZERO=0)
     n = len(params)
     head = "".join(f"a{i}, " for i in range(n))
     slow = f"return launch(grid, block, ({head}), stream, shared_mem)"
@@ -189,6 +189,6 @@ def launcher_maker(params: Sequence[Param], device: int, name: str) -> LauncherM
               "            if len(raw) > SLOT:",
               f"                {slow}",
               "            pkt = packets[len(raw)] = packet_for(len(raw))",
-              "        return s._write_launch(pkt, NAME, raw)",
+              "        return s._write_launch(pkt, raw)",
               "    return launcher"]
     return _define(lines, env, "launchers", name)  # type: ignore[no-any-return]

@@ -150,6 +150,9 @@ class Context:
         self.exclusive = exclusive
         self._bell = bell_w
         self.events = Events(self, event_r)
+        #: kernel handle -> name, of the kernels this context's modules gave out: a
+        #: launch's packet names its kernel by handle (Stream.kernel_name)
+        self.kernel_names: dict[int, str] = {}
         self._knock_lock = threading.Lock()
         self._imports: dict[tuple[str, int], int] = {}
         #: this context's streams (synchronize() covers them), and its last no-op fence

@@ -50,7 +50,6 @@ class Graph:
         #: launches: the graph keeps them (its pool)
         self.owned: list[Any] = []
         #: packet index -> kernel name, so a fault in a replay names its kernel
-        self.kernel_names: dict[int, str] = {}
         self.stream: Stream | None = None
         self.captured = False
 
@@ -65,9 +64,6 @@ class Graph:
         buf = _map_host(size, np.uint8, device, uapi.MemKind.HOST_PINNED)
         self.owned.append(buf)
         return buf
-
-    def record_kernel(self, name: str) -> None:
-        self.kernel_names[len(self.packets) - 1] = name
 
     def record(self, stream: Stream, packets: Sequence[Any], uses: Sequence[Any]) -> int:
         if stream is not self.stream:
@@ -92,11 +88,7 @@ class Graph:
         assert target is not None
         if target.device != self.stream.device:  # type: ignore[union-attr]
             raise errors.InvalidValueError("a graph replays on a stream of the device it was captured on")
-        last = target._write(self.packets)
-        first = last - len(self.packets) + 1
-        for index, name in self.kernel_names.items():
-            target.note_kernel(first + index, name)
-        return last
+        return target._write(self.packets)
 
 
 @contextmanager

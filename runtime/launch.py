@@ -284,18 +284,15 @@ class Kernel:
             buf = s.capturing.argument_block(ARG_SLOT, device)
             memoryview(buf)[:n] = raw
             uses = [v for p, v in zip(self._layout, args) if p.buffer]
-            seqno = s.submit([self._packet(g, b, int(shared_mem), buf.device_va, n)], uses=uses)
-            s.capturing.record_kernel(self.name)
-            return seqno
+            return s.submit([self._packet(g, b, int(shared_mem), buf.device_va, n)], uses=uses)
         if n <= STREAM_ARG_SLOT:  # the stream's own slot for the seqno: it goes there
             if s.arg_arena is None:
                 s.set_arg_arena(_stream_arena(s))
-            return s._write_launch(self._packet(g, b, int(shared_mem), 0, n), self.name, raw)
+            return s._write_launch(self._packet(g, b, int(shared_mem), 0, n), raw)
         arena = _arena(device)  # a long block: a slot of the device's shared arena
         slot, buf = arena.take()
         buf[:n] = raw
-        seqno = s._write_launch(self._packet(g, b, int(shared_mem), arena.vas[slot], n),
-                                self.name, None)
+        seqno = s._write_launch(self._packet(g, b, int(shared_mem), arena.vas[slot], n), None)
         arena.last[slot] = (s, seqno)
         return seqno
 
@@ -365,6 +362,7 @@ class Module:
             reply = self._ctx.channel.call(uapi.ACCEL_CMD_KERNEL_GET, uapi.accel_kernel_get(
                 ctx_id=self._ctx.id, module_id=self.id, name=name.encode()))
             k = self._kernels[name] = Kernel(self, name, self.ir["kernels"][name], reply.handle)
+            self._ctx.kernel_names[reply.handle] = name
             if not name.startswith("_") and name not in vars(self) \
                     and not hasattr(type(self), name):
                 # ``module.name`` from now on without __getattr__ (a failed lookup first:

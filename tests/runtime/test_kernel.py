@@ -234,6 +234,45 @@ def test_out_of_bounds_is_a_device_fault_with_a_record(kdaemon):
     assert lines == ["oob EFAULT True True", "True", "alive True"]
 
 
+def test_a_faulted_launch_is_named_however_it_was_queued(kdaemon):
+    """A kernel fault's record names the kernel from its packet's handle: launched through
+    ``kernel[grid, block]``, replayed from a graph, or written by hand as a LAUNCH packet
+    through ``Stream.submit`` (which no launcher saw); a packet that is no launch names
+    none."""
+    lines = run(kdaemon, """
+        from abi import userq
+        mod = runtime.compile('''
+            def oob(x, n):
+                i = global_id(0)
+                x[i + n] = 1.0
+        ''')
+        x = runtime.to_device(np.zeros(64, np.float32))
+        def fault(s):
+            try:
+                s.synchronize()
+            except runtime.KernelFaultError as e:
+                return e.record["kernel"], e.record["seqno"]
+        s = runtime.Stream()
+        mod.oob[1, 64](x, 10, stream=s)
+        print("launcher", fault(s))
+        s, g = runtime.Stream(), runtime.Graph()
+        with runtime.graph(g, s):
+            mod.oob[1, 64](x, 10, stream=s)
+        s.submit_nop()
+        g.replay()
+        print("graph", fault(s), s.kernel_name(1))
+        s = runtime.Stream()
+        mod.oob[1, 64](x, 0, stream=s)  # in bounds: the stream's arena slot 2 is next
+        s.synchronize()
+        s.arg_arena.mem[2 * 256 : 2 * 256 + 72] = s.arg_arena.mem[256 : 256 + 72]
+        k = mod.oob
+        s.submit([userq.PACKET.pack(userq.Op.LAUNCH, 0, k.handle, userq.pack_dims((2, 1, 1)),
+                                    userq.pack_dims((64, 1, 1)), 0, 0, 72, 0)])
+        print("by hand", fault(s))
+    """)
+    assert lines == ["launcher ('oob', 1)", "graph ('oob', 2) None", "by hand ('oob', 2)"]
+
+
 def test_watchdog_stops_a_runaway_kernel(kdaemon):
     lines = run(kdaemon, """
         mod = runtime.compile('''

@@ -201,8 +201,8 @@ class _Stream:
     def __init__(self, launch_device: int = 0) -> None:
         self.launch_device, self.written = launch_device, []
 
-    def _write_launch(self, pkt: bytes, name: str, raw: bytes) -> int:
-        self.written.append((pkt, name, raw))
+    def _write_launch(self, pkt: bytes, raw: bytes) -> int:
+        self.written.append((pkt, raw))
         return 7
 
 
@@ -231,7 +231,7 @@ def test_a_launcher_writes_what_the_packer_packs_and_hands_the_rest_on(case):
     fits = raw is not None and len(raw) <= launch.STREAM_ARG_SLOT
     assert run(*args, stream=s) == (7 if fits else 9)
     if fits:
-        assert s.written == [(b"P%d" % len(raw), "k", raw)] and slow == []
+        assert s.written == [(b"P%d" % len(raw), raw)] and slow == []
     else:
         assert s.written == [] and slow == [(4, 256, args, s, 0)]
 
