@@ -170,7 +170,9 @@ class Stream:
         argument block, goes in this stream's ``arg_arena`` slot for the packet's seqno
         before the packet is published (the seqno is known only here, under the lock);
         the packet names no address, the firmware finds the slot from the seqno
-        (``set_arg_arena``). None: the packet names its block's address itself."""
+        (``set_arg_arena``). None: the packet names its block's address itself. Its first
+        lines are ``_write``'s again, not a shared helper: a call there would cost every
+        submission ~5% (0.06 us of 1.1)."""
         ring = self._ring
         words = ring.words
         if self._closed or self._pid != _device._pid or self._db[_DB_LOST]:

@@ -212,7 +212,13 @@ def test_a_launch_on_another_devices_stream_is_refused_and_queues_nothing(daemon
 
 
 def test_out_of_bounds_is_a_device_fault_with_a_record(kdaemon):
+    """An out-of-bounds store faults its launch with a record and leaves other streams
+    working. The record names the kernel from its packet's handle however the launch was
+    queued: through ``kernel[grid, block]``, replayed from a graph, or written by hand as a
+    LAUNCH packet through ``Stream.submit`` (which no launcher saw); a packet that is no
+    launch names none."""
     lines = run(kdaemon, """
+        from abi import userq
         mod = runtime.compile('''
             def oob(x, n):
                 i = global_id(0)
@@ -230,31 +236,11 @@ def test_out_of_bounds_is_a_device_fault_with_a_record(kdaemon):
         other = runtime.Stream()
         mod.oob[1, 8](x, 0, stream=other); other.synchronize()    # other streams still work
         print("alive", np.count_nonzero(x.copy_to_host(stream=other)) >= 8)
-    """)
-    assert lines == ["oob EFAULT True True", "True", "alive True"]
-
-
-def test_a_faulted_launch_is_named_however_it_was_queued(kdaemon):
-    """A kernel fault's record names the kernel from its packet's handle: launched through
-    ``kernel[grid, block]``, replayed from a graph, or written by hand as a LAUNCH packet
-    through ``Stream.submit`` (which no launcher saw); a packet that is no launch names
-    none."""
-    lines = run(kdaemon, """
-        from abi import userq
-        mod = runtime.compile('''
-            def oob(x, n):
-                i = global_id(0)
-                x[i + n] = 1.0
-        ''')
-        x = runtime.to_device(np.zeros(64, np.float32))
         def fault(s):
             try:
                 s.synchronize()
             except runtime.KernelFaultError as e:
                 return e.record["kernel"], e.record["seqno"]
-        s = runtime.Stream()
-        mod.oob[1, 64](x, 10, stream=s)
-        print("launcher", fault(s))
         s, g = runtime.Stream(), runtime.Graph()
         with runtime.graph(g, s):
             mod.oob[1, 64](x, 10, stream=s)
@@ -265,12 +251,13 @@ def test_a_faulted_launch_is_named_however_it_was_queued(kdaemon):
         mod.oob[1, 64](x, 0, stream=s)  # in bounds: the stream's arena slot 2 is next
         s.synchronize()
         s.arg_arena.mem[2 * 256 : 2 * 256 + 72] = s.arg_arena.mem[256 : 256 + 72]
-        k = mod.oob
-        s.submit([userq.PACKET.pack(userq.Op.LAUNCH, 0, k.handle, userq.pack_dims((2, 1, 1)),
-                                    userq.pack_dims((64, 1, 1)), 0, 0, 72, 0)])
+        s.submit([userq.PACKET.pack(userq.Op.LAUNCH, 0, mod.oob.handle,
+                                    userq.pack_dims((2, 1, 1)), userq.pack_dims((64, 1, 1)),
+                                    0, 0, 72, 0)])  # x[64:128], past the buffer
         print("by hand", fault(s))
     """)
-    assert lines == ["launcher ('oob', 1)", "graph ('oob', 2) None", "by hand ('oob', 2)"]
+    assert lines == ["oob EFAULT True True", "True", "alive True", "graph ('oob', 2) None",
+                     "by hand ('oob', 2)"]
 
 
 def test_watchdog_stops_a_runaway_kernel(kdaemon):
