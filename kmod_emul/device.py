@@ -176,6 +176,14 @@ class AccelDevice:
             for fd in fds or ():
                 os.close(fd)
 
+    async def fw_took_all(self, timeout: float = 1.0) -> None:
+        """Return once the running firmware has taken every control message sent so far,
+        or after ``timeout`` (a hung firmware takes none): for a knob whose writer acts
+        on its effect next, as a test queues work after ``sched_hold``."""
+        with trio.move_on_after(timeout):
+            while self.fw is not None and self.fw.untaken():
+                await trio.sleep(0.0005)
+
     def send_budget(self) -> None:
         """What managed memory may not make resident: the allocations and retired pages."""
         vram = self.memory.vram

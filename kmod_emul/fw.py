@@ -299,6 +299,11 @@ class FirmwareProcess:
                                       list(fds or ())))
         self.flush()
 
+    def untaken(self) -> int:
+        """Control messages sent that the firmware has not taken yet (in the ring or the
+        backlog). It handles each as it takes it, before it next takes any packet."""
+        return self.mbx.cmd.pending() + len(self._backlog)
+
     def flush(self) -> None:
         sent = False
         while self._backlog:

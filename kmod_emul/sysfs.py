@@ -22,7 +22,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from abi import faults, mailbox, uapi
 from kmod_emul.activity import POWER_LIMIT_W, fdinfo
@@ -195,9 +195,13 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
     def set_recovery(text: str) -> None:
         dev.recovery = parse_recovery(text)
 
-    def set_sched_hold(text: str) -> None:
+    def set_sched_hold(text: str) -> Awaitable[None]:
+        # the write(2) returns once the firmware took the message: a writer that queues
+        # work next (the tests) otherwise raced the firmware's loop, which could take that
+        # work in the pass it was in when the message came
         dev.sched_hold = _bool(text)
         dev.fw_send(0, mailbox.fw_hold(hold=int(dev.sched_hold)))
+        return dev.fw_took_all()
 
     return {
         "fw_pid": Attr(read=lambda: str(dev.fw.pid) if dev.fw else ""),

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import os
-import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -37,8 +36,6 @@ _WPTR, _RPTR = userq.RING_WPTR >> 3, userq.RING_RPTR >> 3
 _ERROR_SEQNO = userq.RING_ERROR_SEQNO >> 3
 _DB_LOST = userq.DB_LOST >> 3
 _ON_ENGINE = userq.RING_ON_ENGINE >> 3
-#: a packet's opcode and a0 (a LAUNCH's kernel handle)
-_PACKET_HEAD = struct.Struct("<IIQ")
 _SLOTS = userq.RING_SLOTS
 #: the longest argument block a stream's own arena takes (longer ones: runtime/launch.py)
 STREAM_ARG_SLOT = userq.RING_ARGS_SLOT_BYTES
@@ -276,7 +273,7 @@ class Stream:
         launch for this (a name kept per launch was 0.07 us of a 2.1 us launch call)."""
         if not 0 < seqno <= self.last_seqno or self.last_seqno - seqno >= _SLOTS:
             return None
-        opcode, _, handle = _PACKET_HEAD.unpack_from(
+        opcode, _, handle, *_ = userq.PACKET.unpack_from(
             self._ring.mem, userq.RING_PACKETS + (seqno - 1) % _SLOTS * 64)
         return self.ctx.kernel_names.get(handle) if opcode == userq.Op.LAUNCH else None
 

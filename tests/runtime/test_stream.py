@@ -181,6 +181,31 @@ def test_priorities_high_runs_first_and_preempts_long_copies(make_daemon):
     assert lines == ["True", "True"]
 
 
+def test_sched_hold_returns_once_the_firmware_has_taken_it(make_daemon):
+    """A debugfs ``sched_hold`` write returns once the firmware took the message, so work
+    the writer queues next is held however busy the machine is (the firmware handles a
+    message as it takes it, before it takes packets again); with a firmware that takes
+    nothing (hung), after its bound of a second."""
+    d = make_daemon(extra=["--heartbeat-timeout", "60"])
+    lines = run(d, """
+        s = runtime.Stream()
+        held = 0
+        for _ in range(20):
+            hold(True)
+            s.submit([pkt(userq.Op.NOP)])
+            time.sleep(0.002)
+            held += s.completed < s.last_seqno
+            hold(False)
+            s.synchronize()
+        print(held)
+        open(f"{ROOT}/sys/kernel/debug/accel/accel0/fw_hang", "w").write("1")
+        t = time.monotonic()
+        hold(True)
+        print(time.monotonic() - t >= 0.9)
+    """)
+    assert lines == ["20", "True"]
+
+
 def test_host_wait_timeout_and_ctrl_c(make_daemon):
     d = make_daemon()
     lines = run(d, """
