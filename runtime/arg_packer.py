@@ -124,10 +124,12 @@ def _env(device: int) -> dict[str, Any]:
             "ARG_SCALAR": userq.ARG_SCALAR}
 
 
-def _define(lines: list[str], env: dict[str, Any], what: str, name: str) -> Any:
+def _define(lines: list[str], env: dict[str, Any], fn: str, what: str, name: str) -> Any:
+    """Function ``fn`` of the generated source ``lines`` (``what`` of kernel ``name``, as
+    tracebacks show it)."""
     code = compile("\n".join(lines) + "\n", f"<{what} of {name}>", "exec")
     exec(code, env)  # noqa: S102 - our own source, built from the parameter list
-    return env[lines[0].split()[1].split("(")[0]]
+    return env[fn]
 
 
 def packer(params: Sequence[Param], device: int, name: str) -> Packer:
@@ -140,7 +142,7 @@ def packer(params: Sequence[Param], device: int, name: str) -> Packer:
         lines.append(f"    {''.join(f'a{i}, ' for i in range(n))}= args")
     lines += _checks(params, env, "return None")
     lines.append(f"    return {' + '.join(f'r{i}' for i in range(n)) or repr(b'')}")
-    return _define(lines, env, "argument packer", name)  # type: ignore[no-any-return]
+    return _define(lines, env, "pack", "argument packer", name)  # type: ignore[no-any-return]
 
 
 #: ``make(grid, block, launch, packet_for)``: the launcher of ``kernel[grid, block]``
@@ -162,7 +164,8 @@ def launcher_maker(params: Sequence[Param], device: int, name: str) -> LauncherM
     memory, a capture, a profiler, a stream without an arena yet, an argument the packer
     leaves to the checked path -- goes to ``launch(grid, block, args, stream,
     shared_mem)``, which checks and says why. One call instead of three (launcher,
-    packer, write) took ~0.35 us off a ~2.4 us launch (docs/kernels.md "Seventh round")."""
+    packer, write): the host-call row of ``bench.compare --only tiny`` went from
+    2.01-2.08x to 1.91-1.93x of a no-op submit (docs/kernels.md "Seventh round")."""
     from runtime import _trace
     from runtime.stream import STREAM_ARG_SLOT, current_stream
 
@@ -191,4 +194,4 @@ def launcher_maker(params: Sequence[Param], device: int, name: str) -> LauncherM
               "            pkt = packets[len(raw)] = packet_for(len(raw))",
               "        return s._write_launch(pkt, raw)",
               "    return launcher"]
-    return _define(lines, env, "launchers", name)  # type: ignore[no-any-return]
+    return _define(lines, env, "make", "launchers", name)  # type: ignore[no-any-return]

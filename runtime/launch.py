@@ -154,8 +154,8 @@ class Kernel:
         launch after a program's first), goes from the generated launcher
         (:func:`runtime.arg_packer.launcher_maker`) straight to the stream's ring with this
         shape's packet for its block's length, made once; anything else is
-        :meth:`launch`, which checks and says why. The same checks either way, in ~2.0 us
-        instead of ~4.7 for a tiny launch (docs/kernels.md)."""
+        :meth:`launch`, which checks and says why. The same checks either way; the
+        figures are in docs/kernels.md ("Seventh round")."""
         return self._make_launcher(grid, block, self.launch, lambda n: self._packet(
             *self._config(grid, block), 0, 0, n))
 
