@@ -13,9 +13,9 @@ in the same run:
   over memory mapped as the device's is (a memfd: 4 KiB pages, where numpy's arrays get
   2 MiB ones), with no daemon, no rings and no hand-off, against njit -- the figure two
   engines could reach on this machine -- and the device against it, the emulator's own
-  cost. On this VM two cores move saxpy's bytes barely faster than one, so the first sits
-  near 0.95x and moves with the machine's state as the device row does
-  (docs/kernels.md, "Eighth round").
+  cost. On this VM the first moves with the machine's state between about 0.68x and
+  1.0x from run to run, and the device row moves with it (docs/kernels.md, "Eighth
+  round").
 """
 
 from __future__ import annotations
