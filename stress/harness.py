@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -27,6 +28,7 @@ import sys
 import sysconfig
 import textwrap
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,6 +164,26 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def fd_targets(pid: int) -> Counter[str]:
+    """What a process's descriptors are (``/memfd:accel-ring (deleted)``, ``pipe``,
+    ``socket``...; inode numbers dropped), so that a leak names what leaked: the count
+    alone said only "firmware 24 -> 25" when ring_fuzz caught one (docs/containment.md)."""
+    out: Counter[str] = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd") if pid > 0 else ():
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        out[re.sub(r":\[\d+\]$", "", target)] += 1
+    return out
+
+
+def _fd_change(before: Counter[str], now: Counter[str]) -> str:
+    gained, lost = now - before, before - now
+    return ", ".join([*([f"gained {sorted(gained.elements())}"] if gained else []),
+                      *([f"lost {sorted(lost.elements())}"] if lost else [])])
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -178,6 +200,8 @@ class Snapshot:
     fw_fds: list[int]
     books: list[dict[str, str]]
     shm: set[str]
+    #: the firmware processes' descriptors by what they are (fd_targets)
+    fw_targets: list[Counter[str]] = field(default_factory=list)
 
 
 def _fw_pid(d, dev: int) -> int:
@@ -211,7 +235,7 @@ def _now(d) -> Snapshot:
     fw = [_fw_pid(d, i) for i in range(d.devices)]
     return Snapshot(d.pid, fw, fd_count(d.pid), [fd_count(p) if p > 0 else 0 for p in fw],
                     [{k: d.attr(i, k) for k in BOOKS} for i in range(d.devices)],
-                    set(os.listdir("/dev/shm")))
+                    set(os.listdir("/dev/shm")), [fd_targets(p) for p in fw])
 
 
 def assert_contained(d, before: Snapshot, timeout: float = 30.0,
@@ -239,8 +263,11 @@ def assert_contained(d, before: Snapshot, timeout: float = 30.0,
             problems.append(f"books {before.books} -> {now.books}")
         if now.daemon_fds != before.daemon_fds or [now.fw_fds[i] for i in kept] != [
                 before.fw_fds[i] for i in kept]:
+            changed = [f"firmware {i} {_fd_change(before.fw_targets[i], now.fw_targets[i])}"
+                       for i in kept if before.fw_fds[i] != now.fw_fds[i]]
             problems.append(f"descriptors daemon {before.daemon_fds} -> {now.daemon_fds}, "
-                            f"firmware {before.fw_fds} -> {now.fw_fds}")
+                            f"firmware {before.fw_fds} -> {now.fw_fds}"
+                            + "".join(f"; {c}" for c in changed))
         if now.shm - before.shm:  # what others remove from the shared /dev/shm is theirs
             problems.append(f"/dev/shm gained {sorted(now.shm - before.shm)}")
         if not problems:
