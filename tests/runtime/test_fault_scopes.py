@@ -40,12 +40,20 @@ print("stream", s.query(), float(a.copy_to_host(stream=s).sum()))
 """
 
 STREAM = PRELUDE + """
+def hold(on):  # debugfs sched_hold: the firmware takes no packets while set
+    with open(os.environ["ACCEL_EMU_ROOT"] + "/sys/kernel/debug/accel/accel0/sched_hold",
+              "w") as f:
+        f.write("1" if on else "0")
 bad, good = runtime.Stream(), runtime.Stream()
 x = runtime.to_device(np.zeros(64, np.float32), stream=good)
 y = runtime.to_device(np.zeros(64, np.float32), stream=good)
 good.synchronize()
+# held, so that the fill is queued behind the fault: without the hold the firmware could
+# fault oob first (the fill's first launch builds its launcher), and the stream refuses it
+hold(True)
 mod.oob[1, 64](x, 10, stream=bad)           # faults
 lib.fill[1, 64](x, np.float32(5), stream=bad)  # queued behind it: cancelled, never runs
+hold(False)
 lib.fill[1, 64](y, np.float32(3), stream=good)
 good.synchronize()
 print("same context, other stream", float(y.copy_to_host(stream=good).sum()))
