@@ -445,7 +445,7 @@ class KernelCache:
             with self._lock:
                 ck = self._mem.get(key)
             if ck is None:
-                ck = self._get_disk(key, inputs, source, k)
+                ck = _on_own_thread(self._get_disk, key, inputs, source, k)
             else:
                 self._count(hits=1)
             with self._lock:
@@ -617,6 +617,32 @@ class KernelCache:
                             source, path, self.blas, calls_mma(k.fn.body),
                             bounded_work(k), capabilities_used(k))
         return ck, compiled
+
+
+def _on_own_thread(fn: Callable[..., CompiledKernel], *args: Any) -> CompiledKernel:
+    """``fn(*args)`` on a thread of its own, returning or raising what it did. numba keeps
+    what a failed typing raised (its dispatcher's failed-compile cache, and tracebacks of
+    the errors it collected), and a traceback keeps the frames it passed through, each
+    with its caller's. Compiled in the caller's thread, that chain went up to the engine
+    job that asked for the kernel, whose launch holds a tenant's buffers: a pinned
+    buffer's mapping and its descriptor outlived their context until the cyclic garbage
+    collector happened to run (docs/containment.md, finding 25). On its own thread the
+    chain ends at that thread's first frame. A compile takes ~0.1 s or more and a load
+    from the disk cache ~10 ms: the thread is noise."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    t = threading.Thread(target=run, name="jit-build", daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box.pop("error")  # not kept in ``box``, which the compile thread's frame holds
+    return box.pop("value")
 
 
 def _reason(exc: Exception) -> str:

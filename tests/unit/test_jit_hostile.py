@@ -16,6 +16,8 @@ the access), compiled once per module by one KernelCache.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -546,3 +548,36 @@ def test_constant_index_ending_at_2_63_compiles_and_faults(dtype: str, index: in
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]  # an LLVM assertion aborts: -6
     assert out.stdout.split() == ["bounds", str(index), "0"]
+
+
+def test_a_kernel_numba_refuses_keeps_nothing_of_its_callers(tmp_path) -> None:
+    """numba keeps a failed typing's exception (its dispatcher's failed-compile cache), and
+    an exception keeps the frames it passed through, each with its caller's: up to the
+    engine job that asked for the kernel, whose launch holds the tenant's buffers. A
+    pinned buffer's mapping, and its descriptor, then stayed in the firmware after its
+    context was gone, until the cyclic garbage collector happened to run
+    (docs/containment.md, finding 25). The caller's objects must go by reference counting
+    alone."""
+    ir, types = REJECTED["float-index"]
+    cache = KernelCache(tmp_path)
+
+    class Buffers:  # what the caller's frame holds: a launch's views, say
+        pass
+
+    def ask() -> weakref.ref:
+        held = Buffers()
+        try:
+            cache.get(ir, types, Options())
+        except KernelCompileError:
+            pass
+        else:
+            raise AssertionError("float index compiled")
+        return weakref.ref(held)
+
+    gc.collect()
+    gc.disable()
+    try:
+        gone = [ask()() is None for _ in range(2)]  # compiled, then numba's cached failure
+    finally:
+        gc.enable()
+    assert gone == [True, True]
