@@ -150,14 +150,14 @@ def _two_engine_floor(env: Env, a: object, x: object, y: object
     from firmware.jit import KernelCache, Options
     from runtime import kernel_lib, kernels
 
-    n = x.size  # type: ignore[attr-defined]
+    n, nbytes = x.size, x.nbytes  # type: ignore[attr-defined]
     ir = kernels.compile_module(kernel_lib.SOURCE)["kernels"]["saxpy"]
     kernel = KernelCache(env.workdir / "floor-jit").get(
         ir, ("float32", "float32[1d]", "float32[1d]", "float32[1d]"), Options())
     fd = os.memfd_create("saxpy-floor", os.MFD_CLOEXEC)
     try:
-        os.ftruncate(fd, 3 * n * 4)
-        mem = mmap.mmap(fd, 3 * n * 4)
+        os.ftruncate(fd, 3 * nbytes)
+        mem = mmap.mmap(fd, 3 * nbytes)
     finally:
         os.close(fd)
     buf = np.frombuffer(mem, np.float32)

@@ -200,8 +200,8 @@ class Snapshot:
     fw_fds: list[int]
     books: list[dict[str, str]]
     shm: set[str]
-    #: the firmware processes' descriptors by what they are (fd_targets)
-    fw_targets: list[Counter[str]] = field(default_factory=list)
+    #: the firmware processes' descriptors by what they are (fd_targets; fw_fds counts them)
+    fw_targets: list[Counter[str]]
 
 
 def _fw_pid(d, dev: int) -> int:
@@ -233,9 +233,10 @@ def snapshot(d) -> Snapshot:
 
 def _now(d) -> Snapshot:
     fw = [_fw_pid(d, i) for i in range(d.devices)]
-    return Snapshot(d.pid, fw, fd_count(d.pid), [fd_count(p) if p > 0 else 0 for p in fw],
+    targets = [fd_targets(p) for p in fw]
+    return Snapshot(d.pid, fw, fd_count(d.pid), [t.total() for t in targets],
                     [{k: d.attr(i, k) for k in BOOKS} for i in range(d.devices)],
-                    set(os.listdir("/dev/shm")), [fd_targets(p) for p in fw])
+                    set(os.listdir("/dev/shm")), targets)
 
 
 def assert_contained(d, before: Snapshot, timeout: float = 30.0,

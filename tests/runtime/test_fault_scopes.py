@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from scenario import IDLE
+from scenario import IDLE, STREAM_PRELUDE
 from stress.harness import Bystander
 
 PRELUDE = """
@@ -39,11 +39,7 @@ s.synchronize()
 print("stream", s.query(), float(a.copy_to_host(stream=s).sum()))
 """
 
-STREAM = PRELUDE + """
-def hold(on):  # debugfs sched_hold: the firmware takes no packets while set
-    with open(os.environ["ACCEL_EMU_ROOT"] + "/sys/kernel/debug/accel/accel0/sched_hold",
-              "w") as f:
-        f.write("1" if on else "0")
+STREAM = STREAM_PRELUDE + PRELUDE + """
 bad, good = runtime.Stream(), runtime.Stream()
 x = runtime.to_device(np.zeros(64, np.float32), stream=good)
 y = runtime.to_device(np.zeros(64, np.float32), stream=good)
