@@ -32,15 +32,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from abi.userq import Op
+from firmware import host_cpu
 from firmware.rings import Completion, Ring
 from firmware.telemetry import Counters, log_unexpected
 
 if TYPE_CHECKING:
     from firmware.scheduler import Scheduler
-
-#: The engine threads' nice value (see EnginePool._engine).
-ENGINE_NICE = 10
-
 
 class Job:
     """Engine work for one packet: which packet it is (ring, seqno, opcode), when the
@@ -153,14 +150,7 @@ class EnginePool:
             return bool(self._heap) and -self._heap[0].rank[0] >= priority
 
     def _engine(self) -> None:
-        # The engines are the device's own hardware; here they are threads sharing the
-        # host's CPUs with the control loop and with every tenant's host code. A lower
-        # priority keeps a busy engine from delaying the control loop (and a tenant's
-        # submissions) by a scheduler time slice on every wake-up.
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ENGINE_NICE)
-        except OSError:
-            pass
+        host_cpu.lower_engine_priority()
         while True:
             with self._cond:
                 while not self._heap:

@@ -37,7 +37,7 @@ import numpy as np
 
 from abi import fwimage, mailbox, uapi, userq
 from abi._struct import Struct
-from firmware import memory
+from firmware import host_cpu, memory
 from firmware.rings import FwContext, Ring
 from firmware.scheduler import Scheduler
 from firmware.telemetry import Counters, log_unexpected
@@ -47,9 +47,10 @@ from firmware.telemetry import Counters, log_unexpected
 SPIN_AFTER_ACTIVITY_S = 500e-6
 #: ...but while a compute engine runs, nap this long between polls instead of yielding:
 #: the engines are threads on the host's CPUs, at a lower priority, and a spinning loop
-#: kept a launch's second engine from starting until the first was nearly done (with
-#: the runtime's waits napping too, runtime/stream.py, a 16 Mi in-place add went from
-#: 1.29x numpy's time to 0.65x, bench runs one after the other).
+#: kept a launch's second engine from starting until the first was nearly done. The nap
+#: is a sleep in poll(2) with the contexts marked sleeping, so a doorbell ends it at once:
+#: a plain sleep made every tenant's packet wait out the nap (and the timer slack) while
+#: another tenant's grid ran.
 ENGINES_BUSY_NAP_S = 50e-6
 #: While a ring waits on another device's fence nothing here wakes us: poll this often.
 CROSS_DEVICE_POLL_S = 0.001
@@ -389,10 +390,13 @@ class Firmware:
                 self._flush_locked()
         return done
 
-    def _sleep(self, timeout: float) -> None:
-        """Mark the contexts sleeping, re-check, and sleep until a doorbell or the timeout."""
+    def _sleep(self, timeout: float, stats: bool = True) -> None:
+        """Mark the contexts sleeping, re-check, and sleep until a doorbell or the timeout
+        (``stats``: publish the counters first, as whenever the device idles; a nap while
+        the engines run skips that)."""
         assert self.sched is not None
-        self._publish_stats()  # current whenever the device idles
+        if stats:
+            self._publish_stats()
         contexts = list(self.contexts.values())
         for c in contexts:
             c.db.set(userq.DB_FW_SLEEPING, 1)
@@ -430,12 +434,13 @@ class Firmware:
 
     def run(self) -> int:
         assert self.sched is not None
+        host_cpu.short_slice()
         last_beat = time.monotonic()
         last_work = 0.0
         while True:
             self.sched.scan_doorbells()
             self.sched.publish()  # before the mailbox is drained: see publish()
-            work = self.drain_mailbox() + self.sched.poll()
+            work = self.drain_mailbox() + self.sched.poll(self._news)
             if self._deferred_unmaps or self._closing or self._teardowns:
                 self._housekeeping()
             now = time.monotonic()
@@ -446,13 +451,19 @@ class Firmware:
                 self._publish_stats()
                 last_beat = now
             if now - last_work < SPIN_AFTER_ACTIVITY_S and not self.hung:
-                if self.sched.compute.busy():  # lend the CPU, stay awake
-                    time.sleep(ENGINES_BUSY_NAP_S)
+                if self.sched.compute.busy():  # lend the CPU, and wake for a doorbell
+                    self._sleep(ENGINES_BUSY_NAP_S, stats=False)
+                    continue
                 else:
                     os.sched_yield()  # on a shared core, let others run, but stay awake
                 self._poll_doorbell()
                 continue
             self._sleep(max(0.0, self.heartbeat_s - (now - last_beat)))
+
+    def _news(self) -> bool:
+        """A doorbell moved or the driver sent a message: what a pass stops early for."""
+        assert self.sched is not None
+        return self.sched.doorbells_moved() or self.mbx.cmd.pending() > 0
 
     def _poll_doorbell(self) -> None:
         """While spinning, still notice the driver closing the doorbell (it went away)."""

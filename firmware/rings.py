@@ -70,6 +70,9 @@ class Ring(userq.RingView):
         self.taken = self.rptr
         self.published = self.taken  # what the scheduler may take (Scheduler.publish)
         self.busy = False  # an engine runs its current packet (on_engine)
+        #: the control loop's time its turns took (ns), from the scheduler's clock when it
+        #: last became active (firmware/scheduler.py: fair turns)
+        self.vtime = 0
         self.blocked: tuple[Ring, int, int] | None = None  # (ring, seqno) it waits for, since
         self.parked: tuple[int, tuple[int, ...]] | None = None  # a launch awaiting its module
         self.faulted = self.read_fault()[0] != 0
@@ -194,6 +197,9 @@ class FwContext:
     consumed: array.array = field(
         default_factory=lambda: array.array("Q", bytes(8 * userq.ACCEL_DB_SLOT_COUNT)))
     seen_seq: int = 0
+    #: the control loop's time its rings' turns took (ns), from the scheduler's clock when
+    #: it last became active (firmware/scheduler.py: fair turns between contexts)
+    vtime: int = 0
     #: the engine time its packets took (DRM fdinfo), and its entry in the mailbox's
     #: context table (-1: none; the table is full)
     engine_time: EngineTime = field(default_factory=EngineTime)

@@ -43,6 +43,11 @@ from firmware.telemetry import Counters, Tally, log_unexpected
 #: Packets the scheduler takes from one ring per pass, so a ring full of no-ops cannot
 #: hold the control loop.
 BATCH = 64
+#: A ring's turn ends once the control loop has spent this long on it (ns), and the next
+#: turn goes to the context that has had the least of the loop's time: the quantum is the
+#: longest a bystander's packet waits behind another tenant's inline work (plus the packet
+#: being run, which is bounded by ``launches.INLINE_WORK``).
+TURN_NS = 20_000
 
 #: What a packet's start returns when its ring now waits for another queue's fence.
 _BLOCKED = object()
@@ -72,6 +77,10 @@ class Scheduler:
         self.rings: list[Ring] = []  # every ring with a doorbell slot
         #: rings that may have work: their doorbell slot moved, or they have work in flight
         self.active: dict[Ring, None] = {}
+        #: the virtual time of the last turn begun (start-time fair queueing between
+        #: contexts): a context or ring that becomes active starts no earlier, so time
+        #: spent idle is not banked
+        self.vclock = 0
         self.contexts: dict[int, FwContext] = {}
         self.hung = False
         self.held = False  # debugfs sched_hold: take no packets (tests of ordering use it)
@@ -110,7 +119,14 @@ class Scheduler:
         self.rings.append(ring)
         ring.ctx.slots[ring.slot] = ring
         ring.ctx.went_idle(ring)  # what it had taken: anything else in its slot is news
-        self.active[ring] = None
+        self._activate(ring)
+
+    def _activate(self, ring: Ring) -> None:
+        """``ring`` may have work: its turns, and its context's, start at the clock."""
+        if ring not in self.active:
+            self.active[ring] = None
+            ring.vtime = max(ring.vtime, self.vclock)
+            ring.ctx.vtime = max(ring.ctx.vtime, self.vclock)
 
     def remove(self, ring: Ring) -> None:
         if ring in self.rings:
@@ -137,7 +153,7 @@ class Scheduler:
         slots only of contexts whose sequence word moved."""
         for ctx in self.contexts.values():
             for slot in ctx.moved_slots():
-                self.active[ctx.slots[slot]] = None
+                self._activate(ctx.slots[slot])
 
     def publish(self) -> None:
         """Note each active ring's write pointer now, as what poll() may take. Called
@@ -170,24 +186,68 @@ class Scheduler:
         ring.take_through(wptr)
         self.complete(ring, max(wptr, ring.fence), c)
 
-    def poll(self) -> int:
-        """Run or dispatch what can go now, up to the published write pointers and at most
-        ``BATCH`` packets a ring; return how many packets were taken. Ends the pass: what
-        it (and publish) counted is merged into the counters."""
+    def poll(self, interrupted: Callable[[], bool] = lambda: False) -> int:
+        """Run or dispatch what can go now, up to the published write pointers; return how
+        many packets were taken. Ends the pass: what it (and publish) counted is merged
+        into the counters.
+
+        A pass gives each ring at most ``BATCH`` packets and ``launches.INLINE_WORK`` of
+        inline work, as one turn did before, but in turns of about ``TURN_NS``: the next
+        turn goes by strict priority, then to the context that has had the least of the
+        control loop's time, then to its ring that has had the least (start-time fair
+        queueing). So a tenant with many queues gets no more turns than one with one, and a
+        bystander's packet waits about one turn behind a flood, not a pass of every ring's
+        batch. The pass ends early once ``interrupted()`` says a doorbell or the mailbox has
+        news (a new packet may rely on control messages sent before it: ``publish``)."""
         done = 0
         if not (self.hung or self.held):
-            for ring in sorted(self.active, key=lambda r: -r.priority):
-                done += self._poll_ring(ring)
+            for ring in [r for r in self.active if r.idle() and not r.closing]:
+                self._went_idle(ring)  # nothing to take: not looked at this pass
+            #: what each ring that had a turn may still take this pass: packets, work done
+            budget: dict[Ring, tuple[int, int]] = {}
+            while (ring := self._next_turn(budget)) is not None:
+                self.vclock = max(self.vclock, ring.ctx.vtime)
+                left, work = budget.get(ring, (BATCH, 0))
+                t0 = monotonic_ns()
+                took = self._poll_ring(ring, left, work)
+                spent_ns = monotonic_ns() - t0
+                ring.vtime += spent_ns
+                ring.ctx.vtime += spent_ns
+                done += took
+                # a turn that took nothing, or ran out of the pass's budget, was the last
+                budget[ring] = (left - took if took and not self.kernels.turn_spent() else 0,
+                                self.kernels.inline_work)
                 if ring.idle() and not ring.closing:
-                    self.active.pop(ring, None)
-                    ring.ctx.went_idle(ring)
+                    self._went_idle(ring)
+                if interrupted():
+                    break
         self.tally.flush(self.counters)
         return done
 
-    def _poll_ring(self, ring: Ring) -> int:
-        """One ring's turn of a pass: its packets, up to the batch and the inline budget."""
+    def _went_idle(self, ring: Ring) -> None:
+        self.active.pop(ring, None)
+        ring.ctx.went_idle(ring)
+
+    def _next_turn(self, budget: dict[Ring, tuple[int, int]]) -> Ring | None:
+        """The ring whose turn is next: of those that may take a packet and have budget
+        left this pass, the highest priority, then the context that has had the least
+        time, then its ring that has."""
+        best: Ring | None = None
+        for ring in self.active:
+            if ring.busy or budget.get(ring, (BATCH,))[0] <= 0:
+                continue
+            if not (ring.ready() or ring.blocked is not None or ring.parked is not None):
+                continue
+            if best is None or (-ring.priority, ring.ctx.vtime, ring.vtime) < \
+                    (-best.priority, best.ctx.vtime, best.vtime):
+                best = ring
+        return best
+
+    def _poll_ring(self, ring: Ring, left: int, work: int) -> int:
+        """One turn of a ring: its packets, up to ``left`` of them, ``TURN_NS`` and the
+        pass's inline budget (``work`` of it already spent)."""
         try:
-            return self._take_turn(ring)
+            return self._take_turn(ring, left, work)
         finally:
             self.kernels.end_turn()
             self._charge_turn(ring)
@@ -201,10 +261,11 @@ class Scheduler:
                 ring.ctx.engine_time.add(kind, ns)
                 busy[kind] = 0
 
-    def _take_turn(self, ring: Ring) -> int:
+    def _take_turn(self, ring: Ring, left: int, work: int) -> int:
         done = 0
         kernels = self.kernels
-        kernels.inline_work = 0  # the ring's turn begins (Kernels.turn_spent)
+        kernels.inline_work = work  # what the ring ran inline this pass (turn_spent)
+        deadline = monotonic_ns() + TURN_NS
         if ring.parked is not None and not ring.busy:
             if not kernels.module_ready(ring, ring.parked[1]):
                 return 0
@@ -213,7 +274,8 @@ class Scheduler:
             done += 1
             if not self._start(ring, seqno, pkt):
                 return done
-        while done < BATCH and ring.ready() and not kernels.turn_spent():
+        while done < left and ring.ready() and not kernels.turn_spent() \
+                and (done == 0 or monotonic_ns() < deadline):
             if ring.blocked is not None:
                 if not self._unblocked(ring):
                     break

@@ -23,9 +23,11 @@ FORBIDDEN = {
     # the PyTorch backend is a user of the runtime, like any framework
     "torch_accel": {"kmod_emul", "firmware", "tools"},
 }
-#: Layouts that are not ours: statfs(2)'s struct, and the bare shared-memory ping-pong
-#: the benchmarks measure the user-mode queue against (no contract of the device).
-FOREIGN_LAYOUTS = {("kmod_emul/userfd.py", "_Statfs"), ("bench/floors.py", "_U64")}
+#: Layouts that are not ours: statfs(2)'s and sched_setattr(2)'s structs, and the bare
+#: shared-memory ping-pong the benchmarks measure the user-mode queue against (no contract
+#: of the device).
+FOREIGN_LAYOUTS = {("kmod_emul/userfd.py", "_Statfs"), ("firmware/host_cpu.py", "_SchedAttr"),
+                   ("bench/floors.py", "_U64")}
 
 
 def _sources(package: str) -> list[Path]:

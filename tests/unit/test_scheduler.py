@@ -412,6 +412,34 @@ def test_contexts_of_one_priority_take_turns():
 
 
 @pytest.mark.timeout(60)
+def test_contexts_take_turns_on_the_control_loop(device, ctx, monkeypatch):
+    """A context with four rings of packets queued first gets one turn, then a bystander
+    context's one packet runs: second, not after the flood (start-time fair queueing of
+    the control loop's time, one packet a turn here). Before, a pass gave every ring a
+    turn of up to BATCH packets in ring order, and the bystander's packet came 257th."""
+    from firmware import scheduler
+
+    monkeypatch.setattr(scheduler, "TURN_NS", 0)  # a turn is one packet
+    flood = [ctx.queue(q) for q in range(1, 5)]
+    for q in flood:
+        q.submit(*[packet(Op.NOP)] * 64)
+    other = Context(device, next(_ctx_ids))
+    try:
+        bystander = other.queue(1)
+        bystander.submit(packet(Op.NOP))
+        start = len(device.completions)
+        device.step()
+        order = [r for r, *_ in device.completions[start:]]
+        assert len(order) == 4 * 64 + 1
+        assert order.index(bystander.ring) == 1, f"the bystander's packet ran " \
+            f"{order.index(bystander.ring) + 1}th"
+        # the flood's rings took turns too: its first four packets are one of each ring
+        assert {id(r) for r in order[:1] + order[2:5]} == {id(q.ring) for q in flood}
+    finally:
+        other.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_wait_completes_once_the_other_fence_passes(device, ctx):
     a, b = ctx.queue(1), ctx.queue(2)
     a.submit(packet(Op.NOP))
@@ -500,8 +528,10 @@ def test_a_rings_inline_launches_share_one_watchdog_entry_per_turn(device, ctx, 
     """One watchdog entry covers a ring's turn of inline launches (Kernels.end_turn), none
     is left once the turn ended, and after a launch the watchdog stopped (its ring
     faults) the next ring's launch runs under a fresh entry, not stopped by the old word."""
+    from firmware import scheduler
     from runtime.kernels import canonical_json, compile_module
 
+    monkeypatch.setattr(scheduler, "TURN_NS", 10**12)  # the ten launches: one turn
     kernels = device.sched.kernels
     kernels.load_module(ctx.ctx, 6, canonical_json(compile_module(KERNEL)))
     n, x_va, args_va = 256, VA + MiB, VA
@@ -533,8 +563,10 @@ def test_a_rings_inline_launches_share_one_watchdog_entry_per_turn(device, ctx, 
     x[:] = 0
     w1, w2 = q1.submit(fill), q2.submit(fill)
     device.step()
-    assert device.ended(q1)[w1].status == errno.ETIMEDOUT
-    assert device.ended(q2)[w2].status == 0 and (x == 1.5).all()
+    # the first turn's launch (q2's: its ring has had less of the loop, scheduler.py)
+    # is stopped, the other runs under an entry of its own
+    assert device.ended(q2)[w2].status == errno.ETIMEDOUT
+    assert device.ended(q1)[w1].status == 0 and (x == 1.5).all()
     assert len(adds) == 3 and deadlines._entries == {}
 
 def _compiled_fill(device: Device, ctx: Context, module: int, n: int, v: float
@@ -628,12 +660,12 @@ def test_a_launchs_blocks_go_to_whichever_engine_gets_to_them(device, ctx, monke
 
 @pytest.mark.timeout(240)
 def test_a_rings_turn_ends_after_its_inline_works_worth(device, ctx, monkeypatch):
-    """Large inline launches queued on one ring take one turn each: a pass runs one of
-    them, then the next ring's (small) launch, not the whole batch first."""
+    """Large inline launches queued on one ring take one turn each: one of them runs,
+    then the next ring's (small) launch, not the whole batch first."""
     from firmware import launches
     from runtime.kernels import canonical_json, compile_module
 
-    big, small = ctx.queue(1), ctx.queue(2)
+    warm = ctx.queue(3)
     device.sched.kernels.load_module(ctx.ctx, 6, canonical_json(compile_module(KERNEL)))
     n, x_va, args_va = 16 * 1024, VA + MiB, VA
     args = _args(x_va, n, 5.5)
@@ -643,17 +675,16 @@ def test_a_rings_turn_ends_after_its_inline_works_worth(device, ctx, monkeypatch
         return packet(Op.LAUNCH, 6 << 16, userq.pack_dims((threads // 64, 1, 1)),
                       userq.pack_dims((64, 1, 1)), 0, args_va, len(args))
 
-    first = small.submit(launch(64))
-    device.run_until(lambda: small.ring.fence == first, timeout=200)  # compiled now
+    first = warm.submit(launch(64))
+    device.run_until(lambda: warm.ring.fence == first, timeout=200)  # compiled now
     kernel = next(iter(ctx.ctx.modules[6].compiled.values()))
+    big, small = ctx.queue(1), ctx.queue(2)  # no turns yet: neither has had more time
     monkeypatch.setattr(launches, "INLINE_WORK", kernel.work_per_thread * n)
     big.submit(launch(n), launch(n), launch(n))
     last = small.submit(launch(64))
-    device.step()  # one pass: one large launch, then the other ring's
-    assert (big.ring.fence, small.ring.fence) == (1, last)
-    device.step()
-    assert big.ring.fence == 2
-    device.run_until(lambda: big.ring.fence == 3)
+    device.run_until(lambda: (big.ring.fence, small.ring.fence) == (3, last))
+    ran = device.ended(big)
+    assert device.ended(small)[last].start_ns < ran[2].start_ns  # not after the batch
     assert not device.engine_done(big)  # all three inline, one turn each
     assert all(c.status == 0 for q in (big, small) for c in device.ended(q).values())
 
