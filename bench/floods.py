@@ -1,10 +1,12 @@
 """A bystander tenant under another tenant's floods (docs/containment.md, "Figures").
 
 For each flood -- 64 threads waiting on long copies, 1,000 idle queues, a giant grid on
-both compute engines -- the bench process is the bystander: it times no-op round trips on a
+both compute engines, 64 threads looping on driver commands -- the bench process is the
+bystander: it times no-op round trips on a
 user-mode queue of its own and driver round trips (DEVICE_QUERY), in blocks that alternate
 with blocks of the same with the flooding process quiet. Goal: the flooded figure at most
-2x the quiet one. The flood is another process (another context: another tenant), told
+2x the quiet one (3x for driver commands under a command flood, and for a kernel launch
+under a launch flood). The flood is another process (another context: another tenant), told
 "on"/"off" through its stdin and answering once the flood is (or is no longer) running.
 """
 
@@ -19,7 +21,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from bench.core import Env, Row, Samples, timed_row
+from bench.core import Env, Row, Samples, round_ratios, timed_row
 from bench.procs import REPO
 
 #: A giant grid on the compute engines (bench/partitions.py floods a partition with it).
@@ -54,7 +56,23 @@ _FLOODS = {
         def off(): queues.clear(); time.sleep(0.1)
     """,
     "a giant grid on both compute engines": GIANT_GRID,
+    "64 threads looping SUBMIT_NOOP + WAIT (driver commands)": """
+        from runtime.context import Context
+        ctxs = [Context("accel0") for _ in range(8)]
+        go = threading.Event()
+        def loop(c):
+            while True:
+                go.wait()
+                c.wait_reply(c.submit_noop().seqno)
+        for i in range(64):
+            threading.Thread(target=loop, args=(ctxs[i % 8],), daemon=True).start()
+        def on(): go.set(); time.sleep(0.2)
+        def off(): go.clear(); time.sleep(0.2)
+    """,
 }
+#: The goal of each case: at most this many times the quiet figure (issue 29: the driver's
+#: commands under another tenant's command flood at most 3x, everything else 2x).
+_GOALS = {("drv", "64 threads looping SUBMIT_NOOP + WAIT (driver commands)"): 3.0}
 
 _DRIVER = """
 import sys, threading, time, numpy as np, runtime
@@ -178,7 +196,8 @@ LAUNCH_FLOOD = """
 
 def bystander_under_floods(env: Env) -> list[Row]:
     """A bystander's no-op and driver round trips with another tenant quiet vs flooding
-    (64 waiting threads, 1,000 queues, a giant grid); goal: at most 2x quiet."""
+    (64 waiting threads, 1,000 queues, a giant grid, a command flood); goal: at most 2x
+    quiet (3x for driver commands under the command flood)."""
     with env.accel_root_env():
         import runtime
         from runtime.context import Context
@@ -221,10 +240,8 @@ def bystander_under_floods(env: Env) -> list[Row]:
                 flooded, quiet = got[f"{kind} flood"], got[f"{kind} quiet"]
                 rows.append(timed_row(
                     f"bystander {what}, another tenant: {name}", flooded,
-                    "same, that tenant quiet", quiet, goal=2.0,
-                    note=f"worst flooded {flooded.percentile_us(100):,.0f} us vs quiet "
-                         f"{quiet.percentile_us(100):,.0f} us; {rounds} rounds of "
-                         f"{nop_samples} per case"))
+                    "same, that tenant quiet", quiet, goal=_GOALS.get((kind, name), 2.0),
+                    note=_note(flooded, quiet, f"{rounds} rounds of {nop_samples} per case")))
         ctx.close()
     return rows
 
@@ -236,12 +253,20 @@ def bystander_launches_under_floods(env: Env) -> list[Row]:
     samples = 30 if env.quick else 100
     rounds = 2 if env.quick else 4
     rows = []
-    for name, body in (("4 threads launching back to back", LAUNCH_FLOOD),
-                       ("a giant grid on both compute engines", GIANT_GRID)):
+    for name, body, goal in (("4 threads launching back to back", LAUNCH_FLOOD, 3.0),
+                             ("a giant grid on both compute engines", GIANT_GRID, 2.0)):
         flooded, quiet = launch_round_trips(env.accel.root, body, "0", "0", samples, rounds)
         rows.append(timed_row(
             f"bystander kernel launch round trip, another tenant: {name}", flooded,
-            "same, that tenant quiet", quiet, goal=None,
-            note=f"worst flooded {flooded.percentile_us(100):,.0f} us vs quiet "
-                 f"{quiet.percentile_us(100):,.0f} us; {rounds} rounds of {samples}"))
+            "same, that tenant quiet", quiet, goal=goal,
+            note=_note(flooded, quiet, f"{rounds} rounds of {samples}")))
     return rows
+
+
+def _note(flooded: Samples, quiet: Samples, how: str) -> str:
+    """A bystander row's note: its rounds' ratios (min/median/max: the bound a tenant can
+    count on is the worst round's, not the run's median) and the worst single calls."""
+    ratios = round_ratios(flooded, quiet)
+    return (f"rounds min/median/max {min(ratios):.2f}/{statistics.median(ratios):.2f}/"
+            f"{max(ratios):.2f}x; worst flooded {flooded.percentile_us(100):,.0f} us vs quiet "
+            f"{quiet.percentile_us(100):,.0f} us; {how}")
