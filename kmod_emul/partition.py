@@ -13,8 +13,12 @@ refuses new opens (EBUSY) and discovery skips it.
 
 A mode changes only while the device and its partitions are idle (no open file, no
 context): EBUSY otherwise. A change whose new partitions do not all boot is rolled back:
-they are stopped and the previous partitions (same UUIDs) boot again, and the writer gets
-EIO (debugfs ``partition_fail_step`` makes one fail on purpose). The mode of each device
+they are removed and the previous partitions (same UUIDs) boot again, and the writer gets
+EIO (debugfs ``partition_fail_step`` makes one fail on purpose). A partition leaves as a
+hot-unplugged device does: every open and command answers ENODEV from then on, its
+contexts are lost (those opened while the change ran too), its firmware halts, and its
+VRAM file closes once the last allocation in it is given back (docs/partitions.md,
+"Removal"). The mode of each device
 persists per UUID in ``STATE_DIR/partitions.json``, so a restarted daemon serves the same
 partitions.
 
