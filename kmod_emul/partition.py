@@ -18,9 +18,8 @@ EIO (debugfs ``partition_fail_step`` makes one fail on purpose). A partition lea
 hot-unplugged device does: every open and command answers ENODEV from then on, its
 contexts are lost (those opened while the change ran too), its firmware halts, and its
 VRAM file closes once the last allocation in it is given back (docs/partitions.md,
-"Removal"). The mode of each device
-persists per UUID in ``STATE_DIR/partitions.json``, so a restarted daemon serves the same
-partitions.
+"Removal"). The mode of each device persists per UUID in ``STATE_DIR/partitions.json``, so
+a restarted daemon serves the same partitions.
 
 The partitions of a device are one package: a reset of the device resets them all
 (``AccelDevice.request_reset``), and they share its thermal model (kmod_emul/thermal.py).
