@@ -122,6 +122,9 @@ _KINDS = (
          "a correctable error in the firmware's memory"),
     Kind(127, "FIRMWARE_UE", "firmware", _F, Scope.DEVICE, Action.RESET_DEVICE,
          "an uncorrectable firmware error: the firmware halts, the device resets"),
+    Kind(128, "DEVICE_REMOVED", "firmware", _F, Scope.DEVICE, Action.RESTART_APP,
+         "the device was removed (a partition a mode change or its rollback took away); its "
+         "contexts are lost and its open files answer ENODEV"),
     Kind(130, "DRIVER_GONE", "firmware", _F, Scope.DEVICE, Action.RESET_DEVICE,
          "the daemon serving the device died; start accel-emud again, then recover()"),
     Kind(140, "THERMAL_THROTTLE", "thermal", _C, Scope.OPERATION, Action.NONE,

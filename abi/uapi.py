@@ -625,7 +625,7 @@ ERRNO_MEANING: Final[dict[int, str]] = {
     errno.ENOEXEC: "firmware image corrupt or incompatible",
     errno.EIO: "firmware failed to boot",
     errno.EAGAIN: "device in reset",
-    errno.ENODEV: "device or context lost (firmware crash, hang or reset)",
+    errno.ENODEV: "device or context lost (firmware crash, hang, reset or removal)",
     errno.ETIME: "wait timed out",
     errno.ENOMEM: "out of device memory (or over the per-process limit)",
     errno.EFAULT: "a packet named an address outside the context's mappings",

@@ -32,6 +32,7 @@ from kmod_emul.identity import IdentityStore, pci_bus_id
 from kmod_emul.errors import DriverError
 from kmod_emul.fw import load_image
 from kmod_emul.limits import Limits, raise_fd_limit
+from kmod_emul.memory import VramFile
 from kmod_emul.partition import Partitions
 
 log = logging.getLogger(__name__)
@@ -143,13 +144,10 @@ def make_devices(config: DaemonConfig) -> list[AccelDevice]:
     check_limits(config, fd_limit)
     slots = [pci_bus_id(i) for i in range(config.devices)]
     identities = IdentityStore(config.state_dir).identities(slots)
-    vram_fds = {}
-    for i in range(config.devices):  # sparse: pages exist only once written
-        vram_fds[i] = os.memfd_create(f"accel{i}-vram", os.MFD_CLOEXEC)
-        os.ftruncate(vram_fds[i], config.memory)
+    vram = {i: VramFile(f"accel{i}-vram", config.memory) for i in range(config.devices)}
     jit_cache = config.jit_cache or config.state_dir / "jit-cache"
     jit_cache.mkdir(parents=True, exist_ok=True)
-    mem = MemoryConfig(vram_fds, config.process_memory_limit, str(jit_cache), config.devices,
+    mem = MemoryConfig(vram, config.process_memory_limit, str(jit_cache), config.devices,
                        fd_limit, str(config.state_dir),
                        tuple(sorted(config.limits.items())))
     devices = [

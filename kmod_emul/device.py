@@ -51,7 +51,7 @@ from kmod_emul.fw import FirmwareProcess
 from kmod_emul.identity import Identity, pci_bus_id
 from kmod_emul.isolation import Isolation, foreign_or_unknown
 from kmod_emul.link import Link, fabric_endpoint
-from kmod_emul.memory import DeviceMemory
+from kmod_emul.memory import DeviceMemory, VramFile
 from kmod_emul.ras import Ras
 from kmod_emul.thermal import Thermal
 
@@ -65,7 +65,8 @@ DRIVER_VERSION = "1.0.0"
 class MemoryConfig:
     """Where the device's bytes live and what a process may hold (from the daemon)."""
 
-    vram_fds: dict[int, int]  # every device's VRAM memfd, by device index
+    #: every device's VRAM, by device index (its firmware maps them all: peers)
+    vram: dict[int, VramFile]
     process_limit: int = 0
     jit_cache: str = ""  # the firmware's persistent kernel cache
     devices: int = 1  # how many devices the daemon serves (they share its descriptors)
@@ -97,6 +98,9 @@ class AccelDevice:
         self.firmware_dir = firmware_dir
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.state = uapi.DeviceState.BOOTING
+        #: why the device was removed (a partition a mode change took away), for good:
+        #: "" while it is there (``unplug``)
+        self.removed = ""
         #: (errno, message) of the last failure; None while healthy.
         self.failure: tuple[int, str] | None = None
         self.fw: FirmwareProcess | None = None
@@ -107,7 +111,7 @@ class AccelDevice:
         self.contexts: dict[int, Context] = {}
         self._ids = itertools.count(1)
         self.mem_config = mem
-        self.memory = DeviceMemory(self, mem.vram_fds[index], mem.process_limit)
+        self.memory = DeviceMemory(self, mem.vram[index], mem.process_limit)
         #: every device of the daemon (peers), set by the daemon once all exist
         self.all_devices: list[AccelDevice] = [self]
         self.reset_count = 0
@@ -258,8 +262,15 @@ class AccelDevice:
         return {f.pid for f in self.files}
 
     # --- access control ----------------------------------------------------------------
+    def check_present(self) -> None:
+        """ENODEV once the device was removed, for every open and command (Linux's
+        ``drm_dev_enter`` after ``drm_dev_unplug``)."""
+        if self.removed:
+            raise DriverError(errno.ENODEV, f"{self.name} was removed ({self.removed})")
+
     def check_usable(self) -> None:
         """Raise the errno that says why the device cannot take new work right now."""
+        self.check_present()
         if self.state == uapi.DeviceState.OPERATIONAL:
             return
         if self.state == uapi.DeviceState.FAILED:
@@ -272,6 +283,7 @@ class AccelDevice:
         )
 
     def open(self, tid: int, uid: int, gid: int) -> OpenFile:
+        self.check_present()
         if self.partition_mode > 1:
             raise DriverError(errno.EBUSY, f"{self.name} is split into {self.partition_mode} "
                                            "partitions; open one of them (accel-smi partition)")
@@ -460,6 +472,20 @@ class AccelDevice:
         for ctx in self.contexts.values():
             ctx.lose(reason)
         return lost
+
+    def unplug(self, reason: str) -> None:
+        """Remove the device for good (a partition that a mode change, or the rollback of
+        one, takes away), as Linux's ``drm_dev_unplug``: from here every open and every
+        command answers ENODEV, whoever holds it and whenever they opened it; the contexts
+        it has, however recent, are lost (their processes' waiters see it at once) and
+        recorded (DEVICE_REMOVED). The open files stay until their processes close them,
+        and the VRAM with them: it closes once the last allocation in it is given back
+        (``DeviceMemory.retire``). The caller halts the firmware."""
+        self.removed = reason
+        lost = self.lose_contexts(f"{self.name} was removed ({reason})")
+        if lost:
+            self.report(faults.BY_NAME["DEVICE_REMOVED"].code, contexts=lost, message=reason)
+        self.memory.retire()
 
     def report(self, code: int, ctx: Context | None = None, **fields: Any) -> dict[str, Any]:
         """Record a fault of catalogue ``code`` (of ``ctx``'s process, when it has one)."""

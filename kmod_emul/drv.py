@@ -277,7 +277,9 @@ def _decode(raw: bytes) -> tuple[uapi.Command, int, Any]:
 
 
 async def execute(info: DriverInfo, f: OpenFile, raw: bytes) -> None:
-    """Run one command transaction; store its reply under its tag. Raises DriverError."""
+    """Run one command transaction; store its reply under its tag. Raises DriverError:
+    ENODEV for every one once the device was removed, whoever opened it when."""
+    f.device.check_present()
     cmd, tag, arg = _decode(raw)
     if cmd.has_reply:
         if tag in f.replies:

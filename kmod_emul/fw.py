@@ -193,7 +193,8 @@ class FirmwareProcess:
         os.set_blocking(doorbell_w, False)  # a full pipe means "already rung", never a stall
         log_r, log_w = os.pipe()
         memcfg = self.memcfg
-        vram = ",".join(f"{dev}:{fd}" for dev, fd in memcfg.vram_fds.items())
+        vram_fds = {dev: vram.fileno() for dev, vram in memcfg.vram.items()}
+        vram = ",".join(f"{dev}:{fd}" for dev, fd in vram_fds.items())
         theirs = self._fw_sock.fileno()
         try:
             self.proc = await trio.lowlevel.open_process(
@@ -203,7 +204,7 @@ class FirmwareProcess:
                  "--fd-channel", str(theirs), "--jit-cache", memcfg.jit_cache,
                  "--engine-share", str(self.engine_share)],
                 pass_fds=(self._memfd, doorbell_r, self._irq_w, theirs,
-                          *memcfg.vram_fds.values()),
+                          *vram_fds.values()),
                 stderr=log_w,
                 start_new_session=True,  # a Ctrl-C on the daemon's terminal is not a device crash
             )

@@ -44,6 +44,46 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+class VramFile:
+    """A device's VRAM: a sparse memfd this object creates and owns. The driver reaches it
+    only through the object, never by a number kept elsewhere: once ``close`` has run,
+    every use raises (ValueError, as a closed Python file does), so a descriptor number
+    the kernel has since given to another file is never acted on. A bare number did
+    outlive its file: a rolled-back partition's VRAM was closed while a tenant still held
+    memory in it, the next mode change's memfds took the number, and that tenant's free
+    punched a hole in another tenant's buffer (docs/partitions.md, "Removal")."""
+
+    def __init__(self, label: str, size: int) -> None:
+        self._fd = os.memfd_create(label, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, size)  # sparse: pages exist only once written
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def fileno(self) -> int:
+        """The descriptor, while this object holds it (to hand to a firmware process)."""
+        if self._fd < 0:
+            raise ValueError("use of a closed VRAM file")
+        return self._fd
+
+    def punch(self, offset: int, size: int) -> None:
+        """Give ``size`` bytes at ``offset`` back: the next owner reads zeros."""
+        fd = self.fileno()
+        if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                           ctypes.c_long(offset), ctypes.c_long(size)) != 0:
+            os.pwrite(fd, bytes(size), offset)  # no hole punching: zero it
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
 class VramAllocator:
     """First-fit over a sorted free list with coalescing; offsets page aligned.
 
@@ -151,9 +191,12 @@ class Allocation:
 class DeviceMemory:
     """One device's memory books."""
 
-    def __init__(self, device: AccelDevice, vram_fd: int, process_limit: int) -> None:
+    def __init__(self, device: AccelDevice, vram_file: VramFile, process_limit: int) -> None:
         self.device = device
-        self.vram_fd = vram_fd
+        self.vram_file = vram_file
+        #: the device was removed: its VRAM file closes once no allocation holds a byte
+        #: of it (``retire``)
+        self._retired = False
         self.vram = VramAllocator(device.memory_total)
         self.process_limit = process_limit
         self.backings: dict[int, Backing] = {}
@@ -207,9 +250,7 @@ class DeviceMemory:
         size = _round_up(max(b.size, 1), uapi.ACCEL_PAGE_SIZE)
         if b.kind == uapi.MemKind.DEVICE:
             self._charge(self._pid_bytes, b.pid, -b.size)
-            if _libc.fallocate(self.vram_fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
-                               ctypes.c_long(b.offset), ctypes.c_long(size)) != 0:
-                os.pwrite(self.vram_fd, bytes(size), b.offset)  # no hole punching: zero it
+            self.vram_file.punch(b.offset, size)
             self.vram.free(b.offset, b.size)
             self.device.send_budget()
         else:
@@ -219,6 +260,21 @@ class DeviceMemory:
         for ctx in self.device.live_contexts():  # a waiter for free memory looks again
             if ctx.file.pid == b.pid:
                 ctx.signal()
+        self._close_if_drained()
+
+    def retire(self) -> None:
+        """The device was removed (kmod_emul/partition.py): close its VRAM file once no
+        device-local backing is left in it -- at once if none is, else when the lost
+        contexts holding the last ones are closed by their processes (memory outlives a
+        removed device until then, as after Linux's ``drm_dev_unplug``), and only after the
+        firmware let go of every mapping (``firmware_gone`` releases what it owed)."""
+        self._retired = True
+        self._close_if_drained()
+
+    def _close_if_drained(self) -> None:
+        if self._retired and not any(b.kind == uapi.MemKind.DEVICE
+                                     for b in self.backings.values()):
+            self.vram_file.close()
 
     # --- allocate / free ----------------------------------------------------------------------
     def _new_va(self, pid: int, size: int) -> int:

@@ -32,6 +32,7 @@ from kmod_emul.device import AccelDevice, MemoryConfig
 from kmod_emul.errors import DriverError
 from kmod_emul.fw import load_image
 from kmod_emul.identity import Identity
+from kmod_emul.memory import VramFile
 
 
 def _oserror(exc: DriverError) -> OSError:
@@ -48,10 +49,7 @@ class OfflineDriver:
                  process_limit: int = 0, fd_limit: int = 1024,
                  info: drv.DriverInfo = drv.DriverInfo()) -> None:
         self.info = info
-        self._vram = {i: os.memfd_create(f"offline-accel{i}-vram", os.MFD_CLOEXEC)
-                      for i in range(devices)}
-        for fd in self._vram.values():
-            os.ftruncate(fd, memory)  # sparse: pages exist only once written
+        self._vram = {i: VramFile(f"offline-accel{i}-vram", memory) for i in range(devices)}
         mem = MemoryConfig(self._vram, process_limit, "", devices, fd_limit)
         image = load_image(firmware_dir)
         self.devices = [
@@ -110,8 +108,8 @@ class OfflineDriver:
     def close(self) -> None:
         for f in list(self.files):
             self.release(f)
-        for fd in self._vram.values():
-            os.close(fd)
+        for vram in self._vram.values():
+            vram.close()
         self._vram.clear()
 
     def __enter__(self) -> OfflineDriver:

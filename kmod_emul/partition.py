@@ -13,10 +13,13 @@ refuses new opens (EBUSY) and discovery skips it.
 
 A mode changes only while the device and its partitions are idle (no open file, no
 context): EBUSY otherwise. A change whose new partitions do not all boot is rolled back:
-they are stopped and the previous partitions (same UUIDs) boot again, and the writer gets
-EIO (debugfs ``partition_fail_step`` makes one fail on purpose). The mode of each device
-persists per UUID in ``STATE_DIR/partitions.json``, so a restarted daemon serves the same
-partitions.
+they are removed and the previous partitions (same UUIDs) boot again, and the writer gets
+EIO (debugfs ``partition_fail_step`` makes one fail on purpose). A partition leaves as a
+hot-unplugged device does: every open and command answers ENODEV from then on, its
+contexts are lost (those opened while the change ran too), its firmware halts, and its
+VRAM file closes once the last allocation in it is given back (docs/partitions.md,
+"Removal"). The mode of each device persists per UUID in ``STATE_DIR/partitions.json``, so
+a restarted daemon serves the same partitions.
 
 The partitions of a device are one package: a reset of the device resets them all
 (``AccelDevice.request_reset``), and they share its thermal model (kmod_emul/thermal.py).
@@ -39,6 +42,7 @@ from kmod_emul.attr import Attr
 from kmod_emul.device import AccelDevice
 from kmod_emul.errors import DriverError
 from kmod_emul.identity import IdentityStore, pci_bus_id
+from kmod_emul.memory import VramFile
 from kmod_emul.sysfs import parse_fail_step
 
 log = logging.getLogger(__name__)
@@ -58,26 +62,36 @@ def partition_index(physical: int, parent: int, k: int) -> int:
 InjectedFailure = tuple[int, str]
 
 
+def _small_number(text: str) -> int | None:
+    """``text`` as the kernel's ``kstrtouint`` reads a small number: ASCII digits only,
+    and few of them; None otherwise. Not ``str.isdigit``, which holds for ``'²'`` (that
+    ``int`` refuses: a ValueError, answered EIO) and for ``'٢'`` (that ``int`` reads as
+    2), nor ``int`` of any length (past 4,300 digits it raises too)."""
+    return int(text) if text.isascii() and text.isdecimal() and len(text) <= 9 else None
+
+
 def parse_partition_fail_step(text: str) -> InjectedFailure | None:
     """A ``partition_fail_step`` value: ``K:STEP`` (partition K of the next mode change
     fails its bring-up at STEP), or ``none`` (or nothing) for none."""
     value = text.strip()
     if value in ("", "none"):
         return None
-    k, sep, step = value.partition(":")
-    if not sep or not k.isdigit() or int(k) >= MAX_PARTITIONS or not parse_fail_step(step):
+    k_text, sep, step = value.partition(":")
+    k = _small_number(k_text)
+    if not sep or k is None or k >= MAX_PARTITIONS or not parse_fail_step(step):
         raise DriverError(errno.EINVAL, f"write K:STEP (K below {MAX_PARTITIONS}, STEP a "
-                                        f"bring-up step) or none, not {value!r}")
-    return int(k), step
+                                        f"bring-up step) or none, not {value[:64]!r}")
+    return k, step
 
 
 def parse_mode(text: str) -> int:
     """A ``partition_mode`` value: one of ``MODES``."""
     value = text.strip()
-    if not value.isdigit() or int(value) not in MODES:
+    mode = _small_number(value)
+    if mode not in MODES:
         raise DriverError(errno.EINVAL, f"partition_mode is one of "
-                                        f"{' '.join(map(str, MODES))}, not {value!r}")
-    return int(value)
+                                        f"{' '.join(map(str, MODES))}, not {value[:64]!r}")
+    return mode
 
 
 class DeviceNodes(Protocol):
@@ -165,14 +179,22 @@ class Partitions:
             del self._running[dev.index]
             running.done.set()
 
-    async def _stop(self, dev: AccelDevice) -> None:
-        """Halt a partition's firmware (its supervisor's teardown) and free its VRAM."""
+    def _unplug(self, dev: AccelDevice, why: str) -> None:
+        """Take a partition away at once, before anything waits: its nodes go, and it
+        answers ENODEV to every open and command from now on, its contexts lost
+        (``AccelDevice.unplug``). So no context can appear on it after this, and none made
+        before (however recently: while the change booted it) is left working."""
+        assert self.nodes is not None
+        self.nodes.remove_device(dev)
+        dev.unplug(why)
+
+    async def _halt(self, dev: AccelDevice) -> None:
+        """Halt an unplugged partition's firmware (its supervisor's teardown). Its VRAM
+        goes when its last allocation does (``DeviceMemory.retire``)."""
         running = self._running.get(dev.index)
         if running is not None:
             running.scope.cancel()
             await running.done.wait()
-        for fd in dev.mem_config.vram_fds.values():
-            os.close(fd)
 
     # --- mode changes ---------------------------------------------------------------------
     def _make(self, parent: AccelDevice, mode: int,
@@ -185,11 +207,10 @@ class Partitions:
         made = []
         for k, slot in slots.items():
             index = partition_index(len(self.physical), parent.index, k)
-            fd = os.memfd_create(f"accel{index}-vram", os.MFD_CLOEXEC)  # sparse, as a device's
-            os.ftruncate(fd, size)
             # its firmware reaches its own VRAM alone; its descriptors count against the
             # daemon's like one more device's
-            mem = dataclasses.replace(parent.mem_config, vram_fds={index: fd},
+            mem = dataclasses.replace(parent.mem_config,
+                                      vram={index: VramFile(f"accel{index}-vram", size)},
                                       devices=parent.mem_config.devices - 1 + mode)
             dev = AccelDevice(index, identities[slot], size, parent.firmware_dir,
                               parent.heartbeat_timeout_s, mem)
@@ -210,6 +231,9 @@ class Partitions:
                                            "under way")
         if mode == parent.partition_mode:
             return
+        # The check and the unplug of what it checked (``_switch``) run with no wait
+        # between them, so nothing opens these meanwhile; what opens the new partitions
+        # while they boot is the change's to account for (``_roll_back``).
         busy = [d.name for d in (parent, *parent.partitions) if d.files or d.contexts]
         if busy:
             raise DriverError(errno.EBUSY, f"{', '.join(busy)} in use: the partition mode "
@@ -217,7 +241,8 @@ class Partitions:
         self._changing.add(parent.index)
         try:
             previous = parent.partition_mode
-            await self._switch(parent, mode, self.fail_next.get(parent.index))
+            await self._switch(parent, mode, self.fail_next.get(parent.index),
+                               f"partition mode of {parent.name} changed to {mode}")
             # a partition a reset reached while booting boots again: only a failed one
             # did not boot
             failed = [d for d in parent.partitions if d.state == uapi.DeviceState.FAILED]
@@ -230,18 +255,18 @@ class Partitions:
         finally:
             self._changing.discard(parent.index)
 
-    async def _switch(self, parent: AccelDevice, mode: int,
-                      fail: InjectedFailure | None) -> None:
+    async def _switch(self, parent: AccelDevice, mode: int, fail: InjectedFailure | None,
+                      why: str) -> None:
         """Replace ``parent``'s partitions by ``mode`` new ones and boot them (whether
-        each booted is its ``state``'s to say)."""
+        each booted is its ``state``'s to say); the old ones are removed because ``why``."""
         assert self.nodes is not None
         old = parent.partitions
-        for dev in old:  # first out of reach, so that nothing opens them meanwhile
-            self.nodes.remove_device(dev)
+        for dev in old:  # out of reach first: no wait between the caller's check and this
+            self._unplug(dev, why)
         parent.partitions = []
         parent.partition_mode = mode
         for dev in old:
-            await self._stop(dev)
+            await self._halt(dev)
         parent.partitions = self._make(parent, mode, fail) if mode > 1 else []
         for dev in parent.partitions:
             self.nodes.add_device(dev)
@@ -251,12 +276,16 @@ class Partitions:
                          failed: list[AccelDevice]) -> None:
         """Undo a change to ``mode`` that ``failed`` partitions did not boot in: back to
         the ``previous`` mode's partitions (the same UUIDs: the identity store keeps
-        them), the store untouched; then EIO for the writer, the cause in the log."""
+        them), the store untouched; then EIO for the writer, the cause in the log. The
+        partitions that did boot may have been opened meanwhile: they are removed as any
+        partition is (``_unplug``), so whoever got a context there loses it (ENODEV, a
+        DEVICE_REMOVED record) before their memory goes."""
         why = "; ".join(f"{d.name} (partition {d.partition_id}): "
                         f"{d.failure[1] if d.failure else d.state.label}" for d in failed)
         log.error("%s: partition mode %d failed, back to mode %d: %s", parent.name, mode,
                   previous, why)
-        await self._switch(parent, previous, None)
+        await self._switch(parent, previous, None,
+                           f"partition mode {mode} of {parent.name} failed and was rolled back")
         raise DriverError(errno.EIO, f"{parent.name}: partition mode {mode} failed "
                                      f"({why}); back to mode {previous}")
 

@@ -113,12 +113,17 @@ class Channel:
                 state = discovery.read_attr(self.physical, "state")
                 failure = discovery.read_attr(self.physical, "failure")
                 reason = discovery.read_attr(self.physical, "reset_reason")
+            except FileNotFoundError:  # no such device any more
+                state, failure, reason = "removed", "", ""
             except OSError:
                 state, failure, reason = "unknown", "", ""
             record = record or faults.loss_record(self.physical, self.ctx_id)
             if record is not None and record["scope"] == "context":
                 cause = cause or (f"a {record['name']} fault (code {record['code']}) lost "
                                   f"it alone: {record['message']}")
+            elif state == "removed" or (record or {}).get("name") == "DEVICE_REMOVED":
+                cause = cause or ("the device was removed (a partition a mode change took "
+                                  "away)")
             elif state == "failed":
                 cause = cause or failure or "it failed"
             else:  # reset since (by hand, or the driver's recovery from a failure)

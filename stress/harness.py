@@ -184,6 +184,19 @@ def _fd_change(before: Counter[str], now: Counter[str]) -> str:
                       *([f"lost {sorted(lost.elements())}"] if lost else [])])
 
 
+def firmware_children(d) -> int:
+    """How many firmware processes daemon ``d`` runs (its only children): one per device
+    and partition, and none of a partition that is gone."""
+    children = 0
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_path.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        children += fields[0] not in ("Z", "X") and int(fields[1]) == d.pid
+    return children
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -479,5 +492,5 @@ def user_environment(dest: Path, uid: int = NOBODY,
 
 
 __all__ = ["BOOKS", "Bystander", "Daemon", "NOBODY", "OtherUser", "REPO", "Snapshot", "alive",
-           "as_user", "assert_contained", "fd_count", "interruptible", "snapshot",
-           "tenant_code", "user_environment"]
+           "as_user", "assert_contained", "fd_count", "firmware_children", "interruptible",
+           "snapshot", "tenant_code", "user_environment"]

@@ -22,7 +22,7 @@ import pytest
 from scenario import HOLD_DATA, NOP_LOAD
 
 from kmod_emul import thermal
-from stress.harness import REPO, Daemon
+from stress.harness import REPO, Daemon, firmware_children
 
 RESET = 120  # abi/faults.py: DEVICE_RESET
 THROTTLE, SHUTDOWN = 140, 141  # THERMAL_THROTTLE, THERMAL_SHUTDOWN
@@ -92,18 +92,6 @@ def write_errno(path: Path, text: str) -> int:
     with pytest.raises(OSError) as exc:
         path.write_text(text)
     return exc.value.errno
-
-
-def firmware_children(d: Daemon) -> int:
-    """How many firmware processes the daemon runs (its only children)."""
-    children = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        children += fields[0] not in ("Z", "X") and int(fields[1]) == d.pid
-    return children
 
 
 @pytest.mark.timeout(150)
