@@ -18,7 +18,7 @@ log are still at hand. The dump is one JSON document:
   fault the ring holds, with the driver's last fault record naming the queue.
 
 ``sys/class/accel/accelN/devcoredump/data`` reads the dump (root's alone: it names every
-tenant's processes) and empty when none is held; writing anything clears it; ``time``
+tenant's processes) and empty when none is held; writing any text clears it; ``time``
 says when it was taken.
 
 One dump is held, as Linux holds one per device: a fault while one is held is not
@@ -173,7 +173,7 @@ def _last_record(dev: AccelDevice, ctx_id: int, queue_id: int) -> dict[str, Any]
 
 def devcoredump_attrs(dev: AccelDevice) -> dict[str, Attr]:
     """``sys/class/accel/accelN/devcoredump/*``, root's alone (the tree makes the directory
-    0700): ``data``, the dump held (writing anything clears it), and ``time``, when it was
+    0700): ``data``, the dump held (writing any text clears it), and ``time``, when it was
     taken; both empty while none is held."""
     return {"data": Attr(read=dev.coredump.data, write=dev.coredump.clear),
             "time": Attr(read=dev.coredump.taken)}

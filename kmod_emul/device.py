@@ -406,10 +406,16 @@ class AccelDevice:
                      f"queues of context {ctx.id}", device_wide=False)
 
     def create_queue(self, ctx: Context, priority: int, ring_fd: int) -> Queue:
-        """QUEUE_CREATE: import the process's ring; give it a doorbell slot."""
+        """QUEUE_CREATE: import the process's ring; give it a doorbell slot (EDQUOT when
+        the context's page has none left: its share of queues is bounded by the page, and
+        ``max_queues_per_context`` can never be set past it)."""
         self._check_queue_limits(ctx)
         used = ctx.ring_slots_used()
-        slot = next(i for i in range(1, userq.ACCEL_DB_SLOT_COUNT) if i not in used)
+        slot = next((i for i in range(1, userq.ACCEL_DB_SLOT_COUNT) if i not in used), None)
+        if slot is None:
+            raise DriverError(errno.EDQUOT, f"context {ctx.id}: every one of its "
+                                            f"{userq.ACCEL_DB_SLOT_COUNT - 1} doorbell slots "
+                                            "is taken")
         fd = userfd.import_memfd(ctx.file.pid, ring_fd, userq.RING_FILE_SIZE,
                                  uapi.ACCEL_SEALS_PINNED, "ring")
         q = Queue(self.new_id(), priority, slot, fd)

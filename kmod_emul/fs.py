@@ -46,7 +46,7 @@ import pyfuse3
 
 from abi import uapi
 from kmod_emul import drv
-from kmod_emul.attr import Attr
+from kmod_emul.attr import ATTR_SIZE, Attr
 from kmod_emul.context import OpenFile, tgid_of
 from kmod_emul.coredump import devcoredump_attrs
 from kmod_emul.device import AccelDevice
@@ -59,8 +59,6 @@ from kmod_emul.sysfs import debug_attrs, device_attrs, limit_attrs, module_attrs
 
 log = logging.getLogger(__name__)
 
-#: Attribute files advertise a page, as sysfs does; reads return what the value holds.
-ATTR_SIZE = 4096
 #: The tree changes shape only on a partition mode change, which invalidates what it
 #: removes, so the kernel may cache names and attributes for long.
 CACHE_TIMEOUT_S = 300.0
@@ -369,8 +367,8 @@ class AccelFS(pyfuse3.Operations):
         handle = self._handles[fh]
         try:
             if isinstance(handle, AttrHandle):
-                assert handle.node.attr is not None and handle.node.attr.write is not None
-                pending = handle.node.attr.write(buf.decode(errors="replace"))
+                assert handle.node.attr is not None
+                pending = handle.node.attr.store(buf)
                 if pending is not None:  # a change that takes a while (a partition mode)
                     await pending
             elif isinstance(handle, Watcher):

@@ -92,7 +92,7 @@ class Limits:
             max_contexts_per_process=max(1, min(16, max_contexts // 2)),
             max_queues=max_queues,
             max_queues_per_process=max(1, max_queues // 4),
-            max_queues_per_context=max(1, min(1023, max_queues // 4)),
+            max_queues_per_context=max(1, min(QUEUE_SLOTS, max_queues // 4)),
             max_modules_per_context=256,
             max_module_bytes_per_context=64 << 20,
             max_module_bytes_per_process=256 << 20,
@@ -105,8 +105,9 @@ class Limits:
 
     def with_overrides(self, overrides: Mapping[str, int]) -> Limits:
         """These limits with the operator's values: each a positive integer, a table no
-        larger than it is here, a share no larger than its table (LimitError says which).
-        A share the operator left alone follows its table down."""
+        larger than it is here, a share no larger than its table nor than the structure
+        that holds it (LimitError says which). A share the operator left alone follows its
+        table down."""
         for name, value in overrides.items():
             if name not in self.__dataclass_fields__:
                 raise LimitError(f"no limit {name!r}; the limits are {' '.join(LIMIT_NAMES)}")
@@ -115,6 +116,9 @@ class Limits:
             if name in TABLES and value > getattr(self, name):
                 raise LimitError(f"{name} {value} is more than this device can hold "
                                  f"({getattr(self, name)})")
+            if name in STRUCTURES and value > STRUCTURES[name][0]:
+                bound, what = STRUCTURES[name]
+                raise LimitError(f"{name} {value} is more than {what} ({bound})")
         new = dataclasses.replace(self, **overrides)
         for share, table in SHARES.items():  # in order: a share may be another's table
             if getattr(new, share) <= getattr(new, table):
@@ -132,6 +136,11 @@ LIMIT_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Limits))
 #: ring's own size.
 TABLES = frozenset({"max_contexts", "max_queues", "max_host_allocations", "max_pinned_bytes",
                     "max_module_bytes", "max_queue_depth"})
+#: Doorbell slots a context's queues can take: the page's slot 0 is its default queue's.
+QUEUE_SLOTS = userq.ACCEL_DB_SLOT_COUNT - 1
+#: Shares a structure bounds, whatever their table: (the bound, the structure). A larger
+#: value would be accepted and then fail where the structure runs out.
+STRUCTURES = {"max_queues_per_context": (QUEUE_SLOTS, "a context's doorbell slots")}
 #: Each tenant's share and the table it is a part of.
 SHARES = {
     "max_contexts_per_process": "max_contexts",
@@ -146,7 +155,7 @@ SHARES = {
 
 class LimitError(ValueError):
     """An operator's limit that cannot be (``--limit``): unknown, not positive, or larger
-    than what it is a share of."""
+    than what it is a share of or what holds it."""
 
 
 def check(used: int, more: int, limit: int, what: str, *, device_wide: bool) -> None:

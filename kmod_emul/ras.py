@@ -38,7 +38,6 @@ import errno
 import functools
 import json
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -46,7 +45,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from abi import faults, uapi
-from kmod_emul.attr import Attr
+from kmod_emul import thermal
+from kmod_emul.attr import Attr, parse_number
 from kmod_emul.errors import DriverError
 
 if TYPE_CHECKING:
@@ -57,8 +57,6 @@ log = logging.getLogger(__name__)
 PAGE = uapi.ACCEL_PAGE_SIZE
 #: Retired and pending pages the table takes (amdgpu's EEPROM threshold).
 MAX_BAD_PAGES = 256
-#: ``inject BLOCK ue|ce ADDRESS``; the address in hex (0x...) or decimal
-_ADDRESS = re.compile(r"0[xX][0-9a-fA-F]+|[0-9]+")
 _SEVERITIES = ("ue", "ce")
 
 
@@ -131,8 +129,9 @@ class Ras:
     # --- injection ------------------------------------------------------------------------------
     def inject(self, text: str) -> None:
         """debugfs ``ras_ctrl``: ``inject BLOCK ue|ce ADDRESS`` (memory: a byte offset of
-        the device's memory; thermal: the degrees to heat to, 0 for the default). Malformed:
-        EINVAL; a device that is not operational: the errno that says why."""
+        the device's memory; thermal: the degrees to heat to, 0 for the default, at most
+        ``thermal.MAX_INJECT_C``; the other blocks: a 64-bit address). Malformed or out of
+        range: EINVAL; a device that is not operational: the errno that says why."""
         words = text.split()
         if len(words) != 4 or words[0] != "inject":
             raise DriverError(errno.EINVAL, "write 'inject BLOCK ue|ce ADDRESS', not "
@@ -143,16 +142,19 @@ class Ras:
                                             f"{' '.join(faults.BLOCKS)}")
         if severity not in _SEVERITIES:
             raise DriverError(errno.EINVAL, f"severity is ue or ce, not {severity!r}")
-        if not _ADDRESS.fullmatch(where):
-            raise DriverError(errno.EINVAL, f"address {where!r} is not hex (0x...) or decimal")
-        address = int(where, 0) if where[:2].lower() == "0x" else int(where)
-        total = self.dev.memory_total
-        if block == "memory" and address >= total:
-            raise DriverError(errno.EINVAL, f"address {address:#x} is past the end of "
-                                            f"{self.dev.name}'s memory ({total:#x})")
+        address = parse_number(where, f"{block} address", self._address_bound(block))
         self.dev.check_usable()
         self.counts[block][severity] += 1
         INJECT[block](self, block, severity, address)
+
+    def _address_bound(self, block: str) -> int:
+        """What an injection's ADDRESS must be below: an offset of the device's memory,
+        degrees the die can reach (thermal), else a 64-bit address."""
+        if block == "memory":
+            return self.dev.memory_total
+        if block == "thermal":
+            return thermal.MAX_INJECT_C + 1
+        return 1 << 64
 
     def _memory_error(self, block: str, severity: str, offset: int) -> None:
         dev = self.dev

@@ -2,9 +2,10 @@
 
 One small text file per value, as in Linux sysfs. Identity attributes come from the same
 ``AccelDevice.describe`` that answers DEVICE_QUERY, so the two can never disagree. Writable
-attributes take one value per write: ``reset`` (write 1), and the debugfs fault-injection
-knobs ``fw_boot_fail``, ``fw_hang``, ``reset_hold``, ``fail_step`` (a bring-up step's
-name, or ``none``: the device's next bring-ups fail at that step, see
+attributes take one value per write (printable ASCII, at most a page, each number read by
+one parser with its range: kmod_emul/attr.py): ``reset`` (write 1), and the debugfs
+fault-injection knobs ``fw_boot_fail``, ``fw_hang``, ``reset_hold``, ``fail_step`` (a
+bring-up step's name, or ``none``: the device's next bring-ups fail at that step, see
 :mod:`kmod_emul.bringup`) and ``ras_ctrl`` (``inject BLOCK ue|ce ADDRESS``, see
 :mod:`kmod_emul.ras`); a physical device's ``partition_fail_step`` is
 :mod:`kmod_emul.partition`'s.

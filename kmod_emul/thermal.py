@@ -22,7 +22,7 @@ package reset the partitions (``AccelDevice.request_reset``).
 Injection (``ras_ctrl``): ``inject thermal ce <C>`` heats the die to C degrees (default: 2
 over the slowdown threshold) -- throttling, visible in ``temperature``, ``clock`` and
 ``throttle_reasons``, record 140; ``inject thermal ue <C>`` heats it to C (default: 5 over
-the shutdown threshold) -- a thermal shutdown.
+the shutdown threshold) -- a thermal shutdown. C is at most ``MAX_INJECT_C`` (EINVAL past it).
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ LOAD_C = 57.0
 FULL_LOAD_PPS = 20_000.0
 #: Injected heat decays with this time constant (the device cools).
 TAU_S = 2.0
+#: The hottest an injection heats the die to (``inject thermal ue|ce C``): past any
+#: shutdown threshold, and a bound that keeps the model's floats finite.
+MAX_INJECT_C = 200
 BASE_CLOCK_MHZ = 1500
 THROTTLED_CLOCK_MHZ = 750
 

@@ -183,12 +183,14 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def merge(rep: Report, result: dict[str, Any], where: str = "") -> None:
-    """Add a client's counts (done, errnos, escapes, hangs, notes) to the report."""
+    """Add a client's counts (done, errnos, escapes, unexpected, hangs, notes) to the
+    report."""
     for k, v in result.get("done", {}).items():
         rep.done[k] = rep.done.get(k, 0) + v
     for k, v in result.get("errnos", {}).items():
         rep.errnos[k] = rep.errnos.get(k, 0) + v
     rep.escapes += result.get("escapes", 0)
+    rep.unexpected += result.get("unexpected", 0)
     rep.hangs += result.get("hangs", 0)
     rep.notes += [f"{where}: {n}" if where else n for n in result.get("notes", [])[:20]]
 

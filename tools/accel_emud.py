@@ -3,6 +3,9 @@
 Without ``--foreground`` the command starts the daemon in its own session and returns once
 the mount is ready (exit 0), or prints why it could not start (exit 1). The daemon tells
 its starter it is ready through a pipe, so "returned" always means "mounted and booted".
+Arguments that cannot be exit 2 in either mode, before anything starts: argparse's
+errors, and a ``--limit`` the devices' image cannot hold (checked here, so that a
+background start says so as a foreground one does).
 """
 
 from __future__ import annotations
@@ -11,12 +14,17 @@ import argparse
 import logging
 import os
 import re
+import resource
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from abi import uapi
 from firmware.image import IMAGE_DIR
+
+if TYPE_CHECKING:
+    from kmod_emul.daemon import DaemonConfig
 
 START_TIMEOUT_S = 120.0
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -24,7 +32,7 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 def parse_size(text: str) -> int:
     """'1G', '512M', '2GiB', '4096' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE | re.ASCII)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1G or 512M)")
     return int(m.group(1)) * _UNITS[m.group(2).upper()]
@@ -135,26 +143,50 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import trio
-
+def _config(args: argparse.Namespace) -> DaemonConfig:
     from kmod_emul import daemon, drv
-    from kmod_emul.limits import LimitError
 
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s accel-emud[%(process)d] %(levelname)s %(name)s: %(message)s",
-    )
     driver = drv.DriverInfo()
     if args.driver_abi:
         driver = drv.DriverInfo(abi_major=args.driver_abi[0], abi_minor=args.driver_abi[1])
-    config = daemon.DaemonConfig(
+    return daemon.DaemonConfig(
         root=args.root.resolve(), devices=args.devices, memory=args.memory,
         state_dir=args.state_dir.resolve(), firmware_dir=args.firmware_dir.resolve(),
         heartbeat_timeout_s=args.heartbeat_timeout, recovery=args.recovery, driver=driver,
         process_memory_limit=args.process_memory_limit, limits=dict(args.limit),
         jit_cache=args.jit_cache.resolve() if args.jit_cache else None,
         fail_steps=dict(args.fail_step),
+    )
+
+
+def _limits_fit(config: DaemonConfig) -> bool:
+    """Whether the operator's limits fit the image the devices will boot, checked against
+    the descriptor limit the daemon raises itself to (its hard limit); if not, say why."""
+    from kmod_emul import daemon
+    from kmod_emul.limits import LimitError
+
+    try:
+        daemon.check_limits(config, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    except LimitError as exc:
+        _refuse_limit(exc)
+        return False
+    return True
+
+
+def _refuse_limit(exc: Exception) -> int:
+    print(f"accel-emud: --limit: {exc}", file=sys.stderr)
+    return 2
+
+
+def _serve(config: DaemonConfig, args: argparse.Namespace) -> int:
+    import trio
+
+    from kmod_emul import daemon
+    from kmod_emul.limits import LimitError
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s accel-emud[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
 
     def ready() -> None:
@@ -167,9 +199,8 @@ def _serve(args: argparse.Namespace) -> int:
     except daemon.AlreadyServed as exc:
         print(f"accel-emud: {exc}", file=sys.stderr)
         return 1
-    except LimitError as exc:
-        print(f"accel-emud: --limit: {exc}", file=sys.stderr)
-        return 2
+    except LimitError as exc:  # the image changed since main() checked them
+        return _refuse_limit(exc)
     return 0
 
 
@@ -203,7 +234,7 @@ def _start_background(args: argparse.Namespace, argv: list[str]) -> int:
     tail = log_file.read_text(errors="replace").splitlines()[-15:]
     print(f"accel-emud: failed to start (exit {code}); log {log_file}:", file=sys.stderr)
     print("\n".join(tail), file=sys.stderr)
-    return 1
+    return 2 if code == 2 else 1  # 2: a refused --limit, as in the foreground
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,8 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         code, text = daemon.status(args.root)
         print(f"accel-emud: {text}")
         return code
+    config = _config(args)
+    if not _limits_fit(config):
+        return 2
     if args.foreground:
-        return _serve(args)
+        return _serve(config, args)
     return _start_background(args, argv)
 
 

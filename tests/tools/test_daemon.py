@@ -103,6 +103,30 @@ def test_bad_arguments(tmp_path, args, message):
     assert kdaemon.find_mount(tmp_path / "r") is None
 
 
+@pytest.mark.parametrize("mode", ["background", "foreground"])
+@pytest.mark.parametrize("value, message", [
+    ("max_queue_depth=0", "not a size"),
+    ("max_queue_depth=\u0661\u0666", "not a size"),  # Arabic-Indic 16: ASCII digits only
+    ("max_queue_depth=2048", "max_queue_depth 2048 is more than this device can hold (1024)"),
+    ("max_contexts_per_process=999", "max_contexts_per_process 999 exceeds max_contexts"),
+    # was accepted: the 1,024th queue of a context then met StopIteration (EIO)
+    ("max_queues_per_context=1024",
+     "max_queues_per_context 1024 is more than a context's doorbell slots (1023)"),
+    ("nonsense=1", "not NAME=VALUE with a limit's name"),
+    ("max_queues_per_process", "not NAME=VALUE with a limit's name"),
+])
+def test_a_refused_limit_exits_2_before_anything_starts(tmp_path, mode, value, message):
+    """Every --limit that cannot be exits 2 with a message naming it, in the foreground
+    and in the background alike (a background start said exit 1 for a limit past its
+    table, docs/containment.md said 2), and nothing is mounted."""
+    out = emud("start", "--root", str(tmp_path / "root"), "--state-dir", str(tmp_path / "state"),
+               *(["--foreground"] if mode == "foreground" else []), "--limit", value)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr, out.stderr
+    assert not (tmp_path / "root" / "dev").exists()  # nothing was mounted
+    assert kdaemon.find_mount(tmp_path / "root") is None
+
+
 def test_wait_on_a_hung_device_never_blocks_in_the_driver(make_daemon):
     """WAIT answers at once, even on a hung device: a request that slept would hold the
     device node for every tenant (the waiter sleeps on its own event pipe instead)."""

@@ -12,6 +12,7 @@ hides: a WAIT that arms the interrupt, a default queue that fills, a device in r
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import json
 import os
@@ -392,6 +393,30 @@ def test_queue_create_destroy_import(driver, dev):
         assert dev.file.ctx.queues[local].imported
         dev.call(uapi.ACCEL_CMD_QUEUE_DESTROY, destroy(local))  # an imported name just goes
         assert local not in dev.file.ctx.queues
+
+
+def test_a_context_out_of_doorbell_slots_gets_edquot():
+    """A context's queues take the doorbell page's slots 1..1023. ``--limit
+    max_queues_per_context`` above that was accepted once, and the 1,024th queue raised
+    StopIteration in create_queue (EIO); the start refuses such a limit now
+    (tools/test_daemon.py), and should the slots run out anyway the answer is EDQUOT."""
+    with OfflineDriver(IMAGE_DIR, devices=1, fd_limit=1 << 16) as driver:
+        device = driver.devices[0]
+        slots = userq.ACCEL_DB_SLOT_COUNT - 1
+        device.limits = dataclasses.replace(device.limits, max_queues_per_context=slots + 1,
+                                            max_queues_per_process=slots + 1,
+                                            max_queues=slots + 1)
+        with OfflineDev(driver) as dev:
+            ctx = dev.ctx_create()
+            for _ in range(slots):
+                dev.queue_create(ctx)
+            ring = sealed_memfd("ring", userq.RING_FILE_SIZE)
+            try:
+                assert refused(dev, uapi.ACCEL_CMD_QUEUE_CREATE, uapi.accel_queue_create(
+                    ctx_id=ctx, ring_fd=ring)) == "EDQUOT"
+            finally:
+                os.close(ring)
+            assert len(dev.file.ctx.queues) == slots
 
 
 # --- modules and kernels -----------------------------------------------------------------------
