@@ -30,6 +30,7 @@ _TEXT = re.compile(r"[\x20-\x7e\t\n\r]*")
 #: A number: decimal, or hexadecimal after 0x (ASCII digits only: ``re`` would match
 #: other scripts' digits for ``\d``).
 _NUMBER = re.compile(r"0[xX][0-9a-fA-F]+|[0-9]+")
+_DECIMAL = re.compile(r"[0-9]+")
 
 
 def value_text(buf: bytes) -> str:
@@ -45,12 +46,14 @@ def value_text(buf: bytes) -> str:
     return text
 
 
-def parse_number(text: str, what: str, below: int) -> int:
-    """``text`` as a number from 0 to ``below - 1``, decimal or 0x-hexadecimal; EINVAL for
-    anything else. Every numeric value of every attribute is read here, so none can reach
-    a model out of its range."""
-    if not _NUMBER.fullmatch(text):
-        raise DriverError(errno.EINVAL, f"{what} {_shown(text)} is not hex (0x...) or decimal")
+def parse_number(text: str, what: str, below: int, decimal: bool = False) -> int:
+    """``text`` as a number from 0 to ``below - 1``, decimal or 0x-hexadecimal (only
+    decimal with ``decimal``: a count or a mode, as sysfs reads them); EINVAL for anything
+    else. Every numeric value of every attribute is read here, so none can reach a model
+    out of its range."""
+    if not (_DECIMAL if decimal else _NUMBER).fullmatch(text):
+        raise DriverError(errno.EINVAL, f"{what} {_shown(text)} is not "
+                                        f"{'decimal' if decimal else 'hex (0x...) or decimal'}")
     base = 16 if text[:2].lower() == "0x" else 10
     digits = (text[2:] if base == 16 else text).lstrip("0") or "0"
     # more digits than the bound has is out of range: int() is never asked for a page of

@@ -38,7 +38,7 @@ from typing import Protocol
 import trio
 
 from abi import uapi
-from kmod_emul.attr import Attr
+from kmod_emul.attr import Attr, parse_number
 from kmod_emul.device import AccelDevice
 from kmod_emul.errors import DriverError
 from kmod_emul.identity import IdentityStore, pci_bus_id
@@ -62,14 +62,6 @@ def partition_index(physical: int, parent: int, k: int) -> int:
 InjectedFailure = tuple[int, str]
 
 
-def _small_number(text: str) -> int | None:
-    """``text`` as the kernel's ``kstrtouint`` reads a small number: ASCII digits only,
-    and few of them; None otherwise. Not ``str.isdigit``, which holds for ``'²'`` (that
-    ``int`` refuses: a ValueError, answered EIO) and for ``'٢'`` (that ``int`` reads as
-    2), nor ``int`` of any length (past 4,300 digits it raises too)."""
-    return int(text) if text.isascii() and text.isdecimal() and len(text) <= 9 else None
-
-
 def parse_partition_fail_step(text: str) -> InjectedFailure | None:
     """A ``partition_fail_step`` value: ``K:STEP`` (partition K of the next mode change
     fails its bring-up at STEP), or ``none`` (or nothing) for none."""
@@ -77,17 +69,16 @@ def parse_partition_fail_step(text: str) -> InjectedFailure | None:
     if value in ("", "none"):
         return None
     k_text, sep, step = value.partition(":")
-    k = _small_number(k_text)
-    if not sep or k is None or k >= MAX_PARTITIONS or not parse_fail_step(step):
+    if not sep or not parse_fail_step(step):
         raise DriverError(errno.EINVAL, f"write K:STEP (K below {MAX_PARTITIONS}, STEP a "
                                         f"bring-up step) or none, not {value[:64]!r}")
-    return k, step
+    return parse_number(k_text, "partition", MAX_PARTITIONS, decimal=True), step
 
 
 def parse_mode(text: str) -> int:
     """A ``partition_mode`` value: one of ``MODES``."""
     value = text.strip()
-    mode = _small_number(value)
+    mode = parse_number(value, "partition_mode", max(MODES) + 1, decimal=True)
     if mode not in MODES:
         raise DriverError(errno.EINVAL, f"partition_mode is one of "
                                         f"{' '.join(map(str, MODES))}, not {value[:64]!r}")

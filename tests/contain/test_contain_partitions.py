@@ -92,9 +92,11 @@ def test_a_rolled_back_partitions_tenant_frees_nothing_of_the_next_partitions(
 
         mode_attr(d).write_text("2")  # what the racer holds are handles of nothing
         removed = [r for r in d.fault_log(1) if r["name"] == "DEVICE_REMOVED"]
-        assert removed and len(removed[-1]["contexts"]) == len(held), removed
-        assert removed[-1]["message"] == ("partition mode 2 of accel0 failed and was "
-                                          "rolled back")
+        # every context it holds is named by a record of the rollbacks (a round's
+        # contexts may be lost by more than one record as the racer's opens land)
+        assert sum(len(r["contexts"]) for r in removed) >= len(held), removed
+        assert {r["message"] for r in removed} == {"partition mode 2 of accel0 failed and "
+                                                   "was rolled back"}
         victim = Tenant(d.popen_py(tenant_code(VICTIM), str(VICTIM_ELEMENTS),
                                    ACCEL_VISIBLE_DEVICES="1,2"))
         try:
