@@ -260,7 +260,7 @@ class Firmware:
         self._load_module(ctx, msg.module_id, msg.size, msg.cookie)
 
     def _on_module_unload(self, ctx: FwContext, msg: mailbox.fw_module_unload) -> None:
-        ctx.modules.pop(msg.module_id, None)
+        ctx.unload(msg.module_id)
 
     def _create_context(self, ctx_id: int, fds: list[int]) -> None:
         doorbell, event, db_fd = fds

@@ -236,6 +236,16 @@ class FwContext:
         for mod in self.modules.values():
             mod.bound.clear()
 
+    def unload(self, module_id: int) -> None:
+        """MODULE_UNLOAD: the module goes with its bound launches. Only the context's
+        modules are reached by ``drop_bindings``; an unloaded one's bindings, with their
+        views of the context's memory, would outlive every unmap and the context itself
+        wherever the module is still referenced (the loader thread held the one it parsed
+        last: a pinned mapping's descriptor leaked until the device's next module load)."""
+        mod = self.modules.pop(module_id, None)
+        if mod is not None:
+            mod.bound.clear()
+
     def close(self) -> None:
         for fd in (self.doorbell, self.event):
             if fd >= 0:
