@@ -173,10 +173,17 @@ class Scheduler:
     def poll(self) -> int:
         """Run or dispatch what can go now, up to the published write pointers and at most
         ``BATCH`` packets a ring; return how many packets were taken. Ends the pass: what
-        it (and publish) counted is merged into the counters."""
+        it (and publish) counted is merged into the counters. A lost context's rings leave
+        the active set untaken: the loss comes on the mailbox, drained after publish(), so
+        packets its process rang after the loss may be published already (the driver
+        wrote the doorbell page's "lost" word and answered ENODEV only after it sent the
+        loss); they never start."""
         done = 0
         if not (self.hung or self.held):
             for ring in sorted(self.active, key=lambda r: -r.priority):
+                if ring.ctx.lost:
+                    self.active.pop(ring, None)
+                    continue
                 done += self._poll_ring(ring)
                 if ring.idle() and not ring.closing:
                     self.active.pop(ring, None)
