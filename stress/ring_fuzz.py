@@ -26,6 +26,8 @@ rings and knocks, then waits, bounded, for the outcome:
   rings created with consumer words (read pointer, fence, fault record) already set;
   consumer words scribbled while packets run; queues destroyed with work in flight; and a
   process that exits with work queued (every round), or in the middle of a huge launch.
+  A's packets may write its doorbell page (pinned as memory too), its "lost" word
+  included, which is left as they wrote it: the firmware must not stop for it.
 
 For each ring the fuzzer must see every packet complete (faulted ones too: a fault cancels
 the rest) or, for a write pointer that lied, a fault record (EINVAL) -- never a firmware
