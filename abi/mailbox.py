@@ -33,8 +33,9 @@ from abi._struct import Struct
 MAILBOX_MAGIC: Final = 0xACCE1E40
 #: The mailbox ABI this file describes. Images list the range they speak. 5: QUEUE_CREATE
 #: carries the queue's depth. 6: engine busy time in the stats block, and the context
-#: table (each context's engine time).
-MAILBOX_ABI: Final = 6
+#: table (each context's engine time). 7: CTX_LOST (the firmware learns a context's loss
+#: from the driver, never from the process's doorbell page).
+MAILBOX_ABI: Final = 7
 
 MAILBOX_SIZE: Final = 1 << 20
 _BOOT_OFF: Final = 0
@@ -97,6 +98,8 @@ class Op(enum.IntEnum):
     #: a device became unreachable over the link, or reachable again (answered once
     #: applied: the driver drains on it)
     LINK = 17
+    #: the driver lost the context (a reset or a failure): take nothing more from its rings
+    CTX_LOST = 18
 
 
 # --- message payloads: one struct per message ---------------------------------------------
@@ -108,8 +111,19 @@ class fw_ctx_create(Struct):
 
 
 class fw_ctx_destroy(Struct):
-    """Stop the context's queues and forget it; answered (CTX_DESTROY) once stopped and
-    its mappings are gone."""
+    """Stop the context's queues (nothing more starts from its rings once the firmware
+    took this) and forget it; answered (CTX_DESTROY) once stopped and its mappings are
+    gone."""
+
+    _fields_ = [("reserved", ctypes.c_uint64 * 2)]
+
+
+class fw_ctx_lost(Struct):
+    """The context is lost (its device is being reset, or failed): start nothing more from
+    its rings. Sent before the driver writes the doorbell page's "lost" word (for the
+    process, which may write that word too: the firmware never reads it) and before the
+    context's commands answer ENODEV. A context lost alone (a fault of context scope) is
+    sent CTX_DESTROY instead, which stops it the same way. Not answered."""
 
     _fields_ = [("reserved", ctypes.c_uint64 * 2)]
 
@@ -268,7 +282,7 @@ COMMANDS: Final[dict[Op, type[Struct]]] = {
     Op.MAP: fw_map, Op.UNMAP: fw_unmap, Op.QUEUE_CREATE: fw_queue_create,
     Op.QUEUE_DESTROY: fw_queue_destroy, Op.SET_BUDGET: fw_set_budget,
     Op.QUEUE_IMPORT: fw_queue_import, Op.HOLD: fw_hold, Op.MODULE_LOAD: fw_module_load,
-    Op.MODULE_UNLOAD: fw_module_unload, Op.LINK: fw_link,
+    Op.MODULE_UNLOAD: fw_module_unload, Op.LINK: fw_link, Op.CTX_LOST: fw_ctx_lost,
 }
 #: The op a payload struct travels as (host to firmware).
 OP_OF: Final[dict[type[Struct], Op]] = {cls: op for op, cls in COMMANDS.items()}

@@ -111,19 +111,10 @@ class Kernels:
         return mod is None or mod.kernels is not None or mod.error != 0
 
     def _module_loader(self) -> None:
+        # the module is the call's argument, not a local of this loop: a local would hold
+        # the last module parsed (and whatever it comes to hold) while the loader waits
         while True:
-            mod = self._modules.get()
-            try:
-                kernels = json.loads(mod.raw)["kernels"]
-                if not isinstance(kernels, dict):
-                    raise ValueError("kernels is not an object")
-                parsed = [(str(name), k) for name, k in kernels.items()]
-                if not all(isinstance(k, dict) for _, k in parsed):
-                    raise ValueError("a kernel is not an object")
-                mod.kernels = parsed
-            except Exception:  # noqa: BLE001 - a module that does not parse is the module's
-                mod.error = errno.EINVAL
-            mod.raw = b""
+            _parse(self._modules.get())
             self._wake()
 
     # --- the JIT --------------------------------------------------------------------------
@@ -298,6 +289,21 @@ class Bound(NamedTuple):
     buffers: list[tuple[str, int, int]]
     values: list
     work: int  # threads x work per thread (INLINE_WORK)
+
+
+def _parse(mod: FwModule) -> None:
+    """Parse a module's image into its kernels, or mark it failed (EINVAL)."""
+    try:
+        kernels = json.loads(mod.raw)["kernels"]
+        if not isinstance(kernels, dict):
+            raise ValueError("kernels is not an object")
+        parsed = [(str(name), k) for name, k in kernels.items()]
+        if not all(isinstance(k, dict) for _, k in parsed):
+            raise ValueError("a kernel is not an object")
+        mod.kernels = parsed
+    except Exception:  # noqa: BLE001 - a module that does not parse is the module's
+        mod.error = errno.EINVAL
+    mod.raw = b""
 
 
 def _argument_block(space: memory.AddressSpace, va: int, length: int) -> bytes:

@@ -101,6 +101,7 @@ class Firmware:
         #: dropped, its descriptors closed)
         self.context_handlers: dict[mailbox.Op, Callable[[FwContext, Any], None]] = {
             mailbox.Op.CTX_DESTROY: self._on_ctx_destroy,
+            mailbox.Op.CTX_LOST: self._on_ctx_lost,
             mailbox.Op.MAP: self._on_map,
             mailbox.Op.UNMAP: self._on_unmap,
             mailbox.Op.QUEUE_CREATE: self._on_queue_create,
@@ -222,7 +223,11 @@ class Firmware:
     def _on_ctx_create(self, ctx_id: int, msg: mailbox.fw_ctx_create) -> None:
         self._create_context(ctx_id, self.fdchan.take(msg.cookie))
 
+    def _on_ctx_lost(self, ctx: FwContext, msg: mailbox.fw_ctx_lost) -> None:
+        ctx.lost = True  # its device is being reset (or failed): the reset forgets it
+
     def _on_ctx_destroy(self, ctx: FwContext, msg: mailbox.fw_ctx_destroy) -> None:
+        ctx.lost = True
         del self.contexts[ctx.id]
         if ctx.stats_slot >= 0:  # a context gone has no fdinfo
             self.mbx.set_ctx_stats(ctx.stats_slot, 0, (0, 0))
@@ -261,7 +266,7 @@ class Firmware:
         self._load_module(ctx, msg.module_id, msg.size, msg.cookie)
 
     def _on_module_unload(self, ctx: FwContext, msg: mailbox.fw_module_unload) -> None:
-        ctx.modules.pop(msg.module_id, None)
+        ctx.unload(msg.module_id)
 
     def _create_context(self, ctx_id: int, fds: list[int]) -> None:
         doorbell, event, db_fd = fds

@@ -204,6 +204,10 @@ class FwContext:
     #: context table (-1: none; the table is full)
     engine_time: EngineTime = field(default_factory=EngineTime)
     stats_slot: int = -1
+    #: the driver lost or destroyed it (CTX_LOST, CTX_DESTROY): nothing more starts from
+    #: its rings. The driver's word on the mailbox, never the doorbell page's "lost" word,
+    #: which the process can write (one that did stalled its context's work for good)
+    lost: bool = False
 
     def signal(self) -> None:
         """One byte on the process's event pipe (never blocks; a full pipe already says
@@ -215,14 +219,12 @@ class FwContext:
 
     def moved_slots(self) -> list[int]:
         """Doorbell slots of known rings that hold news, if the page's sequence moved;
-        none once the driver wrote the page's "lost" word. It writes that before the
-        context's commands answer ENODEV, and its destroy message reaches us later, on the
-        mailbox: until then, packets written to a lost context's rings must not run."""
+        none once the context is lost."""
         seq = self.db.get(userq.DB_SEQ)
         if seq == self.seen_seq:
             return []
-        self.seen_seq = seq
-        if self.db.get(userq.DB_LOST):
+        self.seen_seq = seq  # seen, lost or not: a moved sequence keeps the loop awake
+        if self.lost:
             return []
         if len(self.slots) <= _SCAN_IN_PYTHON:  # a few rings: cheaper than numpy's calls
             words, base, consumed = self.db.words, userq.DB_SLOTS >> 3, self.consumed
@@ -240,6 +242,16 @@ class FwContext:
         keep its memory, and a host mapping's descriptor, alive until the kernel's next
         launch (their generation already keeps them from running)."""
         for mod in self.modules.values():
+            mod.bound.clear()
+
+    def unload(self, module_id: int) -> None:
+        """MODULE_UNLOAD: the module goes with its bound launches. Only the context's
+        modules are reached by ``drop_bindings``; an unloaded one's bindings, with their
+        views of the context's memory, would outlive every unmap and the context itself
+        wherever the module is still referenced (the loader thread held the one it parsed
+        last: a pinned mapping's descriptor leaked until the device's next module load)."""
+        mod = self.modules.pop(module_id, None)
+        if mod is not None:
             mod.bound.clear()
 
     def close(self) -> None:

@@ -198,9 +198,16 @@ class Scheduler:
         queueing). So a tenant with many queues gets no more turns than one with one, and a
         bystander's packet waits about one turn behind a flood, not a pass of every ring's
         batch. The pass ends early once ``interrupted()`` says a doorbell or the mailbox has
-        news (a new packet may rely on control messages sent before it: ``publish``)."""
+        news (a new packet may rely on control messages sent before it: ``publish``).
+
+        A lost context's rings leave the active set untaken: the loss comes on the mailbox,
+        drained after publish(), so packets its process rang after the loss may be
+        published already (the driver wrote the doorbell page's "lost" word and answered
+        ENODEV only after it sent the loss); they never start."""
         done = 0
         if not (self.hung or self.held):
+            for ring in [r for r in self.active if r.ctx.lost]:
+                self.active.pop(ring, None)
             for ring in [r for r in self.active if r.idle() and not r.closing]:
                 self._went_idle(ring)  # nothing to take: not looked at this pass
             #: what each ring that had a turn may still take this pass: packets, work done

@@ -143,7 +143,9 @@ class Context:
     def lose(self, reason: str) -> None:
         """The device was reset or failed, or a fault of context scope hit this context:
         every later command answers ENODEV, and the process's waiters see the "lost" word
-        of their doorbell page at once."""
+        of their doorbell page at once. That word is for the process alone, which can
+        write it too: the caller has told the firmware first, on the mailbox (CTX_LOST or
+        CTX_DESTROY), and the firmware never reads the page's word."""
         if self.lost is None:
             self.lost = reason
             if not self.db.mem.closed:

@@ -473,11 +473,14 @@ class AccelDevice:
         ctx.lose(reason)
 
     def lose_contexts(self, reason: str) -> list[int]:
-        """Lose every live context; their ids (what a device-scope record names)."""
-        lost = [c.id for c in self.contexts.values() if c.lost is None]
-        for ctx in self.contexts.values():
+        """Lose every live context; their ids (what a device-scope record names). The
+        firmware, which runs on until the reset stops it, is told first (CTX_LOST), so
+        nothing its processes ring once they are told starts."""
+        lost = [c for c in self.contexts.values() if c.lost is None]
+        for ctx in lost:
+            self.fw_send(ctx.id, mailbox.fw_ctx_lost())
             ctx.lose(reason)
-        return lost
+        return [c.id for c in lost]
 
     def unplug(self, reason: str) -> None:
         """Remove the device for good (a partition that a mode change, or the rollback of

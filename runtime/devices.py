@@ -1,9 +1,13 @@
 """Lazy initialisation, the fork rule, devices and the per-thread current device.
 
-``init()`` is implicit in the first device call and explicit when a program wants its
-failures early. It records the initialising pid; a forked child that inherited initialised
-state gets UseAfterForkError from every device call, while discovery keeps working. The
-current device is per thread (``set_device``/``device``), as in ``torch.cuda``.
+Initialisation (``init_state``) is implicit in the first device call: it records the
+visible devices and the initialising pid, and opens no device. A device's primary context
+is opened by the first use of that device, so a process touches only the devices it uses
+(``set_device(1)`` then work on 1 leaves device 0 alone, as ``torch.cuda.set_device``
+does). ``init()`` is the explicit form for a program that wants its failures early: it
+opens the current device too. A forked child that inherited initialised state gets
+UseAfterForkError from every device call, while discovery keeps working. The current
+device is per thread (``set_device``/``device``), as in ``torch.cuda``.
 
 Everything this process holds on one visible device hangs off one :class:`Device`: its
 primary context and the parts built on it (the caching allocator, staging buffers, the
@@ -150,8 +154,10 @@ def is_initialized() -> bool:
     return _init_pid is not None and _init_pid == os.getpid()
 
 
-def init() -> None:
-    """Initialise the runtime and the current device's primary context (idempotent)."""
+def init_state() -> None:
+    """Initialise the runtime without opening any device (idempotent): the visible
+    devices, the initialising pid. What every device call does first; the device it is
+    about opens its own primary context when used."""
     global _init_pid, _visible
     _check_fork()
     with _lock:
@@ -164,6 +170,13 @@ def init() -> None:
                              "`accel-emud --root DIR`, or set ACCEL_EMU_ROOT)")
                 raise errors.NoDeviceError(f"no accelerator visible: {hint}")
             _visible, _init_pid = visible, os.getpid()
+
+
+def init() -> None:
+    """Initialise the runtime and the current device's primary context (idempotent): a
+    program's way to meet the current device's failures (no firmware, a driver version
+    mismatch, ...) up front rather than at its first use."""
+    init_state()
     primary_context(current_device())
 
 
@@ -182,7 +195,7 @@ def get(index: int | None = None) -> Device:
         return dev  # the hot path: every allocation and copy asks
     _check_fork()
     if _init_pid is None:
-        init()
+        init_state()
     with _lock:
         dev = _devices.get(idx)
         if dev is None:
@@ -222,7 +235,7 @@ def set_device(index: int) -> None:
     """Make ``index`` this thread's current device."""
     _check_fork()
     if _init_pid is None:
-        init()
+        init_state()
     _physical(index)
     _tls.device = index
 
@@ -343,7 +356,7 @@ def new_context(dev: DeviceLike = None, *, exclusive: bool = False) -> Context:
     """A further context on a device (its own fd); ``exclusive`` holds the device alone."""
     _check_fork()
     if _init_pid is None:
-        init()
+        init_state()
     return Context(_physical(_index(dev)), exclusive=exclusive)
 
 
@@ -370,7 +383,7 @@ def reset_device(dev: DeviceLike = None, timeout: float | None = RESET_TIMEOUT_S
     ``timeout`` seconds."""
     _check_fork()
     if _init_pid is None:
-        init()
+        init_state()
     physical = _physical(_index(dev))
     owners = [c for c in list(Context.live) if c.physical == physical and c.exclusive]
     if not owners:

@@ -317,10 +317,9 @@ for line in sys.stdin:
 
 class Bystander:
     """Another tenant on device ``dev``: its data must stay intact and its work must run
-    through whatever an attacker does. ``alone``: it sees only that device
-    (``ACCEL_VISIBLE_DEVICES``), so it holds nothing on the others -- not even the primary
-    context the runtime makes on its current device -- and another process may hold those
-    exclusively."""
+    through whatever an attacker does. It holds nothing on the other devices (the runtime
+    opens only the devices a process uses), so another process may hold those
+    exclusively; ``alone``: it does not even see them (``ACCEL_VISIBLE_DEVICES``)."""
 
     def __init__(self, d, dev: int = 0, alone: bool = False) -> None:
         self.proc = (d.popen_py(_BYSTANDER, "0", ACCEL_VISIBLE_DEVICES=str(dev)) if alone

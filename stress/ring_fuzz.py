@@ -26,6 +26,8 @@ rings and knocks, then waits, bounded, for the outcome:
   rings created with consumer words (read pointer, fence, fault record) already set;
   consumer words scribbled while packets run; queues destroyed with work in flight; and a
   process that exits with work queued (every round), or in the middle of a huge launch.
+  A's packets may write its doorbell page (pinned as memory too), its "lost" word
+  included, which is left as they wrote it: the firmware must not stop for it.
 
 For each ring the fuzzer must see every packet complete (faulted ones too: a fault cancels
 the rest) or, for a write pointer that lied, a fault record (EINVAL) -- never a firmware
@@ -129,6 +131,8 @@ class Ctx:
     db: userq.SharedWords
     mems: dict[str, Mem] = field(default_factory=dict)
     rings: dict[int, tuple[int, userq.RingView, int]] = field(default_factory=dict)  # qid -> (slot, view, memfd)
+    #: the doorbell page's "lost" word as our own packets last left it (check_lost)
+    scribbled: int = 0
 
 
 @dataclass
@@ -256,14 +260,19 @@ class Client:
         return w
 
     def check_lost(self) -> None:
+        """Stop the round if a context is lost. Our own packets may write the "lost" word
+        (A's doorbell page is pinned too): a value the driver's answer says is theirs is
+        left as they wrote it, since the firmware must not care (one that read it
+        stalled the context for good)."""
         for c in self.ctxs:
-            if c.db.get(userq.DB_LOST):
-                try:  # our own packets may have written it (A's doorbell page is pinned too)
+            word = c.db.get(userq.DB_LOST)
+            if word and word != c.scribbled:
+                try:
                     self.call(c, uapi.ACCEL_CMD_MEM_INFO, uapi.accel_mem_info(ctx_id=c.ctx))
                 except OSError:
-                    self.stop = f"context {c.ctx} on dev{c.dev} lost ({c.db.get(userq.DB_LOST)})"
+                    self.stop = f"context {c.ctx} on dev{c.dev} lost ({word})"
                     raise _Lost() from None
-                c.db.set(userq.DB_LOST, 0)
+                c.scribbled = word
 
     def wait_until(self, cond: Any, timeout: float, what: str, ring: userq.RingView | None = None,
                    knock: tuple[int, int] | None = None) -> bool:

@@ -49,7 +49,7 @@ def lazy_init() -> None:
         raise fork_error()
     with _lock:
         if _init_pid is None:
-            runtime.init()
+            runtime.devices.init_state()  # as torch.cuda's: no device opened here
             _init_pid = os.getpid()
 
 

@@ -1,5 +1,6 @@
 """Containment in the firmware: no packet, argument block or kernel takes a device down or
-holds it from the other tenants (docs/containment.md, findings 3, 4, 5 and 13).
+holds it from the other tenants (docs/containment.md, findings 3, 4, 5 and 13), and no
+word of a process's own memory tells the firmware a context is lost.
 
 The tests share one 2-device daemon (numba compiles take seconds here, and the session's
 kernel cache, tests/conftest.py, makes the second compile of a kernel a cache hit); each
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from stress.harness import Bystander, Daemon, assert_contained, snapshot
+from stress.harness import Bystander, Daemon, assert_contained, snapshot, tenant_code
 
 PRELUDE = """
 import os, sys, time, errno, numpy as np, runtime
@@ -245,3 +246,63 @@ print(time.monotonic(), time.monotonic() - t0)
     giant_done = float(out.split()[-1])
     assert small_done < giant_done, (f"the small kernel ({waited:.2f} s) finished after the "
                                      "giant grid")
+
+
+_SCRIBBLE_LOST = """
+import time
+from rawdev import RawDev, errname
+ROOT = os.environ["ACCEL_EMU_ROOT"]
+NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
+def until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+dev = RawDev(f"{ROOT}/dev/accel/accel0")
+ctx = dev.ctx_create()
+q = dev.queue_create(ctx)
+slot, ring = dev.rings[q]
+dev.wait_done(ctx, dev.noop(ctx))                      # both queues idle: only a doorbell
+first = dev.submit(q, [NOP])                           # wakes them from now on
+assert until(lambda: ring.completed == first)
+dev.db.set(userq.DB_LOST, errno.ENODEV)                # the process's own page: it may
+seqno = dev.noop(ctx)                                  # the driver's queue, this context's
+print(dev.wait_done(ctx, seqno, timeout=10).completed >= seqno)
+w = dev.submit(q, [NOP, NOP])                          # its own ring
+print(until(lambda: ring.completed == w), ring.read_fault())
+print(errname(lambda: dev.call(uapi.ACCEL_CMD_MEM_INFO, uapi.accel_mem_info(ctx_id=ctx))))
+# the runtime reads the word as the driver's news: its own context's error, at once
+s = runtime.Stream()
+x = runtime.to_device(np.ones(1024, np.float32), stream=s)
+s.synchronize()
+runtime.primary_context().db.set(userq.DB_LOST, errno.ENODEV)
+t0 = time.monotonic()
+try:
+    x.copy_to_host(stream=s)
+    s.synchronize(timeout=10)
+    print("no error")
+except runtime.DeviceLostError:
+    print("DeviceLostError", time.monotonic() - t0 < 5)
+"""
+
+
+def test_a_tenant_writing_its_doorbell_pages_lost_word_stalls_nothing(make_daemon, other_user):
+    """The firmware read the doorbell page's "lost" word -- the process's own memory --
+    to stop a lost context's rings before the driver's destroy arrived. A process that
+    wrote it stalled its own context for good: SUBMIT_NOOPs accepted that never
+    completed, WAIT answering ETIME instead of ENODEV, its rings never run. The firmware
+    learns a loss from the driver's mailbox now (CTX_LOST, CTX_DESTROY, sent before the
+    word is written): the scribbling process's work runs as if it had not written it
+    (the runtime, which reads the word for the driver's news, raises its own context's
+    DeviceLostError at once); the bystanders on both devices and the books are intact."""
+    d = make_daemon(devices=2, tenants=True)
+    with Bystander(d, 0) as b0, Bystander(d, 1) as b1:
+        before = snapshot(d)
+        out = other_user.run(d, tenant_code(_SCRIBBLE_LOST), timeout=120)
+        assert out.returncode == 0, out.stderr + out.stdout
+        assert out.stdout.splitlines() == ["True", "True (0, 0, 0, 0)", "", "DeviceLostError True"]
+        for b in (b0, b1):
+            b.check()
+        assert_contained(d, before)

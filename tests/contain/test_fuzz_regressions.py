@@ -258,3 +258,66 @@ print(ring.read_fault(), ring.completed)
 """)
     assert lines == [f"(11, {errno.EINVAL}, 0, 0) 0"]
     harmless(d, before, bystanders)
+
+
+def test_an_unloaded_modules_bound_launches_keep_no_pinned_memory(two):
+    """ring_fuzz (an episode that loads a module, launches from it and unloads it at once;
+    test_fuzz_ring's one firmware descriptor, 24 -> 25, a ``/memfd:accel-pin``, in about
+    one run of ten): a small launch that runs inline is kept bound, its buffers' views in
+    its module, until a mapping of the context changes. MODULE_UNLOAD only dropped the
+    module from the context, bindings and all, so a teardown that forgot every mapping
+    never reached them -- and the module loader's thread still held the module it parsed
+    last. The pinned mapping and its descriptor outlived the process until another module
+    was loaded on the device. An unloaded module keeps nothing of the context's memory."""
+    d, bystanders = two
+    before = snapshot(d)
+    lines = run(d, """
+from runtime.kernels import compile_module
+pid = fw_pid()
+def pins():  # the firmware's descriptors of pinned memory named as this test names it
+    found = 0
+    for n in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found += os.readlink(f"/proc/{pid}/fd/{n}").startswith("/memfd:accel-leak-pin")
+        except FileNotFoundError:
+            pass
+    return found
+raw = json.dumps(compile_module('''
+def fill(out: "float32", v: "float32"):
+    i = global_id(0)
+    if i < out.size:
+        out[i] = v
+''')).encode()
+fd = sealed_memfd("module", len(raw), raw)
+mid = dev.call(uapi.ACCEL_CMD_MODULE_LOAD, uapi.accel_module_load(ctx_id=ctx, size=len(raw), fd=fd)).module_id
+os.close(fd)
+kernel = dev.call(uapi.ACCEL_CMD_KERNEL_GET, uapi.accel_kernel_get(ctx_id=ctx, module_id=mid, name=b"fill")).handle
+pin_fd = sealed_memfd("leak-pin", 4096)
+pin = dev.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
+    ctx_id=ctx, size=4096, kind=uapi.MemKind.HOST_PINNED, fd=pin_fd))
+args_fd = sealed_memfd("args", 4096)
+args = dev.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
+    ctx_id=ctx, size=4096, kind=uapi.MemKind.HOST_PINNED, fd=args_fd))
+block = userq.ARG_RECORD.pack(userq.ARG_BUFFER, 9, pin.va, 4096) \\
+    + userq.ARG_RECORD.pack(userq.ARG_SCALAR, 9, 0x3F800000, 0)
+os.pwrite(args_fd, block, 0)
+q = dev.queue_create(ctx)
+slot, ring = dev.rings[q]
+launch = bytes(userq.accel_packet(opcode=userq.Op.LAUNCH, a=(
+    kernel, userq.pack_dims((4, 1, 1)), userq.pack_dims((256, 1, 1)), 0, args.va, len(block), 0)))
+dev.submit(q, [launch])                              # the first compiles (an engine's)
+until(lambda: ring.completed == 1, "the first launch", 150)
+dev.submit(q, [launch, launch])                      # inline, then inline and bound
+until(lambda: ring.completed == 3, "the inline launches")
+ones = memoryview(__import__("mmap").mmap(pin_fd, 4096)).cast("f")
+assert ring.read_fault() == (0, 0, 0, 0) and ones[0] == ones[1023] == 1.0, ring.read_fault()
+dev.call(uapi.ACCEL_CMD_MODULE_UNLOAD, uapi.accel_module_unload(ctx_id=ctx, module_id=mid))
+dev.wait_done(ctx, dev.noop(ctx))                    # the unload was taken
+ones.release()
+held = pins()
+dev.close()                                          # the context goes, its mappings too
+until(lambda: pins() == 0, "the pinned mapping let go", 10)
+print(held, fw_pid() == pid)
+""")
+    assert lines == ["1 True"]
+    harmless(d, before, bystanders)

@@ -143,6 +143,43 @@ def test_lazy_init_and_current_device_per_thread(daemon):
     assert out.stdout.strip() == "[(0, (0, 0)), (1, (1, 1))]", out.stderr
 
 
+def test_a_process_touches_only_the_devices_it_uses(daemon):
+    """``set_device(1)`` in a fresh process initialised the runtime, which opened the
+    primary context of the device current then -- device 0: a context there that the
+    process never used, which kept device 0 from changing its partitions and from being
+    held exclusively by anyone else. Initialising opens nothing now (as torch.cuda's
+    ``set_device`` creates no context on device 0): the device a call is about opens its
+    context when used. Device 0's contexts and processes never show this process."""
+    proc = daemon.popen_py("""
+        import os, numpy as np, runtime
+        runtime.set_device(1)
+        x = runtime.to_device(np.arange(1 << 16, dtype=np.float32))
+        s = runtime.Stream()
+        y = runtime.empty(x.shape, np.float32, stream=s)
+        y.copy_(x, stream=s)
+        ok = np.array_equal(y.copy_to_host(stream=s), np.arange(1 << 16, dtype=np.float32))
+        runtime.synchronize()
+        print(os.getpid(), ok, runtime.current_device(), x.device, runtime.devices.held(),
+              flush=True)
+        input()
+    """)
+
+    def holders(pid: str, dev: int) -> tuple[int, int]:
+        """The process's rows in the device's debugfs contexts and sysfs processes."""
+        rows = daemon.debug(dev, "contexts").read_text().splitlines()[1:]
+        procs = daemon.attr(dev, "processes").splitlines()[1:]
+        return (sum(r.split()[1] == pid for r in rows), sum(p.split()[0] == pid for p in procs))
+
+    try:
+        line = proc.stdout.readline().split()
+        seen = [holders(line[0], dev) for dev in (0, 1)] if line else None
+    finally:
+        _, err = proc.communicate("\n", timeout=30)
+    assert proc.returncode == 0, err
+    assert line[1:] == ["True", "1", "1", "[1]"], line
+    assert seen == [(0, 0), (1, 1)]
+
+
 def test_invalid_device_index(daemon):
     out = daemon.run_py("""
         import runtime

@@ -21,7 +21,8 @@ TENANT = """
 import os, sys, threading, time, numpy as np, runtime
 from abi import userq
 hold = os.environ["ACCEL_EMU_ROOT"] + "/sys/kernel/debug/accel/accel0/sched_hold"
-extra = runtime.new_context(0)  # a second context of this process (the runtime has one)
+runtime.init()  # the primary context of device 0 (its streams' context)
+extra = runtime.new_context(0)  # a second context of this process
 try:
     runtime.new_context(0)
 except runtime.ResourceLimitError as e:

@@ -308,17 +308,39 @@ def test_a_bad_packet_faults_its_own_queue_only(device, ctx, name):
 
 
 @pytest.mark.timeout(60)
-def test_a_lost_contexts_doorbell_starts_nothing(device, ctx):
-    """Once the driver wrote a context's "lost" word (before its commands answer ENODEV,
-    its destroy message still on the way), packets rung on its rings do not run."""
+def test_a_lost_contexts_rings_start_nothing(device, ctx):
+    """The driver sends a context's loss on the mailbox (CTX_LOST, CTX_DESTROY) before it
+    writes the doorbell page's "lost" word and answers ENODEV; the control loop drains
+    the mailbox after publishing, so packets rung after the loss may be published in the
+    pass that takes the message: they never start (nor those rung later)."""
     q = ctx.queue(1)
     ran = q.submit(packet(Op.NOP))
     device.run_until(lambda: q.ring.fence == ran)
-    ctx.ctx.db.set(userq.DB_LOST, errno.ENODEV)
     q.submit(packet(Op.NOP), packet(Op.NOP))
+    device.sched.scan_doorbells()
+    device.sched.publish()
+    ctx.ctx.lost = True  # what the loss's message does, drained here in the pass
+    device.sched.poll()
+    q.submit(packet(Op.NOP))
     for _ in range(5):
         device.step()
     assert q.ring.fence == ran and q.ring.taken == ran
+    assert q.ring not in device.sched.active
+
+
+@pytest.mark.timeout(60)
+def test_the_doorbell_pages_lost_word_is_the_processes_and_stops_nothing(device, ctx):
+    """The page's "lost" word tells the process its context was lost; the process can
+    write it too, and a firmware that read it stopped the context's work for good (its
+    own rings and the driver's default queue: SUBMIT_NOOP accepted, WAIT answering ETIME
+    for ever). The firmware goes by the driver's messages alone."""
+    q = ctx.queue(1)
+    ran = q.submit(packet(Op.NOP))
+    device.run_until(lambda: q.ring.fence == ran)  # idle: only its doorbell wakes it now
+    ctx.ctx.db.set(userq.DB_LOST, errno.ENODEV)
+    w = q.submit(packet(Op.NOP), packet(Op.NOP))
+    device.run_until(lambda: q.ring.fence == w, timeout=5)
+    assert device.ended(q)[w].status == 0
 
 
 @pytest.mark.timeout(60)
