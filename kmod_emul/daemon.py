@@ -37,6 +37,10 @@ from kmod_emul.partition import Partitions
 log = logging.getLogger(__name__)
 
 FSNAME_PREFIX = "accel-emud@"
+#: FUSE requests served at once. A request that waits holds one (a blocking read of an
+#: event node: kmod_emul/faultlog.py bounds those to a quarter of them), and once all are
+#: held every other request waits in the kernel.
+MAX_TASKS = 256
 
 
 @dataclass(frozen=True)
@@ -191,7 +195,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[], None]) -> None:
         try:
             on_ready()
             log.info("serving %d device(s) at %s", len(devices), config.root)
-            await pyfuse3.main(min_tasks=4, max_tasks=256)
+            await pyfuse3.main(min_tasks=4, max_tasks=MAX_TASKS)
         finally:
             pyfuse3.close(unmount=True)
             nursery.cancel_scope.cancel()

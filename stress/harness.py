@@ -184,6 +184,18 @@ def _fd_change(before: Counter[str], now: Counter[str]) -> str:
                       *([f"lost {sorted(lost.elements())}"] if lost else [])])
 
 
+def world_reachable(path: Path) -> bool:
+    """Whether another user can reach ``path``: every directory on the way is o+x."""
+    p = Path(path).resolve()
+    for part in [p, *p.parents]:
+        try:
+            if not os.stat(part).st_mode & stat.S_IXOTH:
+                return False
+        except OSError:
+            return False
+    return True
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -480,4 +492,4 @@ def user_environment(dest: Path, uid: int = NOBODY,
 
 __all__ = ["BOOKS", "Bystander", "Daemon", "NOBODY", "OtherUser", "REPO", "Snapshot", "alive",
            "as_user", "assert_contained", "fd_count", "interruptible", "snapshot",
-           "tenant_code", "user_environment"]
+           "tenant_code", "user_environment", "world_reachable"]
