@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 #: Records kept of each user's processes, and of the device-wide records apart (``Kept``).
 KEEP = 256
 #: Records kept in all, whoever they are of: past it, the oldest of the largest share goes.
-#: Only a host with more users faulting than MAX_RECORDS // KEEP reaches it.
+#: Only more than MAX_RECORDS // KEEP full shares (users faulting) reach it.
 MAX_RECORDS = 16 * KEEP
 #: Events one watcher may have unread before it starts dropping.
 WATCH_QUEUE = 256
@@ -93,7 +93,8 @@ def visible(rec: dict[str, Any], uid: int) -> bool:
 
 
 def _share(rec: dict[str, Any]) -> int | str:
-    """Whose share of the kept records ``rec`` is in: its user's, or the device's."""
+    """Whose share of the kept records ``rec`` is in: its user's, the device's (no
+    context), or that of the records whose owner is unknown (see ``visible``)."""
     owner = rec.get("uid")
     if owner is not None:
         return int(owner)
