@@ -204,18 +204,14 @@ def _round(d: Daemon, rep: Report, seed: int, where: str, threads: int,
             except OSError as exc:  # the injections are device-wide: root sees them
                 rep.unexpected += 1
                 rep.notes.append(f"{where}: root's watcher: {exc}")
-        # events go on until the attackers are gone: a killed thread queued on a watcher
-        # waits for the read ahead of it to end, which an event ends at once
-        deadline = time.monotonic() + seconds + 60
-        while any(p.poll() is None for p in attackers) and time.monotonic() < deadline:
-            _inject(d)
-            time.sleep(INJECT_EVERY_S)
         for proc in attackers:
-            if proc.poll() is None:
+            try:
+                out, err = proc.communicate(timeout=seconds + 60)
+            except subprocess.TimeoutExpired:
                 rep.hangs += 1
                 rep.notes.append(f"{where}: an attacker did not exit")
                 proc.kill()
-            out, err = proc.communicate(timeout=60)
+                out, err = proc.communicate(timeout=60)
             _count(rep, where, json.loads(out.splitlines()[-1]) if out.strip() else {}, err)
     finally:
         for fd in roots:

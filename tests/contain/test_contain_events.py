@@ -103,8 +103,10 @@ def test_preads_by_the_hundred_are_espipe_and_leave_every_request_task_to_others
         flooded = round_trips(d, 0, 300)
         assert attacker.poll() is None
     finally:
+        # killed, its threads' queued reads are withdrawn: the daemon must not freeze in
+        # a read of /dev/fuse (kmod_emul/daemon.py, LoopWatch), and the process dies at once
         attacker.kill()
-        attacker.wait()
+        attacker.wait(60)
     print(f"DEVICE_QUERY round trip: quiet {_ms(quiet)}; under 8 watchers x 400 threads "
           f"{_ms(flooded)}")
     assert slowdown(quiet, flooded) is None, slowdown(quiet, flooded)
