@@ -17,9 +17,9 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,74 +42,38 @@ FSNAME_PREFIX = "accel-emud@"
 #: event node: kmod_emul/faultlog.py bounds those to a quarter of them), and once all are
 #: held every other request waits in the kernel.
 MAX_TASKS = 256
-#: The loop's tick (``LoopWatch``), and how long without one the loop counts as stuck.
-LOOP_TICK_S = 0.05
-LOOP_STUCK_S = 0.25
-
-#: The watchdog (argv: the daemon's pid, the read end of the tick pipe, LOOP_STUCK_S): no
-#: tick for that long, SIGUSR1 to the daemon; EOF (the daemon is gone), exit.
-_WATCHDOG = """
-import os, select, signal, sys
-pid, ticks, stuck = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-while True:
-    if not select.select([ticks], [], [], stuck)[0]:
-        try:
-            os.kill(pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            break
-    elif not os.read(ticks, 4096):
-        break
-"""
+#: While pyfuse3 serves, a timer signal interrupts the loop's thread this often
+#: (``interrupted_reads``).
+INTERRUPT_EVERY_S = 0.25
 
 
-class LoopWatch:
-    """Gets the event loop out of a read of /dev/fuse that would block.
+@contextmanager
+def interrupted_reads() -> Iterator[None]:
+    """A read of /dev/fuse that would block the daemon ends within INTERRUPT_EVERY_S.
 
     pyfuse3 waits until /dev/fuse is readable, then reads it with a blocking read(2), the
     interpreter's lock held. A request can leave the device between the two: the kernel
     withdraws a request whose process was killed before the daemon read it, and an
     interrupt once its request is answered. The read then blocks the whole daemon until
     another request comes: no timer runs (a waiting read's slice, the firmware's
-    heartbeat, a reset), no firmware message is handled. 400 threads of one process killed
+    heartbeat watch), no firmware message is handled. 400 threads of one process killed
     in read(2) of an event node froze it so in 2 of 12 tries, for as long as nobody else
     sent a request (their process unkillable meanwhile: its threads were queued behind
     reads the frozen loop could not end).
 
-    The loop writes a tick to a pipe every LOOP_TICK_S; a watchdog process (no thread of
-    the daemon can run while the read holds the interpreter's lock) sends the daemon
-    SIGUSR1 once none came for LOOP_STUCK_S. The kernel gives a process's signal to its
-    main thread, the loop's, when that thread can take it; the handler does nothing, the
-    read answers EINTR, and pyfuse3 polls again. A loop merely busy that long gets a
-    signal it ignores. It runs only while pyfuse3 serves: libfuse's mount and unmount do
-    not retry a call a signal interrupts. The watchdog exits at the EOF of the daemon's
-    end."""
-
-    def __init__(self) -> None:
-        signal.signal(signal.SIGUSR1, lambda signum, frame: None)
-        read_end, self._ticks = os.pipe2(os.O_CLOEXEC)
-        os.set_blocking(self._ticks, False)
-        try:
-            self._watchdog = subprocess.Popen(
-                [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(read_end),
-                 str(LOOP_STUCK_S)],
-                pass_fds=(read_end,), stdin=subprocess.DEVNULL, start_new_session=True)
-        finally:
-            os.close(read_end)
-
-    async def tick(self) -> None:
-        """Run in the loop until ``stop``."""
-        while self._ticks >= 0:
-            try:
-                os.write(self._ticks, b"\0")
-            except BlockingIOError:
-                pass  # the watchdog is behind: it has ticks to read
-            await trio.sleep(LOOP_TICK_S)
-
-    def stop(self) -> None:
-        """No signal comes once this returns: the watchdog is gone."""
-        os.close(self._ticks)
-        self._ticks = -1
-        self._watchdog.wait()
+    No thread of the daemon can help while the read holds the interpreter's lock, but the
+    kernel's interval timer can: SIGALRM every INTERRUPT_EVERY_S, whose handler does
+    nothing. The kernel gives a process's signal to its main thread, the loop's, when that
+    thread can take it; a blocked read answers EINTR, which pyfuse3 takes as "poll again",
+    and any other wait of the loop is retried (PEP 475; trio's own). The timer runs only
+    while pyfuse3 serves: libfuse's mount and unmount do not retry a call a signal
+    interrupts. The handler stays: a signal generated as the timer stops may still come."""
+    signal.signal(signal.SIGALRM, lambda signum, frame: None)
+    signal.setitimer(signal.ITIMER_REAL, INTERRUPT_EVERY_S, INTERRUPT_EVERY_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 @dataclass(frozen=True)
@@ -261,14 +225,12 @@ async def serve(config: DaemonConfig, on_ready: Callable[[], None]) -> None:
                 booting.start_soon(nursery.start, dev.run)
             booting.start_soon(partitions.start, nursery)
         pyfuse3.init(fs, str(config.root), options)
-        watch = LoopWatch()
         try:
             on_ready()
             log.info("serving %d device(s) at %s", len(devices), config.root)
-            nursery.start_soon(watch.tick)
-            await pyfuse3.main(min_tasks=4, max_tasks=MAX_TASKS)
+            with interrupted_reads():
+                await pyfuse3.main(min_tasks=4, max_tasks=MAX_TASKS)
         finally:
-            watch.stop()
             pyfuse3.close(unmount=True)
             nursery.cancel_scope.cancel()
 
