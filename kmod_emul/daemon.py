@@ -18,7 +18,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,42 @@ from kmod_emul.partition import Partitions
 log = logging.getLogger(__name__)
 
 FSNAME_PREFIX = "accel-emud@"
+#: FUSE requests served at once. A request that waits holds one (a blocking read of an
+#: event node: kmod_emul/faultlog.py bounds those to a quarter of them), and once all are
+#: held every other request waits in the kernel.
+MAX_TASKS = 256
+#: While pyfuse3 serves, a timer signal interrupts the loop's thread this often
+#: (``interrupted_reads``).
+INTERRUPT_EVERY_S = 0.25
+
+
+@contextmanager
+def interrupted_reads() -> Iterator[None]:
+    """A read of /dev/fuse that would block the daemon ends within INTERRUPT_EVERY_S.
+
+    pyfuse3 waits until /dev/fuse is readable, then reads it with a blocking read(2), the
+    interpreter's lock held. A request can leave the device between the two: the kernel
+    withdraws a request whose process was killed before the daemon read it, and an
+    interrupt once its request is answered. The read then blocks the whole daemon until
+    another request comes: no timer runs (a waiting read's slice, the firmware's
+    heartbeat watch), no firmware message is handled. 400 threads of one process killed
+    in read(2) of an event node froze it so in 2 of 12 tries, for as long as nobody else
+    sent a request (their process unkillable meanwhile: its threads were queued behind
+    reads the frozen loop could not end).
+
+    No thread of the daemon can help while the read holds the interpreter's lock, but the
+    kernel's interval timer can: SIGALRM every INTERRUPT_EVERY_S, whose handler does
+    nothing. The kernel gives a process's signal to its main thread, the loop's, when that
+    thread can take it; a blocked read answers EINTR, which pyfuse3 takes as "poll again",
+    and any other wait of the loop is retried (PEP 475; trio's own). The timer runs only
+    while pyfuse3 serves: libfuse's mount and unmount do not retry a call a signal
+    interrupts. The handler stays: a signal generated as the timer stops may still come."""
+    signal.signal(signal.SIGALRM, lambda signum, frame: None)
+    signal.setitimer(signal.ITIMER_REAL, INTERRUPT_EVERY_S, INTERRUPT_EVERY_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 @dataclass(frozen=True)
@@ -189,7 +226,8 @@ async def serve(config: DaemonConfig, on_ready: Callable[[], None]) -> None:
         try:
             on_ready()
             log.info("serving %d device(s) at %s", len(devices), config.root)
-            await pyfuse3.main(min_tasks=4, max_tasks=256)
+            with interrupted_reads():
+                await pyfuse3.main(min_tasks=4, max_tasks=MAX_TASKS)
         finally:
             pyfuse3.close(unmount=True)
             nursery.cancel_scope.cancel()

@@ -2,7 +2,7 @@
 
 Three readers, one source (:mod:`abi.faults` defines the record):
 
-* ``sys/class/accel/accelN/fault_log``: the last ``KEEP`` records, oldest first, one line each
+* ``sys/class/accel/accelN/fault_log``: the records kept, oldest first, one line each
   (what ``runtime.fault_records()`` and ``accel-smi -q -d ERRORS`` read);
 * ``dev/accel-events/accelN``: a blocking, pollable stream of new records, like KFD's
   SMI events and /dev/kmsg: each open is a watcher with its own queue of ``WATCH_QUEUE``
@@ -14,6 +14,19 @@ Three readers, one source (:mod:`abi.faults` defines the record):
 
 Who sees what: root sees every record; another user sees the records of their own
 processes and the device-wide ones (no pid), as ``processes`` shows a user only theirs.
+
+Records are evidence, and no tenant may erase another's: the last ``KEEP`` records are kept
+*per user*, and the device-wide ones apart, so a tenant faulting in a loop evicts only its
+own (``Kept``). Its daemon log lines are rate-limited per device (kmod_emul/ratelimit.py);
+the records are not.
+
+A blocking read of the event node holds one of the daemon's FUSE request tasks while it
+waits (kmod_emul/daemon.py runs ``MAX_TASKS``), and ``pread(2)`` is not serialised by the
+kernel as ``read(2)`` is: so waiting reads are bounded per watcher, per user and
+daemon-wide, far below ``MAX_TASKS``, some kept for root (``WaitingReads``), and the
+excess is answered at once. Whatever a tenant does with the event node, every other
+request finds a task. Watchers are bounded per process, per user and per device, some kept
+for root.
 """
 
 from __future__ import annotations
@@ -21,8 +34,9 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,29 +45,127 @@ import trio
 from abi import faults
 from kmod_emul import limits
 from kmod_emul.errors import DriverError
+from kmod_emul.ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
-#: Records the in-memory log (and the ``fault_log`` attribute) keeps.
+#: Records kept of each user's processes, and of the device-wide records apart (``Kept``).
 KEEP = 256
+#: Records kept in all, whoever they are of: past it, the oldest of the largest share goes.
+#: Only more than MAX_RECORDS // KEEP full shares (users faulting) reach it.
+MAX_RECORDS = 16 * KEEP
 #: Events one watcher may have unread before it starts dropping.
 WATCH_QUEUE = 256
-#: The persistent log is cut back to its last KEEP records past this size.
-LOG_MAX_BYTES = 1 << 20
-#: Open watchers of one device, and of one process: each holds a queue of up to
-#: WATCH_QUEUE records, so opens are bounded like every other table a tenant fills
-#: (ENOSPC device-wide, EDQUOT for one process; docs/containment.md).
+#: The persistent log is cut back to the records kept once it is past this size, or past
+#: twice what the last cut left, whichever is more (so a cut is never redone at once).
+LOG_MAX_BYTES = 4 << 20
+#: Open watchers of one device, of one user and of one process: each holds a queue of up
+#: to WATCH_QUEUE records, so opens are bounded like every other table a tenant fills
+#: (ENOSPC device-wide, EDQUOT for one user or process; docs/containment.md). The last
+#: ROOT_WATCHERS of the table are root's, and root has no per-user share: one user's
+#: processes cannot keep the operator from watching.
 MAX_WATCHERS = 64
+ROOT_WATCHERS = 16
+MAX_WATCHERS_PER_UID = 16
 MAX_WATCHERS_PER_PROCESS = 8
 #: A blocking read of the event node waits at most this long, then answers EINTR (which
 #: read loops retry): a FUSE request the daemon never answers would keep a killed reader
 #: from exiting.
 READ_SLICE_S = 1.0
+#: Blocking reads waiting at once in the daemon (each holds a request task: a quarter of
+#: kmod_emul.daemon.MAX_TASKS), of which the last ROOT_WAITING_READS are root's; of one
+#: user (root has no share); of one watcher (as read(2) is serialised per open file).
+#: Past them a read answers ENOSPC, EDQUOT, EBUSY at once.
+MAX_WAITING_READS = 64
+ROOT_WAITING_READS = 16
+MAX_WAITING_READS_PER_UID = 16
+#: A ``pid N`` filter has at most this many digits (pids are below 2**22 on Linux).
+PID_DIGITS = 10
 
 
 def visible(rec: dict[str, Any], uid: int) -> bool:
-    """May ``uid`` see ``rec``? Root all; others their own and the device-wide records."""
-    return uid == 0 or rec.get("uid") is None or rec.get("uid") == uid
+    """May ``uid`` see ``rec``? Root all; others their own and the device-wide records. A
+    record of a context whose owner the driver no longer knew (the context was destroyed
+    before the firmware's report of its fault came) is root's: it names no process, but
+    it is not device-wide either."""
+    owner = rec.get("uid")
+    return uid == 0 or owner == uid or (owner is None and rec.get("context") is None)
+
+
+def _share(rec: dict[str, Any]) -> int | str:
+    """Whose share of the kept records ``rec`` is in: its user's, the device's (no
+    context), or that of the records whose owner is unknown (see ``visible``)."""
+    owner = rec.get("uid")
+    if owner is not None:
+        return int(owner)
+    return "device" if rec.get("context") is None else "unowned"
+
+
+class Kept:
+    """The records kept, by share (``_share``): the last KEEP of each, at most MAX_RECORDS
+    in all. A tenant faulting in a loop evicts its own records, never another user's nor
+    the device-wide ones: records are evidence. (With one log of the last KEEP, a tenant
+    faulting 378-1,116 times a second evicted every other tenant's records.)"""
+
+    def __init__(self) -> None:
+        self._shares: dict[int | str, deque[dict[str, Any]]] = {}
+        self._count = 0
+
+    def add(self, rec: dict[str, Any]) -> None:
+        share = self._shares.setdefault(_share(rec), deque(maxlen=KEEP))
+        if len(share) < KEEP:  # a full share drops its oldest itself
+            self._count += 1
+        share.append(rec)
+        while self._count > MAX_RECORDS:
+            largest = max(self._shares, key=lambda k: len(self._shares[k]))
+            self._shares[largest].popleft()
+            self._count -= 1
+            if not self._shares[largest]:
+                del self._shares[largest]
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every record kept, oldest first."""
+        return sorted((r for share in self._shares.values() for r in share),
+                      key=lambda r: int(r.get("seq") or 0))
+
+
+class WaitingReads:
+    """The blocking reads of event nodes waiting in this daemon, by user. Each holds one of
+    the daemon's FUSE request tasks until an event comes or READ_SLICE_S passes; 8 watchers
+    and 400 threads in pread(2) on them, as uid 65534, took every task and a bystander's
+    driver round trip went from 0.1 ms to 1-2 s. So at most MAX_WAITING_READS wait (root
+    keeps ROOT_WAITING_READS of them), MAX_WAITING_READS_PER_UID of one user, one per
+    watcher; the excess is answered at once, and the daemon always has request tasks for
+    everyone else. One per daemon (``WAITING``): request tasks are the process's."""
+
+    def __init__(self) -> None:
+        self.by_uid: Counter[int] = Counter()
+
+    @contextmanager
+    def hold(self, w: Watcher) -> Iterator[None]:
+        """Room for one waiting read of ``w``, for as long as the block; DriverError EBUSY
+        (its watcher), EDQUOT (its user) or ENOSPC (the daemon) if there is none."""
+        if w.waiting:
+            raise DriverError(errno.EBUSY, "another read of this watcher is waiting: read "
+                                           "it from one thread, or poll")
+        if w.uid != 0:
+            limits.check(self.by_uid[w.uid], 1, MAX_WAITING_READS_PER_UID,
+                         f"waiting event reads of uid {w.uid}", device_wide=False)
+        limits.check(self.by_uid.total(), 1,
+                     MAX_WAITING_READS - (0 if w.uid == 0 else ROOT_WAITING_READS),
+                     "waiting event reads", device_wide=True)
+        w.waiting = True
+        self.by_uid[w.uid] += 1
+        try:
+            yield
+        finally:
+            w.waiting = False
+            self.by_uid[w.uid] -= 1
+            if not self.by_uid[w.uid]:
+                del self.by_uid[w.uid]
+
+
+WAITING = WaitingReads()
 
 
 class Watcher:
@@ -68,13 +180,18 @@ class Watcher:
         #: records to read, and at most one dropped marker, last (the queue is full then)
         self.queue: deque[dict[str, Any]] = deque()
         self._arrived = trio.Event()
+        self.waiting = False  # a read of it waits (WaitingReads)
         self.poll_handle: Any = None
 
     def configure(self, text: str) -> None:
-        """``pid N``: only process N's records; ``pid all``: every record again."""
+        """``pid N``: only process N's records; ``pid all``: every record again. N is ASCII
+        digits, at most PID_DIGITS of them: ``str.isdigit`` also takes ``²`` and other
+        digits ``int`` refuses, and ``int`` refuses more than 4,300 digits."""
         words = text.split()
-        if len(words) != 2 or words[0] != "pid" or not (words[1] == "all" or words[1].isdigit()):
-            raise DriverError(errno.EINVAL, f"write 'pid N' or 'pid all', not {text.strip()!r}")
+        if len(words) != 2 or words[0] != "pid" or not (words[1] == "all" or (
+                words[1].isascii() and words[1].isdigit() and len(words[1]) <= PID_DIGITS)):
+            raise DriverError(errno.EINVAL,
+                              f"write 'pid N' or 'pid all', not {text.strip()[:40]!r}")
         self.pid = None if words[1] == "all" else int(words[1])
 
     def offer(self, rec: dict[str, Any]) -> None:
@@ -95,25 +212,34 @@ class Watcher:
         return bool(self.queue)
 
     async def read(self, size: int) -> bytes:
-        """Whole lines up to ``size`` bytes (at least one); blocks while there is none."""
+        """Whole lines up to ``size`` bytes, at least one: blocks while there is none; a
+        ``size`` shorter than the next line answers EINVAL and leaves it for the next read,
+        as /dev/kmsg does."""
         if not self.ready():
-            if self.nonblocking:
-                raise DriverError(errno.EAGAIN, "no event yet")
-            with trio.move_on_after(READ_SLICE_S):
-                await self._arrived.wait()
-            if not self.ready():
-                raise DriverError(errno.EINTR, "no event yet; read again")
-        self._arrived = trio.Event()
+            await self._wait()
         out = bytearray()
         while self.queue:
             line = (faults.to_line(self.queue[0]) + "\n").encode()
-            if out and len(out) + len(line) > size:
+            if len(out) + len(line) > size:
                 break
             out += line
             self.queue.popleft()
-        if self.ready():
-            self._arrived.set()
+        if not out:
+            raise DriverError(errno.EINVAL, f"a read of {size} bytes is shorter than the next "
+                                            f"event ({len(line)} bytes)")
         return bytes(out)
+
+    async def _wait(self) -> None:
+        """Until there is an event: EAGAIN at once if non-blocking, EINTR after
+        READ_SLICE_S, EBUSY/EDQUOT/ENOSPC at once past the bounds of ``WaitingReads``."""
+        if self.nonblocking:
+            raise DriverError(errno.EAGAIN, "no event yet")
+        with WAITING.hold(self), trio.move_on_after(READ_SLICE_S):
+            while not self.ready():
+                self._arrived = trio.Event()
+                await self._arrived.wait()
+        if not self.ready():
+            raise DriverError(errno.EINTR, "no event yet; read again")
 
     def close(self) -> None:
         self.flog.watchers.discard(self)
@@ -126,13 +252,20 @@ class FaultLog:
         self.index = index
         self.uuid = uuid
         self.path = state_dir / "faults" / f"{uuid}.log" if state_dir is not None else None
-        self.records: deque[dict[str, Any]] = deque(maxlen=KEEP)
+        self.kept = Kept()
         self.watchers: set[Watcher] = set()
         #: called with every new record, before the watchers hear of it, while what the
         #: fault left is still there (the device's coredump, kmod_emul/coredump.py)
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self.seq = 0
+        self._log = RateLimitedLog(log, f"accel{index}", "fault records")
+        self._cut_at = LOG_MAX_BYTES
         self._load()
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """Every record kept, oldest first."""
+        return self.kept.records()
 
     def _load(self) -> None:
         """The records of earlier daemons, from the persistent log (a torn last line, from
@@ -140,9 +273,9 @@ class FaultLog:
         if self.path is None or not self.path.exists():
             return
         for rec in faults.from_lines(self.path.read_text(errors="replace")):
-            self.records.append(rec)
+            self.kept.add(rec)
             self.seq = max(self.seq, int(rec.get("seq") or 0))
-        if self.path.stat().st_size > LOG_MAX_BYTES:
+        if self.path.stat().st_size > self._cut_at:
             self._rewrite(self.records)
 
     def _rewrite(self, records: Iterable[dict[str, Any]]) -> None:
@@ -150,6 +283,7 @@ class FaultLog:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(faults.to_line(r) + "\n" for r in records))
         tmp.replace(self.path)
+        self._cut_at = max(LOG_MAX_BYTES, 2 * self.path.stat().st_size)
 
     def report(self, code: int, **fields: Any) -> dict[str, Any]:
         """Record a fault of catalogue ``code``: log it, persist it, tell the watchers."""
@@ -157,16 +291,16 @@ class FaultLog:
         self.seq += 1
         rec = faults.record(kind, device=self.index, device_uuid=self.uuid, seq=self.seq,
                             time=round(time.time(), 6), **fields)
-        self.records.append(rec)
+        self.kept.add(rec)
         line = faults.to_line(rec)
         level = logging.INFO if kind.severity == faults.Severity.CORRECTED else logging.WARNING
-        log.log(level, "accel%d fault %d %s: %s", self.index, kind.code, kind.name, line)
+        self._log.log(level, "accel%d fault %d %s: %s", self.index, kind.code, kind.name, line)
         if self.path is not None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 with self.path.open("a") as f:
                     f.write(line + "\n")
-                if self.path.stat().st_size > LOG_MAX_BYTES:
+                if self.path.stat().st_size > self._cut_at:
                     self._rewrite(self.records)
             except OSError as exc:  # a full disk must not lose the device
                 log.error("accel%d: cannot persist a fault record: %s", self.index, exc)
@@ -178,8 +312,11 @@ class FaultLog:
 
     def watch(self, uid: int, pid: int, nonblocking: bool) -> Watcher:
         """A new watcher for process ``pid`` of user ``uid`` (an open of the event node)."""
-        limits.check(len(self.watchers), 1, MAX_WATCHERS, f"accel{self.index} event watchers",
-                     device_wide=True)
+        limits.check(len(self.watchers), 1, MAX_WATCHERS - (0 if uid == 0 else ROOT_WATCHERS),
+                     f"accel{self.index} event watchers", device_wide=True)
+        if uid != 0:
+            limits.check(sum(w.uid == uid for w in self.watchers), 1, MAX_WATCHERS_PER_UID,
+                         f"event watchers of uid {uid}", device_wide=False)
         limits.check(sum(w.owner == pid for w in self.watchers), 1, MAX_WATCHERS_PER_PROCESS,
                      f"event watchers of process {pid}", device_wide=False)
         w = Watcher(self, uid, pid, nonblocking)

@@ -350,7 +350,12 @@ class AccelFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR)
         fh = next(self._fh)
         self._handles[fh] = handle
-        return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        # an event node is a stream, as a pipe is: the kernel answers pread(2) ESPIPE
+        # itself, and serialises read(2) on the open file's position lock (it does not
+        # serialise preads: 400 threads in pread took every request task; see
+        # kmod_emul/faultlog.py, WaitingReads)
+        return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False,
+                                nonseekable=isinstance(handle, Watcher))
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         handle = self._handles[fh]

@@ -14,8 +14,9 @@ What the kernel refuses before the driver hears of it (another process opening a
 tenant's ring or memory through ``/proc/PID/fd``, which the runtime's non-dumpable flag
 stops) cannot be counted here; docs/containment.md says which is which.
 
-The log is rate-limited as ``dev_warn_ratelimited`` is: at most ``LOG_BURST`` lines per
-``LOG_INTERVAL_S`` per device, then one line saying how many were not logged.
+The log is rate-limited as ``dev_warn_ratelimited`` is (kmod_emul/ratelimit.py): at most
+``LOG_BURST`` lines per ``LOG_INTERVAL_S`` per device, then one line saying how many were
+not logged.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kmod_emul.attr import Attr
 from kmod_emul.errors import DriverError
+from kmod_emul.ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:
     from kmod_emul.context import Context, OpenFile
@@ -38,8 +39,6 @@ log = logging.getLogger(__name__)
 #: What an attempt reached for; one counter file each.
 KINDS: tuple[str, ...] = ("context", "queue", "allocation", "module", "export", "peer",
                           "privileged")
-LOG_BURST = 10
-LOG_INTERVAL_S = 5.0
 
 
 class Isolation:
@@ -48,9 +47,7 @@ class Isolation:
     def __init__(self, name: str) -> None:
         self.name = name
         self.counts = dict.fromkeys(KINDS, 0)
-        self._window_start = 0.0
-        self._logged = 0
-        self._suppressed = 0
+        self._log = RateLimitedLog(log, name, "refusals")
 
     @property
     def total(self) -> int:
@@ -60,21 +57,9 @@ class Isolation:
                code: int = errno.EPERM) -> DriverError:
         """Count and log one attempt; the error to raise for it."""
         self.counts[kind] += 1
-        self._log(f"{self.name}: refused pid {pid} uid {uid}: {what} "
-                  f"({errno.errorcode[code]})")
+        self._log.log(logging.WARNING, "%s: refused pid %s uid %s: %s (%s)", self.name, pid,
+                      uid, what, errno.errorcode[code])
         return DriverError(code, what)
-
-    def _log(self, line: str) -> None:
-        now = time.monotonic()
-        if now - self._window_start >= LOG_INTERVAL_S:
-            if self._suppressed:
-                log.warning("%s: %d more refusals not logged", self.name, self._suppressed)
-            self._window_start, self._logged, self._suppressed = now, 0, 0
-        if self._logged < LOG_BURST:
-            self._logged += 1
-            log.warning("%s", line)
-        else:
-            self._suppressed += 1
 
 
 def foreign_or_unknown(asker: OpenFile, kind: str, ident: int, held: Iterable[Context],

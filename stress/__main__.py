@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     t0 = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="accel-stress-"))
+    tmp.chmod(0o755)  # other users reach the roots: the attackers' uid 65534 tenants
     try:
         for i, (name, mod) in enumerate(chosen.items()):
             count = max(1, round(getattr(mod, "STRESS_COUNT", DEFAULT_COUNT) * args.scale))

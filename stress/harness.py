@@ -197,6 +197,18 @@ def firmware_children(d) -> int:
     return children
 
 
+def world_reachable(path: Path) -> bool:
+    """Whether another user can reach ``path``: every directory on the way is o+x."""
+    p = Path(path).resolve()
+    for part in [p, *p.parents]:
+        try:
+            if not os.stat(part).st_mode & stat.S_IXOTH:
+                return False
+        except OSError:
+            return False
+    return True
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -492,4 +504,4 @@ def user_environment(dest: Path, uid: int = NOBODY,
 
 __all__ = ["BOOKS", "Bystander", "Daemon", "NOBODY", "OtherUser", "REPO", "Snapshot", "alive",
            "as_user", "assert_contained", "fd_count", "firmware_children", "interruptible",
-           "snapshot", "tenant_code", "user_environment"]
+           "snapshot", "tenant_code", "user_environment", "world_reachable"]

@@ -38,13 +38,11 @@ import os
 import random
 import selectors
 import signal
-import stat
 import subprocess
 import sys
 import textwrap
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from stress.harness import (
     REPO,
@@ -54,6 +52,7 @@ from stress.harness import (
     as_user,
     assert_contained,
     snapshot,
+    world_reachable,
 )
 from stress.report import Report
 
@@ -257,18 +256,6 @@ while time.monotonic() - T0 < P["ttl"]:
     it += 1
 out("TTL")
 """
-
-
-def world_reachable(path: Path) -> bool:
-    """Whether another user can reach ``path``: every directory on the way is o+x."""
-    p = Path(path).resolve()
-    for part in [p, *p.parents]:
-        try:
-            if not os.stat(part).st_mode & stat.S_IXOTH:
-                return False
-        except OSError:
-            return False
-    return True
 
 
 @dataclass(eq=False)
@@ -622,4 +609,4 @@ def run(d: Daemon, *, count: int, seed: int, concurrency: int = 3,
     return report
 
 
-__all__ = ["KERNEL_SOURCE", "STRESS_COUNT", "run", "world_reachable"]
+__all__ = ["KERNEL_SOURCE", "STRESS_COUNT", "run"]

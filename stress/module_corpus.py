@@ -66,8 +66,8 @@ from stress.harness import (
     as_user,
     assert_contained,
     snapshot,
+    world_reachable,
 )
-from stress.kill_storm import world_reachable
 from stress.report import Report
 
 #: mutants in a full stress run

@@ -3,15 +3,22 @@
 Without ``--foreground`` the command starts the daemon in its own session and returns once
 the mount is ready (exit 0), or prints why it could not start (exit 1). The daemon tells
 its starter it is ready through a pipe, so "returned" always means "mounted and booted".
+
 Arguments that cannot be exit 2 in either mode, before anything starts: argparse's
 errors, and a ``--limit`` the devices' image cannot hold (checked here, so that a
 background start says so as a foreground one does).
+
+The daemon's log file (``--log-file``; in the background STATE_DIR/accel-emud.log) is cut
+at ``LOG_MAX_BYTES``, keeping ``LOG_BACKUPS`` earlier cuts, as logrotate would: what a
+tenant can make the driver log is rate-limited (kmod_emul/ratelimit.py), but the file must
+not grow without end whatever the daemon's life brings.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import logging.handlers
 import os
 import re
 import resource
@@ -27,6 +34,11 @@ if TYPE_CHECKING:
     from kmod_emul.daemon import DaemonConfig
 
 START_TIMEOUT_S = 120.0
+#: The daemon's log file is cut past this size; the last LOG_BACKUPS cuts are kept
+#: (accel-emud.log.1, .2): at most (1 + LOG_BACKUPS) * LOG_MAX_BYTES on disk.
+LOG_MAX_BYTES = 8 << 20
+LOG_BACKUPS = 2
+LOG_FORMAT = "%(asctime)s accel-emud[%(process)d] %(levelname)s %(name)s: %(message)s"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -115,7 +127,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="fault injection: fail device N's bring-ups at STEP (sets its "
                             "debugfs fail_step; docs/driver.md lists the steps)")
     start.add_argument("--log-file", type=Path, default=None,
-                       help="daemon log when in the background (default STATE_DIR/accel-emud.log)")
+                       help="the daemon's log, stdout and stderr, cut past "
+                            f"{LOG_MAX_BYTES >> 20} MiB keeping {LOG_BACKUPS} earlier cuts "
+                            "(default: STATE_DIR/accel-emud.log in the background, stderr "
+                            "in the foreground)")
     start.add_argument("-v", "--verbose", action="store_true", help="log every refused command")
     start.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     for name, text in (("stop", "unmount cleanly and stop the daemon"),
@@ -141,6 +156,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                 _parser().error(f"--fail-step: no bring-up step {step!r}; the steps are "
                                 f"{' '.join(STEP_NAMES)}")
     return args
+
+
+class DaemonLog(logging.handlers.RotatingFileHandler):
+    """The daemon's log file, cut past ``LOG_MAX_BYTES``. The daemon's stdout and stderr
+    are the same file (what does not go through logging: a traceback the interpreter
+    prints, the firmware's log passed on by kmod_emul/fw.py), so they follow it to each new
+    file; their bytes count towards the cut, made at the next logged line."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS)
+        self._redirect()
+
+    def doRollover(self) -> None:
+        super().doRollover()
+        self._redirect()
+
+    def _redirect(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd in (1, 2):
+            os.dup2(self.stream.fileno(), fd)
 
 
 def _config(args: argparse.Namespace) -> DaemonConfig:
@@ -185,8 +221,8 @@ def _serve(config: DaemonConfig, args: argparse.Namespace) -> int:
     from kmod_emul.limits import LimitError
 
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s accel-emud[%(process)d] %(levelname)s %(name)s: %(message)s",
+        level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
+        handlers=[DaemonLog(args.log_file)] if args.log_file else None,
     )
 
     def ready() -> None:
@@ -216,10 +252,10 @@ def _start_background(args: argparse.Namespace, argv: list[str]) -> int:
     log_file.parent.mkdir(parents=True, exist_ok=True)
     read_fd, write_fd = os.pipe()
     child_argv = [a for a in argv if a != "start"]
-    with open(log_file, "ab") as log:
+    with open(log_file, "ab") as log:  # until the daemon takes it over (DaemonLog)
         proc = subprocess.Popen(
             [sys.executable, "-m", "tools.accel_emud", "start", *child_argv, "--foreground",
-             "--ready-fd", str(write_fd)],
+             "--log-file", str(log_file.resolve()), "--ready-fd", str(write_fd)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(write_fd,),
             start_new_session=True,
         )

@@ -20,7 +20,8 @@ from rawdev import RawDev
 from refusals import isolation_refusals
 
 from abi import uapi
-from kmod_emul.isolation import KINDS, LOG_BURST
+from kmod_emul.isolation import KINDS
+from kmod_emul.ratelimit import LOG_BURST
 from runtime._shm import sealed_memfd
 from runtime.kernels import compile_module
 from stress.harness import assert_contained, snapshot
