@@ -327,6 +327,18 @@ for line in sys.stdin:
 """
 
 
+def close_child(proc: subprocess.Popen[str]) -> None:
+    """End a tenant driven through its stdin: EOF, then a kill past 30 s."""
+    if proc.poll() is None:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Bystander:
     """Another tenant on device ``dev``: its data must stay intact and its work must run
     through whatever an attacker does. It holds nothing on the other devices (the runtime
@@ -353,13 +365,7 @@ class Bystander:
         assert answer == "ok", f"bystander: {answer!r}"
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        close_child(self.proc)
 
     def __enter__(self) -> Bystander:
         return self
@@ -503,5 +509,5 @@ def user_environment(dest: Path, uid: int = NOBODY,
 
 
 __all__ = ["BOOKS", "Bystander", "Daemon", "NOBODY", "OtherUser", "REPO", "Snapshot", "alive",
-           "as_user", "assert_contained", "fd_count", "firmware_children", "interruptible",
-           "snapshot", "tenant_code", "user_environment", "world_reachable"]
+           "as_user", "assert_contained", "close_child", "fd_count", "firmware_children",
+           "interruptible", "snapshot", "tenant_code", "user_environment", "world_reachable"]

@@ -39,8 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from stress._common import Progress, client_args, fuzz_rounds, write_result
-from stress.harness import NOBODY
-from stress.kill_storm import world_reachable
+from stress.harness import NOBODY, world_reachable
 from stress.report import Report
 
 #: writes in a full stress run (``python -m stress``)

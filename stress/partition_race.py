@@ -50,12 +50,13 @@ from stress.harness import (
     Daemon,
     as_user,
     assert_contained,
+    close_child,
     fd_count,
     firmware_children,
     snapshot,
     tenant_code,
+    world_reachable,
 )
-from stress.kill_storm import world_reachable
 from stress.report import Report
 
 #: mode changes in a full stress run (``python -m stress``)
@@ -247,14 +248,7 @@ class Tenant:
         return json.loads(answer) if answer[0] in "[{\"" else answer.strip()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        close_child(self.proc)
 
 
 def wait_until(pred, timeout: float = 30.0) -> bool:

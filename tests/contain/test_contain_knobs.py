@@ -20,7 +20,6 @@ import json
 
 import pytest
 
-from stress.harness import Bystander, assert_contained, snapshot
 from stress.knob_fuzz import MALFORMED, NEVER, write, writable_attrs
 
 pytestmark = pytest.mark.timeout(240)
@@ -48,18 +47,11 @@ print(json.dumps(out))
 
 
 @pytest.fixture
-def tenants(make_daemon):
-    """A 2-device daemon other users can reach, a bystander on each device, and a
-    snapshot taken once they run; at the end the bystanders' data and the daemon's books,
-    processes and descriptors are checked, and its log must hold no driver bug."""
-    d = make_daemon(devices=2, tenants=True)
-    with Bystander(d, 0) as b0, Bystander(d, 1) as b1:
-        before = snapshot(d)
-        yield d
-        b0.check()
-        b1.check()
-        assert_contained(d, before)
-    log = d.log_text()
+def tenants(contained):
+    """conftest's ``contained`` (bystanders' data, books, processes and descriptors
+    checked at the end), whose log must also hold no driver bug."""
+    yield contained
+    log = contained.log_text()
     assert "driver bug" not in log and "Traceback" not in log, log[-3000:]
 
 

@@ -32,6 +32,29 @@ def until(cond, what, timeout=20.0):
         time.sleep(0.005)
 def fw_pid(dev=0):
     return int(open(f"{{ROOT}}/sys/kernel/debug/accel/accel{{dev}}/fw_pid").read())
+def fw_fds(pid, held):  # how many of firmware pid's descriptors held(path) says are ours
+    found = 0
+    for n in os.listdir(f"/proc/{{pid}}/fd"):
+        try:
+            found += held(f"/proc/{{pid}}/fd/{{n}}")
+        except FileNotFoundError:  # closed meanwhile
+            pass
+    return found
+FILL = '''
+def fill(out: "float32", v: "float32"):
+    i = global_id(0)
+    if i < out.size:
+        out[i] = v
+'''
+def load_fill():  # (module id, kernel handle) of FILL, loaded on ctx
+    from runtime.kernels import compile_module
+    raw = json.dumps(compile_module(FILL)).encode()
+    fd = sealed_memfd("module", len(raw), raw)
+    try:
+        mid = dev.call(uapi.ACCEL_CMD_MODULE_LOAD, uapi.accel_module_load(ctx_id=ctx, size=len(raw), fd=fd)).module_id
+    finally:
+        os.close(fd)
+    return mid, dev.call(uapi.ACCEL_CMD_KERNEL_GET, uapi.accel_kernel_get(ctx_id=ctx, module_id=mid, name=b"fill")).handle
 dev = RawDev(f"{{ROOT}}/dev/accel/accel0")
 ctx = dev.ctx_create()
 """
@@ -172,16 +195,7 @@ def test_a_context_torn_down_in_the_middle_of_a_huge_launch_stops_it(two):
     d, bystanders = two
     before = snapshot(d)
     lines = run(d, """
-from runtime.kernels import compile_module
-raw = json.dumps(compile_module('''
-def fill(out: "float32", v: "float32"):
-    i = global_id(0)
-    if i < out.size:
-        out[i] = v
-''')).encode()
-fd = sealed_memfd("module", len(raw), raw)
-mid = dev.call(uapi.ACCEL_CMD_MODULE_LOAD, uapi.accel_module_load(ctx_id=ctx, size=len(raw), fd=fd)).module_id
-kernel = dev.call(uapi.ACCEL_CMD_KERNEL_GET, uapi.accel_kernel_get(ctx_id=ctx, module_id=mid, name=b"fill")).handle
+mid, kernel = load_fill()
 out = dev.mem_alloc(ctx, 4096)
 args_fd = sealed_memfd("args", 4096)
 args = dev.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
@@ -223,14 +237,8 @@ pid = fw_pid()
 q = dev.queue_create(ctx)
 slot, ring = dev.rings[q]
 ours = {int(line.split()[4]) for line in open("/proc/self/maps") if "accel-ring" in line}
-def rings_held():  # the firmware's descriptors of this test's ring (by its inode: the
-    held = 0       # bystanders' rings go by the same name)
-    for n in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            held += os.stat(f"/proc/{pid}/fd/{n}").st_ino in ours
-        except FileNotFoundError:  # closed meanwhile
-            pass
-    return held
+def rings_held():  # this test's ring, by its inode (the bystanders' go by the same name)
+    return fw_fds(pid, lambda path: os.stat(path).st_ino in ours)
 buf = dev.mem_alloc(ctx, 1 << 20)
 dev.submit(q, [NOP])
 until(lambda: ring.completed == 1, "the packet")
@@ -281,26 +289,10 @@ def test_an_unloaded_modules_bound_launches_keep_no_pinned_memory(two):
     d, bystanders = two
     before = snapshot(d)
     lines = run(d, """
-from runtime.kernels import compile_module
 pid = fw_pid()
 def pins():  # the firmware's descriptors of pinned memory named as this test names it
-    found = 0
-    for n in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            found += os.readlink(f"/proc/{pid}/fd/{n}").startswith("/memfd:accel-leak-pin")
-        except FileNotFoundError:
-            pass
-    return found
-raw = json.dumps(compile_module('''
-def fill(out: "float32", v: "float32"):
-    i = global_id(0)
-    if i < out.size:
-        out[i] = v
-''')).encode()
-fd = sealed_memfd("module", len(raw), raw)
-mid = dev.call(uapi.ACCEL_CMD_MODULE_LOAD, uapi.accel_module_load(ctx_id=ctx, size=len(raw), fd=fd)).module_id
-os.close(fd)
-kernel = dev.call(uapi.ACCEL_CMD_KERNEL_GET, uapi.accel_kernel_get(ctx_id=ctx, module_id=mid, name=b"fill")).handle
+    return fw_fds(pid, lambda path: os.readlink(path).startswith("/memfd:accel-leak-pin"))
+mid, kernel = load_fill()
 pin_fd = sealed_memfd("leak-pin", 4096)
 pin = dev.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
     ctx_id=ctx, size=4096, kind=uapi.MemKind.HOST_PINNED, fd=pin_fd))
