@@ -14,7 +14,7 @@ in the same run:
   2 MiB ones), with no daemon, no rings and no hand-off, against njit -- the figure two
   engines could reach on this machine -- and the device against it, the emulator's own
   cost. On this VM the first moves with the machine's state between about 0.68x and
-  1.0x from run to run, and the device row moves with it (docs/kernels.md, "Eighth
+  1.0x from run to run, and the device row moves with it (docs/kernels-log.md, "Eighth
   round").
 """
 

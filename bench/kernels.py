@@ -124,7 +124,7 @@ def kernels(env: Env) -> list[Row]:
                               note="time ratio <= 2 is at least 0.5x numpy's speed; includes "
                                    "launch and synchronize"))
         # Side by side too, in blocks (it was 3 calls right after the matmul blocks): the
-        # first gemm after numpy's matmuls ran up to 1.8x the others' time (docs/kernels.md,
+        # first gemm after numpy's matmuls ran up to 1.8x the others' time (docs/kernels-log.md,
         # "The tiled gemm row"), so single calls measured the hand-over, not the kernel.
         tiled = interleave({"gemm": dev_gemm, "numpy": lambda: a @ b}, block=4,
                            rounds=2 if env.quick else 4, warmup=1)

@@ -41,7 +41,7 @@ def saxpy(a, x, y, out):
 def reduce_sum(x, total):
     # block g sums one contiguous span of x, its threads 256 elements apart, so an engine
     # streams the span through its caches (a grid-stride walk reads 1 KiB of every 64 KiB
-    # on a 64-block grid: 3.7x slower on one core, docs/kernels.md "Seventh round"). The
+    # on a 64-block grid and leaves the caches cold: docs/kernels-log.md). The
     # span (x.size // num_groups(0) // local_size(0) * local_size(0) elements, whole
     # strides only) is spelled out in the loop: a range over it is then uniform (every
     # thread in range), so the engine runs it across the block's threads
