@@ -67,7 +67,7 @@ from tqdm import tqdm
 import runtime
 from abi import uapi, userq
 from runtime import discovery
-from tools.accel_smi import Tree, UsageError, select
+from tools.sysfs_tree import Tree, UsageError, select
 
 LEVEL_NAMES = {1: "quick", 2: "medium", 3: "long"}
 FENCE_TIMEOUT_S = 5.0

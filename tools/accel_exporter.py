@@ -3,7 +3,7 @@
 ``accel-exporter --root DIR --port P [--interval S] [--per-process]`` serves
 ``http://127.0.0.1:P/metrics`` (prometheus-client's text format, or OpenMetrics when the
 scraper asks). Every value comes from the same sysfs reads as ``accel-smi``
-(``tools.accel_smi.Tree`` and its parsers), so the two never disagree, and like it the
+(``tools.sysfs_tree``: the tree and its parsers), so the two never disagree, and like it the
 exporter never opens a device node: a scrape is not a driver client.
 
 A scrape reads sysfs at most once per ``--interval`` seconds (default 1); scrapes in
@@ -51,7 +51,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 
 from abi import faults, uapi
-from tools.accel_smi import Tree, number, processes, typed
+from tools.sysfs_tree import Tree, number, processes, typed
 
 LABELS = ("device", "uuid", "name")
 

@@ -10,7 +10,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from tools.accel_smi import _xml_add, fdinfo, number, processes, typed
+from tools.accel_smi import _xml_add
+from tools.sysfs_tree import fdinfo, number, processes, typed
 
 FDINFO = ("pid: 41\ndrm-client-id: 3\ndrm-engine-compute: 1500000 ns\n"
           "drm-engine-copy: 20 ns\ndrm-memory-vram: 4096 KiB\n\n"
