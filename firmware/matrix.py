@@ -36,8 +36,8 @@ _THREADS_SYMBOLS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threa
 #: Index of each dtype's entry point in the pointer array the kernels receive.
 SLOT = {"float32": 0, "float64": 1}
 #: Work per BLAS call: tiles are cut into row, column and k chunks of these sizes so that
-#: the watchdog and a kill are seen between chunks (a full chunk is 67 M multiply-adds:
-#: 1.3 ms on one core here, float32; a 128x128 tile over k=1024 is two calls).
+#: the watchdog and a kill are seen between chunks (a full chunk is 67 M multiply-adds, a
+#: small fraction of the watchdog's period; a 128x128 tile over k=1024 is two calls).
 ROW_CHUNK = 256
 COL_CHUNK = 512
 K_CHUNK = 512

@@ -16,8 +16,8 @@ Handlers never wait for the device (:mod:`kmod_emul.drv`), and each process reac
 device node through an inode of its own. The kernel serialises the writes to one inode (FUSE
 takes the inode's lock for every direct-I/O write unless the file system opts into parallel
 writes, which libfuse 3.14 cannot ask for): with one inode per device, one tenant's threads
-looping on commands queued every other tenant's commands behind theirs (a bystander's
-DEVICE_QUERY went from 0.07 to 5.5 ms under 64 such threads). So a lookup of
+looping on commands queued every other tenant's commands behind theirs (bench
+``bystander_under_floods`` measures a bystander's DEVICE_QUERY under such a flood). So a lookup of
 ``dev/accel/accelN`` answers with an inode of the calling process (``Tree.instance``), never
 cached (``entry_timeout`` 0), so that every open walks to its own process's inode; a process's
 threads still share theirs, so a flood queues only behind itself. The kernel's lookup count of

@@ -85,8 +85,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """``runtime.KernelCompileError`` without importing the kernel front end (and its ~15 ms)
-    until it is used."""
+    """``runtime.KernelCompileError`` without importing the kernel front end (an import
+    ``import runtime`` should not pay for) until it is used."""
     if name == "KernelCompileError":
         from runtime.kernels import KernelCompileError
 

@@ -43,7 +43,7 @@ def _anchor() -> int:
 
 def _first_anchor() -> int:
     """The first range of a profile pays kineto's first-use costs between its start stamp
-    and its body (1.3 ms seen): a range of another name takes them first."""
+    and its body, which would stretch the first user range: a range of another name takes them first."""
     with torch.profiler.record_function("accel::clock_warmup"):
         pass
     return _anchor()
