@@ -257,7 +257,7 @@ class DeviceMemory:
             self._charge(self._pid_pinned, b.pid, -size)
             self._charge(self._pid_host_allocs, b.pid, -1)
         self.backings.pop(b.id, None)
-        for ctx in self.device.live_contexts():  # a waiter for free memory looks again
+        for ctx in self.device.tenants.live_contexts():  # a waiter for free memory looks again
             if ctx.file.pid == b.pid:
                 ctx.signal()
         self._close_if_drained()
@@ -325,7 +325,7 @@ class DeviceMemory:
         alloc = self._attach(ctx, backing)
         if kind == uapi.MemKind.DEVICE:
             dev.send_budget()
-            for peer_dev, peer_ctx in dev.peer_contexts_of(ctx.file.pid):
+            for peer_dev, peer_ctx in dev.tenants.peer_contexts_of(ctx.file.pid):
                 self.map_into(alloc, peer_dev, peer_ctx)
         return alloc
 
@@ -460,7 +460,7 @@ class DeviceMemory:
         """The live contexts that can reach ``b``: those holding an allocation of it (the
         exporter, its importers) and those it is mapped in on peer devices."""
         found: dict[int, Context] = {}
-        for ctx in self.device.live_contexts():
+        for ctx in self.device.tenants.live_contexts():
             for alloc in ctx.allocations.values():
                 if alloc.backing is b:
                     for c in [ctx, *(c for _, c in alloc.maps)]:

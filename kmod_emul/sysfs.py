@@ -28,7 +28,8 @@ from collections.abc import Awaitable, Callable
 from abi import faults, mailbox, uapi
 from kmod_emul.activity import POWER_LIMIT_W, fdinfo
 from kmod_emul.attr import Attr
-from kmod_emul.device import STEP_NAMES, AccelDevice
+from kmod_emul.boot import STEP_NAMES
+from kmod_emul.device import AccelDevice
 from kmod_emul.drv import DriverInfo
 from kmod_emul.errors import DriverError
 
@@ -90,7 +91,7 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
     def reset(text: str) -> None:
         if not _bool(text):
             raise DriverError(errno.EINVAL, "write 1 to reset the device")
-        dev.request_reset("reset requested through sysfs")
+        dev.resets.request("reset requested through sysfs")
 
     attrs.update(
         failure=Attr(read=lambda: dev.failure[1] if dev.failure else ""),
@@ -100,7 +101,7 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         exclusive_owner=Attr(read=functools.partial(_exclusive_owner, dev), per_viewer=True),
         contexts=Attr(read=lambda: str(len(dev.contexts))),
         open_files=Attr(read=lambda: str(len(dev.files))),
-        clients=Attr(read=lambda: str(len(dev.client_pids()))),
+        clients=Attr(read=lambda: str(len(dev.tenants.client_pids()))),
         completions=Attr(read=lambda: str(dev.fw_stats().get("packets", 0))),
         reset_count=Attr(read=lambda: str(dev.reset_count)),
         # why and when the last reset was (a recovery says what it recovered from)
@@ -133,7 +134,7 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         # the bad-page table, amdgpu's format (kmod_emul/ras.py; counters under ras/)
         bad_pages=Attr(read=dev.ras.bad_pages),
         retired_pages=Attr(read=dev.ras.retired_pages),
-        queues=Attr(read=lambda: str(dev.queue_count())),
+        queues=Attr(read=lambda: str(dev.tenants.queue_count())),
         pinned_bytes=Attr(read=lambda: str(dev.memory.pinned_bytes())),
         host_allocations=Attr(read=lambda: str(dev.memory.host_allocations())),
     )
@@ -156,7 +157,7 @@ def limit_attrs(dev: AccelDevice) -> dict[str, Attr]:
 
 
 def _exclusive_owner(dev: AccelDevice, uid: int) -> str:
-    owner = dev.exclusive_owner()
+    owner = dev.tenants.exclusive_owner()
     if owner is None:
         return ""
     return str(owner.file.pid) if owner.file.pid in _visible(dev, uid) else "another user"
@@ -176,7 +177,7 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
     def fw_hang(text: str) -> None:
         if not _bool(text):
             raise DriverError(errno.EINVAL, "write 1 to hang the firmware")
-        dev.hang_firmware()
+        dev.resets.hang_firmware()
 
     def contexts() -> str:
         rows = ["id pid uid exclusive queues allocations state"]
@@ -209,8 +210,8 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
         "fw_boot_fail": Attr(read=lambda: str(int(dev.fw_boot_fail)), write=set_boot_fail),
         "fail_step": Attr(read=lambda: dev.fail_step or "none", write=set_fail_step),
         "fw_hang": Attr(write=fw_hang),
-        "reset_hold": Attr(read=lambda: str(int(dev.reset_hold)),
-                           write=lambda t: dev.set_reset_hold(_bool(t))),
+        "reset_hold": Attr(read=lambda: str(int(dev.resets.hold)),
+                           write=lambda t: dev.resets.set_hold(_bool(t))),
         "contexts": Attr(read=contexts),
         "sched_hold": Attr(read=lambda: str(int(dev.sched_hold)), write=set_sched_hold),
         "recovery": Attr(read=lambda: dev.recovery, write=set_recovery),
