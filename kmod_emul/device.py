@@ -129,6 +129,8 @@ class AccelDevice:
         self.fw_boot_fail = False
         self.fail_step = ""
         self.sched_hold = False
+        #: debugfs ``map_fail``: how many of the next device-local MAPs to fail
+        self.map_fail = 0
         #: module images are checked one at a time (each holds the interpreter lock a while)
         self.module_checks = trio.CapacityLimiter(1)
 

@@ -54,9 +54,11 @@ def _errno_name(status: int) -> str:
 
 
 def on_map_done(dev: AccelDevice, ctx_id: int, status: int, msg: mailbox.fw_map_done) -> None:
-    # the firmware could not map it: packets that touch it fault with EFAULT
-    log.warning("%s: firmware could not map %#x of context %d (%s)", dev.name, msg.va,
-                ctx_id, _errno_name(status))
+    """The firmware could not map an allocation MEM_ALLOC already answered: packets that
+    touch it will fault with EFAULT, so its process needs the record that says why."""
+    ctx = dev.contexts.get(ctx_id)
+    dev.report(faults.BY_NAME["MAP_FAILED"].code, ctx, engine="firmware", address=msg.va,
+               errno=_errno_name(status), **({} if ctx is not None else {"context": ctx_id}))
 
 
 def on_queue_done(dev: AccelDevice, ctx_id: int, status: int,

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 _libc = ctypes.CDLL(None, use_errno=True)
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 VA_GUARD = 64 * 1024  # unmapped gap after each allocation: an overrun faults
+#: The device a MAP names to fail on purpose (debugfs ``map_fail``): no firmware has its
+#: VRAM, so the firmware refuses the MAP through the path any unreachable memory takes.
+NO_DEVICE = 0xFFFFFFFF
 
 
 def _round_up(n: int, to: int) -> int:
@@ -342,7 +345,11 @@ class DeviceMemory:
         firmware the process's memfd (the driver keeps no copy: host memory is mapped into
         its allocating context only, never a peer's)."""
         b = alloc.backing
-        msg = mailbox.fw_map(va=alloc.va, size=b.size, kind=int(b.kind), owner=b.owner.index,
+        owner = b.owner.index
+        if b.kind == uapi.MemKind.DEVICE and dev.map_fail:  # debugfs fault injection
+            dev.map_fail -= 1
+            owner = NO_DEVICE  # the firmware fails it as any memory it cannot reach
+        msg = mailbox.fw_map(va=alloc.va, size=b.size, kind=int(b.kind), owner=owner,
                              offset=b.offset)
         if b.kind == uapi.MemKind.DEVICE:
             dev.fw_send(ctx.id, msg)

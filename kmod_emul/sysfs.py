@@ -6,7 +6,8 @@ attributes take one value per write (printable ASCII, at most a page, each numbe
 one parser with its range: kmod_emul/attr.py): ``reset`` (write 1), and the debugfs
 fault-injection knobs ``fw_boot_fail``, ``fw_hang``, ``reset_hold``, ``fail_step`` (a
 bring-up step's name, or ``none``: the device's next bring-ups fail at that step, see
-:mod:`kmod_emul.bringup`) and ``ras_ctrl`` (``inject BLOCK ue|ce ADDRESS``, see
+:mod:`kmod_emul.bringup`), ``map_fail`` (N: the device's next N device-local MAPs fail
+in the firmware, so each makes a MAP_FAILED record) and ``ras_ctrl`` (``inject BLOCK ue|ce ADDRESS``, see
 :mod:`kmod_emul.ras`); a physical device's ``partition_fail_step`` is
 :mod:`kmod_emul.partition`'s.
 
@@ -27,7 +28,7 @@ from collections.abc import Awaitable, Callable
 
 from abi import faults, mailbox, uapi
 from kmod_emul.activity import POWER_LIMIT_W, fdinfo
-from kmod_emul.attr import Attr
+from kmod_emul.attr import Attr, parse_number
 from kmod_emul.boot import STEP_NAMES
 from kmod_emul.device import AccelDevice
 from kmod_emul.drv import DriverInfo
@@ -197,6 +198,9 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
     def set_recovery(text: str) -> None:
         dev.recovery = parse_recovery(text)
 
+    def set_map_fail(text: str) -> None:
+        dev.map_fail = parse_number(text.strip(), "map_fail", MAP_FAIL_MAX, decimal=True)
+
     def set_sched_hold(text: str) -> Awaitable[None]:
         # the write(2) returns once the firmware took the message: a writer that queues
         # work next (the tests) otherwise raced the firmware's loop, which could take that
@@ -215,6 +219,7 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
         "contexts": Attr(read=contexts),
         "sched_hold": Attr(read=lambda: str(int(dev.sched_hold)), write=set_sched_hold),
         "recovery": Attr(read=lambda: dev.recovery, write=set_recovery),
+        "map_fail": Attr(read=lambda: str(dev.map_fail), write=set_map_fail),
         "ras_ctrl": Attr(write=dev.ras.inject),
         "vram_mm": Attr(read=functools.partial(_vram_mm, dev)),
     }
@@ -232,6 +237,8 @@ def _vram_mm(dev: AccelDevice) -> str:
 
 
 RECOVERY_MODES = ("auto", "manual")
+#: ``map_fail`` counts the next device-local MAPs to fail: fewer than this
+MAP_FAIL_MAX = 1024
 
 
 def parse_recovery(text: str) -> str:
