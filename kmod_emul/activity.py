@@ -60,7 +60,7 @@ class Activity:
         self._samples.clear()
 
     async def run(self, scope: trio.CancelScope) -> None:
-        """Sample while the device serves (one of its watchers, ``AccelDevice._serve``)."""
+        """Sample while the device serves (one of its watchers, ``AccelDevice.serve``)."""
         try:
             while True:
                 self.sample()

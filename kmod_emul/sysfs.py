@@ -7,8 +7,8 @@ one parser with its range: kmod_emul/attr.py): ``reset`` (write 1), and the debu
 fault-injection knobs ``fw_boot_fail``, ``fw_hang``, ``reset_hold``, ``fail_step`` (a
 bring-up step's name, or ``none``: the device's next bring-ups fail at that step, see
 :mod:`kmod_emul.bringup`), ``map_fail`` (N: the device's next N device-local MAPs fail
-in the firmware, so each makes a MAP_FAILED record) and ``ras_ctrl`` (``inject BLOCK ue|ce ADDRESS``, see
-:mod:`kmod_emul.ras`); a physical device's ``partition_fail_step`` is
+in the firmware, so each makes a MAP_FAILED record) and ``ras_ctrl`` (``inject BLOCK ue|ce
+ADDRESS``, see :mod:`kmod_emul.ras`); a physical device's ``partition_fail_step`` is
 :mod:`kmod_emul.partition`'s.
 
 Who sees what (docs/containment.md): writing any attribute is root's, as sysfs files are

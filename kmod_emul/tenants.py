@@ -82,7 +82,8 @@ class Tenants:
                 raise DriverError(errno.EBUSY, f"{dev.name} is open in other processes {others}")
         owner = self.exclusive_owner()
         if owner is not None and owner.file.pid != f.pid:
-            raise DriverError(errno.EBUSY, f"{dev.name} is held exclusively by pid {owner.file.pid}")
+            raise DriverError(errno.EBUSY,
+                              f"{dev.name} is held exclusively by pid {owner.file.pid}")
         live = self.live_contexts()
         lim = dev.limits
         limits.check(len(live), 1, lim.max_contexts, f"{dev.name} contexts", device_wide=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import re
+from pathlib import Path
 
 import pytest
 from rawdev import assert_unharmed
@@ -23,7 +24,8 @@ from test_command_coverage import NAMES, driver_tests, raw_cases
 
 from abi import uapi
 from runtime import errors
-from stress.harness import REPO
+
+KMOD = Path(__file__).resolve().parents[2] / "kmod_emul"
 
 #: errnos in kmod_emul/ that never answer an open(2) or a command of a device node: the
 #: other nodes' (the event node's blocking read, the directory tree) and record fields.
@@ -56,7 +58,7 @@ def _situation(case_name: str) -> tuple[str, str] | None:
 @pytest.mark.timeout(60)
 def test_every_errno_the_driver_answers_has_a_meaning():
     raised = set()
-    for path in sorted((REPO / "kmod_emul").glob("*.py")):
+    for path in sorted(KMOD.glob("*.py")):
         raised |= set(re.findall(r"errno\.(E[A-Z]+)", path.read_text()))
     unmeant = {n for n in raised if getattr(errno, n) not in uapi.ERRNO_MEANING}
     assert unmeant - set(NOT_ANSWERS) == set()
