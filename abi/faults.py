@@ -84,6 +84,9 @@ _KINDS = (
          "a kernel ran past the watchdog and was stopped"),
     Kind(45, "QUEUE_UNMAPPABLE", "firmware", _U, Scope.QUEUE, Action.RESTART_APP,
          "the firmware could not map the queue's ring; the queue never runs"),
+    Kind(46, "MAP_FAILED", "firmware", _U, Scope.OPERATION, Action.RESTART_APP,
+         "the firmware could not map an allocation MEM_ALLOC made: packets that touch it "
+         "fault (EFAULT); free it and allocate again"),
     Kind(48, "MEMORY_UE_FREE", "memory", _U, Scope.OPERATION, Action.NONE,
          "an uncorrectable memory error in memory nobody held: the page is retired"),
     Kind(63, "PAGE_RETIRED", "memory", _C, Scope.OPERATION, Action.NONE,

@@ -605,8 +605,9 @@ COMMANDS: Final[dict[int, Command]] = {
 COMMANDS_BY_NR: Final[dict[int, Command]] = {ioc_nr(c.code): c for c in COMMANDS.values()}
 
 # --- errno contract ---------------------------------------------------------------------------
-#: What each errno means when a device node's open(2) or a command fails. The runtime maps
-#: these to its exception classes; docs/uapi.md is generated from the same meaning.
+#: What each errno means when a device node's open(2) or a command fails. The runtime's
+#: messages quote it (runtime/_channel.py); docs/uapi.md says the same at more length.
+#: tests/driver/test_errno_contract.py holds it to what the driver answers on a mount.
 ERRNO_MEANING: Final[dict[int, str]] = {
     errno.ENOTTY: "unknown command",
     errno.EINVAL: "malformed command (size, reserved field, flag or value)",
@@ -619,7 +620,9 @@ ERRNO_MEANING: Final[dict[int, str]] = {
     errno.EBADF: "a file descriptor the command names is not one this process holds",
     errno.EEXIST: "a reply with that tag is still unread",
     errno.EBADFD: "command needs a context and this open file has none",
-    errno.ENOENT: "handle does not belong to this context",
+    errno.ENOENT: "no such handle: nobody on the device holds that context, queue, "
+                  "allocation, module or export (never made, or freed), or the module has no "
+                  "kernel of that name",
     errno.EPROTO: "runtime ABI not supported by the driver",
     errno.ENOPKG: "firmware image missing",
     errno.ENOEXEC: "firmware image corrupt or incompatible",
@@ -630,8 +633,13 @@ ERRNO_MEANING: Final[dict[int, str]] = {
     errno.ENOMEM: "out of device memory (or over the per-process limit)",
     errno.EFAULT: "a packet named an address outside the context's mappings",
     errno.ECANCELED: "the queue faulted earlier; destroy and recreate it",
-    errno.EPERM: "peer access needs a context of this process on the peer device; a device "
-                 "reset needs a context that holds the device exclusively",
+    errno.EPERM: "the handle is held by another open file's context (counted in "
+                 "sys/class/accel/accelN/isolation); peer access needs a context of this "
+                 "process on the peer device; a device reset needs a context that holds the "
+                 "device exclusively; the driver may not reach this process's descriptors",
+    errno.EACCES: "MEM_IMPORT of an allocation not exported, or with the wrong token; an "
+                  "attribute only root may read or write (counted in "
+                  "sys/class/accel/accelN/isolation)",
     errno.EMEDIUMTYPE: "a file descriptor the command names is not a sealed memfd (or pipe) "
                        "of the kind it needs",
 }

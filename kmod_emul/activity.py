@@ -60,7 +60,7 @@ class Activity:
         self._samples.clear()
 
     async def run(self, scope: trio.CancelScope) -> None:
-        """Sample while the device serves (one of its watchers, ``AccelDevice._serve``)."""
+        """Sample while the device serves (one of its watchers, ``AccelDevice.serve``)."""
         try:
             while True:
                 self.sample()
@@ -94,7 +94,7 @@ def fdinfo(dev: AccelDevice, uid: int) -> str:
     """DRM fdinfo blocks of every open context ``uid`` may see, blank-line separated."""
     times = dev.fw.mbx.ctx_stats() if dev.fw is not None else {}
     blocks = []
-    for ctx in sorted(dev.live_contexts(), key=lambda c: c.id):
+    for ctx in sorted(dev.tenants.live_contexts(), key=lambda c: c.id):
         if uid != 0 and ctx.file.uid != uid:
             continue
         ns = times.get(ctx.id, dict.fromkeys(mailbox.ENGINE_KINDS, 0))

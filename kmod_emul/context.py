@@ -107,7 +107,8 @@ class Queue:
 
 @dataclass(eq=False)
 class Context:
-    """A context: its queues, allocations, modules and fate. Torn down by ``AccelDevice``."""
+    """A context: its queues, allocations, modules and fate. Torn down by ``Tenants``
+    (kmod_emul/tenants.py)."""
 
     id: int
     file: OpenFile

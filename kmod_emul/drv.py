@@ -64,7 +64,7 @@ async def ctx_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_create) 
         )
     if f.ctx is not None:
         raise DriverError(errno.EEXIST, f"this open file already holds context {f.ctx.id}")
-    ctx = f.device.create_context(f, bool(arg.flags & uapi.ACCEL_CTX_EXCLUSIVE),
+    ctx = f.device.tenants.create_context(f, bool(arg.flags & uapi.ACCEL_CTX_EXCLUSIVE),
                                   arg.doorbell_fd, arg.event_fd, arg.db_page_fd)
     arg.ctx_id = ctx.id
     return arg
@@ -74,14 +74,14 @@ async def ctx_destroy(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_destroy
     _no_flags(arg)
     if f.ctx is None or f.ctx.id != arg.ctx_id:
         raise f.foreign_context(arg.ctx_id)
-    f.device.destroy_context(f.ctx)
+    f.device.tenants.destroy_context(f.ctx)
 
 
 async def submit_noop(info: DriverInfo, f: OpenFile, arg: uapi.accel_submit_noop) -> Any:
     _no_flags(arg)
     ctx = f.context(arg.ctx_id)
     f.device.check_usable()
-    arg.seqno = f.device.submit_noop(ctx)
+    arg.seqno = f.device.tenants.submit_noop(ctx)
     return arg
 
 
@@ -159,7 +159,7 @@ async def mem_info(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_info) -> A
 async def peer_enable(info: DriverInfo, f: OpenFile, arg: uapi.accel_peer_enable) -> None:
     _no_flags(arg)
     ctx = f.context(arg.ctx_id)
-    f.device.enable_peer(ctx, arg.peer_index)
+    f.device.tenants.enable_peer(ctx, arg.peer_index)
 
 
 async def queue_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_create) -> Any:
@@ -168,7 +168,7 @@ async def queue_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_crea
     f.device.check_usable()
     if arg.priority not in (uapi.ACCEL_QUEUE_PRIORITY_LOW, uapi.ACCEL_QUEUE_PRIORITY_HIGH):
         raise DriverError(errno.EINVAL, f"priority {arg.priority} is neither low (0) nor high (1)")
-    q = f.device.create_queue(ctx, arg.priority, arg.ring_fd)
+    q = f.device.tenants.create_queue(ctx, arg.priority, arg.ring_fd)
     arg.queue_id, arg.doorbell = q.id, q.slot
     return arg
 
@@ -177,12 +177,12 @@ async def queue_destroy(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_des
     ctx = f.context(arg.ctx_id)
     if arg.queue_id == 0:
         raise DriverError(errno.EINVAL, "the context's default queue lives as long as it does")
-    f.device.destroy_queue(ctx, ctx.queue(arg.queue_id))
+    f.device.tenants.destroy_queue(ctx, ctx.queue(arg.queue_id))
 
 
 async def queue_import(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_import) -> Any:
     ctx = f.context(arg.ctx_id)
-    arg.queue_id = f.device.import_queue(ctx, arg.peer_index, arg.peer_queue_id).id
+    arg.queue_id = f.device.tenants.import_queue(ctx, arg.peer_index, arg.peer_queue_id).id
     return arg
 
 
@@ -223,7 +223,7 @@ async def device_reset(info: DriverInfo, f: OpenFile, arg: uapi.accel_device_res
             "exclusively; only such a context may reset it (CTX_CREATE with "
             "ACCEL_CTX_EXCLUSIVE)")
     f.device.check_usable()
-    f.device.request_reset(f"reset requested by pid {f.pid} (DEVICE_RESET)")
+    f.device.resets.request(f"reset requested by pid {f.pid} (DEVICE_RESET)")
 
 
 TABLE: dict[int, Handler] = {

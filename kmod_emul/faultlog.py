@@ -32,6 +32,7 @@ for root.
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import time
 from collections import Counter, deque
@@ -105,17 +106,19 @@ class Kept:
     """The records kept, by share (``_share``): the last KEEP of each, at most MAX_RECORDS
     in all. A tenant faulting in a loop evicts its own records, never another user's nor
     the device-wide ones: records are evidence. (With one log of the last KEEP, a tenant
-    faulting 378-1,116 times a second evicted every other tenant's records.)"""
+    faulting 378-1,116 times a second evicted every other tenant's records.) Each is kept
+    with its line, made once: ``fault_log`` is read at every fault a process raises
+    (runtime/faults.py), and rendering every record again for each read was most of it."""
 
     def __init__(self) -> None:
-        self._shares: dict[int | str, deque[dict[str, Any]]] = {}
+        self._shares: dict[int | str, deque[tuple[dict[str, Any], str]]] = {}
         self._count = 0
 
-    def add(self, rec: dict[str, Any]) -> None:
+    def add(self, rec: dict[str, Any], line: str) -> None:
         share = self._shares.setdefault(_share(rec), deque(maxlen=KEEP))
         if len(share) < KEEP:  # a full share drops its oldest itself
             self._count += 1
-        share.append(rec)
+        share.append((rec, line))
         while self._count > MAX_RECORDS:
             largest = max(self._shares, key=lambda k: len(self._shares[k]))
             self._shares[largest].popleft()
@@ -123,10 +126,13 @@ class Kept:
             if not self._shares[largest]:
                 del self._shares[largest]
 
+    def entries(self) -> Iterator[tuple[dict[str, Any], str]]:
+        """Every record kept with its line, oldest first (each share is in order)."""
+        return heapq.merge(*self._shares.values(), key=lambda e: int(e[0].get("seq") or 0))
+
     def records(self) -> list[dict[str, Any]]:
         """Every record kept, oldest first."""
-        return sorted((r for share in self._shares.values() for r in share),
-                      key=lambda r: int(r.get("seq") or 0))
+        return [rec for rec, _line in self.entries()]
 
 
 class WaitingReads:
@@ -273,7 +279,7 @@ class FaultLog:
         if self.path is None or not self.path.exists():
             return
         for rec in faults.from_lines(self.path.read_text(errors="replace")):
-            self.kept.add(rec)
+            self.kept.add(rec, faults.to_line(rec))
             self.seq = max(self.seq, int(rec.get("seq") or 0))
         if self.path.stat().st_size > self._cut_at:
             self._rewrite(self.records)
@@ -291,8 +297,8 @@ class FaultLog:
         self.seq += 1
         rec = faults.record(kind, device=self.index, device_uuid=self.uuid, seq=self.seq,
                             time=round(time.time(), 6), **fields)
-        self.kept.add(rec)
         line = faults.to_line(rec)
+        self.kept.add(rec, line)
         level = logging.INFO if kind.severity == faults.Severity.CORRECTED else logging.WARNING
         self._log.log(level, "accel%d fault %d %s: %s", self.index, kind.code, kind.name, line)
         if self.path is not None:
@@ -325,4 +331,4 @@ class FaultLog:
 
     def render(self, uid: int) -> str:
         """The ``fault_log`` attribute: the kept records ``uid`` may see, one line each."""
-        return "\n".join(faults.to_line(r) for r in self.records if visible(r, uid))
+        return "\n".join(line for rec, line in self.kept.entries() if visible(rec, uid))

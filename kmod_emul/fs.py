@@ -325,8 +325,8 @@ class AccelFS(pyfuse3.Operations):
         node = self._node(inode)
         if node.device is not None:
             try:
-                handle: OpenFile | AttrHandle | Watcher = node.device.open(ctx.pid, ctx.uid,
-                                                                           ctx.gid)
+                handle: OpenFile | AttrHandle | Watcher = node.device.tenants.open(
+                    ctx.pid, ctx.uid, ctx.gid)
             except Exception as exc:  # noqa: BLE001 - see _fuse_error
                 raise _fuse_error(exc) from None
         elif node.events is not None:
@@ -401,6 +401,6 @@ class AccelFS(pyfuse3.Operations):
             handle.close()
         if isinstance(handle, OpenFile):
             try:
-                handle.device.release(handle)
+                handle.device.tenants.release(handle)
             except Exception as exc:  # noqa: BLE001 - see _fuse_error
                 _fuse_error(exc)

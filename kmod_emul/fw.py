@@ -2,7 +2,7 @@
 
 ``load_image`` is ``request_firmware`` plus verification: it tells a missing image
 (ENOPKG) from a corrupt or incompatible one (ENOEXEC). ``FirmwareProcess`` holds the rest of
-a boot as bring-up steps with their undos (run by the driver's table, kmod_emul/device.py):
+a boot as bring-up steps with their undos (run by the driver's table, kmod_emul/boot.py):
 it copies the verified image into a fresh mailbox (a memfd), starts the device's firmware
 process with only the mailbox, doorbell, interrupt and descriptor-channel fds (and every
 device's VRAM), and waits for the READY handshake; a firmware that exits or reports
@@ -93,7 +93,7 @@ class FirmwareProcess:
     """A device's firmware: its image, mailbox, wake-up pipes, descriptor channel and process.
 
     It starts empty; the bring-up steps below fill it, each undo releasing what its step
-    made (the driver's table in kmod_emul/device.py runs them, in this order):
+    made (the driver's table in kmod_emul/boot.py runs them, in this order):
 
     ``load_image``; ``map_mailbox``/``unmap_mailbox``; ``open_interrupts``/``close_interrupts``;
     ``open_fd_channel``/``close_fd_channel``; ``start_process``/``halt_process``; ``handshake``.

@@ -76,12 +76,12 @@ class Link:
         for peer in domain(dev):
             peer.fw_send(0, mailbox.fw_link(device=dev.index, up=0))
             dev.fw_send(0, mailbox.fw_link(device=peer.index, up=0))
-        lost = dev.lose_contexts(f"{dev.name} lost its link ({endpoint}): package reset")
+        lost = dev.tenants.lose_contexts(f"{dev.name} lost its link ({endpoint}): package reset")
         dev.report(faults.BY_NAME["LINK_ERROR"].code, link=endpoint, address=address,
                    contexts=lost, errno=errno.errorcode[errno.ENOLINK],
                    message=f"uncorrectable link error on {endpoint}: peers drained, "
                            "package reset")
-        dev.request_reset(f"link error on {endpoint}: package reset")
+        dev.resets.request(f"link error on {endpoint}: package reset")
 
     def peer_confirmed(self, peer_index: int) -> None:
         """A peer's firmware stopped reaching this device (its LINK answer)."""

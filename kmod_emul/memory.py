@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 _libc = ctypes.CDLL(None, use_errno=True)
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 VA_GUARD = 64 * 1024  # unmapped gap after each allocation: an overrun faults
+#: The device a MAP names to fail on purpose (debugfs ``map_fail``): no firmware has its
+#: VRAM, so the firmware refuses the MAP through the path any unreachable memory takes.
+NO_DEVICE = 0xFFFFFFFF
 
 
 def _round_up(n: int, to: int) -> int:
@@ -257,7 +260,7 @@ class DeviceMemory:
             self._charge(self._pid_pinned, b.pid, -size)
             self._charge(self._pid_host_allocs, b.pid, -1)
         self.backings.pop(b.id, None)
-        for ctx in self.device.live_contexts():  # a waiter for free memory looks again
+        for ctx in self.device.tenants.live_contexts():  # a waiter for free memory looks again
             if ctx.file.pid == b.pid:
                 ctx.signal()
         self._close_if_drained()
@@ -325,7 +328,7 @@ class DeviceMemory:
         alloc = self._attach(ctx, backing)
         if kind == uapi.MemKind.DEVICE:
             dev.send_budget()
-            for peer_dev, peer_ctx in dev.peer_contexts_of(ctx.file.pid):
+            for peer_dev, peer_ctx in dev.tenants.peer_contexts_of(ctx.file.pid):
                 self.map_into(alloc, peer_dev, peer_ctx)
         return alloc
 
@@ -342,7 +345,11 @@ class DeviceMemory:
         firmware the process's memfd (the driver keeps no copy: host memory is mapped into
         its allocating context only, never a peer's)."""
         b = alloc.backing
-        msg = mailbox.fw_map(va=alloc.va, size=b.size, kind=int(b.kind), owner=b.owner.index,
+        owner = b.owner.index
+        if b.kind == uapi.MemKind.DEVICE and dev.map_fail:  # debugfs fault injection
+            dev.map_fail -= 1
+            owner = NO_DEVICE  # the firmware fails it as any memory it cannot reach
+        msg = mailbox.fw_map(va=alloc.va, size=b.size, kind=int(b.kind), owner=owner,
                              offset=b.offset)
         if b.kind == uapi.MemKind.DEVICE:
             dev.fw_send(ctx.id, msg)
@@ -460,7 +467,7 @@ class DeviceMemory:
         """The live contexts that can reach ``b``: those holding an allocation of it (the
         exporter, its importers) and those it is mapped in on peer devices."""
         found: dict[int, Context] = {}
-        for ctx in self.device.live_contexts():
+        for ctx in self.device.tenants.live_contexts():
             for alloc in ctx.allocations.values():
                 if alloc.backing is b:
                     for c in [ctx, *(c for _, c in alloc.maps)]:

@@ -111,7 +111,7 @@ def _param_ok(p: Any) -> bool:
 def module_bytes(dev: AccelDevice, pid: int | None = None) -> int:
     """Bytes of the modules loaded on ``dev`` (by ``pid``, or by everyone): the firmware
     keeps each image, so they are bounded per context, per process and per device."""
-    return sum(m.size for c in dev.live_contexts() if pid in (None, c.file.pid)
+    return sum(m.size for c in dev.tenants.live_contexts() if pid in (None, c.file.pid)
                for m in c.modules.values())
 
 

@@ -2,7 +2,7 @@
 
 ``OfflineDriver`` builds the daemon's devices (``AccelDevice``, one VRAM memfd each, peers
 of one another) with the firmware image loaded and the state operational, as
-``AccelDevice._boot`` leaves them, but starts no firmware process and mounts nothing.
+``kmod_emul.boot.boot`` leaves them, but starts no firmware process and mounts nothing.
 Commands go through the same ``drv.execute``/``drv.take_reply`` the FUSE layer calls
 (``kmod_emul/fs.py``), on open files of this process, so the descriptors a command names
 are this process's own, exactly as for a client of a real mount.
@@ -59,9 +59,9 @@ class OfflineDriver:
         ]
         for dev in self.devices:
             dev.all_devices = self.devices
-            # what AccelDevice._boot does once the firmware is up, minus the firmware
+            # what kmod_emul.boot.boot does once the firmware is up, minus the firmware
             dev.fw_image = image
-            dev._static_info = None
+            dev.static_info = None
             dev.limits = limits.Limits.for_device(image.config, devices, fd_limit)
             dev.state = uapi.DeviceState.OPERATIONAL
         self.files: list[OpenFile] = []
@@ -69,7 +69,7 @@ class OfflineDriver:
     # --- open(2), pwrite(2), pread(2), close(2) on a device node ----------------------------
     def open(self, index: int = 0) -> OpenFile:
         try:
-            f = self.devices[index].open(os.getpid(), os.getuid(), os.getgid())
+            f = self.devices[index].tenants.open(os.getpid(), os.getuid(), os.getgid())
         except DriverError as exc:
             raise _oserror(exc) from None
         self.files.append(f)
@@ -95,7 +95,7 @@ class OfflineDriver:
     def release(self, f: OpenFile) -> None:
         if f in self.files:
             self.files.remove(f)
-            f.device.release(f)
+            f.device.tenants.release(f)
 
     # --- a handler alone, past the transaction's checks --------------------------------------
     def handler(self, f: OpenFile, cmd: uapi.Command, arg: Any) -> Any:

@@ -22,7 +22,7 @@ VRAM file closes once the last allocation in it is given back (docs/partitions.m
 a restarted daemon serves the same partitions.
 
 The partitions of a device are one package: a reset of the device resets them all
-(``AccelDevice.request_reset``), and they share its thermal model (kmod_emul/thermal.py).
+(``Resets.request``), and they share its thermal model (kmod_emul/thermal.py).
 """
 
 from __future__ import annotations
@@ -173,11 +173,11 @@ class Partitions:
     def _unplug(self, dev: AccelDevice, why: str) -> None:
         """Take a partition away at once, before anything waits: its nodes go, and it
         answers ENODEV to every open and command from now on, its contexts lost
-        (``AccelDevice.unplug``). So no context can appear on it after this, and none made
+        (``Resets.unplug``). So no context can appear on it after this, and none made
         before (however recently: while the change booted it) is left working."""
         assert self.nodes is not None
         self.nodes.remove_device(dev)
-        dev.unplug(why)
+        dev.resets.unplug(why)
 
     async def _halt(self, dev: AccelDevice) -> None:
         """Halt an unplugged partition's firmware (its supervisor's teardown). Its VRAM

@@ -177,9 +177,9 @@ class Ras:
             return
         if len(holders) == 1:
             (ctx,) = holders
-            ctx.file.device.lose_context(ctx, f"uncorrectable memory error at {offset:#x} of "
-                                              f"{dev.name} in its memory (fault 94 "
-                                              "MEMORY_UE_CONTAINED)")
+            ctx.file.device.tenants.lose_context(
+                ctx, f"uncorrectable memory error at {offset:#x} of {dev.name} in its "
+                     "memory (fault 94 MEMORY_UE_CONTAINED)")
             dev.report(_code("MEMORY_UE_CONTAINED"), ctx, contexts=[ctx.id], **where)
             self._retire(pfn, "ue")
             return
@@ -187,7 +187,7 @@ class Ras:
         dev.report(_code("MEMORY_UE_UNCONTAINED"), contexts=sorted(c.id for c in holders),
                    **where)
         self._retire(pfn, "ue")
-        dev.request_reset(f"uncorrectable memory error at {offset:#x} in memory {who} "
+        dev.resets.request(f"uncorrectable memory error at {offset:#x} in memory {who} "
                           "(fault 95 MEMORY_UE_UNCONTAINED)")
 
     def _engine_error(self, block: str, severity: str, address: int) -> None:
@@ -196,7 +196,7 @@ class Ras:
         kind = faults.BY_NAME[f"{block.upper()}_{severity.upper()}"]
         self.dev.report(kind.code, address=address)
         if severity == "ue":
-            self.dev.request_reset(f"uncorrectable {block}-engine error (fault {kind.code} "
+            self.dev.resets.request(f"uncorrectable {block}-engine error (fault {kind.code} "
                                    f"{kind.name})")
 
     def _modelled_error(self, block: str, severity: str, address: int) -> None:

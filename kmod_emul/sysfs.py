@@ -6,8 +6,9 @@ attributes take one value per write (printable ASCII, at most a page, each numbe
 one parser with its range: kmod_emul/attr.py): ``reset`` (write 1), and the debugfs
 fault-injection knobs ``fw_boot_fail``, ``fw_hang``, ``reset_hold``, ``fail_step`` (a
 bring-up step's name, or ``none``: the device's next bring-ups fail at that step, see
-:mod:`kmod_emul.bringup`) and ``ras_ctrl`` (``inject BLOCK ue|ce ADDRESS``, see
-:mod:`kmod_emul.ras`); a physical device's ``partition_fail_step`` is
+:mod:`kmod_emul.bringup`), ``map_fail`` (N: the device's next N device-local MAPs fail
+in the firmware, so each makes a MAP_FAILED record) and ``ras_ctrl`` (``inject BLOCK ue|ce
+ADDRESS``, see :mod:`kmod_emul.ras`); a physical device's ``partition_fail_step`` is
 :mod:`kmod_emul.partition`'s.
 
 Who sees what (docs/containment.md): writing any attribute is root's, as sysfs files are
@@ -27,8 +28,9 @@ from collections.abc import Awaitable, Callable
 
 from abi import faults, mailbox, uapi
 from kmod_emul.activity import POWER_LIMIT_W, fdinfo
-from kmod_emul.attr import Attr
-from kmod_emul.device import STEP_NAMES, AccelDevice
+from kmod_emul.attr import Attr, parse_number
+from kmod_emul.boot import STEP_NAMES
+from kmod_emul.device import AccelDevice
 from kmod_emul.drv import DriverInfo
 from kmod_emul.errors import DriverError
 
@@ -90,7 +92,7 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
     def reset(text: str) -> None:
         if not _bool(text):
             raise DriverError(errno.EINVAL, "write 1 to reset the device")
-        dev.request_reset("reset requested through sysfs")
+        dev.resets.request("reset requested through sysfs")
 
     attrs.update(
         failure=Attr(read=lambda: dev.failure[1] if dev.failure else ""),
@@ -100,7 +102,7 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         exclusive_owner=Attr(read=functools.partial(_exclusive_owner, dev), per_viewer=True),
         contexts=Attr(read=lambda: str(len(dev.contexts))),
         open_files=Attr(read=lambda: str(len(dev.files))),
-        clients=Attr(read=lambda: str(len(dev.client_pids()))),
+        clients=Attr(read=lambda: str(len(dev.tenants.client_pids()))),
         completions=Attr(read=lambda: str(dev.fw_stats().get("packets", 0))),
         reset_count=Attr(read=lambda: str(dev.reset_count)),
         # why and when the last reset was (a recovery says what it recovered from)
@@ -133,7 +135,7 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         # the bad-page table, amdgpu's format (kmod_emul/ras.py; counters under ras/)
         bad_pages=Attr(read=dev.ras.bad_pages),
         retired_pages=Attr(read=dev.ras.retired_pages),
-        queues=Attr(read=lambda: str(dev.queue_count())),
+        queues=Attr(read=lambda: str(dev.tenants.queue_count())),
         pinned_bytes=Attr(read=lambda: str(dev.memory.pinned_bytes())),
         host_allocations=Attr(read=lambda: str(dev.memory.host_allocations())),
     )
@@ -156,7 +158,7 @@ def limit_attrs(dev: AccelDevice) -> dict[str, Attr]:
 
 
 def _exclusive_owner(dev: AccelDevice, uid: int) -> str:
-    owner = dev.exclusive_owner()
+    owner = dev.tenants.exclusive_owner()
     if owner is None:
         return ""
     return str(owner.file.pid) if owner.file.pid in _visible(dev, uid) else "another user"
@@ -176,7 +178,7 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
     def fw_hang(text: str) -> None:
         if not _bool(text):
             raise DriverError(errno.EINVAL, "write 1 to hang the firmware")
-        dev.hang_firmware()
+        dev.resets.hang_firmware()
 
     def contexts() -> str:
         rows = ["id pid uid exclusive queues allocations state"]
@@ -196,6 +198,9 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
     def set_recovery(text: str) -> None:
         dev.recovery = parse_recovery(text)
 
+    def set_map_fail(text: str) -> None:
+        dev.map_fail = parse_number(text.strip(), "map_fail", MAP_FAIL_MAX, decimal=True)
+
     def set_sched_hold(text: str) -> Awaitable[None]:
         # the write(2) returns once the firmware took the message: a writer that queues
         # work next (the tests) otherwise raced the firmware's loop, which could take that
@@ -209,11 +214,12 @@ def debug_attrs(dev: AccelDevice) -> dict[str, Attr]:
         "fw_boot_fail": Attr(read=lambda: str(int(dev.fw_boot_fail)), write=set_boot_fail),
         "fail_step": Attr(read=lambda: dev.fail_step or "none", write=set_fail_step),
         "fw_hang": Attr(write=fw_hang),
-        "reset_hold": Attr(read=lambda: str(int(dev.reset_hold)),
-                           write=lambda t: dev.set_reset_hold(_bool(t))),
+        "reset_hold": Attr(read=lambda: str(int(dev.resets.hold)),
+                           write=lambda t: dev.resets.set_hold(_bool(t))),
         "contexts": Attr(read=contexts),
         "sched_hold": Attr(read=lambda: str(int(dev.sched_hold)), write=set_sched_hold),
         "recovery": Attr(read=lambda: dev.recovery, write=set_recovery),
+        "map_fail": Attr(read=lambda: str(dev.map_fail), write=set_map_fail),
         "ras_ctrl": Attr(write=dev.ras.inject),
         "vram_mm": Attr(read=functools.partial(_vram_mm, dev)),
     }
@@ -231,6 +237,8 @@ def _vram_mm(dev: AccelDevice) -> str:
 
 
 RECOVERY_MODES = ("auto", "manual")
+#: ``map_fail`` counts the next device-local MAPs to fail: fewer than this
+MAP_FAIL_MAX = 1024
 
 
 def parse_recovery(text: str) -> str:

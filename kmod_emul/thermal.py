@@ -17,7 +17,7 @@ thermal budget. Its load term follows the packet rate of all of them together, e
 partition reads the package's temperature, clock and throttle reasons, and an injection
 on any one of them heats the package: a throttle is recorded on each, and a shutdown
 fails each (every context lost); then the package's recovery resets the device, and its
-package reset the partitions (``AccelDevice.request_reset``).
+package reset the partitions (``Resets.request``).
 
 Injection (``ras_ctrl``): ``inject thermal ce <C>`` heats the die to C degrees (default: 2
 over the slowdown threshold) -- throttling, visible in ``temperature``, ``clock`` and
@@ -122,5 +122,5 @@ class Thermal:
                       "; reset it once cooled"))
         code = faults.BY_NAME["THERMAL_SHUTDOWN"].code
         for dev in self.members():
-            dev.shut_down(errno.ENODEV, message, code,
+            dev.resets.shut_down(errno.ENODEV, message, code,
                           recover_when=self.cooled if dev is self.dev else None)

@@ -65,7 +65,10 @@ class ResourceLimitError(OutOfMemoryError):
 class _Recorded(AccelError):
     """An error that carries the fault record (``abi.faults``: code, device, device_uuid,
     engine, queue, context, pid, address, bank, link, severity, corrected, scope, action,
-    time, ...) of what caused it; ``{}`` where the cause has none."""
+    time, ...) of what caused it. A fault has one record, the driver's: the runtime reads
+    it from the device's ``fault_log`` (runtime/faults.py) and never builds its own, but
+    for DRIVER_GONE (130: the daemon died, no driver is left to record it). ``{}`` where
+    the cause has no record, or none could be read (docs/faults.md, "Life of a fault")."""
 
     def __init__(self, message: str, errno: int | None = None,
                  record: dict[str, Any] | None = None) -> None:
@@ -74,17 +77,20 @@ class _Recorded(AccelError):
 
 
 class DeviceFaultError(_Recorded):
-    """Queued work faulted on the device; ``record`` is its fault record (scope ``queue``:
-    the stream is done). Raised at the synchronisation point that covers it."""
+    """Queued work faulted on the device (scope ``queue``: the stream is done). Raised at
+    the synchronisation point that covers it; ``record`` is the driver's record of the
+    fault, the one ``fault_log`` and the event node show."""
 
 
 class KernelFaultError(DeviceFaultError):
-    """A kernel faulted on the device; ``record`` is the driver's fault record."""
+    """A kernel faulted on the device; ``record`` is the driver's record of the fault,
+    plus ``kernel``: the kernel's name, which only this process knows."""
 
 
 class DeviceLostError(_Recorded):
     """The device failed or was reset under this context, or a fault lost the context
-    alone; its state is gone (ENODEV). ``record`` is the fault that lost it."""
+    alone; its state is gone (ENODEV). ``record`` is the driver's record of the fault that
+    lost it (the first that lists the context), or the runtime's DRIVER_GONE."""
 
 
 class UseAfterForkError(AccelError):

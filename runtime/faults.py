@@ -1,10 +1,15 @@
-"""This process's fault records: the ones its exceptions carried, and the driver's.
+"""This process's fault records: the driver's, as its exceptions carried them and as the
+device's ``fault_log`` keeps them.
 
-A record (``abi.faults``) reaches a process two ways: the exception that raised it carries
-it (built here from the ring's fault words, at once), and the driver keeps its own copy in
-the device's ``fault_log`` (from the firmware's report, a moment later; it also has the
-faults nobody synchronised on yet, and the device-wide ones). ``fault_records()`` merges the
-two, one record per fault, the driver's copy first where both exist.
+A fault has one record, and the driver makes it (kmod_emul/faultlog.py ``FaultLog.report``,
+from the firmware's report or its own finding); docs/faults.md "Life of a fault" follows
+one. The runtime reads it, never builds its own: a queue fault's exception carries the
+record ``queue_fault_record`` finds in ``fault_log`` (the ring's fault words only say
+which packet: the firmware writes them first, then reports to the driver, so the record
+may be an interrupt behind), a lost context's the record ``loss_record`` finds. The one
+record the runtime makes is DRIVER_GONE: when the daemon died there is no driver to ask.
+``fault_records()`` lists the driver's records of this process, and the ones its
+exceptions carried that the log no longer keeps, one per fault.
 
 Which of the driver's records are this process's: those of a context it made (ids are the
 driver's, unique per daemon run, so a record must also be no older than the context), and
@@ -58,6 +63,36 @@ def driver_records(physical: str) -> list[dict[str, Any]]:
     except OSError:
         return []
     return faults.from_lines(text)
+
+
+#: How long a raise waits for the driver's record of a fault its ring already shows (the
+#: driver records it once the firmware's report reaches it); past it, the driver is gone
+#: or wedged, and the exception carries no record.
+RECORD_WAIT_S = 2.0
+
+
+def queue_fault_record(physical: str, ctx_id: int, queue_id: int, seqno: int) -> dict[str, Any]:
+    """The driver's record of the fault queue ``queue_id`` of context ``ctx_id`` showed
+    at ``seqno`` (kept as raised); ``{}`` if none comes within RECORD_WAIT_S. Ids start
+    again with each daemon, whose persistent log keeps an earlier one's records: a record
+    older than the context is another's."""
+    made = {ctx_id: _CONTEXTS.get(physical, {}).get(ctx_id, 0.0)}
+    marks = (f'"queue":{queue_id},', f'"context":{ctx_id},', f'"seqno":{seqno},')
+    deadline = time.monotonic() + RECORD_WAIT_S
+    while True:
+        try:
+            lines = discovery.read_attr(physical, "fault_log").splitlines()
+        except OSError:  # no driver to ask (the daemon died): nothing will come
+            return {}
+        for line in reversed(lines):  # newest first; parse only the candidate's line
+            if all(m in line for m in marks):
+                rec = faults.from_line(line)
+                if (rec.get("context"), rec.get("queue"), rec.get("seqno")) == \
+                        (ctx_id, queue_id, seqno) and _mine(rec, made):
+                    return raised(rec)
+        if time.monotonic() >= deadline:
+            return {}
+        time.sleep(0.001)
 
 
 def _mine(rec: dict[str, Any], made: dict[int, float]) -> bool:

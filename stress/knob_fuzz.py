@@ -74,6 +74,7 @@ MALFORMED: dict[str, tuple[bytes, ...]] = {
     "sched_hold": _BOOL,
     "fail_step": (b"nosuchstep", b"none none", _HUGE),
     "recovery": (b"automatic", b"auto manual", _HUGE),
+    "map_fail": (b"-1", b"0x1", b"1024", b"1 1", b"true", _HUGE),
     "partition_mode": (b"0", b"3", b"8", b"-1", b"0x2", b"2 2", _HUGE),
     "partition_fail_step": (b"0", b"4:mailbox", b"0:nosuchstep", b"x:mailbox",
                             _HUGE + b":mailbox"),
@@ -91,7 +92,7 @@ MALFORMED: dict[str, tuple[bytes, ...]] = {
 }
 #: Valid values that change nothing (each attribute's default), written as root.
 VALID: dict[str, bytes] = {"fw_boot_fail": b"0", "fail_step": b"none", "reset_hold": b"0",
-                           "sched_hold": b"0", "partition_fail_step": b"none"}
+                           "sched_hold": b"0", "partition_fail_step": b"none", "map_fail": b"0"}
 _BLOCKS = (b"memory", b"compute", b"copy", b"link", b"firmware", b"thermal")
 _NON_ASCII = "\u00b2\u0663\uff11\u00e9\u200b\U0001d7d7"
 

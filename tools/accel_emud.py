@@ -147,7 +147,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.action == "start" and args.devices < 1:
         _parser().error("--devices must be at least 1")
     if args.action == "start" and args.fail_step:
-        from kmod_emul.device import STEP_NAMES
+        from kmod_emul.boot import STEP_NAMES
 
         for dev, step in args.fail_step:
             if dev >= args.devices:

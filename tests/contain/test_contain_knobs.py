@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(240)
 
 #: the root-writable attributes a 2-device daemon has (each device has each)
 KNOWN = {"reset", "partition_mode", "data", "fail_step", "fw_boot_fail", "fw_hang",
-         "partition_fail_step", "ras_ctrl", "recovery", "reset_hold", "sched_hold"}
+         "map_fail", "partition_fail_step", "ras_ctrl", "recovery", "reset_hold", "sched_hold"}
 
 #: another user's attempt at every attribute: the errno of each write, by path
 OTHER_WRITES = """

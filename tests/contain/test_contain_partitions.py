@@ -106,7 +106,7 @@ def test_a_rolled_back_partitions_tenant_frees_nothing_of_the_next_partitions(
             assert freed["held"] == 0 and set(freed["frees"]) <= {"ENODEV", "none"}, freed
             assert freed["frees"].get("ENODEV"), freed  # the 96 MiB at least
             # the driver has closed them once their descriptors are back (their memory
-            # went first: AccelDevice.destroy_context)
+            # went first: Tenants.destroy_context)
             assert wait_until(lambda: fd_count(d.pid) <= fds - len(held))
             assert victim.ask("check") == [0, 0]
         finally:

@@ -1,4 +1,4 @@
-"""Bring-up as named steps with undos (kmod_emul/bringup.py, the table ``device.BRINGUP``).
+"""Bring-up as named steps with undos (kmod_emul/bringup.py, the table ``boot.BRINGUP``).
 
 The mechanism first, in-process: order, unwind in reverse, undo errors that never mask the
 original one, injection, cancellation. Then, for every step of the driver's table (taken
@@ -24,7 +24,7 @@ import trio
 from rawdev import RawDev, errname
 
 from kmod_emul import bringup
-from kmod_emul.device import BRINGUP, STEP_NAMES
+from kmod_emul.boot import BRINGUP, STEP_NAMES
 from kmod_emul.errors import DriverError
 from kmod_emul.sysfs import parse_fail_step
 from tools import accel_emud

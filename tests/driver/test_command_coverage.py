@@ -58,6 +58,21 @@ def marked_commands(paths: list[Path]) -> dict[str, list[str]]:
     return dict(found)
 
 
+def raw_cases(paths: list[Path]) -> dict[str, list]:
+    """Marker argument -> the bad inputs (``refusals.Bad``) its raw test is parametrised
+    with, for the tests that take them (tests/driver/test_errno_contract.py runs them)."""
+    cases: dict[str, list] = defaultdict(list)
+    for path in paths:
+        for name, obj in vars(_module(path)).items():
+            marks = getattr(obj, "pytestmark", []) if name.startswith("test") else []
+            commands = [a for m in marks if m.name == "command" for a in m.args]
+            for mark in marks:
+                if mark.name == "parametrize" and mark.args[0] == "bad":
+                    for command in commands:
+                        cases[command] += list(mark.args[1])
+    return dict(cases)
+
+
 def problems(found: dict[str, list[str]]) -> list[str]:
     """What is wrong with ``found``: a command without a raw test, a marker naming no
     command, a command with more than one (which one would docs/README.md name?)."""

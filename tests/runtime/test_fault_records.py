@@ -52,6 +52,30 @@ def test_a_kernel_fault_record_has_every_field_and_matches_the_drivers(daemon):
     assert [r["seq"] for r in got["mine"]] == [new[0]["seq"]]
 
 
+DRIVER_RECORD = KERNEL_FAULT_PRELUDE + """
+from runtime import faults
+r = exc.record
+found = faults.queue_fault_record("accel0", r["context"], r["queue"], r["seqno"])
+faults.RECORD_WAIT_S = 0.2
+t = time.monotonic()
+none = faults.queue_fault_record("accel0", r["context"], r["queue"], r["seqno"] + 1)
+print(json.dumps({"found": found, "none": none, "waited": time.monotonic() - t}))
+"""
+
+
+def test_the_runtime_reads_the_drivers_record_of_a_queue_fault(daemon):
+    """``runtime.faults.queue_fault_record`` answers the driver's record of a queue fault
+    (the one ``fault_log`` keeps, ``seq`` and all), and ``{}`` once it has waited
+    ``RECORD_WAIT_S`` for a fault the driver never recorded."""
+    before = daemon.fault_log()
+    out = daemon.run_py(DRIVER_RECORD)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    new = [r for r in daemon.fault_log() if r not in before]
+    assert got["found"] == new[0] and got["found"]["seq"] is not None
+    assert got["none"] == {} and got["waited"] >= 0.2
+
+
 WATCH = """
 import os, select, sys, time
 node = os.path.join(os.environ["ACCEL_EMU_ROOT"], "dev/accel-events/accel0")

@@ -64,7 +64,7 @@ def books(dev: OfflineDev) -> dict[str, object]:
     d = dev.file.device
     return {"contexts": sorted(d.contexts), "vram": d.memory.vram.used,
             "pinned": d.memory.pinned_bytes(), "host": d.memory.host_allocations(),
-            "backings": len(d.memory.backings), "queues": d.queue_count(),
+            "backings": len(d.memory.backings), "queues": d.tenants.queue_count(),
             "allocations": {c: sorted(x.allocations) for c, x in d.contexts.items()},
             "modules": {c: sorted(x.modules) for c, x in d.contexts.items()}}
 
