@@ -45,24 +45,41 @@ def test_streams_ids_pool_and_equality(torch_json):
     assert r["pool"] == 32, r
 
 
-def test_current_stream_switches_with_its_device(torch_run):
-    lines = torch_run("""
+def test_current_stream_switches_with_its_device(torch_json):
+    r = torch_json("""
         acc = torch.accelerator
+        key = lambda st: [st.device_index, st.stream_id]   # what a stream compares by
         with torch.Stream(device="accel:1") as s:
-            print(acc.current_stream() == s, acc.current_device_index())
-        print(acc.current_stream() == torch.accel.default_stream(0), acc.current_device_index())
+            report(inside=[key(acc.current_stream()), key(s), acc.current_device_index()])
+        report(after=[key(acc.current_stream()), key(torch.accel.default_stream(0)),
+                      acc.current_device_index()])
         hp = torch.accel.Stream(device=1, priority=-1)
         with torch.accel.stream(hp):
-            print(torch.accel.current_stream() == hp, torch.accel.current_device(), acc.current_stream(1) == hp)
-        print(torch.accel.current_stream(1) == torch.accel.default_stream(1), torch.accel.current_device())
+            report(in_hp=[key(torch.accel.current_stream()), key(hp), torch.accel.current_device(),
+                          key(acc.current_stream(1))])
+        report(after_hp=[key(torch.accel.current_stream(1)), key(torch.accel.default_stream(1)),
+                         torch.accel.current_device()])
         a = torch.Stream(device="accel:0")
         acc.set_stream(a)
-        print(acc.current_stream() == a)
+        report(set_a=[key(acc.current_stream()), key(a)])
         b = torch.Stream(device="accel:1")
         acc.set_stream(b)
-        print(acc.current_stream() == b, acc.current_device_index(), torch.accel.current_stream(0) == a)
+        report(set_b=[key(acc.current_stream()), key(b), acc.current_device_index(),
+                      key(torch.accel.current_stream(0))])
     """)
-    assert lines == ["True 1", "True 0", "True 1 True", "True 0", "True", "True 1 True"]
+    current, s, device = r["inside"]
+    assert current == s and device == 1, r
+    current, default, device = r["after"]
+    assert current == default and device == 0, r
+    current, hp, device, current_1 = r["in_hp"]
+    assert current == hp == current_1 and device == 1, r
+    current_1, default_1, device = r["after_hp"]
+    assert current_1 == default_1 and device == 0, r
+    current, a = r["set_a"]
+    assert current == a, r
+    current, b, device, current_0 = r["set_b"]
+    assert current == b and device == 1 and current_0 == a, r
+
 
 
 def test_query_synchronize_wait_event_and_wait_stream_order_work(torch_run):
