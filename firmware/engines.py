@@ -23,7 +23,6 @@ from __future__ import annotations
 import errno
 import heapq
 import itertools
-import os
 import threading
 import time
 from dataclasses import dataclass, field
