@@ -91,21 +91,21 @@ IDLE = {"memory_used": "0", "contexts": "0", "processes": "pid device_bytes"}
 #: (numpy and torch values as lists or numbers, anything else as its ``str``);
 #: ``misses(got, want, **tol)`` is what to report of a comparison with ``np.allclose``:
 #: how many elements it finds apart (0: it holds) and the widest gap.
-REPORT = """
+REPORT_TAG = "@report "
+REPORT = f"""
 import json as _json
 def _plain(v):
     return v.tolist() if hasattr(v, "tolist") else str(v)
 def report(**values):
-    print("@report " + _json.dumps(values, default=_plain), flush=True)
+    print({REPORT_TAG!r} + _json.dumps(values, default=_plain), flush=True)
 def misses(got, want, **tol):
     import numpy as _np
     got, want = _np.asarray(got), _np.asarray(want)
     gap = _np.abs(got.astype(_np.float64) - want) if got.size else _np.zeros(1)
-    return {"apart": int(_np.count_nonzero(~_np.isclose(got, want, **tol))),
-            "worst": float(gap.max())}
+    return {{"apart": int(_np.count_nonzero(~_np.isclose(got, want, **tol))),
+             "worst": float(gap.max())}}
 """
 
-REPORT_TAG = "@report "
 
 
 def reports(lines: list[str]) -> dict[str, Any]:
