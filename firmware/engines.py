@@ -23,7 +23,6 @@ from __future__ import annotations
 import errno
 import heapq
 import itertools
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -104,15 +103,14 @@ class EnginePool:
     def __init__(self, name: str, count: int, counters: Counters) -> None:
         self._heap: list[_Queued] = []
         self._turns = _Turns()
-        #: the condition's lock, taken directly by add/remove (``with`` on the Condition
-        #: runs two Python-level calls per launch)
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._cond = threading.Condition()
         self._arrivals = itertools.count()
         self._counters = counters
         self.name = name  # an engine kind, abi.mailbox.ENGINE_KINDS
         self._busy_stat = f"{name}_busy_ns"
         self._busy = 0
+        # the busy peak shows whether streams' copies overlapped: a copy-engine figure
+        self._peak_stat = "copy_engines_busy_peak" if name == "copy" else None
         for i in range(count):
             threading.Thread(target=self._engine, name=f"{name}{i}", daemon=True).start()
 
@@ -158,7 +156,8 @@ class EnginePool:
                 item = heapq.heappop(self._heap)
                 self._turns.serving = max(self._turns.serving, item.rank[1])
                 self._busy += 1
-                self._counters.peak("copy_engines_busy_peak", self._busy)
+                if self._peak_stat:
+                    self._counters.peak(self._peak_stat, self._busy)
             start = time.perf_counter_ns()
             item.job.charged_ns = 0
             try:

@@ -1,11 +1,17 @@
 """Runtime scenarios, each run in a fresh process against a daemon (the runtime's state is
 per process, as the fork rules need), shared by the files of tests/runtime/: the preludes
 they start with and the runner that checks the exit status and returns the printed lines.
+
+A scenario that measures something reports the values (``report(name=value)``, run with
+``run_json``), and the test asserts on them: a failure then says what was measured, where
+printed verdicts said only ``'True False' != 'True True'``.
 """
 
 from __future__ import annotations
 
+import json
 import textwrap
+from typing import Any
 
 from stress.harness import Daemon
 
@@ -79,6 +85,45 @@ input()
 """
 
 IDLE = {"memory_used": "0", "contexts": "0", "processes": "pid device_bytes"}
+
+
+#: The child's half of ``run_json``: ``report(**values)`` prints one tagged JSON line
+#: (numpy and torch values as lists or numbers, anything else as its ``str``);
+#: ``misses(got, want, **tol)`` is what to report of a comparison with ``np.allclose``:
+#: how many elements it finds apart (0: it holds) and the widest gap.
+REPORT_TAG = "@report "
+REPORT = f"""
+import json as _json
+def _plain(v):
+    return v.tolist() if hasattr(v, "tolist") else str(v)
+def report(**values):
+    print({REPORT_TAG!r} + _json.dumps(values, default=_plain), flush=True)
+def misses(got, want, **tol):
+    import numpy as _np
+    got, want = _np.asarray(got), _np.asarray(want)
+    gap = _np.abs(got.astype(_np.float64) - want) if got.size else _np.zeros(1)
+    return {{"apart": int(_np.count_nonzero(~_np.isclose(got, want, **tol))),
+             "worst": float(gap.max())}}
+"""
+
+
+
+def reports(lines: list[str]) -> dict[str, Any]:
+    """The values of every ``report`` line among ``lines``, merged (a name reported twice
+    is a scenario's mistake, not a later measurement to keep)."""
+    values: dict[str, Any] = {}
+    for line in lines:
+        if line.startswith(REPORT_TAG):
+            new = json.loads(line[len(REPORT_TAG):])
+            assert not values.keys() & new.keys(), f"reported twice: {values.keys() & new.keys()}"
+            values.update(new)
+    return values
+
+
+def run_json(d: Daemon, prelude: str, body: str, **kw) -> dict[str, Any]:
+    """``run_scenario`` with ``report`` defined after ``prelude``: what the child
+    reported."""
+    return reports(run_scenario(d, prelude + REPORT, body, **kw))
 
 
 def run_scenario(d: Daemon, prelude: str, body: str, **kw) -> list[str]:

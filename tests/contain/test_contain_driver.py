@@ -123,8 +123,8 @@ except runtime.ResourceLimitError as exc:
 x = runtime.to_device(np.arange(1000, dtype=np.float32), device=1, stream=streams[-1])
 back = x.copy_to_host(stream=streams[-1])  # the last queue runs: every queue is mapped
 fw = int(open(os.environ["ACCEL_EMU_ROOT"] + "/sys/kernel/debug/accel/accel1/fw_pid").read())
-out.append(f"firmware-fds-over-1024 {{len(os.listdir(f'/proc/{{fw}}/fd')) > 1024}}")
-out.append(f"works {{np.array_equal(back, np.arange(1000, dtype=np.float32))}}")
+out.append(f"firmware-fds {{len(os.listdir(f'/proc/{{fw}}/fd'))}}")
+out.append(f"wrong {{np.count_nonzero(back != np.arange(1000, dtype=np.float32))}}")
 del streams, x
 try:
     runtime.pinned_empty({lim["max_pinned_bytes_per_process"]} + 4096, np.uint8)
@@ -143,7 +143,8 @@ print("\\n".join(out))
     contexts = lim["max_contexts_per_process"]
     assert lines[0] == f"contexts {contexts} EDQUOT"
     assert lines[1] == f"queues {lim['max_queues_per_context']} EDQUOT"
-    assert lines[2:4] == ["firmware-fds-over-1024 True", "works True"]
+    assert lines[2].startswith("firmware-fds ") and int(lines[2].split()[1]) > 1024, lines
+    assert lines[3] == "wrong 0", lines  # the last queue worked
     assert lines[4] == "pinned EDQUOT"
     used, code = lines[5].split()[1:]
     assert code == "EDQUOT" and lim["max_host_allocations_per_process"] - 8 <= int(used)
@@ -331,7 +332,8 @@ cls = root + "/sys/class/accel/accel0/"
 x = runtime.empty(1 << 20, np.uint8)
 mine = str(os.getpid())
 rows = open(cls + "processes").read().splitlines()[1:]
-print(rows == [f"{mine} {runtime.memory_reserved()}"])
+print("rows", rows)
+print("mine", [f"{mine} {runtime.memory_reserved()}"])
 print(open(root + "/sys/class/accel/accel1/exclusive_owner").read().strip())
 def attempt(fn):
     try:
@@ -349,7 +351,9 @@ print(attempt(lambda: open(root + "/sys/kernel/debug/accel/accel0/contexts").rea
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
-    assert lines == ["True", "another user", "EACCES EACCES EACCES EACCES ok"]
+    assert lines[0].removeprefix("rows ") == lines[1].removeprefix("mine "), lines
+    assert lines[2:] == ["another user", "EACCES EACCES EACCES EACCES ok"], lines
+
     assert d.attr(0, "state") == "operational"
     for b in bystanders:
         b.check()

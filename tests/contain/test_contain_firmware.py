@@ -269,9 +269,10 @@ first = dev.submit(q, [NOP])                           # wakes them from now on
 assert until(lambda: ring.completed == first)
 dev.db.set(userq.DB_LOST, errno.ENODEV)                # the process's own page: it may
 seqno = dev.noop(ctx)                                  # the driver's queue, this context's
-print(dev.wait_done(ctx, seqno, timeout=10).completed >= seqno)
+print("completed past the noop", dev.wait_done(ctx, seqno, timeout=10).completed - seqno)
 w = dev.submit(q, [NOP, NOP])                          # its own ring
-print(until(lambda: ring.completed == w), ring.read_fault())
+until(lambda: ring.completed == w)
+print("ring behind", w - ring.completed, ring.read_fault())
 print(errname(lambda: dev.call(uapi.ACCEL_CMD_MEM_INFO, uapi.accel_mem_info(ctx_id=ctx))))
 # the runtime reads the word as the driver's news: its own context's error, at once
 s = runtime.Stream()
@@ -284,7 +285,7 @@ try:
     s.synchronize(timeout=10)
     print("no error")
 except runtime.DeviceLostError:
-    print("DeviceLostError", time.monotonic() - t0 < 5)
+    print("DeviceLostError", time.monotonic() - t0)
 """
 
 
@@ -302,7 +303,12 @@ def test_a_tenant_writing_its_doorbell_pages_lost_word_stalls_nothing(make_daemo
         before = snapshot(d)
         out = other_user.run(d, tenant_code(_SCRIBBLE_LOST), timeout=120)
         assert out.returncode == 0, out.stderr + out.stdout
-        assert out.stdout.splitlines() == ["True", "True (0, 0, 0, 0)", "", "DeviceLostError True"]
+        lines = out.stdout.splitlines()
+        assert len(lines) == 4 and lines[0].startswith("completed past the noop "), lines
+        assert int(lines[0].split()[-1]) >= 0, lines
+        assert lines[1:3] == ["ring behind 0 (0, 0, 0, 0)", ""], lines
+        assert lines[3].startswith("DeviceLostError ") and float(lines[3].split()[1]) < 5, lines
+
         for b in (b0, b1):
             b.check()
         assert_contained(d, before)

@@ -71,9 +71,9 @@ def test_mma_tile_origin_near_2_63_faults_and_touches_nothing(tenants):
                 print("no fault", case)
             except runtime.KernelFaultError as exc:
                 print(exc.record["errno"])
-        print(bool(np.all(c.copy_to_host() == 5)))
+        print(np.unique(c.copy_to_host()).tolist())
     """)
-    assert lines == ["EFAULT"] * 11 + ["True"]
+    assert lines == ["EFAULT"] * 11 + ["[5.0]"]
     for b in bystanders:
         b.check()
     assert_contained(d, before)
@@ -133,11 +133,11 @@ def test_truncating_client_memory_is_refused_and_unsealed_memory_is_not_taken(te
         while ring.completed < seq and time.monotonic() < deadline:
             dev.sleep_event(0.05)
         import mmap
-        print(ring.completed == seq, ring.read_fault()[0], mmap.mmap(pinned, 1 << 20)[:4] == b"\\t" * 4)
+        print(ring.completed - seq, ring.read_fault()[0], mmap.mmap(pinned, 1 << 20)[:4].hex())
         # a destroyed queue's ring: truncating it still fails, waiting on it still works
         dev.call(uapi.ACCEL_CMD_QUEUE_DESTROY, uapi.accel_queue_destroy(ctx_id=ctx, queue_id=q))
         print(errname(lambda: os.ftruncate(os.open(f"/proc/self/fd/{ring_fd}", os.O_RDWR), 0)),
-              ring.completed == seq)
+              ring.completed - seq)
     """)
     assert lines[0].split() == ["EMEDIUMTYPE", "EMEDIUMTYPE", "EMEDIUMTYPE", "EINVAL",
                                 "EMEDIUMTYPE", "EMEDIUMTYPE", "EMEDIUMTYPE", "EBADF", "EBADF"]
@@ -145,16 +145,17 @@ def test_truncating_client_memory_is_refused_and_unsealed_memory_is_not_taken(te
                                 "EMEDIUMTYPE"]
     assert lines[2] == "EINVAL"
     assert lines[3].split() == ["EPERM"] * 4
-    assert lines[4] == "True 0 True"
-    assert lines[5] == "EPERM True"
+    assert lines[4] == "0 0 09090909"  # completed to seq, no fault, the memset's bytes
+    assert lines[5] == "EPERM 0"
+
     for b in bystanders:
         b.check()
     assert_contained(d, before)
 
 
 #: A tenant's process with a stream, pinned memory and data on device 0; it prints its pid
-#: and its descriptors of the memory and pipes it shares with the device, then checks that
-#: its data and work are intact once told. It is the other user's fresh interpreter,
+#: and its descriptors of the memory and pipes it shares with the device, then prints
+#: what it reads of its data once told. It is the other user's fresh interpreter,
 #: dumpable as any program its user starts is (a process that dropped root's uid would be
 #: non-dumpable by itself): what keeps the same user's other process out must be the
 #: runtime's doing.
@@ -176,7 +177,7 @@ print(json.dumps({"pid": os.getpid(), "fds": fds}), flush=True)
 sys.stdin.readline()
 a.copy_to_host(pin, stream=s)
 s.synchronize(timeout=30)
-print("intact" if (pin == 5).all() else "corrupt", flush=True)
+print("read back", np.unique(pin).tolist(), flush=True)
 """
 
 #: The other process: opens each of the victim's descriptors by path (what they all
@@ -221,7 +222,9 @@ def test_same_uid_process_cannot_open_rings_pinned_memory_or_pipes_by_path(tenan
                 env, got, [p.stderr for p in peeks])
             victim.stdin.write("\n")
             victim.stdin.flush()
-            assert victim.stdout.readline().strip() == "intact", victim.stderr.read()
+            read = victim.stdout.readline().strip()
+            assert read == "read back [5]", (read, victim.stderr.read())  # intact
+
             assert victim.wait(timeout=30) == 0
         finally:
             if victim.poll() is None:

@@ -56,7 +56,7 @@ try:
     x.copy_to_host()
     print("ran")
 except runtime.DeviceLostError as exc:
-    print(exc.record["code"], "thermal shutdown" in str(exc))
+    print(exc.record["code"], exc)
 """
 
 
@@ -70,7 +70,10 @@ def test_a_thermal_shutdown_loses_the_device_and_recovers_once_cooled(make_daemo
         d.debug(0, "ras_ctrl").write_text("inject thermal ue 0")
         assert d.attr(0, "state") in ("failed", "in_reset", "booting")
         out, err = holder.communicate("\n", timeout=30)
-        assert out.splitlines() == ["141 True"], err
+        said = out.splitlines()
+        assert len(said) == 1 and said[0].startswith("141 ") and "thermal shutdown" in said[0], (
+            said, err)
+
         d.wait_state(0, "operational")
         other.check()
     assert d.attr(0, "reset_count") == "1"

@@ -22,6 +22,7 @@ import textwrap
 import time
 
 from rawdev import RawDev, errname
+from scenario import REPORT, reports
 
 
 def counters(d, dev: int) -> dict[str, str]:
@@ -75,7 +76,7 @@ def test_fork_after_init_every_device_call_raises_use_after_fork(daemon):
     """After init, a forked child shares the parent's device files, which the driver cannot
     tell apart: every device call raises UseAfterForkError naming the parent's pid and
     spawn/forkserver, discovery still answers, and the parent's data and work are intact."""
-    out = daemon.run_py(textwrap.dedent("""
+    out = daemon.run_py(REPORT + textwrap.dedent("""
         import os, numpy as np, runtime
         from runtime import kernel_lib
         host = np.arange(16, dtype=np.float32)
@@ -91,32 +92,33 @@ def test_fork_after_init_every_device_call_raises_use_after_fork(daemon):
         """) + CHILD_CALLS + textwrap.dedent("""
         pid = os.fork()
         if pid == 0:
-            print(f"count {runtime.device_count()} {runtime.is_available()}")
+            report(count=runtime.device_count(), available=runtime.is_available())
+            said = {}
             for name, call in calls.items():
                 try:
                     call()
-                    print(name, "returned")
+                    said[name] = "returned"
                 except runtime.UseAfterForkError as exc:
-                    msg = str(exc)
-                    print(name, str(parent) in msg and "initialised" in msg and "spawn" in msg
-                          and "forkserver" in msg)
+                    said[name] = str(exc)
                 except Exception as exc:
-                    print(name, repr(exc))
-            print(flush=True)
+                    said[name] = repr(exc)
+            report(said=said)
             os._exit(0)
         os.waitpid(pid, 0)
         lib.fill[1, 16](a, 7.0, stream=s)   # the parent carries on, on the same objects
         a.copy_to_host(pin, stream=s)
         s.synchronize()
         ctx.synchronize(timeout=5)
-        print("parent", bool((pin == 7).all()), runtime.is_initialized())
+        report(parent=parent, parent_read=np.unique(pin), parent_init=runtime.is_initialized())
     """))
-    lines = out.stdout.splitlines()
-    assert lines[0] == "count 2 True", out.stderr
-    refused = [l for l in lines[1:-2] if not l.endswith(" True")]
+    r = reports(out.stdout.splitlines())
+    assert r.get("count") == 2 and r.get("available") is True, (r, out.stderr)
     calls = sum(line.startswith('    "') for line in CHILD_CALLS.splitlines())
-    assert not refused and len(lines) == calls + 3, (refused, lines, out.stderr)
-    assert lines[-1] == "parent True True", out.stderr
+    said = r["said"]
+    refused = {name: msg for name, msg in said.items()
+               if all(w in msg for w in (str(r["parent"]), "initialised", "spawn", "forkserver"))}
+    assert len(said) == calls and refused == said, ({n: said[n] for n in said.keys() - refused}, r)
+    assert r["parent_read"] == [7] and r["parent_init"] is True, r
 
 
 def test_fork_before_init_child_may_initialise(daemon):
@@ -160,7 +162,7 @@ def test_spawn_and_forkserver_children_work_repeatedly(daemon, tmp_path):
 #: or nothing at a clean exit -- and kills them with SIGKILL (or lets one exit). After
 #: each it checks its own data and work, and waits for the driver's books to be back to
 #: what they were before the child; ``many`` runs 100 short-lived children. One line per
-#: case: what the child reported, its exit code, the parent's check, the books.
+#: case: what the child reported, its exit code, the bytes the parent found wrong, the books.
 MATRIX = '''
 import multiprocessing as mp, os, signal, sys, time, numpy as np, runtime
 from runtime import kernel_lib
@@ -199,7 +201,7 @@ def child(case, conn):
         conn.send(x.ipc_handle())
     else:  # "exit", "many": work, then a clean exit that gives nothing back by hand
         x = runtime.to_device(DATA, device=1, stream=s)
-        conn.send(f"{case} {bool((x.copy_to_host() == DATA).all())}")
+        conn.send(f"{case} wrong {int((x.copy_to_host() != DATA).sum())}")
         return
     conn.recv()  # holds on until killed
 
@@ -235,7 +237,8 @@ if __name__ == "__main__":
         for k, pin, st in zip(keep, pins, streams):
             k.copy_to_host(pin, stream=st)
             st.synchronize(timeout=60)
-        return all((p == pattern).all() for p in pins) and bool((out.copy_to_host() == 3).all())
+        return (sum(int((p != pattern).sum()) for p in pins)
+                + int((out.copy_to_host() != 3).sum()))
 
     check()
     base = books()
@@ -248,21 +251,21 @@ if __name__ == "__main__":
                 for proc, _ in pair:
                     proc.join(30)
                     codes.append(proc.exitcode)
-            print(case, said.count("many True"), codes.count(0), check(), wait_books(base),
-                  flush=True)
+            print(case, said.count("many wrong 0"), codes.count(0), f"wrong {check()}",
+                  wait_books(base), flush=True)
             continue
         proc, conn = start(fs, case)
         got = conn.recv()
         if case == "ipc":
             imported = runtime.open_ipc_handle(got)
-            got = f"imported {bool((imported.copy_to_host() == DATA).all())}"
+            got = f"imported wrong {int((imported.copy_to_host() != DATA).sum())}"
         if case != "exit":
             os.kill(proc.pid, signal.SIGKILL)
         proc.join(30)
         if case == "ipc":  # the exporter is gone: the import still maps the memory
-            got += f" after-kill {bool((imported.copy_to_host() == DATA).all())}"
+            got += f" after-kill wrong {int((imported.copy_to_host() != DATA).sum())}"
             del imported
-        print(case, got, proc.exitcode, check(), wait_books(base), flush=True)
+        print(case, got, proc.exitcode, f"wrong {check()}", wait_books(base), flush=True)
     runtime.synchronize()
 '''
 
@@ -288,17 +291,18 @@ def test_children_killed_mid_work_or_holding_leave_the_parent_and_the_books_inta
     kill, and the memory goes once the import does), and a clean exit: the driver reaps
     each child, the parent's data and work are intact, and the books are the parent's."""
     lines = run_matrix(daemon, tmp_path, "copy,kernel,queues,ipc,exit", timeout=120)
-    assert lines == ["copy in-flight True -9 True idle",
-                     "kernel in-flight True -9 True idle",
-                     "queues queues 9 -9 True idle",
-                     "ipc imported True after-kill True -9 True idle",
-                     "exit exit True 0 True idle"], lines
+    assert lines == ["copy in-flight True -9 wrong 0 idle",
+                     "kernel in-flight True -9 wrong 0 idle",
+                     "queues queues 9 -9 wrong 0 idle",
+                     "ipc imported wrong 0 after-kill wrong 0 -9 wrong 0 idle",
+                     "exit exit wrong 0 0 wrong 0 idle"], lines
 
 
 def test_a_hundred_children_in_turn(daemon, tmp_path):
     """100 forkserver children of an initialised parent, two at a time, each initialising,
     using the device and exiting: every one works and exits 0, and nothing piles up."""
-    assert run_matrix(daemon, tmp_path, "many", timeout=90) == ["many 100 100 True idle"]
+    assert run_matrix(daemon, tmp_path, "many", timeout=90) == ["many 100 100 wrong 0 idle"]
+
 
 
 def test_sigkill_while_holding_contexts_leaves_nothing(daemon):

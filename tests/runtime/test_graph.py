@@ -5,15 +5,11 @@ test_kernel.py).
 from __future__ import annotations
 
 from scenario import STREAM_PRELUDE as PRELUDE
-from scenario import run_scenario
-
-
-def run(d, body: str, timeout: float = 120, **env) -> list[str]:
-    return run_scenario(d, PRELUDE, body, timeout=timeout, **env)
+from scenario import run_json
 
 
 def test_graph_capture_replay_and_refusals(daemon):
-    lines = run(daemon, """
+    r = run_json(daemon, PRELUDE, """
         s = runtime.Stream()
         x = np.arange(1 << 18, dtype=np.float32)
         a = runtime.to_device(x); b = runtime.empty(x.shape, np.float32)
@@ -23,26 +19,29 @@ def test_graph_capture_replay_and_refusals(daemon):
             t.copy_(a, stream=s)
             b.memset(0, stream=s)
             b.copy_(t, stream=s)
+            refused = {}
             for what, bad in (("sync", s.synchronize), ("query", s.query),
                               ("host read", lambda: b.copy_to_host(stream=s)),
                               ("pinned", lambda: runtime.pinned_empty(8)),
                               ("event", lambda: s.record_event())):
                 try:
-                    bad(); print(what, "allowed")
+                    bad(); refused[what] = False
                 except runtime.InvalidValueError:
-                    print(what, "refused")
-        print(len(g))
+                    refused[what] = True
+        report(refused=refused, packets=len(g))
         runtime.current_stream().synchronize()
         for _ in range(50):                          # identical results, many replays
             b.memset(9, stream=s)
             g.replay()
         s.synchronize()
-        print(np.array_equal(b.copy_to_host(stream=s), x))
+        report(wrong_elements=np.count_nonzero(b.copy_to_host(stream=s) != x))
         del a
         try:
             g.replay()
+            report(replay_after_free="allowed")
         except runtime.InvalidValueError as e:
-            print("replay after free refused")
+            report(replay_after_free="refused")
     """)
-    assert lines == ["sync refused", "query refused", "host read refused", "pinned refused",
-                     "event refused", "3", "True", "replay after free refused"]
+    assert r == {"refused": dict.fromkeys(["sync", "query", "host read", "pinned", "event"], True),
+                 "packets": 3, "wrong_elements": 0, "replay_after_free": "refused"}, r
+

@@ -7,7 +7,7 @@ refused before anything is sent."""
 from __future__ import annotations
 
 import pytest
-from scenario import IDLE
+from scenario import IDLE, REPORT, reports
 
 from stress.harness import Bystander
 
@@ -17,16 +17,16 @@ import numpy as np, runtime
 from runtime import discovery
 from runtime.kernel_lib import SOURCE
 
-def refused(what, fn):
+def refused(fn):
     try:
         fn()
-        print(what, "ran")
+        return "ran"
     except runtime.InvalidValueError as exc:
-        print(what, "refused", "exclusive" in str(exc))
+        return str(exc)
 
-refused("no exclusive context", lambda: runtime.reset_device(0))
-refused("primary context", lambda: runtime.primary_context(0).reset_device())
-print("reset_count", discovery.read_attr("accel0", "reset_count"))
+report(no_exclusive_context=refused(lambda: runtime.reset_device(0)),
+       primary_context=refused(lambda: runtime.primary_context(0).reset_device()),
+       reset_count_before=discovery.read_attr("accel0", "reset_count"))
 owner = runtime.new_context(0, exclusive=True)
 lib = runtime.compile(SOURCE, 0)
 x = runtime.to_device(np.ones(1 << 22, np.float32))
@@ -39,21 +39,22 @@ resetter = threading.Timer(0.1, lambda: returned.append(runtime.reset_device(0))
 resetter.start()
 try:
     runtime.synchronize(0)
-    print("synchronize returned")
+    report(synchronize="returned")
 except runtime.DeviceLostError as exc:
-    print("lost", f"reset requested by pid {os.getpid()} (DEVICE_RESET)" in str(exc))
+    report(synchronize=str(exc), pid=os.getpid())
 resetter.join()
-print("reset_device returned", returned == [None], discovery.read_attr("accel0", "state"),
-      discovery.read_attr("accel0", "reset_count"))
+report(reset_device_returned=returned, state=discovery.read_attr("accel0", "state"),
+       reset_count=discovery.read_attr("accel0", "reset_count"))
 try:
     owner.synchronize()
+    report(owner="not lost")
 except runtime.DeviceLostError:
-    print("the exclusive context is lost too")
+    report(owner="lost")
 owner.close()
 runtime.recover(0)
 y = runtime.to_device(np.arange(256, dtype=np.float32))
-print("works", float(y.copy_to_host().sum()))
-print("other device", np.array_equal(other.copy_to_host(), np.arange(4096, dtype=np.float32)))
+report(works=float(y.copy_to_host().sum()),
+       other_device_wrong=np.count_nonzero(other.copy_to_host() != np.arange(4096, dtype=np.float32)))
 """
 
 
@@ -61,13 +62,16 @@ print("other device", np.array_equal(other.copy_to_host(), np.arange(4096, dtype
 def test_the_exclusive_owner_resets_its_device_and_recovers(make_daemon):
     d = make_daemon(devices=2)
     with Bystander(d, 1, alone=True) as other_tenant:
-        out = d.run_py(RESET_BY_THE_OWNER, timeout=150)
+        out = d.run_py(REPORT + RESET_BY_THE_OWNER, timeout=150)
         other_tenant.check()
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [
-        "no exclusive context refused True", "primary context refused True", "reset_count 0",
-        "lost True", "reset_device returned True operational 1",
-        "the exclusive context is lost too", "works 32640.0", "other device True"]
+    r = reports(out.stdout.splitlines())
+    assert "exclusive" in r["no_exclusive_context"] and "exclusive" in r["primary_context"], r
+    assert r["reset_count_before"] == "0", r
+    assert f"reset requested by pid {r.get('pid')} (DEVICE_RESET)" in r["synchronize"], r
+    assert r["reset_device_returned"] == [None], r
+    assert (r["state"], r["reset_count"], r["owner"]) == ("operational", "1", "lost"), r
+    assert r["works"] == 32640.0 and r["other_device_wrong"] == 0, r
     assert out.stderr == ""  # nothing printed at exit either
     assert d.attr(1, "reset_count") == "0"
     for dev in (0, 1):
@@ -93,7 +97,7 @@ with runtime.new_context(0, exclusive=True):
     try:
         runtime.reset_device(0)
     except runtime.FirmwareBootError as exc:
-        print("boot failed", "the reset ended with the device failed" in str(exc))
+        print("boot failed:", exc)
 knob("fw_boot_fail", "0")
 open(os.environ["ACCEL_EMU_ROOT"] + "/sys/class/accel/accel0/reset", "w").write("1")
 operational()
@@ -102,7 +106,7 @@ with runtime.new_context(0, exclusive=True):
     try:
         runtime.reset_device(0, timeout=0.5)
     except runtime.AccelTimeoutError as exc:
-        print("held", "did not finish within 0.5 s (state in_reset)" in str(exc))
+        print("held:", exc)
 knob("reset_hold", "0")
 operational()
 runtime.recover(0)
@@ -117,6 +121,12 @@ def test_reset_device_says_how_the_reset_ended(make_daemon):
     d = make_daemon(devices=1)
     out = d.run_py(RESET_ENDS_BADLY, timeout=90)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["boot failed True", "held True", "back 3"]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("boot failed:"), lines
+    assert "the reset ended with the device failed" in lines[0], lines
+    assert lines[1].startswith("held:"), lines
+    assert "did not finish within 0.5 s (state in_reset)" in lines[1], lines
+    assert lines[2] == "back 3", lines
+
     assert out.stderr == ""
     d.wait_attrs(0, IDLE)

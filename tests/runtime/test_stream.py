@@ -12,7 +12,7 @@ import signal
 import time
 
 from scenario import STREAM_PRELUDE as PRELUDE
-from scenario import run_scenario
+from scenario import run_json, run_scenario
 
 
 def run(d, body: str, timeout: float = 120, **env) -> list[str]:
@@ -21,11 +21,12 @@ def run(d, body: str, timeout: float = 120, **env) -> list[str]:
 
 def test_submission_takes_no_system_call_while_the_firmware_is_awake(daemon):
     """A submit writes the doorbell pipe only while the firmware says it sleeps. Counted
-    per submit, over the submits that found it awake before and after: on a loaded
-    machine (the suite's other worker) the firmware may not run for milliseconds, and
-    then every submit of a quick loop rightly finds it asleep. One write in 50 is allowed
-    for a firmware that fell asleep between the look and the submit's own."""
-    lines = run(daemon, """
+    per submit, over the submits that found it awake before and after. The firmware's
+    control loop sleeps once idle for a while, and on a loaded machine (the suite's other
+    worker) this process may not run for that long between two submits, so each measured
+    submit follows a round trip that woke the firmware; one write in 50 is allowed for a
+    firmware that fell asleep between the look and the submit's own."""
+    r = run_json(daemon, PRELUDE, """
         s = runtime.Stream()
         s.synchronize()
         sleeping = s.ctx.db.words[userq.DB_FW_SLEEPING >> 3 : (userq.DB_FW_SLEEPING >> 3) + 1]
@@ -33,30 +34,37 @@ def test_submission_takes_no_system_call_while_the_firmware_is_awake(daemon):
         def writes():
             io.seek(0)
             return int(io.read().split(b"syscw: ")[1].split()[0])
+        nop = pkt(userq.Op.NOP)
         awake = awake_writes = 0
         for _ in range(2000):
+            s.submit([nop])
+            s.synchronize()
             asleep, n0 = sleeping[0], writes()
-            s.submit([pkt(userq.Op.NOP)])
+            s.submit([nop])
             n1 = writes()
             if not asleep and not sleeping[0]:
                 awake += 1
                 awake_writes += n1 - n0
         s.synchronize()
-        print(s.completed == s.last_seqno == 2000, awake >= 200, awake_writes <= awake // 50)
-    """)
-    assert lines == ["True True True"]
+        report(completed=s.completed, last_seqno=s.last_seqno, awake=awake,
+               awake_writes=awake_writes)
+    """, timeout=120)
+    assert r["completed"] == r["last_seqno"] == 4000, r
+    assert r["awake"] >= 200, r
+    assert r["awake_writes"] <= r["awake"] // 50, r
 
 
 def test_in_order_within_a_stream_and_fence_in_shared_memory(daemon):
-    lines = run(daemon, """
+    r = run_json(daemon, PRELUDE, """
         s = runtime.Stream()
         a = runtime.empty(1 << 20, np.uint8)
         for v in range(1, 60):
             a.memset(v, stream=s)          # only the last one may win
         s.synchronize()
-        print(np.all(a.copy_to_host() == 59), s.completed, s.last_seqno)
+        report(values=np.unique(a.copy_to_host()), completed=s.completed,
+               last_seqno=s.last_seqno)
     """)
-    assert lines == ["True 59 59"]
+    assert r == {"values": [59], "completed": 59, "last_seqno": 59}, r
 
 
 def test_streams_overlap_on_separate_copy_engines(make_daemon):
@@ -76,7 +84,7 @@ def test_streams_overlap_on_separate_copy_engines(make_daemon):
 
 
 def test_async_error_surfaces_at_sync_and_spares_other_streams(daemon):
-    lines = run(daemon, """
+    r = run_json(daemon, PRELUDE, """
         bad, good = runtime.Stream(), runtime.Stream()
         a = runtime.to_device(np.ones(1024, np.float32))
         good.wait_stream(runtime.current_stream())  # the upload ran on the default stream
@@ -86,14 +94,14 @@ def test_async_error_surfaces_at_sync_and_spares_other_streams(daemon):
         try:
             bad.synchronize()
         except runtime.DeviceFaultError as e:
-            print(e.record["opcode"], e.record["errno"], e.record["seqno"])
-        print(np.count_nonzero(a.copy_to_host(stream=good)) == 0)
+            report(fault=[e.record["opcode"], e.record["errno"], e.record["seqno"]])
+        report(good_nonzero=np.count_nonzero(a.copy_to_host(stream=good)))
     """)
-    assert lines == ["COPY EFAULT 1", "True"]
+    assert r == {"fault": ["COPY", "EFAULT", 1], "good_nonzero": 0}, r
 
 
 def test_freeing_memory_while_queued_work_uses_it_is_safe(daemon):
-    lines = run(daemon, """
+    r = run_json(daemon, PRELUDE, """
         s = runtime.Stream()
         src = runtime.to_device(np.full(16 << 20, 7, np.uint8))
         runtime.current_stream().synchronize()  # its upload ran on the default stream
@@ -106,17 +114,17 @@ def test_freeing_memory_while_queued_work_uses_it_is_safe(daemon):
         del tmp                              # freed at once on its stream ...
         other = runtime.Stream()
         reuse = runtime.empty(16 << 20, np.uint8, stream=other)
-        print(reuse.va != tmp_va)           # ... but not reused by another stream
+        report(freed_va=tmp_va, other_va=reuse.va)  # ... but not reused by another stream
         reuse.memset(1, stream=other)
         hold(False)
         s.synchronize(); other.synchronize()
-        print(np.all(pin == 7))
+        report(read_back=np.unique(pin))
     """)
-    assert lines == ["True", "True"]
+    assert r["other_va"] != r["freed_va"] and r["read_back"] == [7], r
 
 
 def test_destroying_a_stream_with_work_in_flight(daemon):
-    lines = run(daemon, """
+    r = run_json(daemon, PRELUDE, """
         s = runtime.Stream()
         a = runtime.empty(4 << 20, np.uint8)
         out = runtime.pinned_empty(4 << 20, np.uint8)
@@ -127,9 +135,9 @@ def test_destroying_a_stream_with_work_in_flight(daemon):
         s.close()                           # queued work still runs to completion
         hold(False)
         ev.synchronize()
-        print(np.all(out == 3))
+        report(read_back=np.unique(out))
     """)
-    assert lines == ["True"]
+    assert r == {"read_back": [3]}, r
 
 
 def test_process_exiting_with_work_queued_leaves_nothing(daemon):
@@ -148,7 +156,7 @@ def test_process_exiting_with_work_queued_leaves_nothing(daemon):
 
 def test_priorities_high_runs_first_and_preempts_long_copies(make_daemon):
     d = make_daemon()
-    lines = run(d, """
+    r = run_json(d, PRELUDE, """
         low1, low2 = runtime.Stream(priority=0), runtime.Stream(priority=0)
         high = runtime.Stream(priority=-1)
         big = [runtime.empty(72 << 20, np.uint8) for _ in range(3)]
@@ -160,7 +168,7 @@ def test_priorities_high_runs_first_and_preempts_long_copies(make_daemon):
         b = runtime.Event(enable_timing=True); b.record(high)
         hold(False)
         high.synchronize(); low1.synchronize()
-        print(b.stream.timestamp(b.seqno) <= a.stream.timestamp(a.seqno + 1))
+        report(high_ns=b.stream.timestamp(b.seqno), low_nop_ns=a.stream.timestamp(a.seqno + 1))
         # preemption: each copy engine busy with one long (18-chunk) low-priority copy
         taken = lambda s: s._ring.rptr
         big[1].copy_(big[0], stream=low1)
@@ -176,9 +184,11 @@ def test_priorities_high_runs_first_and_preempts_long_copies(make_daemon):
         # both engines were busy with one long copy each: finishing first means a low copy
         # yielded its engine between chunks (counted in sysfs preemptions; the bench
         # measures the delay)
-        print(high.timestamp(hi.seqno) < min(low1.timestamp(l1.seqno), low2.timestamp(l2.seqno)))
+        report(high_copy_ns=high.timestamp(hi.seqno),
+               low_copies_ns=[low1.timestamp(l1.seqno), low2.timestamp(l2.seqno)])
     """)
-    assert lines == ["True", "True"]
+    assert r["high_ns"] <= r["low_nop_ns"], r
+    assert r["high_copy_ns"] < min(r["low_copies_ns"]), r
 
 
 def test_sched_hold_returns_once_the_firmware_has_taken_it(make_daemon):
@@ -187,7 +197,7 @@ def test_sched_hold_returns_once_the_firmware_has_taken_it(make_daemon):
     message as it takes it, before it takes packets again); with a firmware that takes
     nothing (hung), after its bound of a second."""
     d = make_daemon(extra=["--heartbeat-timeout", "60"])
-    lines = run(d, """
+    r = run_json(d, PRELUDE, """
         s = runtime.Stream()
         held = 0
         for _ in range(20):
@@ -197,13 +207,12 @@ def test_sched_hold_returns_once_the_firmware_has_taken_it(make_daemon):
             held += s.completed < s.last_seqno
             hold(False)
             s.synchronize()
-        print(held)
         open(f"{ROOT}/sys/kernel/debug/accel/accel0/fw_hang", "w").write("1")
         t = time.monotonic()
         hold(True)
-        print(time.monotonic() - t >= 0.9)
+        report(held=held, hung_hold_s=time.monotonic() - t)
     """)
-    assert lines == ["20", "True"]
+    assert r["held"] == 20 and r["hung_hold_s"] >= 0.9, r
 
 
 def test_host_wait_timeout_and_ctrl_c(make_daemon):
@@ -251,7 +260,7 @@ def test_a_host_wait_naps_only_while_an_engine_runs_the_work(daemon):
     # The engines are threads on the host's CPUs: a waiter lends its CPU (naps) while the
     # firmware says an engine runs the stream's packet, and otherwise keeps polling, since a
     # nap costs a halted vCPU's wake-up (docs/submission.md)
-    lines = run(daemon, """
+    r = run_json(daemon, PRELUDE, """
         import threading
         naps, real_sleep, main = [], time.sleep, threading.get_ident()
         def sleep(seconds):
@@ -266,19 +275,20 @@ def test_a_host_wait_naps_only_while_an_engine_runs_the_work(daemon):
             s.synchronize()  # reason to nap, and the next copy is tried)
             if naps:
                 break
-        print("engine", len(naps) > 0)
+        report(engine_naps=len(naps))
         naps.clear()
         hold(True)  # nothing runs: the wait polls for its 2 ms, then sleeps on its pipe
         s.submit([pkt(userq.Op.NOP)])
         threading.Timer(0.05, hold, (False,)).start()
         s.synchronize()
-        print("not on an engine", naps, s.completed == s.last_seqno)
+        report(held_naps=naps, completed=s.completed, last_seqno=s.last_seqno)
     """)
-    assert lines == ["engine True", "not on an engine [] True"]
+    assert r["engine_naps"] > 0 and r["held_naps"] == [], r
+    assert r["completed"] == r["last_seqno"], r
 
 def test_fence_timeout_on_hung_device(make_daemon):
     d = make_daemon(extra=["--heartbeat-timeout", "60"])
-    out = d.run_py(f"""
+    r = run_json(d, "", f"""
         import time, runtime
         ctx = runtime.new_context(0)
         open("{d.debug(0, 'fw_hang')}", "w").write("1")
@@ -288,16 +298,17 @@ def test_fence_timeout_on_hung_device(make_daemon):
         try:
             f.wait(timeout=0.35)
         except runtime.AccelTimeoutError as exc:
-            print(type(exc).__mro__[1].__name__, isinstance(exc, TimeoutError), exc.errno,
-                  round(time.monotonic() - t, 1) >= 0.3)
+            report(base=type(exc).__mro__[1].__name__, builtin=isinstance(exc, TimeoutError),
+                   errno=exc.errno, waited_s=time.monotonic() - t)
     """)
-    assert out.stdout.split() == ["AccelError", "True", "62", "True"], out.stderr
+    assert (r["base"], r["builtin"], r["errno"]) == ("AccelError", True, 62), r
+    assert round(r["waited_s"], 1) >= 0.3, r
 
 
 def test_synchronize_waits_for_every_stream_and_raises_the_first_fault(daemon):
     """Like torch.cuda.synchronize: every stream of the process on the device has finished
     what was queued before the call, and a pending fault is raised with its record."""
-    out = daemon.run_py("""
+    r = run_json(daemon, "", """
         import numpy as np, runtime
         from abi import userq
         streams = [runtime.Stream(0) for _ in range(2)]
@@ -306,27 +317,29 @@ def test_synchronize_waits_for_every_stream_and_raises_the_first_fault(daemon):
             for _ in range(4):
                 b.memset(7, stream=s)
         runtime.synchronize(0)
-        print(all(s.query() for s in streams), int(bufs[1].copy_to_host()[-1]))
+        report(queried=[s.query() for s in streams], last_byte=bufs[1].copy_to_host()[-1],
+               faulty_queue=streams[1].queue_id)
         streams[1].submit([userq.accel_packet(opcode=userq.Op.MEMSET, a=(0x10, 64, 0, 0, 0, 0, 0))])
+        faults = []
         for _ in range(2):  # sticky, as CUDA's: the stream keeps its fault
             try:
                 runtime.synchronize(0)
-                print("no fault")
+                faults.append("no fault")
             except runtime.DeviceFaultError as exc:
-                print(exc.record["errno"], exc.record["queue"] == streams[1].queue_id)
+                faults.append([exc.record["errno"], exc.record["queue"]])
         try:
             runtime.synchronize(1, timeout=10)  # the other device has nothing of it
-            print("device 1 clean")
+            other = "clean"
         except runtime.AccelError as exc:
-            print(repr(exc))
+            other = repr(exc)
+        report(faults=faults, device_1=other)
     """)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:-1] == ["True 7", "EFAULT True", "EFAULT True",
-                                            "device 1 clean"]
+    assert r["queried"] == [True, True] and r["last_byte"] == 7, r
+    assert r["faults"] == [["EFAULT", r["faulty_queue"]]] * 2 and r["device_1"] == "clean", r
 
 
 def test_synchronize_honours_its_timeout(daemon):
-    out = daemon.run_py("""
+    r = run_json(daemon, "", """
         import os, time, numpy as np, runtime
         hold = os.environ["ACCEL_EMU_ROOT"] + "/sys/kernel/debug/accel/accel0/sched_hold"
         s = runtime.Stream(0)
@@ -336,13 +349,13 @@ def test_synchronize_honours_its_timeout(daemon):
             t0 = time.monotonic()
             try:
                 runtime.synchronize(0, timeout=0.3)
-                print("returned")
+                report(timeout="returned")
             except runtime.AccelTimeoutError as exc:
-                print("timeout", round(time.monotonic() - t0, 1) >= 0.3, exc.errno == 62)
+                report(timeout=exc.errno, waited_s=time.monotonic() - t0)
         finally:
             open(hold, "w").write("0")
         runtime.synchronize(0, timeout=10)
-        print(s.query())
+        report(queried=s.query())
     """)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["timeout True True", "True"]
+    assert r["timeout"] == 62 and round(r["waited_s"], 1) >= 0.3 and r["queried"] is True, r
+

@@ -1,17 +1,21 @@
 """The PyTorch backend's tests: snippets in fresh interpreters (torch_accel's state, like
 the runtime's, is per process) against the session's 2-device daemon.
 
-``torch_run(body)`` runs ``TORCH_PRELUDE`` + ``body`` and returns its printed lines; the
-prelude imports torch (which autoloads torch_accel through its entry point) and asserts
-that the backend is registered, so a test never passes against the CPU by mistake.
+``torch_run(body)`` runs ``TORCH_PRELUDE`` + ``body`` and returns its printed lines;
+``torch_json(body)`` runs it with ``report(**values)`` defined and returns what it
+reported (scenario.py), for the snippets that measure something. The prelude imports torch
+(which autoloads torch_accel through its entry point) and asserts that the backend is
+registered, so a test never passes against the CPU by mistake.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
+
 
 import pytest
-from scenario import run_scenario
+from scenario import run_json, run_scenario
 
 TORCH_PRELUDE = """
 import os, sys, io, time, numpy as np, torch, torch_accel, runtime
@@ -28,4 +32,11 @@ SNIPPET_TIMEOUT = 200
 def torch_run(daemon) -> Callable[..., list[str]]:
     def run(body: str, timeout: float = SNIPPET_TIMEOUT, **kw) -> list[str]:
         return run_scenario(daemon, TORCH_PRELUDE, body, timeout=timeout, **kw)
+    return run
+
+
+@pytest.fixture
+def torch_json(daemon) -> Callable[..., dict[str, Any]]:
+    def run(body: str, timeout: float = SNIPPET_TIMEOUT, **kw) -> dict[str, Any]:
+        return run_json(daemon, TORCH_PRELUDE, body, timeout=timeout, **kw)
     return run

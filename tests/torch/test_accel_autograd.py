@@ -9,8 +9,8 @@ import pytest
 pytestmark = pytest.mark.timeout(400)
 
 
-def test_mlp_forward_backward_and_optimiser_steps_match_cpu_on_both_devices(torch_run):
-    lines = torch_run("""
+def test_mlp_forward_backward_and_optimiser_steps_match_cpu_on_both_devices(torch_json):
+    r = torch_json("""
         import copy
         import torch.nn.functional as F
         torch.manual_seed(0)
@@ -28,14 +28,24 @@ def test_mlp_forward_backward_and_optimiser_steps_match_cpu_on_both_devices(torc
                         loss = F.cross_entropy(model(xs), ys)
                         loss.backward()
                         opt.step()
-                same_loss = torch.allclose(F.cross_entropy(acc(x.to(dev)), y.to(dev)).cpu(),
-                                           F.cross_entropy(cpu(x), y), atol=1e-5)
-                same_params = all(torch.allclose(p.cpu(), q, atol=1e-5)
-                                  for p, q in zip(acc.parameters(), cpu.parameters()))
-                on_device = all(p.device == torch.device(dev) and p.grad.device == torch.device(dev)
-                                for p in acc.parameters())
-                print(dev, opt_cls.__name__, same_loss, same_params, on_device,
-                      dict(torch_accel.fallback_counts) == before)
+                apart = lambda a, b: (~torch.isclose(a, b, atol=1e-5)).sum().item()
+                gap = lambda a, b: (a - b).abs().max().item()
+                loss = (F.cross_entropy(acc(x.to(dev)), y.to(dev)).detach().cpu(),
+                        F.cross_entropy(cpu(x), y).detach())
+                params = [(p.detach().cpu(), q.detach()) for p, q in zip(acc.parameters(), cpu.parameters())]
+                now = dict(torch_accel.fallback_counts)
+                report(**{f"{dev} {opt_cls.__name__}": {
+                    "loss_apart": apart(*loss), "loss_gap": gap(*loss),
+                    "params_apart": sum(apart(p, q) for p, q in params),
+                    "params_gap": max(gap(p, q) for p, q in params),
+                    "devices": sorted({str(t.device) for p in acc.parameters() for t in (p, p.grad)}),
+                    "fallbacks": {k: [before.get(k), now.get(k)] for k in {*before, *now}
+                                  if before.get(k) != now.get(k)}}})
     """, timeout=380)
-    assert lines == [f"{d} {o} True True True True" for d in ("accel:0", "accel:1")
-                     for o in ("SGD", "Adam")]
+    # elements torch.allclose finds apart (with the widest gap), the devices of the
+    # parameters and their gradients, and the fallback counts that moved
+    assert sorted(r) == sorted(f"{d} {o}" for d in ("accel:0", "accel:1") for o in ("SGD", "Adam"))
+    for run, got in r.items():
+        assert got["loss_apart"] == 0 and got["params_apart"] == 0, (run, got)
+        assert got["devices"] == [run.split()[0]] and got["fallbacks"] == {}, (run, got)
+

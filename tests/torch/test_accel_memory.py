@@ -12,60 +12,76 @@ pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20
 
 
-def test_statistics_move_with_tensors_under_torchs_names(torch_run):
-    lines = torch_run("""
+def test_statistics_move_with_tensors_under_torchs_names(torch_json):
+    r = torch_json("""
         acc, MiB = torch.accelerator, 1 << 20
-        print(dict(acc.memory_stats()), torch.accel.memory_allocated(), torch.accel.max_memory_reserved(),
-              torch.accel.is_initialized())        # nothing to report, nothing initialised
+        report(first=[dict(acc.memory_stats()), torch.accel.memory_allocated(),
+                      torch.accel.max_memory_reserved(), torch.accel.is_initialized()])
         base = acc.memory_allocated()
         x = torch.empty(8 * MiB, dtype=torch.uint8, device="accel")
-        print(acc.memory_allocated() - base, acc.memory_reserved() >= acc.memory_allocated(),
-              acc.max_memory_allocated() >= base + 8 * MiB)
-        stats = acc.memory_stats()
-        print(stats == torch.accel.memory_stats(), [k for k in (
+        report(base=base, allocated=acc.memory_allocated(), reserved=acc.memory_reserved(),
+               max_allocated=acc.max_memory_allocated())
+        stats, accel_stats = acc.memory_stats(), torch.accel.memory_stats()
+        report(stats_differ=sorted(k for k in {*stats, *accel_stats} if stats.get(k) != accel_stats.get(k)),
+               missing=[k for k in (
             "allocated_bytes.all.current", "allocated_bytes.all.peak", "reserved_bytes.all.current",
             "active_bytes.all.current", "requested_bytes.all.current", "segment.all.current",
-            "allocation.all.current", "num_ooms", "num_alloc_retries") if k not in stats])
-        print(stats["allocated_bytes.all.current"] == acc.memory_allocated(),
-              stats["reserved_bytes.all.current"] == acc.memory_reserved())
-        print([n for n in ("memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved")
-               if getattr(torch.accel, n)() != getattr(acc, n)()])
+            "allocation.all.current", "num_ooms", "num_alloc_retries") if k not in stats],
+               stats_current=[stats["allocated_bytes.all.current"], stats["reserved_bytes.all.current"]],
+               current=[acc.memory_allocated(), acc.memory_reserved()])
+        report(accel_differs=[n for n in ("memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved")
+                              if getattr(torch.accel, n)() != getattr(acc, n)()])
         free, total = acc.get_memory_info()
-        print(total, torch.accel.mem_get_info() == (free, total))
+        report(free=free, total=total, mem_get_info=torch.accel.mem_get_info())
         del x
-        print(acc.memory_allocated() == base, acc.memory_reserved() >= 8 * MiB)   # kept in the cache
+        report(after_del=[acc.memory_allocated(), acc.memory_reserved()])
         torch.accel.empty_cache()
-        print(acc.memory_reserved() < 8 * MiB, acc.get_memory_info()[0] >= free + 8 * MiB)
-        print(acc.max_memory_allocated() >= base + 8 * MiB, acc.max_memory_reserved() >= 8 * MiB)
+        report(after_empty=[acc.memory_reserved(), acc.get_memory_info()[0]],
+               peaks=[acc.max_memory_allocated(), acc.max_memory_reserved()])
         acc.reset_peak_memory_stats()
-        print(acc.max_memory_allocated() == acc.memory_allocated(),
-              torch.accel.max_memory_reserved() == torch.accel.memory_reserved())
+        report(after_reset=[acc.max_memory_allocated(), acc.memory_allocated(),
+                            torch.accel.max_memory_reserved(), torch.accel.memory_reserved()])
         y = torch.empty(MiB, dtype=torch.uint8, device="accel:1")    # another device's books
-        print(acc.memory_allocated() == base, acc.memory_allocated(1) >= MiB,
-              torch.accel.memory_allocated("accel:1") == acc.memory_allocated(1))
+        report(with_y=[acc.memory_allocated(), acc.memory_allocated(1),
+                       torch.accel.memory_allocated("accel:1")])
     """)
-    assert lines == ["{} 0 0 False", f"{8 * MiB} True True", "True []", "True True", "[]", f"{256 * MiB} True",
-                     "True True", "True True", "True True", "True True", "True True True"]
+    assert r["first"] == [{}, 0, 0, False], r  # nothing to report, nothing initialised
+    base = r["base"]
+    assert r["allocated"] - base == 8 * MiB and r["reserved"] >= r["allocated"], r
+    assert r["max_allocated"] >= base + 8 * MiB, r
+    assert r["stats_differ"] == [] and r["missing"] == [], r
+    assert r["stats_current"] == r["current"] and r["accel_differs"] == [], r
+    assert r["total"] == 256 * MiB and r["mem_get_info"] == [r["free"], r["total"]], r
+    assert r["after_del"][0] == base and r["after_del"][1] >= 8 * MiB, r  # kept in the cache
+    assert r["after_empty"][0] < 8 * MiB and r["after_empty"][1] >= r["free"] + 8 * MiB, r
+    assert r["peaks"][0] >= base + 8 * MiB and r["peaks"][1] >= 8 * MiB, r
+    max_allocated, allocated, max_reserved, reserved = r["after_reset"]
+    assert max_allocated == allocated and max_reserved == reserved, r
+    here, there, there_by_name = r["with_y"]
+    assert here == base and there >= MiB and there_by_name == there, r
 
 
-def test_device_oom_is_torchs_error_and_the_device_recovers(torch_run):
-    lines = torch_run("""
+def test_device_oom_is_torchs_error_and_the_device_recovers(torch_json):
+    r = torch_json("""
         MiB = 1 << 20
         try:
             torch.empty(300 * MiB, dtype=torch.uint8, device="accel")
         except torch.OutOfMemoryError as e:
-            print(isinstance(e, RuntimeError), str(e).startswith(
-                "accel out of memory. Tried to allocate 300.00 MiB. Device 0 has a total capacity of 256.00 MiB"))
+            report(runtime_error=isinstance(e, RuntimeError), first=str(e))
         big = torch.empty(200 * MiB, dtype=torch.uint8, device="accel")
         try:
             torch.empty(100 * MiB, dtype=torch.uint8, device="accel")      # fits only without `big`
         except torch.OutOfMemoryError as e:
-            print("Tried to allocate 100.00 MiB" in str(e), torch.accel.memory_stats()["num_ooms"])
+            report(second=str(e), num_ooms=torch.accel.memory_stats()["num_ooms"])
         del big
         again = torch.ones(100 * MiB // 4, device="accel")
-        print(again.device, again[-1].item())
+        report(again=[again.device, again[-1].item()])
     """)
-    assert lines == ["True True", "True 2", "accel:0 1.0"]
+    assert r["runtime_error"] is True, r
+    assert r["first"].startswith("accel out of memory. Tried to allocate 300.00 MiB. Device 0 has "
+                                 "a total capacity of 256.00 MiB"), r
+    assert "Tried to allocate 100.00 MiB" in r["second"] and r["num_ooms"] == 2, r
+    assert r["again"] == ["accel:0", 1.0], r
 
 
 def test_tensors_of_every_kind_give_back_what_they_took(torch_run):
@@ -78,20 +94,22 @@ def test_tensors_of_every_kind_give_back_what_they_took(torch_run):
             views = (x.view(-1)[10:20], x.reshape(-1), x.detach())
             copies = (x.cpu().to("accel"), x.clone(), x.to("accel:1"), x * 2)
             del x, views, copies
-        print(acc.memory_allocated() == base, acc.memory_allocated(1) == 0)
+        print("allocated", acc.memory_allocated() - base, acc.memory_allocated(1))
         x = torch.ones(100, device="accel")
         ptr = x.data_ptr()
         x.add_(1).mul_(2)
         y = x.view(10, 10)
-        print(x.data_ptr() == ptr == y.data_ptr(), bool((y == 4).all()))
+        print("moved", x.data_ptr() - ptr, y.data_ptr() - ptr, y.cpu().unique().tolist())
         c = torch.empty(2, 3, 4, 4, device="accel", memory_format=torch.channels_last)
         print(c.is_contiguous(memory_format=torch.channels_last))
         cpu, dev = torch.randn(4, 4), torch.randn(4, 4, device="accel")
         print(torch._has_compatible_shallow_copy_type(cpu, dev))
         cpu.data = dev                              # set_data: CPU and accel tensors trade data
-        print(cpu.device, cpu.data_ptr() == dev.data_ptr())
+        print(cpu.device, cpu.data_ptr() - dev.data_ptr())
         dev2 = torch.randn(4, 4, device="accel")
         dev2.data = torch.ones(2)
         print(dev2.device, dev2.tolist())
     """)
-    assert lines == ["True True", "True True", "True", "True", "accel:0 True", "cpu [1.0, 1.0]"]
+    assert lines == ["allocated 0 0", "moved 0 0 [4.0]", "True", "True", "accel:0 0",
+                     "cpu [1.0, 1.0]"]
+

@@ -76,7 +76,7 @@ for name in names:
                 torch.testing.assert_close(got, ref, equal_nan=True, check_device=False, **tol)
             except Exception as e:
                 bad.append(f"{{name}}.{{info.variant_test_name}}[{{i}}]: {{str(e).splitlines()[0]}}")
-print(counted >= len(names))  # every operator had samples
+print(counted, len(names))
 print(bad)
 print(sorted(torch_accel.fallback_counts))
 """
@@ -86,7 +86,10 @@ print(sorted(torch_accel.fallback_counts))
 def test_native_operators_match_cpu_on_every_opinfo_sample(torch_run, group):
     names, dtype, allowed = GROUPS[group]
     lines = torch_run(SCRIPT.format(names=names, dtype=dtype, summing=SUMMING), timeout=580)
-    assert lines[:2] == ["True", "[]"]
+    counted, operators = map(int, lines[0].split())
+    assert counted >= operators, lines[0]  # every operator had samples
+    assert lines[1] == "[]", lines[1]
+
     assert set(eval(lines[2])) <= allowed  # noqa: S307 - our own subprocess's list
 
 

@@ -58,7 +58,7 @@ if __name__ == "__main__":
             opt.step()
             losses.append(loss.item())
     print(f"batches {batches} pinned {pinned} initialised workers {initialised} "
-          f"device {model.weight.device} learnt {losses[-1] < losses[0] / 10}")
+          f"device {model.weight.device} loss {losses[0]} -> {losses[-1]}")
 """
 
 RANK = """
@@ -100,7 +100,12 @@ def test_dataloader_workers_feed_pinned_batches_to_training_on_accel(daemon, tmp
     """Forked workers (the default) after the parent initialised: fine, since they build
     host tensors only; the pin thread pins every batch; the model learns the line."""
     lines = run_script(daemon, tmp_path, LOADER)
-    assert lines == ["batches 32 pinned 32 initialised workers 0 device accel:0 learnt True"]
+    assert len(lines) == 1, lines
+    said, losses = lines[0].split(" loss ")
+    first, last = map(float, losses.split(" -> "))
+    assert said == "batches 32 pinned 32 initialised workers 0 device accel:0", lines
+    assert last < first / 10, lines  # the model learnt the line
+
 
 
 def test_torchrun_ranks_compute_on_their_devices_and_all_reduce_through_the_host(daemon, tmp_path):

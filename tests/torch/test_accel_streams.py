@@ -6,6 +6,8 @@ caching allocator's reuse stream-safe."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
@@ -14,43 +16,70 @@ pytestmark = pytest.mark.timeout(120)
 BUSY = "10**8"
 
 
-def test_streams_ids_pool_and_equality(torch_run):
-    lines = torch_run("""
+def test_streams_ids_pool_and_equality(torch_json):
+    r = torch_json("""
         s = torch.Stream(device="accel")
-        print(s.device_index == torch.accel.current_device(), s.device.type, s.stream_id != 0)
+        report(s=[s.device_index, torch.accel.current_device(), s.device.type, s.stream_id])
         s1 = torch.Stream(device="accel:1")
-        print(s1.device, torch.Stream(1).device, "torch.Stream device_type=accel, device_index=1" in repr(s1))
+        report(s1=[s1.device, torch.Stream(1).device], s1_repr=repr(s1))
         same = torch.Stream(stream_id=s1.stream_id, device_type=s1.device_type, device_index=s1.device_index)
-        print(same == s1, hash(same) == hash(s1), s1 != torch.Stream(device="accel:1"))
+        report(equal=same == s1, hashes=[hash(same), hash(s1)],
+               unequal_to_another=s1 != torch.Stream(device="accel:1"))
         hp = torch.accel.Stream(priority=-1)
-        print(type(hp).__name__, hp.runtime_stream.priority, torch.accel.Stream().runtime_stream.priority,
-              torch.accel.Stream.priority_range())
-        print(torch.accel.default_stream().stream_id, torch.accel.current_stream() == torch.accel.default_stream())
+        report(priorities=[type(hp).__name__, hp.runtime_stream.priority,
+                           torch.accel.Stream().runtime_stream.priority,
+                           torch.accel.Stream.priority_range()])
+        report(default_id=torch.accel.default_stream().stream_id,
+               current_id=torch.accel.current_stream().stream_id)
         # a pool per priority, round robin: many streams never exhaust the device's queues
-        print(len({torch.Stream(device="accel").stream_id for _ in range(100)}))
+        report(pool=len({torch.Stream(device="accel").stream_id for _ in range(100)}))
     """)
-    assert lines == ["True accel True", "accel:1 accel:1 True", "True True True",
-                     "Stream -1 0 (0, -1)", "0 True", "32"]
+    index, current, kind, stream_id = r["s"]
+    assert index == current and kind == "accel" and stream_id != 0, r
+    assert r["s1"] == ["accel:1", "accel:1"], r
+    assert "torch.Stream device_type=accel, device_index=1" in r["s1_repr"], r
+    assert r["equal"] is True and r["hashes"][0] == r["hashes"][1], r
+    assert r["unequal_to_another"] is True, r
+    assert r["priorities"] == ["Stream", -1, 0, [0, -1]], r
+    assert r["default_id"] == 0 and r["current_id"] == r["default_id"], r
+    assert r["pool"] == 32, r
 
 
-def test_current_stream_switches_with_its_device(torch_run):
-    lines = torch_run("""
+def test_current_stream_switches_with_its_device(torch_json):
+    r = torch_json("""
         acc = torch.accelerator
+        key = lambda st: [st.device_index, st.stream_id]   # what a stream compares by
         with torch.Stream(device="accel:1") as s:
-            print(acc.current_stream() == s, acc.current_device_index())
-        print(acc.current_stream() == torch.accel.default_stream(0), acc.current_device_index())
+            report(inside=[key(acc.current_stream()), key(s), acc.current_device_index()])
+        report(after=[key(acc.current_stream()), key(torch.accel.default_stream(0)),
+                      acc.current_device_index()])
         hp = torch.accel.Stream(device=1, priority=-1)
         with torch.accel.stream(hp):
-            print(torch.accel.current_stream() == hp, torch.accel.current_device(), acc.current_stream(1) == hp)
-        print(torch.accel.current_stream(1) == torch.accel.default_stream(1), torch.accel.current_device())
+            report(in_hp=[key(torch.accel.current_stream()), key(hp), torch.accel.current_device(),
+                          key(acc.current_stream(1))])
+        report(after_hp=[key(torch.accel.current_stream(1)), key(torch.accel.default_stream(1)),
+                         torch.accel.current_device()])
         a = torch.Stream(device="accel:0")
         acc.set_stream(a)
-        print(acc.current_stream() == a)
+        report(set_a=[key(acc.current_stream()), key(a)])
         b = torch.Stream(device="accel:1")
         acc.set_stream(b)
-        print(acc.current_stream() == b, acc.current_device_index(), torch.accel.current_stream(0) == a)
+        report(set_b=[key(acc.current_stream()), key(b), acc.current_device_index(),
+                      key(torch.accel.current_stream(0))])
     """)
-    assert lines == ["True 1", "True 0", "True 1 True", "True 0", "True", "True 1 True"]
+    current, s, device = r["inside"]
+    assert current == s and device == 1, r
+    current, default, device = r["after"]
+    assert current == default and device == 0, r
+    current, hp, device, current_1 = r["in_hp"]
+    assert current == hp == current_1 and device == 1, r
+    current_1, default_1, device = r["after_hp"]
+    assert current_1 == default_1 and device == 0, r
+    current, a = r["set_a"]
+    assert current == a, r
+    current, b, device, current_0 = r["set_b"]
+    assert current == b and device == 1 and current_0 == a, r
+
 
 
 def test_query_synchronize_wait_event_and_wait_stream_order_work(torch_run):
@@ -93,7 +122,7 @@ def test_record_stream_keeps_a_freed_block_until_that_streams_work_is_done(torch
         ptr = x.data_ptr()
         del x
         y = torch.empty(MiB, dtype=torch.uint8, device="accel")
-        print(y.data_ptr() == ptr)                 # no other stream: reused at once
+        print(y.data_ptr() - ptr)                  # no other stream: reused at once
         side = torch.accel.Stream()
         with torch.accel.stream(side):
             torch.accel._sleep({BUSY})
@@ -101,13 +130,20 @@ def test_record_stream_keeps_a_freed_block_until_that_streams_work_is_done(torch
         del y
         # best fit may pick another free block first: two requests show where ptr went
         busy = [torch.empty(MiB, dtype=torch.uint8, device="accel") for _ in range(2)]
-        print(ptr in set(t.data_ptr() for t in busy), side.query())   # side busy: held back
+        print(sorted(t.data_ptr() - ptr for t in busy), side.query())  # side busy: held back
         side.synchronize()
         done = [torch.empty(MiB, dtype=torch.uint8, device="accel") for _ in range(2)]
-        print(ptr in set(t.data_ptr() for t in done))                 # side done: reused
+        print(sorted(t.data_ptr() - ptr for t in done))                # side done: reused
         try:
             done[0].record_stream(torch.Stream(device="accel:1"))
         except RuntimeError as e:
-            print("other device:", "the stream is on accel:1 but the tensor is on accel:0" in str(e))
+            print("other device:", e)
     """)
-    assert lines == ["True", "False False", "True", "other device: True"]
+    # offsets from the freed block's address: 0 is that block
+    assert lines[0] == "0", lines
+    busy, side_done = lines[1].rsplit(" ", 1)
+    assert 0 not in json.loads(busy) and side_done == "False", lines
+    assert 0 in json.loads(lines[2]), lines
+    assert lines[3].startswith("other device:"), lines
+    assert "the stream is on accel:1 but the tensor is on accel:0" in lines[3], lines
+

@@ -304,9 +304,10 @@ def test_nn_kernels(daemon):
         try:
             runtime.synchronize()
         except runtime.KernelFaultError as exc:
-            print("bad index faults", "index_rows" in str(exc))
+            print("bad index faults:", exc)
     """, timeout=290)
-    assert "gelu float64 ok" in lines[-2] and lines[-1] == "bad index faults True"
+    assert "gelu float64 ok" in lines[-2], lines
+    assert lines[-1].startswith("bad index faults:") and "index_rows" in lines[-1], lines
 
 
 @pytest.mark.timeout(150)
@@ -378,6 +379,9 @@ def test_matmul_random_sleep(daemon):
         K.sleep(20_000_000, stream=s)
         queued = time.perf_counter() - t0
         s.synchronize()
-        print("sleep ok", queued < time.perf_counter() - t0)
+        print("sleep queued, ran", queued, time.perf_counter() - t0)
     """, timeout=140)
-    assert "int mm refused ok" in lines and "bernoulli ok" in lines and lines[-1] == "sleep ok True"
+    assert "int mm refused ok" in lines and "bernoulli ok" in lines, lines
+    queued, ran = map(float, lines[-1].split()[-2:])
+    assert lines[-1].startswith("sleep queued, ran") and queued < ran, lines  # asynchronous
+

@@ -383,10 +383,12 @@ class _Gate(Job):
     def __init__(self, name: str, log: list[str], gate: threading.Event | None = None,
                  ctx: int = 1) -> None:
         self.name, self.log, self.gate = name, log, gate
+        self.started = threading.Event()
         # whose turn it takes, and whose engine time it is
         self.ring = SimpleNamespace(ctx=SimpleNamespace(id=ctx, engine_time=EngineTime()))
 
     def run(self) -> bool:
+        self.started.set()
         if self.gate is not None:
             assert self.gate.wait(30)
         self.log.append(self.name)
@@ -399,9 +401,10 @@ def _held_pool() -> tuple[EnginePool, threading.Event, list[str]]:
     pool = EnginePool("compute", 1, counters)
     log: list[str] = []
     gate = threading.Event()
-    pool.submit(0, _Gate("holder", log, gate, ctx=9))
-    while not counters.snapshot()["copy_engines_busy_peak"]:
-        time.sleep(0.001)
+    holder = _Gate("holder", log, gate, ctx=9)
+    pool.submit(0, holder)
+    assert holder.started.wait(30)
+    assert counters.snapshot()["copy_engines_busy_peak"] == 0  # a compute engine's job
     return pool, gate, log
 
 
