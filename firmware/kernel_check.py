@@ -251,12 +251,15 @@ def _bind(fn: ast.FunctionDef, info: kernel_frontend.KernelInfo, ir: dict[str, A
     ir_params = ir["params"]
     if [p["name"] for p in ir_params] != params:
         raise KernelCompileError("IR params do not match the kernel's parameters")
+    named = {n.id for stmt in fn.body for n in ast.walk(stmt) if isinstance(n, ast.Name)}
     for p in ir_params:
         name, kind = p["name"], p["kind"]
-        if kind != ("buffer" if name in info.buffers else "scalar"):
-            raise KernelCompileError(f"IR parameter {name!r} is a {kind}, which the kernel's "
-                                     "source does not use it as")
-        if kind == "buffer" and p.get("ndim", 1) != info.buffers[name]:
+        # a parameter the body never names may be either (the runtime calls it a scalar)
+        used_as = "buffer" if name in info.buffers else "scalar"
+        if kind != used_as and name in named:
+            raise KernelCompileError(f"IR parameter {name!r} is a {kind}; the kernel's source "
+                                     f"uses it as a {used_as}")
+        if name in info.buffers and p.get("ndim", 1) != info.buffers[name]:
             raise KernelCompileError(f"IR buffer {name!r} has {p.get('ndim', 1)} dimensions, "
                                      f"the kernel indexes it with {info.buffers[name]}")
         annotated, want = info.params[name], p.get("dtype")
@@ -290,14 +293,16 @@ def _bind(fn: ast.FunctionDef, info: kernel_frontend.KernelInfo, ir: dict[str, A
               for name, (shape, dtype) in info.shared.items()}
     k = Kernel(fn, params, parsed, buffers, scalars, info.locals, shared)
     for n in ast.walk(fn):  # the dtypes the launch set, where the source named none
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
-            if n.func.id == "atomic_add" and buffer_dtype(k, n.args[0].id) == "bool":  # type: ignore[attr-defined]
-                raise reject(n, "atomic_add on a bool buffer")
-            if n.func.id == "mma":
-                dtypes = {buffer_dtype(k, a.id) for a in n.args[:kernel_lang.MMA_OPERANDS]}  # type: ignore[attr-defined]
-                if len(dtypes) != 1 or not dtypes <= set(kernel_lang.MMA_DTYPES):
-                    raise reject(n, "mma operands must all be float32 or all float64, not "
-                                    f"{', '.join(sorted(dtypes))}")
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)):
+            continue
+        arrays = [a.id for a in n.args if isinstance(a, ast.Name)]  # checked: they lead
+        if n.func.id == "atomic_add" and buffer_dtype(k, arrays[0]) == "bool":
+            raise reject(n, "atomic_add on a bool buffer")
+        if n.func.id == "mma":
+            dtypes = {buffer_dtype(k, a) for a in arrays[:kernel_lang.MMA_OPERANDS]}
+            if len(dtypes) != 1 or not dtypes <= set(kernel_lang.MMA_DTYPES):
+                raise reject(n, "mma operands must all be float32 or all float64, not "
+                                f"{', '.join(sorted(dtypes))}")
     return k
 
 

@@ -307,7 +307,10 @@ def test_the_firmware_binds_what_only_it_knows() -> None:
     assert kernel_check.validate(ir, ("float32[1d]", "int32")).buffers == {"x": 0}
     assert "atomic_add on a bool buffer" in refused(ir, ("bool[1d]", "int32"))
     lying = {**ir, "params": [{**ir["params"][0], "kind": "scalar"}, ir["params"][1]]}
-    assert "which the kernel's source does not use it as" in refused(lying, ("f32", "i32"))
+    assert "is a scalar; the kernel's source uses it as a buffer" in refused(
+        lying, ("float32", "int32"))
+    unused = {**ir, "source": "def k(x, n: 'int32'):\n    pass\n"}  # either kind, then
+    assert kernel_check.validate(unused, ("float32[1d]", "int32")).buffers == {"x": 0}
     assert "does not match the 16 bytes" in refused(
         kernels.validate("def k(x):\n    s = shared_array(4, 'f32')\n    s[0] = x[0]\n")
         | {"shared_mem": 0}, ("float32[1d]",))
