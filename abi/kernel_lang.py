@@ -1,11 +1,11 @@
 """The kernel language, defined once: element types, built-ins, collectives, operators.
 
 A kernel is a Python function in a restricted language (docs/kernels.md). Two parties read
-it and neither trusts the other: the runtime's front end (``runtime/kernels.py``) checks
-what a user wrote and emits the module IR; the firmware's checker
-(``firmware/kernel_check.py``) checks that IR again before it compiles anything, because a
-process may hand the device any bytes it likes. Both read the tables below, so they can
-never disagree about what the language *is*; each still does its own validation.
+it and neither trusts the other: the runtime (``runtime/kernels.py``) checks what a user
+wrote and emits the module IR; the firmware (``firmware/kernel_check.py``) checks that IR
+again before it compiles anything, because a process may hand the device any bytes it
+likes. Both run the one checker of the language, ``abi/kernel_frontend.py``, which reads
+the tables and limits below.
 
 Operators are named by their ``ast`` node class (``"Add"``, ``"Eq"``), which is how both
 checkers meet them.
@@ -13,6 +13,7 @@ checkers meet them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -37,8 +38,28 @@ DTYPE_ALIASES: Final[dict[str, str]] = {
 }
 DTYPE_CODES: Final[dict[str, int]] = {name: code for name, (code, _) in DTYPES.items()}
 DTYPE_NAMES: Final[dict[int, str]] = {code: name for name, code in DTYPE_CODES.items()}
-#: Most dimensions of a buffer or a shared array.
+#: Most dimensions of a buffer or a shared array (the fault record has room for this many).
 MAX_NDIM: Final = 8
+
+# --- limits of one kernel ---------------------------------------------------------------------
+#: A kernel's name: what KERNEL_GET's name field holds (the driver refuses other names).
+KERNEL_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+#: Syntax-tree nodes of one kernel (ast.walk's count): numba's compile time grows faster
+#: than linearly with it; the kernel library's largest, gemm, has 265.
+MAX_NODES: Final = 4096
+#: Levels of the syntax tree: ast.unparse and copy.deepcopy in the firmware's lowering
+#: recurse a few frames per level, and Python allows 1000 frames.
+MAX_DEPTH: Final = 100
+#: Loops nested in one another: Python's compiler allows 20 nested blocks, and the
+#: firmware's generated ``_grid`` puts a block loop and three thread loops around
+#: block-level ones.
+MAX_LOOP_NESTING: Final = 16
+#: Bytes of block-shared memory a kernel may declare statically (and a launch may ask for
+#: dynamically): 20x this ISA's 48 KiB per block. The driver checks the IR's figure
+#: against the device; this bounds what the JIT allocates per block without it.
+SHARED_LIMIT: Final = 1 << 20
+#: Integer constants must fit in 64 bits (numba cannot type larger ones).
+INT_LIMIT: Final = 1 << 64
 
 # --- built-ins ------------------------------------------------------------------------------
 BuiltinKind = Literal["id", "math", "convert", "minmax", "statement", "declaration"]

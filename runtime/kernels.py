@@ -1,11 +1,12 @@
-"""The kernel compiler front end: Python kernel source -> module IR (docs/kernels.md).
+"""The kernel compiler: Python kernel source -> module IR (docs/kernels.md).
 
-This module only *validates* and *describes* kernels; it never runs them and never
-imports numba, numpy or the firmware. The firmware re-validates the IR's ``source`` with
-the same rules before it lowers it (it never trusts the runtime), so everything here is
-deliberately strict and conservative: a construct the contract does not list is rejected
-with the line in the user's file and a reason that names it, rather than passed along to
-fail later, far from the user, inside a JIT.
+The language is checked by its one front end, ``abi/kernel_frontend.py``, which the
+firmware runs again on the IR's ``source`` before it lowers it (it never trusts the
+runtime). What is the runtime's own: reading kernels from source text, function objects
+and lists of them, with the line numbers of the user's file; turning the front end's
+:class:`~abi.kernel_frontend.LanguageError` into :class:`KernelCompileError` (an
+:class:`InvalidValueError`, as every argument the runtime refuses); and emitting the IR.
+It never runs a kernel and never imports numba, numpy or the firmware.
 
 Public API:
 
@@ -26,91 +27,19 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from abi import kernel_lang
+from abi import kernel_frontend, kernel_lang
+from abi.kernel_frontend import LanguageError
 from runtime.errors import InvalidValueError
 
 FORMAT = kernel_lang.IR_FORMAT
 ISA = kernel_lang.ISA
 ISA_VERSION = kernel_lang.ISA_VERSION
 
-#: dtype name -> (launch-ABI dtype code, itemsize in bytes), and their short spellings:
-#: the language's (abi/kernel_lang.py), which the firmware's checker reads too.
+#: dtype name -> (launch-ABI dtype code, itemsize in bytes), and their short spellings.
 DTYPES = kernel_lang.DTYPES
 DTYPE_ALIASES = kernel_lang.DTYPE_ALIASES
-
-_ID_BUILTINS = kernel_lang.builtins_of("id")
-#: Built-ins whose value differs between the threads of one block.
-_THREAD_IDS = kernel_lang.PER_THREAD
-_UNARY_BUILTINS = kernel_lang.builtins_of("math", "convert")
-_VARIADIC_BUILTINS = kernel_lang.builtins_of("minmax")
-#: Block-collective built-ins (barrier, mma): every thread of a block issues them
-#: together, so the barrier rule (same trip count in every thread, no thread-dependent
-#: early return) applies to each of them, not only to barrier().
-_COLLECTIVES = kernel_lang.COLLECTIVES
-#: Built-ins that return nothing: legal only as expression statements.
-_STATEMENT_BUILTINS = kernel_lang.builtins_of("statement")
-_MMA_NARGS = kernel_lang.BUILTINS["mma"].nargs
-_MMA_OPERANDS = kernel_lang.MMA_OPERANDS
-_MMA_DTYPES = kernel_lang.MMA_DTYPES
-#: Block-shared memory declarations -> their arity (see kernel_lang.BUILTINS). Each is
-#: legal only as the right side of a plain ``name = ...(...)``, which binds ``name`` to a
-#: block-shared array; several ``dynamic_shared`` declarations alias the same memory, as
-#: in CUDA, each viewed with its own dtype (``kernel[grid, block](..., shared_mem=N)``
-#: sizes it per launch).
-_SHARED_DECLS: dict[str, int] = {n: kernel_lang.BUILTINS[n].nargs or 0
-                                 for n in kernel_lang.builtins_of("declaration")}
-BUILTINS: frozenset[str] = frozenset(kernel_lang.BUILTINS)
-#: Names a kernel can never bind (``range`` is only legal as a for loop's iterable).
-_RESERVED = kernel_lang.RESERVED
-#: Host built-ins that are worth a pointed message rather than "not a built-in".
-_FORBIDDEN_CALLS = frozenset({"exec", "eval", "compile", "__import__", "open", "getattr",
-                              "setattr", "delattr", "globals", "locals", "vars", "input"})
-
-_AUG_OPS = tuple(getattr(ast, n) for n in kernel_lang.AUGMENTED_OPS)
-_BIN_OPS = tuple(getattr(ast, n) for n in kernel_lang.BINARY_OPS)
-_UNARY_OPS = tuple(getattr(ast, n) for n in kernel_lang.UNARY_OPS)
-_CMP_OPS = tuple(getattr(ast, n) for n in kernel_lang.COMPARE_OPS)
-_OP_SYMBOLS = {ast.Pow: "**", ast.MatMult: "@", ast.Is: "is", ast.IsNot: "is not",
-               ast.In: "in", ast.NotIn: "not in"}
-_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
-
-#: Reasons for constructs the language does not have, keyed by AST node type.
-_CONSTRUCTS: dict[type, str] = {
-    ast.Import: "imports are not allowed in a kernel",
-    ast.ImportFrom: "imports are not allowed in a kernel",
-    ast.Global: "`global` declarations are not allowed in a kernel",
-    ast.Nonlocal: "`nonlocal` declarations are not allowed in a kernel",
-    ast.Lambda: "lambda expressions are not allowed in a kernel",
-    ast.ListComp: "list comprehensions are not allowed in a kernel",
-    ast.SetComp: "set comprehensions are not allowed in a kernel",
-    ast.DictComp: "dict comprehensions are not allowed in a kernel",
-    ast.GeneratorExp: "generator expressions are not allowed in a kernel",
-    ast.With: "`with` statements are not allowed in a kernel",
-    ast.AsyncWith: "`async with` is not allowed in a kernel (no async)",
-    ast.AsyncFor: "`async for` is not allowed in a kernel (no async)",
-    ast.AsyncFunctionDef: "async functions are not allowed in a kernel (no async)",
-    ast.Await: "`await` is not allowed in a kernel (no async)",
-    ast.Try: "`try` statements are not allowed in a kernel",
-    ast.Raise: "`raise` is not allowed in a kernel",
-    ast.Assert: "`assert` is not allowed in a kernel",
-    ast.Yield: "`yield` is not allowed in a kernel (kernels are not generators)",
-    ast.YieldFrom: "`yield from` is not allowed in a kernel (kernels are not generators)",
-    ast.FunctionDef: "nested functions are not allowed in a kernel",
-    ast.ClassDef: "class definitions are not allowed in a kernel",
-    ast.Delete: "`del` statements are not allowed in a kernel",
-    ast.Starred: "starred expressions (`*x`) are not allowed in a kernel",
-    ast.NamedExpr: "assignment expressions (`:=`) are not allowed in a kernel",
-    ast.JoinedStr: "f-strings are not allowed in a kernel",
-    ast.List: "lists are not allowed in a kernel",
-    ast.Tuple: "tuples are only allowed as buffer indices and shared_array shapes",
-    ast.Dict: "dicts are not allowed in a kernel",
-    ast.Set: "sets are not allowed in a kernel",
-    ast.Slice: "slices are not allowed in a kernel (index one element at a time)",
-    ast.Match: "`match` statements are not allowed in a kernel",
-    ast.AnnAssign: "annotated assignments are not allowed in a kernel (annotate parameters)",
-}
-if hasattr(ast, "TryStar"):  # Python 3.11+
-    _CONSTRUCTS[ast.TryStar] = "`try` statements are not allowed in a kernel"
+BUILTINS = kernel_frontend.BUILTINS
+normalize_dtype = kernel_frontend.normalize_dtype
 
 
 class KernelCompileError(InvalidValueError):
@@ -124,29 +53,11 @@ class KernelCompileError(InvalidValueError):
         self.lineno = lineno
         self.kernel = kernel
 
-
-def normalize_dtype(name: str) -> str | None:
-    """The canonical dtype name for ``name`` ("f32" -> "float32"), None if unknown."""
-    name = DTYPE_ALIASES.get(name, name)
-    return name if name in DTYPES else None
-
-
-def _is_dunder(name: str) -> bool:
-    return len(name) > 4 and name.startswith("__") and name.endswith("__")
-
-
-def _shared_decl_name(node: ast.AST) -> str | None:
-    """The shared-memory declaration built-in ``node`` calls (shared_array or
-    dynamic_shared), or None."""
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id in _SHARED_DECLS):
-        return node.func.id
-    return None
-
-
-def _is_const_int(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Constant) and isinstance(node.value, int)
-            and not isinstance(node.value, bool))
+    @classmethod
+    def of(cls, e: LanguageError) -> KernelCompileError:
+        """The front end's error as the runtime raises it: an InvalidValueError, like
+        every argument the runtime refuses."""
+        return cls(e.reason, e.lineno, e.kernel)
 
 
 # --------------------------------------------------------------------------- sources
@@ -164,32 +75,17 @@ def _parse(text: str, offset: int) -> list[_Unit]:
     """Parse source text whose line 1 is line ``offset + 1`` of the user's file into its
     top-level kernel definitions; anything else at the top level is an error."""
     try:
-        tree = ast.parse(text)
-    except SyntaxError as e:
-        raise KernelCompileError(f"syntax error: {e.msg}", (e.lineno or 0) + offset) from None
-    units: list[_Unit] = []
-    for i, stmt in enumerate(tree.body):
-        if isinstance(stmt, ast.FunctionDef):
-            units.append(_Unit(stmt, offset))
-        elif (i == 0 and isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
-              and isinstance(stmt.value.value, str)):
-            continue  # a module docstring
-        elif type(stmt) in (ast.Import, ast.ImportFrom, ast.AsyncFunctionDef):
-            raise KernelCompileError(_CONSTRUCTS[type(stmt)], stmt.lineno + offset)
-        else:
-            raise KernelCompileError(
-                "only kernel definitions (`def`) are allowed at the top level of kernel "
-                f"source, not {type(stmt).__name__}", stmt.lineno + offset)
-    if not units:
-        raise KernelCompileError("no kernel definition (`def`) in the source", 1 + offset)
-    return units
+        return [_Unit(fn, offset) for fn in kernel_frontend.definitions(text, offset)]
+    except LanguageError as e:
+        raise KernelCompileError.of(e) from None
 
 
 def _units_of_function(fn: Callable[..., Any]) -> list[_Unit]:
     """A function object's definition, with line numbers of the file that defines it.
 
     ``inspect.getsource`` starts at the first decorator, and so does ``co_firstlineno``,
-    so the offset is the same whether or not the function is decorated."""
+    so the offset is the same whether or not the function is decorated. The decorators
+    go: the host applied them (``@runtime.kernel``), they are not part of the kernel."""
     fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -205,6 +101,7 @@ def _units_of_function(fn: Callable[..., Any]) -> list[_Unit]:
     units = _parse(text, offset)
     if len(units) != 1:  # pragma: no cover - getsource returns one definition
         raise KernelCompileError("a kernel must be exactly one `def`", 1 + offset)
+    units[0].fn.decorator_list = []
     return units
 
 
@@ -219,779 +116,22 @@ def _units(source: Any) -> list[_Unit]:
         f"a kernel is a function, source text or a list of functions, not {type(source).__name__}")
 
 
-# --------------------------------------------------------------------------- checker
-
-
-class _Checker:
-    """Validates one kernel definition and builds its IR.
-
-    Passes: a pre-scan that classifies names (buffer parameters, shared arrays, locals),
-    a structural pass in source order that enforces the whitelist and the built-ins'
-    signatures (barrier, atomic_add, mma, shared_array, dynamic_shared, the id and math
-    built-ins), then the checks that need the whole body: shape ranges, and the
-    placement and argument uniformity of the block-collective built-ins (barrier() and
-    mma())."""
-
-    def __init__(self, unit: _Unit) -> None:
-        self.fn = unit.fn
-        self.offset = unit.offset
-        self.name = unit.fn.name
-        self.params: dict[str, str | None] = {}   # name -> dtype (None: at launch)
-        self.buffers: set[str] = set()            # params used as arrays
-        self.shared: dict[str, int] = {}          # shared array local -> ndim
-        self.shared_lines: dict[str, int] = {}    # shared array local -> defining line
-        self.locals: set[str] = set()             # assigned names that are not params
-        self.ndims: dict[str, tuple[int, int]] = {}  # buffer -> (ndim, first line)
-        self.shape_refs: list[tuple[str, int, ast.AST]] = []
-        self.shared_mem = 0                       # static shared bytes (shared_array)
-        self.dynamic_shared = False               # declares dynamic_shared(...)
-        self.uses_barrier = False
-        self.uses_atomics = False
-        self.uses_mma = False
-        self.loop_depth = 0
-
-    # -- helpers ---------------------------------------------------------------
-
-    def fail(self, node: ast.AST, reason: str) -> None:
-        raise KernelCompileError(reason, getattr(node, "lineno", self.fn.lineno) + self.offset,
-                                 self.name)
-
-    def line(self, node: ast.AST) -> int:
-        return node.lineno + self.offset
-
-    def reject(self, node: ast.AST) -> None:
-        reason = _CONSTRUCTS.get(type(node))
-        self.fail(node, reason or f"`{type(node).__name__}` is not allowed in a kernel")
-
-    @property
-    def arrays(self) -> set[str]:
-        return self.buffers | set(self.shared)
-
-    # -- driver ------------------------------------------------------------------
-
-    def run(self) -> dict[str, Any]:
-        if _is_dunder(self.name):
-            self.fail(self.fn, f"dunder name `{self.name}` is not allowed as a kernel name")
-        body = self._body()
-        self._signature()
-        self._prescan(body)
-        self._stmts(body)
-        self._check_shape_refs()
-        self._check_collectives(body)
-        return self._ir()
-
-    def _body(self) -> list[ast.stmt]:
-        """The body without its docstring (the only string statement a kernel may have)."""
-        body = self.fn.body
-        if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
-            body = body[1:]
-        return body
-
-    def _signature(self) -> None:
-        a = self.fn.args
-        if a.posonlyargs or a.kwonlyargs or a.vararg or a.kwarg:
-            self.fail(self.fn, "kernel parameters must be plain positional names "
-                               "(no *args, **kwargs, keyword-only or positional-only)")
-        if a.defaults:
-            self.fail(a.defaults[0], "kernel parameters cannot have default values")
-        r = self.fn.returns
-        if r is not None and not (isinstance(r, ast.Constant) and r.value is None):
-            self.fail(r, "a kernel returns nothing: its return annotation can only be None")
-        for arg in a.args:
-            if _is_dunder(arg.arg):
-                self.fail(arg, f"dunder name `{arg.arg}` is not allowed")
-            if arg.arg in _RESERVED:
-                self.fail(arg, f"parameter `{arg.arg}` shadows a kernel built-in")
-            if arg.arg in self.params:
-                self.fail(arg, f"duplicate parameter `{arg.arg}`")
-            self.params[arg.arg] = self._annotation(arg)
-
-    def _annotation(self, arg: ast.arg) -> str | None:
-        ann = arg.annotation
-        if ann is None:
-            return None
-        if not (isinstance(ann, ast.Constant) and isinstance(ann.value, str)):
-            self.fail(ann, f"the annotation of `{arg.arg}` must be a dtype name string "
-                           "such as \"float32\"")
-        dtype = normalize_dtype(ann.value)
-        if dtype is None:
-            self.fail(ann, f"unknown dtype \"{ann.value}\" in the annotation of `{arg.arg}` "
-                           f"(known: {', '.join(DTYPES)})")
-        return dtype
-
-    def _prescan(self, body: list[ast.stmt]) -> None:
-        """Classify names before the ordered pass, so a use can be judged by what the
-        name is anywhere in the kernel (a parameter indexed anywhere is a buffer).
-
-        An mma operand makes its parameter a buffer too, unless the kernel also uses that
-        parameter as a plain scalar value: then the operand is the likelier mistake
-        (``mma(c, a, n, ...)``), and mma's own check names it at the call rather than
-        the scalar use being reported as a misused array somewhere else."""
-        array_uses: set[int] = set()  # id() of the Name nodes in an array position
-        operands: list[str] = []      # parameters named as mma operands
-        names: list[ast.Name] = []
-        for node in (n for s in body for n in ast.walk(s)):
-            bases: list[ast.expr] = []
-            if isinstance(node, (ast.Subscript, ast.Attribute)):
-                bases = [node.value]
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                if node.func.id == "atomic_add":
-                    bases = node.args[:1]
-                elif node.func.id == "mma":
-                    for a in node.args[:_MMA_OPERANDS]:
-                        if isinstance(a, ast.Name):
-                            array_uses.add(id(a))
-                            operands.append(a.id)
-            elif isinstance(node, ast.Name):
-                names.append(node)
-            for base in bases:
-                if isinstance(base, ast.Name):
-                    array_uses.add(id(base))
-                    if base.id in self.params:
-                        self.buffers.add(base.id)
-            targets: list[ast.expr] = []
-            if isinstance(node, ast.Assign):
-                targets = node.targets
-                decl = _shared_decl_name(node.value)
-                if len(targets) == 1 and isinstance(targets[0], ast.Name) and decl:
-                    # ndim 0: not known until the declaration is checked (dynamic: 1-D)
-                    self.shared.setdefault(targets[0].id, int(decl == "dynamic_shared"))
-            elif isinstance(node, ast.For):
-                targets = [node.target]
-            for t in targets:
-                if isinstance(t, ast.Name) and t.id not in self.params:
-                    self.locals.add(t.id)
-        scalars = {n.id for n in names if id(n) not in array_uses}
-        self.buffers.update(p for p in operands if p in self.params and p not in scalars)
-
-    # -- statements ------------------------------------------------------------
-
-    def _stmts(self, stmts: list[ast.stmt]) -> None:
-        for s in stmts:
-            method = getattr(self, "_stmt_" + type(s).__name__, None)
-            if method is None:
-                self.reject(s)
-            method(s)
-
-    def _stmt_Assign(self, s: ast.Assign) -> None:
-        if len(s.targets) != 1:
-            self.fail(s, "chained assignment (`a = b = ...`) is not allowed; "
-                         "assign one target per statement")
-        target = s.targets[0]
-        value = s.value
-        if not isinstance(target, (ast.Name, ast.Subscript)):
-            self._store(target, is_shared=False)  # rejects it with its own reason
-        decl = _shared_decl_name(value)
-        is_shared = decl is not None
-        if is_shared:
-            if not isinstance(target, ast.Name):
-                self._misplaced_shared_decl(s, decl)
-            self._shared_decl(target, value, decl)
-        else:
-            self._expr(value)
-        self._store(target, is_shared=is_shared)
-
-    def _stmt_AugAssign(self, s: ast.AugAssign) -> None:
-        if not isinstance(s.op, _AUG_OPS):
-            sym = _OP_SYMBOLS.get(type(s.op), type(s.op).__name__)
-            self.fail(s, f"augmented assignment `{sym}=` is not allowed; "
-                         f"write `x = x {sym} y`")
-        if isinstance(s.target, ast.Name):
-            self._load_name(s.target)  # `x += 1` reads x: it must already be a scalar
-        self._expr(s.value)
-        self._store(s.target, is_shared=False)
-
-    def _store(self, target: ast.expr, is_shared: bool) -> None:
-        if isinstance(target, ast.Name):
-            self._store_name(target, is_shared)
-        elif isinstance(target, ast.Subscript):
-            self._subscript(target)
-        elif isinstance(target, (ast.Tuple, ast.List)):
-            self.fail(target, "tuple unpacking is not allowed; assign one name per statement")
-        elif isinstance(target, ast.Attribute):
-            self._attribute_chain_names(target)
-            self.fail(target, f"cannot assign to `{ast.unparse(target)}`: assignment to an "
-                              "attribute is not allowed")
-        else:
-            self.reject(target)
-
-    def _store_name(self, t: ast.Name, is_shared: bool) -> None:
-        name = t.id
-        if _is_dunder(name):
-            self.fail(t, f"dunder name `{name}` is not allowed")
-        if name in _RESERVED:
-            self.fail(t, f"cannot assign to `{name}`: it is a kernel built-in")
-        if name in self.buffers:
-            self.fail(t, f"cannot rebind buffer parameter `{name}`")
-        if name in self.params and not is_shared:  # the firmware's rule too: one value a launch
-            self.fail(t, f"cannot assign to scalar parameter `{name}`; copy it to a local "
-                         "first")
-        if is_shared:
-            if name in self.params:
-                self.fail(t, f"parameter `{name}` cannot be bound to a shared array")
-            if name in self.shared_lines:
-                self.fail(t, f"shared array `{name}` is already defined at line "
-                             f"{self.shared_lines[name]}")
-            self.shared_lines[name] = self.line(t)
-        elif name in self.shared:
-            self.fail(t, f"cannot rebind shared array `{name}`")
-
-    def _stmt_If(self, s: ast.If) -> None:
-        self._expr(s.test)
-        self._stmts(s.body)
-        self._stmts(s.orelse)
-
-    def _stmt_For(self, s: ast.For) -> None:
-        if s.orelse:
-            self.fail(s, "`for ... else` is not allowed in a kernel")
-        if not isinstance(s.target, ast.Name):
-            self.fail(s.target, "a for loop's variable must be a single name")
-        it = s.iter
-        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name)
-                and it.func.id == "range"):
-            self.fail(it, "a kernel's for loop must iterate over range(...)")
-        self._call_shape(it, "range")
-        if not 1 <= len(it.args) <= 3:
-            self.fail(it, f"range() takes 1 to 3 arguments, not {len(it.args)}")
-        for arg in it.args:
-            self._expr(arg)
-        self._store_name(s.target, is_shared=False)
-        self._loop_body(s.body)
-
-    def _stmt_While(self, s: ast.While) -> None:
-        if s.orelse:
-            self.fail(s, "`while ... else` is not allowed in a kernel")
-        self._expr(s.test)
-        self._loop_body(s.body)
-
-    def _loop_body(self, body: list[ast.stmt]) -> None:
-        self.loop_depth += 1
-        try:
-            self._stmts(body)
-        finally:
-            self.loop_depth -= 1
-
-    def _stmt_Break(self, s: ast.Break) -> None:
-        if not self.loop_depth:
-            self.fail(s, "`break` outside a loop")
-
-    def _stmt_Continue(self, s: ast.Continue) -> None:
-        if not self.loop_depth:
-            self.fail(s, "`continue` outside a loop")
-
-    def _stmt_Return(self, s: ast.Return) -> None:
-        if s.value is not None:
-            self.fail(s, "`return` with a value is not allowed: a kernel returns nothing "
-                         "(write results to a buffer)")
-
-    def _stmt_Pass(self, s: ast.Pass) -> None:
-        pass
-
-    def _stmt_Expr(self, s: ast.Expr) -> None:
-        v = s.value
-        if isinstance(v, ast.Call):
-            name = self._call(v, statement=True)
-            if name not in _STATEMENT_BUILTINS:
-                self.fail(s, f"the result of {name}() is unused; only barrier(), "
-                             "atomic_add(...) and mma(...) may stand alone as statements")
-            return
-        if isinstance(v, ast.Constant) and isinstance(v.value, str):
-            self.fail(s, "string constants are only allowed as dtype names (a docstring "
-                         "must be the first statement)")
-        self._expr(v)
-        self.fail(s, "an expression statement has no effect; only barrier(), "
-                     "atomic_add(...) and mma(...) may stand alone as statements")
-
-    # -- expressions -------------------------------------------------------------
-
-    def _expr(self, e: ast.expr) -> None:
-        method = getattr(self, "_expr_" + type(e).__name__, None)
-        if method is None:
-            self.reject(e)
-        method(e)
-
-    def _expr_Constant(self, e: ast.Constant) -> None:
-        v = e.value
-        if isinstance(v, bool) or isinstance(v, float):
-            return
-        if isinstance(v, int):
-            if not _INT_MIN <= v <= _INT_MAX:
-                self.fail(e, f"integer constant {v} does not fit in 64 bits")
-            return
-        if isinstance(v, str):
-            self.fail(e, "string constants are only allowed as dtype names "
-                         "(the dtype of shared_array or dynamic_shared)")
-        self.fail(e, f"the constant {v!r} is not allowed in a kernel "
-                     "(only int, float and bool constants)")
-
-    def _expr_Name(self, e: ast.Name) -> None:
-        self._load_name(e)
-
-    def _load_name(self, e: ast.Name) -> None:
-        name = e.id
-        if _is_dunder(name):
-            self.fail(e, f"dunder name `{name}` is not allowed")
-        if name in _RESERVED:
-            self.fail(e, f"built-in `{name}` can only be called")
-        if name in self.arrays:
-            self.fail(e, f"array `{name}` can only be indexed (`{name}[i]`), passed to "
-                         "atomic_add or mma, or used through .shape[k]/.size")
-        if name not in self.params and name not in self.locals:
-            self._free_name(e)
-
-    def _free_name(self, e: ast.Name) -> None:
-        self.fail(e, f"free name `{e.id}`: a kernel can only use its parameters, its locals "
-                     "and the kernel built-ins (no globals, closures or host objects)")
-
-    def _expr_BinOp(self, e: ast.BinOp) -> None:
-        if not isinstance(e.op, _BIN_OPS):
-            sym = _OP_SYMBOLS.get(type(e.op), type(e.op).__name__)
-            self.fail(e, f"the operator `{sym}` is not allowed in a kernel")
-        self._expr(e.left)
-        self._expr(e.right)
-
-    def _expr_UnaryOp(self, e: ast.UnaryOp) -> None:
-        if not isinstance(e.op, _UNARY_OPS):  # pragma: no cover - Python has no others
-            self.fail(e, f"the operator {type(e.op).__name__} is not allowed in a kernel")
-        self._expr(e.operand)
-
-    def _expr_BoolOp(self, e: ast.BoolOp) -> None:
-        for v in e.values:
-            self._expr(v)
-
-    def _expr_Compare(self, e: ast.Compare) -> None:
-        for op in e.ops:
-            if not isinstance(op, _CMP_OPS):
-                sym = _OP_SYMBOLS.get(type(op), type(op).__name__)
-                self.fail(e, f"the comparison `{sym}` is not allowed in a kernel "
-                             "(use == != < <= > >=)")
-        self._expr(e.left)
-        for c in e.comparators:
-            self._expr(c)
-
-    def _expr_IfExp(self, e: ast.IfExp) -> None:
-        self._expr(e.test)
-        self._expr(e.body)
-        self._expr(e.orelse)
-
-    def _expr_Subscript(self, e: ast.Subscript) -> None:
-        self._subscript(e)
-
-    def _expr_Attribute(self, e: ast.Attribute) -> None:
-        param = self._attribute(e)
-        if e.attr == "shape":
-            self.fail(e, f"`{param}.shape` is not a value; use `{param}.shape[k]` "
-                         "with a constant k")
-
-    def _expr_Call(self, e: ast.Call) -> None:
-        self._call(e, statement=False)
-
-    # -- indexing and attributes ----------------------------------------------------
-
-    def _subscript(self, e: ast.Subscript) -> None:
-        """``buf[i]``, ``buf[i, j]`` (load or store) and ``param.shape[k]`` (load)."""
-        base = e.value
-        if isinstance(base, ast.Attribute) and base.attr == "shape":
-            param = self._attribute(base)
-            if not isinstance(e.ctx, ast.Load):
-                self.fail(e, f"cannot assign to `{param}.shape`")
-            k = e.slice
-            if not _is_const_int(k) or k.value < 0:
-                self.fail(e, f"`{param}.shape[k]` needs a constant non-negative int k")
-            self.shape_refs.append((param, k.value, e))
-            return
-        if isinstance(base, ast.Attribute):
-            self._attribute(base)
-            self.fail(e, f"`{ast.unparse(base)}` cannot be indexed")
-        if not isinstance(base, ast.Name):
-            self._expr(base)  # a call, a constant...: its own reason first, if any
-            self.fail(e, "only buffer parameters and shared arrays can be indexed")
-        if base.id not in self.arrays:
-            if base.id in self.params or base.id in self.locals:
-                self.fail(e, f"`{base.id}` is a scalar, not an array: it cannot be indexed")
-            self._load_name(base)  # builtins, dunders, free names: their own reasons
-        self._record_ndim(base.id, self._index(e.slice), e)
-
-    def _index(self, idx: ast.expr) -> int:
-        """Validate an index (one expression or a tuple of them); return its length."""
-        if isinstance(idx, ast.Tuple):
-            if not idx.elts:
-                self.fail(idx, "an empty index `[()]` is not allowed")
-            for elt in idx.elts:
-                self._expr(elt)
-            return len(idx.elts)
-        self._expr(idx)
-        return 1
-
-    def _record_ndim(self, name: str, ndim: int, node: ast.AST) -> None:
-        if name in self.shared:
-            want = self.shared[name]
-            if want and ndim != want:
-                self.fail(node, f"shared array `{name}` has {want} dimension(s) but is "
-                                f"indexed with {ndim}")
-            return
-        seen = self.ndims.get(name)
-        if seen is None:
-            self.ndims[name] = (ndim, self.line(node))
-        elif seen[0] != ndim:
-            self.fail(node, f"inconsistent ndim for buffer `{name}`: indexed with {ndim} "
-                            f"index(es) here but with {seen[0]} at line {seen[1]}")
-
-    def _attribute_chain_names(self, e: ast.Attribute) -> list[ast.Attribute]:
-        """The attributes of ``a.b.c`` innermost first, after rejecting dunders anywhere."""
-        chain: list[ast.Attribute] = []
-        node: ast.expr = e
-        while isinstance(node, ast.Attribute):
-            chain.append(node)
-            node = node.value
-        chain.reverse()
-        for a in chain:
-            if _is_dunder(a.attr):
-                self.fail(a, f"dunder name `{a.attr}` is not allowed "
-                             f"(`{ast.unparse(a)}`)")
-        return chain
-
-    def _attribute(self, e: ast.Attribute) -> str:
-        """Accept ``param.shape`` / ``param.size`` only; return the parameter's name."""
-        chain = self._attribute_chain_names(e)
-        inner = chain[0]
-        base = inner.value
-        if (isinstance(base, ast.Name) and base.id not in self.params
-                and base.id not in self.locals and base.id not in _RESERVED
-                and not _is_dunder(base.id)):
-            self._free_name(base)  # `np.pi`, `os.sep`: a host object, say so
-        if inner.attr not in ("shape", "size"):
-            self.fail(inner, f"attribute `.{inner.attr}` is not allowed "
-                             f"(`{ast.unparse(inner)}`): only `.shape[k]` and `.size` of a "
-                             "buffer parameter")
-        if not isinstance(base, ast.Name):
-            self.fail(inner, f"`.{inner.attr}` is only allowed on a buffer parameter")
-        if base.id not in self.params:
-            self.fail(inner, f"`.{inner.attr}` is only allowed on a buffer parameter, "
-                             f"not on `{base.id}`")
-        if len(chain) > 1:
-            outer = chain[1]
-            self.fail(outer, f"attribute `.{outer.attr}` is not allowed "
-                             f"(`{ast.unparse(outer)}`): only `.shape[k]` and `.size` of a "
-                             "buffer parameter")
-        if not isinstance(e.ctx, ast.Load):
-            self.fail(e, f"cannot assign to `{ast.unparse(e)}`")
-        return base.id
-
-    def _check_shape_refs(self) -> None:
-        for param, k, node in self.shape_refs:
-            ndim = self.ndims.get(param, (1, 0))[0]
-            if k >= ndim:
-                self.fail(node, f"`{param}.shape[{k}]` is out of range: `{param}` is a "
-                                f"{ndim}-d buffer (its ndim comes from how it is indexed)")
-
-    # -- calls -------------------------------------------------------------------
-
-    def _call_shape(self, c: ast.Call, name: str) -> None:
-        """Reject keyword and starred arguments, whatever the callee."""
-        if c.keywords:
-            kw = c.keywords[0]
-            what = f"`{kw.arg}=`" if kw.arg else "`**` unpacking"
-            self.fail(c, f"keyword arguments are not allowed ({what} in {name}())")
-        for a in c.args:
-            if isinstance(a, ast.Starred):
-                self.fail(a, f"starred arguments (`*args`) are not allowed (in {name}())")
-
-    def _callee(self, c: ast.Call) -> str:
-        """The built-in a call names; everything else is rejected with its own reason."""
-        f = c.func
-        if isinstance(f, ast.Attribute):
-            self._attribute_chain_names(f)
-            self.fail(c, f"calling `{ast.unparse(f)}` is not allowed: only kernel "
-                         "built-ins can be called")
-        if not isinstance(f, ast.Name):
-            self.fail(c, "only kernel built-ins can be called")
-        name = f.id
-        if _is_dunder(name):
-            self.fail(c, f"dunder name `{name}` is not allowed")
-        if name in _FORBIDDEN_CALLS:
-            self.fail(c, f"`{name}` is not allowed in a kernel")
-        if name == "range":
-            self.fail(c, "range() is only allowed as the iterable of a for loop")
-        if name not in BUILTINS:
-            if name in self.params or name in self.locals:
-                self.fail(c, f"`{name}` is not callable: only kernel built-ins can be called")
-            self.fail(c, f"call of `{name}`: not a kernel built-in (a kernel can call only "
-                         f"{', '.join(sorted(BUILTINS))})")
-        return name
-
-    def _nargs(self, c: ast.Call, name: str, lo: int, hi: int | None = None) -> None:
-        n = len(c.args)
-        hi = lo if hi is None else hi
-        if n < lo or (hi >= 0 and n > hi):
-            want = (f"{lo}" if lo == hi else f"at least {lo}" if hi < 0 else f"{lo} to {hi}")
-            self.fail(c, f"{name}() takes {want} argument(s), not {n}")
-
-    def _call(self, c: ast.Call, statement: bool) -> str:
-        name = self._callee(c)
-        self._call_shape(c, name)
-        if name in _ID_BUILTINS:
-            self._nargs(c, name, 1)
-            d = c.args[0]
-            if not _is_const_int(d) or not 0 <= d.value <= 2:
-                self.fail(c, f"{name}(d) needs a constant dimension d in 0..2, "
-                             f"not `{ast.unparse(d)}`")
-        elif name == "barrier":
-            self._nargs(c, name, 0)
-            if not statement:
-                self.fail(c, "barrier() returns nothing; call it as a statement")
-            self.uses_barrier = True
-        elif name == "atomic_add":
-            self._atomic_add(c, statement)
-        elif name == "mma":
-            self._mma(c, statement)
-        elif name in _SHARED_DECLS:
-            self._misplaced_shared_decl(c, name)
-        elif name in _VARIADIC_BUILTINS:
-            self._nargs(c, name, 2, -1)
-            for a in c.args:
-                self._expr(a)
-        else:
-            self._nargs(c, name, 1)
-            self._expr(c.args[0])
-        return name
-
-    def _atomic_add(self, c: ast.Call, statement: bool) -> None:
-        self._nargs(c, "atomic_add", 3)
-        if not statement:
-            self.fail(c, "atomic_add() returns nothing; call it as a statement")
-        arr, index, value = c.args
-        if not isinstance(arr, ast.Name):
-            self.fail(c, "the first argument of atomic_add must be a buffer parameter "
-                         "or a shared array")
-        if arr.id not in self.arrays:
-            if arr.id not in self.locals:
-                self._load_name(arr)
-            self.fail(c, f"the first argument of atomic_add must be a buffer parameter or a "
-                         f"shared array, not `{arr.id}`")
-        self._record_ndim(arr.id, self._index(index), c)
-        self._expr(value)
-        self.uses_atomics = True
-
-    def _mma(self, c: ast.Call, statement: bool) -> None:
-        """mma(c, a, b, row, col, k0, tm, tn, tk, beta): the operands must be 2-D float
-        buffer parameters of one dtype (the matrix unit reads and writes global memory
-        only, in float32 or float64). The scalar arguments are checked here as
-        expressions; that they are uniform across the block needs the whole body's taint
-        analysis, so :meth:`_check_collectives` does it."""
-        self._nargs(c, "mma", _MMA_NARGS)
-        if not statement:
-            self.fail(c, "mma() returns nothing; call it as a statement")
-        operands = c.args[:_MMA_OPERANDS]
-        for arg in operands:
-            if not (isinstance(arg, ast.Name) and arg.id in self.buffers):
-                if (isinstance(arg, ast.Name) and arg.id not in self.arrays
-                        and arg.id not in self.locals):
-                    self._load_name(arg)  # free names, built-ins, dunders: their reasons
-                self.fail(c, "the first three arguments of mma must be buffer parameters, "
-                             f"not `{ast.unparse(arg)}`")
-        names = [arg.id for arg in operands if isinstance(arg, ast.Name)]
-        dtypes: set[str] = set()
-        for name in names:
-            dtype = self.params[name]
-            if dtype is not None and dtype not in _MMA_DTYPES:
-                self.fail(c, f"mma() operands must be float32 or float64 buffers, "
-                             f"`{name}` is {dtype}")
-            if dtype is not None:
-                dtypes.add(dtype)
-        if len(dtypes) > 1:
-            self.fail(c, "mma() operands must share one dtype")
-        for name in names:
-            self._record_ndim(name, 2, c)
-        for arg in c.args[_MMA_OPERANDS:]:
-            self._expr(arg)
-        self.uses_mma = True
-
-    def _misplaced_shared_decl(self, node: ast.AST, name: str) -> None:
-        self.fail(node, f"{name}(...) is only allowed as the right side of a plain "
-                        f"`name = {name}(...)`")
-
-    def _shared_decl(self, target: ast.Name, c: ast.Call, name: str) -> None:
-        """``target = shared_array(shape, dtype)`` or ``target = dynamic_shared(dtype)``
-        (see _SHARED_DECLS): bind ``target`` to a block-shared array. A static one adds
-        its bytes to ``shared_mem``; a dynamic one is 1-D, adds nothing (the launch
-        sizes it) and may alias other dynamic_shared declarations."""
-        self._call_shape(c, name)
-        self._nargs(c, name, _SHARED_DECLS[name])
-        dims: list[ast.expr] | None = None
-        if name == "shared_array":
-            shape = c.args[0]
-            dims = shape.elts if isinstance(shape, ast.Tuple) else [shape]
-            if not dims or not all(_is_const_int(d) and d.value > 0 for d in dims):
-                self.fail(c, "the shape of shared_array must be a positive constant int or "
-                             f"a tuple of them, not `{ast.unparse(shape)}`")
-        dtype = c.args[-1]
-        if not (isinstance(dtype, ast.Constant) and isinstance(dtype.value, str)):
-            self.fail(c, f"the dtype of {name} must be a dtype name string such as "
-                         f"\"float32\", not `{ast.unparse(dtype)}`")
-        canonical = normalize_dtype(dtype.value)
-        if canonical is None:
-            self.fail(c, f"unknown dtype \"{dtype.value}\" in {name} "
-                         f"(known: {', '.join(DTYPES)})")
-        if dims is None:
-            self.dynamic_shared = True
-            self.shared[target.id] = 1
-            return
-        count = 1
-        for d in dims:
-            count *= d.value
-        self.shared_mem += count * DTYPES[canonical][1]
-        self.shared[target.id] = len(dims)
-
-    # -- block-collective uniformity ---------------------------------------------------
-
-    def _varying(self, e: ast.AST | None, tainted: set[str]) -> str | None:
-        """Why ``e`` may differ between the threads of a block, or None if uniform.
-
-        Uniform inputs are constants, scalar parameters, ``.shape``/``.size``,
-        local_size, num_groups, group_id and locals computed from those only."""
-        if e is None:
-            return None
-        arrays = self.arrays
-        for n in ast.walk(e):
-            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                    and n.func.id in _THREAD_IDS):
-                return f"uses {n.func.id}()"
-            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) \
-                    and n.value.id in arrays:
-                return f"reads `{n.value.id}[...]` (a loaded value)"
-            if isinstance(n, ast.Name) and n.id in tainted:
-                return f"uses `{n.id}`, which depends on the thread"
-        return None
-
-    def _loop_exit(self, loop: ast.For | ast.While, tainted: set[str]) -> str | None:
-        """Why the loop may run a different number of iterations in different threads
-        (a break/continue of this loop under thread-dependent control), or None."""
-        def scan(stmts: list[ast.stmt], why: str | None) -> str | None:
-            for s in stmts:
-                if isinstance(s, (ast.Break, ast.Continue)) and why:
-                    kw = "break" if isinstance(s, ast.Break) else "continue"
-                    return f"has a `{kw}` at line {self.line(s)} that {why}"
-                if isinstance(s, ast.If):
-                    r = self._varying(s.test, tainted)
-                    sub = why or (f"depends on the thread (the `if` at line {self.line(s)} "
-                                  f"{r})" if r else None)
-                    found = scan(s.body, sub) or scan(s.orelse, sub)
-                    if found:
-                        return found
-            return None  # breaks in nested loops belong to those loops
-        return scan(loop.body, None)
-
-    def _control_reason(self, s: ast.stmt, tainted: set[str]) -> str | None:
-        """Why the compound statement ``s`` steers threads differently, or None."""
-        kind = {ast.If: "if", ast.While: "while", ast.For: "for"}[type(s)]
-        if isinstance(s, ast.For):
-            why = next((w for a in s.iter.args if (w := self._varying(a, tainted))), None)
-        else:
-            why = self._varying(s.test, tainted)
-        if why is None and not isinstance(s, ast.If):
-            why = self._loop_exit(s, tainted)
-        return f"the `{kind}` at line {self.line(s)} {why}" if why else None
-
-    def _taint(self, body: list[ast.stmt]) -> set[str]:
-        """Names whose value may differ between threads: assigned from thread ids, loaded
-        values or other such names, or assigned under thread-dependent control flow.
-        Flow-insensitive and iterated to a fixpoint (loops carry taint backwards)."""
-        tainted: set[str] = set()
-
-        def walk(stmts: list[ast.stmt], ctx: bool) -> None:
-            for s in stmts:
-                if isinstance(s, (ast.Assign, ast.AugAssign)):
-                    targets = s.targets if isinstance(s, ast.Assign) else [s.target]
-                    if ctx or self._varying(s.value, tainted):
-                        tainted.update(t.id for t in targets if isinstance(t, ast.Name))
-                elif isinstance(s, (ast.If, ast.While, ast.For)):
-                    inner = ctx or self._control_reason(s, tainted) is not None
-                    if isinstance(s, ast.For) and inner:
-                        tainted.add(s.target.id)
-                    walk(s.body, inner)
-                    walk(s.orelse, inner)
-
-        while True:
-            before = len(tainted)
-            walk(body, False)
-            if len(tainted) == before:
-                return tainted
-
-    def _check_collectives(self, body: list[ast.stmt]) -> None:
-        """The barrier rule, for every block-collective built-in (barrier() and mma()):
-        every thread of a block reaches each of them equally often, with the same
-        arguments.
-
-        A collective under thread-dependent control flow is rejected, and so is one that
-        can run after a thread-dependent ``return`` (earlier in the body, or in a loop
-        that also holds it): the returned threads would never arrive. mma's scalar
-        arguments must be uniform too: the block issues one matrix operation."""
-        if not (self.uses_barrier or self.uses_mma):
-            return
-        tainted = self._taint(body)
-        collectives: list[tuple[int, ast.stmt, tuple[int, ...], str]] = []
-        returns: list[tuple[int, ast.stmt, tuple[int, ...]]] = []
-
-        def walk(stmts: list[ast.stmt], ctx: str | None, loops: tuple[int, ...]) -> None:
-            for s in stmts:
-                if (isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
-                        and isinstance(s.value.func, ast.Name)
-                        and s.value.func.id in _COLLECTIVES):
-                    name = s.value.func.id
-                    if ctx:
-                        self.fail(s, f"{name}() under control flow that depends on the "
-                                     f"thread: {ctx}")
-                    if name == "mma":
-                        self._check_mma_uniform(s.value, tainted)
-                    collectives.append((len(collectives) + len(returns), s, loops, name))
-                elif isinstance(s, ast.Return) and ctx:
-                    returns.append((len(collectives) + len(returns), s, loops))
-                elif isinstance(s, (ast.If, ast.While, ast.For)):
-                    inner = ctx or self._control_reason(s, tainted)
-                    inner_loops = loops if isinstance(s, ast.If) else loops + (id(s),)
-                    walk(s.body, inner, inner_loops)
-                    walk(s.orelse, inner, inner_loops)
-
-        walk(body, None, ())
-        for c_order, c, c_loops, name in collectives:
-            for r_order, r, r_loops in returns:
-                if r_order < c_order or set(c_loops) & set(r_loops):
-                    self.fail(c, f"{name}() can run after the `return` at line "
-                                 f"{self.line(r)}, which depends on the thread: the "
-                                 "threads that returned would never reach it")
-
-    def _check_mma_uniform(self, c: ast.Call, tainted: set[str]) -> None:
-        """mma's scalar arguments (tile origin, sizes, beta) must be the same in every
-        thread of the block: the matrix unit runs one operation for the whole block, so
-        a per-thread value has no meaning there."""
-        for i, arg in enumerate(c.args[_MMA_OPERANDS:], start=_MMA_OPERANDS):
-            why = self._varying(arg, tainted)
-            if why:
-                self.fail(c, f"mma() argument {i + 1} (`{ast.unparse(arg)}`) differs "
-                             f"between the threads of a block: {why}")
-
-    # -- IR ------------------------------------------------------------------------
-
-    def _ir(self) -> dict[str, Any]:
-        params: list[dict[str, Any]] = []
-        for name, dtype in self.params.items():
-            if name in self.buffers:
-                ndim = self.ndims.get(name, (1, 0))[0]
-                params.append({"name": name, "kind": "buffer", "dtype": dtype, "ndim": ndim})
-            else:
-                params.append({"name": name, "kind": "scalar", "dtype": dtype})
-        return {
-            "name": self.name,
-            "params": params,
-            "source": _clean_source(self.fn),
-            "shared_mem": self.shared_mem,
-            "uses_barrier": self.uses_barrier,
-            "uses_atomics": self.uses_atomics,
-            "uses_mma": self.uses_mma,
-            "dynamic_shared": self.dynamic_shared,
-        }
+def _ir(unit: _Unit) -> dict[str, Any]:
+    """One kernel's IR (docs/kernels.md, "Module IR"), once the front end accepts it."""
+    try:
+        info = kernel_frontend.check(unit.fn, unit.offset)
+    except LanguageError as e:
+        raise KernelCompileError.of(e) from None
+    return {
+        "name": info.name,
+        "params": info.ir_params(),
+        "source": _clean_source(unit.fn),
+        "shared_mem": info.shared_mem,
+        "uses_barrier": info.uses_barrier,
+        "uses_atomics": info.uses_atomics,
+        "uses_mma": info.uses_mma,
+        "dynamic_shared": info.dynamic_shared,
+    }
 
 
 def _clean_source(fn: ast.FunctionDef) -> str:
@@ -1005,24 +145,15 @@ def _clean_source(fn: ast.FunctionDef) -> str:
     for arg in fn.args.args:
         arg.annotation = None
         arg.type_comment = None
-    body = fn.body
-    if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)):
-        body = body[1:]
-    fn.body = body or [ast.Pass()]
+    fn.body = kernel_frontend.strip_docstring(fn.body) or [ast.Pass()]
     for node in ast.walk(fn):  # the firmware need not know the dtype aliases
-        decl = _shared_decl_name(node)
-        if (decl and len(node.args) == _SHARED_DECLS[decl]
-                and isinstance(node.args[-1], ast.Constant)):
-            node.args[-1].value = normalize_dtype(node.args[-1].value)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in kernel_lang.builtins_of("declaration")):
+            node.args[-1].value = normalize_dtype(node.args[-1].value)  # checked: a name
     return ast.unparse(ast.fix_missing_locations(fn))
 
 
 # --------------------------------------------------------------------------- public API
-
-
-def _validate(unit: _Unit) -> dict[str, Any]:
-    return _Checker(unit).run()
 
 
 def validate(source: str | Callable[..., Any], name: str | None = None) -> dict[str, Any]:
@@ -1032,7 +163,7 @@ def validate(source: str | Callable[..., Any], name: str | None = None) -> dict[
     needs ``name`` to pick one (every definition is validated); otherwise use
     :func:`compile_module`. Raises :class:`KernelCompileError`."""
     units = _units(source)
-    irs = [_validate(u) for u in units]
+    irs = [_ir(u) for u in units]
     if name is not None:
         for ir in irs:
             if ir["name"] == name:
@@ -1054,7 +185,7 @@ def compile_module(source_or_functions: str | Callable[..., Any]
         src = list(src)
     kernels: dict[str, dict[str, Any]] = {}
     for unit in _units(src):
-        ir = _validate(unit)
+        ir = _ir(unit)
         if ir["name"] in kernels:
             raise KernelCompileError(f"a kernel named {ir['name']!r} is defined twice",
                                      unit.fn.lineno + unit.offset, ir["name"])
