@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
     from kmod_emul.context import Context
     from kmod_emul.device import AccelDevice
 
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 _KINDS = {"scalar", "buffer"}
 
 
@@ -77,7 +75,8 @@ def check_module(raw: bytes, caps: set[str], limit: int,
         raise _invalid("a module holds 1 to 65535 kernels")
     out = []
     for name, k in kernels.items():
-        if not isinstance(name, str) or not _NAME.fullmatch(name) or not isinstance(k, dict):
+        if (not isinstance(name, str) or not kernel_lang.KERNEL_NAME.fullmatch(name)
+                or not isinstance(k, dict)):
             raise _invalid(f"bad kernel entry {name!r}")
         params = k.get("params")
         if not isinstance(params, list) or not all(_param_ok(p) for p in params):
