@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import textwrap
 
-from stress.harness import Daemon
+from testkit.daemon import Daemon
 
 #: A kernel that writes out of bounds, once, on device 0: the exception it raises at
 #: ``synchronize`` is left as ``exc`` (fault-record scenarios continue from there).

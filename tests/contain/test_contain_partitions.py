@@ -20,15 +20,6 @@ from pathlib import Path
 import pytest
 
 from stress import partition_race
-from stress.harness import (
-    Daemon,
-    OtherUser,
-    assert_contained,
-    fd_count,
-    firmware_children,
-    snapshot,
-    tenant_code,
-)
 from stress.partition_race import (
     MAX_HELD,
     RACER,
@@ -38,6 +29,10 @@ from stress.partition_race import (
     wait_until,
     write_errno,
 )
+from testkit.contained import assert_contained, fd_count, snapshot
+from testkit.daemon import Daemon
+from testkit.procs import firmware_children
+from testkit.tenants import OtherUser, tenant_code
 
 #: mode changes a test tries before it must have won the window once
 ROUNDS = 10

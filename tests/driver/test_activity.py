@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from stress.harness import REPO
+from testkit import REPO
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -18,7 +18,7 @@ from refusals import NOP, ring_done
 from scenario import IDLE
 
 from abi import uapi
-from stress.harness import tenant_code
+from testkit.tenants import tenant_code
 
 LAST_WORDS = "firmware: last words before the kill"
 

@@ -15,7 +15,7 @@ import pytest
 from rawdev import RawDev, errname
 
 from abi import uapi, userq
-from stress.harness import tenant_code
+from testkit.tenants import tenant_code
 
 PAGE = uapi.ACCEL_PAGE_SIZE
 MIB = 1 << 20

@@ -12,7 +12,8 @@ import pytest
 from scenario import HOLD_DATA, NOP_LOAD
 
 from kmod_emul import thermal
-from stress.harness import Bystander, assert_contained, snapshot
+from testkit.bystander import Bystander
+from testkit.contained import assert_contained, snapshot
 
 
 

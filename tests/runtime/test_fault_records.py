@@ -15,7 +15,7 @@ import pytest
 
 from abi import faults, uapi
 from scenario import KERNEL_FAULT_PRELUDE
-from stress.harness import tenant_code
+from testkit.tenants import tenant_code
 
 KERNEL_FAULT = KERNEL_FAULT_PRELUDE + """
 rec = exc.record

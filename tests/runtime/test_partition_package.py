@@ -22,7 +22,9 @@ import pytest
 from scenario import HOLD_DATA, NOP_LOAD
 
 from kmod_emul import thermal
-from stress.harness import REPO, Daemon, firmware_children
+from testkit import REPO
+from testkit.daemon import Daemon
+from testkit.procs import firmware_children
 
 RESET = 120  # abi/faults.py: DEVICE_RESET
 THROTTLE, SHUTDOWN = 140, 141  # THERMAL_THROTTLE, THERMAL_SHUTDOWN

@@ -14,7 +14,7 @@ from rawdev import RawDev, errname
 from abi import uapi
 from kmod_emul import daemon as kdaemon
 from kmod_emul.daemon import pid_alive
-from stress.harness import REPO
+from testkit import REPO
 
 
 def firmware_pids(d, devices: int) -> list[int]:

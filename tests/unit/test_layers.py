@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stress.harness import REPO
+from testkit import REPO
 
 #: package -> the first-party packages it must never import
 FORBIDDEN = {

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from kmod_emul.daemon import INTERRUPT_EVERY_S
-from stress.harness import REPO
+from testkit import REPO
 
 pytestmark = pytest.mark.timeout(60)
 

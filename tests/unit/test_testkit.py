@@ -1,4 +1,4 @@
-"""The containment checks' own reporting (stress/harness.py): a descriptor leak names what
+"""The test kit's own reporting: a descriptor leak names what
 leaked, not only how many."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from stress.harness import _fd_change, fd_targets
+from testkit.contained import fd_change, fd_targets
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -21,7 +21,7 @@ def test_a_leaked_descriptor_is_named_by_what_it_is() -> None:
     finally:
         for fd in (memfd, r, w):
             os.close(fd)
-    assert _fd_change(before, after) == \
+    assert fd_change(before, after) == \
         "gained ['/memfd:accel-leak-probe (deleted)', 'pipe', 'pipe']"
-    assert _fd_change(after, before) == "lost ['/memfd:accel-leak-probe (deleted)', 'pipe', 'pipe']"
-    assert _fd_change(before, fd_targets(os.getpid())) == ""  # closed again: no change
+    assert fd_change(after, before) == "lost ['/memfd:accel-leak-probe (deleted)', 'pipe', 'pipe']"
+    assert fd_change(before, fd_targets(os.getpid())) == ""  # closed again: no change
