@@ -21,6 +21,7 @@ from testkit.bystander import Bystander
 from testkit.contained import assert_contained, snapshot
 from testkit.procs import alive
 from testkit.tenants import tenant_code
+from testkit.waiting import wait_until
 
 TESTS = Path(__file__).resolve().parent.parent  # tests/, where rawdev.py lives
 PRELUDE = ("import os, sys, time, errno, threading, numpy as np, runtime\n"
@@ -215,10 +216,7 @@ except runtime.DeviceLostError as exc:
     assert out.strip() == "lost", err
     # the held firmware is gone too: replaced by the reset, or halted on its own once the
     # driver vanished (it must not outlive a killed daemon)
-    deadline = time.monotonic() + 10
-    while alive(firmware) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(firmware)
+    wait_until(lambda: not alive(firmware), 10, f"the held firmware {firmware} to be gone")
 
 
 def test_descriptors_come_back_without_the_garbage_collector(two):

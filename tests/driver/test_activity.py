@@ -17,7 +17,6 @@ import pytest
 
 from testkit import REPO
 from testkit.waiting import wait_until
-from testkit.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -104,8 +103,10 @@ def test_compute_load_moves_utilization_power_and_the_clients_fdinfo(make_daemon
             capture_output=True, text=True, cwd=REPO, timeout=60)
         smi_util, smi_power = (float(v) for v in smi.stdout.strip().split(", "))
         first = _blocks(d.attr(0, "fdinfo"))
-        time.sleep(0.5)
-        second = _blocks(d.attr(0, "fdinfo"))
+        second = wait_until(lambda: _blocks(d.attr(0, "fdinfo")), 30,
+                            "the loaded client's compute time to grow",
+                            ok=lambda now: _ns(now[busy]["drm-engine-compute"]) > _ns(
+                                first[busy]["drm-engine-compute"]))
         assert max(util) >= 30, util  # two compute engines, one kernel at a time: ~50 %
         assert min(power) > float(idle_power), (power, idle_power)
         assert smi_util >= 10 and smi_power > float(idle_power), smi.stdout

@@ -21,7 +21,7 @@ import os, sys, time, numpy as np, runtime
 from runtime import kernel_lib
 ROOT = os.environ["ACCEL_EMU_ROOT"]
 def stat(name, dev=0, at_least=0):
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while True:
         v = int(open(f"{ROOT}/sys/class/accel/accel{dev}/{name}").read())
         if v >= at_least or time.monotonic() > deadline:
