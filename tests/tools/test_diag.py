@@ -12,14 +12,13 @@ import sys
 import termios
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from testkit import REPO
 from testkit.waiting import wait_until
 
-REPO = Path(__file__).resolve().parents[2]
 LEVEL1 = ["driver", "enumeration", "device_state", "runtime_properties", "noop",
           "memory_roundtrip", "stream_order"]
 LEVEL2 = LEVEL1 + ["noop_stream", "multi_context", "copy_bandwidth", "events", "graph_replay",

@@ -32,9 +32,8 @@ from firmware.jit import (
     Options,
     compat_key,
 )
+from testkit import REPO
 from testkit.waiting import wait_until
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def ir_of(src: str, ndims: dict[str, int] | None = None) -> dict[str, Any]:
