@@ -23,12 +23,12 @@ from types import ModuleType
 
 import stress
 from firmware.image import IMAGE_DIR
-from stress.harness import Daemon
+from testkit.daemon import Daemon
 
 #: Count for an attacker module that defines no STRESS_COUNT.
 DEFAULT_COUNT = 1000
 #: Modules of the package that are not attackers even if they grew a ``run``.
-NOT_ATTACKERS = {"harness", "report"}
+NOT_ATTACKERS = {"report"}
 
 
 def attackers() -> dict[str, ModuleType]:

@@ -7,7 +7,7 @@ The client steps a counter in a small shared file before every transaction and w
 waits (:class:`Progress`); a counter that stops moving for ``hang_s`` while the process
 lives is a hang: the parent records what the client was doing (the step's description),
 kills the client and goes on. Between rounds -- the attacker gone, its contexts torn down
--- the parent checks what every containment test checks (:mod:`stress.harness`), with a
+-- the parent checks what every containment test checks (:mod:`testkit.contained`), with a
 deadline on every read of the mount (a hung daemon must not hang the fuzzer too).
 """
 
@@ -29,8 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from stress.harness import REPO, Bystander, Snapshot, alive, assert_contained, snapshot
 from stress.report import Report
+from testkit import REPO
+from testkit.bystander import Bystander
+from testkit.contained import Snapshot, assert_contained, snapshot
+from testkit.procs import alive
 
 #: The kernels the fuzzers load (their signatures are annotated: launches need no front end).
 FUZZ_KERNELS = '''

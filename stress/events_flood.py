@@ -37,8 +37,11 @@ from typing import Any
 
 from abi import uapi
 from stress._common import check_round, start_bystanders, timed
-from stress.harness import REPO, Daemon, as_user, snapshot, world_reachable
 from stress.report import Report
+from testkit import REPO
+from testkit.contained import snapshot
+from testkit.daemon import Daemon
+from testkit.tenants import as_user, world_reachable
 
 #: rounds in a full stress run
 STRESS_COUNT = 30

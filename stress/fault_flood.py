@@ -30,8 +30,11 @@ from abi import faults, uapi
 from kmod_emul.faultlog import KEEP
 from kmod_emul.ratelimit import LOG_BURST, LOG_INTERVAL_S
 from stress._common import check_round, start_bystanders, timed
-from stress.harness import REPO, Daemon, as_user, snapshot, world_reachable
 from stress.report import Report
+from testkit import REPO
+from testkit.contained import snapshot
+from testkit.daemon import Daemon
+from testkit.tenants import as_user, world_reachable
 
 #: attacker faults in a full stress run
 STRESS_COUNT = 20_000

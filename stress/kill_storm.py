@@ -44,17 +44,12 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 
-from stress.harness import (
-    REPO,
-    Bystander,
-    Daemon,
-    Snapshot,
-    as_user,
-    assert_contained,
-    snapshot,
-    world_reachable,
-)
 from stress.report import Report
+from testkit import REPO
+from testkit.bystander import Bystander
+from testkit.contained import Snapshot, assert_contained, snapshot
+from testkit.daemon import Daemon
+from testkit.tenants import as_user, world_reachable
 
 #: kills in a full stress run (``python -m stress``)
 STRESS_COUNT = 1000

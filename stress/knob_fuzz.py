@@ -5,7 +5,7 @@ with malformed values as root and as uid 65534.
 Each round is a client process (:mod:`stress._common`, under its watchdog) seeded from
 the run's seed and the round; odd rounds write as uid 65534 where the daemon's root is
 world-reachable (the client drops its effective uid and gid after walking the tree as
-root, as ``stress.harness.as_user`` drops its uid: quick, and the driver sees the writer's
+root, as ``testkit.tenants.as_user`` drops its uid: quick, and the driver sees the writer's
 uid, which is what it checks). Every answer is counted by errno:
 
 * as root, a malformed value must be refused with EINVAL -- never EIO, never accepted --
@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from stress._common import Progress, client_args, fuzz_rounds, write_result
-from stress.harness import NOBODY, world_reachable
 from stress.report import Report
+from testkit.tenants import NOBODY, world_reachable
 
 #: writes in a full stress run (``python -m stress``)
 STRESS_COUNT = 20_000

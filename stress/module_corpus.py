@@ -58,17 +58,12 @@ import time
 from typing import Any
 
 from abi import fwimage, kernel_lang, uapi, userq
-from stress.harness import (
-    REPO,
-    Bystander,
-    Daemon,
-    Snapshot,
-    as_user,
-    assert_contained,
-    snapshot,
-    world_reachable,
-)
 from stress.report import Report
+from testkit import REPO
+from testkit.bystander import Bystander
+from testkit.contained import Snapshot, assert_contained, snapshot
+from testkit.daemon import Daemon
+from testkit.tenants import as_user, world_reachable
 
 #: mutants in a full stress run
 STRESS_COUNT = 2000

@@ -45,19 +45,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from stress.harness import (
-    Bystander,
-    Daemon,
-    as_user,
-    assert_contained,
-    close_child,
-    fd_count,
-    firmware_children,
-    snapshot,
-    tenant_code,
-    world_reachable,
-)
 from stress.report import Report
+from testkit.bystander import Bystander
+from testkit.contained import assert_contained, fd_count, snapshot
+from testkit.daemon import Daemon
+from testkit.procs import close_child, firmware_children
+from testkit.tenants import as_user, tenant_code, world_reachable
 
 #: mode changes in a full stress run (``python -m stress``)
 STRESS_COUNT = 150

@@ -5,7 +5,7 @@ their own contexts). ``make_daemon`` starts private daemons for tests that break
 misconfigure a device; each is stopped at the test's end, pass or fail. ``run_py`` runs a
 snippet in a fresh interpreter (the runtime's state is per process, as the fork rules
 need) against a given root. ``other_user`` runs snippets as uid 65534 in an interpreter
-that never was root (stress/harness.py, ``OtherUser``).
+that never was root (testkit/tenants.py, ``OtherUser``).
 
 Every daemon these fixtures start keeps its compiled kernels in one JIT cache for the
 whole session (``jit_cache_dir``, passed as ``accel-emud --jit-cache``): a kernel compiled
@@ -38,7 +38,8 @@ import pytest
 
 from abi.fwimage import IMAGE_NAME
 from firmware.image import IMAGE_DIR
-from stress.harness import Daemon, OtherUser, user_environment
+from testkit.daemon import Daemon
+from testkit.tenants import OtherUser, user_environment
 
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:

@@ -13,7 +13,7 @@ import json
 import textwrap
 from typing import Any
 
-from stress.harness import Daemon
+from testkit.daemon import Daemon
 
 #: A kernel that writes out of bounds, once, on device 0: the exception it raises at
 #: ``synchronize`` is left as ``exc`` (fault-record scenarios continue from there).
@@ -51,8 +51,9 @@ def pkt(op, *a):
 def hold(on, dev=0):
     open(f"{ROOT}/sys/kernel/debug/accel/accel{dev}/sched_hold", "w").write("1" if on else "0")
 def stat(name, dev=0, at_least=0):
-    # the firmware publishes its counters when it idles: poll briefly for them to settle
-    deadline = time.monotonic() + 2
+    # the firmware publishes its counters when it idles: poll for them to settle (a limit
+    # generous for a loaded machine: only a counter that never gets there waits it out)
+    deadline = time.monotonic() + 30
     while True:
         v = int(open(f"{ROOT}/sys/class/accel/accel{dev}/{name}").read())
         if v >= at_least or time.monotonic() > deadline:

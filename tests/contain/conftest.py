@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stress.harness import Bystander, assert_contained, snapshot
+from testkit.bystander import Bystander
+from testkit.contained import assert_contained, snapshot
 
 
 @pytest.fixture

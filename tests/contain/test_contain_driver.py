@@ -3,7 +3,7 @@ limit is enforced with a clear errno, a lost device is noticed by every waiter, 
 leaks descriptors, bad input never answers EIO, and a tenant sees only its own processes
 (docs/containment.md, findings 6, 7, 8, 9, 10, 12, 14 and 15).
 
-After each attack the harness checks (stress/harness.py): the same daemon and firmware
+After each attack the harness checks (testkit/contained.py): the same daemon and firmware
 processes live, devices operational, bystanders intact, books and descriptors back.
 """
 
@@ -17,7 +17,11 @@ from pathlib import Path
 import pytest
 
 from abi import uapi
-from stress.harness import Bystander, alive, assert_contained, snapshot, tenant_code
+from testkit.bystander import Bystander
+from testkit.contained import assert_contained, snapshot
+from testkit.procs import alive
+from testkit.tenants import tenant_code
+from testkit.waiting import wait_until
 
 TESTS = Path(__file__).resolve().parent.parent  # tests/, where rawdev.py lives
 PRELUDE = ("import os, sys, time, errno, threading, numpy as np, runtime\n"
@@ -213,10 +217,7 @@ except runtime.DeviceLostError as exc:
     assert out.strip() == "lost", err
     # the held firmware is gone too: replaced by the reset, or halted on its own once the
     # driver vanished (it must not outlive a killed daemon)
-    deadline = time.monotonic() + 10
-    while alive(firmware) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(firmware)
+    wait_until(lambda: not alive(firmware), 10, f"the held firmware {firmware} to be gone")
 
 
 def test_descriptors_come_back_without_the_garbage_collector(two):

@@ -40,7 +40,8 @@ from kmod_emul.ratelimit import LOG_INTERVAL_S
 from stress._common import timed
 from stress.events_flood import round_trips, slowdown
 from stress.fault_flood import FAULT_LOOP, Victim, fault_lines, log_lines_bound
-from stress.harness import Bystander, assert_contained, snapshot
+from testkit.bystander import Bystander
+from testkit.contained import assert_contained, snapshot
 
 pytestmark = pytest.mark.timeout(240)
 

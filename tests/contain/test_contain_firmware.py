@@ -4,7 +4,7 @@ word of a process's own memory tells the firmware a context is lost.
 
 The tests share one 2-device daemon (numba compiles take seconds here, and the session's
 kernel cache, tests/conftest.py, makes the second compile of a kernel a cache hit); each
-attack is followed by the harness's checks (stress/harness.py): the same daemon and
+attack is followed by the harness's checks (testkit/contained.py): the same daemon and
 firmware processes live, devices operational, the bystanders' data intact, books and
 descriptors back to where they were.
 """
@@ -15,7 +15,10 @@ import time
 
 import pytest
 
-from stress.harness import Bystander, Daemon, assert_contained, snapshot, tenant_code
+from testkit.bystander import Bystander
+from testkit.contained import assert_contained, snapshot
+from testkit.daemon import Daemon
+from testkit.tenants import tenant_code
 
 PRELUDE = """
 import os, sys, time, errno, numpy as np, runtime

@@ -2,7 +2,7 @@
 takes the device down (docs/containment.md, findings 1, 2, 8 and 9).
 
 Each test replays an attack, as another uid where the attack is a tenant's, and then
-checks what every containment test checks (stress/harness.py): the attacker got an
+checks what every containment test checks (testkit/contained.py): the attacker got an
 error of the smallest scope, a bystander tenant's data and work are intact, the daemon and
 firmware are the same live processes, and nothing leaked.
 """
@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from stress.harness import Bystander, Daemon, OtherUser, assert_contained, snapshot, tenant_code
+from testkit.bystander import Bystander
+from testkit.contained import assert_contained, snapshot
+from testkit.daemon import Daemon
+from testkit.tenants import OtherUser, tenant_code
 
 RAW = "from rawdev import RawDev, errname"  # on the path of root's tests and other_user's
 

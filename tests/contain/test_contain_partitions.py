@@ -20,24 +20,19 @@ from pathlib import Path
 import pytest
 
 from stress import partition_race
-from stress.harness import (
-    Daemon,
-    OtherUser,
-    assert_contained,
-    fd_count,
-    firmware_children,
-    snapshot,
-    tenant_code,
-)
 from stress.partition_race import (
     MAX_HELD,
     RACER,
     VICTIM,
     VICTIM_ELEMENTS,
     Tenant,
-    wait_until,
     write_errno,
 )
+from testkit.contained import assert_contained, fd_count, snapshot
+from testkit.daemon import Daemon
+from testkit.procs import firmware_children
+from testkit.tenants import OtherUser, tenant_code
+from testkit.waiting import wait_until
 
 #: mode changes a test tries before it must have won the window once
 ROUNDS = 10
@@ -107,7 +102,8 @@ def test_a_rolled_back_partitions_tenant_frees_nothing_of_the_next_partitions(
             assert freed["frees"].get("ENODEV"), freed  # the 96 MiB at least
             # the driver has closed them once their descriptors are back (their memory
             # went first: Tenants.destroy_context)
-            assert wait_until(lambda: fd_count(d.pid) <= fds - len(held))
+            wait_until(lambda: fd_count(d.pid), 30, f"the daemon to close {len(held)} descriptors",
+                       ok=lambda now: now <= fds - len(held))
             assert victim.ask("check") == [0, 0]
         finally:
             victim.close()

@@ -1,7 +1,7 @@
 """Regressions for what the fuzzers (stress/uapi_fuzz.py, stress/ring_fuzz.py) found: each
 replays the minimal reproduction against a real mount, checks the exact outcome, and that
 nothing else was harmed -- the same firmware runs, a bystander tenant on each device is
-intact, and the books, descriptors and /dev/shm come back (stress/harness.py).
+intact, and the books, descriptors and /dev/shm come back (testkit/contained.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stress.harness import Bystander, assert_contained, snapshot
+from testkit.bystander import Bystander
+from testkit.contained import assert_contained, snapshot
 
 TESTS = Path(__file__).resolve().parent.parent  # tests/, where rawdev.py lives
 PRELUDE = f"""

@@ -24,7 +24,7 @@ from kmod_emul.isolation import KINDS
 from kmod_emul.ratelimit import LOG_BURST
 from runtime._shm import sealed_memfd
 from runtime.kernels import compile_module
-from stress.harness import assert_contained, snapshot
+from testkit.contained import assert_contained, snapshot
 
 pytestmark = pytest.mark.timeout(180)
 

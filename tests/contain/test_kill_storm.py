@@ -18,7 +18,7 @@ import time
 import pytest
 
 from stress import kill_storm
-from stress.harness import assert_contained, snapshot
+from testkit.contained import assert_contained, snapshot
 
 
 @pytest.mark.timeout(300)

@@ -1,5 +1,5 @@
 """Isolation from another user who never was root: a fresh interpreter started as uid 65534
-(``other_user``, stress/harness.py ``OtherUser``) importing a world-readable copy of the
+(``other_user``, testkit/tenants.py ``OtherUser``) importing a world-readable copy of the
 runtime. ``as_user`` snippets import as root and then drop their uid, so root's head start
 (files opened, the import's view of the tree) could pass a check a real second user
 fails; these cannot.
@@ -15,7 +15,9 @@ import json
 import pytest
 
 from scenario import KERNEL_FAULT_PRELUDE
-from stress.harness import NOBODY, Bystander, assert_contained, snapshot
+from testkit.bystander import Bystander
+from testkit.contained import assert_contained, snapshot
+from testkit.tenants import NOBODY
 
 #: the other user's answer to one attempt: "ok" or the errno's name
 ATTEMPT = """

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from stress.harness import REPO
+from testkit import REPO
+from testkit.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -80,10 +81,8 @@ def _watch(d, name: str, seconds: float) -> list[float]:
 
 
 def _until(d, name: str, want: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while d.attr(0, name) != want:
-        assert time.monotonic() < deadline, f"{name} stayed {d.attr(0, name)}, not {want}"
-        time.sleep(0.1)
+    wait_until(lambda: d.attr(0, name), timeout, f"accel0's {name} to be {want}",
+               ok=lambda now: now == want)
 
 
 def test_compute_load_moves_utilization_power_and_the_clients_fdinfo(make_daemon):
@@ -104,8 +103,10 @@ def test_compute_load_moves_utilization_power_and_the_clients_fdinfo(make_daemon
             capture_output=True, text=True, cwd=REPO, timeout=60)
         smi_util, smi_power = (float(v) for v in smi.stdout.strip().split(", "))
         first = _blocks(d.attr(0, "fdinfo"))
-        time.sleep(0.5)
-        second = _blocks(d.attr(0, "fdinfo"))
+        second = wait_until(lambda: _blocks(d.attr(0, "fdinfo")), 30,
+                            "the loaded client's compute time to grow",
+                            ok=lambda now: _ns(now[busy]["drm-engine-compute"]) > _ns(
+                                first[busy]["drm-engine-compute"]))
         assert max(util) >= 30, util  # two compute engines, one kernel at a time: ~50 %
         assert min(power) > float(idle_power), (power, idle_power)
         assert smi_util >= 10 and smi_power > float(idle_power), smi.stdout
@@ -178,11 +179,10 @@ def test_sustained_full_load_throttles_the_clocks(make_daemon):
     load = d.popen_py(FULL_LOAD)
     try:
         load.stdout.readline()
-        deadline = time.monotonic() + 30
-        while d.attr(0, "throttle_reasons") != "sw_thermal_slowdown":
-            assert time.monotonic() < deadline, (d.attr(0, "temperature"),
-                                                 d.attr(0, "utilization"))
-            time.sleep(0.2)
+        wait_until(lambda: (d.attr(0, "throttle_reasons"), d.attr(0, "temperature"),
+                            d.attr(0, "utilization")), 30,
+                   "the clocks to throttle (reasons, temperature, utilization)",
+                   ok=lambda now: now[0] == "sw_thermal_slowdown")
         assert d.attr(0, "clock") == "750" and float(d.attr(0, "temperature")) >= 85
     finally:
         load.stdin.close()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from kmod_emul import bringup
 from kmod_emul.boot import BRINGUP, STEP_NAMES
 from kmod_emul.errors import DriverError
 from kmod_emul.sysfs import parse_fail_step
+from testkit.waiting import WaitTimeout, wait_until
 from tools import accel_emud
 
 
@@ -221,11 +221,10 @@ def footprint(pid: int) -> Footprint:
 def wait_footprint(d, want: Footprint, what: str, timeout: float = 20.0) -> None:
     """Teardown is asynchronous (the supervisor halts the firmware after the reset): wait
     until the daemon holds exactly ``want``."""
-    deadline = time.monotonic() + timeout
-    while (now := footprint(d.pid)) != want:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: {want.diff(now)}")
-        time.sleep(0.05)
+    try:
+        wait_until(lambda: footprint(d.pid), timeout, what, ok=lambda now: now == want)
+    except WaitTimeout:
+        raise AssertionError(f"{what}: {want.diff(footprint(d.pid))}") from None
 
 
 def transaction(d, dev: int) -> None:

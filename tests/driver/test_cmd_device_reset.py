@@ -15,7 +15,7 @@ from refusals import Bad, generic, refuse
 from scenario import IDLE
 
 from abi import uapi, userq
-from stress.harness import Bystander
+from testkit.bystander import Bystander
 
 
 def _reset(env):

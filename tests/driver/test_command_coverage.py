@@ -21,7 +21,7 @@ import pytest
 
 from abi import uapi
 from kmod_emul import drv
-from stress.harness import REPO
+from testkit import REPO
 
 DRIVER_TESTS = Path(__file__).resolve().parent
 #: the name a raw test's marker gives, for every command of the table

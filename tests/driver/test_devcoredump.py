@@ -18,7 +18,9 @@ from refusals import NOP, ring_done
 from scenario import IDLE
 
 from abi import uapi
-from stress.harness import tenant_code
+from testkit.tenants import tenant_code
+from testkit.waiting import wait_until
+from testkit.waiting import wait_until
 
 LAST_WORDS = "firmware: last words before the kill"
 
@@ -48,10 +50,8 @@ def _wait_in_log(d, text: str, timeout: float = 10.0) -> None:
     """Wait until the daemon's log has ``text`` (the driver keeps a line of the firmware's
     log in its tail before it copies it there)."""
     log = d.state_dir / "accel-emud.log"
-    deadline = time.monotonic() + timeout
-    while text not in log.read_text(errors="replace"):
-        assert time.monotonic() < deadline, f"{text!r} never reached {log}"
-        time.sleep(0.02)
+    wait_until(lambda: text in log.read_text(errors="replace"), timeout,
+               f"{text!r} in {log}")
 
 
 @pytest.mark.timeout(120)

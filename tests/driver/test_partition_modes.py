@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from scenario import IDLE
 
-from stress.harness import Daemon
+from testkit.daemon import Daemon
 
 MEMORY = 256 << 20  # the harness's --memory
 

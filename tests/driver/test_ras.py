@@ -15,20 +15,14 @@ import pytest
 from rawdev import RawDev, errname
 
 from abi import uapi, userq
-from stress.harness import tenant_code
+from testkit.tenants import tenant_code
+from testkit.waiting import wait_until
 
 PAGE = uapi.ACCEL_PAGE_SIZE
 MIB = 1 << 20
 
 
 NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
-
-
-def wait_for(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def inject(d, text: str, dev: int = 0) -> None:
@@ -107,7 +101,8 @@ def test_a_page_in_use_is_pending_until_a_reset_and_stays_retired_across_a_resta
         queue = victim.queue_create(ctx)
         ring = victim.rings[queue][1]
         ran = victim.submit(queue, [NOP])
-        wait_for(lambda: ring.completed >= ran)
+        wait_until(lambda: ring.completed, 10, f"the no-op {ran} to complete",
+                   ok=lambda done: done >= ran)
         bad = offset_of(d, ctx) + 5 * PAGE
         inject(d, f"inject memory ue {bad + 4:#x}")
         contained, pending = last_records(d, 2)

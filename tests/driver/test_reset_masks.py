@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from abi import faults
-from stress.harness import REPO
+from testkit import REPO
 
 
 def docs_table() -> str:

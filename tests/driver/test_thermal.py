@@ -12,15 +12,10 @@ import pytest
 from scenario import HOLD_DATA, NOP_LOAD
 
 from kmod_emul import thermal
-from stress.harness import Bystander, assert_contained, snapshot
+from testkit.bystander import Bystander
+from testkit.contained import assert_contained, snapshot
+from testkit.waiting import wait_until
 
-
-
-def _wait(pred, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_throttling_is_visible_then_cools_back(make_daemon):
@@ -37,7 +32,8 @@ def test_throttling_is_visible_then_cools_back(make_daemon):
     rec = d.fault_log()[-1]
     assert (rec["code"], rec["name"], rec["corrected"], rec["scope"]) == (
         140, "THERMAL_THROTTLE", True, "operation")
-    _wait(lambda: d.attr(0, "throttle_reasons") == "none")
+    wait_until(lambda: d.attr(0, "throttle_reasons"), 20, "accel0 to cool back",
+               ok=lambda reasons: reasons == "none")
     assert d.attr(0, "clock") == str(thermal.BASE_CLOCK_MHZ)
 
 

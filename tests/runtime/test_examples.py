@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from stress.harness import REPO
+from testkit import REPO
 
 README_BLOCKS = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))

@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from stress.harness import Bystander, assert_contained, snapshot
+from testkit.bystander import Bystander
+from testkit.contained import assert_contained, snapshot
 
 VICTIM = """
 import os, sys, numpy as np, runtime

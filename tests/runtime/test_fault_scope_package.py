@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from stress.harness import Bystander, assert_contained, snapshot
+from testkit.bystander import Bystander
+from testkit.contained import assert_contained, snapshot
 
 #: a on device 0, copied across the link into b on device 1; ``copied`` counts the
 #: elements that arrived wrong

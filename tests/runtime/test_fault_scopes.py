@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from scenario import IDLE, STREAM_PRELUDE
-from stress.harness import Bystander
+from testkit.bystander import Bystander
 
 PRELUDE = """
 import os, subprocess, sys

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from stress.harness import REPO, Daemon
+from testkit import REPO
+from testkit.daemon import Daemon
 
 IDLE = {"contexts": "0", "memory_used": "0", "queues": "0"}
 

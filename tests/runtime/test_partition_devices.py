@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from scenario import IDLE
 
-from stress.harness import Bystander
+from testkit.bystander import Bystander
 
 ON_EACH_PARTITION = """
 import numpy as np, runtime

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import pytest
 from scenario import IDLE
 
-from stress.harness import Daemon
+from testkit.daemon import Daemon
 
 #: Exports an array of its one visible device, prints the handle, then on a line of stdin
 #: checks the array and runs a kernel on that device.

@@ -13,7 +13,6 @@ import errno
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +21,10 @@ import pytest
 from scenario import HOLD_DATA, NOP_LOAD
 
 from kmod_emul import thermal
-from stress.harness import REPO, Daemon, firmware_children
+from testkit import REPO
+from testkit.daemon import Daemon
+from testkit.procs import firmware_children
+from testkit.waiting import wait_until
 
 RESET = 120  # abi/faults.py: DEVICE_RESET
 THROTTLE, SHUTDOWN = 140, 141  # THERMAL_THROTTLE, THERMAL_SHUTDOWN
@@ -79,13 +81,6 @@ def outcome(proc: subprocess.Popen[str]) -> str:
 def smi(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tools.accel_smi", *args], capture_output=True,
                           text=True, env=d.env(), cwd=REPO, timeout=60)
-
-
-def wait_until(pred, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def write_errno(path: Path, text: str) -> int:
@@ -210,7 +205,8 @@ def test_the_partitions_share_the_package_thermal_budget(make_daemon):
         assert [r["code"] for r in d.fault_log(dev)] == [THROTTLE], dev
     assert d.attr(1, "ras/thermal_err_count") == "ue: 0\nce: 1"
     assert d.attr(2, "ras/thermal_err_count") == "ue: 0\nce: 0"
-    wait_until(lambda: {d.attr(p, "throttle_reasons") for p in (1, 2)} == {"none"})
+    wait_until(lambda: {d.attr(p, "throttle_reasons") for p in (1, 2)}, 20,
+               "partitions 1 and 2 to cool back", ok=lambda reasons: reasons == {"none"})
     assert {d.attr(p, "clock") for p in (1, 2)} == {str(thermal.BASE_CLOCK_MHZ)}
 
     # a shutdown injected on accel1 loses accel2's tenant too; the package recovers

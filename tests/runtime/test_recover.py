@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from stress.harness import Bystander
+from testkit.bystander import Bystander
 
 IDLE = {"contexts": "0", "memory_used": "0", "queues": "0", "pinned_bytes": "0"}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from scenario import IDLE, REPORT, reports
 
-from stress.harness import Bystander
+from testkit.bystander import Bystander
 
 RESET_BY_THE_OWNER = """
 import os, threading

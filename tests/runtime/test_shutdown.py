@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 from firmware.image import IMAGE_DIR
-from stress.harness import Bystander, Daemon, assert_contained, snapshot
+from testkit.bystander import Bystander
+from testkit.contained import assert_contained, snapshot
+from testkit.daemon import Daemon
 
 PRELUDE = """
 import atexit, os, sys, threading, time, numpy as np, runtime

@@ -12,12 +12,13 @@ import sys
 import termios
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from testkit import REPO
+from testkit.waiting import wait_until
+
 LEVEL1 = ["driver", "enumeration", "device_state", "runtime_properties", "noop",
           "memory_roundtrip", "stream_order"]
 LEVEL2 = LEVEL1 + ["noop_stream", "multi_context", "copy_bandwidth", "events", "graph_replay",
@@ -137,10 +138,9 @@ def test_level3_json_exercises_every_capability_and_leaves_nothing_behind(daemon
                         detail(doc, "ipc")), detail(doc, "ipc")
     for i in (0, 1):
         # The driver saw the managed pages migrate (published when the firmware idles) ...
-        deadline = time.monotonic() + 5
-        while int(daemon.attr(i, "managed_faults")) < faults[i] + 16:
-            assert time.monotonic() < deadline, daemon.attr(i, "managed_faults")
-            time.sleep(0.02)
+        wait_until(lambda: int(daemon.attr(i, "managed_faults")), 30,
+                   f"accel{i}'s managed_faults to pass {faults[i] + 16}",
+                   ok=lambda now: now >= faults[i] + 16)
         # ... and the run left nothing: no memory, context or process charged.
         daemon.wait_attrs(i, {"memory_used": "0", "contexts": "0",
                               "processes": "pid device_bytes", "managed_resident": "0"})

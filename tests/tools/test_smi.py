@@ -22,10 +22,10 @@ from rawdev import RawDev
 from abi import uapi
 from abi.fwimage import IMAGE_NAME
 from firmware.image import IMAGE_DIR
+from testkit import REPO
 from tools.accel_smi import OPTIONAL_ATTRS
 from scenario import KERNEL_FAULT_PRELUDE
 
-REPO = Path(__file__).resolve().parents[2]
 #: Changes between two reads on a healthy device; never compared by value.
 VOLATILE = {"heartbeat", "temperature", "utilization", "utilization_copy", "power"}  # move with load
 #: The default table's columns, and where the state is among them

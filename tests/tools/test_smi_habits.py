@@ -20,7 +20,7 @@ import pytest
 from test_smi import REPO, query_values, smi
 
 from abi import faults, uapi
-from stress.harness import interruptible
+from testkit.procs import interruptible
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from stress.harness import REPO
+from testkit import REPO
 
 pytestmark = pytest.mark.timeout(120)
 

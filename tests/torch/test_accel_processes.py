@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from stress.harness import REPO, Daemon
+from testkit import REPO
+from testkit.daemon import Daemon
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from bench.suite import BENCHMARKS
-from stress.harness import REPO
+from testkit import REPO
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stress.harness import REPO
+from testkit import REPO
 from tools.accel_emud import LOG_BACKUPS
 
 pytestmark = pytest.mark.timeout(60)

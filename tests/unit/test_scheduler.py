@@ -31,6 +31,7 @@ from firmware.engines import EnginePool, Job
 from firmware.rings import Completion, FwContext, Ring
 from firmware.scheduler import Scheduler
 from firmware.telemetry import Counters, EngineTime, Tally
+from testkit.waiting import wait_until
 
 MiB = 1 << 20
 VA = 0x1000_0000  # the test context's one mapping
@@ -415,9 +416,8 @@ def test_an_engine_takes_the_highest_priority_job_first():
         pool.submit(prio, _Gate(name, log))
     assert pool.higher_waiting(0) and pool.waiting(1) and not pool.higher_waiting(1)
     gate.set()
-    deadline = time.monotonic() + 30
-    while len(log) < 5 and time.monotonic() < deadline:
-        time.sleep(0.001)
+    wait_until(lambda: list(log), 30, "the five jobs to run", ok=lambda ran: len(ran) >= 5,
+               interval=0.001)
     assert log == ["holder", "high1", "high2", "low1", "low2"]
 
 
@@ -430,9 +430,8 @@ def test_contexts_of_one_priority_take_turns():
                       ("c2", 3)]:
         pool.submit(0, _Gate(name, log, ctx=ctx))
     gate.set()
-    deadline = time.monotonic() + 30
-    while len(log) < 8 and time.monotonic() < deadline:
-        time.sleep(0.001)
+    wait_until(lambda: list(log), 30, "the eight jobs to run", ok=lambda ran: len(ran) >= 8,
+               interval=0.001)
     assert log == ["holder", "a1", "b1", "c1", "a2", "c2", "a3", "a4"]
 
 

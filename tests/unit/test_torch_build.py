@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from stress.harness import REPO
+from testkit import REPO
 
 
 @pytest.mark.timeout(300)
