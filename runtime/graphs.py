@@ -68,7 +68,7 @@ class Graph:
     def record(self, stream: Stream, packets: Sequence[Any], uses: Sequence[Any]) -> int:
         if stream is not self.stream:
             raise errors.InvalidValueError(f"{stream!r} is capturing into another graph")
-        self.packets.extend(p if isinstance(p, bytes) else bytes(p) for p in packets)
+        self.packets.extend(p if isinstance(p, bytes) else p.encode() for p in packets)
         for obj in uses:
             self._uses.append(weakref.ref(obj))
             self._names.append(repr(obj))

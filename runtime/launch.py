@@ -309,10 +309,8 @@ class Kernel:
                 f"{static} static bytes; accel:{self.module.device} allows {limit} per block")
 
     def _packet(self, grid: int, block: int, dynamic: int, args_va: int, length: int) -> bytes:
-        """The LAUNCH packet's 64 bytes (grid and block as packed words), packed in one
-        call (a ctypes packet and its conversion to bytes cost several times more)."""
-        return userq.PACKET.pack(userq.Op.LAUNCH, 0, self.handle, grid, block, dynamic,
-                                 args_va, length, 0)
+        """The LAUNCH packet's 64 bytes (grid and block as packed words)."""
+        return userq.Launch(self.handle, grid, block, dynamic, args_va, length).encode()
 
 
 class Module:

@@ -30,7 +30,7 @@ from runtime import devices as _device
 from runtime._shm import sealed_memfd
 from runtime.context import Context
 
-_NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
+_NOP = userq.Nop().encode()
 #: ring words, as indices of ``RingView.words``
 _WPTR, _RPTR = userq.RING_WPTR >> 3, userq.RING_RPTR >> 3
 _ERROR_SEQNO = userq.RING_ERROR_SEQNO >> 3
@@ -132,7 +132,7 @@ class Stream:
         return Stream.PRIORITY_RANGE
 
     # --- submission -------------------------------------------------------------------
-    def submit(self, packets: Sequence[userq.accel_packet], uses: Sequence[Any] = ()) -> int:
+    def submit(self, packets: Sequence[userq.Packet | bytes], uses: Sequence[Any] = ()) -> int:
         """Queue packets in order; return the seqno of the last one. No system call unless
         the firmware sleeps. ``uses``: the arrays the packets touch (graph capture keeps
         them, to refuse a replay after they were freed)."""
@@ -155,7 +155,7 @@ class Stream:
             for pkt in packets:
                 if wptr >= self._room:
                     self._make_room(wptr)
-                ring.write_packet(wptr, pkt if isinstance(pkt, bytes) else bytes(pkt))
+                ring.write_packet(wptr, pkt if isinstance(pkt, bytes) else pkt.encode())
                 wptr += 1
             self._publish(wptr)
             self.last_seqno = wptr
@@ -275,9 +275,10 @@ class Stream:
         ``bench.compare --only tiny``)."""
         if not 0 < seqno <= self.last_seqno or self.last_seqno - seqno >= _SLOTS:
             return None
-        opcode, _, handle, *_ = userq.PACKET.unpack_from(
-            self._ring.mem, userq.RING_PACKETS + (seqno - 1) % _SLOTS * 64)
-        return self.ctx.kernel_names.get(handle) if opcode == userq.Op.LAUNCH else None
+        words = self._ring.read_packet(seqno)
+        if words[0] != userq.Op.LAUNCH:
+            return None
+        return self.ctx.kernel_names.get(userq.decode(words).handle)
 
     def submit_nop(self) -> int:
         """Queue a no-op (a marker); return its seqno."""
@@ -305,8 +306,7 @@ class Stream:
             return
         src = event.stream
         qid = src.queue_id if src.ctx is self.ctx else self.ctx.import_queue(src)
-        self.submit([userq.accel_packet(opcode=userq.Op.WAIT_QUEUE,
-                                       a=(qid, event.seqno, 0, 0, 0, 0, 0))])
+        self.submit([userq.WaitQueue(qid, event.seqno)])
 
     def wait_stream(self, other: Stream) -> None:
         self.wait_event(other.record_event())

@@ -188,7 +188,7 @@ def test_a_waiter_on_a_full_ring_notices_the_device_is_gone(make_daemon, how):
     proc = d.popen_py(PRELUDE + """
 s = runtime.Stream()
 open(os.environ["ACCEL_EMU_ROOT"] + "/sys/kernel/debug/accel/accel0/sched_hold", "w").write("1")
-nop = bytes(userq.accel_packet(opcode=userq.Op.NOP))
+nop = userq.Nop().encode()
 print("filling", flush=True)
 try:
     for _ in range(3 * userq.RING_SLOTS):

@@ -252,7 +252,7 @@ _SCRIBBLE_LOST = """
 import time
 from rawdev import RawDev, errname
 ROOT = os.environ["ACCEL_EMU_ROOT"]
-NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
+NOP = userq.Nop().encode()
 def until(cond, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not cond():

@@ -21,7 +21,7 @@ PAGE = uapi.ACCEL_PAGE_SIZE
 MIB = 1 << 20
 
 
-NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
+NOP = userq.Nop().encode()
 
 
 def wait_for(cond, timeout: float = 10.0) -> None:

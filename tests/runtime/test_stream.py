@@ -307,7 +307,7 @@ def test_synchronize_waits_for_every_stream_and_raises_the_first_fault(daemon):
                 b.memset(7, stream=s)
         runtime.synchronize(0)
         print(all(s.query() for s in streams), int(bufs[1].copy_to_host()[-1]))
-        streams[1].submit([userq.accel_packet(opcode=userq.Op.MEMSET, a=(0x10, 64, 0, 0, 0, 0, 0))])
+        streams[1].submit([userq.Memset(0x10, 64, 0)])
         for _ in range(2):  # sticky, as CUDA's: the stream keeps its fault
             try:
                 runtime.synchronize(0)
