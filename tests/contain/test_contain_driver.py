@@ -75,7 +75,7 @@ r = own.channel.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
     ctx_id=own.id, size=64 << 20, kind=uapi.MemKind.DEVICE, fd=-1))
 s = runtime.Stream()
 for _ in range(8):  # tens of ms of copy-engine work on it, queued behind the flood's
-    s.submit([runtime.memory._packet(userq.Op.MEMSET, r.va, 64 << 20, 1)])
+    s.submit([userq.Memset(r.va, 64 << 20, 1)])
 t0 = time.perf_counter()
 own.channel.call(uapi.ACCEL_CMD_MEM_FREE, uapi.accel_mem_free(ctx_id=own.id, handle=r.handle))
 free_s = time.perf_counter() - t0

@@ -146,8 +146,8 @@ def test_each_launch_reads_its_own_argument_block_past_the_queues_depth(kdaemon)
     """A stream keeps its launches' argument blocks in slots of its own, one per seqno
     modulo the queue's depth + 1, reused without a completion check (runtime/stream.py
     ``ArgArena``): 3,000 launches with distinct arguments, queued while the firmware holds
-    still, each write their own value. A block longer than a slot (12 buffers) takes the
-    device's shared arena. ``module.name`` stays the same kernel from launch to launch, and
+    still, each write their own value. A block longer than a short slot (12 buffers) takes
+    its seqno's long slot, which its packet names. ``module.name`` stays the same kernel from launch to launch, and
     a kernel named like a module attribute does not hide that attribute."""
     lines = run(kdaemon, """
         src = (
@@ -250,7 +250,7 @@ def test_out_of_bounds_is_a_device_fault_with_a_record(kdaemon):
         s = runtime.Stream()
         mod.oob[1, 64](x, 0, stream=s)  # in bounds: the stream's arena slot 2 is next
         s.synchronize()
-        s.arg_arena.mem[2 * 256 : 2 * 256 + 72] = s.arg_arena.mem[256 : 256 + 72]
+        s.arena().mem[2 * 256 : 2 * 256 + 72] = s.arena().mem[256 : 256 + 72]
         s.submit([userq.RAW_PACKET.pack(userq.Op.LAUNCH, 0, mod.oob.handle,
                                     userq.pack_dims((2, 1, 1)), userq.pack_dims((64, 1, 1)),
                                     0, 0, 72, 0)])  # x[64:128], past the buffer
@@ -445,7 +445,7 @@ def test_dynamic_shared_memory_sized_per_launch(kdaemon):
         except runtime.KernelFaultError as e:
             print("short", e.record["errno"], e.record["kernel"])
         # the firmware checks a3 itself: a raw packet over the limit faults EINVAL
-        from runtime.launch import pinned_empty
+        from runtime.memory import pinned_empty
         k = mod.rev
         buf = pinned_empty(4096, np.uint8)
         block = k._record_args([x])
