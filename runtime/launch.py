@@ -120,7 +120,7 @@ class Kernel:
         :meth:`launch`, which checks and says why. The same checks either way; the
         figures are in docs/kernels.md ("Seventh round")."""
         return self._make_launcher(grid, block, self.launch, lambda n: self._packet(
-            *self._config(grid, block), 0, 0, n))
+            *self._config(grid, block), 0, n))
 
     def _config(self, grid: Any, block: Any) -> tuple[int, int]:
         """The packet words of a grid and block, checked against the device: a program
@@ -242,7 +242,7 @@ class Kernel:
         if s.device != device:
             raise errors.InvalidValueError(f"{self.name}: stream is on accel:{s.device}")
         raw = self._record_args(args)
-        pkt = self._packet(g, b, int(shared_mem), 0, len(raw))
+        pkt = self._packet(g, b, int(shared_mem), len(raw))
         if s.capturing is not None:  # a replay writes the block in its stream's arena
             uses = [v for p, v in zip(self._layout, args) if p.buffer]
             return s.submit([ArgLaunch(pkt, raw)], uses=uses)
@@ -260,9 +260,10 @@ class Kernel:
                 f"{self.name}: shared_mem={shared_mem!r} dynamic bytes per block on top of its "
                 f"{static} static bytes; accel:{self.module.device} allows {limit} per block")
 
-    def _packet(self, grid: int, block: int, dynamic: int, args_va: int, length: int) -> bytes:
-        """The LAUNCH packet's 64 bytes (grid and block as packed words)."""
-        return userq.Launch(self.handle, grid, block, dynamic, args_va, length).encode()
+    def _packet(self, grid: int, block: int, dynamic: int, length: int) -> bytes:
+        """The LAUNCH packet's 64 bytes (grid and block as packed words), naming no
+        address: the stream's arena places its block (``ArgArena.write``)."""
+        return userq.Launch(self.handle, grid, block, dynamic, 0, length).encode()
 
 
 class Module:

@@ -454,7 +454,7 @@ def test_dynamic_shared_memory_sized_per_launch(kdaemon):
         raw = runtime.Stream()
         from abi import userq
         one = userq.pack_dims((1, 1, 1))
-        raw.submit([k._packet(one, one, 48 * 1024 + 4, buf.device_va, length)])
+        raw.submit([userq.Launch(k.handle, one, one, 48 * 1024 + 4, buf.device_va, length)])
         try:
             raw.synchronize()
         except runtime.DeviceFaultError as e:
