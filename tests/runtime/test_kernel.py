@@ -444,7 +444,7 @@ def test_dynamic_shared_memory_sized_per_launch(kdaemon):
             s.synchronize()
         except runtime.KernelFaultError as e:
             print("short", e.record["errno"], e.record["kernel"])
-        # the firmware checks a3 itself: a raw packet over the limit faults EINVAL
+        # the firmware checks the shared bytes itself: a raw packet over the limit faults EINVAL
         from runtime.memory import pinned_empty
         k = mod.rev
         buf = pinned_empty(4096, np.uint8)
