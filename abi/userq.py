@@ -137,6 +137,9 @@ LAYOUTS: Final[dict[int, type[Any]]] = {
 _PADS: Final = {op: (0,) * (7 - len(cls._fields)) for op, cls in LAYOUTS.items()}
 #: opcode -> (its layout, the end of its words in RAW_PACKET's unpacked tuple)
 _DECODE: Final = {op: (cls, 2 + len(cls._fields)) for op, cls in LAYOUTS.items()}
+#: a layout made from its words: the slice has exactly its fields, so no length check
+#: (``_make`` checks it in Python, and the firmware decodes every packet it runs)
+_NEW: Final = tuple.__new__
 
 
 def _encode(packet: Packet) -> bytes:
@@ -148,7 +151,7 @@ def decode(words: Sequence[int]) -> Packet:
     """The typed packet of ``words`` as ``RAW_PACKET`` unpacks them (opcode, flags, a0..a6),
     flags aside (the reader checks them); KeyError for an unknown opcode."""
     cls, end = _DECODE[words[0]]
-    return cls._make(words[2:end])  # type: ignore[no-any-return]
+    return _NEW(cls, words[2:end])  # type: ignore[no-any-return]
 
 
 def decode_bytes(raw: bytes) -> Packet:
