@@ -188,6 +188,46 @@ def test_each_launch_reads_its_own_argument_block_past_the_queues_depth(kdaemon)
     assert lines == ["own blocks True", "long block 55.0", "same kernel True",
                      "attribute kept True kernels"]
 
+def test_every_kind_of_launch_names_its_streams_arena(kdaemon):
+    """Launches of every kind on one stream, read back from its ring: each LAUNCH names
+    address 0 (its short slot, which the ring names: the arena's) or its long slot in the
+    same arena, and computed what it should have. (tests/unit/test_launch_path.py checks
+    by the source that no other path exists.)"""
+    lines = run(kdaemon, """
+        from abi import userq
+        from runtime.stream import LONG_ARGS
+        src = ("def wide(" + ", ".join(f"a{k}" for k in range(11)) + ", out):\\n"
+               "    if global_id(0) == 0:\\n"
+               "        out[0] = " + " + ".join(f"a{k}[0]" for k in range(11)) + "\\n")
+        lib, wide = runtime.compile(kernel_lib.SOURCE), runtime.compile(src).wide
+        s = runtime.Stream()
+        x = runtime.empty(256, np.float32)
+        lib.fill[1, 256](x, np.float32(1), stream=s)              # the generated launcher
+        lib.fill.launch([1], [256], (x, np.float32(2)), s)       # the checked path
+        parts = [runtime.to_device(np.full(1, k, np.float32)) for k in range(11)]
+        total = runtime.empty(1, np.float32)
+        wide[1, 32](*parts, total, stream=s)                      # a long block
+        g = runtime.Graph()
+        with runtime.graph(g, s):
+            lib.fill[1, 256](x, np.float32(3), stream=s)
+            wide[1, 32](*parts, total, stream=s)
+        g.replay(); g.replay()
+        s.synchronize()
+        a = s.arena()
+        print("ring names the arena", s._ring.get(userq.RING_ARGS_VA) == a.va,
+              s._ring.get(userq.RING_ARGS_SLOTS) == a.slots)
+        for seqno in range(1, s.last_seqno + 1):
+            p = userq.decode(s._ring.read_packet(seqno))
+            if isinstance(p, userq.Launch):
+                long_slot = a.long_va + seqno % a.slots * LONG_ARGS
+                print(seqno, "short" if p.args_va == 0
+                      else "long" if p.args_va == long_slot else hex(p.args_va))
+        print("values", float(x.copy_to_host()[0]), float(total.copy_to_host()[0]))
+    """)
+    assert lines == ["ring names the arena True True", "1 short", "2 short", "3 long",
+                     "4 short", "5 long", "6 short", "7 long", "values 3.0 55.0"]
+
+
 @pytest.mark.timeout(240)
 def test_a_launch_on_another_devices_stream_is_refused_and_queues_nothing(daemon):
     """The kernel is loaded on accel:0 and the stream is on accel:1: InvalidValueError

@@ -5,17 +5,15 @@ device's shared arena with its own reuse rule, and the generated launcher writin
 stream's slot itself); each had its own rule for when a block may be overwritten. These
 tests fail when a second one appears: by reading the runtime's and the torch backend's
 source (who builds a LAUNCH packet, who names an argument address, who writes the arena,
-who tells the firmware where it is), and by reading back the packets a real daemon was
-given by every kind of launch (the generated launcher, ``Kernel.launch``, a long block,
-a graph's replay): each names its own arena's slot and nothing else.
+who tells the firmware where it is). Its behaviour, the packets a real daemon was given
+by every kind of launch, is read back in tests/runtime/test_kernel.py
+(``test_every_kind_of_launch_names_its_streams_arena``).
 """
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 #: the code that launches: the runtime and the torch backend
@@ -99,46 +97,3 @@ def test_every_launch_packet_is_built_naming_no_address_and_written_by_the_strea
     wrapped = _scopes(trees, lambda n: isinstance(n, ast.Call) and (
         isinstance(n.func, ast.Name) and n.func.id == "ArgLaunch"))
     assert wrapped == {("runtime/launch.py", "launch")}
-
-
-@pytest.mark.timeout(300)
-def test_every_kind_of_launch_names_its_streams_arena(daemon) -> None:  # noqa: ANN001
-    """Launches of every kind on one stream, read back from its ring: each LAUNCH names
-    address 0 (its short slot, which the ring names: the arena's) or its long slot in the
-    same arena, and computed what it should have."""
-    out = daemon.run_py("""
-import numpy as np, runtime
-from abi import userq
-from runtime import kernel_lib
-from runtime.stream import LONG_ARGS
-src = ("def wide(" + ", ".join(f"a{k}" for k in range(11)) + ", out):\\n"
-       "    if global_id(0) == 0:\\n"
-       "        out[0] = " + " + ".join(f"a{k}[0]" for k in range(11)) + "\\n")
-lib, wide = runtime.compile(kernel_lib.SOURCE), runtime.compile(src).wide
-s = runtime.Stream()
-x = runtime.empty(256, np.float32)
-lib.fill[1, 256](x, np.float32(1), stream=s)              # the generated launcher
-lib.fill.launch([1], [256], (x, np.float32(2)), s)       # the checked path
-parts = [runtime.to_device(np.full(1, k, np.float32)) for k in range(11)]
-total = runtime.empty(1, np.float32)
-wide[1, 32](*parts, total, stream=s)                      # a long block
-g = runtime.Graph()
-with runtime.graph(g, s):
-    lib.fill[1, 256](x, np.float32(3), stream=s)
-    wide[1, 32](*parts, total, stream=s)
-g.replay(); g.replay()
-s.synchronize()
-a = s.arena()
-print("ring names the arena", s._ring.get(userq.RING_ARGS_VA) == a.va,
-      s._ring.get(userq.RING_ARGS_SLOTS) == a.slots)
-for seqno in range(1, s.last_seqno + 1):
-    p = userq.decode(s._ring.read_packet(seqno))
-    if isinstance(p, userq.Launch):
-        slot = a.long_va + seqno % a.slots * LONG_ARGS
-        print(seqno, "short" if p.args_va == 0 else "long" if p.args_va == slot else hex(p.args_va))
-print("values", float(x.copy_to_host()[0]), float(total.copy_to_host()[0]))
-""", timeout=240)
-    assert out.returncode == 0, out.stderr + out.stdout
-    assert out.stdout.split("\n")[:-1] == [
-        "ring names the arena True True", "1 short", "2 short", "3 long", "4 short", "5 long",
-        "6 short", "7 long", "values 3.0 55.0"]
