@@ -291,9 +291,8 @@ def test_out_of_bounds_is_a_device_fault_with_a_record(kdaemon):
         mod.oob[1, 64](x, 0, stream=s)  # in bounds: the stream's arena slot 2 is next
         s.synchronize()
         s.arena().mem[2 * 256 : 2 * 256 + 72] = s.arena().mem[256 : 256 + 72]
-        s.submit([userq.RAW_PACKET.pack(userq.Op.LAUNCH, 0, mod.oob.handle,
-                                    userq.pack_dims((2, 1, 1)), userq.pack_dims((64, 1, 1)),
-                                    0, 0, 72, 0)])  # x[64:128], past the buffer
+        s.submit([userq.Launch(mod.oob.handle, userq.pack_dims((2, 1, 1)),
+                               userq.pack_dims((64, 1, 1)), 0, 0, 72)])  # x[64:128], past it
         print("by hand", fault(s))
     """)
     assert lines == ["oob EFAULT True True", "True", "alive True", "graph ('oob', 2) None",
