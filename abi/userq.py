@@ -9,36 +9,27 @@ of a context's default queue) all use these definitions; none declares its own.
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import mmap
 import struct
 import threading
-from typing import Final
+from collections.abc import Sequence
+from typing import Any, Final, NamedTuple, Union
 
 from abi import kernel_lang
-from abi._struct import Struct
 
 
 # --- packets -----------------------------------------------------------------------------
 
 
 class Op(enum.IntEnum):
-    """Packet opcodes (``accel_packet.opcode``). Arguments are device virtual addresses."""
+    """Packet opcodes: word 0 of a packet. Each has one layout below (``Nop`` ... ``Launch``)."""
 
     NOP = 0
-    #: a0 = dst va, a1 = src va, a2 = bytes
     COPY = 1
-    #: a0 = dst va, a1 = bytes, a2 = byte value
     MEMSET = 2
-    #: a0 = queue id of the same context (or imported), a1 = seqno: later packets of this
-    #: queue wait until that queue's fence reaches it
     WAIT_QUEUE = 3
-    #: a0 = va, a1 = bytes, a2 = 0 to host, 1 to device (managed memory only)
     PREFETCH = 4
-    #: a0 = kernel handle, a1 = grid, a2 = block (each x | y << 21 | z << 42), a3 = dynamic
-    #: shared bytes per block (static + dynamic within the device's limit, else EINVAL),
-    #: a4 = va of the argument block, a5 = its length (docs/kernels.md)
     LAUNCH = 5
 
 
@@ -50,19 +41,122 @@ def op_name(opcode: int) -> str:
         return f"opcode {opcode}"
 
 
-class accel_packet(Struct):
-    """One unit of queued work: 64 bytes in a ring slot."""
+#: The wire layout of every packet, 64 bytes in a ring slot: u32 opcode, u32 flags (0: any
+#: other value faults the packet, EINVAL), then seven u64 argument words, which each
+#: opcode's layout below names (unused trailing words are 0 and ignored). Writers and
+#: readers go through the typed layouts; this raw form is for the decoder and for tests
+#: and fuzzers that write malformed packets on purpose (an unknown opcode, flags, words
+#: out of range).
+RAW_PACKET: Final = struct.Struct("<II7Q")
+PACKET_SIZE: Final = RAW_PACKET.size
+assert PACKET_SIZE == 64
 
-    _fields_ = [
-        ("opcode", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("a", ctypes.c_uint64 * 7),
-    ]
+
+class Nop(NamedTuple):
+    """NOP: does nothing; a marker (its completion timestamp times an event)."""
+
+    OP = Op.NOP
+
+    def encode(self) -> bytes:
+        return _encode(self)
 
 
-#: accel_packet as the firmware unpacks it in one call: opcode, flags, a0..a6.
-PACKET = struct.Struct("<II7Q")
-assert PACKET.size == ctypes.sizeof(accel_packet) == 64
+class Copy(NamedTuple):
+    """COPY ``nbytes`` from device address ``src`` to ``dst``."""
+
+    dst: int
+    src: int
+    nbytes: int
+    OP = Op.COPY
+
+    def encode(self) -> bytes:
+        return _encode(self)
+
+
+class Memset(NamedTuple):
+    """MEMSET ``nbytes`` at ``dst`` to the byte ``value`` (above 0xFF faults, EINVAL)."""
+
+    dst: int
+    nbytes: int
+    value: int
+    OP = Op.MEMSET
+
+    def encode(self) -> bytes:
+        return _encode(self)
+
+
+class WaitQueue(NamedTuple):
+    """WAIT_QUEUE: later packets of this queue wait until queue ``queue`` (of the same
+    context, or imported into it) has completed ``seqno``."""
+
+    queue: int
+    seqno: int
+    OP = Op.WAIT_QUEUE
+
+    def encode(self) -> bytes:
+        return _encode(self)
+
+
+class Prefetch(NamedTuple):
+    """PREFETCH ``nbytes`` of managed memory at ``va`` to the device (``to_device`` 1) or
+    the host (0)."""
+
+    va: int
+    nbytes: int
+    to_device: int
+    OP = Op.PREFETCH
+
+    def encode(self) -> bytes:
+        return _encode(self)
+
+
+class Launch(NamedTuple):
+    """LAUNCH kernel ``handle`` (module id << 16 | kernel index) over ``grid`` blocks of
+    ``block`` threads (each packed by :func:`pack_dims`) with ``shared`` dynamic shared
+    bytes per block (static + dynamic within the device's limit, else EINVAL). Its
+    argument block (docs/kernels.md "Launch ABI") is ``args_len`` bytes at ``args_va``;
+    ``args_va`` 0 names the queue's own arena slot for the packet's seqno
+    (``RING_ARGS_VA``), so the packet of a kernel's launch is the same bytes every time."""
+
+    handle: int
+    grid: int
+    block: int
+    shared: int
+    args_va: int
+    args_len: int
+    OP = Op.LAUNCH
+
+    def encode(self) -> bytes:
+        return _encode(self)
+
+
+Packet = Union[Nop, Copy, Memset, WaitQueue, Prefetch, Launch]
+#: opcode -> its layout
+LAYOUTS: Final[dict[int, type[Any]]] = {
+    cls.OP: cls for cls in (Nop, Copy, Memset, WaitQueue, Prefetch, Launch)}
+_PADS: Final = {op: (0,) * (7 - len(cls._fields)) for op, cls in LAYOUTS.items()}
+#: opcode -> (its layout, the end of its words in RAW_PACKET's unpacked tuple)
+_DECODE: Final = {op: (cls, 2 + len(cls._fields)) for op, cls in LAYOUTS.items()}
+#: a layout made from its words: the slice has exactly its fields, so no length check
+#: (``_make`` checks it in Python, and the firmware decodes every packet it runs)
+_NEW: Final = tuple.__new__
+
+
+def _encode(packet: Packet) -> bytes:
+    op = packet.OP
+    return RAW_PACKET.pack(op, 0, *packet, *_PADS[op])
+
+
+def decode(words: Sequence[int]) -> Packet:
+    """The typed packet of ``words`` as ``RAW_PACKET`` unpacks them (opcode, flags, a0..a6),
+    flags aside (the reader checks them); KeyError for an unknown opcode."""
+    cls, end = _DECODE[words[0]]
+    return _NEW(cls, words[2:end])  # type: ignore[no-any-return]
+
+
+def decode_bytes(raw: bytes) -> Packet:
+    """The typed packet of a packet's 64 bytes (a ring slot, a recorded submission)."""
+    return decode(RAW_PACKET.unpack(raw))
 
 
 # --- launch arguments ----------------------------------------------------------------------
@@ -118,17 +212,17 @@ RING_ON_ENGINE: Final = 256
 RING_IRQ_SEQNO: Final = 320  # u64, waiter: write the event pipe when the fence reaches it
 #: u64 words, producer, written before the first packet that uses them: the queue's own
 #: argument arena, RING_ARGS_SLOTS blocks of RING_ARGS_SLOT_BYTES from device address
-#: RING_ARGS_VA (0: none). A LAUNCH whose a4 is 0 and whose a5 is at most
+#: RING_ARGS_VA (0: none). A Launch whose args_va is 0 and whose args_len is at most
 #: RING_ARGS_SLOT_BYTES takes its argument block from its seqno's slot, RING_ARGS_VA +
 #: seqno % RING_ARGS_SLOTS * RING_ARGS_SLOT_BYTES: its packet is then the same bytes at
-#: every launch (docs/kernels.md "Launch ABI"). With no arena, a4 0 is address 0 (EFAULT).
+#: every launch (docs/kernels.md "Launch ABI"). With no arena, args_va 0 is address 0 (EFAULT).
 RING_ARGS_VA: Final = 384
 RING_ARGS_SLOTS: Final = 392
 RING_ARGS_SLOT_BYTES: Final = 256
 RING_HEADER_SIZE: Final = 4096
 RING_SLOTS: Final = 1024
-RING_PACKETS: Final = RING_HEADER_SIZE  # RING_SLOTS accel_packets
-RING_TIMESTAMPS: Final = RING_PACKETS + RING_SLOTS * 64  # u64 completion time per slot
+RING_PACKETS: Final = RING_HEADER_SIZE  # RING_SLOTS packets of PACKET_SIZE bytes
+RING_TIMESTAMPS: Final = RING_PACKETS + RING_SLOTS * PACKET_SIZE  # u64 completion time per slot
 RING_FILE_SIZE: Final = RING_TIMESTAMPS + RING_SLOTS * 8
 
 
@@ -195,8 +289,12 @@ class RingView(SharedWords):
         return self.words[RING_COMPLETED >> 3]
 
     def write_packet(self, index: int, packet: bytes) -> None:
-        off = RING_PACKETS + (index % RING_SLOTS) * 64
-        self.mem[off : off + 64] = packet
+        off = RING_PACKETS + (index % RING_SLOTS) * PACKET_SIZE
+        self.mem[off : off + PACKET_SIZE] = packet
+
+    def read_packet(self, seqno: int) -> tuple[int, ...]:
+        """The raw words (``RAW_PACKET``) of packet ``seqno``'s slot, as written there."""
+        return RAW_PACKET.unpack_from(self.mem, RING_PACKETS + (seqno - 1) % RING_SLOTS * PACKET_SIZE)
 
     def read_fault(self) -> tuple[int, int, int, int]:
         """(seqno, errno, opcode, address) of the first faulted packet; seqno 0: none.

@@ -359,7 +359,7 @@ def tiny_launches(env: Env) -> list[Row]:
         s = runtime.Stream()
         out = runtime.empty(256, np.float32)
         one = np.float32(1)
-        nop = bytes(userq.accel_packet(opcode=userq.Op.NOP))
+        nop = userq.Nop().encode()
 
         def launch() -> None:
             lib.fill[1, 256](out, one, stream=s)

@@ -65,7 +65,7 @@ def submission(env: Env) -> list[Row]:
 
         runtime.init()
         stream = runtime.Stream()
-        nop = bytes(userq.accel_packet(opcode=userq.Op.NOP))
+        nop = userq.Nop().encode()
         wake = PipeWake()
         try:
             def noop_round_trip() -> None:
@@ -177,8 +177,8 @@ def _preemption(env: Env, runtime: object, np: object) -> Row:
                           "chunks, so the extra delay is about one chunk copy per engine")
 
 
-def _copy(dst: int, src: int, n: int) -> userq.accel_packet:
-    return userq.accel_packet(opcode=userq.Op.COPY, a=(dst, src, n, 0, 0, 0, 0))
+def _copy(dst: int, src: int, n: int) -> userq.Copy:
+    return userq.Copy(dst, src, n)
 
 
 def _taken(stream: object) -> int:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from abi.uapi import MemKind
-from abi.userq import Op
+from abi.userq import Copy, Memset, Op, Prefetch
 from firmware import memory
 from firmware.engines import Job
 from firmware.rings import Ring
@@ -34,9 +34,8 @@ INLINE_BYTES = 256 * 1024
 COPY_CHUNK = 4 * 1024 * 1024
 
 
-def copy(sched: Scheduler, ring: Ring, seqno: int, a: list[int], start_ns: int) -> Job | None:
-    """COPY a2 bytes from a1 to a0."""
-    dst, src, n = a[0], a[1], a[2]
+def copy(sched: Scheduler, ring: Ring, seqno: int, pkt: Copy, start_ns: int) -> Job | None:
+    dst, src, n = pkt
     space = ring.ctx.space
     (md, od), (ms, os_) = space.resolve(dst, n), space.resolve(src, n)
     _check_link(sched, md, dst)
@@ -45,10 +44,9 @@ def copy(sched: Scheduler, ring: Ring, seqno: int, a: list[int], start_ns: int) 
         md.data[od + lo : od + hi], ms.data[os_ + lo : os_ + hi]), (md, od), (ms, os_))
 
 
-def memset(sched: Scheduler, ring: Ring, seqno: int, a: list[int],
+def memset(sched: Scheduler, ring: Ring, seqno: int, pkt: Memset,
            start_ns: int) -> Job | None:
-    """MEMSET a1 bytes at a0 to the byte a2."""
-    dst, n, value = a[0], a[1], a[2]
+    dst, n, value = pkt
     if value > 0xFF:
         raise memory.Fault(0, errno.EINVAL)
     m, off = ring.ctx.space.resolve(dst, n)
@@ -63,9 +61,8 @@ def _check_link(sched: Scheduler, m: memory.Mapping, va: int) -> None:
         raise memory.Fault(va, errno.ENOLINK)
 
 
-def prefetch(sched: Scheduler, ring: Ring, seqno: int, a: list[int], start_ns: int) -> Job:
-    """PREFETCH a1 bytes of managed memory at a0 to the device (a2 = 1) or the host (0)."""
-    va, n, to_device = a[0], a[1], a[2]
+def prefetch(sched: Scheduler, ring: Ring, seqno: int, pkt: Prefetch, start_ns: int) -> Job:
+    va, n, to_device = pkt
     m, off = ring.ctx.space.resolve(va, n)
     if m.resident is None or to_device > 1:
         raise memory.Fault(va, errno.EINVAL)

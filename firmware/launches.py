@@ -105,9 +105,10 @@ class Kernels:
         self._modules.put(mod)
         self.warm_up()  # kernels are coming: load the JIT (numba) off the hot path
 
-    def module_ready(self, ring: Ring, pkt: tuple[int, ...]) -> bool:
-        """Whether a parked launch can start again (its module parsed, failed or gone)."""
-        mod = ring.ctx.modules.get(pkt[2] >> 16)
+    def module_ready(self, ring: Ring, words: tuple[int, ...]) -> bool:
+        """Whether a parked launch (its packet's words) can start again (its module
+        parsed, failed or gone)."""
+        mod = ring.ctx.modules.get(userq.decode(words).handle >> 16)
         return mod is None or mod.kernels is not None or mod.error != 0
 
     def _module_loader(self) -> None:
@@ -152,12 +153,12 @@ class Kernels:
             self._inline_watch = None
 
     # --- launches -------------------------------------------------------------------------
-    def launch(self, sched: Scheduler, ring: Ring, seqno: int, a: list[int],
+    def launch(self, sched: Scheduler, ring: Ring, seqno: int, pkt: userq.Launch,
                start_ns: int) -> Any:
         """Check a LAUNCH (everything the process wrote, in Python integers), decode its
         arguments, and run it inline (None), park it (``PARKED``) or return its first
         engine job (the others are submitted already)."""
-        handle, grid_w, block_w, dynamic, args_va, args_len = a[:6]
+        handle, grid_w, block_w, dynamic, args_va, args_len = pkt
         mod = ring.ctx.modules.get(handle >> 16)
         if mod is None:
             raise memory.Fault(0, errno.EINVAL)

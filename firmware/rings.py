@@ -126,11 +126,12 @@ class Ring(userq.RingView):
         return va + seqno % slots * userq.RING_ARGS_SLOT_BYTES
 
     def take(self) -> tuple[int, tuple[int, ...]]:
+        """The next packet: its seqno and raw words (the scheduler decodes them)."""
         seqno = self.taken + 1
-        pkt = userq.PACKET.unpack_from(self.mem, userq.RING_PACKETS + ((seqno - 1) % userq.RING_SLOTS) * 64)
+        words = self.read_packet(seqno)
         self.taken = seqno
         self.set(userq.RING_RPTR, seqno)
-        return seqno, pkt
+        return seqno, words
 
     def take_through(self, wptr: int) -> None:
         """Take every published packet up to ``wptr`` unread (a faulted ring's, to cancel)."""

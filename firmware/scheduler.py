@@ -306,17 +306,18 @@ class Scheduler:
         self.complete(ring, ring.taken, Completion(0, start_ns, monotonic_ns()))
         return True
 
-    def _start(self, ring: Ring, seqno: int, pkt: tuple[int, ...]) -> bool:
-        """Begin one packet. True if it finished inline (the ring may go on)."""
-        opcode, flags, *a = pkt
+    def _start(self, ring: Ring, seqno: int, words: tuple[int, ...]) -> bool:
+        """Begin one packet, ``words`` as the ring holds it (``userq.RAW_PACKET``). True if
+        it finished inline (the ring may go on)."""
+        opcode = words[0]
         start_ns = monotonic_ns()  # the clock of perf_counter too, so also the busy time's
         if ring.faulted:
             self.complete(ring, seqno, Completion(errno.ECANCELED, start_ns, start_ns))
             return True
         try:
-            if flags:
+            if words[1]:  # flags: none is defined
                 raise memory.Fault(0, errno.EINVAL)
-            job = self._prepare(ring, seqno, opcode, a, start_ns)
+            job = self._prepare(ring, seqno, words, start_ns)
         except memory.Fault as f:
             code, addr = f.code, f.addr
         except Exception as exc:  # noqa: BLE001 - whatever a packet does, its queue pays
@@ -333,7 +334,7 @@ class Scheduler:
             if job is _BLOCKED:
                 return False
             if job is PARKED:
-                ring.parked = (seqno, tuple(pkt))
+                ring.parked = (seqno, words)
                 return False
             ring.on_engine(True)
             (self.compute if opcode == Op.LAUNCH else self.copy).submit(ring.priority, job)
@@ -342,28 +343,30 @@ class Scheduler:
                                                      monotonic_ns()))
         return True
 
-    def _prepare(self, ring: Ring, seqno: int, opcode: int, a: list[int],
-                 start_ns: int) -> Any:
-        """Validate a packet; run it now (return None), return the engine job for it, or
-        say that it waits (``_BLOCKED``, ``PARKED``)."""
+    def _prepare(self, ring: Ring, seqno: int, words: tuple[int, ...], start_ns: int) -> Any:
+        """Decode a packet into its opcode's layout (``abi.userq``), validate it, and run
+        it now (return None), return the engine job for it, or say that it waits
+        (``_BLOCKED``, ``PARKED``). A NOP has no words to decode."""
+        opcode = words[0]
         if opcode == Op.LAUNCH:  # a framework's every operator: first
-            return self.kernels.launch(self, ring, seqno, a, start_ns)
+            return self.kernels.launch(self, ring, seqno, userq.decode(words), start_ns)
         if opcode == Op.NOP:
             return None
         if opcode == Op.COPY:
-            return copies.copy(self, ring, seqno, a, start_ns)
+            return copies.copy(self, ring, seqno, userq.decode(words), start_ns)
         if opcode == Op.MEMSET:
-            return copies.memset(self, ring, seqno, a, start_ns)
+            return copies.memset(self, ring, seqno, userq.decode(words), start_ns)
         if opcode == Op.WAIT_QUEUE:
-            other = ring.ctx.queues.get(a[0])
+            wait = userq.decode(words)
+            other = ring.ctx.queues.get(wait.queue)
             if other is None or other is ring:
                 raise memory.Fault(0, errno.EINVAL)
-            if other.completed >= a[1]:
+            if other.completed >= wait.seqno:
                 return None
-            ring.blocked = (other, a[1], start_ns)
+            ring.blocked = (other, wait.seqno, start_ns)
             return _BLOCKED
         if opcode == Op.PREFETCH:
-            return copies.prefetch(self, ring, seqno, a, start_ns)
+            return copies.prefetch(self, ring, seqno, userq.decode(words), start_ns)
         raise memory.Fault(0, errno.EINVAL)
 
     # --- completions ----------------------------------------------------------------------

@@ -243,7 +243,7 @@ class Tenants:
     def submit_noop(self, ctx: Context) -> int:
         """The driver as producer on the context's default queue: the packet, its doorbell
         slot, the page's sequence word, then the firmware's doorbell."""
-        seqno = ctx.default_queue.push(bytes(userq.accel_packet(opcode=userq.Op.NOP)),
+        seqno = ctx.default_queue.push(userq.Nop().encode(),
                                        self.dev.limits.max_queue_depth)
         ctx.db.set(userq.DB_SLOTS + 8 * userq.ACCEL_DB_DEFAULT_SLOT, seqno)
         ctx.db.set(userq.DB_SEQ, ctx.db.get(userq.DB_SEQ) + 1)

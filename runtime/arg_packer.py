@@ -160,18 +160,18 @@ def launcher_maker(params: Sequence[Param], device: int, name: str) -> LauncherM
     """``kernel[grid, block]``'s launchers, generated once per kernel: each takes the
     kernel's arguments as positional parameters (no tuple of them to build and unpack),
     checks and packs them as the packer does, and writes the launch with the stream's
-    ``_write_launch``; anything else -- a missing or extra argument, dynamic shared
-    memory, a capture, a profiler, a stream without an arena yet, an argument the packer
-    leaves to the checked path -- goes to ``launch(grid, block, args, stream,
-    shared_mem)``, which checks and says why. One call instead of three (launcher,
+    ``_write_launch``, as ``Kernel.launch`` does (the stream's arena places the block);
+    anything else -- a missing or extra argument, dynamic shared memory, another device's
+    stream, a capture, a profiler, an argument the packer leaves to the checked path --
+    goes to ``launch(grid, block, args, stream, shared_mem)``, which checks and says why. One call instead of three (launcher,
     packer, write): the host-call row of ``bench.compare --only tiny`` went from
     2.01-2.08x to 1.91-1.93x of a no-op submit (docs/kernels.md "Seventh round")."""
     from runtime import _trace
-    from runtime.stream import STREAM_ARG_SLOT, current_stream
+    from runtime.stream import LONG_ARGS, current_stream
 
     env = _env(device)
     env.update(current_stream=current_stream, TRACE=_trace, MISSING=_MISSING, given=_given,
-               SLOT=STREAM_ARG_SLOT, ZERO=0)
+               LONG=LONG_ARGS, ZERO=0)
     n = len(params)
     head = "".join(f"a{i}, " for i in range(n))
     slow = f"return launch(grid, block, ({head}), stream, shared_mem)"
@@ -182,14 +182,14 @@ def launcher_maker(params: Sequence[Param], device: int, name: str) -> LauncherM
              "        s = current_stream(DEVICE) if stream is None else stream",
              # (CPython has one int 0: any other zero, or a bool, takes the checked path)
              f"        if more{f' or a{n - 1} is MISSING' if n else ''} or shared_mem is not "
-             "ZERO or TRACE.active is not None or s.launch_device != DEVICE:",
+             "ZERO or TRACE.active is not None or s.device != DEVICE or s.capturing is not None:",
              f"            return launch(grid, block, given(({head}), more), stream, "
              "shared_mem)"]
     lines += ["    " + line for line in _checks(params, env, slow)]
     lines += [f"        raw = {' + '.join(f'r{i}' for i in range(n)) or repr(b'')}",
               "        pkt = packets.get(len(raw))",
               "        if pkt is None:",
-              "            if len(raw) > SLOT:",
+              "            if len(raw) > LONG:",
               f"                {slow}",
               "            pkt = packets[len(raw)] = packet_for(len(raw))",
               "        return s._write_launch(pkt, raw)",

@@ -11,7 +11,9 @@ device is per thread (``set_device``/``device``), as in ``torch.cuda``.
 
 Everything this process holds on one visible device hangs off one :class:`Device`: its
 primary context and the parts built on it (the caching allocator, staging buffers, the
-launch-argument arena, the default stream, the modules of ``@runtime.kernel`` functions).
+default stream, the modules of ``@runtime.kernel`` functions and of the torch backend's
+kernel library). Launch argument blocks are no part of it: each stream has its own arena
+(runtime/stream.py ``ArgArena``).
 Each part's module makes it on first use (``Device.part``); dropping the ``Device`` drops
 them all, so a rebuilt device never mixes old and new state.
 """

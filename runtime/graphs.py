@@ -9,9 +9,10 @@ What cannot be captured is refused with InvalidValueError at the call:
   needs the host to wait: copies to or from pageable memory (pinned memory is capturable);
 * events recorded on or waited for by the capturing stream;
 * allocations outside the graph's pool: pinned, managed and IPC memory. Device arrays
-  created during capture come from the graph's own pool and live as long as the graph,
-  as do the argument blocks of captured kernel launches (replays use the arguments as
-  they were at capture).
+  created during capture come from the graph's own pool and live as long as the graph.
+  A captured kernel launch keeps its argument block's bytes: a replay writes them in the
+  replaying stream's argument arena (runtime/stream.py ``ArgArena``), as every launch's
+  block goes, so replays use the arguments as they were at capture.
 
 A replay checks that every array the captured work touches is still alive: replaying after
 captured memory was freed is refused rather than writing into memory someone else owns.
@@ -25,11 +26,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
-
-from abi import uapi
 from runtime import _trace, errors
-from runtime.stream import Stream, current_stream
+from runtime.stream import ArgLaunch, Stream, current_stream
 
 _capturing = threading.local()
 
@@ -43,11 +41,13 @@ class Graph:
     """Recorded packets, the arrays they touch, and the memory allocated while capturing."""
 
     def __init__(self) -> None:
-        self.packets: list[bytes] = []
+        #: the captured packets; a launch as its packet and argument block, which a
+        #: replay writes in the stream's arena for the replay's seqno (``ArgLaunch``)
+        self.packets: list[bytes | ArgLaunch] = []
+        self.launches = 0  # how many of them are ArgLaunch
         self._uses: list[weakref.ref[Any]] = []
         self._names: list[str] = []
-        #: device arrays allocated during capture, and the argument blocks of captured
-        #: launches: the graph keeps them (its pool)
+        #: device arrays allocated during capture: the graph keeps them (its pool)
         self.owned: list[Any] = []
         #: packet index -> kernel name, so a fault in a replay names its kernel
         self.stream: Stream | None = None
@@ -56,19 +56,13 @@ class Graph:
     def __len__(self) -> int:
         return len(self.packets)
 
-    def argument_block(self, size: int, device: int) -> Any:
-        """Pinned storage for one captured launch's arguments, owned by the graph: replays
-        read the arguments as they were at capture, like CUDA graph kernel nodes."""
-        from runtime.memory import _map_host
-
-        buf = _map_host(size, np.uint8, device, uapi.MemKind.HOST_PINNED)
-        self.owned.append(buf)
-        return buf
-
     def record(self, stream: Stream, packets: Sequence[Any], uses: Sequence[Any]) -> int:
         if stream is not self.stream:
             raise errors.InvalidValueError(f"{stream!r} is capturing into another graph")
-        self.packets.extend(p if isinstance(p, bytes) else bytes(p) for p in packets)
+        for p in packets:
+            if type(p) is ArgLaunch:
+                self.launches += 1
+            self.packets.append(p if isinstance(p, (bytes, ArgLaunch)) else p.encode())
         for obj in uses:
             self._uses.append(weakref.ref(obj))
             self._names.append(repr(obj))
@@ -88,6 +82,8 @@ class Graph:
         assert target is not None
         if target.device != self.stream.device:  # type: ignore[union-attr]
             raise errors.InvalidValueError("a graph replays on a stream of the device it was captured on")
+        if self.launches:
+            target.arena()  # where the replayed launches' blocks go
         return target._write(self.packets)
 
 
@@ -100,11 +96,11 @@ def graph(g: Graph, stream: Stream | None = None) -> Iterator[Graph]:
     if s.capturing is not None or capturing_graph() is not None:
         raise errors.InvalidValueError(f"{s!r} or this thread is already capturing")
     g.stream = s
-    s.set_capture(g)
+    s.capturing = g
     _capturing.graph = g
     try:
         yield g
     finally:
-        s.set_capture(None)
+        s.capturing = None
         _capturing.graph = None
         g.captured = True

@@ -4,8 +4,8 @@
 loads the module on a device: the IR goes to the driver in a sealed, immutable memfd, the
 driver checks target and capabilities, the firmware validates and JIT-compiles it. A launch
 checks its arguments against the kernel's parameters and the device's limits on the host,
-writes an argument block (docs/kernels.md "Launch ABI") into a pinned arena, and queues
-one LAUNCH packet: no driver call. Kernel handles belong to the context that loaded them.
+queues one LAUNCH packet with its argument block (docs/kernels.md "Launch ABI"), which the
+stream places in its argument arena (runtime/stream.py ``ArgArena``): no driver call. Kernel handles belong to the context that loaded them.
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ from runtime import devices as _device
 from runtime import _trace, arg_packer, errors
 from runtime.arg_packer import Param
 from runtime._shm import sealed_memfd
-from runtime.memory import DeviceArray, HostArray, pinned_empty
-from runtime.stream import STREAM_ARG_SLOT, ArgArena, Stream, current_stream
+from runtime.memory import DeviceArray, HostArray
+from runtime.stream import LONG_ARGS, ArgLaunch, Stream, current_stream
 
-ARG_SLOT = 1024  # bytes of one launch's argument block
-ARG_SLOTS = 256
 #: launch shapes a kernel remembers as checked (Kernel._config)
 CONFIGS = 64
 _FLOAT64_CODE = kernel_lang.DTYPE_CODES["float64"]
@@ -68,42 +66,6 @@ def _buffer_tail(dtype: np.dtype, shape: tuple[int, ...]) -> tuple[str, int, int
         out.append(userq.ARG_RECORD.pack(userq.ARG_SHAPE, len(pair), pair[0],
                                          pair[1] if len(pair) > 1 else 0))
     return dtype.name, code, nbytes, b"".join(out)
-
-
-class _ArgArena:
-    """Pinned slots for argument blocks; a slot is reused only after its launch completed."""
-
-    def __init__(self, device: int) -> None:
-        self.buf = pinned_empty(ARG_SLOT * ARG_SLOTS, np.uint8, device=device)
-        #: each slot's device address, computed once (HostArray.device_va costs ~2 us)
-        self.vas = [self.buf.device_va + i * ARG_SLOT for i in range(ARG_SLOTS)]
-        #: each slot as a plain memoryview (slicing a HostArray runs its Python-level
-        #: __array_finalize__, ~0.7 us a launch)
-        self.slots = [memoryview(self.buf[i * ARG_SLOT : (i + 1) * ARG_SLOT])
-                      for i in range(ARG_SLOTS)]
-        self.last: list[tuple[Stream, int] | None] = [None] * ARG_SLOTS
-        self.next = 0
-        self.lock = threading.Lock()
-
-    def take(self) -> tuple[int, memoryview]:
-        with self.lock:
-            i = self.next
-            self.next = (i + 1) % ARG_SLOTS
-            prev = self.last[i]
-            if prev is not None and prev[0].completed < prev[1]:
-                prev[0].wait_seqno(prev[1])
-            return i, self.slots[i]
-
-
-def _arena(device: int) -> _ArgArena:
-    return _device.get(device).part("arguments", lambda: _ArgArena(device))
-
-
-def _stream_arena(s: Stream) -> ArgArena:
-    """The stream's own argument arena (``ArgArena``), for its first launch."""
-    slots = s._depth + 1
-    host = pinned_empty(STREAM_ARG_SLOT * slots, np.uint8, device=s.device)
-    return ArgArena(memoryview(host.reshape(-1).view(np.ndarray)), host.device_va, slots, host)
 
 
 def _buffer_records(va: int, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[str, int, bytes]:
@@ -149,15 +111,16 @@ class Kernel:
 
     def _launcher(self, grid: Any, block: Any) -> Callable[..., int]:
         """``kernel[grid, block]`` for a shape that cannot change: a launch with no
-        dynamic shared memory, on a stream of the kernel's device that has launched before
-        and captures nothing, whose arguments the packer takes (the common case of every
-        launch after a program's first), goes from the generated launcher
-        (:func:`runtime.arg_packer.launcher_maker`) straight to the stream's ring with this
-        shape's packet for its block's length, made once; anything else is
+        dynamic shared memory, on a stream of the kernel's device that captures nothing,
+        whose arguments the packer takes (the common case of every launch after a
+        program's first), goes from the generated launcher
+        (:func:`runtime.arg_packer.launcher_maker`) straight to the stream's
+        ``_write_launch`` with this shape's packet for its block's length, made once, as
+        :meth:`launch` ends too; anything else is
         :meth:`launch`, which checks and says why. The same checks either way; the
         figures are in docs/kernels.md ("Seventh round")."""
         return self._make_launcher(grid, block, self.launch, lambda n: self._packet(
-            *self._config(grid, block), 0, 0, n))
+            *self._config(grid, block), 0, n))
 
     def _config(self, grid: Any, block: Any) -> tuple[int, int]:
         """The packet words of a grid and block, checked against the device: a program
@@ -191,7 +154,7 @@ class Kernel:
                                                f"({names}), got {len(args)}")
             raw = b"".join([self._buffer_arg(p, v) if p.buffer else self._scalar_arg(p, v)
                             for p, v in zip(layout, args)])
-        if len(raw) > ARG_SLOT:
+        if len(raw) > LONG_ARGS:
             raise errors.InvalidValueError(f"{self.name}: too many or too large arguments")
         return raw
 
@@ -279,22 +242,11 @@ class Kernel:
         if s.device != device:
             raise errors.InvalidValueError(f"{self.name}: stream is on accel:{s.device}")
         raw = self._record_args(args)
-        n = len(raw)
-        if s.capturing is not None:  # the graph owns this launch's argument block
-            buf = s.capturing.argument_block(ARG_SLOT, device)
-            memoryview(buf)[:n] = raw
+        pkt = self._packet(g, b, int(shared_mem), len(raw))
+        if s.capturing is not None:  # a replay writes the block in its stream's arena
             uses = [v for p, v in zip(self._layout, args) if p.buffer]
-            return s.submit([self._packet(g, b, int(shared_mem), buf.device_va, n)], uses=uses)
-        if n <= STREAM_ARG_SLOT:  # the stream's own slot for the seqno: it goes there
-            if s.arg_arena is None:
-                s.set_arg_arena(_stream_arena(s))
-            return s._write_launch(self._packet(g, b, int(shared_mem), 0, n), raw)
-        arena = _arena(device)  # a long block: a slot of the device's shared arena
-        slot, buf = arena.take()
-        buf[:n] = raw
-        seqno = s._write_launch(self._packet(g, b, int(shared_mem), arena.vas[slot], n), None)
-        arena.last[slot] = (s, seqno)
-        return seqno
+            return s.submit([ArgLaunch(pkt, raw)], uses=uses)
+        return s._write_launch(pkt, raw)
 
     def _check_shared_mem(self, shared_mem: Any) -> None:
         """Dynamic shared bytes: an int, not negative, within the device's per-block limit
@@ -308,11 +260,10 @@ class Kernel:
                 f"{self.name}: shared_mem={shared_mem!r} dynamic bytes per block on top of its "
                 f"{static} static bytes; accel:{self.module.device} allows {limit} per block")
 
-    def _packet(self, grid: int, block: int, dynamic: int, args_va: int, length: int) -> bytes:
-        """The LAUNCH packet's 64 bytes (grid and block as packed words), packed in one
-        call (a ctypes packet and its conversion to bytes cost several times more)."""
-        return userq.PACKET.pack(userq.Op.LAUNCH, 0, self.handle, grid, block, dynamic,
-                                 args_va, length, 0)
+    def _packet(self, grid: int, block: int, dynamic: int, length: int) -> bytes:
+        """The LAUNCH packet's 64 bytes (grid and block as packed words), naming no
+        address: the stream's arena places its block (``ArgArena.write``)."""
+        return userq.Launch(self.handle, grid, block, dynamic, 0, length).encode()
 
 
 class Module:

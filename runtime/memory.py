@@ -144,10 +144,6 @@ def _refuse_allocation_in_capture(what: str) -> None:
             "capturing (device arrays made during capture come from the graph's pool)")
 
 
-def _packet(op: userq.Op, *args: int) -> userq.accel_packet:
-    return userq.accel_packet(opcode=op, a=(*args, *(0,) * (7 - len(args))))
-
-
 class DeviceArray:
     """An n-dimensional array in device-local memory (C order)."""
 
@@ -233,7 +229,7 @@ class DeviceArray:
         s = stream or current_stream(self.device)
         va = host_va(host)
         if va is not None:
-            s.submit([_packet(userq.Op.COPY, self.va, va, self.nbytes)], uses=(self, host))
+            s.submit([userq.Copy(self.va, va, self.nbytes)], uses=(self, host))
         else:
             _refuse_in_capture(s, "a copy from pageable memory (it needs the host)")
             _staging(self.device).to_device(s, self.va, host.reshape(-1).view(np.uint8))
@@ -249,11 +245,11 @@ class DeviceArray:
         s = stream or current_stream(self.device)
         va = host_va(out)
         if va is not None and stream is not None:  # asynchronous
-            s.submit([_packet(userq.Op.COPY, va, self.va, self.nbytes)], uses=(self, out))
+            s.submit([userq.Copy(va, self.va, self.nbytes)], uses=(self, out))
         else:
             _refuse_in_capture(s, "a host read (it needs the host to wait)")
             if va is not None:
-                s.wait_seqno(s.submit([_packet(userq.Op.COPY, va, self.va, self.nbytes)]))
+                s.wait_seqno(s.submit([userq.Copy(va, self.va, self.nbytes)]))
             else:
                 _staging(self.device).to_host(s, out.reshape(-1).view(np.uint8), self.va)
         return out
@@ -267,7 +263,7 @@ class DeviceArray:
         if src.nbytes != self.nbytes:
             raise errors.InvalidValueError(f"copy_: {src.nbytes} bytes into {self.nbytes}")
         s = stream or current_stream(self.device)
-        s.submit([_packet(userq.Op.COPY, self.va, src.va, self.nbytes)], uses=(self, src))
+        s.submit([userq.Copy(self.va, src.va, self.nbytes)], uses=(self, src))
         return self
 
     def memset(self, value: int, stream: Stream | None = None) -> DeviceArray:
@@ -279,7 +275,7 @@ class DeviceArray:
         if not 0 <= value <= 0xFF:
             raise errors.InvalidValueError(f"memset value {value} is not a byte")
         (stream or current_stream(self.device)).submit(
-            [_packet(userq.Op.MEMSET, self.va, self.nbytes, value)], uses=(self,))
+            [userq.Memset(self.va, self.nbytes, value)], uses=(self,))
         return self
 
     def view(self, dtype: Any, shape: tuple[int, ...] | int, offset: int = 0) -> DeviceView:
@@ -463,7 +459,7 @@ class HostArray(np.ndarray):
         if self._accel is None or self._accel.kind != uapi.MemKind.MANAGED:
             raise errors.InvalidValueError("prefetch is for managed memory")
         s = stream or current_stream(_runtime_index(self._accel.ctx))
-        s.wait_seqno(s.submit([_packet(userq.Op.PREFETCH, self.device_va, self.nbytes,
+        s.wait_seqno(s.submit([userq.Prefetch(self.device_va, self.nbytes,
                                        int(to_device))]))
 
 
@@ -528,7 +524,7 @@ class _Staging:
                 chunk = src[off : off + STAGING_CHUNK]
                 self._ready(i)
                 self.bufs[i][: len(chunk)] = chunk
-                self.done[i] = (s, s.submit([_packet(userq.Op.COPY, dst_va + off,
+                self.done[i] = (s, s.submit([userq.Copy(dst_va + off,
                                                       self.bufs[i].device_va, len(chunk))]))
 
     def to_host(self, s: Stream, dst: np.ndarray, src_va: int) -> None:
@@ -539,7 +535,7 @@ class _Staging:
                 i = n % 2
                 self._ready(i)
                 length = min(STAGING_CHUNK, len(dst) - off)
-                seqno = s.submit([_packet(userq.Op.COPY, self.bufs[i].device_va, src_va + off, length)])
+                seqno = s.submit([userq.Copy(self.bufs[i].device_va, src_va + off, length)])
                 pending.append((i, off, length, seqno))
                 if len(pending) == 2:
                     self._drain(s, dst, pending.pop(0))

@@ -69,7 +69,7 @@ class DeviceEvent:
 
 class _Pending(NamedTuple):
     seqno: int
-    packet: Any  # bytes or an accel_packet, as written
+    packet: Any  # bytes or a typed packet (abi/userq.py), as written
     submit_ns: int
     correlation: int
     call: str  # the host call's name
@@ -180,28 +180,30 @@ class _Recorder:
 def _device_event(d: _Done, offset: int) -> DeviceEvent:
     """The packet as a device event on the host clock, named as kineto names its kind."""
     p = d.pending
-    opcode, _flags, *a = userq.PACKET.unpack(p.packet if isinstance(p.packet, bytes)
-                                             else bytes(p.packet))
+    words = userq.RAW_PACKET.unpack(p.packet if isinstance(p.packet, bytes)
+                                    else p.packet.encode())
+    opcode = words[0]
+    pkt = userq.decode(words) if opcode in userq.LAYOUTS else None
     end = d.end_ns - offset
     start = p.submit_ns if not d.prev_end_ns else max(p.submit_ns, d.prev_end_ns - offset)
     args: dict[str, Any] = {}
-    if opcode == userq.Op.LAUNCH:
+    if isinstance(pkt, userq.Launch):
         name, cat = d.kernel or "kernel", "kernel"
-        args = {"grid": list(userq.unpack_dims(a[1])), "block": list(userq.unpack_dims(a[2])),
-                "shared memory": a[3]}
-    elif opcode == userq.Op.COPY:
+        args = {"grid": list(userq.unpack_dims(pkt.grid)),
+                "block": list(userq.unpack_dims(pkt.block)), "shared memory": pkt.shared}
+    elif isinstance(pkt, userq.Copy):
         direction = _COPY_DIRECTION.get(p.call)
         name, cat = f"Memcpy {direction}" if direction else "Memcpy", "gpu_memcpy"
-        args = {"bytes": a[2]}
-    elif opcode == userq.Op.PREFETCH:
-        name, cat = f"Memcpy {'HtoD' if a[2] else 'DtoH'} (prefetch)", "gpu_memcpy"
-        args = {"bytes": a[1]}
-    elif opcode == userq.Op.MEMSET:
+        args = {"bytes": pkt.nbytes}
+    elif isinstance(pkt, userq.Prefetch):
+        name, cat = f"Memcpy {'HtoD' if pkt.to_device else 'DtoH'} (prefetch)", "gpu_memcpy"
+        args = {"bytes": pkt.nbytes}
+    elif isinstance(pkt, userq.Memset):
         name, cat = "Memset", "gpu_memset"
-        args = {"bytes": a[1]}
-    elif opcode == userq.Op.WAIT_QUEUE:
+        args = {"bytes": pkt.nbytes}
+    elif isinstance(pkt, userq.WaitQueue):
         name, cat = "Wait Queue Sync", "gpu_sync"
-        args = {"wait_on_queue": a[0], "wait_on_seqno": a[1]}
+        args = {"wait_on_queue": pkt.queue, "wait_on_seqno": pkt.seqno}
     else:  # NOP (an event's marker), or a raw packet of another opcode
         name, cat = ("Marker Sync" if opcode == userq.Op.NOP
                      else f"{userq.op_name(opcode)} Sync"), "gpu_sync"

@@ -23,6 +23,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from abi import faults as fault_abi
 from abi import uapi, userq
 from runtime import _trace, errors, faults
@@ -30,15 +32,19 @@ from runtime import devices as _device
 from runtime._shm import sealed_memfd
 from runtime.context import Context
 
-_NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
+_NOP = userq.Nop().encode()
 #: ring words, as indices of ``RingView.words``
 _WPTR, _RPTR = userq.RING_WPTR >> 3, userq.RING_RPTR >> 3
 _ERROR_SEQNO = userq.RING_ERROR_SEQNO >> 3
 _DB_LOST = userq.DB_LOST >> 3
 _ON_ENGINE = userq.RING_ON_ENGINE >> 3
 _SLOTS = userq.RING_SLOTS
-#: the longest argument block a stream's own arena takes (longer ones: runtime/launch.py)
-STREAM_ARG_SLOT = userq.RING_ARGS_SLOT_BYTES
+#: an argument block up to this long goes in its seqno's slot, which the firmware finds
+#: itself (the packet names no address: ``userq.RING_ARGS_VA``)
+SHORT_ARGS = userq.RING_ARGS_SLOT_BYTES
+#: the longest argument block a launch may have: a longer one is refused at the launch
+#: (below the firmware's ``userq.ACCEL_ARGS_MAX``: each seqno keeps a slot this long)
+LONG_ARGS = 1024
 #: Poll the fence in shared memory this long before sleeping on the context's event pipe
 #: (waking a sleeping waiter takes a few hundred microseconds here)...
 SPIN_WAIT_S = 2e-3
@@ -53,18 +59,74 @@ SPIN_TIGHT_S = 100e-6
 SPIN_NAP_S = 20e-6
 
 
-class ArgArena(NamedTuple):
-    """A stream's own argument blocks: one ``STREAM_ARG_SLOT`` slot per seqno modulo
-    ``slots`` = the queue's depth + 1, in pinned memory ``host`` (runtime/launch.py makes it
-    on the stream's first launch). Seqno P's slot is next written for P + depth + 1,
-    which the ring admits only once the firmware took P + 1; it takes a queue's packets one
-    at a time, in order, so by then P has completed. So a block is never overwritten while
-    the device may read it, and a launch needs no completion check for its slot."""
+class ArgArena:
+    """The one place launch argument blocks go: a stream's pinned slots, one per seqno
+    modulo ``slots`` = the queue's depth + 1, each written by :meth:`write` only, under the
+    stream's lock, as the launch's packet is written: a plain launch, a graph's replayed
+    launch and the torch backend's launches alike.
 
-    mem: memoryview
-    va: int
-    slots: int
-    host: Any
+    Seqno P's slot is next written for P + depth + 1, which the ring admits only once the
+    firmware took P + 1; it takes a queue's packets one at a time, in order, so by then P
+    has completed. So a block is never overwritten while the device may read it, and a
+    launch needs neither a completion check nor an address per launch. A block up to
+    ``SHORT_ARGS`` goes in the short slot the firmware finds from the seqno (the ring
+    names the slots: ``RING_ARGS_VA``), so a kernel's LAUNCH packet is the same bytes at
+    every launch; a longer one (up to ``LONG_ARGS``) in the seqno's long slot, made on the
+    stream's first long block, which its packet names."""
+
+    __slots__ = ("device", "host", "long", "long_host", "long_va", "mem", "slots", "va")
+
+    def __init__(self, device: int, slots: int) -> None:
+        self.device, self.slots = device, slots
+        self.host = _pinned(SHORT_ARGS * slots, device)
+        #: a plain memoryview: slicing the HostArray runs its Python-level finaliser
+        self.mem = memoryview(self.host.reshape(-1).view(np.ndarray))
+        self.va: int = self.host.device_va
+        self.long_host: Any = None
+        self.long: memoryview | None = None
+        self.long_va = 0
+
+    def write(self, seqno: int, raw: bytes) -> int:
+        """Place ``raw``, the argument block of the launch that is packet ``seqno``; return
+        the address its packet names: 0 for the short slot, which the firmware finds."""
+        n = len(raw)
+        if n <= SHORT_ARGS:
+            off = seqno % self.slots * SHORT_ARGS
+            self.mem[off : off + n] = raw
+            return 0
+        if self.long is None:
+            self.long_host = _pinned(LONG_ARGS * self.slots, self.device)
+            self.long = memoryview(self.long_host.reshape(-1).view(np.ndarray))
+            self.long_va = self.long_host.device_va
+        off = seqno % self.slots * LONG_ARGS
+        self.long[off : off + n] = raw
+        return self.long_va + off
+
+
+def _pinned(nbytes: int, device: int) -> Any:
+    """Pinned bytes for an arena: the runtime's own memory, never a graph pool's, so made
+    whether or not this thread captures."""
+    from runtime.memory import _map_host  # runtime.memory imports this module
+
+    return _map_host(nbytes, np.uint8, device, uapi.MemKind.HOST_PINNED)
+
+
+class ArgLaunch(NamedTuple):
+    """A LAUNCH packet with its argument block, for the stream's arena to place when the
+    packet is written (what a graph captures: a replay writes the block again, as it was
+    at capture, for the replay's seqno)."""
+
+    packet: bytes
+    args: bytes
+
+    def encode(self) -> bytes:
+        """The packet as captured (its args_va 0; a long block's slot is set at the write)."""
+        return self.packet
+
+
+def _with_args_va(packet: bytes, va: int) -> bytes:
+    """A LAUNCH packet naming its argument block's address ``va`` (a long slot's)."""
+    return userq.decode_bytes(packet)._replace(args_va=va).encode()
 
 
 class Stream:
@@ -112,16 +174,12 @@ class Stream:
         #: per packet is a cache miss per packet; it is read again only at this bound
         self._room = self._depth
         self.ctx.streams.add(self)
-        #: this stream's argument arena, from its first launch (runtime/launch.py)
-        self.arg_arena: ArgArena | None = None
+        #: this stream's argument arena, from its first launch (``arena``)
+        self._arena: ArgArena | None = None
         self.last_seqno = 0
         self._lock = threading.Lock()
-        #: graph capture in progress on this stream (runtime.graphs; set_capture)
+        #: the graph this stream captures into (runtime.graphs), else None
         self.capturing: Any = None
-        #: the stream's device while a generated launcher may write its launches here
-        #: directly (it has its argument arena and captures nothing), else -1: one word
-        #: for the launcher to compare instead of three (runtime/arg_packer.py)
-        self.launch_device = -1
 
     def __repr__(self) -> str:
         return f"<Stream queue {self.queue_id} on accel:{self.device} priority {self.priority}>"
@@ -132,7 +190,7 @@ class Stream:
         return Stream.PRIORITY_RANGE
 
     # --- submission -------------------------------------------------------------------
-    def submit(self, packets: Sequence[userq.accel_packet], uses: Sequence[Any] = ()) -> int:
+    def submit(self, packets: Sequence[userq.Packet | bytes], uses: Sequence[Any] = ()) -> int:
         """Queue packets in order; return the seqno of the last one. No system call unless
         the firmware sleeps. ``uses``: the arrays the packets touch (graph capture keeps
         them, to refuse a replay after they were freed)."""
@@ -155,19 +213,18 @@ class Stream:
             for pkt in packets:
                 if wptr >= self._room:
                     self._make_room(wptr)
-                ring.write_packet(wptr, pkt if isinstance(pkt, bytes) else bytes(pkt))
+                ring.write_packet(wptr, pkt if isinstance(pkt, bytes)
+                                  else self._encode(wptr + 1, pkt))
                 wptr += 1
             self._publish(wptr)
             self.last_seqno = wptr
             return wptr
 
-    def _write_launch(self, pkt: bytes, args: bytes | None) -> int:
+    def _write_launch(self, pkt: bytes, args: bytes) -> int:
         """``_write`` of one LAUNCH packet, the hot path of a framework (an operator is a
-        launch): one packet, so no loop and no conversion. ``args``, the
-        argument block, goes in this stream's ``arg_arena`` slot for the packet's seqno
-        before the packet is published (the seqno is known only here, under the lock);
-        the packet names no address, the firmware finds the slot from the seqno
-        (``set_arg_arena``). None: the packet names its block's address itself. Its first
+        launch): one packet, so no loop and no conversion. ``args``, the argument block,
+        goes in the stream's arena (``ArgArena.write``) for the packet's seqno before the
+        packet is published (the seqno is known only here, under the lock). Its first
         lines are ``_write``'s again: ``_write`` taking the block instead (a one-packet
         tuple, the loop, the conversion check) read 1.05x on the host-call row of
         ``bench.compare --only tiny``, half the row's margin to its goal."""
@@ -175,6 +232,7 @@ class Stream:
         words = ring.words
         if self._closed or self._pid != _device._pid or self._db[_DB_LOST]:
             self._refuse()
+        arena = self._arena or self.arena()
         with self._lock:
             if words[_ERROR_SEQNO]:
                 self._raise_fault(self.last_seqno, refusing=True)
@@ -183,16 +241,38 @@ class Stream:
                 tracer.submitting(self, wptr, (pkt,))
             if wptr >= self._room:
                 self._make_room(wptr)
-            ring.write_packet(wptr, pkt)
             wptr += 1
-            if args is not None:
-                a = self.arg_arena
-                assert a is not None
-                off = (wptr % a.slots) * STREAM_ARG_SLOT
-                a.mem[off : off + len(args)] = args
+            va = arena.write(wptr, args)
+            ring.write_packet(wptr - 1, pkt if not va else _with_args_va(pkt, va))
             self._publish(wptr)
             self.last_seqno = wptr
             return wptr
+
+    def _encode(self, seqno: int, pkt: Any) -> bytes:
+        """The bytes of a packet ``_write`` takes that are not bytes yet: a typed packet,
+        or an ``ArgLaunch``, whose block goes in the arena for ``seqno`` (the caller holds
+        the lock and made the arena: ``arena``)."""
+        if type(pkt) is not ArgLaunch:
+            return pkt.encode()  # type: ignore[no-any-return]
+        assert self._arena is not None
+        va = self._arena.write(seqno, pkt.args)
+        return pkt.packet if not va else _with_args_va(pkt.packet, va)
+
+    def arena(self) -> ArgArena:
+        """The stream's argument arena, made on its first launch, and named to the firmware
+        in the ring (``RING_ARGS_VA``, abi/userq.py) before any packet uses it. Threads
+        launching first on one stream at once may each make one: the first wins, under the
+        lock the writes take, so no launch's block goes in one arena while the ring names
+        another."""
+        if self._arena is not None:
+            return self._arena
+        arena = ArgArena(self.device, self._depth + 1)
+        with self._lock:
+            if self._arena is None:
+                self._ring.set(userq.RING_ARGS_VA, arena.va)
+                self._ring.set(userq.RING_ARGS_SLOTS, arena.slots)
+                self._arena = arena
+            return self._arena
 
     def _refuse(self) -> None:
         """Raise why this stream takes no submission: closed, used across a fork, or its
@@ -210,28 +290,6 @@ class Stream:
             self._publish(wptr)
             self._wait_room(wptr)
             self._room = words[_RPTR] + self._depth
-
-    def set_arg_arena(self, arena: ArgArena) -> None:
-        """Give the stream its argument arena (before its first launch) and tell the
-        firmware where it is: a LAUNCH packet naming address 0 then has its block in the
-        arena's slot for its seqno (``RING_ARGS_VA``, abi/userq.py), so the packet of a
-        kernel's launch is the same bytes every time and no address is stored per launch
-        (0.12-0.18 us a launch, timed in isolation). Threads launching first on one stream at once
-        may each make one: the first given wins, under the lock the writes take, so no
-        launch's block goes in one arena while the ring names another."""
-        with self._lock:
-            if self.arg_arena is not None:
-                return
-            self._ring.set(userq.RING_ARGS_VA, arena.va)
-            self._ring.set(userq.RING_ARGS_SLOTS, arena.slots)
-            self.arg_arena = arena
-            self.set_capture(self.capturing)
-
-    def set_capture(self, graph: Any) -> None:
-        """Begin (a graph) or end (None) a graph capture on this stream."""
-        self.capturing = graph
-        self.launch_device = self.device if graph is None and self.arg_arena is not None \
-            else -1
 
     def _wait_room(self, wptr: int) -> None:
         """The queue is full (its depth of packets untaken): wait until a quarter of it is
@@ -275,9 +333,10 @@ class Stream:
         ``bench.compare --only tiny``)."""
         if not 0 < seqno <= self.last_seqno or self.last_seqno - seqno >= _SLOTS:
             return None
-        opcode, _, handle, *_ = userq.PACKET.unpack_from(
-            self._ring.mem, userq.RING_PACKETS + (seqno - 1) % _SLOTS * 64)
-        return self.ctx.kernel_names.get(handle) if opcode == userq.Op.LAUNCH else None
+        words = self._ring.read_packet(seqno)
+        if words[0] != userq.Op.LAUNCH:
+            return None
+        return self.ctx.kernel_names.get(userq.decode(words).handle)
 
     def submit_nop(self) -> int:
         """Queue a no-op (a marker); return its seqno."""
@@ -305,8 +364,7 @@ class Stream:
             return
         src = event.stream
         qid = src.queue_id if src.ctx is self.ctx else self.ctx.import_queue(src)
-        self.submit([userq.accel_packet(opcode=userq.Op.WAIT_QUEUE,
-                                       a=(qid, event.seqno, 0, 0, 0, 0, 0))])
+        self.submit([userq.WaitQueue(qid, event.seqno)])
 
     def wait_stream(self, other: Stream) -> None:
         self.wait_event(other.record_event())

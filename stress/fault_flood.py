@@ -47,7 +47,7 @@ FAULT_LOOP = """
 import sys, runtime
 from abi import userq
 dev, count = int(sys.argv[1]), int(sys.argv[2])
-bad = userq.accel_packet(opcode=userq.Op.COPY, a=(1 << 40, 1 << 40, 8, 0, 0, 0, 0))
+bad = userq.Copy(1 << 40, 1 << 40, 8)
 done = 0
 while done < count:
     streams = [runtime.Stream(dev) for _ in range(min(16, count - done))]
@@ -72,7 +72,7 @@ fd = os.open(os.path.join(os.environ["ACCEL_EMU_ROOT"], f"dev/accel-events/accel
              os.O_RDWR | os.O_NONBLOCK)
 os.write(fd, f"pid {os.getpid()}".encode())
 s = runtime.Stream(dev)
-s.submit([userq.accel_packet(opcode=userq.Op.COPY, a=(1 << 40, 1 << 40, 8, 0, 0, 0, 0))])
+s.submit([userq.Copy(1 << 40, 1 << 40, 8)])
 try:
     s.synchronize()
 except runtime.DeviceFaultError:

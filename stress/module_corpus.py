@@ -135,8 +135,7 @@ if cfg.get("peer") is not None:  # a context of ours on another device, no peer 
 
 def pkt(op, *a, flags=0):
     a = [v & U64 for v in a]
-    return bytes(userq.accel_packet(opcode=op, flags=flags & 0xFFFFFFFF,
-                                   a=(*a, *(0,) * (7 - len(a)))))
+    return userq.RAW_PACKET.pack(op & 0xFFFFFFFF, flags & 0xFFFFFFFF, *a, *(0,) * (7 - len(a)))
 
 def run(q, pkts, timeout):
     seq = dev.submit(q, pkts)

@@ -431,8 +431,8 @@ class Client:
         flags = 0 if rng.random() < 0.93 else rng.choice((1, 2, 1 << 31, (1 << 32) - 1))
         p = self._packet(int(op), qid)
         if flags:
-            opcode, _, *a = userq.PACKET.unpack(p.raw)
-            p.raw = userq.PACKET.pack(opcode, flags, *a)
+            opcode, _, *a = userq.RAW_PACKET.unpack(p.raw)
+            p.raw = userq.RAW_PACKET.pack(opcode, flags, *a)
             p.must_fault, p.blocks, p.arrange, p.slow = True, False, None, False
         return p
 
@@ -442,7 +442,7 @@ class Client:
 
         def pkt(*a: int) -> bytes:
             a = tuple(a) + tuple(words[len(a):])
-            return userq.PACKET.pack(op & 0xFFFFFFFF, 0, *(x & userq.U64_MAX for x in a))
+            return userq.RAW_PACKET.pack(op & 0xFFFFFFFF, 0, *(x & userq.U64_MAX for x in a))
 
         if op == Op.NOP:
             return Pkt(pkt(), what="nop")
@@ -495,7 +495,7 @@ class Client:
             target = cring.completed + rng.randint(0, 2)
 
             def arrange() -> None:
-                self.submit(self.C, self.cq, [userq.PACKET.pack(0, 0, *(0,) * 7)] *
+                self.submit(self.C, self.cq, [userq.RAW_PACKET.pack(0, 0, *(0,) * 7)] *
                             max(0, target - self.C.rings[self.cq][1].wptr))
             return Pkt(pkt(self.imported, target), arrange=arrange, what=f"wait imported {target}")
         if others and r < 0.9:
@@ -659,7 +659,7 @@ class Client:
         if length > userq.ACCEL_ARGS_MAX or not self.reachable(va, length):
             bad = True
         a = (handle, userq.pack_dims(grid), userq.pack_dims(block), dyn, va, length, 0)
-        return Pkt(userq.PACKET.pack(Op.LAUNCH, 0, *(x & userq.U64_MAX for x in a)), must_fault=bad,
+        return Pkt(userq.RAW_PACKET.pack(Op.LAUNCH, 0, *(x & userq.U64_MAX for x in a)), must_fault=bad,
                    slow=slow, what=what)
 
     def _valid_buffer(self, itemsize: int, ndim: int) -> tuple[int, int, list[int]]:
@@ -841,7 +841,7 @@ class Client:
         qid = self.ring_for_episode()
         _, ring, _ = A.rings[qid]
         base = ring.wptr
-        pkts = [userq.PACKET.pack(Op.MEMSET, 0, tmp.va, tmp.size, 0x33, 0, 0, 0, 0)
+        pkts = [userq.RAW_PACKET.pack(Op.MEMSET, 0, tmp.va, tmp.size, 0x33, 0, 0, 0, 0)
                 for _ in range(rng.randint(1, 4))]
         w = self.submit(A, qid, pkts)
         self.call(A, uapi.ACCEL_CMD_MEM_FREE, uapi.accel_mem_free(ctx_id=A.ctx, handle=tmp.handle))
@@ -859,7 +859,7 @@ class Client:
         if not self.wait_until(lambda: info().pending_free == 0, self.bound, desc):
             self.note(f"freed memory never came back: {desc}")
             return
-        w = self.submit(A, qid, [userq.PACKET.pack(Op.MEMSET, 0, tmp.va, 1, 0x44, 0, 0, 0, 0)])
+        w = self.submit(A, qid, [userq.RAW_PACKET.pack(Op.MEMSET, 0, tmp.va, 1, 0x44, 0, 0, 0, 0)])
         self.packets += 1
         if not self.wait_until(lambda: ring.completed >= w, self.bound, desc, ring):
             self.hang(f"ring neither completed nor faulted: {desc}")
@@ -922,7 +922,7 @@ class Client:
             return
         _, ring, _ = self.A.rings[qid]
         n = rng.randint(1, 8)
-        pkts = [userq.PACKET.pack(0, 0, *(0,) * 7)] * n
+        pkts = [userq.RAW_PACKET.pack(0, 0, *(0,) * 7)] * n
         w = (rptr + n) & userq.U64_MAX
         for i, p in enumerate(pkts):
             ring.write_packet(rptr + i, p)
@@ -1004,7 +1004,7 @@ class Client:
         slot[: len(raw)] = raw
         a = (self.handles["fill"], userq.pack_dims(((1 << 21) - 1, (1 << 21) - 1, 1)),
              userq.pack_dims((256, 1, 1)), 0, args, len(raw), 0)
-        self.submit(self.A, qid, [userq.PACKET.pack(Op.LAUNCH, 0, *a)])
+        self.submit(self.A, qid, [userq.RAW_PACKET.pack(Op.LAUNCH, 0, *a)])
         self.packets += 1
         self.progress.step("runaway launch queued; exiting")
         time.sleep(0.3)

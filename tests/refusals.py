@@ -186,4 +186,4 @@ def ring_done(dev: RawDev, queue_id: int, seqno: int, timeout: float = 20.0) -> 
     assert ring.read_fault() == (0, 0, 0, 0), ring.read_fault()
 
 
-NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
+NOP = userq.Nop().encode()

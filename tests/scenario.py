@@ -36,7 +36,7 @@ MEMORY_PRELUDE = """
 import os, sys, json, numpy as np, runtime
 from abi import uapi, userq
 def pkt(op, *a):
-    return userq.accel_packet(opcode=op, a=(*a, *(0,) * (7 - len(a))))
+    return userq.RAW_PACKET.pack(op, 0, *a, *(0,) * (7 - len(a)))
 """
 
 #: Submission scenarios (test_stream.py, test_event.py, test_graph.py): also ``hold``
@@ -47,7 +47,7 @@ import os, sys, time, numpy as np, runtime
 from abi import userq
 ROOT = os.environ["ACCEL_EMU_ROOT"]
 def pkt(op, *a):
-    return userq.accel_packet(opcode=op, a=(*a, *(0,) * (7 - len(a))))
+    return userq.RAW_PACKET.pack(op, 0, *a, *(0,) * (7 - len(a)))
 def hold(on, dev=0):
     open(f"{ROOT}/sys/kernel/debug/accel/accel{dev}/sched_hold", "w").write("1" if on else "0")
 def stat(name, dev=0, at_least=0):
@@ -68,7 +68,7 @@ NOP_LOAD = """
 import runtime
 from abi import userq
 s = runtime.Stream()
-nop = userq.accel_packet(opcode=userq.Op.NOP)
+nop = userq.Nop()
 for _ in range(400):
     s.submit([nop] * 64)
 s.synchronize()

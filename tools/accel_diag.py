@@ -650,8 +650,7 @@ def fault_isolation(d: Diag, i: int, name: str) -> str:
         out = runtime.pinned_empty(ORDER_BYTES, np.uint8, device=i)
         a.memset(0x11, stream=good)
         _sync(good)
-        bad.submit([userq.accel_packet(opcode=userq.Op.COPY,
-                                      a=(a.va, UNMAPPED_VA, 64, 0, 0, 0, 0))])
+        bad.submit([userq.Copy(a.va, UNMAPPED_VA, 64)])
         a.memset(0x22, stream=good)            # queued after the bad packet, elsewhere
         record: dict[str, Any] = {}
         try:
@@ -664,7 +663,7 @@ def fault_isolation(d: Diag, i: int, name: str) -> str:
         _check(got == want, f"{name}: fault record {got}, expected {want}")
         refused = None
         try:
-            bad.submit([userq.accel_packet(opcode=userq.Op.NOP)])
+            bad.submit([userq.Nop()])
         except runtime.AccelError as exc:
             refused = exc.errno
         _check(refused == errno.ECANCELED,

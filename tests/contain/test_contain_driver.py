@@ -79,7 +79,7 @@ r = own.channel.call(uapi.ACCEL_CMD_MEM_ALLOC, uapi.accel_mem_alloc(
     ctx_id=own.id, size=64 << 20, kind=uapi.MemKind.DEVICE, fd=-1))
 s = runtime.Stream()
 for _ in range(8):  # tens of ms of copy-engine work on it, queued behind the flood's
-    s.submit([runtime.memory._packet(userq.Op.MEMSET, r.va, 64 << 20, 1)])
+    s.submit([userq.Memset(r.va, 64 << 20, 1)])
 t0 = time.perf_counter()
 own.channel.call(uapi.ACCEL_CMD_MEM_FREE, uapi.accel_mem_free(ctx_id=own.id, handle=r.handle))
 free_s = time.perf_counter() - t0
@@ -193,7 +193,7 @@ def test_a_waiter_on_a_full_ring_notices_the_device_is_gone(make_daemon, how):
     proc = d.popen_py(PRELUDE + """
 s = runtime.Stream()
 open(os.environ["ACCEL_EMU_ROOT"] + "/sys/kernel/debug/accel/accel0/sched_hold", "w").write("1")
-nop = bytes(userq.accel_packet(opcode=userq.Op.NOP))
+nop = userq.Nop().encode()
 print("filling", flush=True)
 try:
     for _ in range(3 * userq.RING_SLOTS):

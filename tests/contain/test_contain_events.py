@@ -236,7 +236,7 @@ answers = {name: attempt(lambda: os.write(fd, text.encode()) and "ok") for name,
     ("4,301 digits", "pid " + "9" * 4301), ("11 digits", "pid " + "1" * 11))}
 answers["filter"] = attempt(lambda: os.write(fd, f"pid {os.getpid()}".encode()) and "ok")
 s = runtime.Stream(0)
-s.submit([userq.accel_packet(opcode=userq.Op.COPY, a=(1 << 40, 1 << 40, 8, 0, 0, 0, 0))])
+s.submit([userq.Copy(1 << 40, 1 << 40, 8)])
 try:
     s.synchronize()
 except runtime.DeviceFaultError:

@@ -23,7 +23,6 @@ from testkit.tenants import tenant_code
 PRELUDE = """
 import os, sys, time, errno, numpy as np, runtime
 from abi import kernel_lang, userq
-from runtime.memory import _packet
 ROOT = os.environ["ACCEL_EMU_ROOT"]
 def fault(s):
     try:
@@ -99,15 +98,15 @@ cases = {
 for name, block in cases.items():
     args[:len(block)] = np.frombuffer(block, np.uint8)
     s = runtime.Stream()
-    s.submit([_packet(userq.Op.LAUNCH, k.handle, userq.pack_dims((4, 1, 1)),
-                      userq.pack_dims((256, 1, 1)), 0, args.device_va, len(block))])
+    s.submit([userq.Launch(k.handle, userq.pack_dims((4, 1, 1)),
+                           userq.pack_dims((256, 1, 1)), 0, args.device_va, len(block))])
     print(name, fault(s).split("@")[0])
 for name, length, va, block in (("too-long", userq.ACCEL_ARGS_MAX + 24, args.device_va, (1024, 1, 1)),
                                 ("unmapped", 48, 0x10, (1024, 1, 1)),
                                 ("block-too-big", 48, args.device_va, (2048, 1, 1))):
     s = runtime.Stream()
-    s.submit([_packet(userq.Op.LAUNCH, k.handle, userq.pack_dims((1, 1, 1)),
-                      userq.pack_dims(block), 0, va, length)])
+    s.submit([userq.Launch(k.handle, userq.pack_dims((1, 1, 1)),
+                           userq.pack_dims(block), 0, va, length)])
     print(name, fault(s).split("@")[0])
 s = runtime.Stream()
 k[4, 256](x, np.int64(1024), stream=s)
@@ -255,7 +254,7 @@ _SCRIBBLE_LOST = """
 import time
 from rawdev import RawDev, errname
 ROOT = os.environ["ACCEL_EMU_ROOT"]
-NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
+NOP = userq.Nop().encode()
 def until(cond, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not cond():

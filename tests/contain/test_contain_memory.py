@@ -128,7 +128,7 @@ def test_truncating_client_memory_is_refused_and_unsealed_memory_is_not_taken(te
                     out.append(errno.errorcode[e.errno])
         print(*out)
         # the device keeps using the pinned buffer and the ring: a memset of all of it
-        pkt = bytes(userq.accel_packet(opcode=userq.Op.MEMSET, a=(ok.va, 1 << 20, 9, 0, 0, 0, 0)))
+        pkt = userq.Memset(ok.va, 1 << 20, 9).encode()
         seq = dev.submit(q, [pkt])
         slot, ring = dev.rings[q]
         import time

@@ -22,9 +22,9 @@ from rawdev import RawDev, errname
 from abi import uapi, userq
 from runtime._shm import sealed_memfd
 ROOT = os.environ["ACCEL_EMU_ROOT"]
-NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
+NOP = userq.Nop().encode()
 def wait_packet(queue_id, seqno):
-    return bytes(userq.accel_packet(opcode=userq.Op.WAIT_QUEUE, a=(queue_id, seqno, 0, 0, 0, 0, 0)))
+    return userq.WaitQueue(queue_id, seqno).encode()
 def until(cond, what, timeout=20.0):
     deadline = time.monotonic() + timeout
     while not cond():
@@ -210,8 +210,8 @@ os.pwrite(args_fd, block, 0)
 q = dev.queue_create(ctx)
 slot, ring = dev.rings[q]
 def launch(grid):
-    return bytes(userq.accel_packet(opcode=userq.Op.LAUNCH, a=(
-        kernel, userq.pack_dims(grid), userq.pack_dims((256, 1, 1)), 0, args.va, len(block), 0)))
+    return userq.Launch(kernel, userq.pack_dims(grid), userq.pack_dims((256, 1, 1)), 0,
+                        args.va, len(block)).encode()
 dev.submit(q, [launch((4, 1, 1))])                  # compiles the kernel (once)
 until(lambda: ring.completed == 1, "a small launch", 150)
 assert ring.read_fault() == (0, 0, 0, 0), ring.read_fault()
@@ -308,8 +308,8 @@ block = userq.ARG_RECORD.pack(userq.ARG_BUFFER, 9, pin.va, 4096) \\
 os.pwrite(args_fd, block, 0)
 q = dev.queue_create(ctx)
 slot, ring = dev.rings[q]
-launch = bytes(userq.accel_packet(opcode=userq.Op.LAUNCH, a=(
-    kernel, userq.pack_dims((4, 1, 1)), userq.pack_dims((256, 1, 1)), 0, args.va, len(block), 0)))
+launch = userq.Launch(kernel, userq.pack_dims((4, 1, 1)), userq.pack_dims((256, 1, 1)), 0,
+                      args.va, len(block)).encode()
 dev.submit(q, [launch])                              # the first compiles (an engine's)
 until(lambda: ring.completed == 1, "the first launch", 150)
 dev.submit(q, [launch, launch])                      # inline, then inline and bound

@@ -116,6 +116,6 @@ def test_queue_import_bad_inputs(env, bad):
         local = env.dev.call(uapi.ACCEL_CMD_QUEUE_IMPORT, _import(env, peer_queue_id=q1)).queue_id
         # a WAIT_QUEUE packet of this context may name it: it waits for device 1's fence
         q = env.dev.queue_create(env.ctx)
-        wait = bytes(userq.accel_packet(opcode=userq.Op.WAIT_QUEUE, a=(local, 1, 0, 0, 0, 0, 0)))
+        wait = userq.WaitQueue(local, 1).encode()
         ring_done(env.dev, q, env.dev.submit(q, [wait, NOP]))
     assert_unharmed(env.dev, env.bystander)

@@ -29,7 +29,7 @@ def _records(d, ctx: int, code: int) -> list[dict]:
 
 
 def _memset(va: int, size: int) -> bytes:
-    return bytes(userq.accel_packet(opcode=userq.Op.MEMSET, a=(va, size, 7, 0, 0, 0, 0)))
+    return userq.Memset(va, size, 7).encode()
 
 
 def _fault_of(dev: RawDev, queue_id: int, timeout: float = 10.0) -> tuple[int, int, int, int]:

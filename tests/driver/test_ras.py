@@ -22,7 +22,7 @@ PAGE = uapi.ACCEL_PAGE_SIZE
 MIB = 1 << 20
 
 
-NOP = bytes(userq.accel_packet(opcode=userq.Op.NOP))
+NOP = userq.Nop().encode()
 
 
 def inject(d, text: str, dev: int = 0) -> None:

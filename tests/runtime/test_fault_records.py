@@ -128,7 +128,7 @@ import sys, numpy as np, runtime
 from abi import userq
 for _ in range(COUNT):
     s = runtime.Stream()
-    s.submit([userq.accel_packet(opcode=userq.Op.COPY, a=(1 << 40, 1 << 40, 8, 0, 0, 0, 0))])
+    s.submit([userq.Copy(1 << 40, 1 << 40, 8)])
     try:
         s.synchronize()
     except runtime.DeviceFaultError:

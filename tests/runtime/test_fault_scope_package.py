@@ -42,7 +42,7 @@ try:
 except runtime.DeviceLostError as exc:          # the runtime refuses a lost source
     out["runtime copy"] = exc.record["code"]
 s1 = runtime.Stream(1)                          # a raw packet reaches the link: ENOLINK
-s1.submit([userq.accel_packet(opcode=userq.Op.COPY, a=(b.va, a.va, a.nbytes, 0, 0, 0, 0))])
+s1.submit([userq.Copy(b.va, a.va, a.nbytes)])
 try:
     s1.synchronize()
 except runtime.DeviceFaultError as exc:

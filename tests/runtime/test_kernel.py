@@ -146,8 +146,8 @@ def test_each_launch_reads_its_own_argument_block_past_the_queues_depth(kdaemon)
     """A stream keeps its launches' argument blocks in slots of its own, one per seqno
     modulo the queue's depth + 1, reused without a completion check (runtime/stream.py
     ``ArgArena``): 3,000 launches with distinct arguments, queued while the firmware holds
-    still, each write their own value. A block longer than a slot (12 buffers) takes the
-    device's shared arena. ``module.name`` stays the same kernel from launch to launch, and
+    still, each write their own value. A block longer than a short slot (12 buffers) takes
+    its seqno's long slot, which its packet names. ``module.name`` stays the same kernel from launch to launch, and
     a kernel named like a module attribute does not hide that attribute."""
     r = reports(run(kdaemon, """
         src = (
@@ -187,6 +187,46 @@ def test_each_launch_reads_its_own_argument_block_past_the_queues_depth(kdaemon)
     """))
     assert r == {"own_blocks_wrong": 0, "long_block": 55.0, "same_kernel": True,
                  "attribute": ["put", "wide", "kernels"], "kernel_name": "kernels"}, r
+
+def test_every_kind_of_launch_names_its_streams_arena(kdaemon):
+    """Launches of every kind on one stream, read back from its ring: each LAUNCH names
+    address 0 (its short slot, which the ring names: the arena's) or its long slot in the
+    same arena, and computed what it should have. (tests/unit/test_launch_path.py checks
+    by the source that no other path exists.)"""
+    lines = run(kdaemon, """
+        from abi import userq
+        from runtime.stream import LONG_ARGS
+        src = ("def wide(" + ", ".join(f"a{k}" for k in range(11)) + ", out):\\n"
+               "    if global_id(0) == 0:\\n"
+               "        out[0] = " + " + ".join(f"a{k}[0]" for k in range(11)) + "\\n")
+        lib, wide = runtime.compile(kernel_lib.SOURCE), runtime.compile(src).wide
+        s = runtime.Stream()
+        x = runtime.empty(256, np.float32)
+        lib.fill[1, 256](x, np.float32(1), stream=s)              # the generated launcher
+        lib.fill.launch([1], [256], (x, np.float32(2)), s)       # the checked path
+        parts = [runtime.to_device(np.full(1, k, np.float32)) for k in range(11)]
+        total = runtime.empty(1, np.float32)
+        wide[1, 32](*parts, total, stream=s)                      # a long block
+        g = runtime.Graph()
+        with runtime.graph(g, s):
+            lib.fill[1, 256](x, np.float32(3), stream=s)
+            wide[1, 32](*parts, total, stream=s)
+        g.replay(); g.replay()
+        s.synchronize()
+        a = s.arena()
+        print("ring names the arena", s._ring.get(userq.RING_ARGS_VA) == a.va,
+              s._ring.get(userq.RING_ARGS_SLOTS) == a.slots)
+        for seqno in range(1, s.last_seqno + 1):
+            p = userq.decode(s._ring.read_packet(seqno))
+            if isinstance(p, userq.Launch):
+                long_slot = a.long_va + seqno % a.slots * LONG_ARGS
+                print(seqno, "short" if p.args_va == 0
+                      else "long" if p.args_va == long_slot else hex(p.args_va))
+        print("values", float(x.copy_to_host()[0]), float(total.copy_to_host()[0]))
+    """)
+    assert lines == ["ring names the arena True True", "1 short", "2 short", "3 long",
+                     "4 short", "5 long", "6 short", "7 long", "values 3.0 55.0"]
+
 
 @pytest.mark.timeout(240)
 def test_a_launch_on_another_devices_stream_is_refused_and_queues_nothing(daemon):
@@ -251,10 +291,9 @@ def test_out_of_bounds_is_a_device_fault_with_a_record(kdaemon):
         s = runtime.Stream()
         mod.oob[1, 64](x, 0, stream=s)  # in bounds: the stream's arena slot 2 is next
         s.synchronize()
-        s.arg_arena.mem[2 * 256 : 2 * 256 + 72] = s.arg_arena.mem[256 : 256 + 72]
-        s.submit([userq.PACKET.pack(userq.Op.LAUNCH, 0, mod.oob.handle,
-                                    userq.pack_dims((2, 1, 1)), userq.pack_dims((64, 1, 1)),
-                                    0, 0, 72, 0)])  # x[64:128], past the buffer
+        s.arena().mem[2 * 256 : 2 * 256 + 72] = s.arena().mem[256 : 256 + 72]
+        s.submit([userq.Launch(mod.oob.handle, userq.pack_dims((2, 1, 1)),
+                               userq.pack_dims((64, 1, 1)), 0, 0, 72)])  # x[64:128], past it
         report(by_hand=fault(s))
     """))
     assert (r["kernel"], r["errno"]) == ("oob", "EFAULT"), r
@@ -459,8 +498,8 @@ def test_dynamic_shared_memory_sized_per_launch(kdaemon):
             s.synchronize()
         except runtime.KernelFaultError as e:
             report(short=[e.record["errno"], e.record["kernel"]])
-        # the firmware checks a3 itself: a raw packet over the limit faults EINVAL
-        from runtime.launch import pinned_empty
+        # the firmware checks the shared bytes itself: a raw packet over the limit faults EINVAL
+        from runtime.memory import pinned_empty
         k = mod.rev
         buf = pinned_empty(4096, np.uint8)
         block = k._record_args([x])
@@ -469,7 +508,7 @@ def test_dynamic_shared_memory_sized_per_launch(kdaemon):
         raw = runtime.Stream()
         from abi import userq
         one = userq.pack_dims((1, 1, 1))
-        raw.submit([k._packet(one, one, 48 * 1024 + 4, buf.device_va, length)])
+        raw.submit([userq.Launch(k.handle, one, one, 48 * 1024 + 4, buf.device_va, length)])
         try:
             raw.synchronize()
         except runtime.DeviceFaultError as e:

@@ -35,7 +35,7 @@ except runtime.ResourceLimitError as e:
     print("queue", len(streams) + 1, e.errno)
 s = streams[0]
 open(hold, "w").write("1")  # the firmware takes nothing: the queue fills
-nop = userq.accel_packet(opcode=userq.Op.NOP)
+nop = userq.Nop()
 done = []
 t = threading.Thread(target=lambda: done.append(s.submit([nop] * 40)))
 t.start()

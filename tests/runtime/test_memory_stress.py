@@ -60,7 +60,7 @@ for step in range(ops):
         if rng.random() < 0.5:               # pinned: asynchronous, into a prefix
             k = min(len(shadow), 1 << 20)
             pin[:k] = rng.integers(0, 255, k, dtype=np.uint8)
-            s.submit([userq.accel_packet(opcode=userq.Op.COPY, a=(d.va, pin.device_va, k, 0, 0, 0, 0))])
+            s.submit([userq.Copy(d.va, pin.device_va, k)])
             s.synchronize()                  # before the pinned buffer is written again
             shadow[:k] = pin[:k]
         else:                                # pageable: staged, the whole array

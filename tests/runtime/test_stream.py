@@ -319,7 +319,7 @@ def test_synchronize_waits_for_every_stream_and_raises_the_first_fault(daemon):
         runtime.synchronize(0)
         report(queried=[s.query() for s in streams], last_byte=bufs[1].copy_to_host()[-1],
                faulty_queue=streams[1].queue_id)
-        streams[1].submit([userq.accel_packet(opcode=userq.Op.MEMSET, a=(0x10, 64, 0, 0, 0, 0, 0))])
+        streams[1].submit([userq.Memset(0x10, 64, 0)])
         faults = []
         for _ in range(2):  # sticky, as CUDA's: the stream keeps its fault
             try:

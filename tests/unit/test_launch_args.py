@@ -198,8 +198,8 @@ def test_the_packer_takes_the_common_arguments_and_nothing_it_must_not():
 class _Stream:
     """What a generated launcher reads of a stream and calls on it."""
 
-    def __init__(self, launch_device: int = 0) -> None:
-        self.launch_device, self.written = launch_device, []
+    def __init__(self, device: int = 0, capturing: object = None) -> None:
+        self.device, self.capturing, self.written = device, capturing, []
 
     def _write_launch(self, pkt: bytes, raw: bytes) -> int:
         self.written.append((pkt, raw))
@@ -228,7 +228,7 @@ def test_a_launcher_writes_what_the_packer_packs_and_hands_the_rest_on(case):
     run, slow = _launcher(layout)
     s = _Stream()
     raw = arg_packer.packer(layout, 0, "k")(args)
-    fits = raw is not None and len(raw) <= launch.STREAM_ARG_SLOT
+    fits = raw is not None and len(raw) <= launch.LONG_ARGS
     assert run(*args, stream=s) == (7 if fits else 9)
     if fits:
         assert s.written == [(b"P%d" % len(raw), raw)] and slow == []
@@ -238,9 +238,9 @@ def test_a_launcher_writes_what_the_packer_packs_and_hands_the_rest_on(case):
 
 @pytest.mark.timeout(60)
 def test_a_launcher_hands_on_every_launch_it_must_not_write(monkeypatch):
-    """Dynamic shared memory (any value but the int 0), a stream it may not write (no
-    arena, a capture, another device: ``launch_device``) and a profiler all take the
-    checked path, with the arguments as given."""
+    """Dynamic shared memory (any value but the int 0), a stream it may not write (a
+    capture, another device's) and a profiler all take the checked path, with the
+    arguments as given."""
     fill = [arg_packer.Param.of({"name": "out", "kind": "buffer", "dtype": "float32", "ndim": 1}),
             arg_packer.Param.of({"name": "v", "kind": "scalar", "dtype": None})]
     args = (_array("float32", (256,)), np.float32(1))
@@ -249,7 +249,7 @@ def test_a_launcher_hands_on_every_launch_it_must_not_write(monkeypatch):
         s = _Stream()
         run(*args, stream=s, shared_mem=shared)
         assert s.written == [] and slow[-1] == (4, 256, args, s, shared)
-    for s in (_Stream(-1), _Stream(1)):
+    for s in (_Stream(capturing=object()), _Stream(1)):
         run(*args, stream=s)
         assert s.written == [] and slow[-1] == (4, 256, args, s, 0)
     monkeypatch.setattr(launch._trace, "active", object())

@@ -39,7 +39,7 @@ SIZE = 32 * MiB
 
 
 def packet(op: int, *a: int, flags: int = 0) -> bytes:
-    return userq.PACKET.pack(op, flags, *a, *[0] * (7 - len(a)))
+    return userq.RAW_PACKET.pack(op, flags, *a, *[0] * (7 - len(a)))
 
 
 def _memfd(size: int) -> int:
@@ -295,7 +295,7 @@ def test_a_bad_packet_faults_its_own_queue_only(device, ctx, name):
     w = q.submit(packet(Op.NOP), bad, packet(Op.NOP), packet(Op.COPY, VA, VA + 64, 64))
     other.submit(packet(Op.NOP))
     device.run_until(lambda: q.ring.fence == w and other.ring.fence == 1)
-    opcode = userq.PACKET.unpack(bad)[0]
+    opcode = userq.RAW_PACKET.unpack(bad)[0]
     ended = device.ended(q)
     assert ended[1].status == 0 and ended[1].fault is None
     assert ended[2].status == code and ended[2].fault == (2, code, opcode, addr)

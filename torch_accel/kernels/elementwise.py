@@ -20,8 +20,8 @@ import enum
 import numpy as np
 
 import runtime
-from torch_accel.kernels import _launch as L
-from torch_accel.kernels._launch import Array
+from torch_accel.kernels import _shared as shared
+from torch_accel.kernels._shared import Array
 
 
 class Binary(enum.IntEnum):
@@ -238,11 +238,11 @@ def _source() -> str:
     parts = []
     # float and bool results: one store after the op chain (dispatch_store); the integer
     # kernels store per op, as a uint64 and an int64 result would unify to float64
-    for k, bops, uops, pops in (("f", L.dispatch_store(float_bin, ind, "0.0"),
-                                 L.dispatch_store(float_un, ind, "0.0"),
-                                 L.dispatch_store(float_pred, ind, "False")),
-                                ("i", L.dispatch(int_bin, ind), L.dispatch(int_un, ind),
-                                 L.dispatch(int_pred, ind))):
+    for k, bops, uops, pops in (("f", shared.dispatch_store(float_bin, ind, "0.0"),
+                                 shared.dispatch_store(float_un, ind, "0.0"),
+                                 shared.dispatch_store(float_pred, ind, "False")),
+                                ("i", shared.dispatch(int_bin, ind), shared.dispatch(int_un, ind),
+                                 shared.dispatch(int_pred, ind))):
         parts.append(f"def binary_{k}(out, a, b, bs, op: 'int64', alpha, n: 'int64', "
                      f"sa: 'int64', sb: 'int64'):\n{_OPERANDS}{bops}\n")
         parts.append(f"def unary_{k}(out, x, op: 'int64', p0, p1, n: 'int64'):\n"
@@ -250,7 +250,7 @@ def _source() -> str:
         parts.append(f"def predicate_{k}(out, x, op: 'int64', n: 'int64'):\n"
                      f"    i = global_id(0)\n    if i < n:\n        v = x[i]\n{pops}\n")
     parts.append(f"def compare(out, a, b, bs, op: 'int64', n: 'int64', sa: 'int64', "
-                 f"sb: 'int64'):\n{_OPERANDS}{L.dispatch_store(_COMPARE, ind, 'False')}\n")
+                 f"sb: 'int64'):\n{_OPERANDS}{shared.dispatch_store(_COMPARE, ind, 'False')}\n")
     parts.append("""def where(out, c, a, b, n: 'int64', sc: 'int64', sa: 'int64', sb: 'int64'):
     i = global_id(0)
     if i < n:
@@ -271,7 +271,7 @@ SOURCE = _source()
 
 
 def _mod(device: int) -> runtime.Module:
-    return L.module("elementwise", SOURCE, device)
+    return shared.module("elementwise", SOURCE, device)
 
 
 def _operand_b(b: Array | float | int | bool, a: Array, b_stride: int
@@ -279,8 +279,8 @@ def _operand_b(b: Array | float | int | bool, a: Array, b_stride: int
     """(buffer, scalar, stride) for operand ``b``: a Python scalar becomes the kernel's
     scalar (stride -1 selects it; ``a`` stands in for the unused buffer)."""
     if isinstance(b, (int, float, bool, np.generic)):
-        return L.as_bytes_if_bool(L.flat(a)), L.scalar(b, a.dtype), -1
-    return L.as_bytes_if_bool(L.flat(b)), L.scalar(0, a.dtype), b_stride
+        return shared.as_bytes_if_bool(shared.flat(a)), shared.scalar(b, a.dtype), -1
+    return shared.as_bytes_if_bool(shared.flat(b)), shared.scalar(0, a.dtype), b_stride
 
 
 def binary(op: Binary | str, out: Array, a: Array, b: Array | float | int | bool,
@@ -288,8 +288,8 @@ def binary(op: Binary | str, out: Array, a: Array, b: Array | float | int | bool
            stream: runtime.Stream | None = None) -> None:
     """``out[i] = a[i * a_stride] OP b[i * b_stride]`` for ``i < out.size``, one dtype."""
     op = Binary[op] if isinstance(op, str) else Binary(op)
-    L.check_same(out, a, *([b] if not isinstance(b, (int, float, bool, np.generic)) else []))
-    n = L.size(out)
+    shared.check_same(out, a, *([b] if not isinstance(b, (int, float, bool, np.generic)) else []))
+    n = shared.size(out)
     if n == 0:
         return
     dt = out.dtype
@@ -302,10 +302,11 @@ def binary(op: Binary | str, out: Array, a: Array, b: Array | float | int | bool
     elif dt.kind != "f" and op == Binary.div:
         raise TypeError("div of integers: convert the operands to float first")
     bb, bs, sb = _operand_b(b, a, b_stride)
-    k = _mod(out.device).get_kernel(f"binary_{L.kind(dt)}")
-    k[L.grid(n), L.BLOCK](L.as_bytes_if_bool(L.flat(out)), L.as_bytes_if_bool(L.flat(a)), bb,
-                          bs, int(op), L.scalar(alpha, dt), n, a_stride, sb,
-                          stream=L.stream_of(out, stream))
+    k = _mod(out.device).get_kernel(f"binary_{shared.kind(dt)}")
+    k[shared.grid(n), shared.BLOCK](
+        shared.as_bytes_if_bool(shared.flat(out)), shared.as_bytes_if_bool(shared.flat(a)), bb,
+        bs, int(op), shared.scalar(alpha, dt), n, a_stride, sb,
+        stream=shared.stream_of(out, stream))
 
 
 def _into_bool(codes: type[enum.IntEnum], op: enum.IntEnum | str, out: Array,
@@ -313,7 +314,7 @@ def _into_bool(codes: type[enum.IntEnum], op: enum.IntEnum | str, out: Array,
     """(op code, element count) of a kernel writing a bool buffer."""
     if out.dtype != np.bool_:
         raise TypeError(f"{what} writes a bool buffer")
-    return (codes[op] if isinstance(op, str) else codes(op)), L.size(out)
+    return (codes[op] if isinstance(op, str) else codes(op)), shared.size(out)
 
 
 def compare(op: Compare | str, out: Array, a: Array, b: Array | float | int | bool,
@@ -323,9 +324,9 @@ def compare(op: Compare | str, out: Array, a: Array, b: Array | float | int | bo
     if n == 0:
         return
     bb, bs, sb = _operand_b(b, a, b_stride)
-    _mod(out.device).compare[L.grid(n), L.BLOCK](
-        L.flat(out), L.as_bytes_if_bool(L.flat(a)), bb, bs, int(op), n, a_stride, sb,
-        stream=L.stream_of(out, stream))
+    _mod(out.device).compare[shared.grid(n), shared.BLOCK](
+        shared.flat(out), shared.as_bytes_if_bool(shared.flat(a)), bb, bs, int(op), n, a_stride, sb,
+        stream=shared.stream_of(out, stream))
 
 
 def unary(op: Unary | str, out: Array, x: Array, p0: float = 0.0, p1: float = 0.0,
@@ -333,8 +334,8 @@ def unary(op: Unary | str, out: Array, x: Array, p0: float = 0.0, p1: float = 0.
     """``out[i] = OP(x[i])`` (``p0``/``p1``: clamp bounds, leaky_relu slope, elu alpha,
     nan_to_num's +inf/-inf replacements); one dtype; see :data:`FLOAT_ONLY`."""
     op = Unary[op] if isinstance(op, str) else Unary(op)
-    L.check_same(out, x)
-    n = L.size(out)
+    shared.check_same(out, x)
+    n = shared.size(out)
     if n == 0:
         return
     dt = out.dtype
@@ -345,9 +346,9 @@ def unary(op: Unary | str, out: Array, x: Array, p0: float = 0.0, p1: float = 0.
             raise TypeError(f"{op.name} is not defined for bool here")
         predicate(Predicate.logical_not, out, x, stream)
         return
-    _mod(out.device).get_kernel(f"unary_{L.kind(dt)}")[L.grid(n), L.BLOCK](
-        L.flat(out), L.flat(x), int(op), L.scalar(p0, dt), L.scalar(p1, dt), n,
-        stream=L.stream_of(out, stream))
+    _mod(out.device).get_kernel(f"unary_{shared.kind(dt)}")[shared.grid(n), shared.BLOCK](
+        shared.flat(out), shared.flat(x), int(op), shared.scalar(p0, dt), shared.scalar(p1, dt), n,
+        stream=shared.stream_of(out, stream))
 
 
 def predicate(op: Predicate | str, out: Array, x: Array,
@@ -357,33 +358,34 @@ def predicate(op: Predicate | str, out: Array, x: Array,
     op, n = _into_bool(Predicate, op, out, "predicate")
     if n == 0:
         return
-    _mod(out.device).get_kernel(f"predicate_{L.kind(x.dtype)}")[L.grid(n), L.BLOCK](
-        L.flat(out), L.as_bytes_if_bool(L.flat(x)), int(op), n, stream=L.stream_of(out, stream))
+    k = _mod(out.device).get_kernel(f"predicate_{shared.kind(x.dtype)}")
+    k[shared.grid(n), shared.BLOCK](shared.flat(out), shared.as_bytes_if_bool(shared.flat(x)),
+                                    int(op), n, stream=shared.stream_of(out, stream))
 
 
 def where(out: Array, cond: Array, a: Array, b: Array, cond_stride: int = 1,
           a_stride: int = 1, b_stride: int = 1, stream: runtime.Stream | None = None) -> None:
     """``out[i] = a[i * a_stride] if cond[i * cond_stride] else b[i * b_stride]``."""
-    L.check_same(out, a, b)
-    n = L.size(out)
+    shared.check_same(out, a, b)
+    n = shared.size(out)
     if n == 0:
         return
-    _mod(out.device).where[L.grid(n), L.BLOCK](
-        L.as_bytes_if_bool(L.flat(out)), L.as_bytes_if_bool(L.flat(cond)),
-        L.as_bytes_if_bool(L.flat(a)), L.as_bytes_if_bool(L.flat(b)), n, cond_stride,
-        a_stride, b_stride, stream=L.stream_of(out, stream))
+    _mod(out.device).where[shared.grid(n), shared.BLOCK](
+        shared.as_bytes_if_bool(shared.flat(out)), shared.as_bytes_if_bool(shared.flat(cond)),
+        shared.as_bytes_if_bool(shared.flat(a)), shared.as_bytes_if_bool(shared.flat(b)), n,
+        cond_stride, a_stride, b_stride, stream=shared.stream_of(out, stream))
 
 
 def arange(out: Array, start: float | int, step: float | int,
            stream: runtime.Stream | None = None) -> None:
     """``out[i] = start + i * step`` (computed in float64 or int64, then stored)."""
-    n = L.size(out)
+    n = shared.size(out)
     if n == 0:
         return
     dt = out.dtype
-    _mod(out.device).arange[L.grid(n), L.BLOCK](
-        L.as_bytes_if_bool(L.flat(out)), L.scalar(start, dt), L.scalar(step, dt), n,
-        stream=L.stream_of(out, stream))
+    _mod(out.device).arange[shared.grid(n), shared.BLOCK](
+        shared.as_bytes_if_bool(shared.flat(out)), shared.scalar(start, dt),
+        shared.scalar(step, dt), n, stream=shared.stream_of(out, stream))
 
 
 def fill(out: Array, value: float | int | bool, stream: runtime.Stream | None = None) -> None:

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 
 import runtime
-from torch_accel.kernels import _launch as L
-from torch_accel.kernels._launch import Array
+from torch_accel.kernels import _shared as shared
+from torch_accel.kernels._shared import Array
 
 MAX_DIMS = 8
 
@@ -76,7 +76,8 @@ def strided_copy(dst: Array, src: Array, sizes: Sequence[int], src_strides: Sequ
     pad = MAX_DIMS - len(sz)
     sz, ss, ds = [1] * pad + sz, [0] * pad + ss, [0] * pad + ds
     # a bool source reads as its 0/1 bytes; a bool destination stays bool (!= 0 on store)
-    s = L.flat(src, np.uint8) if src.dtype == np.bool_ else L.flat(src)
-    d = L.flat(dst, np.uint8) if dst.dtype == np.bool_ and src.dtype == np.bool_ else L.flat(dst)
-    L.module("layout", SOURCE, dst.device).strided_copy[L.grid(n), L.BLOCK](
-        d, s, n, src_offset, dst_offset, *sz, *ss, *ds, stream=L.stream_of(dst, stream))
+    s = shared.flat(src, np.uint8) if src.dtype == np.bool_ else shared.flat(src)
+    d = shared.flat(dst, np.uint8) if dst.dtype == np.bool_ and src.dtype == np.bool_ \
+        else shared.flat(dst)
+    shared.module("layout", SOURCE, dst.device).strided_copy[shared.grid(n), shared.BLOCK](
+        d, s, n, src_offset, dst_offset, *sz, *ss, *ds, stream=shared.stream_of(dst, stream))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 import runtime
-from torch_accel.kernels import _launch as L
-from torch_accel.kernels._launch import Array
+from torch_accel.kernels import _shared as shared
+from torch_accel.kernels._shared import Array
 from torch_accel.kernels.elementwise import Binary, binary, fill
 
 TILE = 128
@@ -35,7 +35,7 @@ SOURCE = f"""def mm(c, a, b, beta, alpha):
 
 
 def _check(out: Array, a: Array, b: Array) -> None:
-    L.check_same(out, a, b)
+    shared.check_same(out, a, b)
     if out.dtype not in (np.float32, np.float64):
         raise TypeError(f"mm/bmm: float32 or float64 only (the matrix unit), got {out.dtype}")
 
@@ -54,7 +54,7 @@ def _mm(out: Array, a: Array, b: Array, beta: float, alpha: float,
         else:
             binary(Binary.mul, out, out, beta, stream=s)
     else:
-        L.module("matmul", SOURCE, out.device).mm[(-(-n // TILE), -(-m // TILE)), 128](
+        shared.module("matmul", SOURCE, out.device).mm[(-(-n // TILE), -(-m // TILE)), 128](
             out, a, b, np.float64(beta), np.float64(alpha), stream=s)
 
 
@@ -63,7 +63,7 @@ def mm(out: Array, a: Array, b: Array, beta: float = 0.0, alpha: float = 1.0,
     """``out = beta * out + alpha * a @ b`` for 2-D contiguous ``a [m, k]``, ``b [k, n]``,
     ``out [m, n]`` (beta 0 ignores what ``out`` held, NaN included)."""
     _check(out, a, b)
-    _mm(out, a, b, beta, alpha, L.stream_of(out, stream))
+    _mm(out, a, b, beta, alpha, shared.stream_of(out, stream))
 
 
 def bmm(out: Array, a: Array, b: Array, stream: runtime.Stream | None = None) -> None:
@@ -73,7 +73,7 @@ def bmm(out: Array, a: Array, b: Array, stream: runtime.Stream | None = None) ->
     _check(out, a, b)
     batch, m, k = a.shape
     n = b.shape[2]
-    s = L.stream_of(out, stream)
+    s = shared.stream_of(out, stream)
     it = a.dtype.itemsize
     for i in range(batch):
         _mm(out.view(out.dtype, (m, n), i * m * n * it), a.view(a.dtype, (m, k), i * m * k * it),

@@ -14,8 +14,8 @@ import enum
 import numpy as np
 
 import runtime
-from torch_accel.kernels import _launch as L
-from torch_accel.kernels._launch import Array
+from torch_accel.kernels import _shared as shared
+from torch_accel.kernels._shared import Array
 from torch_accel.kernels.elementwise import erf_source, fill
 
 
@@ -61,7 +61,7 @@ SOURCE = f"""def activation_backward(out, grad, x, op: 'int64', p0, n: 'int64'):
     if i < n:
         g = grad[i]
         v = x[i]
-{L.dispatch_store(_BACKWARD, " " * 8, "0.0")}
+{shared.dispatch_store(_BACKWARD, " " * 8, "0.0")}
 
 
 def softmax(out, x, n: 'int64', logf: 'int64'):
@@ -69,14 +69,14 @@ def softmax(out, x, n: 'int64', logf: 'int64'):
     for j in range(t, n, 256):
         m = max(m, x[base + j])
     part[t] = m
-{L.block_tree("part", "max({a}, {b})")}
+{shared.block_tree("part", "max({a}, {b})")}
     mx = part[0]
     barrier()
     s = 0.0
     for j in range(t, n, 256):
         s += exp(x[base + j] - mx)
     part[t] = s
-{L.block_tree("part", "{a} + {b}")}
+{shared.block_tree("part", "{a} + {b}")}
     tot = part[0]
     if logf != 0:
         lt = log(tot)
@@ -95,7 +95,7 @@ def softmax_backward(gi, g, y, n: 'int64', logf: 'int64'):
         else:
             s += g[base + j] * y[base + j]
     part[t] = s
-{L.block_tree("part", "{a} + {b}")}
+{shared.block_tree("part", "{a} + {b}")}
     tot = part[0]
     for j in range(t, n, 256):
         if logf != 0:
@@ -137,8 +137,8 @@ def nll_loss(out, logp, target, rows: 'int64', reduction: 'int64', ignore: 'int6
             out[r] = v
     part[t] = s
     cnt[t] = c
-{L.block_tree("part", "{a} + {b}")}
-{L.block_tree("cnt", "{a} + {b}")}
+{shared.block_tree("part", "{a} + {b}")}
+{shared.block_tree("cnt", "{a} + {b}")}
     if t == 0 and reduction != 0:
         if reduction == 1:
             out[0] = part[0] / cnt[0]
@@ -154,7 +154,7 @@ def nll_loss_backward(grad, gout, target, rows: 'int64', reduction: 'int64', ign
         if target[r] != ignore:
             c += 1.0
     cnt[t] = c
-{L.block_tree("cnt", "{a} + {b}")}
+{shared.block_tree("cnt", "{a} + {b}")}
     for r in range(t, rows, 256):
         tg = target[r]
         if tg != ignore:
@@ -168,19 +168,19 @@ def nll_loss_backward(grad, gout, target, rows: 'int64', reduction: 'int64', ign
 
 
 def _mod(device: int) -> runtime.Module:
-    return L.module("nn", SOURCE, device)
+    return shared.module("nn", SOURCE, device)
 
 
 def activation_backward(op: Backward | str, out: Array, grad: Array, x: Array,
                         p0: float = 0.0, stream: runtime.Stream | None = None) -> None:
     """``out = grad * d OP / dx`` elementwise (float buffers of one dtype)."""
     op = Backward[op] if isinstance(op, str) else Backward(op)
-    L.check_same(out, grad, x)
-    n = L.size(out)
+    shared.check_same(out, grad, x)
+    n = shared.size(out)
     if n:
-        _mod(out.device).activation_backward[L.grid(n), L.BLOCK](
-            L.flat(out), L.flat(grad), L.flat(x), int(op), L.scalar(p0, x.dtype), n,
-            stream=L.stream_of(out, stream))
+        _mod(out.device).activation_backward[shared.grid(n), shared.BLOCK](
+            shared.flat(out), shared.flat(grad), shared.flat(x), int(op),
+            shared.scalar(p0, x.dtype), n, stream=shared.stream_of(out, stream))
 
 
 def threshold_backward(out: Array, grad: Array, x: Array, threshold: float,
@@ -212,8 +212,8 @@ def softmax_rows(out: Array, x: Array, rows: int, n: int, log: bool = False,
                  stream: runtime.Stream | None = None) -> None:
     """Softmax (or log_softmax) of each row of a contiguous ``[rows, n]`` buffer."""
     if rows and n:
-        _mod(out.device).softmax[rows, L.BLOCK](L.flat(out), L.flat(x), n, int(log),
-                                               stream=L.stream_of(out, stream))
+        _mod(out.device).softmax[rows, shared.BLOCK](shared.flat(out), shared.flat(x), n, int(log),
+                                                     stream=shared.stream_of(out, stream))
 
 
 def softmax_backward_rows(grad_in: Array, grad_out: Array, y: Array, rows: int, n: int,
@@ -221,9 +221,9 @@ def softmax_backward_rows(grad_in: Array, grad_out: Array, y: Array, rows: int, 
     """From the forward's output ``y``: ``y * (g - sum(g * y))``, or for log_softmax
     ``g - exp(y) * sum(g)``, per row."""
     if rows and n:
-        _mod(grad_in.device).softmax_backward[rows, L.BLOCK](
-            L.flat(grad_in), L.flat(grad_out), L.flat(y), n, int(log),
-            stream=L.stream_of(grad_in, stream))
+        _mod(grad_in.device).softmax_backward[rows, shared.BLOCK](
+            shared.flat(grad_in), shared.flat(grad_out), shared.flat(y), n, int(log),
+            stream=shared.stream_of(grad_in, stream))
 
 
 def _rows_of(arr: Array, cols: int) -> int:
@@ -235,10 +235,10 @@ def index_rows(out: Array, weight: Array, index: Array, rows_out: int, row_len: 
     """``out[r, :] = weight[index[r], :]`` (embedding, index_select on dim 0); an index
     outside ``weight``'s rows faults the stream. ``index`` is int64 (or int32)."""
     if rows_out and row_len:
-        _mod(out.device).index_rows[L.grid(rows_out * row_len), L.BLOCK](
-            L.matrix(out, rows_out, row_len),
-            L.matrix(weight, _rows_of(weight, row_len), row_len), L.flat(index), rows_out,
-            row_len, stream=L.stream_of(out, stream))
+        _mod(out.device).index_rows[shared.grid(rows_out * row_len), shared.BLOCK](
+            shared.matrix(out, rows_out, row_len),
+            shared.matrix(weight, _rows_of(weight, row_len), row_len), shared.flat(index), rows_out,
+            row_len, stream=shared.stream_of(out, stream))
 
 
 def index_add_rows(out: Array, index: Array, src: Array, rows_src: int, row_len: int,
@@ -249,10 +249,10 @@ def index_add_rows(out: Array, index: Array, src: Array, rows_src: int, row_len:
     if out.dtype == np.bool_:
         raise TypeError("index_add_rows: no atomic add on bool")
     if rows_src and row_len:
-        _mod(out.device).index_add_rows[L.grid(rows_src * row_len), L.BLOCK](
-            L.matrix(out, _rows_of(out, row_len), row_len), L.flat(index),
-            L.matrix(src, rows_src, row_len), rows_src, row_len,
-            stream=L.stream_of(out, stream))
+        _mod(out.device).index_add_rows[shared.grid(rows_src * row_len), shared.BLOCK](
+            shared.matrix(out, _rows_of(out, row_len), row_len), shared.flat(index),
+            shared.matrix(src, rows_src, row_len), rows_src, row_len,
+            stream=shared.stream_of(out, stream))
 
 
 def nll_loss_rows(out_loss: Array, logp: Array, target: Array, rows: int, n: int,
@@ -267,9 +267,9 @@ def nll_loss_rows(out_loss: Array, logp: Array, target: Array, rows: int, n: int
         if red != Reduction.none:
             fill(out_loss, np.nan if red == Reduction.mean else 0.0, stream)
         return
-    _mod(out_loss.device).nll_loss[1, L.BLOCK](
-        L.flat(out_loss), L.matrix(logp, rows, n), L.flat(target), rows, int(red),
-        ignore_index, stream=L.stream_of(out_loss, stream))
+    _mod(out_loss.device).nll_loss[1, shared.BLOCK](
+        shared.flat(out_loss), shared.matrix(logp, rows, n), shared.flat(target), rows, int(red),
+        ignore_index, stream=shared.stream_of(out_loss, stream))
 
 
 def nll_loss_backward_rows(grad_logp: Array, grad_out: Array, target: Array, rows: int,
@@ -279,10 +279,10 @@ def nll_loss_backward_rows(grad_logp: Array, grad_out: Array, target: Array, row
     """``grad_logp`` (``[rows, n]``) zeroed, then ``-grad_out`` (per row for none, else
     ``grad_out[0]``, divided by the non-ignored count for mean) at each target."""
     red = Reduction[reduction] if isinstance(reduction, str) else Reduction(reduction)
-    s = L.stream_of(grad_logp, stream)
+    s = shared.stream_of(grad_logp, stream)
     fill(grad_logp, 0, s)
     if rows == 0:
         return
-    _mod(grad_logp.device).nll_loss_backward[1, L.BLOCK](
-        L.matrix(grad_logp, rows, n), L.flat(grad_out), L.flat(target), rows, int(red),
-        ignore_index, stream=s)
+    _mod(grad_logp.device).nll_loss_backward[1, shared.BLOCK](
+        shared.matrix(grad_logp, rows, n), shared.flat(grad_out), shared.flat(target), rows,
+        int(red), ignore_index, stream=s)

@@ -26,8 +26,8 @@ import enum
 import numpy as np
 
 import runtime
-from torch_accel.kernels import _launch as L
-from torch_accel.kernels._launch import Array
+from torch_accel.kernels import _shared as shared
+from torch_accel.kernels._shared import Array
 
 M0, M1 = 0xD2511F53, 0xCD9E8D57
 W0, W1 = 0x9E3779B9, 0xBB67AE85
@@ -77,7 +77,7 @@ def _outputs(wide: bool) -> str:
     stores = {Dist.uniform: [f"v{q} = a + (b - a) * u{q}" for q in range(width)],
               Dist.normal: norm + [f"v{q} = z{q}" for q in range(width)],
               Dist.bernoulli: [f"v{q} = 1 if u{q} < a else 0" for q in range(width)]}
-    text = [*lines, L.dispatch({d: "\n".join(s) for d, s in stores.items()}, "")]
+    text = [*lines, shared.dispatch({d: "\n".join(s) for d, s in stores.items()}, "")]
     for q in range(width):
         text += [f"if base + {q} < n:", f"    out[base + {q}] = v{q}"]
     return "\n".join("    " + s for t in text for s in t.split("\n"))
@@ -115,17 +115,17 @@ def counters(n: int, dtype: np.dtype | str) -> int:
 
 def _philox(out: Array, seed: int, offset: int, dist: Dist, a: float, b: float,
             stream: runtime.Stream | None) -> None:
-    n = L.size(out)
+    n = shared.size(out)
     if n == 0:
         return
     wide = out.dtype == np.float64
     threads = counters(n, out.dtype)
-    k = L.module("random", SOURCE, out.device).get_kernel("philox_wide" if wide else "philox")
+    k = shared.module("random", SOURCE, out.device).get_kernel("philox_wide" if wide else "philox")
     seed &= 2**64 - 1
     off = offset & (2**64 - 1)
-    k[L.grid(threads), L.BLOCK](L.flat(out), seed & 0xFFFFFFFF, seed >> 32,
-                                off - 2**64 if off >= 2**63 else off, n, int(dist),
-                                float(a), float(b), stream=L.stream_of(out, stream))
+    k[shared.grid(threads), shared.BLOCK](shared.flat(out), seed & 0xFFFFFFFF, seed >> 32,
+                                          off - 2**64 if off >= 2**63 else off, n, int(dist),
+                                          float(a), float(b), stream=shared.stream_of(out, stream))
 
 
 def uniform(out: Array, seed: int, offset: int, low: float = 0.0, high: float = 1.0,

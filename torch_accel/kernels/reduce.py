@@ -18,8 +18,8 @@ import enum
 import numpy as np
 
 import runtime
-from torch_accel.kernels import _launch as L
-from torch_accel.kernels._launch import Array
+from torch_accel.kernels import _shared as shared
+from torch_accel.kernels._shared import Array
 from torch_accel.kernels.elementwise import Binary, Unary, binary, fill, unary
 from torch_accel.kernels.layout import strided_copy
 
@@ -80,7 +80,7 @@ def _source() -> str:
     ai = -1
     for k in range(lo + t, hi, 256):
         v = x[r * n + k]
-{L.dispatch(_COMBINE, " " * 8)}
+{shared.dispatch(_COMBINE, " " * 8)}
     part[t] = acc
     pidx[t] = ai
     barrier()
@@ -88,7 +88,7 @@ def _source() -> str:
         for q in range(1, 256):
             v = part[q]
             k = pidx[q]
-{L.dispatch(_COMBINE, " " * 12)}
+{shared.dispatch(_COMBINE, " " * 12)}
         val[r * nchunks + c] = acc
         idx[r * nchunks + c] = ai
 """)
@@ -103,7 +103,7 @@ def _source() -> str:
             k = q
             if use_idx != 0:
                 k = idx[r * nchunks + q]
-{L.dispatch(_COMBINE, " " * 12, "fam")}
+{shared.dispatch(_COMBINE, " " * 12, "fam")}
         if op == {int(Reduce.mean)}:
             out[r] = acc / n
         elif op == {int(Reduce.argmax)} or op == {int(Reduce.argmin)}:
@@ -139,27 +139,28 @@ def reduce_rows(op: Reduce | str, out: Array, x: Array, rows: int, n: int,
     floating = x.dtype.kind == "f"
     if op == Reduce.mean and not floating:
         raise TypeError("mean needs float input")
-    s = L.stream_of(out, stream)
+    s = shared.stream_of(out, stream)
     acc = np.float64 if floating else np.int64
     fam = _FAMILY[op]
-    init = L.scalar(_init(fam, floating), acc)
+    init = shared.scalar(_init(fam, floating), acc)
     if n == 0:  # an empty x is an empty allocation, which no launch may name
         fill(out, np.nan if op == Reduce.mean else -1 if op in (Reduce.argmax, Reduce.argmin)
              else init, s)
         return
-    mod = L.module("reduce", SOURCE, out.device)
-    xf = L.as_bytes_if_bool(L.flat(x))
+    mod = shared.module("reduce", SOURCE, out.device)
+    xf = shared.as_bytes_if_bool(shared.flat(x))
     if n <= SHORT:  # a thread per row, walking it: no block, barrier or partials
-        mod.finish[L.grid(rows), L.BLOCK](L.flat(out), xf, _no_index(out.device), int(op),
-                                          int(fam), rows, n, n, init, 0, stream=s)
+        mod.finish[shared.grid(rows), shared.BLOCK](shared.flat(out), xf, _no_index(out.device),
+                                                    int(op), int(fam), rows, n, n, init, 0,
+                                                    stream=s)
         return
     nchunks = -(-n // CHUNK)
     val = runtime.empty(rows * nchunks, acc, device=out.device)
     idx = runtime.empty(rows * nchunks, np.int64, device=out.device)
-    mod.get_kernel(f"stage_{'f' if floating else 'i'}")[(nchunks, rows), L.BLOCK](
+    mod.get_kernel(f"stage_{'f' if floating else 'i'}")[(nchunks, rows), shared.BLOCK](
         val, idx, xf, int(fam), n, CHUNK, nchunks, init, stream=s)
-    mod.finish[L.grid(rows), L.BLOCK](L.flat(out), val, idx, int(op), int(fam), rows, nchunks,
-                                      n, init, 1, stream=s)
+    mod.finish[shared.grid(rows), shared.BLOCK](shared.flat(out), val, idx, int(op), int(fam),
+                                                rows, nchunks, n, init, 1, stream=s)
 
 
 _dummies: dict[int, runtime.DeviceArray] = {}
@@ -180,7 +181,7 @@ def var_rows(out: Array, x: Array, rows: int, n: int, correction: int = 1, std: 
     costs no compile of its own; it needs a temporary of ``x``'s size."""
     if x.dtype.kind != "f":
         raise TypeError("var/std need float input")
-    s = L.stream_of(out, stream)
+    s = shared.stream_of(out, stream)
     mean = runtime.empty(rows, x.dtype, device=x.device)
     reduce_rows(Reduce.mean, mean, x, rows, n, s)
     dev = runtime.empty(rows * n, x.dtype, device=x.device)

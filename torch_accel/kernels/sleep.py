@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 import runtime
-from torch_accel.kernels import _launch as L
+from torch_accel.kernels import _shared as shared
 
 SOURCE = """def sleep(scratch, cycles: 'int64'):
     acc = 0
@@ -28,5 +28,5 @@ def sleep(cycles: int, device: int | None = None, stream: runtime.Stream | None 
     scratch = _scratch.get(dev)
     if scratch is None:
         scratch = _scratch[dev] = runtime.empty(1, np.int64, device=dev)
-    L.module("sleep", SOURCE, dev).sleep[1, 1](
+    shared.module("sleep", SOURCE, dev).sleep[1, 1](
         scratch, int(cycles), stream=stream if stream is not None else runtime.current_stream(dev))

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from torch_accel import kernels as K
+from torch_accel import kernels
+from torch_accel.kernels import Binary, Compare, Predicate, Unary
 from torch_accel.kernels.elementwise import FLOAT_ONLY, INT_ONLY_BINARY
-from torch_accel.ops import _operands as O
+from torch_accel.ops import _operands as operands
 from torch_accel.ops._register import Unsupported, implements
 from torch_accel.ops._tensors import stream, view_of
 
@@ -29,36 +30,38 @@ class _Pair:
     tensors, the device, the promoted dtype and the broadcast shape."""
 
     def __init__(self, a: Any, b: Any) -> None:
-        self.a, self.b = O.as_number(a), O.as_number(b)
-        self.device = O.device_of(self.a, self.b)
+        self.a, self.b = operands.as_number(a), operands.as_number(b)
+        self.device = operands.device_of(self.a, self.b)
         self.result = torch.result_type(self.a, self.b)
-        self.shape = O.broadcast(self.a, self.b)
+        self.shape = operands.broadcast(self.a, self.b)
 
     def buffers(self, compute: torch.dtype) -> tuple[tuple[Any, int], tuple[Any, int]]:
         """((a's buffer, stride), (b's buffer or number, stride)) in ``compute``; the
         kernels take a number for ``b`` only, so a number ``a`` becomes a buffer."""
-        if not O.supported(compute):
+        if not operands.supported(compute):
             raise Unsupported
-        a = (O.number_buffer(self.a, compute, self.device), 0) if O.is_number(self.a) \
-            else O.operand(self.a, compute, self.shape, self.device)
-        return a, O.operand(self.b, compute, self.shape, self.device)
+        if operands.is_number(self.a):
+            a = (operands.number_buffer(self.a, compute, self.device), 0)
+        else:
+            a = operands.operand(self.a, compute, self.shape, self.device)
+        return a, operands.operand(self.b, compute, self.shape, self.device)
 
 
-def binary_op(op: K.Binary, a: Any, b: Any, alpha: Any = 1,
+def binary_op(op: Binary, a: Any, b: Any, alpha: Any = 1,
               out: torch.Tensor | None = None) -> torch.Tensor:
     p = _Pair(a, b)
     compute = p.result
-    if op == K.Binary.div and not compute.is_floating_point:
+    if op == Binary.div and not compute.is_floating_point:
         compute = torch.get_default_dtype()
     if compute in _FLOATING and op in INT_ONLY_BINARY:
         raise Unsupported
-    O.check_cast(compute, out)
+    operands.check_cast(compute, out)
     (ab, sa), (bb, sb) = p.buffers(compute)
-    return O.result(p.shape, compute, p.device, out, lambda o: K.binary(
+    return operands.result(p.shape, compute, p.device, out, lambda o: kernels.binary(
         op, o, ab, bb, alpha, a_stride=sa, b_stride=sb, stream=stream(p.device.index)))
 
 
-def _binary_family(name: str, op: K.Binary) -> None:
+def _binary_family(name: str, op: Binary) -> None:
     """Register ``name``'s Tensor/Scalar, in-place and out= overloads on ``op``."""
     overloads = set(getattr(torch.ops.aten, name).overloads())
     inplace = set(getattr(torch.ops.aten, f"{name}_").overloads()) \
@@ -84,46 +87,47 @@ def _binary_family(name: str, op: K.Binary) -> None:
         implements(f"{name}.out")(with_out)
 
 
-for _name_, _op in (("add", K.Binary.add), ("sub", K.Binary.sub), ("mul", K.Binary.mul),
-                    ("div", K.Binary.div), ("remainder", K.Binary.remainder),
-                    ("maximum", K.Binary.maximum), ("minimum", K.Binary.minimum),
-                    ("bitwise_and", K.Binary.bitwise_and), ("bitwise_or", K.Binary.bitwise_or),
-                    ("bitwise_xor", K.Binary.bitwise_xor), ("floor_divide", K.Binary.floor_divide)):
+for _name_, _op in (("add", Binary.add), ("sub", Binary.sub), ("mul", Binary.mul),
+                    ("div", Binary.div), ("remainder", Binary.remainder),
+                    ("maximum", Binary.maximum), ("minimum", Binary.minimum),
+                    ("bitwise_and", Binary.bitwise_and), ("bitwise_or", Binary.bitwise_or),
+                    ("bitwise_xor", Binary.bitwise_xor), ("floor_divide", Binary.floor_divide)):
     _binary_family(_name_, _op)
 
 
 @implements("div.Tensor_mode", "div.Scalar_mode")
 def div_mode(a: Any, b: Any, *, rounding_mode: str | None = None) -> torch.Tensor:
     if rounding_mode is None:
-        return binary_op(K.Binary.div, a, b)
+        return binary_op(Binary.div, a, b)
     if rounding_mode == "floor":
-        return binary_op(K.Binary.floor_divide, a, b)
-    q = binary_op(K.Binary.div, a, b)
-    result = torch.result_type(O.as_number(a), O.as_number(b))
-    return unary_op(K.Unary.trunc, q).to(result)
+        return binary_op(Binary.floor_divide, a, b)
+    q = binary_op(Binary.div, a, b)
+    result = torch.result_type(operands.as_number(a), operands.as_number(b))
+    return unary_op(Unary.trunc, q).to(result)
 
 
 @implements("pow.Tensor_Tensor", "pow.Tensor_Scalar")
 def pow_(a: Any, b: Any) -> torch.Tensor:
-    return binary_op(K.Binary.pow, a, b)
+    return binary_op(Binary.pow, a, b)
 
 
 @implements("pow.Scalar")
 def pow_scalar(a: Any, b: torch.Tensor) -> torch.Tensor:
-    return binary_op(K.Binary.pow, a, b)
+    return binary_op(Binary.pow, a, b)
 
 
 @implements("pow_.Scalar", "pow_.Tensor")
 def pow_inplace(a: torch.Tensor, b: Any) -> torch.Tensor:
-    return binary_op(K.Binary.pow, a, b, out=a)
+    return binary_op(Binary.pow, a, b, out=a)
 
 
-def _logical(op: K.Binary, a: Any, b: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+def _logical(op: Binary, a: Any, b: Any, out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's logical op in the promoted dtype (0 or 1), then converted to bool."""
     p = _Pair(a, b)
     (ab, sa), (bb, sb) = p.buffers(p.result)
     tmp = torch.empty(p.shape, dtype=p.result, device=p.device)
-    K.binary(op, view_of(tmp), ab, bb, a_stride=sa, b_stride=sb, stream=stream(p.device.index))
+    kernels.binary(op, view_of(tmp), ab, bb, a_stride=sa, b_stride=sb,
+                   stream=stream(p.device.index))
     if out is None:
         return tmp.to(torch.bool)
     if out.shape != p.shape:
@@ -131,41 +135,41 @@ def _logical(op: K.Binary, a: Any, b: Any, out: torch.Tensor | None = None) -> t
     return out.copy_(tmp)
 
 
-for _name_, _op in (("logical_and", K.Binary.logical_and), ("logical_or", K.Binary.logical_or),
-                    ("logical_xor", K.Binary.logical_xor)):
+for _name_, _op in (("logical_and", Binary.logical_and), ("logical_or", Binary.logical_or),
+                    ("logical_xor", Binary.logical_xor)):
     implements(f"{_name_}")(lambda a, b, _o=_op: _logical(_o, a, b))
     implements(f"{_name_}.out")(lambda a, b, *, out, _o=_op: _logical(_o, a, b, out))
     implements(f"{_name_}_")(lambda a, b, _o=_op: _logical(_o, a, b, a))
 
 
 # ---------------------------------------------- optimiser arithmetic (Adam, SGD ...)
-def _addc(op: K.Binary, x: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor, value: Any,
+def _addc(op: Binary, x: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor, value: Any,
           out: torch.Tensor | None) -> torch.Tensor:
     """``x + value * (t1 OP t2)``: two launches."""
-    return O.into(out, binary_op(K.Binary.add, x, binary_op(op, t1, t2), value))
+    return operands.into(out, binary_op(Binary.add, x, binary_op(op, t1, t2), value))
 
 
-implements("addcmul")(lambda x, t1, t2, *, value=1: _addc(K.Binary.mul, x, t1, t2, value, None))
-implements("addcmul_")(lambda x, t1, t2, *, value=1: _addc(K.Binary.mul, x, t1, t2, value, x))
+implements("addcmul")(lambda x, t1, t2, *, value=1: _addc(Binary.mul, x, t1, t2, value, None))
+implements("addcmul_")(lambda x, t1, t2, *, value=1: _addc(Binary.mul, x, t1, t2, value, x))
 implements("addcmul.out")(
-    lambda x, t1, t2, *, value=1, out: _addc(K.Binary.mul, x, t1, t2, value, out))
-implements("addcdiv")(lambda x, t1, t2, *, value=1: _addc(K.Binary.div, x, t1, t2, value, None))
-implements("addcdiv_")(lambda x, t1, t2, *, value=1: _addc(K.Binary.div, x, t1, t2, value, x))
+    lambda x, t1, t2, *, value=1, out: _addc(Binary.mul, x, t1, t2, value, out))
+implements("addcdiv")(lambda x, t1, t2, *, value=1: _addc(Binary.div, x, t1, t2, value, None))
+implements("addcdiv_")(lambda x, t1, t2, *, value=1: _addc(Binary.div, x, t1, t2, value, x))
 implements("addcdiv.out")(
-    lambda x, t1, t2, *, value=1, out: _addc(K.Binary.div, x, t1, t2, value, out))
+    lambda x, t1, t2, *, value=1, out: _addc(Binary.div, x, t1, t2, value, out))
 
 
 def _lerp(start: torch.Tensor, end: torch.Tensor, weight: Any,
           out: torch.Tensor | None) -> torch.Tensor:
     """torch's formula, exact at both ends: ``start + w * (end - start)`` for ``|w| < 0.5``,
     else ``end + (w - 1) * (end - start)`` (a weight tensor goes to the CPU)."""
-    weight = O.as_number(weight)
-    if not O.is_number(weight):
+    weight = operands.as_number(weight)
+    if not operands.is_number(weight):
         raise Unsupported
-    step = binary_op(K.Binary.sub, end, start)
+    step = binary_op(Binary.sub, end, start)
     near_end = abs(weight) >= 0.5
     base, coeff = (end, weight - 1) if near_end else (start, weight)
-    return O.into(out, binary_op(K.Binary.add, base, binary_op(K.Binary.mul, step, coeff)))
+    return operands.into(out, binary_op(Binary.add, base, binary_op(Binary.mul, step, coeff)))
 
 
 implements("lerp.Scalar", "lerp.Tensor")(lambda a, b, w: _lerp(a, b, w, None))
@@ -174,15 +178,15 @@ implements("lerp.Scalar_out", "lerp.Tensor_out")(lambda a, b, w, *, out: _lerp(a
 
 
 # ------------------------------------------------------------------------ compare
-def compare_op(op: K.Compare, a: Any, b: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+def compare_op(op: Compare, a: Any, b: Any, out: torch.Tensor | None = None) -> torch.Tensor:
     p = _Pair(a, b)
     (ab, sa), (bb, sb) = p.buffers(p.result)
-    return O.result(p.shape, torch.bool, p.device, out, lambda o: K.compare(
+    return operands.result(p.shape, torch.bool, p.device, out, lambda o: kernels.compare(
         op, o, ab, bb, a_stride=sa, b_stride=sb, stream=stream(p.device.index)))
 
 
-for _name_, _op in (("eq", K.Compare.eq), ("ne", K.Compare.ne), ("lt", K.Compare.lt),
-                    ("le", K.Compare.le), ("gt", K.Compare.gt), ("ge", K.Compare.ge)):
+for _name_, _op in (("eq", Compare.eq), ("ne", Compare.ne), ("lt", Compare.lt),
+                    ("le", Compare.le), ("gt", Compare.gt), ("ge", Compare.ge)):
     implements(f"{_name_}.Tensor", f"{_name_}.Scalar")(lambda a, b, _o=_op: compare_op(_o, a, b))
     implements(f"{_name_}.Tensor_out", f"{_name_}.Scalar_out")(
         lambda a, b, *, out, _o=_op: compare_op(_o, a, b, out))
@@ -191,16 +195,16 @@ for _name_, _op in (("eq", K.Compare.eq), ("ne", K.Compare.ne), ("lt", K.Compare
 
 
 # -------------------------------------------------------------------------- unary
-def unary_op(op: K.Unary, x: torch.Tensor, p0: float = 0.0, p1: float = 0.0,
+def unary_op(op: Unary, x: torch.Tensor, p0: float = 0.0, p1: float = 0.0,
              out: torch.Tensor | None = None) -> torch.Tensor:
     compute = x.dtype
     if op in FLOAT_ONLY and not compute.is_floating_point:
         compute = torch.get_default_dtype()
-    if not O.supported(compute) or (compute == torch.bool and op != K.Unary.bitwise_not):
+    if not operands.supported(compute) or (compute == torch.bool and op != Unary.bitwise_not):
         raise Unsupported
-    O.check_cast(compute, out)
-    xb, _ = O.operand(x, compute, x.shape, x.device)
-    return O.result(x.shape, compute, x.device, out, lambda o: K.unary(
+    operands.check_cast(compute, out)
+    xb, _ = operands.operand(x, compute, x.shape, x.device)
+    return operands.result(x.shape, compute, x.device, out, lambda o: kernels.unary(
         op, o, xb, p0, p1, stream=stream(x.device.index)))
 
 
@@ -209,7 +213,7 @@ _UNARY = ("neg", "abs", "exp", "log", "log2", "log10", "log1p", "expm1", "sqrt",
           "floor", "ceil", "trunc", "bitwise_not")
 
 
-def _unary_family(name: str, op: K.Unary) -> None:
+def _unary_family(name: str, op: Unary) -> None:
     implements(f"{name}")(lambda x, _o=op: unary_op(_o, x))
     if "out" in getattr(torch.ops.aten, name).overloads():
         implements(f"{name}.out")(lambda x, *, out, _o=op: unary_op(_o, x, out=out))
@@ -218,27 +222,27 @@ def _unary_family(name: str, op: K.Unary) -> None:
 
 
 for _name_ in _UNARY:
-    _unary_family(_name_, K.Unary[_name_])
+    _unary_family(_name_, Unary[_name_])
 
 
 @implements("round")
 def round_(x: torch.Tensor) -> torch.Tensor:
-    return unary_op(K.Unary.round, x)
+    return unary_op(Unary.round, x)
 
 
 @implements("gelu")
 def gelu(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
-    return unary_op(K.Unary.gelu_tanh if approximate == "tanh" else K.Unary.gelu, x)
+    return unary_op(Unary.gelu_tanh if approximate == "tanh" else Unary.gelu, x)
 
 
 @implements("leaky_relu")
 def leaky_relu(x: torch.Tensor, negative_slope: float = 0.01) -> torch.Tensor:
-    return unary_op(K.Unary.leaky_relu, x, float(negative_slope))
+    return unary_op(Unary.leaky_relu, x, float(negative_slope))
 
 
 @implements("hardtanh")
 def hardtanh(x: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0) -> torch.Tensor:
-    return unary_op(K.Unary.clamp, x, min_val, max_val)
+    return unary_op(Unary.clamp, x, min_val, max_val)
 
 
 @implements("clamp")
@@ -251,7 +255,7 @@ def clamp(x: torch.Tensor, min: Any = None, max: Any = None) -> torch.Tensor:  #
     hi = big if max is None else max
     if x.dtype.is_floating_point is False and (isinstance(lo, float) or isinstance(hi, float)):
         raise Unsupported  # torch promotes an int tensor clamped by floats
-    return unary_op(K.Unary.clamp, x, lo, hi)
+    return unary_op(Unary.clamp, x, lo, hi)
 
 
 @implements("nan_to_num")
@@ -260,38 +264,38 @@ def nan_to_num(x: torch.Tensor, nan: float | None = None, posinf: float | None =
     if not x.dtype.is_floating_point or (nan not in (None, 0.0)):
         raise Unsupported
     info = torch.finfo(x.dtype)
-    return unary_op(K.Unary.nan_to_num, x, info.max if posinf is None else posinf,
+    return unary_op(Unary.nan_to_num, x, info.max if posinf is None else posinf,
                     info.min if neginf is None else neginf)
 
 
-def _predicate(op: K.Predicate, x: torch.Tensor) -> torch.Tensor:
-    if not O.supported(x.dtype):
+def _predicate(op: Predicate, x: torch.Tensor) -> torch.Tensor:
+    if not operands.supported(x.dtype):
         raise Unsupported
-    xb, _ = O.operand(x, x.dtype, x.shape, x.device)
-    return O.result(x.shape, torch.bool, x.device, None, lambda o: K.predicate(
+    xb, _ = operands.operand(x, x.dtype, x.shape, x.device)
+    return operands.result(x.shape, torch.bool, x.device, None, lambda o: kernels.predicate(
         op, o, xb, stream=stream(x.device.index)))
 
 
-implements("isnan")(lambda x: _predicate(K.Predicate.isnan, x))
-implements("logical_not")(lambda x: _predicate(K.Predicate.logical_not, x))
-implements("signbit")(lambda x: _predicate(K.Predicate.signbit, x))
+implements("isnan")(lambda x: _predicate(Predicate.isnan, x))
+implements("logical_not")(lambda x: _predicate(Predicate.logical_not, x))
+implements("signbit")(lambda x: _predicate(Predicate.signbit, x))
 
 
 # -------------------------------------------------------------------- where, fill
 @implements("where.self")
 def where(cond: torch.Tensor, a: Any, b: Any) -> torch.Tensor:
-    a, b = O.as_number(a), O.as_number(b)
-    device = O.device_of(cond, a, b)
+    a, b = operands.as_number(a), operands.as_number(b)
+    device = operands.device_of(cond, a, b)
     compute = torch.result_type(a, b)
-    if not O.supported(compute):
+    if not operands.supported(compute):
         raise Unsupported
-    shape = O.broadcast(cond, a, b)
-    cb, sc = O.operand(cond, torch.bool, shape, device)
-    ab, sa = (O.number_buffer(a, compute, device), 0) if O.is_number(a) else \
-        O.operand(a, compute, shape, device)
-    bb, sb = (O.number_buffer(b, compute, device), 0) if O.is_number(b) else \
-        O.operand(b, compute, shape, device)
-    return O.result(shape, compute, device, None, lambda o: K.where(
+    shape = operands.broadcast(cond, a, b)
+    cb, sc = operands.operand(cond, torch.bool, shape, device)
+    ab, sa = (operands.number_buffer(a, compute, device), 0) if operands.is_number(a) else \
+        operands.operand(a, compute, shape, device)
+    bb, sb = (operands.number_buffer(b, compute, device), 0) if operands.is_number(b) else \
+        operands.operand(b, compute, shape, device)
+    return operands.result(shape, compute, device, None, lambda o: kernels.where(
         o, cb, ab, bb, cond_stride=sc, a_stride=sa, b_stride=sb, stream=stream(device.index)))
 
 
@@ -304,9 +308,9 @@ def fill_(x: torch.Tensor, value: Any) -> torch.Tensor:
         if x.numel():
             view_of(x).memset(0, stream=stream(x.device.index))
         return x
-    if not O.supported(x.dtype):
+    if not operands.supported(x.dtype):
         raise Unsupported
-    return O.result(x.shape, x.dtype, x.device, x, lambda o: K.fill(
+    return operands.result(x.shape, x.dtype, x.device, x, lambda o: kernels.fill(
         o, value, stream=stream(x.device.index)))
 
 
@@ -324,7 +328,7 @@ def zero_(x: torch.Tensor) -> torch.Tensor:
 def arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> torch.Tensor:
     """``start + i * step`` for i below torch's count ``ceil((end - start) / step)``,
     computed in float64 (int64 for integer outputs) and stored, as torch's CPU kernel."""
-    if not O.supported(out.dtype) or out.dtype == torch.bool or step == 0:
+    if not operands.supported(out.dtype) or out.dtype == torch.bool or step == 0:
         raise Unsupported  # torch's own errors (a zero step, a bool range) from the CPU
     if out.dtype.is_floating_point:
         count = math.ceil((float(end) - float(start)) / float(step))
@@ -334,6 +338,6 @@ def arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> tor
         raise Unsupported
     if out.numel() != count:
         out.resize_(count)
-    return O.result(out.shape, out.dtype, out.device, out, lambda o: K.arange(
+    return operands.result(out.shape, out.dtype, out.device, out, lambda o: kernels.arange(
         o, start, step, stream=stream(out.device.index)))
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from torch_accel import kernels as K
-from torch_accel.ops import _operands as O
+from torch_accel import kernels
+from torch_accel.ops import _operands as operands
 from torch_accel.ops._register import Unsupported, implements
 from torch_accel.ops._tensors import stream, view_of
 from torch_accel.ops.copy import contiguous_on_device, strided_into
@@ -43,8 +43,8 @@ def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     beta = float(beta) if bias is not None else 0.0
     if beta != 0:
         strided_into(out, bias.to(a.dtype))
-    K.mm(_view(out), _view(a), _view(b), beta=beta, alpha=float(alpha),
-         stream=stream(a.device.index))
+    kernels.mm(_view(out), _view(a), _view(b), beta=beta, alpha=float(alpha),
+               stream=stream(a.device.index))
     return out
 
 
@@ -66,7 +66,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _check(a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1])
     a, b = _matrices(a, b)
     out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
-    K.bmm(_view(out), _view(a), _view(b), stream=stream(a.device.index))
+    kernels.bmm(_view(out), _view(a), _view(b), stream=stream(a.device.index))
     return out
 
 
@@ -93,7 +93,7 @@ def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _out_form(fn: Any) -> Any:
     """The ``out=`` overload of a product: computed, then moved into ``out``."""
-    return lambda *args, out, **kwargs: O.into(out, fn(*args, **kwargs))
+    return lambda *args, out, **kwargs: operands.into(out, fn(*args, **kwargs))
 
 
 for _name_, _fn in (("mm", mm), ("addmm", addmm), ("bmm", bmm), ("addmv", addmv)):

@@ -9,8 +9,9 @@ import math
 
 import torch
 
-from torch_accel import kernels as K
-from torch_accel.ops import _operands as O
+from torch_accel import kernels
+from torch_accel.kernels import Backward, Binary
+from torch_accel.ops import _operands as operands
 from torch_accel.ops._register import Unsupported, implements
 from torch_accel.ops._tensors import stream, view_of
 from torch_accel.ops.copy import contiguous_on_device
@@ -41,7 +42,8 @@ def _softmax(x: torch.Tensor, dim: int, half_to_float: bool, log: bool) -> torch
     n = dense.shape[-1] if dense.dim() else 1
     rows = dense.numel() // n if n else 0
     out = torch.empty_like(dense)
-    K.softmax_rows(view_of(out), view_of(dense), rows, n, log=log, stream=stream(x.device.index))
+    kernels.softmax_rows(view_of(out), view_of(dense), rows, n, log=log,
+                         stream=stream(x.device.index))
     return _back(out, inverse, x.shape)
 
 
@@ -57,8 +59,9 @@ def _softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int, input_dtype
     yd, _ = _last(y, dim)
     n = yd.shape[-1] if yd.dim() else 1
     out = torch.empty_like(yd)
-    K.softmax_backward_rows(view_of(out), view_of(g), view_of(yd), yd.numel() // n if n else 0,
-                            n, log=log, stream=stream(y.device.index))
+    kernels.softmax_backward_rows(view_of(out), view_of(g), view_of(yd),
+                                  yd.numel() // n if n else 0, n, log=log,
+                                  stream=stream(y.device.index))
     return _back(out, inverse, y.shape)
 
 
@@ -68,25 +71,25 @@ implements("_log_softmax_backward_data")(
     lambda grad, y, dim, input_dtype: _softmax_backward(grad, y, dim, input_dtype, True))
 
 
-def _activation_backward(op: K.Backward, grad: torch.Tensor, x: torch.Tensor,
+def _activation_backward(op: Backward, grad: torch.Tensor, x: torch.Tensor,
                          p0: float = 0.0) -> torch.Tensor:
     if x.dtype not in _FLOAT or grad.dtype != x.dtype:
         raise Unsupported
-    shape = O.broadcast(grad, x)
-    g, _ = O.operand(grad, x.dtype, shape, x.device)
-    v, _ = O.operand(x, x.dtype, shape, x.device)
-    return O.result(shape, x.dtype, x.device, None, lambda o: K.activation_backward(
+    shape = operands.broadcast(grad, x)
+    g, _ = operands.operand(grad, x.dtype, shape, x.device)
+    v, _ = operands.operand(x, x.dtype, shape, x.device)
+    return operands.result(shape, x.dtype, x.device, None, lambda o: kernels.activation_backward(
         op, o, g, v, p0, stream=stream(x.device.index)))
 
 
 implements("threshold_backward")(
-    lambda grad, x, threshold: _activation_backward(K.Backward.threshold, grad, x, float(threshold)))
+    lambda grad, x, threshold: _activation_backward(Backward.threshold, grad, x, float(threshold)))
 implements("gelu_backward")(
     lambda grad, x, *, approximate="none": _activation_backward(
-        K.Backward.gelu_tanh if approximate == "tanh" else K.Backward.gelu, grad, x))
-implements("sigmoid_backward")(lambda grad, y: _activation_backward(K.Backward.sigmoid, grad, y))
-implements("tanh_backward")(lambda grad, y: _activation_backward(K.Backward.tanh, grad, y))
-implements("silu_backward")(lambda grad, x: _activation_backward(K.Backward.silu, grad, x))
+        Backward.gelu_tanh if approximate == "tanh" else Backward.gelu, grad, x))
+implements("sigmoid_backward")(lambda grad, y: _activation_backward(Backward.sigmoid, grad, y))
+implements("tanh_backward")(lambda grad, y: _activation_backward(Backward.tanh, grad, y))
+implements("silu_backward")(lambda grad, x: _activation_backward(Backward.silu, grad, x))
 
 
 def _nll_args(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None
@@ -105,8 +108,8 @@ def nll_loss_forward(logp: torch.Tensor, target: torch.Tensor, weight: torch.Ten
     s = stream(logp.device.index)
     out = torch.empty(rows if reduction == 0 and logp.dim() == 2 else (), dtype=logp.dtype,
                       device=logp.device)
-    K.nll_loss_rows(view_of(out), view_of(lp), view_of(tg), rows, n, reduction, ignore_index,
-                    stream=s)
+    kernels.nll_loss_rows(view_of(out), view_of(lp), view_of(tg), rows, n, reduction, ignore_index,
+                          stream=s)
     # torch's total_weight: the count of targets that are not ignored (no class weights)
     total = (tg != ignore_index).sum().to(logp.dtype) if reduction != 0 else \
         torch.zeros((), dtype=logp.dtype, device=logp.device)
@@ -119,23 +122,23 @@ def nll_loss_backward(grad: torch.Tensor, logp: torch.Tensor, target: torch.Tens
                       total_weight: torch.Tensor) -> torch.Tensor:
     lp, tg, rows, n = _nll_args(logp, target, weight)
     out = torch.empty_like(lp)
-    K.nll_loss_backward_rows(view_of(out), view_of(contiguous_on_device(grad.reshape(-1))),
-                             view_of(tg), rows, n, reduction, ignore_index,
-                             stream=stream(logp.device.index))
+    kernels.nll_loss_backward_rows(view_of(out), view_of(contiguous_on_device(grad.reshape(-1))),
+                                   view_of(tg), rows, n, reduction, ignore_index,
+                                   stream=stream(logp.device.index))
     return out.reshape(logp.shape)
 
 
 @implements("index_select")
 def index_select(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     if index.device != x.device or index.dtype not in (torch.int64, torch.int32) \
-            or not O.supported(x.dtype) or x.dim() == 0 or index.dim() > 1:
+            or not operands.supported(x.dtype) or x.dim() == 0 or index.dim() > 1:
         raise Unsupported
     moved = contiguous_on_device(x.movedim(dim, 0))
     row = math.prod(moved.shape[1:])
     idx = contiguous_on_device(index.reshape(-1))
     out = torch.empty((idx.numel(), *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    K.index_rows(view_of(out), view_of(moved), view_of(idx), idx.numel(), row,
-                 stream=stream(x.device.index))
+    kernels.index_rows(view_of(out), view_of(moved), view_of(idx), idx.numel(), row,
+                       stream=stream(x.device.index))
     return out.movedim(0, dim)
 
 
@@ -151,8 +154,8 @@ def embedding_dense_backward(grad: torch.Tensor, indices: torch.Tensor, num_weig
         keep = (idx != padding_idx).to(grad.dtype).reshape(-1, 1)
         src = contiguous_on_device(src * keep)
     out = torch.zeros(num_weights, row, dtype=grad.dtype, device=grad.device)
-    K.index_add_rows(view_of(out), view_of(idx), view_of(src), idx.numel(), row,
-                     stream=stream(grad.device.index))
+    kernels.index_add_rows(view_of(out), view_of(idx), view_of(src), idx.numel(), row,
+                           stream=stream(grad.device.index))
     return out
 
 
@@ -161,8 +164,8 @@ def mse_loss(x: torch.Tensor, target: torch.Tensor, reduction: int = 1) -> torch
     """``(x - target) ** 2``, then none/mean/sum (torch's reduction enum 0/1/2)."""
     if x.dtype not in _FLOAT or target.dtype != x.dtype:
         raise Unsupported
-    diff = binary_op(K.Binary.sub, x, target)
-    sq = binary_op(K.Binary.mul, diff, diff)
+    diff = binary_op(Binary.sub, x, target)
+    sq = binary_op(Binary.mul, diff, diff)
     return sq if reduction == 0 else mean(sq) if reduction == 1 else sum_(sq)
 
 
@@ -172,6 +175,6 @@ def mse_loss_backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor,
     """``2 (x - target) grad``, divided by the element count for mean."""
     if x.dtype not in _FLOAT or target.dtype != x.dtype:
         raise Unsupported
-    scale = 2.0 / max(math.prod(O.broadcast(x, target)), 1) if reduction == 1 else 2.0
-    diff = binary_op(K.Binary.sub, x, target)
-    return binary_op(K.Binary.mul, binary_op(K.Binary.mul, diff, grad), scale)
+    scale = 2.0 / max(math.prod(operands.broadcast(x, target)), 1) if reduction == 1 else 2.0
+    diff = binary_op(Binary.sub, x, target)
+    return binary_op(Binary.mul, binary_op(Binary.mul, diff, grad), scale)

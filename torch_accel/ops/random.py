@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from torch_accel import _C
-from torch_accel import kernels as K
-from torch_accel.ops import _operands as O
+from torch_accel import kernels
+from torch_accel.ops import _operands as operands
 from torch_accel.ops._register import Unsupported, implements
 from torch_accel.ops._tensors import NUMPY, stream
 
@@ -25,7 +25,7 @@ def _draw(x: torch.Tensor, generator: torch.Generator | None) -> tuple[int, int]
     gen = generator if generator is not None else torch.accel.default_generator(x.device)
     if gen.device.type != "accel":
         raise Unsupported  # a CPU generator: torch's CPU sampling
-    return _C._philox_take(gen, K.counters(x.numel(), NUMPY[x.dtype]))
+    return _C._philox_take(gen, kernels.counters(x.numel(), NUMPY[x.dtype]))
 
 
 def _sample(x: torch.Tensor, generator: torch.Generator | None, fn, a: float, b: float  # noqa: ANN001
@@ -33,29 +33,29 @@ def _sample(x: torch.Tensor, generator: torch.Generator | None, fn, a: float, b:
     if x.dtype not in _FLOAT:
         raise Unsupported
     seed, offset = _draw(x, generator)
-    return O.result(x.shape, x.dtype, x.device, x, lambda o: fn(
+    return operands.result(x.shape, x.dtype, x.device, x, lambda o: fn(
         o, seed, offset, a, b, stream=stream(x.device.index)))
 
 
 @implements("uniform_")
 def uniform_(x: torch.Tensor, from_: float = 0.0, to: float = 1.0, *,
              generator: torch.Generator | None = None) -> torch.Tensor:
-    return _sample(x, generator, K.uniform, float(from_), float(to))
+    return _sample(x, generator, kernels.uniform, float(from_), float(to))
 
 
 @implements("normal_")
 def normal_(x: torch.Tensor, mean: float = 0.0, std: float = 1.0, *,
             generator: torch.Generator | None = None) -> torch.Tensor:
-    return _sample(x, generator, K.normal, float(mean), float(std))
+    return _sample(x, generator, kernels.normal, float(mean), float(std))
 
 
 @implements("bernoulli_.float")
 def bernoulli_(x: torch.Tensor, p: float = 0.5, *,
                generator: torch.Generator | None = None) -> torch.Tensor:
-    if not O.supported(x.dtype):
+    if not operands.supported(x.dtype):
         raise Unsupported
     seed, offset = _draw(x, generator)
-    return O.result(x.shape, x.dtype, x.device, x, lambda o: K.bernoulli_mask(
+    return operands.result(x.shape, x.dtype, x.device, x, lambda o: kernels.bernoulli_mask(
         o, seed, offset, float(p), stream=stream(x.device.index)))
 
 

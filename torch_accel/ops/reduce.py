@@ -14,16 +14,17 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_accel import kernels as K
-from torch_accel.ops import _operands as O
+from torch_accel import kernels
+from torch_accel.kernels import Reduce
+from torch_accel.ops import _operands as operands
 from torch_accel.ops._register import Unsupported, implements
 from torch_accel.ops._tensors import stream, view_of
 from torch_accel.ops.copy import contiguous_on_device
 
-_EXTREMES = (K.Reduce.amax, K.Reduce.amin, K.Reduce.argmax, K.Reduce.argmin)
+_EXTREMES = (Reduce.amax, Reduce.amin, Reduce.argmax, Reduce.argmin)
 #: what a reduction of no elements is (torch's)
-_EMPTY_VALUE = {K.Reduce.sum: 0, K.Reduce.prod: 1, K.Reduce.mean: float("nan"),
-                K.Reduce.any: False, K.Reduce.all: True}
+_EMPTY_VALUE = {Reduce.sum: 0, Reduce.prod: 1, Reduce.mean: float("nan"),
+                Reduce.any: False, Reduce.all: True}
 
 
 def _dims(x: torch.Tensor, dim: int | Sequence[int] | None) -> list[int]:
@@ -35,10 +36,10 @@ def _dims(x: torch.Tensor, dim: int | Sequence[int] | None) -> list[int]:
     return sorted({d % x.dim() for d in dims})
 
 
-def reduce_op(op: K.Reduce, x: torch.Tensor, dim: int | Sequence[int] | None, keepdim: bool,
-           compute: torch.dtype, out_dtype: torch.dtype,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    if not O.supported(compute, out_dtype):
+def reduce_op(op: Reduce, x: torch.Tensor, dim: int | Sequence[int] | None, keepdim: bool,
+              compute: torch.dtype, out_dtype: torch.dtype,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    if not operands.supported(compute, out_dtype):
         raise Unsupported
     dims = _dims(x, dim)
     kept = [d for d in range(x.dim()) if d not in dims]
@@ -50,12 +51,12 @@ def reduce_op(op: K.Reduce, x: torch.Tensor, dim: int | Sequence[int] | None, ke
         else [x.shape[d] for d in kept]
     if n == 0:  # nothing to read (an empty storage has no device address to launch on)
         res = torch.full(shape, _EMPTY_VALUE[op], dtype=out_dtype, device=x.device)
-        return O.into(out, res)
+        return operands.into(out, res)
     dense = contiguous_on_device(x.permute(*kept, *dims) if x.dim() else x, compute)
     flat = torch.empty(rows, dtype=out_dtype, device=x.device)
-    K.reduce_rows(op, view_of(flat), view_of(dense), rows, n, stream=stream(x.device.index))
+    kernels.reduce_rows(op, view_of(flat), view_of(dense), rows, n, stream=stream(x.device.index))
     res = flat.reshape(shape)
-    return O.into(out, res)
+    return operands.into(out, res)
 
 
 def _sum_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -67,22 +68,22 @@ def _sum_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
 @implements("sum")
 def sum_(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     d = _sum_dtype(x, dtype)
-    return reduce_op(K.Reduce.sum, x, None, False, d if d.is_floating_point else torch.int64, d)
+    return reduce_op(Reduce.sum, x, None, False, d if d.is_floating_point else torch.int64, d)
 
 
 @implements("sum.dim_IntList")
 def sum_dim(x: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *,
             dtype: torch.dtype | None = None) -> torch.Tensor:
     d = _sum_dtype(x, dtype)
-    return reduce_op(K.Reduce.sum, x, dim, keepdim, d if d.is_floating_point else torch.int64, d)
+    return reduce_op(Reduce.sum, x, dim, keepdim, d if d.is_floating_point else torch.int64, d)
 
 
 @implements("sum.IntList_out")
 def sum_out(x: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *,
             dtype: torch.dtype | None = None, out: torch.Tensor) -> torch.Tensor:
     d = dtype or out.dtype
-    return reduce_op(K.Reduce.sum, x, dim, keepdim, d if d.is_floating_point else torch.int64, d,
-                  out)
+    return reduce_op(Reduce.sum, x, dim, keepdim, d if d.is_floating_point else torch.int64, d,
+                     out)
 
 
 def _mean_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -95,43 +96,43 @@ def _mean_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
 @implements("mean")
 def mean(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     d = _mean_dtype(x, dtype)
-    return reduce_op(K.Reduce.mean, x, None, False, d, d)
+    return reduce_op(Reduce.mean, x, None, False, d, d)
 
 
 @implements("mean.dim")
 def mean_dim(x: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *,
              dtype: torch.dtype | None = None) -> torch.Tensor:
     d = _mean_dtype(x, dtype)
-    return reduce_op(K.Reduce.mean, x, dim, keepdim, d, d)
+    return reduce_op(Reduce.mean, x, dim, keepdim, d, d)
 
 
 @implements("prod")
 def prod(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     d = _sum_dtype(x, dtype)
-    return reduce_op(K.Reduce.prod, x, None, False, d if d.is_floating_point else torch.int64, d)
+    return reduce_op(Reduce.prod, x, None, False, d if d.is_floating_point else torch.int64, d)
 
 
 @implements("prod.dim_int")
 def prod_dim(x: torch.Tensor, dim: int, keepdim: bool = False, *,
              dtype: torch.dtype | None = None) -> torch.Tensor:
     d = _sum_dtype(x, dtype)
-    return reduce_op(K.Reduce.prod, x, dim, keepdim, d if d.is_floating_point else torch.int64, d)
+    return reduce_op(Reduce.prod, x, dim, keepdim, d if d.is_floating_point else torch.int64, d)
 
 
-def _extreme(op: K.Reduce, x: torch.Tensor, dim: Sequence[int] | int | None,
+def _extreme(op: Reduce, x: torch.Tensor, dim: Sequence[int] | int | None,
              keepdim: bool) -> torch.Tensor:
     if x.dtype == torch.bool:
         raise Unsupported
     return reduce_op(op, x, dim, keepdim, x.dtype, x.dtype)
 
 
-implements("amax")(lambda x, dim=(), keepdim=False: _extreme(K.Reduce.amax, x, dim, keepdim))
-implements("amin")(lambda x, dim=(), keepdim=False: _extreme(K.Reduce.amin, x, dim, keepdim))
-implements("max")(lambda x: _extreme(K.Reduce.amax, x, None, False))
-implements("min")(lambda x: _extreme(K.Reduce.amin, x, None, False))
+implements("amax")(lambda x, dim=(), keepdim=False: _extreme(Reduce.amax, x, dim, keepdim))
+implements("amin")(lambda x, dim=(), keepdim=False: _extreme(Reduce.amin, x, dim, keepdim))
+implements("max")(lambda x: _extreme(Reduce.amax, x, None, False))
+implements("min")(lambda x: _extreme(Reduce.amin, x, None, False))
 
 
-def _arg(op: K.Reduce, x: torch.Tensor, dim: int | None, keepdim: bool) -> torch.Tensor:
+def _arg(op: Reduce, x: torch.Tensor, dim: int | None, keepdim: bool) -> torch.Tensor:
     if x.dtype == torch.bool:
         raise Unsupported
     if dim is None:
@@ -140,30 +141,30 @@ def _arg(op: K.Reduce, x: torch.Tensor, dim: int | None, keepdim: bool) -> torch
     return reduce_op(op, x, dim, keepdim, x.dtype, torch.int64)
 
 
-implements("argmax")(lambda x, dim=None, keepdim=False: _arg(K.Reduce.argmax, x, dim, keepdim))
-implements("argmin")(lambda x, dim=None, keepdim=False: _arg(K.Reduce.argmin, x, dim, keepdim))
+implements("argmax")(lambda x, dim=None, keepdim=False: _arg(Reduce.argmax, x, dim, keepdim))
+implements("argmin")(lambda x, dim=None, keepdim=False: _arg(Reduce.argmin, x, dim, keepdim))
 
 
 @implements("max.dim")
 def max_dim(x: torch.Tensor, dim: int, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    return _extreme(K.Reduce.amax, x, dim, keepdim), _arg(K.Reduce.argmax, x, dim, keepdim)
+    return _extreme(Reduce.amax, x, dim, keepdim), _arg(Reduce.argmax, x, dim, keepdim)
 
 
 @implements("min.dim")
 def min_dim(x: torch.Tensor, dim: int, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    return _extreme(K.Reduce.amin, x, dim, keepdim), _arg(K.Reduce.argmin, x, dim, keepdim)
+    return _extreme(Reduce.amin, x, dim, keepdim), _arg(Reduce.argmin, x, dim, keepdim)
 
 
-def _logical(op: K.Reduce, x: torch.Tensor, dim: Sequence[int] | int | None,
+def _logical(op: Reduce, x: torch.Tensor, dim: Sequence[int] | int | None,
              keepdim: bool) -> torch.Tensor:
     if x.dtype == torch.uint8:
         raise Unsupported  # torch keeps uint8 for any/all of uint8
     return reduce_op(op, x, dim, keepdim, x.dtype, torch.bool)
 
 
-implements("any")(lambda x: _logical(K.Reduce.any, x, None, False))
-implements("all")(lambda x: _logical(K.Reduce.all, x, None, False))
+implements("any")(lambda x: _logical(Reduce.any, x, None, False))
+implements("all")(lambda x: _logical(Reduce.all, x, None, False))
 implements("any.dim", "any.dims")(
-    lambda x, dim=None, keepdim=False: _logical(K.Reduce.any, x, dim, keepdim))
+    lambda x, dim=None, keepdim=False: _logical(Reduce.any, x, dim, keepdim))
 implements("all.dim", "all.dims")(
-    lambda x, dim=None, keepdim=False: _logical(K.Reduce.all, x, dim, keepdim))
+    lambda x, dim=None, keepdim=False: _logical(Reduce.all, x, dim, keepdim))

@@ -8,7 +8,7 @@ from functools import reduce
 
 import torch
 
-from torch_accel.ops import _operands as O
+from torch_accel.ops import _operands as operands
 from torch_accel.ops._register import Unsupported, implements
 from torch_accel.ops.copy import strided_into
 
@@ -20,7 +20,7 @@ def _cat_into(out: torch.Tensor | None, tensors: Sequence[torch.Tensor], dim: in
             or any(t.dim() != parts[0].dim() for t in parts):
         raise Unsupported  # torch's own errors, from the CPU
     dtype = reduce(torch.promote_types, (t.dtype for t in tensors))
-    if not O.supported(dtype):
+    if not operands.supported(dtype):
         raise Unsupported
     dim %= parts[0].dim()
     shape = list(parts[0].shape)

@@ -1,5 +1,7 @@
-"""What every kernel module here shares: compiling a source once per device per process,
-choosing the stream, flat/2-D views of buffers, grid sizes and op-code dispatch text.
+"""What every kernel module here shares: its module on a device, choosing the stream,
+flat/2-D views of buffers, grid sizes and op-code dispatch text. Nothing here launches:
+each kernel module launches its own kernels (``module[grid, block](...)``, the runtime's
+one launch path, runtime/launch.py).
 
 Each distinct (kernel, argument dtypes) costs the firmware a numba compile of seconds on
 first use, so the library has few kernels, most of them choosing their operation by an
@@ -9,7 +11,6 @@ int scalar (``op``) that is uniform across the launch; :func:`dispatch` writes t
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from typing import Union
 
@@ -22,21 +23,14 @@ Array = Union[runtime.DeviceArray, runtime.DeviceView]
 #: threads per block of the one-thread-per-element kernels and of the block reductions
 BLOCK = 256
 
-_modules: dict[tuple[str, int], runtime.Module] = {}
-_lock = threading.Lock()
-
-
 def module(name: str, source: str, device: int) -> runtime.Module:
-    """The module compiled from ``source`` on ``device``, loaded once per process (the
-    firmware compiles each kernel when it is first launched with new argument dtypes)."""
-    key = (name, device)
-    mod = _modules.get(key)
-    if mod is None:
-        with _lock:
-            mod = _modules.get(key)
-            if mod is None:
-                mod = _modules[key] = runtime.compile(source, device=device)
-    return mod
+    """The module ``name`` compiled from ``source``, loaded once on ``device``: a part of
+    the runtime's hold on the device (``runtime.devices.Device.part``), as the runtime
+    keeps its own ``@runtime.kernel`` modules, so it goes with the device's primary
+    context and a recovered device loads it again. (The firmware compiles each kernel
+    when it is first launched with new argument dtypes.)"""
+    return runtime.devices.get(device).part(
+        ("torch_accel", name), lambda: runtime.compile(source, device=device))
 
 
 def stream_of(arr: Array, stream: runtime.Stream | None) -> runtime.Stream:
