@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from abi import faults as fault_abi
 from abi import uapi, userq
 from runtime import _trace, errors, faults
 from runtime import devices as _device
@@ -477,15 +476,11 @@ class Stream:
 
 def fault_error(stream: Stream, seqno: int, code: int, opcode: int,
                 addr: int) -> errors.DeviceFaultError:
-    """The exception for the ring's fault record, carrying the full fault record (the
-    driver logs the same fault from the firmware's report; runtime/faults.py)."""
+    """The exception for the ring's fault words (which packet, its errno and address),
+    carrying the driver's record of that fault (runtime/faults.py)."""
     op = userq.op_name(opcode)
-    record = fault_abi.record(
-        fault_abi.queue_fault_kind(code), device=stream.device, device_uuid=stream.ctx.uuid,
-        engine=fault_abi.engine_of(op), queue=stream.queue_id, context=stream.ctx.id,
-        pid=os.getpid(), uid=os.getuid(), seqno=seqno, address=addr,
-        errno=errno.errorcode.get(code, str(code)), opcode=op, time=round(time.time(), 6))
-    faults.raised(record)
+    record = faults.queue_fault_record(stream.ctx.physical, stream.ctx.id, stream.queue_id,
+                                       seqno)
     what = op
     cls: type[errors.DeviceFaultError] = errors.DeviceFaultError
     if opcode == userq.Op.LAUNCH:
@@ -496,8 +491,8 @@ def fault_error(stream: Stream, seqno: int, code: int, opcode: int,
             what += " (stopped by the watchdog)"
     return cls(
         f"accel:{stream.device} queue {stream.queue_id}: {what} (seqno {seqno}) failed with "
-        f"{record['errno']} at address {addr:#x}; later work on this stream was cancelled, "
-        "create a new stream", code, record)
+        f"{errno.errorcode.get(code, str(code))} at address {addr:#x}; later work on this "
+        "stream was cancelled, create a new stream", code, record)
 
 
 class Event:

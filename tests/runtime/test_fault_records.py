@@ -47,8 +47,7 @@ def test_a_kernel_fault_record_has_every_field_and_matches_the_drivers(daemon):
     # the driver's record of the same fault, listed for this process (and only it)
     new = [r for r in daemon.fault_log() if r not in before]
     assert len(new) == 1 and new[0]["pid"] == pid
-    same = ("code", "device_uuid", "context", "queue", "seqno", "address", "engine", "pid")
-    assert {k: new[0][k] for k in same} == {k: exc[k] for k in same}
+    assert {k: v for k, v in exc.items() if k != "kernel"} == new[0]  # one record: the driver's
     assert [r["seq"] for r in got["mine"]] == [new[0]["seq"]]
 
 
