@@ -1,6 +1,7 @@
-"""Vectorised phases of the kernel lowering (firmware/kernel_lower.py, "Vectorised phases"
-in docs/kernels.md): which phases take the block-wide form, and that every observable --
-results, barriers, returns, faults, aborts, atomics -- is what the per-thread form gives.
+"""Vectorised phases of the kernel lowering (firmware/lower/passes/vectorise.py,
+"Vectorised phases" in docs/kernels.md): which phases take the block-wide form, and that
+every observable -- results, barriers, returns, faults, aborts, atomics -- is what the
+per-thread form gives.
 
 Compiled kernels are shared through one module-scoped cache, as in test_jit_unit.py."""
 
