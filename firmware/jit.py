@@ -172,10 +172,6 @@ def _dims_in_range(gx: int, gy: int, gz: int, bx: int, by: int, bz: int) -> bool
 class CompiledKernel:
     """One kernel compiled for one set of argument types and options."""
 
-    #: True would mean atomic_add is not a real atomic and the caller must serialise the
-    #: launch's blocks; atomics here are LLVM atomicrmw, so it is always False.
-    needs_serial: bool = False
-
     def __init__(self, key: str, name: str, params: list[str], arg_types: list[ArgType],
                  shared: list[str], dispatcher: Any, signature: tuple[Any, ...],
                  source: str, module_path: Path, blas: np.ndarray, uses_mma: bool,
