@@ -317,9 +317,9 @@ def test_affine_accesses_are_range_checked_once_per_block(cache: KernelCache) ->
 
 
 def test_a_large_phase_stays_a_function_with_both_variants(cache: KernelCache) -> None:
-    """Past _INLINE_NODES a phase is compiled as functions (numba's SSA work grows faster
-    than linearly inlined): the range-checked ``_phf0`` and the checked ``_ph0``, which
-    still compute the same values."""
+    """Past INLINE_NODES (firmware/lower/passes/variants.py) a phase is compiled as
+    functions (numba's SSA work grows faster than linearly inlined): the range-checked
+    ``_phf0`` and the checked ``_ph0``, which still compute the same values."""
     chain = "".join(f"\n        {'if' if c == 0 else 'elif'} op == {c}:\n"
                     f"            out[i] = x[i] * {c}.0 + {c}.5 - x[i] / {c + 1}.0"
                     for c in range(24))
