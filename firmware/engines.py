@@ -183,7 +183,7 @@ class Deadlines:
     """One timer thread for every running launch: the watchdog (stop a block that runs
     too long) and the time slice (ask the launch to stop at its next block boundary).
     ``preempt`` and ``watchdog`` are the abort word's values for the two (the generated
-    code's ABI, firmware/kernel_lower.py)."""
+    code's ABI, firmware/lower/abi.py)."""
 
     def __init__(self, preempt: int, watchdog: int) -> None:
         self.preempt, self.watchdog = preempt, watchdog

@@ -6,10 +6,10 @@ scalar) and the code-generation :class:`Options` are lowered to the text of a Py
 module, written to disk and imported as a real file so that numba's ``cache=True`` works
 (``exec``'d code cannot be cached, docs/kernels.md "Numba facts").
 
-The pieces: firmware/kernel_check.py re-validates the IR, firmware/kernel_lower.py
-generates the module (and says why it looks the way it does), firmware/intrinsics.py and
-firmware/matrix.py are what the generated code calls; this module compiles, runs and
-caches.
+The pieces: firmware/kernel_check.py re-validates the IR, firmware/lower/ generates the
+module (a pass pipeline and a renderer, docs/compiler.md; firmware/lower/render.py says
+why it looks the way it does), firmware/intrinsics.py and firmware/matrix.py are what
+the generated code calls; this module compiles, runs and caches.
 
 The persistent cache
 --------------------
@@ -62,10 +62,9 @@ from numba import types
 from firmware import matrix
 from firmware.kernel_check import (SHARED_LIMIT, ArgType, Kernel, KernelCompileError,
                                    bounded_work, calls_mma, capabilities_used, validate)
-from firmware.kernel_lower import (ABORT_KILL, ABORT_PREEMPT, ABORT_WATCHDOG, FAULT_ABORT,
-                                   FAULT_BOUNDS, FAULT_INDEX, FAULT_NDIM, FAULT_SHAPE,
-                                   FAULT_WORDS, MAX_BLOCK_THREADS, MAX_DIM, Options, lower,
-                                   lower_kernel)
+from firmware.lower import (ABORT_KILL, ABORT_PREEMPT, ABORT_WATCHDOG, FAULT_ABORT, FAULT_BOUNDS,
+                            FAULT_INDEX, FAULT_NDIM, FAULT_SHAPE, FAULT_WORDS,
+                            MAX_BLOCK_THREADS, MAX_DIM, Options, lower, lower_kernel)
 
 #: The firmware's JIT compatibility boundary. Bump it whenever anything the generated code
 #: depends on outside itself changes meaning (firmware/intrinsics.py, the ``_grid`` calling
@@ -172,10 +171,6 @@ def _dims_in_range(gx: int, gy: int, gz: int, bx: int, by: int, bz: int) -> bool
 
 class CompiledKernel:
     """One kernel compiled for one set of argument types and options."""
-
-    #: True would mean atomic_add is not a real atomic and the caller must serialise the
-    #: launch's blocks; atomics here are LLVM atomicrmw, so it is always False.
-    needs_serial: bool = False
 
     def __init__(self, key: str, name: str, params: list[str], arg_types: list[ArgType],
                  shared: list[str], dispatcher: Any, signature: tuple[Any, ...],
@@ -323,9 +318,9 @@ class CompiledKernel:
 
 
 def _flat_index(fault: np.ndarray) -> tuple[int, bool]:
-    """The flat index of a recorded bounds miss (kernel_lower's fault layout), exact in
-    Python ints, clamped to ``[INDEX_MIN, INDEX_MAX]``, and whether it is a bound (clamped,
-    or computed from a recorded index that was itself saturated)."""
+    """The flat index of a recorded bounds miss (the fault layout of firmware/lower/abi.py),
+    exact in Python ints, clamped to ``[INDEX_MIN, INDEX_MAX]``, and whether it is a bound
+    (clamped, or computed from a recorded index that was itself saturated)."""
     n = int(fault[FAULT_NDIM])
     idx = [int(v) for v in fault[FAULT_INDEX:FAULT_INDEX + n]]
     shape = [int(v) for v in fault[FAULT_SHAPE:FAULT_SHAPE + n]]

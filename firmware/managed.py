@@ -2,8 +2,8 @@
 
 A buffer argument in managed memory gets the argument type ``<type>@managed``
 (:data:`MANAGED_SUFFIX`), which compiles to a variant of the kernel whose accesses of that
-buffer set ``marks[page] = 1`` for each 64 KiB page they touch (firmware/kernel_lower.py: per access on the checked path, once per block for the index
-box of an access whose range the block checked). After each slice of blocks the engine
+buffer set ``marks[page] = 1`` for each 64 KiB page they touch (firmware/lower/render.py: per access on the checked path, once per block for the
+index box of an access whose range the block checked). After each slice of blocks the engine
 that ran it migrates the pages marked since the previous slice (:func:`migrate`): faults,
 bytes to the device, LRU evictions under oversubscription, all in the device's counters
 (firmware/memory.py, ``Residency``). The emulator's data is host memory either way, so

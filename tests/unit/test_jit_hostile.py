@@ -27,7 +27,7 @@ import pytest
 from firmware import jit
 from firmware.jit import INDEX_MAX, INDEX_MIN, KernelCache, KernelCompileError, KernelFault, Options
 from firmware.kernel_check import MAX_NODES, MAX_SOURCE_CHARS, SHARED_LIMIT
-from firmware.kernel_lower import MAX_BLOCK_THREADS, MAX_DIM
+from firmware.lower import MAX_BLOCK_THREADS, MAX_DIM
 from test_jit_unit import ir_of
 
 I64_MAX = (1 << 63) - 1

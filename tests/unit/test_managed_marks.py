@@ -1,4 +1,4 @@
-"""The page maps a kernel's managed variant marks (firmware/kernel_lower.py,
+"""The page maps a kernel's managed variant marks (firmware/lower/render.py,
 firmware/managed.py), compiled and run in-process: which 64 KiB pages each kind of access
 marks, exactly. The migration itself, on a real mount: tests/runtime/test_memory.py."""
 

@@ -1,0 +1,50 @@
+"""Pass 5: choose each phase's variants and where its code goes.
+
+* ``_phv`` (Phase.vector): run when the block's range checks pass (always, without
+  bounds checks); otherwise the checked per-thread loop.
+* ``_phf`` (Phase.fast): a phase with range conditions and no vector form has a
+  range-checked per-thread variant beside the checked ``_ph``.
+* Inlined (Phase.inline): a phase with a per-thread loop that is small
+  (:data:`INLINE_NODES`) and has no loop is written into the block's thread loop (a
+  thread's ``return`` is a ``continue``) instead of a function of its own: numba compiles
+  each ``@njit`` function on its own (typing, lowering, wrappers, an LLVM module,
+  re-optimised in every caller), and one function fewer per phase variant halved
+  ``where``'s first compile (docs/kernels.md, "Compile time").
+
+Reads: Phase.range_conds, .vector. Writes: Phase.inline, Phase.fast."""
+
+from __future__ import annotations
+
+import ast
+
+from firmware.kernel_check import contains
+from firmware.lower.program import Program
+from firmware.lower.syntax import node_count
+
+#: Largest phase (syntax-tree nodes) written into the thread loops. Numba's SSA and
+#: liveness passes grow faster than linearly with a function's blocks times its
+#: variables, so past a size a phase is cheaper as a function of its own; measured
+#: (first compile, CPU seconds, function -> inlined): ``where`` (73 nodes) 2.0-2.3 ->
+#: 1.3-1.4, ``binary_f`` (352) 2.9-3.9 -> 3.0-3.6, ``unary_f`` (1,209) 6.5-7.5 ->
+#: 9.3-9.5. A phase with a loop stays a function too: inlined, the loop's exits (the
+#: abort check's ``return _blk``) leave four loops at once, and LLVM optimised such
+#: loops worse (bench ``kernels``, old and new lowering in consecutive runs: softmax
+#: rows 1.73x -> 3.15x numpy, tiled gemm 30x -> 117x).
+INLINE_NODES = 250
+
+
+def run(prog: Program) -> None:
+    for phase in prog.phases:
+        if phase.collective:
+            continue
+        checks = bool(range_conds(prog, phase.index))
+        per_thread_loop = phase.vector is None or checks
+        phase.inline = per_thread_loop and node_count(phase.stmts) <= INLINE_NODES \
+            and not contains(phase.stmts, lambda n: isinstance(n, (ast.For, ast.While)))
+        phase.fast = phase.vector is None and checks
+
+
+def range_conds(prog: Program, index: int) -> list[str]:
+    """The block-level conditions of phase ``index``'s range-checked variants (none
+    without bounds checks: the variants then run unconditionally, or not at all)."""
+    return prog.phases[index].range_conds if prog.checked else []
