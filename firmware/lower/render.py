@@ -303,8 +303,11 @@ class Renderer:
             out.append(f"{ind}{v} = {self.conversion(call.args[0])}({value})")
             out.append(f"{ind}_rt_atomic_add({user_name(name)}, ({', '.join(ivars)},), {v})")
             return out
-        if isinstance(s, ast.If) and mode.range_checked and self.origins.of(s) in self.prog.always:
-            return self.block(s.body, ind, writeback, mode)  # true for the block
+        if isinstance(s, ast.If) and mode.range_checked and self.checked \
+                and self.origins.of(s) in self.prog.always:
+            # true for a block whose range checks passed; without bounds checks no block
+            # passed any, so the guard stays
+            return self.block(s.body, ind, writeback, mode)
         if isinstance(s, ast.If) and mode.range_checked and self.checked \
                 and self.origins.of(s) in self.prog.selects:
             return self.select(s, ind, mode)

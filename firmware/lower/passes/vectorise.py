@@ -116,11 +116,15 @@ def _plan(prog: Program, phase: Phase, before: dict[str, Affine]) -> list[Segmen
             avail |= {n for s in seg.stmts if isinstance(s, ast.Assign)
                       for n in assigned([s]) if n in order}
     stored = assigned(stmts)
+    wide = set()
     for n, where in users.items():
         if n in stored and (len(where) > 1 or where[0].loop_vars):
             if not (phase.in_loop or prog.kinds.exact_float(n)):
-                return None  # (the locals added so far stay per thread: harmless)
-            prog.vector_locals.add(n)
+                # nothing is marked: which locals were seen first depends on the set's
+                # order, and generated source (a cache key) must not depend on the hash seed
+                return None
+            wide.add(n)
+    prog.vector_locals |= wide
     return items
 
 
