@@ -42,16 +42,11 @@ BUILTINS = kernel_frontend.BUILTINS
 normalize_dtype = kernel_frontend.normalize_dtype
 
 
-class KernelCompileError(InvalidValueError):
-    """A kernel the front end rejects. ``lineno`` is 1-based in the user's file (for a
-    function object, the file that defines it), ``reason`` the rule it breaks."""
-
-    def __init__(self, reason: str, lineno: int, kernel: str | None = None) -> None:
-        where = f"kernel {kernel}, line {lineno}" if kernel else f"line {lineno}"
-        super().__init__(f"{where}: {reason}")
-        self.reason = reason
-        self.lineno = lineno
-        self.kernel = kernel
+class KernelCompileError(LanguageError, InvalidValueError):
+    """A kernel the front end rejects, as the runtime raises it: the front end's
+    ``LanguageError`` (``lineno`` 1-based in the user's file -- for a function object, the
+    file that defines it --, ``reason`` the rule it breaks) that is also an
+    InvalidValueError, like every argument the runtime refuses."""
 
     @classmethod
     def of(cls, e: LanguageError) -> KernelCompileError:
