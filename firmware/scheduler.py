@@ -51,6 +51,11 @@ TURN_NS = 20_000
 
 #: What a packet's start returns when its ring now waits for another queue's fence.
 _BLOCKED = object()
+#: A LAUNCH's typed layout made from its ring words without a call: ``userq.decode``'s
+#: work, inlined on the path every operator of a framework takes (the slice holds exactly
+#: the layout's fields, as there)
+_LAUNCH_WORDS = slice(2, 2 + len(userq.Launch._fields))
+_new_packet = tuple.__new__
 
 #: The engine kind whose time a packet run inline is charged to (utilization, fdinfo): the
 #: control loop stands in for an engine of that kind.
@@ -349,7 +354,8 @@ class Scheduler:
         (``_BLOCKED``, ``PARKED``). A NOP has no words to decode."""
         opcode = words[0]
         if opcode == Op.LAUNCH:  # a framework's every operator: first
-            return self.kernels.launch(self, ring, seqno, userq.decode(words), start_ns)
+            return self.kernels.launch(self, ring, seqno,
+                                       _new_packet(userq.Launch, words[_LAUNCH_WORDS]), start_ns)
         if opcode == Op.NOP:
             return None
         if opcode == Op.COPY:
