@@ -60,6 +60,10 @@ def partition_index(physical: int, parent: int, k: int) -> int:
 
 #: A partition made to fail its bring-up: (partition k of the new mode, step name).
 InjectedFailure = tuple[int, str]
+#: The pseudo-step of ``partition_fail_step`` before any bring-up step: partition K's
+#: memory cannot be made (memfd_create failing, as when the daemon is out of descriptors
+#: or memory), so the change fails before any of its partitions exists.
+MAKE_STEP = "memory"
 
 
 def parse_partition_fail_step(text: str) -> InjectedFailure | None:
@@ -69,9 +73,10 @@ def parse_partition_fail_step(text: str) -> InjectedFailure | None:
     if value in ("", "none"):
         return None
     k_text, sep, step = value.partition(":")
-    if not sep or not parse_fail_step(step):
+    if not sep or (step != MAKE_STEP and not parse_fail_step(step)):
         raise DriverError(errno.EINVAL, f"write K:STEP (K below {MAX_PARTITIONS}, STEP a "
-                                        f"bring-up step) or none, not {value[:64]!r}")
+                                        f"bring-up step or {MAKE_STEP}) or none, not "
+                                        f"{value[:64]!r}")
     return parse_number(k_text, "partition", MAX_PARTITIONS, decimal=True), step
 
 
@@ -195,22 +200,32 @@ class Partitions:
         size = parent.memory_total // mode
         slots = {k: f"{parent.pci_bus_id}/partition{mode}.{k}" for k in range(mode)}
         identities = IdentityStore(self.state_dir).identities(list(slots.values()))
-        made = []
-        for k, slot in slots.items():
-            index = partition_index(len(self.physical), parent.index, k)
-            # its firmware reaches its own VRAM alone; its descriptors count against the
-            # daemon's like one more device's
-            mem = dataclasses.replace(parent.mem_config,
-                                      vram={index: VramFile(f"accel{index}-vram", size)},
-                                      devices=parent.mem_config.devices - 1 + mode)
-            dev = AccelDevice(index, identities[slot], size, parent.firmware_dir,
-                              parent.heartbeat_timeout_s, mem)
-            dev.pci_bus_id = pci_bus_id(parent.index, k + 1)
-            dev.package_id, dev.partition_id, dev.engine_share = parent.index, k, mode
-            dev.recovery = parent.recovery
-            dev.thermal = parent.thermal  # one package, one thermal budget
-            dev.fail_step = fail[1] if fail is not None and fail[0] == k else ""
-            made.append(dev)
+        made: list[AccelDevice] = []
+        vram: list[VramFile] = []
+        try:
+            for k, slot in slots.items():
+                index = partition_index(len(self.physical), parent.index, k)
+                step = fail[1] if fail is not None and fail[0] == k else ""
+                if step == MAKE_STEP:
+                    raise OSError(errno.ENOMEM, f"partition {k}'s memory (injected: "
+                                                "partition_fail_step)")
+                vram.append(VramFile(f"accel{index}-vram", size))
+                # its firmware reaches its own VRAM alone; its descriptors count against
+                # the daemon's like one more device's
+                mem = dataclasses.replace(parent.mem_config, vram={index: vram[-1]},
+                                          devices=parent.mem_config.devices - 1 + mode)
+                dev = AccelDevice(index, identities[slot], size, parent.firmware_dir,
+                                  parent.heartbeat_timeout_s, mem)
+                dev.pci_bus_id = pci_bus_id(parent.index, k + 1)
+                dev.package_id, dev.partition_id, dev.engine_share = parent.index, k, mode
+                dev.recovery = parent.recovery
+                dev.thermal = parent.thermal  # one package, one thermal budget
+                dev.fail_step = step
+                made.append(dev)
+        except BaseException:
+            for file in vram:  # none of them booted or was reachable: nothing holds them
+                file.close()
+            raise
         return made
 
     async def set_mode(self, parent: AccelDevice, mode: int) -> None:
@@ -232,8 +247,11 @@ class Partitions:
         self._changing.add(parent.index)
         try:
             previous = parent.partition_mode
-            await self._switch(parent, mode, self.fail_next.get(parent.index),
-                               f"partition mode of {parent.name} changed to {mode}")
+            try:
+                await self._switch(parent, mode, self.fail_next.get(parent.index),
+                                   f"partition mode of {parent.name} changed to {mode}")
+            except OSError as e:
+                await self._undo_unmade(parent, mode, previous, e)
             # a partition a reset reached while booting boots again: only a failed one
             # did not boot
             failed = [d for d in parent.partitions if d.state == uapi.DeviceState.FAILED]
@@ -249,7 +267,9 @@ class Partitions:
     async def _switch(self, parent: AccelDevice, mode: int, fail: InjectedFailure | None,
                       why: str) -> None:
         """Replace ``parent``'s partitions by ``mode`` new ones and boot them (whether
-        each booted is its ``state``'s to say); the old ones are removed because ``why``."""
+        each booted is its ``state``'s to say); the old ones are removed because ``why``.
+        If the new ones cannot be made (OSError), the device is whole (mode 1) when it
+        raises: never a mode with no partition in it, which no one could open."""
         assert self.nodes is not None
         old = parent.partitions
         for dev in old:  # out of reach first: no wait between the caller's check and this
@@ -258,10 +278,32 @@ class Partitions:
         parent.partition_mode = mode
         for dev in old:
             await self._halt(dev)
-        parent.partitions = self._make(parent, mode, fail) if mode > 1 else []
+        try:
+            parent.partitions = self._make(parent, mode, fail) if mode > 1 else []
+        except OSError:
+            parent.partition_mode = 1
+            raise
         for dev in parent.partitions:
             self.nodes.add_device(dev)
         await self._boot(parent.partitions)
+
+    async def _undo_unmade(self, parent: AccelDevice, mode: int, previous: int,
+                           error: OSError) -> None:
+        """Undo a change to ``mode`` whose partitions could not be made (``error``): back to
+        the ``previous`` mode's partitions as for a rollback, or whole if those cannot be
+        made either; the store says what the device is; then the writer gets the errno."""
+        log.error("%s: partition mode %d could not be made (%s), back to mode %d",
+                  parent.name, mode, error, previous)
+        try:
+            await self._switch(parent, previous, None, f"partition mode {mode} of "
+                                                       f"{parent.name} could not be made")
+        except OSError as again:
+            log.error("%s: partition mode %d could not be made either (%s): whole",
+                      parent.name, previous, again)
+        self._save()
+        raise DriverError(error.errno or errno.ENOMEM,
+                          f"{parent.name}: partition mode {mode} could not be made "
+                          f"({error.strerror}); now mode {parent.partition_mode}") from error
 
     async def _roll_back(self, parent: AccelDevice, mode: int, previous: int,
                          failed: list[AccelDevice]) -> None:
@@ -294,8 +336,9 @@ def partition_attrs(parts: Partitions, dev: AccelDevice) -> dict[str, Attr]:
 
 def partition_debug_attrs(parts: Partitions, dev: AccelDevice) -> dict[str, Attr]:
     """A physical device's debugfs ``partition_fail_step`` (``K:STEP`` or ``none``):
-    partition K of its later mode changes fails its bring-up at STEP, so that the
-    rollback of a failed change can be exercised (a rollback's partitions never fail)."""
+    partition K of its later mode changes fails its bring-up at STEP, or cannot be made at
+    all (STEP ``memory``), so that the rollback of a failed change can be exercised (a
+    rollback's partitions never fail)."""
 
     def read() -> str:
         fail = parts.fail_next.get(dev.index)

@@ -10,6 +10,7 @@ recovery resets them."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -178,6 +179,41 @@ def test_a_failed_mode_change_rolls_back(make_daemon):
     assert {d.attr(p, "state") for p in range(1, 5)} == {"operational"}
     set_mode(d, "1")
     assert d.attr(0, "partitions") == ""
+
+
+@pytest.mark.timeout(180)
+def test_a_mode_whose_partitions_cannot_be_made_goes_back(make_daemon):
+    """Partitions whose memory cannot be made (injected ``K:memory``) fail the change
+    with ENOMEM before any exists; the device goes back to its previous mode's partitions
+    (same UUIDs, booted) -- or stays whole -- and never keeps a mode with no partition."""
+    d = make_daemon(devices=1)
+    mode_attr = d.root / "sys/class/accel/accel0/partition_mode"
+    knob = d.debug(0, "partition_fail_step")
+    knob.write_text("0:memory")
+    assert write_errno(mode_attr, "2") == errno.ENOMEM
+    assert (d.attr(0, "partition_mode"), d.attr(0, "partitions")) == ("1", "")
+    assert sorted(os.listdir(d.root / "dev/accel")) == ["accel0"]
+    assert json.loads((d.state_dir / "partitions.json").read_text()) == {d.attr(0, "uuid"): 1}
+    out = d.run_py(WORK)
+    assert out.stdout.splitlines() == [WORK_OUT.format(0)], out.stderr
+
+    knob.write_text("none")
+    set_mode(d, "2")
+    uuids = [d.attr(p, "uuid") for p in (1, 2)]
+    fds = len(os.listdir(f"/proc/{d.pid}/fd"))
+    knob.write_text("3:memory")  # partitions 0 to 2 of mode 4 made, the fourth not
+    assert write_errno(mode_attr, "4") == errno.ENOMEM
+    assert (d.attr(0, "partition_mode"), d.attr(0, "partitions")) == ("2", "accel1 accel2")
+    assert [d.attr(p, "uuid") for p in (1, 2)] == uuids
+    assert [d.attr(p, "state") for p in (1, 2)] == ["operational"] * 2
+    assert firmware_children(d) == 3
+    # the three partitions' memory made before the fourth failed is closed again
+    wait_until(lambda: len(os.listdir(f"/proc/{d.pid}/fd")), 30,
+               "the daemon's descriptors back to mode 2's", ok=lambda now: now <= fds)
+    log = (d.state_dir / "accel-emud.log").read_text()
+    assert "accel0: partition mode 4 could not be made" in log
+    out = d.run_py(WORK)
+    assert out.stdout.splitlines() == [WORK_OUT.format(0), WORK_OUT.format(1)], out.stderr
 
 
 
