@@ -24,6 +24,14 @@ fallback_counts: Counter[str] = Counter()
 
 lib = torch.library.Library("_", "IMPL")
 
+#: arguments an operator writes although its schema does not mark them ``(a!)``: the
+#: CPU's ``native_batch_norm`` updates the running statistics in place (torch keeps that
+#: schema unannotated for its own backends), so without this a BatchNorm's
+#: ``running_mean``/``running_var`` on accel never moved
+UNMARKED_WRITES: dict[str, tuple[str, ...]] = {
+    "aten::native_batch_norm": ("running_mean", "running_var"),
+}
+
 
 def _is_accel(x: object) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == "accel"
@@ -50,9 +58,10 @@ def cpu_fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     written: dict[int, torch.Tensor] = {}  # cpu tensor id -> the accel tensor it stands for
     schema = op._schema
     flat = {**dict(zip((a.name for a in schema.arguments), args)), **kwargs}
+    unmarked = UNMARKED_WRITES.get(name, ())
     for arg in schema.arguments:
         value = flat.get(arg.name)
-        if arg.alias_info is not None and arg.alias_info.is_write:
+        if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name in unmarked:
             for t in (value if isinstance(value, (list, tuple)) else [value]):
                 if _is_accel(t):
                     orig, cpu = moved[id(t)]
