@@ -8,7 +8,7 @@ process, on first use; each (kernel, argument dtypes) is a numba compile in the 
 on its first launch, so most kernels choose their operation by an op code (the enums).
 """
 
-from torch_accel.kernels.conv import fold, unfold
+from torch_accel.kernels.conv import fold, swap01, unfold
 from torch_accel.kernels.elementwise import (
     Binary,
     Compare,
@@ -48,6 +48,6 @@ __all__ = [
     "activation_backward", "arange", "bernoulli_mask", "binary", "bmm", "compare", "counters",
     "fill", "fold", "gelu_backward", "index_add_rows", "index_rows", "mm", "nll_loss_backward_rows",
     "nll_loss_rows", "normal", "predicate", "reduce_rows", "sigmoid_backward", "sleep",
-    "softmax_backward_rows", "softmax_rows", "strided_copy", "tanh_backward",
+    "softmax_backward_rows", "softmax_rows", "strided_copy", "swap01", "tanh_backward",
     "threshold_backward", "unary", "unfold", "uniform", "var_rows", "where",
 ]

@@ -2,8 +2,9 @@
 ``_convolution`` calls for a PrivateUse1 tensor; the 1-D case arrives as 2-D): the input
 unfolded into columns (im2col, kernels/conv.py), then one matrix product per group on the
 matrix unit (``bmm``); the input gradient is the transposed product folded back (col2im),
-the weight gradient the product of the output gradient with the columns, the bias
-gradient a sum.
+the weight gradient the product of the output gradient with the columns (unfolded
+transposed), the bias gradient a sum. The products' ``[C, N, L]`` and the tensors'
+``[N, C, L]`` are exchanged by a row-wise transpose kernel.
 
 float32 and float64 only (the unit's types); transposed convolutions and other dtypes run
 torch's CPU convolution through the counted fallback, since the CPU has no
@@ -46,7 +47,7 @@ class _Geometry:
 
     def args(self) -> tuple[Any, ...]:
         return (self.batch, self.channels, self.spatial, self.out_spatial, self.kernel,
-                self.stride, self.padding, self.dilation)
+                self.stride, self.padding, self.dilation, self.groups)
 
 
 def _on_device(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> bool:
@@ -54,11 +55,26 @@ def _on_device(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> bool:
             and 3 <= x.dim() <= 5 and x.numel() > 0)
 
 
-def _columns(x: torch.Tensor, g: _Geometry) -> torch.Tensor:
-    """``x`` unfolded, as ``[groups, rows per group, N * L]``."""
-    cols = torch.empty(g.groups, g.rows, g.cols, dtype=x.dtype, device=x.device)
-    kernels.unfold(view_of(cols), view_of(x), *g.args(), stream=stream(x.device.index))
+def _columns(x: torch.Tensor, g: _Geometry, transposed: bool = False) -> torch.Tensor:
+    """``x`` unfolded, as ``[groups, rows per group, N * L]`` (or, ``transposed``, each
+    group's matrix transposed)."""
+    shape = (g.groups, g.cols, g.rows) if transposed else (g.groups, g.rows, g.cols)
+    cols = torch.empty(shape, dtype=x.dtype, device=x.device)
+    kernels.unfold(view_of(cols), view_of(x), *g.args(), transposed=transposed,
+                   stream=stream(x.device.index))
     return cols
+
+
+def _swap01(t: torch.Tensor, shape: Sequence[int],
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``t`` (``[A, B, ...]``) with its two leading dimensions swapped, plus ``bias[A]``,
+    contiguous, as ``shape``."""
+    t = contiguous_on_device(t)
+    out = torch.empty(shape, dtype=t.dtype, device=t.device)
+    b = view_of(contiguous_on_device(bias, t.dtype)) if bias is not None else None
+    kernels.swap01(view_of(out), view_of(t), t.shape[0], t.shape[1], math.prod(t.shape[2:]),
+                   bias=b, stream=stream(t.device.index))
+    return out
 
 
 def _grouped(weight: torch.Tensor, g: _Geometry) -> torch.Tensor:
@@ -77,10 +93,8 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x = contiguous_on_device(x)
     g = _Geometry(x, weight, stride, padding, dilation, groups)
     out = torch.bmm(_grouped(weight, g), _columns(x, g))  # [groups, O/groups, N * L]
-    out = out.reshape(weight.shape[0], g.batch, *g.out_spatial).transpose(0, 1).contiguous()
-    if bias is not None:
-        out.add_(bias.reshape(1, -1, *[1] * len(g.out_spatial)))
-    return out
+    return _swap01(out.reshape(weight.shape[0], g.batch, -1),
+                   (g.batch, weight.shape[0], *g.out_spatial), bias)
 
 
 @implements("convolution_backward_overrideable")
@@ -100,7 +114,8 @@ def convolution_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tens
     x = contiguous_on_device(x)
     g = _Geometry(x, weight, stride, padding, dilation, groups)
     # [N, O, *L] -> [groups, O/groups, N * L], the products' layout
-    per_group = grad.transpose(0, 1).reshape(g.groups, -1, g.cols)
+    per_group = _swap01(grad.reshape(g.batch, weight.shape[0], -1),
+                        (g.groups, weight.shape[0] // g.groups, g.cols))
     grad_x = grad_w = grad_b = None
     if output_mask[0]:
         grad_cols = torch.bmm(_grouped(weight, g).transpose(1, 2), per_group)
@@ -108,7 +123,9 @@ def convolution_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tens
         kernels.fold(view_of(grad_x), view_of(grad_cols), *g.args(),
                      stream=stream(x.device.index))
     if output_mask[1]:
-        grad_w = torch.bmm(per_group, _columns(x, g).transpose(1, 2)).reshape(weight.shape)
+        grad_w = torch.bmm(per_group, _columns(x, g, transposed=True)).reshape(weight.shape)
     if output_mask[2]:
-        grad_b = grad.sum([0, *range(2, grad.dim())])
+        # each channel a contiguous row: one block each, where summing over dims 0, 2, ...
+        # of ``grad`` would first copy it into that layout
+        grad_b = per_group.reshape(weight.shape[0], g.cols).sum(1)
     return grad_x, grad_w, grad_b
