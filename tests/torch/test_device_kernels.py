@@ -388,9 +388,10 @@ def test_matmul_random_sleep(daemon):
 
 
 @pytest.mark.timeout(200)
-def test_unfold_and_fold(daemon):
-    """im2col against loops over numpy; col2im as its adjoint (``<unfold x, c> ==
-    <x, fold c>``), which is what the input gradient of a convolution needs."""
+def test_unfold_fold_swap01(daemon):
+    """im2col against loops over numpy, also grouped and transposed; col2im as its adjoint
+    (``<unfold x, c> == <x, fold c>``), which is what the input gradient of a convolution
+    needs; the leading-dimension transpose with and without a bias."""
     lines = run(daemon, """
         def unfold_ref(x, kernel, stride, padding, dilation):
             n, c, *sp = x.shape
@@ -418,5 +419,17 @@ def test_unfold_and_fold(daemon):
             K.fold(back, dev(c), *geometry)
             check(f"fold {shape}", np.vdot(host(back).astype(np.float64), x),
                   np.vdot(c.astype(np.float64), want), rtol=1e-5)
+            groups = shape[1] if shape[1] % 2 else 2
+            per_group = want.reshape(groups, -1, want.shape[1])
+            cols_t = runtime.empty((groups, want.shape[1], per_group.shape[1]), np.float32)
+            K.unfold(cols_t, dev(x), *geometry, groups=groups, transposed=True)
+            check(f"unfold transposed {shape}", host(cols_t), per_group.transpose(0, 2, 1))
+        src = rng.standard_normal((3, 4, 5)).astype(np.float32)
+        bias = rng.standard_normal(3).astype(np.float32)
+        out = runtime.empty((4, 3, 5), np.float32)
+        K.swap01(out, dev(src), 3, 4, 5, bias=dev(bias))
+        check("swap01 bias", host(out), src.transpose(1, 0, 2) + bias[None, :, None])
+        K.swap01(out, dev(src), 3, 4, 5)
+        check("swap01", host(out), src.transpose(1, 0, 2))
     """, timeout=180)
-    assert sum(line.endswith(" ok") for line in lines) == 6
+    assert sum(line.endswith(" ok") for line in lines) == 11
