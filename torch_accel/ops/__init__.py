@@ -9,6 +9,7 @@ from torch_accel.ops import (  # noqa: F401 - each registers its kernels
     fallback,
     linalg,
     nn,
+    pool,
     random,
     reduce,
     shape,
