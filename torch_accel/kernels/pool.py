@@ -53,7 +53,7 @@ SOURCE = """def pool2d(out, idx, x, g, back: 'int64', avg: 'int64', total: 'int6
             we = min(we, w)
             if incl == 0:
                 cnt = (he - y0) * (we - c0)
-            if div > 0:
+            if div != 0:
                 cnt = div
             if back == 0:
                 s = 0.0
@@ -106,8 +106,9 @@ def avg_pool2d(out: Array, x: Array, planes: int, spatial: Sequence[int],
                out_spatial: Sequence[int], kernel: Sequence[int], stride: Sequence[int],
                padding: Sequence[int], count_include_pad: bool, divisor: int,
                stream: runtime.Stream | None = None) -> None:
-    """Window means with torch's divisor: ``divisor`` when non-zero, else the window's
-    size within the padded input (``count_include_pad``) or within the input."""
+    """Window means with torch's divisor: ``divisor`` when non-zero (negative too, as
+    torch allows), else the window's size within the padded input
+    (``count_include_pad``) or within the input."""
     _launch(0, 1, out, _no_index(x.device), x, out, spatial, out_spatial, planes, kernel,
             stride, padding, (1, 1), count_include_pad, divisor, stream)
 
