@@ -1,9 +1,9 @@
 """``unfold`` / ``fold`` (im2col / col2im) for convolutions of 1 to 3 spatial dimensions:
 a convolution is then a matrix product on the matrix unit (``mm``/``bmm``), and its input
 gradient a product folded back. One kernel serves both directions, padded to three
-spatial dimensions (size 1 where a convolution has fewer), one thread per row of the innermost output
-dimension, so each float dtype costs the
-firmware one compile for every convolution shape and its backward.
+spatial dimensions (size 1 where a convolution has fewer), one thread per row of the
+innermost output dimension, so each float dtype costs the firmware one compile for every
+convolution shape and its backward.
 
 The columns are ``[C * K, N * L]`` row-major: row ``c * K + k`` (channel, kernel offset
 ``k`` over ``KD x KH x KW``), column ``n * L + l`` (batch, output position over

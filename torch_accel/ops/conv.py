@@ -22,8 +22,8 @@ import torch
 from torch_accel import kernels
 from torch_accel.ops._tensors import stream, view_of
 from torch_accel.ops.copy import contiguous_on_device
-from torch_accel.ops.fallback import cpu_fallback
 from torch_accel.ops._register import implements
+from torch_accel.ops.fallback import cpu_fallback
 
 _FLOAT = (torch.float32, torch.float64)
 
@@ -36,7 +36,8 @@ class _Geometry:
                  padding: Sequence[int], dilation: Sequence[int], groups: int) -> None:
         nd = x.dim() - 2
         per_dim = lambda v: list(v) * nd if len(v) == 1 else list(v)
-        self.stride, self.padding, self.dilation = per_dim(stride), per_dim(padding), per_dim(dilation)
+        self.stride, self.padding = per_dim(stride), per_dim(padding)
+        self.dilation = per_dim(dilation)
         self.batch, self.channels = x.shape[0], x.shape[1]
         self.spatial, self.kernel = list(x.shape[2:]), list(weight.shape[2:])
         self.out_spatial = [(s + 2 * p - d * (k - 1) - 1) // st + 1 for s, p, d, k, st in zip(
