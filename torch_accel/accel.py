@@ -68,8 +68,8 @@ def current_device() -> int:
     return runtime.current_device()
 
 
-def set_device(dev: Any) -> None:
-    _hooks.set_device(_index(dev))
+def set_device(device: Any) -> None:
+    _hooks.set_device(_index(device))
 
 
 class device:
@@ -94,9 +94,9 @@ class device_of(device):
         super().__init__(obj.get_device() if obj.device.type == "accel" else -1)
 
 
-def synchronize(dev: Any = None) -> None:
+def synchronize(device: Any = None) -> None:
     """Wait for every stream of this process on the device; raises its first fault."""
-    _hooks.synchronize(_index(dev))
+    _hooks.synchronize(_index(device))
 
 
 class DeviceProperties(runtime.DeviceProperties):
@@ -122,18 +122,18 @@ class DeviceProperties(runtime.DeviceProperties):
         return self.max_shared_mem_per_block
 
 
-def get_device_properties(dev: Any = None) -> DeviceProperties:
+def get_device_properties(device: Any = None) -> DeviceProperties:
     _hooks.lazy_init()
-    return DeviceProperties(**vars(runtime.get_device_properties(_index(dev))))
+    return DeviceProperties(**vars(runtime.get_device_properties(_index(device))))
 
 
-def get_device_name(dev: Any = None) -> str:
-    return get_device_properties(dev).name
+def get_device_name(device: Any = None) -> str:
+    return get_device_properties(device).name
 
 
-def get_device_capability(dev: Any = None) -> tuple[int, int]:
+def get_device_capability(device: Any = None) -> tuple[int, int]:
     """The ISA version as (major, minor), as torch.cuda's compute capability."""
-    props = get_device_properties(dev)
+    props = get_device_properties(device)
     return props.major, props.minor
 
 
@@ -220,21 +220,21 @@ class Event(torch.Event):
         return _hooks.event_elapsed(self.event_id, end_event.event_id)
 
 
-def current_stream(dev: Any = None) -> Stream:
-    idx = _index(dev)
+def current_stream(device: Any = None) -> Stream:
+    idx = _index(device)
     return Stream(stream_id=_hooks.current_stream(idx), device_index=idx,
                   device_type=DEVICE_TYPE)
 
 
-def default_stream(dev: Any = None) -> Stream:
-    idx = _index(dev)
+def default_stream(device: Any = None) -> Stream:
+    idx = _index(device)
     _hooks.lazy_init()
     return Stream(stream_id=0, device_index=idx, device_type=DEVICE_TYPE)
 
 
-def set_stream(s: torch.Stream) -> None:
-    if s is not None:
-        _hooks.exchange_stream(s.device_index, s.stream_id)
+def set_stream(stream: torch.Stream) -> None:
+    if stream is not None:
+        _hooks.exchange_stream(stream.device_index, stream.stream_id)
 
 
 class stream:
@@ -407,18 +407,18 @@ def initial_seed() -> int:
     return default_generator().initial_seed()
 
 
-def get_rng_state(dev: Any = "accel") -> torch.Tensor:
-    return default_generator(dev).get_state()
+def get_rng_state(device: Any = "accel") -> torch.Tensor:
+    return default_generator(device).get_state()
 
 
-def set_rng_state(state: torch.Tensor, dev: Any = "accel") -> None:
-    default_generator(dev).set_state(state)
+def set_rng_state(new_state: torch.Tensor, device: Any = "accel") -> None:
+    default_generator(device).set_state(new_state)
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
     return [get_rng_state(i) for i in range(device_count())]
 
 
-def set_rng_state_all(states: list[torch.Tensor]) -> None:
-    for i, state in enumerate(states):
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    for i, state in enumerate(new_states):
         set_rng_state(state, i)
