@@ -16,6 +16,8 @@ def test_utilization_and_temperature_rise_under_load(torch_json):
         report(types=[type(torch.accel.utilization()).__name__,
                       type(torch.accel.temperature(1)).__name__],
                initialised=torch.accel.is_initialized())
+        torch.accel._sleep(1000)                  # compiled before anything is measured
+        torch.accel.synchronize()
         deadline = time.monotonic() + 20          # other tests' work fades out of the window
         while torch.accel.utilization() > 10 and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -23,8 +25,8 @@ def test_utilization_and_temperature_rise_under_load(torch_json):
         for _ in range(100):                      # seconds of busy kernels, each counted as it ends
             torch.accel._sleep(20_000_000)
         busy_util, temps = [], []
-        for _ in range(12):                       # the model samples the load as it is read
-            time.sleep(0.25)
+        while len(busy_util) < 4 or not torch.accel.current_stream().query():
+            time.sleep(0.25)                      # the thermal model samples as it is read
             busy_util.append(torch.accel.utilization("accel:0"))
             temps.append(torch.accel.temperature(0))
         torch.accel.synchronize()
