@@ -463,16 +463,15 @@ class CachingAllocator:
                                    "requested_size": block.requested_size
                                    if state != "inactive" else 0})
                     block = block.next
-                def total(*states: str, key: str = "size") -> int:
-                    return sum(b[key] for b in blocks if b["state"] in states)
+                active = [b for b in blocks if b["state"] != "inactive"]
                 out.append({
                     "device": self.device, "address": va,
                     "total_size": self._segments[va].size, "stream": head.stream,
                     "segment_type": "small" if head.free_list.pool is self._small else "large",
-                    "allocated_size": total("active_allocated"),
-                    "active_size": total("active_allocated", "active_pending_free"),
-                    "requested_size": total("active_allocated", "active_pending_free",
-                                            key="requested_size"),
+                    "allocated_size": sum(b["size"] for b in active
+                                          if b["state"] == "active_allocated"),
+                    "active_size": sum(b["size"] for b in active),
+                    "requested_size": sum(b["requested_size"] for b in active),
                     "blocks": blocks})
             return out
 
