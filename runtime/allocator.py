@@ -448,7 +448,7 @@ class CachingAllocator:
         """Torch's ``memory_snapshot()`` segments: each held segment, lowest address first,
         with its blocks in address order and their states (``active_allocated``,
         ``active_pending_free`` for a freed block waiting for streams, ``inactive``); a
-        block's ``stream`` is the stream object, for the caller to name."""
+        segment's ``stream`` is the stream object it serves, for the caller to name."""
         with self._lock:
             if self._freed:
                 self._put_back_freed()
