@@ -594,6 +594,18 @@ def reset_peak_memory_stats(device: _device.DeviceLike = None) -> None:
     _allocator(device).reset_peak_memory_stats()
 
 
+def memory_snapshot(device: _device.DeviceLike = None) -> list[dict[str, Any]]:
+    """The device's segments and their blocks, as torch's ``memory_snapshot`` lists them
+    (``CachingAllocator.snapshot``)."""
+    return _allocator(device).snapshot()
+
+
+def set_per_process_memory_fraction(fraction: float, device: _device.DeviceLike = None) -> None:
+    """Let this process hold at most ``fraction`` of the device's memory; past it an
+    allocation raises OutOfMemoryError (``CachingAllocator.set_memory_fraction``)."""
+    _allocator(device).set_memory_fraction(fraction)
+
+
 def empty_cache(device: _device.DeviceLike = None) -> None:
     """Give the cached, unused device memory back to the device (torch's ``empty_cache``),
     and wait until it is free there (so ``mem_get_info`` sees it)."""
