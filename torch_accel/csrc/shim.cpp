@@ -70,24 +70,22 @@ R call(const char* name, Args&&... args) {
 
 // Calls from noexcept and destructor paths: an error is printed, never thrown (an
 // exception leaving a destructor or a noexcept function is std::terminate, which kills
-// the process). ``use`` reads the result under the GIL; the call says whether it worked.
+// the process). ``use`` reads the result under the GIL, if there is one.
 // They run while Python unwinds too (a failed operator's temporary tensors are freed with
 // its exception pending): the pending exception is set aside for the call and put back
 // after, or the call would consume it and Python would see "error return without
 // exception set".
 template <typename Use, typename... Args>
-bool call_quietly_with(const char* name, Use&& use, Args&&... args) noexcept {
-  if (g_hooks == nullptr || !python_alive()) return false;
+void call_quietly_with(const char* name, Use&& use, Args&&... args) noexcept {
+  if (g_hooks == nullptr || !python_alive()) return;
   py::gil_scoped_acquire gil;
   py::error_scope pending;
   try {
     use(g_hooks->attr(name)(std::forward<Args>(args)...));
-    return true;
   } catch (py::error_already_set& e) {
     e.discard_as_unraisable(name);
   } catch (...) {
   }
-  return false;
 }
 
 template <typename... Args>
