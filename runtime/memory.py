@@ -420,6 +420,7 @@ class _HostAllocation:
 
     def __init__(self, ctx: Context, nbytes: int, kind: uapi.MemKind) -> None:
         self.ctx = ctx
+        self.handle: int | None = None  # until the driver pinned it: nothing to unpin
         fd = sealed_memfd(kind.name.lower(), max(nbytes, 1))
         try:
             self.mem = map_memfd(fd, nbytes)
@@ -431,7 +432,8 @@ class _HostAllocation:
         self.base = np.frombuffer(self.mem, np.uint8).ctypes.data
 
     def __del__(self) -> None:
-        if os.getpid() == self.ctx.channel.pid and self.ctx.channel.fd >= 0:
+        if self.handle is not None and os.getpid() == self.ctx.channel.pid \
+                and self.ctx.channel.fd >= 0:
             try:
                 self.ctx.channel.call(uapi.ACCEL_CMD_MEM_FREE,
                                       uapi.accel_mem_free(ctx_id=self.ctx.id, handle=self.handle))
