@@ -172,3 +172,95 @@ def test_every_fallback_schema_class_has_a_rule(torch_json):
     ran = {k: v for k, v in r["factories"].items() if v == "same" or v.startswith(("accel", "differs"))}
     assert {"aten::triu_indices", "aten::tril_indices"} <= set(ran), r["factories"]
     assert all(v == "same" for v in ran.values()), r["factories"]
+
+
+#: every how many-th OpInfo entry (by name) with a written or view overload reaching the
+#: fallback is run: all of them take minutes of first-launch kernel compiles for the
+#: native operators among their arguments' copies and checks
+STRIDE = 6
+
+
+def test_sampled_fallback_operators_match_cpu(torch_json):
+    """OpInfo entries whose overloads reach the fallback as writers or views (every view,
+    every ``STRIDE``-th writer): functional, in-place and ``out=`` forms of their first
+    float32 samples give the CPU's results, leave every argument as the CPU leaves it (so an
+    undeclared write, like native_batch_norm's, is caught), and return results sharing
+    their arguments' storage exactly where the CPU's do. The values of operators that draw
+    random numbers are not compared: accel draws from its own generator."""
+    r = torch_json(REACHES_FALLBACK + textwrap.dedent(f"""
+        from torch.testing._internal.common_methods_invocations import op_db
+        from torch.utils._pytree import tree_leaves, tree_map
+        STRIDE = {STRIDE}
+    """) + textwrap.dedent("""
+        rules = {}
+        for s in schemas:
+            rules.setdefault(s.name.split("::")[1], set()).add(fb.rule(s))
+        # operators that draw (a Generator argument): accel draws from its own generator
+        drawing = {s.name.split("::")[1] for s in C._jit_get_all_schemas()
+                   if any("Generator" in str(a.type) for a in s.arguments)}
+        kind = lambda o: rules.get(o.aten_name, set()) | rules.get(o.aten_name + "_", set())
+        entries = sorted((o for o in op_db if kind(o) & {"view", "writes"}), key=lambda o: o.name)
+        views = [o for o in entries if "view" in kind(o)]
+        chosen = views + [o for o in entries if o not in views][::STRIDE]
+
+        def storages(tree):
+            return [t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) and t.numel() else None
+                    for t in tree_leaves(tree)]
+
+        def sharing(results, inputs):
+            ins = storages(inputs)
+            return [ins.index(p) if p is not None and p in ins else None for p in storages(results)]
+
+        def call(fn, sample, device, out_like=None):
+            move = (lambda t: t.clone()) if device == "cpu" else (lambda t: t.to(device))
+            inputs = tree_map(lambda t: move(t) if isinstance(t, torch.Tensor) else t,
+                              (sample.input, sample.args, sample.kwargs))
+            x, args, kwargs = inputs
+            if "device" in kwargs:  # a factory's sample: made where the call is
+                kwargs = dict(kwargs, device=device)
+                inputs = (x, args, kwargs)
+            if out_like is not None:
+                kwargs = dict(kwargs, out=tree_map(
+                    lambda t: torch.empty_like(t, device=device) if isinstance(t, torch.Tensor) else t, out_like))
+                inputs = (x, args, kwargs)
+            return fn(x, *args, **kwargs), inputs
+
+        bad, ran = [], []
+        for o in chosen:
+            dtypes = o.supported_dtypes("cpu")
+            dtype = torch.float32 if torch.float32 in dtypes else (
+                torch.complex64 if "view" in kind(o) and torch.complex64 in dtypes else None)
+            if dtype is None:
+                continue
+            random = o.aten_name in drawing or o.aten_name + "_" in drawing
+            for i, sample in enumerate(o.sample_inputs("cpu", dtype)):
+                if i == 2:
+                    break
+                forms = {"functional": o.op, "inplace": o.inplace_variant,
+                         "out": o.op if o.supports_out else None}
+                for form, fn in forms.items():
+                    if fn is None:
+                        continue
+                    try:
+                        like = call(o.op, sample, "cpu")[0] if form == "out" else None
+                        want, want_in = call(fn, sample, "cpu", like)
+                    except Exception:
+                        continue  # the CPU refuses this form: nothing to compare
+                    label = f"{o.name}[{i}] {form}"
+                    try:
+                        got, got_in = call(fn, sample, "accel", like)
+                        cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t
+                        if not random:
+                            torch.testing.assert_close(tree_map(cpu, got), want, equal_nan=True)
+                            tensors = lambda tree: [cpu(t) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+                            torch.testing.assert_close(tensors(got_in), tensors(want_in), equal_nan=True)
+                        if sharing(got, got_in) != sharing(want, want_in):
+                            bad.append((label, "aliasing", sharing(got, got_in), sharing(want, want_in)))
+                        ran.append(label)
+                    except Exception as e:
+                        bad.append((label, type(e).__name__, str(e)[:200]))
+        report(bad=bad, ran=ran, chosen=[o.name for o in chosen])
+    """), timeout=550)
+    assert r["bad"] == [], r["bad"]
+    assert {"unfold", "view_as_real", "view_as_complex"} <= set(r["chosen"]), r["chosen"]
+    assert len(r["ran"]) >= 40, r
