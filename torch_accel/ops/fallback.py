@@ -79,8 +79,15 @@ def _meta_like(t: torch.Tensor) -> torch.Tensor:
         t.size(), t.stride(), t.storage_offset())
 
 
+def _by_name(schema: torch._C.FunctionSchema, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {**dict(zip((a.name for a in schema.arguments), args)), **kwargs}
+
+
 def _view(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    base = next(t for t in tree_leaves((args, kwargs)) if _is_accel(t))
+    # the argument the schema says the results alias (``Tensor(a) self``)
+    aliased = next(a.name for a in op._schema.arguments if a.alias_info is not None)
+    base = _by_name(op._schema, args, kwargs)[aliased]
     meta_args, meta_kwargs = tree_map(lambda x: _meta_like(x) if _is_accel(x) else x, (args, kwargs))
 
     def over_base(r: object) -> object:
@@ -118,7 +125,7 @@ def cpu_fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     cpu_args, cpu_kwargs = tree_map(to_cpu, (args, kwargs))
     out = op(*cpu_args, **cpu_kwargs)
     written: dict[int, torch.Tensor] = {}  # cpu tensor id -> the accel tensor it stands for
-    flat = {**dict(zip((a.name for a in schema.arguments), args)), **kwargs}
+    flat = _by_name(schema, args, kwargs)
     for arg_name in written_arguments(schema):
         for t in tree_leaves(flat.get(arg_name)):
             if _is_accel(t):
