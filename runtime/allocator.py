@@ -40,6 +40,7 @@ without deadlocking or seeing the state mid-update. (A finalizer must not ``mall
 from __future__ import annotations
 
 import copy
+import errno
 import threading
 from bisect import bisect_left
 from collections import OrderedDict, deque
@@ -269,6 +270,9 @@ class CachingAllocator:
         self._large = _Pool(SMALL_SIZE + 1)
         self._peak = [0] * len(STAT_NAMES)           # peaks of the sums over both pools
         self._segments: dict[int, Segment] = {}      # by va of the segment's first byte
+        self._heads: dict[int, Block] = {}           # each segment's first block, by its va
+        #: the most this process may hold of the device (``set_memory_fraction``), or None
+        self._limit: int | None = None
         self._events: dict[StreamLike, deque[tuple[EventLike, Block]]] = {}
         self._pending = 0                            # blocks waiting for events
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
@@ -429,6 +433,48 @@ class CachingAllocator:
             self._large.reset_added()
             self._counters = dict.fromkeys(COUNTER_NAMES, 0)
 
+    def set_memory_fraction(self, fraction: float) -> None:
+        """Hold at most ``fraction`` of the device's memory (torch's
+        ``set_per_process_memory_fraction``): a segment that would take the reserved bytes
+        past it is refused as if the device were full, after freeing the cache; 1.0 is the
+        whole device. Segments held already stay."""
+        if not 0.0 <= fraction <= 1.0:
+            raise InvalidValueError(f"memory fraction {fraction} is outside 0 to 1")
+        limit = int(fraction * self._backend.mem_get_info()[1])
+        with self._lock:
+            self._limit = limit
+
+    def snapshot(self) -> list[dict]:
+        """Torch's ``memory_snapshot()`` segments: each held segment, lowest address first,
+        with its blocks in address order and their states (``active_allocated``,
+        ``active_pending_free`` for a freed block waiting for streams, ``inactive``); a
+        segment's ``stream`` is the stream object it serves, for the caller to name."""
+        with self._lock:
+            if self._freed:
+                self._put_back_freed()
+            out = []
+            for va in sorted(self._heads):
+                head = self._heads[va]
+                blocks, block = [], head
+                while block is not None:
+                    state = ("active_allocated" if block.state == _ALLOCATED else
+                             "inactive" if block.state == _CACHED else "active_pending_free")
+                    blocks.append({"address": block.va, "size": block.size, "state": state,
+                                   "requested_size": block.requested_size
+                                   if state != "inactive" else 0})
+                    block = block.next
+                active = [b for b in blocks if b["state"] != "inactive"]
+                out.append({
+                    "device": self.device, "address": va,
+                    "total_size": self._segments[va].size, "stream": head.stream,
+                    "segment_type": "small" if head.free_list.pool is self._small else "large",
+                    "allocated_size": sum(b["size"] for b in active
+                                          if b["state"] == "active_allocated"),
+                    "active_size": sum(b["size"] for b in active),
+                    "requested_size": sum(b["requested_size"] for b in active),
+                    "blocks": blocks})
+            return out
+
     # -- internals (the lock is held) ----------------------------------------------------------
 
     def _hand_out(self, block: Block, free: _FreeList, i: int, size: int,
@@ -534,6 +580,8 @@ class CachingAllocator:
             block.prev = prev.prev
             if prev.prev is not None:
                 prev.prev.next = block
+            else:
+                self._heads[block.va] = block
             split_blocks -= 1
             split_bytes -= prev.size
         if next_free:
@@ -616,13 +664,13 @@ class CachingAllocator:
         else:
             alloc_size = -(-size // ROUND_LARGE) * ROUND_LARGE
         try:
-            segment = self._backend.raw_alloc(alloc_size)
+            segment = self._raw_alloc(alloc_size)
         except OutOfMemoryError:
             self._synchronize_and_free_events()
             self._release_free_segments()
             self._counters["num_alloc_retries"] += 1
             try:
-                segment = self._backend.raw_alloc(alloc_size)
+                segment = self._raw_alloc(alloc_size)
             except OutOfMemoryError as exc:
                 self._counters["num_ooms"] += 1
                 raise OutOfMemoryError(self._oom_message(size), exc.errno) from None
@@ -634,7 +682,20 @@ class CachingAllocator:
         pool.segment_added += 1
         pool.reserved_bytes_added += segment.size
         self._update_peaks(pool)
-        return Block(segment.va, segment.size, free.stream, free, None, None, _FREED)
+        head = self._heads[segment.va] = Block(segment.va, segment.size, free.stream, free,
+                                                None, None, _FREED)
+        return head
+
+    def _raw_alloc(self, size: int) -> Segment:
+        """The driver's segment, unless it would take this process past its limit: torch's
+        ``set_per_process_memory_fraction`` refuses there as the device would when full, so
+        the caller frees the cache and retries the same way."""
+        if self._limit is not None:
+            reserved = self._small.reserved_bytes + self._large.reserved_bytes
+            if reserved + size > self._limit:
+                raise OutOfMemoryError(
+                    f"{format_size(size)} more would pass this process's limit", errno.ENOMEM)
+        return self._backend.raw_alloc(size)
 
     def _release_free_segments(self) -> None:
         """Give back every segment that is one free block (not split, not waiting)."""
@@ -643,6 +704,7 @@ class CachingAllocator:
                 for block in [b for b in free.blocks if b.prev is None and b.next is None]:
                     self._backend.raw_free(self._segments[block.va])
                     del self._segments[block.va]
+                    del self._heads[block.va]
                     free.remove(block)
                     self._counters["num_device_free"] += 1
                     pool.segment -= 1
@@ -659,7 +721,9 @@ class CachingAllocator:
                 f"{format_size(free)} is free. Of the allocated memory "
                 f"{format_size(allocated)} is allocated by the runtime, and "
                 f"{format_size(reserved - allocated)} is reserved by the runtime but "
-                f"unallocated.")
+                f"unallocated." + ("" if self._limit is None else
+                                   f" This process may hold {format_size(self._limit)} "
+                                   f"(set_per_process_memory_fraction)."))
 
 
 def format_size(size: int) -> str:

@@ -81,8 +81,8 @@ class Device:
         for part in reversed(parts):  # made later, so possibly built on an earlier one
             if isinstance(part, CachingAllocator):
                 part.close(cause)  # what its arrays will say when used
-            elif (close := getattr(part, "close", None)) is not None:
-                close()
+            elif (close := getattr(type(part), "close", None)) is not None:
+                close(part)  # looked up on the type: a Module's __getattr__ is its kernels
 
     def close(self) -> None:
         """Give up everything this process holds on the device, to build it again.

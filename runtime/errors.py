@@ -4,6 +4,11 @@
 driver of another ABI, a device held by another tenant and a device in reset are different
 conditions for different teams, so each has its own class and a message that names the
 cause and the fix. Driver-level errors carry the driver's ``errno``.
+
+The errors a framework's user meets mid-program (the device lost, out of memory, work that
+faulted) are also ``RuntimeError``s, as torch.cuda's are (``torch.OutOfMemoryError``,
+``torch.AcceleratorError``): code written against torch catches them with ``except
+RuntimeError`` without knowing this runtime, which never imports torch.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ class DeviceInResetError(AccelError):
     """The device is resetting or booting; retry once it is operational (EAGAIN)."""
 
 
-class OutOfMemoryError(AccelError, MemoryError):
+class OutOfMemoryError(AccelError, MemoryError, RuntimeError):
     """The device cannot satisfy an allocation."""
 
 
@@ -76,7 +81,7 @@ class _Recorded(AccelError):
         self.record = record or {}
 
 
-class DeviceFaultError(_Recorded):
+class DeviceFaultError(_Recorded, RuntimeError):
     """Queued work faulted on the device (scope ``queue``: the stream is done). Raised at
     the synchronisation point that covers it; ``record`` is the driver's record of the
     fault, the one ``fault_log`` and the event node show."""
@@ -87,7 +92,7 @@ class KernelFaultError(DeviceFaultError):
     plus ``kernel``: the kernel's name, which only this process knows."""
 
 
-class DeviceLostError(_Recorded):
+class DeviceLostError(_Recorded, RuntimeError):
     """The device failed or was reset under this context, or a fault lost the context
     alone; its state is gone (ENODEV). ``record`` is the driver's record of the fault that
     lost it (the first that lists the context), or the runtime's DRIVER_GONE."""

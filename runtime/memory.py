@@ -420,6 +420,7 @@ class _HostAllocation:
 
     def __init__(self, ctx: Context, nbytes: int, kind: uapi.MemKind) -> None:
         self.ctx = ctx
+        self.handle: int | None = None  # until the driver pinned it: nothing to unpin
         fd = sealed_memfd(kind.name.lower(), max(nbytes, 1))
         try:
             self.mem = map_memfd(fd, nbytes)
@@ -431,7 +432,8 @@ class _HostAllocation:
         self.base = np.frombuffer(self.mem, np.uint8).ctypes.data
 
     def __del__(self) -> None:
-        if os.getpid() == self.ctx.channel.pid and self.ctx.channel.fd >= 0:
+        if self.handle is not None and os.getpid() == self.ctx.channel.pid \
+                and self.ctx.channel.fd >= 0:
             try:
                 self.ctx.channel.call(uapi.ACCEL_CMD_MEM_FREE,
                                       uapi.accel_mem_free(ctx_id=self.ctx.id, handle=self.handle))
@@ -592,6 +594,18 @@ def max_memory_reserved(device: _device.DeviceLike = None) -> int:
 
 def reset_peak_memory_stats(device: _device.DeviceLike = None) -> None:
     _allocator(device).reset_peak_memory_stats()
+
+
+def memory_snapshot(device: _device.DeviceLike = None) -> list[dict[str, Any]]:
+    """The device's segments and their blocks, as torch's ``memory_snapshot`` lists them
+    (``CachingAllocator.snapshot``)."""
+    return _allocator(device).snapshot()
+
+
+def set_per_process_memory_fraction(fraction: float, device: _device.DeviceLike = None) -> None:
+    """Let this process hold at most ``fraction`` of the device's memory; past it an
+    allocation raises OutOfMemoryError (``CachingAllocator.set_memory_fraction``)."""
+    _allocator(device).set_memory_fraction(fraction)
 
 
 def empty_cache(device: _device.DeviceLike = None) -> None:

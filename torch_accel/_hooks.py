@@ -2,9 +2,11 @@
 
 Every function here is called from C++ (torch_accel/csrc/shim.cpp) with the GIL taken;
 its name is the contract, so renaming one breaks the shim. Errors raise as themselves
-(the shim lets Python exceptions through), except where torch wants its own type:
-device out-of-memory is ``torch.OutOfMemoryError`` and a device used in a child forked
-after initialisation is torch's "Cannot re-initialize" RuntimeError.
+(the shim lets Python exceptions through, but for the calls torch makes from destructors,
+where it prints them), except where torch wants its own type: device out-of-memory is
+``torch.OutOfMemoryError``, a device index out of range torch's RuntimeError, and a
+device used in a child forked after initialisation is torch's "Cannot re-initialize"
+RuntimeError. The runtime's device errors (DeviceLostError, ...) are RuntimeErrors too.
 
 Streams follow torch.cuda: ``torch.Stream(device="accel")`` draws from a per-device pool
 of ``POOL_SIZE`` streams per priority, round robin (so creating streams in a loop never
@@ -74,17 +76,24 @@ def current_device() -> int:
     return runtime.current_device()
 
 
+def checked(index: int) -> int:
+    """``index``, if a device has it. One out of range is torch's RuntimeError (as
+    torch.cuda's "invalid device ordinal"), not the runtime's ValueError, so
+    ``torch.empty(1, device="accel:9")`` or ``torch.accelerator.memory_stats(9)`` fails as
+    it would on CUDA."""
+    count = discovery.device_count()
+    if not 0 <= index < count:
+        raise RuntimeError(f"accel: invalid device index {index}: {count} device(s) visible "
+                           "(the device index is out of range)")
+    return index
+
+
 def set_device(index: int) -> None:
-    """torch's device guard and ``torch.accel.set_device``: an index out of range is
-    torch's RuntimeError (as torch.cuda's "invalid device ordinal"), not the runtime's
-    ValueError, so ``torch.empty(1, device="accel:9")`` fails as it would on CUDA."""
+    """torch's device guard and ``torch.accel.set_device``."""
     if index < 0:
         return  # torch's "no device": leave the current one
     lazy_init()
-    try:
-        runtime.set_device(index)
-    except runtime.InvalidValueError as exc:  # the runtime's only refusal: no such index
-        raise RuntimeError(f"accel: {exc} (the device index is out of range)") from None
+    runtime.set_device(checked(index))
 
 
 def exchange_device(index: int) -> int:
@@ -100,7 +109,7 @@ def has_primary_context(index: int) -> bool:
 
 def synchronize(index: int) -> None:
     lazy_init()
-    runtime.synchronize(index if index >= 0 else None)
+    runtime.synchronize(checked(index) if index >= 0 else None)
 
 
 # ------------------------------------------------------------------------- streams
@@ -254,7 +263,7 @@ def record_stream(device: int, va: int, sid: int) -> None:
 
 def memory_stats(device: int) -> dict[str, int]:
     lazy_init()
-    return dict(runtime.memory_stats(device))
+    return dict(runtime.memory_stats(checked(device)))
 
 
 def empty_cache() -> None:
@@ -265,17 +274,17 @@ def empty_cache() -> None:
 
 def reset_peak_memory_stats(device: int) -> None:
     lazy_init()
-    runtime.reset_peak_memory_stats(device)
+    runtime.reset_peak_memory_stats(checked(device))
 
 
 def reset_accumulated_memory_stats(device: int) -> None:
     lazy_init()
-    runtime.memory._allocator(device).reset_accumulated_memory_stats()
+    runtime.memory._allocator(checked(device)).reset_accumulated_memory_stats()
 
 
 def mem_get_info(device: int) -> tuple[int, int]:
     lazy_init()
-    return runtime.mem_get_info(device)
+    return runtime.mem_get_info(checked(device))
 
 
 # ------------------------------------------------------------------- pinned memory

@@ -333,6 +333,27 @@ def test_oom_frees_the_cache_and_retries(alloc: CachingAllocator, backend: FakeB
     assert stats["active.all.current"] == 1
 
 
+def test_memory_fraction_refuses_segments_past_it(backend: FakeBackend) -> None:
+    """A segment past the fraction is refused as when the device is full: the cache goes
+    back first, then OutOfMemoryError names the limit; cached blocks are still reused."""
+    alloc = CachingAllocator(backend)
+    kept = alloc.malloc(30 * MiB, s1)              # a 30 MiB segment of its own
+    cached = alloc.malloc(12 * MiB, s1)
+    alloc.free(cached)
+    alloc.set_memory_fraction(0.25)                # 64 MiB of 256
+    again = alloc.malloc(12 * MiB, s1)             # the cached segment: no new one
+    alloc.free(again)
+    with pytest.raises(OutOfMemoryError, match="This process may hold 64.00 MiB"):
+        alloc.malloc(40 * MiB, s1)                 # 30 + 40 > 64, even with the cache freed
+    assert alloc.memory_reserved() == 30 * MiB     # the cache was given back first
+    assert stat(alloc, "num_ooms") == 1 and stat(alloc, "num_alloc_retries") == 1
+    alloc.set_memory_fraction(1.0)
+    alloc.free(alloc.malloc(40 * MiB, s1))
+    alloc.free(kept)
+    with pytest.raises(InvalidValueError):
+        alloc.set_memory_fraction(1.5)
+
+
 def test_oom_message_and_counts() -> None:
     backend = FakeBackend(capacity=256 * MiB, foreign=13 * MiB)
     alloc = CachingAllocator(backend)
@@ -630,6 +651,16 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.alloc.memory_allocated() == allocated == stats["allocated_bytes.all.current"]
         assert self.alloc.memory_reserved() == reserved == stats["reserved_bytes.all.current"]
         assert reserved >= allocated
+        snapshot = self.alloc.snapshot()
+        assert [(g["address"], g["total_size"]) for g in snapshot] == \
+            [(s.va, s.size) for s in segments], "the snapshot's segments are not the held ones"
+        for g in snapshot:  # its blocks tile the segment, in address order
+            ends = [g["address"]] + [b["address"] + b["size"] for b in g["blocks"]]
+            assert [b["address"] for b in g["blocks"]] == ends[:-1], g
+            assert ends[-1] == g["address"] + g["total_size"], g
+        assert sorted((b["address"], b["size"]) for g in snapshot for b in g["blocks"]
+                      if b["state"] == "active_allocated") == [(b.va, b.size) for b in live]
+        assert sum(g["allocated_size"] for g in snapshot) == allocated
         assert stats["allocation.all.current"] == len(live)
         assert stats["segment.all.current"] == len(segments)
         assert stats["active.all.current"] >= len(live)

@@ -3,8 +3,12 @@
 // Every decision is made in Python (torch_accel/_hooks.py): this file adapts torch's C++
 // interfaces to calls of that module's functions, with the GIL taken for each. A Python
 // exception raised there travels back as itself (torch's bindings restore
-// py::error_already_set), so a device OOM is torch.OutOfMemoryError and a use after
-// fork is torch's "Cannot re-initialize accel in forked subprocess" RuntimeError.
+// py::error_already_set), so a device OOM is torch.OutOfMemoryError, a lost device the
+// runtime's DeviceLostError (a RuntimeError) and a use after fork torch's "Cannot
+// re-initialize accel in forked subprocess" RuntimeError. The calls torch makes from
+// destructors and noexcept functions (deleters, guards putting the device or stream
+// back, event destruction, deviceCount) print the exception instead (call_quietly):
+// thrown there, it would abort the process.
 //
 //   * DeviceGuardImpl: current device, streams (ids: 0 the default stream, others made by
 //     Python), events (handles are Python event ids), synchronisation, elapsed time.
@@ -64,21 +68,29 @@ R call(const char* name, Args&&... args) {
   }
 }
 
-// Calls from noexcept and destructor paths: an error is printed, never thrown. They run
-// while Python unwinds too (a failed operator's temporary tensors are freed with its
-// exception pending): the pending exception is set aside for the call and put back after,
-// or the call would consume it and Python would see "error return without exception set".
-template <typename... Args>
-void call_quietly(const char* name, Args&&... args) noexcept {
+// Calls from noexcept and destructor paths: an error is printed, never thrown (an
+// exception leaving a destructor or a noexcept function is std::terminate, which kills
+// the process). ``use`` reads the result under the GIL, if there is one.
+// They run while Python unwinds too (a failed operator's temporary tensors are freed with
+// its exception pending): the pending exception is set aside for the call and put back
+// after, or the call would consume it and Python would see "error return without
+// exception set".
+template <typename Use, typename... Args>
+void call_quietly_with(const char* name, Use&& use, Args&&... args) noexcept {
   if (g_hooks == nullptr || !python_alive()) return;
   py::gil_scoped_acquire gil;
   py::error_scope pending;
   try {
-    g_hooks->attr(name)(std::forward<Args>(args)...);
+    use(g_hooks->attr(name)(std::forward<Args>(args)...));
   } catch (py::error_already_set& e) {
     e.discard_as_unraisable(name);
   } catch (...) {
   }
+}
+
+template <typename... Args>
+void call_quietly(const char* name, Args&&... args) noexcept {
+  call_quietly_with(name, [](const py::object&) {}, std::forward<Args>(args)...);
 }
 
 c10::Device accel(DeviceIndex index) { return c10::Device(kAccel, index); }
@@ -113,8 +125,16 @@ struct AccelGuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool high_priority) const override {
     return stream_of(d, call<int64_t>("new_stream", resolved(d).index(), high_priority ? -1 : 0));
   }
+  // Stream guards call this from their destructors too (c10::StreamGuard, the autograd
+  // engine's around each backward function), to put the previous stream back: there a
+  // failure (the device was lost meanwhile) must not terminate the process, so it is
+  // printed, and the guard is told the default stream was current. The device's next
+  // use raises the loss where it can be caught.
   c10::Stream exchangeStream(c10::Stream s) const override {
-    return stream_of(s.device(), call<int64_t>("exchange_stream", s.device_index(), s.id()));
+    int64_t prev = 0;
+    call_quietly_with("exchange_stream", [&](const py::object& out) { prev = out.cast<int64_t>(); },
+                      s.device_index(), s.id());
+    return stream_of(s.device(), prev);
   }
   bool queryStream(const c10::Stream& s) const override {
     return call<bool>("stream_query", s.device_index(), s.id());
@@ -163,14 +183,9 @@ struct AccelGuardImpl final : c10::impl::DeviceGuardImplInterface {
   }
 
   DeviceIndex deviceCount() const noexcept override {
-    if (g_hooks == nullptr || !python_alive()) return 0;
-    py::gil_scoped_acquire gil;
-    try {
-      return g_hooks->attr("device_count")().cast<DeviceIndex>();
-    } catch (py::error_already_set& e) {
-      e.discard_as_unraisable("device_count");
-      return 0;
-    }
+    DeviceIndex n = 0;
+    call_quietly_with("device_count", [&](const py::object& out) { n = out.cast<DeviceIndex>(); });
+    return n;
   }
 };
 

@@ -33,10 +33,22 @@ def as_number(x: Any) -> Any:
 
 
 def device_of(*xs: Any) -> torch.device:
+    """The device an operator runs on: its tensors' one device (0-d CPU tensors are
+    numbers). Tensors on two devices are refused before any kernel is queued, in torch's
+    own words (TensorIterator's), so code that handles the CPU's or CUDA's error handles
+    this one: the kernel launcher's refusal would be the runtime's ValueError."""
+    device = None
     for x in xs:
-        if isinstance(x, torch.Tensor) and x.device.type == "accel":
-            return x.device
-    raise RuntimeError("accel: no accel tensor among the operands")
+        if not isinstance(x, torch.Tensor) or (x.device.type == "cpu" and x.dim() == 0):
+            continue
+        if device is None:
+            device = x.device
+        elif x.device != device:
+            raise RuntimeError("Expected all tensors to be on the same device, but found at "
+                               f"least two devices, {device} and {x.device}!")
+    if device is None or device.type != "accel":
+        raise RuntimeError("accel: no accel tensor among the operands")
+    return device
 
 
 def supported(*dtypes: torch.dtype) -> bool:

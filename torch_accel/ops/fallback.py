@@ -2,10 +2,20 @@
 request (``TORCH_ACCEL_FALLBACK_WARN=1``, or ``torch_accel.ops.fallback.WARN = True``).
 
 The fallback moves the accel tensors among the arguments to the host, runs the CPU
-kernel, and puts back what the operator wrote: arguments the schema marks as written
-(in-place and ``out=`` operators) get the new values copied into them, so aliasing holds;
-fresh results move to the device of the first accel argument. It is correct and slow:
-``fallback_counts`` shows which operators a program should not leave to it.
+kernel, and puts back what the operator wrote: every argument the schema marks as written
+(``Tensor(a!)``, ``Tensor(a!)?``, ``Tensor(a!)[]``: in-place, ``out=`` and running-stat
+arguments) gets the new values copied into it, so aliasing holds; fresh results move to
+the device of the first accel argument. It is correct and slow: ``fallback_counts`` shows
+which operators a program should not leave to it.
+
+Two kinds of operator must not take that road (:func:`rule` tells them apart):
+
+* a view (a result aliasing an argument without writing it, ``Tensor(a) self ->
+  Tensor(a)``) made on the host would be a copy, so writes through it would be lost. Its
+  geometry (sizes, strides, offset, dtype) is computed by torch's Meta kernel instead, and
+  the result is that geometry over the argument's own device storage;
+* a factory (``device="accel"`` and no accel tensor) would dispatch back here forever if
+  run as given: it runs with ``device="cpu"`` and its result moves to the device asked for.
 """
 
 from __future__ import annotations
@@ -13,28 +23,80 @@ from __future__ import annotations
 import os
 import warnings
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 WARN = os.environ.get("TORCH_ACCEL_FALLBACK_WARN", "") not in ("", "0")
 #: operator name -> calls that ran on the CPU, this process
 fallback_counts: Counter[str] = Counter()
 
-lib = torch.library.Library("_", "IMPL")
-
-#: arguments an operator writes although its schema does not mark them ``(a!)``: the
-#: CPU's ``native_batch_norm`` updates the running statistics in place (torch keeps that
-#: schema unannotated for its own backends), so without this a BatchNorm's
-#: ``running_mean``/``running_var`` on accel never moved
-UNMARKED_WRITES: dict[str, tuple[str, ...]] = {
+#: arguments the CPU kernel writes although the schema does not mark them: torch's own
+#: decompositions route native_batch_norm to _native_batch_norm_legit for this reason
+UNDECLARED_WRITES: dict[str, tuple[str, ...]] = {
     "aten::native_batch_norm": ("running_mean", "running_var"),
+    "aten::native_batch_norm.out": ("running_mean", "running_var"),
 }
+
+Rule = Literal["view", "writes", "compute"]
+
+lib = torch.library.Library("_", "IMPL")
 
 
 def _is_accel(x: object) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == "accel"
+
+
+def _overload_name(schema: torch._C.FunctionSchema) -> str:
+    return f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
+
+
+def written_arguments(schema: torch._C.FunctionSchema) -> list[str]:
+    """The arguments whose values the operator changes, whatever their type (a tensor, an
+    optional tensor, a list of tensors)."""
+    undeclared = UNDECLARED_WRITES.get(_overload_name(schema), ())
+    return [a.name for a in schema.arguments
+            if (a.alias_info is not None and a.alias_info.is_write) or a.name in undeclared]
+
+
+def rule(schema: torch._C.FunctionSchema) -> Rule:
+    """How the fallback runs an operator: ``view`` (a result aliases an argument it does
+    not write), ``writes`` (copies back its written arguments), ``compute`` (fresh results
+    only)."""
+    if written_arguments(schema):
+        return "writes"
+    if any(r.alias_info is not None for r in schema.returns):
+        return "view"
+    return "compute"
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s geometry over a Meta storage of the same size: what a view's Meta kernel
+    needs to compute the view's strides and offset."""
+    elements = t.untyped_storage().nbytes() // t.element_size()
+    return torch.empty(elements, dtype=t.dtype, device="meta").as_strided(
+        t.size(), t.stride(), t.storage_offset())
+
+
+def _by_name(schema: torch._C.FunctionSchema, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {**dict(zip((a.name for a in schema.arguments), args)), **kwargs}
+
+
+def _view(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # the argument the schema says the results alias (``Tensor(a) self``)
+    aliased = next(a.name for a in op._schema.arguments if a.alias_info is not None)
+    base = _by_name(op._schema, args, kwargs)[aliased]
+    meta_args, meta_kwargs = tree_map(lambda x: _meta_like(x) if _is_accel(x) else x, (args, kwargs))
+
+    def over_base(r: object) -> object:
+        if not isinstance(r, torch.Tensor):
+            return r
+        view = torch.empty(0, dtype=r.dtype, device=base.device)
+        return view.set_(base.untyped_storage(), r.storage_offset(), r.size(), r.stride())
+
+    return tree_map(over_base, op(*meta_args, **meta_kwargs))
 
 
 def cpu_fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
@@ -42,11 +104,18 @@ def cpu_fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     fallback_counts[name] += 1
     if WARN:
         warnings.warn(f"accel: {name} has no device kernel and ran on the CPU", stacklevel=2)
-    devices = [t.device for t in torch.utils._pytree.tree_leaves((args, kwargs)) if _is_accel(t)]
-    device = devices[0] if devices else torch.device("accel")
+    schema = op._schema
+    if rule(schema) == "view":
+        return _view(op, args, kwargs)
+    devices = [t.device for t in tree_leaves((args, kwargs)) if _is_accel(t)]
+    asked = [d for d in tree_leaves((args, kwargs))
+             if isinstance(d, torch.device) and d.type == "accel"]
+    device = (devices or asked or [torch.device("accel")])[0]
     moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def to_cpu(x: object) -> object:
+        if isinstance(x, torch.device) and x.type == "accel":
+            return torch.device("cpu")  # a factory: made on the host, moved below
         if not _is_accel(x):
             return x
         if id(x) not in moved:
@@ -56,19 +125,15 @@ def cpu_fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     cpu_args, cpu_kwargs = tree_map(to_cpu, (args, kwargs))
     out = op(*cpu_args, **cpu_kwargs)
     written: dict[int, torch.Tensor] = {}  # cpu tensor id -> the accel tensor it stands for
-    schema = op._schema
-    flat = {**dict(zip((a.name for a in schema.arguments), args)), **kwargs}
-    unmarked = UNMARKED_WRITES.get(name, ())
-    for arg in schema.arguments:
-        value = flat.get(arg.name)
-        if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name in unmarked:
-            for t in (value if isinstance(value, (list, tuple)) else [value]):
-                if _is_accel(t):
-                    orig, cpu = moved[id(t)]
-                    if orig.shape != cpu.shape:  # an out= argument the operator resized
-                        orig.resize_(cpu.shape)
-                    orig.copy_(cpu)
-                    written[id(cpu)] = orig
+    flat = _by_name(schema, args, kwargs)
+    for arg_name in written_arguments(schema):
+        for t in tree_leaves(flat.get(arg_name)):
+            if _is_accel(t):
+                orig, cpu = moved[id(t)]
+                if orig.shape != cpu.shape:  # an out= argument the operator resized
+                    orig.resize_(cpu.shape)
+                orig.copy_(cpu)
+                written[id(cpu)] = orig
 
     def back(x: object) -> object:
         if isinstance(x, torch.Tensor):

@@ -19,6 +19,7 @@ _FLOAT = (torch.float32, torch.float64)
 
 
 def _matrices(*ts: torch.Tensor) -> list[torch.Tensor]:
+    operands.device_of(*ts)  # refuses two devices, whatever the dtype
     dtype = ts[0].dtype
     if dtype not in _FLOAT or any(t.dtype != dtype for t in ts):
         raise Unsupported
@@ -38,6 +39,7 @@ def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
              beta: Any = 0, alpha: Any = 1) -> torch.Tensor:
     """``beta * bias + alpha * a @ b`` on the unit (``bias`` broadcast into the output
     first; beta 0 ignores it, NaN included)."""
+    operands.device_of(bias, a, b)
     a, b = _matrices(a, b)
     out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
     beta = float(beta) if bias is not None else 0.0
