@@ -32,10 +32,13 @@ REDUCE_NN = ("sum mean prod amax amin argmax argmin max min any all mm bmm addmm
 #: operators whose float results sum many terms: their absolute tolerance scales with
 #: the largest result (a sum of products of values ~10 in another order than the CPU's
 #: differs by ~1e-5 in float32: matmul's samples reach 213 with an error of 3e-5)
-SUMMING = {"sum", "mean", "prod", "mm", "bmm", "addmm", "matmul", "nn.functional.linear",
+CONV_POOL = ("nn.functional.conv1d nn.functional.conv2d nn.functional.conv3d "
+             "nn.functional.max_pool2d nn.functional.avg_pool2d")
+SUMMING = {"nn.functional.conv1d", "nn.functional.conv2d", "nn.functional.conv3d", "sum", "mean", "prod", "mm", "bmm", "addmm", "matmul", "nn.functional.linear",
            "nn.functional.cross_entropy", "nn.functional.nll_loss", "nn.functional.mse_loss"}
 
 GROUPS = {
+    "conv-pool-float32": (CONV_POOL, "float32", set()),
     "elementwise-float32": (ELEMENTWISE, "float32", {"aten::round.decimals_out", "aten::clamp.Tensor_out"}),
     "integer-int64": (INTEGER, "int64", {"aten::clamp.Tensor_out", "aten::index_select", "aten::cat"}),
     # class weights, 2-D targets and max_norm have no device kernel

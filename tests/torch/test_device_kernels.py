@@ -385,3 +385,51 @@ def test_matmul_random_sleep(daemon):
     queued, ran = map(float, lines[-1].split()[-2:])
     assert lines[-1].startswith("sleep queued, ran") and queued < ran, lines  # asynchronous
 
+
+
+@pytest.mark.timeout(200)
+def test_unfold_fold_swap01(daemon):
+    """im2col against loops over numpy, also grouped and transposed; col2im as its adjoint
+    (``<unfold x, c> == <x, fold c>``), which is what the input gradient of a convolution
+    needs; the leading-dimension transpose with and without a bias."""
+    lines = run(daemon, """
+        def unfold_ref(x, kernel, stride, padding, dilation):
+            n, c, *sp = x.shape
+            out_sp = [(s + 2 * p - d * (k - 1) - 1) // st + 1
+                      for s, p, d, k, st in zip(sp, padding, dilation, kernel, stride)]
+            xp = np.pad(x, [(0, 0), (0, 0)] + [(p, p) for p in padding])
+            cols = np.zeros((c, *kernel, n, *out_sp), x.dtype)
+            for ko in np.ndindex(*kernel):
+                for o in np.ndindex(*out_sp):
+                    at = tuple(oi * st + ki * d for oi, st, ki, d in zip(o, stride, ko, dilation))
+                    cols[(slice(None), *ko, slice(None), *o)] = xp[(slice(None), slice(None), *at)].T
+            return cols.reshape(c * int(np.prod(kernel)), -1), out_sp
+        for shape, kernel, stride, padding, dilation in (
+                ((2, 3, 7, 6), (3, 2), (2, 1), (1, 0), (1, 2)),
+                ((1, 2, 9), (3,), (2,), (2,), (3,)),
+                ((2, 2, 4, 3, 5), (2, 1, 3), (1, 2, 1), (1, 0, 1), (2, 1, 1))):
+            x = rng.standard_normal(shape).astype(np.float32)
+            want, out_sp = unfold_ref(x, kernel, stride, padding, dilation)
+            cols = runtime.empty(want.shape, np.float32)
+            geometry = (shape[0], shape[1], shape[2:], out_sp, kernel, stride, padding, dilation)
+            K.unfold(cols, dev(x), *geometry)
+            check(f"unfold {shape}", host(cols), want)
+            c = rng.standard_normal(want.shape).astype(np.float32)
+            back = dev(np.zeros(shape, np.float32))
+            K.fold(back, dev(c), *geometry)
+            check(f"fold {shape}", np.vdot(host(back).astype(np.float64), x),
+                  np.vdot(c.astype(np.float64), want), rtol=1e-5)
+            groups = shape[1] if shape[1] % 2 else 2
+            per_group = want.reshape(groups, -1, want.shape[1])
+            cols_t = runtime.empty((groups, want.shape[1], per_group.shape[1]), np.float32)
+            K.unfold(cols_t, dev(x), *geometry, groups=groups, transposed=True)
+            check(f"unfold transposed {shape}", host(cols_t), per_group.transpose(0, 2, 1))
+        src = rng.standard_normal((3, 4, 5)).astype(np.float32)
+        bias = rng.standard_normal(3).astype(np.float32)
+        out = runtime.empty((4, 3, 5), np.float32)
+        K.swap01(out, dev(src), 3, 4, 5, bias=dev(bias))
+        check("swap01 bias", host(out), src.transpose(1, 0, 2) + bias[None, :, None])
+        K.swap01(out, dev(src), 3, 4, 5)
+        check("swap01", host(out), src.transpose(1, 0, 2))
+    """, timeout=180)
+    assert sum(line.endswith(" ok") for line in lines) == 11

@@ -8,6 +8,7 @@ process, on first use; each (kernel, argument dtypes) is a numba compile in the 
 on its first launch, so most kernels choose their operation by an op code (the enums).
 """
 
+from torch_accel.kernels.conv import fold, swap01, unfold
 from torch_accel.kernels.elementwise import (
     Binary,
     Compare,
@@ -38,15 +39,23 @@ from torch_accel.kernels.nn import (
     tanh_backward,
     threshold_backward,
 )
+from torch_accel.kernels.pool import (
+    avg_pool2d,
+    avg_pool2d_backward,
+    max_pool2d,
+    max_pool2d_backward,
+)
 from torch_accel.kernels.random import bernoulli_mask, counters, normal, uniform
 from torch_accel.kernels.reduce import Reduce, reduce_rows, var_rows
 from torch_accel.kernels.sleep import sleep
 
 __all__ = [
     "Backward", "Binary", "Compare", "Predicate", "Reduce", "Reduction", "Unary",
-    "activation_backward", "arange", "bernoulli_mask", "binary", "bmm", "compare", "counters",
-    "fill", "gelu_backward", "index_add_rows", "index_rows", "mm", "nll_loss_backward_rows",
-    "nll_loss_rows", "normal", "predicate", "reduce_rows", "sigmoid_backward", "sleep",
-    "softmax_backward_rows", "softmax_rows", "strided_copy", "tanh_backward",
-    "threshold_backward", "unary", "uniform", "var_rows", "where",
+    "activation_backward", "arange", "avg_pool2d", "avg_pool2d_backward",
+    "bernoulli_mask", "binary", "bmm", "compare", "counters", "fill", "fold",
+    "gelu_backward", "index_add_rows", "index_rows", "max_pool2d", "max_pool2d_backward",
+    "mm", "nll_loss_backward_rows", "nll_loss_rows", "normal", "predicate", "reduce_rows",
+    "sigmoid_backward", "sleep", "softmax_backward_rows", "softmax_rows", "strided_copy",
+    "swap01", "tanh_backward", "threshold_backward", "unary", "unfold", "uniform",
+    "var_rows", "where",
 ]

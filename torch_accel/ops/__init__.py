@@ -3,11 +3,13 @@ other operator through the counted CPU fallback (fallback.py). ``_register.nativ
 the natively implemented ``name.overload``s."""
 
 from torch_accel.ops import (  # noqa: F401 - each registers its kernels
+    conv,
     copy,
     elementwise,
     fallback,
     linalg,
     nn,
+    pool,
     random,
     reduce,
     shape,

@@ -1,0 +1,135 @@
+"""2-D pooling: max (with the flat index of each maximum in its plane, as torch returns
+it) and average, forward and backward, as one kernel of four modes (one compile per float
+dtype). One thread per output element walks its window; the backwards add into the input
+gradient with atomics, as windows may overlap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+import runtime
+from torch_accel.kernels import _shared as shared
+from torch_accel.kernels._shared import Array
+
+SOURCE = """def pool2d(out, idx, x, g, back: 'int64', avg: 'int64', total: 'int64', h: 'int64',
+           w: 'int64', oh: 'int64', ow: 'int64', kh: 'int64', kw: 'int64', sh: 'int64',
+           sw: 'int64', ph: 'int64', pw: 'int64', dh: 'int64', dw: 'int64',
+           incl: 'int64', div: 'int64'):
+    i = global_id(0)
+    if i < total:
+        q = i % ow
+        r = i // ow
+        p = r % oh
+        base = r // oh * h * w
+        hs = p * sh - ph
+        ws = q * sw - pw
+        if avg == 0:
+            if back == 0:
+                best = -1.0e300 * 1.0e300
+                at = -1
+                for a in range(kh):
+                    y = hs + a * dh
+                    for b in range(kw):
+                        c = ws + b * dw
+                        if 0 <= y < h and 0 <= c < w:
+                            v = x[base + y * w + c]
+                            if at < 0 or v > best or v != v:
+                                best = v
+                                at = y * w + c
+                out[i] = best
+                idx[i] = at
+            else:
+                atomic_add(x, base + idx[i], g[i])
+        else:
+            he = min(hs + kh, h + ph)
+            we = min(ws + kw, w + pw)
+            cnt = (he - hs) * (we - ws)
+            y0 = max(hs, 0)
+            c0 = max(ws, 0)
+            he = min(he, h)
+            we = min(we, w)
+            if incl == 0:
+                cnt = (he - y0) * (we - c0)
+            if div != 0:
+                cnt = div
+            if back == 0:
+                s = 0.0
+                for yy in range(y0, he):
+                    for cc in range(c0, we):
+                        s += x[base + yy * w + cc]
+                out[i] = s / cnt
+            else:
+                v = g[i] / cnt
+                for yy in range(y0, he):
+                    for cc in range(c0, we):
+                        atomic_add(x, base + yy * w + cc, v)
+"""
+
+
+def _launch(back: int, avg: int, out: Array, idx: Array, x: Array, g: Array,
+            spatial: Sequence[int], out_spatial: Sequence[int], planes: int,
+            kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+            dilation: Sequence[int], count_include_pad: bool, divisor: int,
+            stream: runtime.Stream | None) -> None:
+    total = planes * out_spatial[0] * out_spatial[1]
+    if total == 0 or x.nbytes == 0:
+        return
+    shared.module("pool", SOURCE, x.device).pool2d[shared.grid(total), shared.BLOCK](
+        shared.flat(out), shared.flat(idx), shared.flat(x), shared.flat(g), back, avg, total,
+        *spatial, *out_spatial, *kernel, *stride, *padding, *dilation,
+        int(count_include_pad), divisor, stream=shared.stream_of(x, stream))
+
+
+def max_pool2d(out: Array, indices: Array, x: Array, planes: int, spatial: Sequence[int],
+               out_spatial: Sequence[int], kernel: Sequence[int], stride: Sequence[int],
+               padding: Sequence[int], dilation: Sequence[int],
+               stream: runtime.Stream | None = None) -> None:
+    """Each window's maximum (NaN wins, as in torch) and its flat index in the plane
+    (``indices`` int64), over ``planes`` contiguous ``[h, w]`` planes."""
+    _launch(0, 0, out, indices, x, out, spatial, out_spatial, planes, kernel, stride,
+            padding, dilation, False, 0, stream)
+
+
+def max_pool2d_backward(grad_x: Array, grad: Array, indices: Array, planes: int,
+                        spatial: Sequence[int], out_spatial: Sequence[int],
+                        stream: runtime.Stream | None = None) -> None:
+    """Adds each output gradient at its maximum's index into ``grad_x`` (zeroed first)."""
+    one = (1, 1)
+    _launch(1, 0, grad, indices, grad_x, grad, spatial, out_spatial, planes, one, one,
+            (0, 0), one, False, 0, stream)
+
+
+def avg_pool2d(out: Array, x: Array, planes: int, spatial: Sequence[int],
+               out_spatial: Sequence[int], kernel: Sequence[int], stride: Sequence[int],
+               padding: Sequence[int], count_include_pad: bool, divisor: int,
+               stream: runtime.Stream | None = None) -> None:
+    """Window means with torch's divisor: ``divisor`` when non-zero (negative too, as
+    torch allows), else the window's size within the padded input
+    (``count_include_pad``) or within the input."""
+    _launch(0, 1, out, _no_index(x.device), x, out, spatial, out_spatial, planes, kernel,
+            stride, padding, (1, 1), count_include_pad, divisor, stream)
+
+
+def avg_pool2d_backward(grad_x: Array, grad: Array, planes: int, spatial: Sequence[int],
+                        out_spatial: Sequence[int], kernel: Sequence[int],
+                        stride: Sequence[int], padding: Sequence[int],
+                        count_include_pad: bool, divisor: int,
+                        stream: runtime.Stream | None = None) -> None:
+    """Spreads each output gradient over its window, divided as the forward divided,
+    into ``grad_x`` (zeroed first)."""
+    _launch(1, 1, grad, _no_index(grad.device), grad_x, grad, spatial, out_spatial, planes,
+            kernel, stride, padding, (1, 1), count_include_pad, divisor, stream)
+
+
+_INDEX: dict[int, runtime.DeviceArray] = {}
+
+
+def _no_index(device: int) -> runtime.DeviceArray:
+    """The int64 buffer the average modes name for ``idx`` and never read (a launch
+    needs a real buffer there, and the kernel's dtypes fixed to compile once)."""
+    if device not in _INDEX:
+        _INDEX[device] = runtime.empty(1, np.int64, device=device)
+    return _INDEX[device]
