@@ -182,6 +182,14 @@ def init() -> None:
     primary_context(current_device())
 
 
+def visible_count() -> int:
+    """How many devices this process sees, as initialisation recorded them: the device
+    tree is read once per process, not on every device-guard switch."""
+    if not is_initialized():
+        init_state()
+    return len(_visible)
+
+
 def _physical(index: int) -> str:
     if not 0 <= index < len(_visible):
         raise errors.InvalidValueError(

@@ -80,8 +80,10 @@ def checked(index: int) -> int:
     """``index``, if a device has it. One out of range is torch's RuntimeError (as
     torch.cuda's "invalid device ordinal"), not the runtime's ValueError, so
     ``torch.empty(1, device="accel:9")`` or ``torch.accelerator.memory_stats(9)`` fails as
-    it would on CUDA."""
-    count = discovery.device_count()
+    it would on CUDA. Initialises the runtime: the count is the one it recorded, so a
+    device guard (every operator's) reads no device tree."""
+    lazy_init()
+    count = runtime.devices.visible_count()
     if not 0 <= index < count:
         raise RuntimeError(f"accel: invalid device index {index}: {count} device(s) visible "
                            "(the device index is out of range)")
@@ -92,7 +94,6 @@ def set_device(index: int) -> None:
     """torch's device guard and ``torch.accel.set_device``."""
     if index < 0:
         return  # torch's "no device": leave the current one
-    lazy_init()
     runtime.set_device(checked(index))
 
 
