@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from abi import uapi
+from abi import mailbox, uapi
 
 MAGIC = b"AEMUFW01"
 _LEN = struct.Struct("<I")
@@ -129,6 +129,9 @@ def parse(raw: bytes) -> FirmwareImage:
         if type(value) is not kind or (kind is int and value < 0):
             want = "a non-negative integer" if kind is int else "a list"
             raise ImageError(f"payload field {key} is {value!r}, not {want}")
+    if config["max_contexts"] > mailbox.LIVE_SLOTS:
+        raise ImageError(f"payload max_contexts {config['max_contexts']} exceeds the mailbox's "
+                         f"live-context table ({mailbox.LIVE_SLOTS})")
     caps = config["capabilities"]
     if not all(isinstance(c, str) for c in caps):
         raise ImageError("payload capabilities are not all names")

@@ -34,8 +34,9 @@ MAILBOX_MAGIC: Final = 0xACCE1E40
 #: The mailbox ABI this file describes. Images list the range they speak. 5: QUEUE_CREATE
 #: carries the queue's depth. 6: engine busy time in the stats block, and the context
 #: table (each context's engine time). 7: CTX_LOST (the firmware learns a context's loss
-#: from the driver, never from the process's doorbell page).
-MAILBOX_ABI: Final = 7
+#: from the driver, never from the process's doorbell page). 8: the live table (CTX_CREATE
+#: names the context's entry; the driver clears it when the context is lost).
+MAILBOX_ABI: Final = 8
 
 MAILBOX_SIZE: Final = 1 << 20
 _BOOT_OFF: Final = 0
@@ -105,9 +106,11 @@ class Op(enum.IntEnum):
 # --- message payloads: one struct per message ---------------------------------------------
 # Host to firmware. A field ``cookie`` names the descriptors sent with the message (0: none).
 class fw_ctx_create(Struct):
-    """A context: fds doorbell pipe read end, event pipe write end, doorbell page memfd."""
+    """A context: fds doorbell pipe read end, event pipe write end, doorbell page memfd;
+    ``live_slot``, its entry in the live table (``LIVE_OFF``)."""
 
-    _fields_ = [("cookie", ctypes.c_uint64), ("reserved", ctypes.c_uint64 * 2)]
+    _fields_ = [("cookie", ctypes.c_uint64), ("live_slot", ctypes.c_uint64),
+                ("reserved", ctypes.c_uint64)]
 
 
 class fw_ctx_destroy(Struct):
@@ -386,6 +389,17 @@ _STATS = struct.Struct(f"<{len(STAT_NAMES)}Q")
 #: entry. A context past the table's size has no entry (its time counts in the totals).
 CTX_STATS_SLOTS: Final = 256
 CTX_STATS_WORDS: Final = 4
+
+#: The live table, written by the driver alone, read by the firmware: entry ``live_slot``
+#: (from CTX_CREATE) holds the context's id while the driver counts it live, and 0 from
+#: the moment it is lost or destroyed, before the process can learn of it. The firmware
+#: starts no packet of a context whose entry does not hold its id, so a loss takes effect
+#: at once however many control messages queue before its CTX_LOST / CTX_DESTROY (the
+#: mailbox is drained ``MAILBOX_BATCH`` at a time). The process cannot write it: its own
+#: doorbell page's "lost" word is only a copy for it. A device's live contexts are at most
+#: ``max_contexts``, which the driver bounds by the table's size.
+LIVE_OFF: Final = 0x4A000
+LIVE_SLOTS: Final = 2048
 ENGINE_KINDS: Final = ("compute", "copy")
 
 
@@ -444,7 +458,8 @@ class Ring:
 assert STATS_OFF + _STATS.size <= CMD_RING_OFF
 assert CMD_RING_OFF + Ring.size() <= CPL_RING_OFF
 assert CPL_RING_OFF + Ring.size() <= CTX_STATS_OFF
-assert CTX_STATS_OFF + CTX_STATS_SLOTS * CTX_STATS_WORDS * 8 <= IMAGE_OFF
+assert CTX_STATS_OFF + CTX_STATS_SLOTS * CTX_STATS_WORDS * 8 <= LIVE_OFF
+assert LIVE_OFF + LIVE_SLOTS * 8 <= IMAGE_OFF
 
 
 class Mailbox:
@@ -459,6 +474,8 @@ class Mailbox:
         self._ctx_stats = buf[CTX_STATS_OFF : CTX_STATS_OFF
                               + CTX_STATS_SLOTS * CTX_STATS_WORDS * 8].cast("Q")
         self._heartbeat = buf[_OFF_HEARTBEAT : _OFF_HEARTBEAT + 16].cast("Q")
+        #: the live table (``LIVE_OFF``), whole words
+        self.live = buf[LIVE_OFF : LIVE_OFF + LIVE_SLOTS * 8].cast("Q")
 
     def release(self) -> None:
         """Drop every view of the shared memory, the one given included, so that its owner
@@ -469,6 +486,7 @@ class Mailbox:
         self._stats.release()
         self._ctx_stats.release()
         self._heartbeat.release()
+        self.live.release()
         self.buf.release()
 
     # boot block ---------------------------------------------------------------

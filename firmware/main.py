@@ -221,7 +221,11 @@ class Firmware:
         self.post(mailbox.Op.LINK, 0, mailbox.fw_link(device=msg.device, up=msg.up))
 
     def _on_ctx_create(self, ctx_id: int, msg: mailbox.fw_ctx_create) -> None:
-        self._create_context(ctx_id, self.fdchan.take(msg.cookie))
+        ctx = self._create_context(ctx_id, self.fdchan.take(msg.cookie))
+        ctx.live_table, ctx.live_slot = self.mbx.live, msg.live_slot
+        if not 0 <= msg.live_slot < mailbox.LIVE_SLOTS:  # a driver bug: fail closed
+            ctx.live_table, ctx.lost = None, True
+            log_unexpected("CTX_CREATE", ValueError(f"live slot {msg.live_slot}"))
 
     def _on_ctx_lost(self, ctx: FwContext, msg: mailbox.fw_ctx_lost) -> None:
         ctx.lost = True  # its device is being reset (or failed): the reset forgets it
@@ -268,7 +272,7 @@ class Firmware:
     def _on_module_unload(self, ctx: FwContext, msg: mailbox.fw_module_unload) -> None:
         ctx.unload(msg.module_id)
 
-    def _create_context(self, ctx_id: int, fds: list[int]) -> None:
+    def _create_context(self, ctx_id: int, fds: list[int]) -> FwContext:
         doorbell, event, db_fd = fds
         try:
             db = userq.SharedWords(db_fd, userq.ACCEL_DB_PAGE_SIZE)
@@ -280,6 +284,7 @@ class Firmware:
         if self._free_stats_slots:
             ctx.stats_slot = self._free_stats_slots.pop()
             self.mbx.set_ctx_stats(ctx.stats_slot, ctx_id, ctx.engine_time.snapshot())
+        return ctx
 
     def _publish_stats(self) -> None:
         """The counters and every context's engine time, for the driver (control loop

@@ -209,6 +209,19 @@ class FwContext:
     #: its rings. The driver's word on the mailbox, never the doorbell page's "lost" word,
     #: which the process can write (one that did stalled its context's work for good)
     lost: bool = False
+    #: the mailbox's live table (abi/mailbox.py ``LIVE_OFF``, the driver's) and this
+    #: context's entry in it: the driver clears the entry the moment it loses the
+    #: context, before its message (``lost``) may arrive
+    live_table: memoryview | None = None
+    live_slot: int = 0
+
+    def dropped(self) -> bool:
+        """Whether nothing more may start from this context's rings: the driver lost or
+        destroyed it, said on the mailbox or, sooner, in the live table."""
+        if not self.lost and self.live_table is not None \
+                and self.live_table[self.live_slot] != self.id:
+            self.lost = True
+        return self.lost
 
     def signal(self) -> None:
         """One byte on the process's event pipe (never blocks; a full pipe already says
@@ -225,7 +238,7 @@ class FwContext:
         if seq == self.seen_seq:
             return []
         self.seen_seq = seq  # seen, lost or not: a moved sequence keeps the loop awake
-        if self.lost:
+        if self.dropped():
             return []
         if len(self.slots) <= _SCAN_IN_PYTHON:  # a few rings: cheaper than numpy's calls
             words, base, consumed = self.db.words, userq.DB_SLOTS >> 3, self.consumed

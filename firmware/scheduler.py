@@ -205,19 +205,22 @@ class Scheduler:
         batch. The pass ends early once ``interrupted()`` says a doorbell or the mailbox has
         news (a new packet may rely on control messages sent before it: ``publish``).
 
-        A lost context's rings leave the active set untaken: the loss comes on the mailbox,
-        drained after publish(), so packets its process rang after the loss may be
-        published already (the driver wrote the doorbell page's "lost" word and answered
-        ENODEV only after it sent the loss); they never start."""
+        A lost context's rings leave the active set untaken, checked before each turn: the
+        driver clears the context's live-table entry before the process can learn of the
+        loss (the doorbell page's "lost" word, ENODEV), so packets rung after it never
+        start, even while the loss's message waits behind others on the mailbox."""
         done = 0
         if not (self.hung or self.held):
-            for ring in [r for r in self.active if r.ctx.lost]:
+            for ring in [r for r in self.active if r.ctx.dropped()]:
                 self.active.pop(ring, None)
             for ring in [r for r in self.active if r.idle() and not r.closing]:
                 self._went_idle(ring)  # nothing to take: not looked at this pass
             #: what each ring that had a turn may still take this pass: packets, work done
             budget: dict[Ring, tuple[int, int]] = {}
             while (ring := self._next_turn(budget)) is not None:
+                if ring.ctx.dropped():  # lost since the pass began (the live table)
+                    self.active.pop(ring, None)
+                    continue
                 self.vclock = max(self.vclock, ring.ctx.vtime)
                 left, work = budget.get(ring, (BATCH, 0))
                 t0 = monotonic_ns()

@@ -28,6 +28,7 @@ from kmod_emul.isolation import foreign_or_unknown
 
 if TYPE_CHECKING:
     from kmod_emul.device import AccelDevice
+    from kmod_emul.fw import LiveEntry
     from kmod_emul.memory import Allocation
     from kmod_emul.modules import Module
 
@@ -127,6 +128,8 @@ class Context:
     modules: dict[int, Module] = field(default_factory=dict)
     #: Why the context can no longer be used (device reset or failure); None while live.
     lost: str | None = None
+    #: its entry in the firmware's live table (kmod_emul/fw.py), cleared by ``lose``
+    live: LiveEntry | None = None
 
     def check_live(self) -> None:
         if self.lost is not None:
@@ -144,9 +147,13 @@ class Context:
     def lose(self, reason: str) -> None:
         """The device was reset or failed, or a fault of context scope hit this context:
         every later command answers ENODEV, and the process's waiters see the "lost" word
-        of their doorbell page at once. That word is for the process alone, which can
-        write it too: the caller has told the firmware first, on the mailbox (CTX_LOST or
-        CTX_DESTROY), and the firmware never reads the page's word."""
+        of their doorbell page at once. The firmware is told first, by the context's
+        entry in the live table, which it reads before it starts any packet (the caller
+        also sends CTX_LOST or CTX_DESTROY on the mailbox, which may queue behind other
+        messages). The page's word is for the process alone, which can write it too: the
+        firmware never reads it."""
+        if self.live is not None:
+            self.live.clear()
         if self.lost is None:
             self.lost = reason
             if not self.db.mem.closed:

@@ -47,6 +47,50 @@ LOG_TAIL_LINES = 64
 LOG_LINE_MAX = 1024
 
 
+class LiveTable:
+    """The driver's side of the mailbox's live table (``mailbox.LIVE_OFF``): an entry per
+    live context holding its id, cleared the moment the context is lost, so the firmware
+    starts nothing more of it however far behind the loss's message is queued. One per
+    boot: a reset's new mailbox starts with every entry free; entries of the old one are
+    cleared into nothing (``closed``)."""
+
+    def __init__(self, words: memoryview) -> None:
+        self._words = words
+        self._free = list(range(len(words) - 1, -1, -1))
+        self.closed = False
+
+    def claim(self, ctx_id: int) -> LiveEntry:
+        """An entry holding ``ctx_id``. The driver bounds ``max_contexts`` by the table's
+        size (kmod_emul/limits.py), and a context gives its entry back when it is lost, so
+        a free one always exists for a context the limits let in."""
+        if not self._free:
+            raise DriverError(errno.ENOSPC, "the firmware's live-context table is full")
+        slot = self._free.pop()
+        self._words[slot] = ctx_id
+        return LiveEntry(self, slot, ctx_id)
+
+    def release(self, slot: int, ctx_id: int) -> None:
+        if self.closed:
+            return
+        if self._words[slot] == ctx_id:
+            self._words[slot] = 0
+            self._free.append(slot)
+
+
+@dataclass
+class LiveEntry:
+    """One context's entry in a :class:`LiveTable`."""
+
+    table: LiveTable
+    slot: int
+    ctx_id: int
+
+    def clear(self) -> None:
+        """The context is lost: from here on the firmware starts none of its packets.
+        Idempotent."""
+        self.table.release(self.slot, self.ctx_id)
+
+
 def load_image(firmware_dir: Path, name: str = fwimage.IMAGE_NAME) -> fwimage.FirmwareImage:
     """Read and verify ``firmware_dir/name`` or raise DriverError with a distinct errno."""
     path = firmware_dir / name
@@ -115,6 +159,7 @@ class FirmwareProcess:
         self._memfd = -1
         self._mem: mmap.mmap | None = None
         self.mbx: mailbox.Mailbox | None = None
+        self.live: LiveTable | None = None
         self.irq_r = self._irq_w = -1
         self._fdchan: mailbox.FdChannel | None = None
         self._fw_sock: socket.socket | None = None  # the channel's far end, until handed over
@@ -144,11 +189,15 @@ class FirmwareProcess:
             self._mem = mmap.mmap(self._memfd, mailbox.MAILBOX_SIZE)
             self.mbx = mailbox.Mailbox(memoryview(self._mem))
             self.mbx.host_init(self.image.raw, self.boot_flags)
+            self.live = LiveTable(self.mbx.live)
         except BaseException:
             self.unmap_mailbox()  # releases the part made: the chain will not undo this step
             raise
 
     def unmap_mailbox(self) -> None:
+        if self.live is not None:
+            self.live.closed = True
+            self.live = None
         if self.mbx is not None:
             self.mbx.release()
             self.mbx = None

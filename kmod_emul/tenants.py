@@ -89,6 +89,9 @@ class Tenants:
         limits.check(len(live), 1, lim.max_contexts, f"{dev.name} contexts", device_wide=True)
         limits.check(sum(c.file.pid == f.pid for c in live), 1, lim.max_contexts_per_process,
                      f"contexts of process {f.pid} on {dev.name}", device_wide=False)
+        ctx_id = dev.new_id()
+        # no firmware (kmod_emul/offline.py): no messages either, so no entry
+        live = dev.fw.live.claim(ctx_id) if dev.fw is not None and dev.fw.live else None
         mine: list[int] = []
         try:
             mine.append(userfd.import_pipe(f.pid, doorbell_fd, False, "doorbell pipe"))
@@ -101,11 +104,13 @@ class Tenants:
             ring = DefaultQueue(ring_fd)
             event_keep = os.dup(mine[1])
         except BaseException:
+            if live is not None:
+                live.clear()
             for fd in mine:
                 os.close(fd)
             raise
-        ctx = Context(dev.new_id(), f, exclusive, db, event_keep, ring)
-        dev.fw_send(ctx.id, mailbox.fw_ctx_create(), fds=mine[:3])
+        ctx = Context(ctx_id, f, exclusive, db, event_keep, ring, live=live)
+        dev.fw_send(ctx.id, mailbox.fw_ctx_create(live_slot=live.slot if live else 0), fds=mine[:3])
         dev.fw_send(ctx.id, mailbox.fw_queue_create(
             queue_id=0, priority=uapi.ACCEL_QUEUE_PRIORITY_LOW,
             doorbell_slot=userq.ACCEL_DB_DEFAULT_SLOT, depth=dev.limits.max_queue_depth),

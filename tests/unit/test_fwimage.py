@@ -31,6 +31,9 @@ def test_the_shipped_image_is_the_one_the_firmware_builds():
     ({"compute_engines": None}, "payload field compute_engines is None, not a non-negative integer"),
     ({"copy_engines": "2"}, "payload field copy_engines is '2', not a non-negative integer"),
     ({"max_contexts": -1}, "payload field max_contexts is -1, not a non-negative integer"),
+    # every live context holds an entry of the mailbox's live table
+    ({"max_contexts": 2049},
+     "payload max_contexts 2049 exceeds the mailbox's live-context table (2048)"),
     ({"capabilities": "copy"}, "payload field capabilities is 'copy', not a list"),
     ({"capabilities": ["copy", ["x"]]}, "payload capabilities are not all names"),
     ({"capabilities": ["copy", "warp_drive"]}, "payload names unknown capabilities ['warp_drive']"),

@@ -31,6 +31,7 @@ from firmware.engines import EnginePool, Job
 from firmware.rings import Completion, FwContext, Ring
 from firmware.scheduler import Scheduler
 from firmware.telemetry import Counters, EngineTime, Tally
+from kmod_emul.fw import LiveTable
 from testkit.waiting import wait_until
 
 MiB = 1 << 20
@@ -327,6 +328,43 @@ def test_a_lost_contexts_rings_start_nothing(device, ctx):
         device.step()
     assert q.ring.fence == ran and q.ring.taken == ran
     assert q.ring not in device.sched.active
+
+
+@pytest.mark.timeout(60)
+def test_a_loss_in_the_live_table_stops_the_context_before_its_message_arrives(device, ctx):
+    """The driver clears a lost context's live-table entry before the process can learn of
+    the loss; its CTX_LOST / CTX_DESTROY may wait behind hundreds of other control
+    messages (the mailbox is drained 256 at a time), and packets the process rings
+    meanwhile must not start. The two sides share one mailbox here, as driver and
+    firmware share its memfd; no message is sent at all."""
+    mem = mmap.mmap(-1, mailbox.MAILBOX_SIZE)
+    driver_side, firmware_side = mailbox.Mailbox(memoryview(mem)), mailbox.Mailbox(memoryview(mem))
+    try:
+        table = LiveTable(driver_side.live)
+        entry = table.claim(ctx.ctx.id)
+        ctx.ctx.live_table, ctx.ctx.live_slot = firmware_side.live, entry.slot
+        q = ctx.queue(1)
+        ran = q.submit(packet(Op.NOP))
+        device.run_until(lambda: q.ring.fence == ran)
+        other = table.claim(ctx.ctx.id + 1000)  # a neighbour's entry changes nothing
+        w = q.submit(packet(Op.NOP))
+        device.run_until(lambda: q.ring.fence == w)
+        other.clear()
+        q.submit(packet(Op.NOP), packet(Op.NOP))
+        device.sched.scan_doorbells()
+        device.sched.publish()  # rung before the loss and published: may start or not
+        entry.clear()           # the loss, in the driver's table only
+        q.submit(packet(Op.NOP))
+        for _ in range(5):
+            device.step()
+        assert q.ring.fence == w and q.ring.taken == w
+        assert q.ring not in device.sched.active and ctx.ctx.lost
+        assert table.claim(ctx.ctx.id + 2000).slot in (entry.slot, other.slot)  # reused
+    finally:
+        ctx.ctx.live_table = None
+        driver_side.release()
+        firmware_side.release()
+        mem.close()
 
 
 @pytest.mark.timeout(60)
