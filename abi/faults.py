@@ -218,9 +218,11 @@ def from_lines(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def dropped_marker(count: int, time: float) -> dict[str, Any]:
-    """The event a watcher reads in place of ``count`` events it was too slow for."""
-    return {"dropped": count, "time": time}
+def dropped_marker(count: int, time: float, share: int | str) -> dict[str, Any]:
+    """The event a watcher reads in place of ``count`` events it was too slow for, all of
+    one share: a user's (their uid), ``"device"`` (device-wide records) or ``"unowned"``
+    (records of a context whose owner was gone)."""
+    return {"dropped": count, "share": share, "time": time}
 
 
 # --- reset scopes ----------------------------------------------------------------------------

@@ -5,10 +5,12 @@ Three readers, one source (:mod:`abi.faults` defines the record):
 * ``sys/class/accel/accelN/fault_log``: the records kept, oldest first, one line each
   (what ``runtime.fault_records()`` and ``accel-smi -q -d ERRORS`` read);
 * ``dev/accel-events/accelN``: a blocking, pollable stream of new records, like KFD's
-  SMI events and /dev/kmsg: each open is a watcher with its own queue of ``WATCH_QUEUE``
-  events; a watcher too slow for its queue reads one ``{"dropped": N, "time": T}`` marker
-  where the N events it lost would have been (after the ones it kept); writing ``pid N``
-  keeps only that process's records (``pid all`` undoes it);
+  SMI events and /dev/kmsg: each open is a watcher with its own queue, of up to
+  ``WATCH_QUEUE`` unread events *per share* (a user's, the device-wide ones: ``_share``),
+  so a tenant flooding a watcher too slow for it drops only its own events, never
+  another's; the watcher reads one ``{"dropped": N, "share": S, "time": T}`` marker where
+  the N events of share S it lost would have been (after the ones it kept); writing
+  ``pid N`` keeps only that process's records (``pid all`` undoes it);
 * ``STATE_DIR/faults/<uuid>.log``: the persistent log, keyed by the device's stable UUID,
   so that a record survives daemon restarts (the daemon reloads it at start).
 
@@ -55,8 +57,10 @@ KEEP = 256
 #: Records kept in all, whoever they are of: past it, the oldest of the largest share goes.
 #: Only more than MAX_RECORDS // KEEP full shares (users faulting) reach it.
 MAX_RECORDS = 16 * KEEP
-#: Events one watcher may have unread before it starts dropping.
+#: Events of one share (``_share``) one watcher may have unread before it drops that
+#: share's; and of all shares (only root's watchers see more than two shares).
 WATCH_QUEUE = 256
+WATCH_TOTAL = MAX_RECORDS
 #: The persistent log is cut back to the records kept once it is past this size, or past
 #: twice what the last cut left, whichever is more (so a cut is never redone at once).
 LOG_MAX_BYTES = 4 << 20
@@ -183,8 +187,13 @@ class Watcher:
         self.owner = pid  # the process that opened it (its share of the watchers)
         self.nonblocking = nonblocking
         self.pid: int | None = None
-        #: records to read, and at most one dropped marker, last (the queue is full then)
+        #: records and dropped markers to read, in order
         self.queue: deque[dict[str, Any]] = deque()
+        #: unread records in ``queue``, by share
+        self._unread: Counter[int | str] = Counter()
+        #: each share's dropped marker still counting: unread, and no record of its share
+        #: queued after it (a later drop goes after that record, in a marker of its own)
+        self._counting: dict[int | str, dict[str, Any]] = {}
         self._arrived = trio.Event()
         self.waiting = False  # a read of it waits (WaitingReads)
         self.poll_handle: Any = None
@@ -203,12 +212,16 @@ class Watcher:
     def offer(self, rec: dict[str, Any]) -> None:
         if not visible(rec, self.uid) or (self.pid is not None and rec.get("pid") != self.pid):
             return
-        if len(self.queue) < WATCH_QUEUE:
+        share = _share(rec)
+        if self._unread[share] < WATCH_QUEUE and self._unread.total() < WATCH_TOTAL:
             self.queue.append(rec)
-        elif "dropped" in self.queue[-1]:
-            self.queue[-1]["dropped"] += 1
+            self._unread[share] += 1
+            self._counting.pop(share, None)
+        elif (marker := self._counting.get(share)) is not None:
+            marker["dropped"] += 1
         else:
-            self.queue.append(faults.dropped_marker(1, time.time()))
+            marker = self._counting[share] = faults.dropped_marker(1, time.time(), share)
+            self.queue.append(marker)
         self._arrived.set()
         handle, self.poll_handle = self.poll_handle, None
         if handle is not None:
@@ -229,11 +242,18 @@ class Watcher:
             if len(out) + len(line) > size:
                 break
             out += line
-            self.queue.popleft()
+            self._taken(self.queue.popleft())
         if not out:
             raise DriverError(errno.EINVAL, f"a read of {size} bytes is shorter than the next "
                                             f"event ({len(line)} bytes)")
         return bytes(out)
+
+    def _taken(self, event: dict[str, Any]) -> None:
+        if "dropped" in event:
+            if self._counting.get(event["share"]) is event:
+                del self._counting[event["share"]]
+        else:
+            self._unread[_share(event)] -= 1
 
     async def _wait(self) -> None:
         """Until there is an event: EAGAIN at once if non-blocking, EINTR after

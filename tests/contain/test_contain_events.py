@@ -22,12 +22,14 @@ checked after (and that nothing leaked: ``assert_contained``).
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import time
 
 import pytest
 
+from abi import faults, uapi
 from kmod_emul.faultlog import (
     KEEP,
     MAX_WAITING_READS_PER_UID,
@@ -35,6 +37,7 @@ from kmod_emul.faultlog import (
     MAX_WATCHERS_PER_PROCESS,
     MAX_WATCHERS_PER_UID,
     ROOT_WATCHERS,
+    WATCH_QUEUE,
 )
 from kmod_emul.ratelimit import LOG_INTERVAL_S
 from stress._common import timed
@@ -276,6 +279,8 @@ def test_a_tenant_faulting_in_a_loop_erases_no_one_elses_records(make_daemon, ot
         d.wait_state(dev, "operational")
     device_wide = [d.fault_log(dev) for dev in (0, 1)]
     assert [[r["code"] for r in recs] for recs in device_wide] == [[120], [120]]
+    # root's unfiltered watcher, not read until the flood is over
+    operator = os.open(d.root / uapi.EVENTS_DIR / "accel0", os.O_RDONLY | os.O_NONBLOCK)
     with Bystander(d, 0) as by0, Bystander(d, 1) as by1:
         before = snapshot(d)
         victims = [Victim(d, 0), Victim(d, 1)]
@@ -295,6 +300,15 @@ def test_a_tenant_faulting_in_a_loop_erases_no_one_elses_records(make_daemon, ot
         # the rest of it
         time.sleep(max(0.0, t0 + seconds + LOG_INTERVAL_S - time.monotonic()))
         (d.root / "sys/kernel/debug/accel/accel0/ras_ctrl").write_text("inject compute ce 0")
+        try:
+            seen = faults.from_lines(os.read(operator, 1 << 24).decode())
+        finally:
+            os.close(operator)
+        # the flood filled its own share of the operator's queue, and the record after it
+        # (device-wide) was still queued: one queue for all dropped it
+        assert [(m["dropped"], m["share"]) for m in seen if "dropped" in m] == \
+            [(FLOOD - WATCH_QUEUE, 65534)]
+        assert seen[-1]["code"] == faults.BY_NAME["COMPUTE_CE"].code, seen[-1]
         log = d.log_text()[log_before:]
         print(f"{FLOOD} faults in {seconds:.1f} s: {fault_lines(log)} lines logged")
         assert fault_lines(log) <= log_lines_bound(1, seconds + LOG_INTERVAL_S)

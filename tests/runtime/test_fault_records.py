@@ -156,7 +156,7 @@ def test_a_slow_watcher_reads_the_events_it_kept_then_a_dropped_marker(daemon):
                 time.sleep(0.05)
                 continue
             lines += [json.loads(x) for x in chunk.splitlines()]
-        assert lines[-1] == {"dropped": 10, "time": lines[-1]["time"]}
+        assert lines[-1] == {"dropped": 10, "share": 0, "time": lines[-1]["time"]}  # root's
         records = lines[:-1]
         assert len(records) == WATCH_QUEUE and {r["code"] for r in records} == {31}
         assert [r["seq"] for r in records] == sorted(r["seq"] for r in records)

@@ -26,6 +26,8 @@ from kmod_emul.faultlog import (
     MAX_WAITING_READS,
     MAX_WAITING_READS_PER_UID,
     ROOT_WAITING_READS,
+    WATCH_QUEUE,
+    WATCH_TOTAL,
     FaultLog,
     Watcher,
 )
@@ -93,6 +95,55 @@ def test_a_bad_filter_is_einval(text: str):
     assert w.pid is None
     w.configure("pid " + "9" * faultlog.PID_DIGITS)
     assert w.pid == int("9" * faultlog.PID_DIGITS)
+
+
+def _read_all(w: Watcher) -> list[dict]:
+    async def read() -> list[dict]:
+        return faults.from_lines((await w.read(1 << 24)).decode())
+    return trio.run(read)
+
+
+def test_a_flood_drops_only_its_own_share_of_a_slow_watchers_events():
+    """Root's unfiltered watcher, not reading while one tenant floods: a bystander's record
+    in the middle of the flood, and a device-wide one after it, are still read, in order;
+    the flood's excess is one marker naming its share. (With one queue of 256 for every
+    share, the bystander's record was dropped with the flood's.)"""
+    log = FaultLog(0, "uuid-0", None)
+    root, tenant = log.watch(0, 1, True), log.watch(65534, 2, True)
+    for i in range(3 * WATCH_QUEUE):
+        log.report(PAGE_FAULT, pid=20, uid=65534, context=2)
+        if i == WATCH_QUEUE + 5:
+            bystander = log.report(PAGE_FAULT, pid=30, uid=1000, context=3)
+    reset = log.report(RESET, contexts=[2, 3])
+    got = _read_all(root)
+    flood = [r for r in got if r.get("uid") == 65534]
+    assert len(flood) == WATCH_QUEUE and bystander in got and got[-1] == reset
+    (marker,) = [r for r in got if "dropped" in r]
+    assert (marker["dropped"], marker["share"]) == (2 * WATCH_QUEUE, 65534)
+    # the marker stands where the dropped events were: after the flood's kept ones,
+    # before the bystander's record that came after the drops began
+    assert got.index(flood[-1]) < got.index(marker) < got.index(bystander)
+    mine = _read_all(tenant)  # the tenant's own watcher: its share, and the device-wide
+    assert mine[-1] == reset and bystander not in mine
+    # read out, the share has room again: new events queue, and a later drop is a new
+    # marker after them
+    for _ in range(WATCH_QUEUE + 3):
+        log.report(PAGE_FAULT, pid=20, uid=65534, context=2)
+    again = _read_all(root)
+    assert len(again) == WATCH_QUEUE + 1 and again[-1]["dropped"] == 3
+
+
+def test_a_watchers_queue_is_bounded_in_all():
+    log = FaultLog(0, "uuid-0", None)
+    root = log.watch(0, 1, True)
+    users = WATCH_TOTAL // WATCH_QUEUE
+    for uid in range(1, users + 2):  # one share more than the total holds
+        for _ in range(WATCH_QUEUE):
+            log.report(PAGE_FAULT, pid=uid, uid=uid, context=uid)
+    got = _read_all(root)
+    assert len([r for r in got if "dropped" not in r]) == WATCH_TOTAL
+    assert [(r["dropped"], r["share"]) for r in got if "dropped" in r] == \
+        [(WATCH_QUEUE, users + 1)]
 
 
 def test_a_read_shorter_than_the_next_event_is_einval_and_keeps_it():
