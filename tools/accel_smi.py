@@ -71,6 +71,7 @@ from typing import Any
 from tabulate import tabulate
 
 from abi import faults, uapi
+from tools.nvsmi_fields import NOT_SUPPORTED, NVSMI_GPU_FIELDS
 from tools.sysfs_tree import (Tree, UsageError, fdinfo, number, page_rows, process_name,
                               processes, select, typed)
 
@@ -434,6 +435,8 @@ FIELDS: dict[str, Field] = {
     "temperature.gpu": _attr_field("temperature", "C"),
     "clocks.sm": _attr_field("clock", "MHz"),
     "clocks_event_reasons.active": _attr_field("throttle_reasons"),
+    "clocks_throttle_reasons.active": _attr_field("throttle_reasons"),
+    "clocks.current.sm": _attr_field("clock", "MHz"),
     "reset_count": _attr_field("reset_count"),
 }
 
@@ -453,16 +456,24 @@ APP_FIELDS: dict[str, Field] = {
 APPS_DEFAULT = "pid,process_name,used_memory"
 
 
+#: a valid nvidia-smi field the driver does not model: answered, never refused
+_UNSUPPORTED = Field(lambda a, d: NOT_SUPPORTED)
+
+
 def resolve_fields(spec: str, sample: dict[str, str], known: dict[str, Field] = FIELDS,
                    option: str = "--query-device") -> list[tuple[str, Field]]:
     """Named fields; any other attribute of ``sample`` works too, with dots for
-    underscores."""
+    underscores; in ``--query-device``, any other field nvidia-smi documents is
+    ``[Not Supported]`` (as nvidia-smi answers for a field a device lacks), so a script
+    ported from it keeps working; only names nvidia-smi does not know either are refused."""
     fields = []
     for name in (f.strip() for f in spec.split(",")):
         if name in known:
             fields.append((name, known[name]))
         elif name and name.replace(".", "_") in sample:
             fields.append((name, _attr_field(name.replace(".", "_"))))
+        elif known is FIELDS and name in NVSMI_GPU_FIELDS:
+            fields.append((name, _UNSUPPORTED))
         else:
             valid = sorted(set(known) | set(sample))
             raise UsageError(f"unknown field {name!r} in {option}; valid fields: "

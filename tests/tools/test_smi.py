@@ -209,10 +209,10 @@ def test_csv_query_with_and_without_header(daemon) -> None:
 
 
 def test_unknown_field_lists_valid_ones(daemon) -> None:
-    proc = smi(daemon, "--query-device=index,fan.speed", "--format=csv")
+    proc = smi(daemon, "--query-device=index,fan.colour", "--format=csv")
     assert proc.returncode == 2
     assert proc.stdout == ""
-    assert "unknown field 'fan.speed'" in proc.stderr
+    assert "unknown field 'fan.colour'" in proc.stderr
     for field in ("index", "name", "uuid", "memory.total", "utilization", "state"):
         assert field in proc.stderr.split("valid fields:")[1]
 

@@ -51,6 +51,19 @@ def test_query_gpu_is_query_device(daemon) -> None:
         + "".join(f"{i}, {daemon.attr(i, 'uuid')}, 256, operational\n" for i in (0, 1)))
 
 
+def test_a_valid_nvidia_smi_field_the_device_lacks_is_not_supported(daemon) -> None:
+    """A script ported from nvidia-smi keeps working: fields accel-smi does not model are
+    answered ``[Not Supported]`` (as nvidia-smi does for a device without them); only a
+    name nvidia-smi does not know either is refused."""
+    fields = "index,fan.speed,clocks.max.sm,ecc.errors.uncorrected.volatile.total"
+    proc = smi(daemon, f"--query-gpu={fields}", "--format=csv,noheader")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"{i}, [Not Supported], [Not Supported], "
+                                        "[Not Supported]" for i in (0, 1)]
+    bad = smi(daemon, "--query-gpu=index,fan.colour", "--format=csv")
+    assert bad.returncode == 2 and "unknown field 'fan.colour'" in bad.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--format=csv"], "--format goes with --query-device/--query-gpu"),
     (["-L", "--json"], "argument --json: not allowed with argument -L/--list-devices"),
