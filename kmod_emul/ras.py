@@ -130,13 +130,18 @@ class Ras:
     def inject(self, text: str) -> None:
         """debugfs ``ras_ctrl``: ``inject BLOCK ue|ce ADDRESS`` (memory: a byte offset of
         the device's memory; thermal: the degrees to heat to, 0 for the default, at most
-        ``thermal.MAX_INJECT_C``; the other blocks: a 64-bit address). Malformed or out of
-        range: EINVAL; a device that is not operational: the errno that says why."""
+        ``thermal.MAX_INJECT_C``; the other blocks: a 64-bit address), and for ``thermal
+        ce`` an optional fifth word, the seconds the heat holds (default
+        ``thermal.HOLD_S``). Malformed or out of range: EINVAL; a device that is not
+        operational: the errno that says why."""
         words = text.split()
-        if len(words) != 4 or words[0] != "inject":
-            raise DriverError(errno.EINVAL, "write 'inject BLOCK ue|ce ADDRESS', not "
+        if not 4 <= len(words) <= 5 or words[0] != "inject" or (
+                len(words) == 5 and words[1:3] != ["thermal", "ce"]):
+            raise DriverError(errno.EINVAL, "write 'inject BLOCK ue|ce ADDRESS' (or 'inject "
+                                            f"thermal ce DEGREES SECONDS'), not "
                                             f"{text.strip()!r}")
-        _, block, severity, where = words
+        _, block, severity, where, *extra = words
+        hold = [_parse_hold(w) for w in extra]
         if block not in faults.BLOCKS:
             raise DriverError(errno.EINVAL, f"no block {block!r}; the blocks are "
                                             f"{' '.join(faults.BLOCKS)}")
@@ -145,7 +150,7 @@ class Ras:
         address = parse_number(where, f"{block} address", self._address_bound(block))
         self.dev.check_usable()
         self.counts[block][severity] += 1
-        INJECT[block](self, block, severity, address)
+        INJECT[block](self, block, severity, address, *hold)
 
     def _address_bound(self, block: str) -> int:
         """What an injection's ADDRESS must be below: an offset of the device's memory,
@@ -199,11 +204,12 @@ class Ras:
             self.dev.resets.request(f"uncorrectable {block}-engine error (fault {kind.code} "
                                    f"{kind.name})")
 
-    def _modelled_error(self, block: str, severity: str, address: int) -> None:
+    def _modelled_error(self, block: str, severity: str, address: int, *hold: float) -> None:
         """link and thermal: the device's model of the block (``dev.link``,
-        ``dev.thermal``: kmod_emul/link.py, kmod_emul/thermal.py) says what happens."""
+        ``dev.thermal``: kmod_emul/link.py, kmod_emul/thermal.py) says what happens;
+        ``hold``: a thermal throttle's seconds, where the operator gave them."""
         model = getattr(self.dev, block)
-        (model.correctable if severity == "ce" else model.uncorrectable)(address)
+        (model.correctable if severity == "ce" else model.uncorrectable)(address, *hold)
 
     def _firmware_error(self, block: str, severity: str, address: int) -> None:
         """An uncorrectable error halts the firmware: it is killed, and the driver meets it
@@ -271,14 +277,27 @@ def _code(name: str) -> int:
     return faults.BY_NAME[name].code
 
 
+def _parse_hold(text: str) -> float:
+    """A thermal throttle's hold: seconds above 0, at most ``thermal.MAX_HOLD_S``."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds <= thermal.MAX_HOLD_S:
+        raise DriverError(errno.EINVAL, f"the hold is seconds above 0, at most "
+                                        f"{thermal.MAX_HOLD_S:g}, not {text!r}")
+    return seconds
+
+
 _STATUS_CODES: dict[PageStatus, int] = {
     PageStatus.RETIRED: _code("PAGE_RETIRED"),
     PageStatus.PENDING: _code("PAGE_RETIREMENT_PENDING"),
     PageStatus.FAILED: _code("PAGE_RETIREMENT_FAILED"),
 }
 
-#: What an injected error of each block does: ``handler(ras, block, severity, address)``.
-INJECT: dict[str, Callable[[Ras, str, str, int], None]] = {
+#: What an injected error of each block does: ``handler(ras, block, severity, address)``
+#: (and a thermal throttle's hold, where the operator gave one).
+INJECT: dict[str, Callable[..., None]] = {
     "memory": Ras._memory_error,
     "compute": Ras._engine_error,
     "copy": Ras._engine_error,

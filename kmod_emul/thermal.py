@@ -19,9 +19,11 @@ on any one of them heats the package: a throttle is recorded on each, and a shut
 fails each (every context lost); then the package's recovery resets the device, and its
 package reset the partitions (``Resets.request``).
 
-Injection (``ras_ctrl``): ``inject thermal ce <C>`` heats the die to C degrees (default: 2
-over the slowdown threshold) -- throttling, visible in ``temperature``, ``clock`` and
-``throttle_reasons``, record 140; ``inject thermal ue <C>`` heats it to C (default: 5 over
+Injection (``ras_ctrl``): ``inject thermal ce <C> [<S>]`` heats the die to C degrees
+(default: 2 over the slowdown threshold) and holds it there S seconds (default
+``HOLD_S``) before it cools -- throttling, visible in ``temperature``, ``clock`` and
+``throttle_reasons``, record 140. Without the hold the die fell back under the threshold
+in under 0.25 s, which no 1 s monitor (``accel-smi -l 1``, a scrape) ever saw; ``inject thermal ue <C>`` heats it to C (default: 5 over
 the shutdown threshold) -- a thermal shutdown. C is at most ``MAX_INJECT_C`` (EINVAL past it).
 """
 
@@ -49,6 +51,11 @@ TAU_S = 2.0
 #: The hottest an injection heats the die to (``inject thermal ue|ce C``): past any
 #: shutdown threshold, and a bound that keeps the model's floats finite.
 MAX_INJECT_C = 200
+#: How long ``inject thermal ce`` holds its heat by default: long enough for a monitor that
+#: samples once a second to see the throttle at least twice.
+HOLD_S = 3.0
+#: The longest hold an injection may ask for (an hour): a bound, not a policy.
+MAX_HOLD_S = 3600.0
 BASE_CLOCK_MHZ = 1500
 THROTTLED_CLOCK_MHZ = 750
 
@@ -58,6 +65,7 @@ class Thermal:
         self.dev = dev
         self._heat = 0.0  # injected degrees over the load-driven temperature, at _heat_t
         self._heat_t = time.monotonic()
+        self._hold_until = 0.0  # the injected heat does not decay before this (monotonic)
         self._load = 0.0  # smoothed load term, degrees
         #: (when, packets by device index) of the last load sample
         self._sample: tuple[float, dict[int, int]] = (time.monotonic(), {})
@@ -67,7 +75,9 @@ class Thermal:
         return [self.dev, *self.dev.partitions]
 
     def _heat_now(self, now: float) -> float:
-        return self._heat * math.exp(-(now - self._heat_t) / TAU_S)
+        """Injected heat: held until ``_hold_until``, then decaying."""
+        since = max(self._heat_t, self._hold_until)
+        return self._heat * math.exp(-max(0.0, now - since) / TAU_S)
 
     def temperature(self) -> float:
         """Degrees Celsius now."""
@@ -97,21 +107,25 @@ class Thermal:
     def cooled(self) -> bool:
         return self.temperature() < SLOWDOWN_C
 
-    def heat_to(self, celsius: float) -> float:
-        """Add the heat that brings the die to ``celsius`` now; the temperature reached."""
+    def heat_to(self, celsius: float, hold_s: float = 0.0) -> float:
+        """Add the heat that brings the die to ``celsius`` now and hold it ``hold_s``
+        seconds; the temperature reached."""
         now = time.monotonic()
         current = self.temperature()
         self._heat = self._heat_now(now) + max(0.0, celsius - current)
         self._heat_t = now
+        self._hold_until = now + hold_s
         return self.temperature()
 
-    def correctable(self, address: int) -> None:
-        """Throttle the package: recorded on each device it heats, as each one slows."""
-        reached = self.heat_to(address or SLOWDOWN_C + 2)
+    def correctable(self, address: int, hold_s: float = HOLD_S) -> None:
+        """Throttle the package for ``hold_s`` seconds at least: recorded on each device
+        it heats, as each one slows."""
+        reached = self.heat_to(address or SLOWDOWN_C + 2, hold_s)
         for dev in self.members():
             dev.report(faults.BY_NAME["THERMAL_THROTTLE"].code, address=address,
                        message=f"{reached:.0f} C, over the {SLOWDOWN_C:.0f} C slowdown "
-                               f"threshold: clocks throttled to {THROTTLED_CLOCK_MHZ} MHz")
+                               f"threshold: clocks throttled to {THROTTLED_CLOCK_MHZ} MHz "
+                               f"for {hold_s:g} s at least")
 
     def uncorrectable(self, address: int) -> None:
         """Shut the package down: each device it heats fails; the device (the package)

@@ -6,6 +6,7 @@ temperature follows load: it is a model, not a constant."""
 
 from __future__ import annotations
 
+import errno
 import time
 
 import pytest
@@ -37,6 +38,27 @@ def test_throttling_is_visible_then_cools_back(make_daemon):
     assert d.attr(0, "clock") == str(thermal.BASE_CLOCK_MHZ)
 
 
+
+
+def test_an_injected_throttle_holds_long_enough_for_a_one_second_monitor(make_daemon):
+    """``inject thermal ce D S`` holds the heat S seconds (default 3): a monitor sampling
+    once a second (``accel-smi -l 1``, a 1 s scrape) sees it. Before, the die fell back
+    under the slowdown threshold in under 0.25 s."""
+    d = make_daemon()
+    d.debug(0, "ras_ctrl").write_text("inject thermal ce 0")  # the default hold
+    time.sleep(1.0)
+    assert d.attr(0, "throttle_reasons") == "sw_thermal_slowdown"
+    d.debug(0, "ras_ctrl").write_text("inject thermal ce 90 60")
+    time.sleep(2.5)
+    assert (float(d.attr(0, "temperature")), d.attr(0, "throttle_reasons")) == (
+        pytest.approx(90, abs=1), "sw_thermal_slowdown")
+    assert "for 60 s at least" in d.fault_log(0)[-1]["message"]
+    for bad in ("inject thermal ce 90 0", "inject thermal ce 90 x",
+                "inject thermal ce 90 3601", "inject thermal ue 100 5",
+                "inject memory ce 0 5"):
+        with pytest.raises(OSError) as exc:
+            d.debug(0, "ras_ctrl").write_text(bad)
+        assert exc.value.errno == errno.EINVAL, bad
 
 
 def test_the_temperature_follows_load(make_daemon):
