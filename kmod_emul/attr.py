@@ -72,21 +72,43 @@ def _shown(text: str) -> str:
 
 
 @dataclass(frozen=True)
+class Writer:
+    """Who wrote an attribute: the process that opened it (FUSE names the caller at
+    open, not at write), for the records an operator action leaves (``reset_reason``)."""
+
+    pid: int
+    uid: int
+
+    def describe(self) -> str:
+        """``pid 1234 (accel-smi), uid 0``: the command name while the process lives."""
+        try:
+            with open(f"/proc/{self.pid}/comm", encoding="utf-8") as f:
+                comm = f" ({f.read().strip()})"
+        except OSError:
+            comm = ""
+        return f"pid {self.pid}{comm}, uid {self.uid}"
+
+
+@dataclass(frozen=True)
 class Attr:
     """One attribute file; ``read`` renders it, ``write`` parses and applies one value.
     ``per_viewer``: ``read`` takes the reading user's uid and shows them what is theirs
     (root sees everything). A ``write`` that must wait (a partition mode change boots
-    firmware) returns what to await; the writer's ``write(2)`` returns once it is done."""
+    firmware) returns what to await; the writer's ``write(2)`` returns once it is done.
+    ``with_writer``: ``write`` also takes the ``Writer``."""
 
     read: Callable[..., str] | None = None
     write: Callable[[str], Awaitable[None] | None] | None = None
     per_viewer: bool = False
+    with_writer: bool = False
 
     def render(self, uid: int) -> str:
         assert self.read is not None
         return self.read(uid) if self.per_viewer else self.read()
 
-    def store(self, buf: bytes) -> Awaitable[None] | None:
+    def store(self, buf: bytes, writer: Writer) -> Awaitable[None] | None:
         """Apply one ``write(2)``: its bytes checked as every value is (``value_text``)."""
         assert self.write is not None
+        if self.with_writer:
+            return self.write(value_text(buf), writer)  # type: ignore[call-arg]
         return self.write(value_text(buf))

@@ -46,7 +46,7 @@ import pyfuse3
 
 from abi import uapi
 from kmod_emul import drv
-from kmod_emul.attr import ATTR_SIZE, Attr
+from kmod_emul.attr import ATTR_SIZE, Attr, Writer
 from kmod_emul.context import OpenFile, tgid_of
 from kmod_emul.coredump import devcoredump_attrs
 from kmod_emul.device import AccelDevice
@@ -220,6 +220,7 @@ def build_tree(info: drv.DriverInfo, devices: list[AccelDevice], partitions: Par
 class AttrHandle:
     node: Node
     content: bytes
+    writer: Writer
 
 
 def _fuse_error(exc: Exception) -> pyfuse3.FUSEError:
@@ -345,7 +346,8 @@ class AccelFS(pyfuse3.Operations):
                 text = node.attr.render(ctx.uid) if reading else ""
             except Exception as exc:  # noqa: BLE001 - see _fuse_error
                 raise _fuse_error(exc) from None
-            handle = AttrHandle(node, (text + "\n").encode() if reading else b"")
+            handle = AttrHandle(node, (text + "\n").encode() if reading else b"",
+                                Writer(tgid_of(ctx.pid), ctx.uid))
         else:
             raise pyfuse3.FUSEError(errno.EISDIR)
         fh = next(self._fh)
@@ -373,7 +375,7 @@ class AccelFS(pyfuse3.Operations):
         try:
             if isinstance(handle, AttrHandle):
                 assert handle.node.attr is not None
-                pending = handle.node.attr.store(buf)
+                pending = handle.node.attr.store(buf, handle.writer)
                 if pending is not None:  # a change that takes a while (a partition mode)
                     await pending
             elif isinstance(handle, Watcher):

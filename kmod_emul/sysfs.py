@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 
 from abi import faults, mailbox, uapi
 from kmod_emul.activity import POWER_LIMIT_W, fdinfo
-from kmod_emul.attr import Attr, parse_number
+from kmod_emul.attr import Attr, Writer, parse_number
 from kmod_emul.boot import STEP_NAMES
 from kmod_emul.device import AccelDevice
 from kmod_emul.drv import DriverInfo
@@ -89,10 +89,11 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
     }
     attrs.update({name: Attr(read=functools.partial(fn, dev)) for name, fn in _LIVE.items()})
 
-    def reset(text: str) -> None:
+    def reset(text: str, writer: Writer) -> None:
+        """The reason names who asked, as an operator reading ``reset_reason`` needs."""
         if not _bool(text):
             raise DriverError(errno.EINVAL, "write 1 to reset the device")
-        dev.resets.request("reset requested through sysfs")
+        dev.resets.request(f"reset requested through sysfs by {writer.describe()}")
 
     attrs.update(
         failure=Attr(read=lambda: dev.failure[1] if dev.failure else ""),
@@ -114,7 +115,7 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         last_failure_time=Attr(read=lambda: f"{dev.last_failure[2]:.3f}"
                                if dev.last_failure else ""),
         heartbeat=Attr(read=lambda: str(dev.fw.mbx.heartbeat[0]) if dev.fw else "0"),
-        reset=Attr(write=reset),
+        reset=Attr(write=reset, with_writer=True),
         memory_free=Attr(read=lambda: str(dev.memory.free_bytes())),
         # bad pages out of the free list: total = used + free + reserved (kmod_emul/ras.py)
         memory_reserved=Attr(read=lambda: str(dev.memory.vram.reserved)),

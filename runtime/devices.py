@@ -109,16 +109,32 @@ def drop(index: int) -> None:
         dev.close()
 
 
-def recover(device: DeviceLike = None) -> None:
+#: How often ``recover(timeout=...)`` tries again while the device is still resetting.
+_RECOVER_POLL_S = 0.05
+
+
+def recover(device: DeviceLike = None, timeout: float = 0.0) -> None:
     """Rebuild this process's hold on a device after its primary context was lost (a
     reset, a device failure): drop the lost state whole and make a new primary context.
     Arrays, streams and modules from before keep failing with the error that names the
-    loss. Raises as creating a context does when the device is not operational yet
-    (``DeviceInResetError``, ``DeviceLostError`` for a failed device). CUDA and torch need a
-    new process for this."""
+    loss. A reset's DeviceLostError reaches a process before the reset is over, so
+    ``timeout`` (seconds) waits that long for the device to serve again; past it, or with
+    the default 0, it raises as creating a context does when the device is not operational
+    yet (``DeviceInResetError``, EAGAIN; ``DeviceLostError`` at once for a failed device,
+    which no wait mends). CUDA and torch need a new process for this."""
+    if timeout < 0:
+        raise ValueError(f"timeout is seconds, at least 0, not {timeout!r}")
     idx = _index(device)
     drop(idx)
-    get(idx)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            get(idx)
+            return
+        except errors.DeviceInResetError:
+            if time.monotonic() + _RECOVER_POLL_S > deadline:
+                raise
+        time.sleep(_RECOVER_POLL_S)
 
 
 class _ThreadState(threading.local):

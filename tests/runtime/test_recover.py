@@ -171,7 +171,8 @@ def test_recovery_manual_leaves_the_device_failed_until_reset(make_daemon):
     d.debug(0, "recovery").write_text("auto")  # the knob: auto from the next failure on
     (d.root / "sys/class/accel/accel0/reset").write_text("1")
     d.wait_state(0, "operational")
-    assert d.attr(0, "reset_reason") == "reset requested through sysfs"
+    assert d.attr(0, "reset_reason").startswith(
+        f"reset requested through sysfs by pid {os.getpid()} (")
     assert d.attr(0, "last_failure").startswith("ENODEV firmware process exited")  # kept
     os.kill(int(d.debug(0, "fw_pid").read_text()), signal.SIGKILL)
     d.wait_attrs(0, {"state": "operational", "reset_count": "2"})
@@ -242,4 +243,57 @@ def test_a_client_survives_the_daemon_dying_and_recovers_once_it_is_back(make_da
         if client.poll() is None:
             client.kill()
             client.wait()
+    d.wait_attrs(0, IDLE)
+
+
+RECOVER_WAITS = """
+import sys, time
+import numpy as np, runtime
+
+spin = runtime.compile('''
+def spin(x):
+    i = 0
+    while i >= 0:
+        i = i + 1
+        x[0] = i
+''')
+s = runtime.Stream()
+spin.spin[1, 1](runtime.empty(1, np.int64), stream=s)
+print("waiting", flush=True)
+try:
+    s.synchronize()
+except runtime.DeviceLostError as exc:
+    print("lost", exc, flush=True)
+runtime.recover(0, timeout=30)  # at once: the reset that lost it may not be over
+y = runtime.to_device(np.arange(256, dtype=np.float32))
+print("works", float(y.copy_to_host().sum()))
+try:
+    runtime.recover(0, timeout=-1)
+except ValueError as exc:
+    print("refused", exc)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_recover_waits_for_a_reset_and_the_reason_names_who_asked(make_daemon):
+    """runtime.recover(timeout=S) called the moment a reset's DeviceLostError arrives waits
+    for the device to serve again instead of raising DeviceInResetError (EAGAIN); the
+    reset's reason names the writer of ``reset``: its pid, command name and uid."""
+    d = make_daemon(devices=1)
+    client = d.popen_py(RECOVER_WAITS)
+    try:
+        assert client.stdout.readline().strip() == "waiting"
+        (d.root / "sys/class/accel/accel0/reset").write_text("1")
+        assert client.stdout.readline().startswith("lost ")
+        assert client.stdout.readline().strip() == "works 32640.0"
+        assert client.stdout.readline().startswith("refused timeout is seconds")
+        assert client.wait(timeout=60) == 0, client.stderr.read()
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+    with open(f"/proc/{os.getpid()}/comm", encoding="utf-8") as f:
+        comm = f.read().strip()
+    assert d.attr(0, "reset_reason") == (
+        f"reset requested through sysfs by pid {os.getpid()} ({comm}), uid {os.getuid()}")
     d.wait_attrs(0, IDLE)
