@@ -143,12 +143,16 @@ BY_NAME: Final[dict[str, Kind]] = {k.name: k for k in _KINDS}
 #: Every field a record has, in the order a line shows them (None where it does not apply).
 #: ``seq`` numbers a device's records (persisted: it goes on across daemon restarts);
 #: ``contexts`` lists the contexts a context-, device- or package-scope fault lost; ``uid``
-#: is the owning process's user (who may see the record).
+#: is the owning process's user (who may see the record); ``origin`` is None for a fault the
+#: device or a tenant met, ``requested`` for a reset someone asked for (not dumped).
 FIELDS: Final = (
     "seq", "code", "name", "device", "device_uuid", "engine", "queue", "context", "pid",
     "uid", "seqno", "address", "bank", "link", "errno", "opcode", "severity", "corrected",
-    "scope", "action", "contexts", "time", "message",
+    "scope", "action", "contexts", "origin", "time", "message",
 )
+
+#: ``origin`` of a reset someone asked for (sysfs ``reset``, ``accel-smi -r``, DEVICE_RESET).
+ORIGIN_REQUESTED: Final = "requested"
 
 #: Banks device memory is interleaved over (``bank`` of a memory fault).
 MEMORY_BANKS: Final = 8

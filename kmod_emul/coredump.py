@@ -21,6 +21,10 @@ log are still at hand. The dump is one JSON document:
 tenant's processes) and empty when none is held; writing any text clears it; ``time``
 says when it was taken.
 
+A reset someone asked for (record ``origin`` ``requested``: sysfs ``reset``, ``accel-smi
+-r``, an exclusive owner's DEVICE_RESET) is not a fault and is not
+dumped: a routine reset must not take the one place a later firmware hang's dump needs.
+
 One dump is held, as Linux holds one per device: a fault while one is held is not
 dumped (its record is in the fault log as every record) until the held one is cleared or
 ``HOLD_S`` has passed. The first fault of an incident is the one to read: a firmware
@@ -69,7 +73,7 @@ class Coredump:
     def on_record(self, rec: dict[str, Any]) -> None:
         """A fault was recorded: dump the device if its scope is device or package and
         no dump is held (or the held one is older than ``HOLD_S``)."""
-        if rec.get("scope") not in DUMPED_SCOPES:
+        if rec.get("scope") not in DUMPED_SCOPES or rec.get("origin") == faults.ORIGIN_REQUESTED:
             return
         now = time.time()
         if self.held is not None and now - self.held.taken < HOLD_S:

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from abi import uapi
+from abi import faults, uapi
 from kmod_emul import modules
 from kmod_emul.context import OpenFile
 from kmod_emul.device import DRIVER_VERSION
@@ -223,7 +223,8 @@ async def device_reset(info: DriverInfo, f: OpenFile, arg: uapi.accel_device_res
             "exclusively; only such a context may reset it (CTX_CREATE with "
             "ACCEL_CTX_EXCLUSIVE)")
     f.device.check_usable()
-    f.device.resets.request(f"reset requested by pid {f.pid} (DEVICE_RESET)")
+    f.device.resets.request(f"reset requested by pid {f.pid} (DEVICE_RESET)",
+                            faults.ORIGIN_REQUESTED)
 
 
 TABLE: dict[int, Handler] = {

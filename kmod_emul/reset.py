@@ -39,20 +39,22 @@ class Resets:
         #: recovery resets it (None: nothing to wait for)
         self._recover_when: Callable[[], bool] | None = None
 
-    def request(self, reason: str = "reset requested") -> None:
+    def request(self, reason: str = "reset requested", origin: str | None = None) -> None:
         """Begin a device reset; returns at once (state reads in_reset until it is done).
         A split device's reset is a package reset: each of its partitions resets too, as
-        by a reset of its own (its contexts lost, its ``reset_count`` counted)."""
+        by a reset of its own (its contexts lost, its ``reset_count`` counted).
+        ``origin``: the record's (``faults.ORIGIN_REQUESTED`` for a reset someone asked for)."""
         dev = self.dev
         log.info("%s: %s", dev.name, reason)
         dev.state = uapi.DeviceState.IN_RESET
         dev.failure = None  # a reset starts afresh; the next boot says how it went
         dev.reset_reason, dev.last_reset = reason, time.time()
         lost = dev.tenants.lose_contexts(f"{dev.name} was reset ({reason})")
-        dev.report(faults.BY_NAME["DEVICE_RESET"].code, contexts=lost, message=reason)
+        dev.report(faults.BY_NAME["DEVICE_RESET"].code, contexts=lost, message=reason,
+                   origin=origin)
         self.requested.set()
         for part in dev.partitions:  # real parts tie the package's resets to its partitions
-            part.resets.request(f"package reset of {dev.name}: {reason}")
+            part.resets.request(f"package reset of {dev.name}: {reason}", origin)
 
     async def next_reset(self) -> None:
         """Wait for a reset to be requested, then for ``hold`` to be released."""

@@ -93,7 +93,8 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         """The reason names who asked, as an operator reading ``reset_reason`` needs."""
         if not _bool(text):
             raise DriverError(errno.EINVAL, "write 1 to reset the device")
-        dev.resets.request(f"reset requested through sysfs by {writer.describe()}")
+        dev.resets.request(f"reset requested through sysfs by {writer.describe()}",
+                           faults.ORIGIN_REQUESTED)
 
     attrs.update(
         failure=Attr(read=lambda: dev.failure[1] if dev.failure else ""),
