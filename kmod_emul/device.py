@@ -112,6 +112,9 @@ class AccelDevice:
         #: the last failure and its wall-clock time, kept across the reset that recovers it
         self.last_failure: tuple[int, str, float] | None = None
         self.reset_count = 0
+        #: engine faults earlier firmware lives reported (``faults`` goes on across resets:
+        #: a counter never goes down, and the fault log keeps those lives' records)
+        self.faults_before = 0
         #: why the last reset happened, and when (wall-clock seconds); "" / 0 before any
         self.reset_reason = ""
         self.last_reset = 0.0

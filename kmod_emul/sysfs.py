@@ -78,7 +78,9 @@ def _static_field(dev: AccelDevice, field: str) -> str:
 
 
 def _fw_stat(dev: AccelDevice, name: str) -> str:
-    return str(dev.fw_stats().get(name, 0))
+    """A firmware counter; ``faults`` counts every firmware life since the driver loaded."""
+    before = dev.faults_before if name == "faults" else 0
+    return str(before + dev.fw_stats().get(name, 0))
 
 
 def device_attrs(dev: AccelDevice) -> dict[str, Attr]:

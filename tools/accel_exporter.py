@@ -79,11 +79,15 @@ COUNTERS = (
     ("accel_launches", "launches", "Kernel launches."),
     ("accel_copies", "copies", "Copy-engine transfers."),
     ("accel_copy_bytes", "copy_bytes", "Bytes the copy engines moved."),
-    ("accel_faults", "faults", "Engine faults the firmware reported."),
+    ("accel_faults", "faults", "Engine faults the firmware reported since the driver "
+     "loaded (across resets)."),
     ("accel_isolation_refusals", "isolation/total",
      "Requests refused for naming another context's objects."),
 )
 
+
+#: ``accel_device_state``'s value for each ``state`` text (0: one this exporter does not know)
+STATE_VALUES = {s.label: s.value for s in uapi.DeviceState}
 
 #: Connections open at once; a new one past this closes the longest-idle one.
 MAX_CONNECTIONS = 256
@@ -101,8 +105,15 @@ def device_metrics(tree: Tree, per_process: bool = False) -> list[Metric]:
               for metric, attr, text in GAUGES}
     counters = {attr: CounterMetricFamily(metric, text, labels=LABELS)
                 for metric, attr, text in COUNTERS}
-    info = GaugeMetricFamily("accel_device_info", "Always 1: the device's identity and state.",
-                             labels=(*LABELS, "pci_bus_id", "firmware_version", "state"))
+    # identity in labels, state in values (as dcgm-exporter): a state change or a reset
+    # (the firmware version reads empty while none runs) must not start a new series
+    info = GaugeMetricFamily("accel_device_info", "Always 1: the device's identity.",
+                             labels=(*LABELS, "pci_bus_id"))
+    firmware = GaugeMetricFamily("accel_firmware_info", "Always 1: the firmware that runs "
+                                 "(no series while none does).",
+                                 labels=(*LABELS, "firmware_version"))
+    state = GaugeMetricFamily("accel_device_state", "The device's state: " + ", ".join(
+        f"{s.value} {s.label}" for s in uapi.DeviceState) + ", 0 unknown.", labels=LABELS)
     operational = GaugeMetricFamily("accel_device_operational",
                                     "1 while the device is operational, else 0.", labels=LABELS)
     ras = CounterMetricFamily("accel_ras_errors", "ECC/RAS errors per hardware block, "
@@ -114,8 +125,10 @@ def device_metrics(tree: Tree, per_process: bool = False) -> list[Metric]:
     for name in tree.device_names():
         a = tree.device(name)
         labels = [a.get("index", name[5:]), a.get("uuid", ""), a.get("name", "")]
-        info.add_metric([*labels, a.get("pci_bus_id", ""), a.get("firmware_version", ""),
-                         a.get("state", "unknown")], 1)
+        info.add_metric([*labels, a.get("pci_bus_id", "")], 1)
+        if a.get("firmware_version"):
+            firmware.add_metric([*labels, a["firmware_version"]], 1)
+        state.add_metric(labels, STATE_VALUES.get(a.get("state", ""), 0))
         operational.add_metric(labels, int(a.get("state") == "operational"))
         for attr, family in (*gauges.items(), *counters.items()):
             value = number(a.get(attr))
@@ -127,7 +140,7 @@ def device_metrics(tree: Tree, per_process: bool = False) -> list[Metric]:
                 ras.add_metric([*labels, block, kind], count)
         for proc in processes(a.get("processes", "")) if per_process else ():
             processes_family.add_metric([*labels, str(proc["pid"])], proc["used_memory"])
-    return [info, operational, *gauges.values(), *counters.values(), ras,
+    return [info, firmware, state, operational, *gauges.values(), *counters.values(), ras,
             *([processes_family] if per_process else [])]
 
 

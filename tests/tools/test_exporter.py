@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from scenario import KERNEL_FAULT_PRELUDE
 from test_smi import REPO
 
 from abi import faults, uapi
@@ -80,8 +81,9 @@ def test_metrics_match_sysfs_and_sigterm_stops_it(make_daemon) -> None:
     def value(metric: str, *extra: tuple[str, str]) -> float:
         return got[(metric, tuple(sorted(base + extra)))]
 
-    assert value("accel_device_info", ("pci_bus_id", a["pci_bus_id"]),
-                 ("firmware_version", a["firmware_version"]), ("state", "operational")) == 1
+    assert value("accel_device_info", ("pci_bus_id", a["pci_bus_id"])) == 1
+    assert value("accel_firmware_info", ("firmware_version", a["firmware_version"])) == 1
+    assert value("accel_device_state") == uapi.DeviceState.OPERATIONAL == 2
     assert value("accel_device_operational") == 1
     for metric, attr in (("accel_memory_used_bytes", "memory_used"),
                          ("accel_memory_free_bytes", "memory_free"),
@@ -112,6 +114,43 @@ def test_metrics_match_sysfs_and_sigterm_stops_it(make_daemon) -> None:
             assert value(metric) == pytest.approx(float(path.read_text()), abs=100), metric
         else:  # absent, not zero
             assert present == [], metric
+
+
+def _scrape_once(d) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tools.accel_exporter", "--root",
+                             str(d.root), "--port", str(port), "--interval", "0"],
+                            env=d.env(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        return samples(scrape(port))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+
+
+def test_faults_go_on_across_a_reset_and_state_is_a_value_not_a_label(make_daemon) -> None:
+    """accel_faults_total (sysfs ``faults``) never goes down: a reset keeps the count the
+    fault log keeps records of (it restarted at 0 before); identity stays in labels and the
+    state is accel_device_state's value, so a reset starts no new series."""
+    d = make_daemon(devices=1)
+    out = d.run_py(KERNEL_FAULT_PRELUDE + "print(type(exc).__name__)\n", timeout=60)
+    assert out.stdout.strip() == "KernelFaultError", out.stderr
+    before = _scrape_once(d)
+    (d.root / uapi.CLASS_DIR / "accel0" / "reset").write_text("1")
+    d.wait_attrs(0, {"state": "operational", "reset_count": "1"})
+    assert d.attr(0, "faults") == "1"
+    after = _scrape_once(d)
+
+    def series(got, metric):
+        return {labels: v for (name, labels), v in got.items() if name == metric}
+
+    for got in (before, after):
+        [faults_total] = series(got, "accel_faults_total").values()
+        assert faults_total == 1
+        assert list(series(got, "accel_device_state").values()) == [2]
+    for metric in ("accel_device_info", "accel_device_state", "accel_firmware_info"):
+        assert series(before, metric).keys() == series(after, metric).keys(), metric
 
 
 def test_a_busy_port_is_an_error(daemon) -> None:
