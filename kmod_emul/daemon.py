@@ -217,7 +217,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[], None]) -> None:
     if os.geteuid() == 0:
         options.add("allow_other")  # other users' processes are tenants too
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
+        nursery.start_soon(_stop_on_signal, nursery.cancel_scope, devices)
         async with trio.open_nursery() as booting:  # boot the devices side by side
             for dev in devices:
                 booting.start_soon(nursery.start, dev.run)
@@ -233,10 +233,23 @@ async def serve(config: DaemonConfig, on_ready: Callable[[], None]) -> None:
             nursery.cancel_scope.cancel()
 
 
-async def _stop_on_signal(scope: trio.CancelScope) -> None:
+#: What a context lost to a stop says (``accel-emud stop --force``, or a signal).
+STOPPED = "the daemon was stopped by the operator"
+#: How long a stop that lost contexts serves on, for their processes to read why.
+STOP_GRACE_S = 0.5
+
+
+async def _stop_on_signal(scope: trio.CancelScope, devices: list[AccelDevice]) -> None:
+    """Stop on a signal; first every device fails with ``STOPPED`` (its contexts lost), so
+    a client hears it was a stop, not a crash ("the daemon died")."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
-            log.info("received %s, shutting down", signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            log.info("received %s, shutting down", name)
+            lost = [part.resets.fail(errno.ENODEV, f"{STOPPED} ({name})")
+                    for dev in devices for part in [dev, *dev.partitions]]
+            if any(lost):  # their runtimes read state and failure to say why: let them
+                await trio.sleep(STOP_GRACE_S)
             scope.cancel()
             return
 

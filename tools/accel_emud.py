@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from abi import uapi
+from tools.sysfs_tree import fdinfo
 from firmware.image import IMAGE_DIR
 
 if TYPE_CHECKING:
@@ -137,6 +138,10 @@ def _parser() -> argparse.ArgumentParser:
                        ("status", "say whether the root is served (exit 0 yes, 3 no, 1 stale)")):
         sp = sub.add_parser(name, help=text)
         sp.add_argument("--root", type=Path, default=Path(uapi.default_root()), help=root_help)
+        if name == "stop":
+            sp.add_argument("--force", action="store_true",
+                            help="stop even while processes hold contexts (they are told "
+                                 "the daemon was stopped by the operator)")
     return p
 
 
@@ -273,12 +278,35 @@ def _start_background(args: argparse.Namespace, argv: list[str]) -> int:
     return 2 if code == 2 else 1  # 2: a refused --limit, as in the foreground
 
 
+def holders(root: Path) -> list[int]:
+    """The processes holding contexts on any device ``root`` serves (the ``fdinfo``
+    blocks this user may see: root sees every tenant's), for ``stop`` to refuse."""
+    pids: set[int] = set()
+    try:
+        infos = sorted((root / uapi.CLASS_DIR).glob("accel*/fdinfo"))
+    except OSError:  # a stale mount (its daemon is gone): nobody holds anything there
+        return []
+    for info in infos:
+        try:
+            text = info.read_text()
+        except OSError:  # a device gone meanwhile
+            continue
+        pids.update(int(b["pid"]) for b in fdinfo(text) if isinstance(b.get("pid"), int))
+    return sorted(pids)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     from kmod_emul import daemon
 
     if args.action == "stop":
+        users = [] if args.force else holders(args.root)
+        if users:  # as rmmod refuses a module in use
+            print(f"accel-emud: {args.root}: in use by pid {', '.join(map(str, users))} "
+                  "(holding contexts); stop them first, or accel-emud stop --force",
+                  file=sys.stderr)
+            return 1
         print(f"accel-emud: {daemon.stop(args.root)}")
         return 0
     if args.action == "status":

@@ -148,3 +148,48 @@ def test_wait_on_a_hung_device_never_blocks_in_the_driver(make_daemon):
     # a WAIT that slept in the driver would sleep until the hang ends; all thirty answered
     # long before the first heartbeat deadline, however loaded the machine
     assert elapsed < heartbeat_s / 2, f"30 WAITs on a hung device took {elapsed:.1f} s"
+
+
+WAITS_ON_A_SPIN = """
+import numpy as np, runtime
+spin = runtime.compile('''
+def spin(x):
+    i = 0
+    while i >= 0:
+        i = i + 1
+        x[0] = i
+''')
+s = runtime.Stream()
+spin.spin[1, 1](runtime.empty(1, np.int64), stream=s)
+print("waiting", flush=True)
+try:
+    s.synchronize()
+except runtime.DeviceLostError as exc:
+    print("lost:", exc, flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_stop_refuses_while_in_use_and_force_tells_clients_it_was_a_stop(make_daemon):
+    """As rmmod refuses a module in use: ``accel-emud stop`` with a process holding a
+    context exits 1 naming its pid, and the daemon serves on; ``--force`` stops it, and
+    the client's DeviceLostError says the operator stopped the daemon (not that it died)."""
+    d = make_daemon(devices=1)
+    client = d.popen_py(WAITS_ON_A_SPIN)
+    try:
+        assert client.stdout.readline().strip() == "waiting"
+        out = emud("stop", "--root", str(d.root), env=d.env())
+        assert out.returncode == 1 and out.stdout == "", out
+        assert f"in use by pid {client.pid} (holding contexts)" in out.stderr
+        assert "--force" in out.stderr
+        assert kdaemon.find_mount(d.root) is not None and pid_alive(d.pid)
+        out = emud("stop", "--root", str(d.root), "--force", env=d.env())
+        assert out.returncode == 0 and "stopped" in out.stdout, out
+        lost = client.stdout.readline()
+        assert lost.startswith("lost:") and "stopped by the operator (SIGTERM)" in lost, lost
+        assert client.wait(timeout=30) == 0
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+    assert kdaemon.find_mount(d.root) is None
