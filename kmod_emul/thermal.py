@@ -23,8 +23,9 @@ Injection (``ras_ctrl``): ``inject thermal ce <C> [<S>]`` heats the die to C deg
 (default: 2 over the slowdown threshold) and holds it there S seconds (default
 ``HOLD_S``) before it cools -- throttling, visible in ``temperature``, ``clock`` and
 ``throttle_reasons``, record 140. Without the hold the die fell back under the threshold
-in under 0.25 s, which no 1 s monitor (``accel-smi -l 1``, a scrape) ever saw; ``inject thermal ue <C>`` heats it to C (default: 5 over
-the shutdown threshold) -- a thermal shutdown. C is at most ``MAX_INJECT_C`` (EINVAL past it).
+in under 0.25 s, which no 1 s monitor (``accel-smi -l 1``, a scrape) ever saw;
+``inject thermal ue <C>`` heats it to C (default: 5 over the shutdown threshold) -- a
+thermal shutdown. C is at most ``MAX_INJECT_C`` (EINVAL past it).
 """
 
 from __future__ import annotations
