@@ -253,6 +253,17 @@ def free(device: int, va: int) -> None:
         blocks.pop((device, va), None)
 
 
+def block_holding(device: int, ptr: int) -> tuple[runtime.DeviceArray, int]:
+    """The block of this process holding device address ``ptr``, and ``ptr``'s offset in
+    it, for a storage torch built around memory the allocator did not hand it (a DLPack
+    import). A scan of the live blocks: only such storages take this path."""
+    for (dev, va), arr in list(blocks.items()):
+        if dev == device and va <= ptr < va + arr.nbytes:
+            return arr, ptr - va
+    raise RuntimeError(f"accel:{device}: address {ptr:#x} is in no block this process "
+                       "allocated")
+
+
 def copy_data(device: int, dst: int, src: int, nbytes: int) -> None:
     to, frm = blocks[(device, dst)], blocks[(device, src)]
     to.view(np.uint8, nbytes).copy_(frm.view(np.uint8, nbytes))
