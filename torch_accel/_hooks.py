@@ -233,6 +233,23 @@ def event_destroy(eid: int) -> None:
     _events.pop(eid, None)
 
 
+def profiler_record() -> tuple[int, int]:
+    """The profiler stubs' event at an operator's start or end: (current device, the id of
+    a timing event recorded on its current stream)."""
+    lazy_init()
+    device = runtime.current_device()
+    eid = next(_event_ids)
+    _events[eid] = event = runtime.Event(enable_timing=True)
+    event.record(runtime.current_stream(device))
+    return device, eid
+
+
+def profiler_elapsed_us(start: int, end: int) -> float:
+    """Microseconds of device time between two profiler events, once both completed."""
+    _events[end].synchronize()
+    return _events[start].elapsed_time(_events[end]) * 1000.0
+
+
 # ------------------------------------------------------------------ device storage
 #: (device, block address) -> the runtime array a storage lives in
 blocks: dict[tuple[int, int], runtime.DeviceArray] = {}
