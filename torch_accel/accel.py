@@ -357,10 +357,10 @@ def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None
 
 def ipc_collect() -> None:
     """torch.cuda.ipc_collect frees memory that other processes received through
-    torch.multiprocessing and released. accel tensors are not shared that way (torch has
-    no IPC path for a PrivateUse1 storage, and the runtime's imports free themselves when
-    collected), so there is nothing held for this to free: it initialises, as torch.cuda's
-    does."""
+    torch.multiprocessing and released, which CUDA's producer keeps behind reference
+    counters. An accel tensor received that way (torch_accel/ipc.py) maps the producer's
+    memory until its storage is freed, and the driver keeps the memory while any process
+    maps it, so nothing is held for this to free: it initialises, as torch.cuda's does."""
     _hooks.lazy_init()
 
 

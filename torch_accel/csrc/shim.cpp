@@ -572,6 +572,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_default_generator", [](DeviceIndex index) {
     return at::detail::getPrivateUse1Hooks().getDefaultGenerator(index);
   }, "the device's default generator (what torch.manual_seed seeds)");
+  m.def("_block_tensor", [](DeviceIndex device, intptr_t va, size_t nbytes) {
+    // a uint8 tensor over a block the hooks hold in `blocks` but the allocator did not hand
+    // out (memory another process shared): its storage frees it through `free`, as theirs
+    c10::DataPtr p(reinterpret_cast<void*>(va), new Block{va, device}, &free_block, accel(device));
+    c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(p), nullptr, false);
+    auto t = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(accel(device)));
+    return t.set_(storage, 0, {static_cast<int64_t>(nbytes)}, {1});
+  }, "a uint8 tensor whose storage is the block at (device, va) of nbytes");
   m.def("_storage_block", [](const at::Tensor& t) {
     // (device, block address) of a tensor's storage: the runtime block it lives in
     const auto& p = t.storage().data_ptr();
