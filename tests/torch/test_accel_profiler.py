@@ -80,3 +80,42 @@ def test_autograd_profiler_key_averages_with_device_time(torch_json):
         assert 0 <= device_total < 60e6, (key, rows[key])
     assert rows["aten::mm"][0] == 5 and rows["aten::mm"][3] > 0, rows["aten::mm"]
     assert r["mm_total"] > 0 and r["table_has_accel"] and r["grouped"] > 0, r
+
+
+def test_a_kernels_first_compile_is_its_own_row(torch_run, tmp_path):
+    """A kernel's first launch waits for the firmware to compile it (a first ``sum`` had
+    shown 8.8 s of kernel time): in ``prof.accel_events`` and the trace that wait is a
+    ``compile <kernel>`` event of category ``kernel_compile`` before the kernel, whose own
+    duration is only its run. A kernel of a source no daemon has seen forces the compile;
+    it runs on torch's current stream, where the operators' kernels run."""
+    path = tmp_path / "trace.json"
+    lines = torch_run(f"""
+        import json
+        name = f"twice{{os.getpid()}}_{{time.monotonic_ns()}}"
+        m = runtime.compile(f'''
+        def {{name}}(x):
+            i = global_id(0)
+            x[i] = x[i] * 2.0
+        ''')
+        x = torch.ones(1 << 14, device="accel")
+        view = torch_accel.ops._tensors.view_of(x)
+        with torch.profiler.profile() as prof:
+            for _ in range(2):
+                getattr(m, name)[64, 256](view, stream=runtime.current_stream())
+            x.sum().item()
+        prof.export_chrome_trace({str(path)!r})
+        mine = [[e["cat"], e["name"].replace(name, "K"), e["start_ns"], e["end_ns"]]
+                for e in prof.accel_events if name in e["name"]]
+        print(json.dumps(mine))
+        print(x[0].item())
+    """)
+    mine = json.loads(lines[0])
+    assert [e[:2] for e in mine] == [["kernel_compile", "compile K"], ["kernel", "K"],
+                                     ["kernel", "K"]], mine
+    compile_ns, run_ns = mine[0][3] - mine[0][2], mine[1][3] - mine[1][2]
+    assert mine[0][3] == mine[1][2] and compile_ns > 10 * run_ns, mine
+    assert float(lines[1]) == 4.0, lines
+    trace = json.loads(path.read_text())
+    compiles = [e for e in trace["traceEvents"] if e.get("cat") == "kernel_compile"]
+    assert any(e["name"].startswith("compile twice") and str(e["pid"]).startswith("accel:")
+               for e in compiles), compiles
