@@ -223,7 +223,12 @@ RING_HEADER_SIZE: Final = 4096
 RING_SLOTS: Final = 1024
 RING_PACKETS: Final = RING_HEADER_SIZE  # RING_SLOTS packets of PACKET_SIZE bytes
 RING_TIMESTAMPS: Final = RING_PACKETS + RING_SLOTS * PACKET_SIZE  # u64 completion time per slot
-RING_FILE_SIZE: Final = RING_TIMESTAMPS + RING_SLOTS * 8
+#: u64 pairs per slot, firmware: (seqno, ns) -- how long the launch with that seqno waited
+#: for its kernel to be compiled (or loaded from the JIT cache) before it ran, written
+#: before its completion; a pair whose seqno is another packet's says nothing (profilers
+#: show the compile as its own row, not as the kernel's time)
+RING_COMPILE: Final = RING_TIMESTAMPS + RING_SLOTS * 8
+RING_FILE_SIZE: Final = RING_COMPILE + RING_SLOTS * 16
 
 
 _BARRIER = threading.Lock()
@@ -322,3 +327,19 @@ class RingView(SharedWords):
 
     def stamp(self, seqno: int, now_ns: int) -> None:
         self.words[(RING_TIMESTAMPS >> 3) + (seqno - 1) % RING_SLOTS] = now_ns
+
+    def compile_ns(self, seqno: int) -> int:
+        """How long launch ``seqno`` waited for its kernel's compile (ns; 0: none, or its
+        slot was reused). Read it once ``seqno`` completed."""
+        i = (RING_COMPILE >> 3) + (seqno - 1) % RING_SLOTS * 2
+        return self.words[i + 1] if seqno and self.words[i] == seqno else 0
+
+    def record_compile(self, seqno: int, ns: int) -> None:
+        """The firmware's note of launch ``seqno``'s compile wait (the longest of the
+        engines that waited), before the launch completes."""
+        i = (RING_COMPILE >> 3) + (seqno - 1) % RING_SLOTS * 2
+        w = self.words
+        if w[i] != seqno:
+            w[i + 1], w[i] = ns, seqno
+        elif ns > w[i + 1]:
+            w[i + 1] = ns

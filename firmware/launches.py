@@ -421,7 +421,10 @@ class BlockJob(Job):
             kernel = launch.compiled
             if kernel is None:
                 jit = kernels.jit()
+                began = time.monotonic_ns()
                 kernel = jit.get(launch.kernel_ir, launch.arg_types, _options())
+                with launch.lock:  # the engines sharing it may each have waited
+                    launch.ring.record_compile(launch.seqno, time.monotonic_ns() - began)
                 kernels.publish_jit_counts(jit)
             if not kernel.capabilities <= kernels.capabilities:
                 launch.record_fault(errno.EOPNOTSUPP, 0)

@@ -43,7 +43,7 @@ from runtime.memory import (
     reset_peak_memory_stats,
     to_device,
 )
-from runtime.graphs import Graph, graph
+from runtime.graphs import Graph, GraphPool, graph
 from runtime.profiler import Profile, profile
 from runtime.launch import Kernel, Module, compile, kernel
 from runtime.stream import Event, Stream, current_stream, default_stream, set_stream, stream
@@ -71,7 +71,7 @@ __all__ = [
     "AccelError", "AccelTimeoutError", "Context", "DeviceArray", "DeviceBusyError", "DeviceView",
     "DeviceFaultError", "DeviceInResetError", "DeviceLostError", "DeviceProperties",
     "DriverVersionMismatchError", "Event", "Fence", "FirmwareBootError",
-    "FirmwareCorruptError", "FirmwareError", "FirmwareMissingError", "Graph", "HostArray",
+    "FirmwareCorruptError", "FirmwareError", "FirmwareMissingError", "Graph", "GraphPool", "HostArray",
     "InvalidValueError", "IpcHandle", "Kernel", "KernelCompileError", "KernelFaultError", "Module",
     "NoDeviceError", "OutOfMemoryError", "Profile", "ResourceLimitError", "Stream", "UseAfterForkError", "compile",
     "current_device", "current_stream", "default_stream", "device", "device_count", "empty",

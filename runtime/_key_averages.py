@@ -66,7 +66,8 @@ class KeyAverages(list[KeyAverage]):
         device_by_call: defaultdict[int, int] = defaultdict(int)
         rows: dict[tuple[str, bool], KeyAverage] = {}
         for d in p.device_events:
-            device_by_call[d.correlation] += d.end_ns - d.start_ns
+            if d.cat != "kernel_compile":  # a compile wait is its own row, not the call's
+                device_by_call[d.correlation] += d.end_ns - d.start_ns
             row = rows.setdefault((d.name, False), KeyAverage(d.name, False))
             row.calls += 1
             row.device_total_ns += d.end_ns - d.start_ns

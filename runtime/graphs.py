@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from runtime import _trace, errors
+from runtime.memory import DeviceView
 from runtime.stream import ArgLaunch, Stream, current_stream
 
 _capturing = threading.local()
@@ -37,10 +38,22 @@ def capturing_graph() -> Graph | None:
     return getattr(_capturing, "graph", None)
 
 
-class Graph:
-    """Recorded packets, the arrays they touch, and the memory allocated while capturing."""
+class GraphPool:
+    """The caching allocator's key for the blocks graphs allocate while capturing (a
+    graph's private pool). Graphs given one pool share its cached blocks. The blocks name
+    the pool rather than the graph, so a dropped graph's arrays go back to the pool
+    (``empty_cache`` then releases them) instead of the allocator keeping the graph alive."""
 
-    def __init__(self) -> None:
+    def __repr__(self) -> str:
+        return f"<GraphPool {id(self):#x}>"
+
+
+class Graph:
+    """Recorded packets, the arrays they touch, and the memory allocated while capturing
+    (from ``pool``, a new private one by default)."""
+
+    def __init__(self, pool: GraphPool | None = None) -> None:
+        self.pool = pool if pool is not None else GraphPool()
         #: the captured packets; a launch as its packet and argument block, which a
         #: replay writes in the stream's arena for the replay's seqno (``ArgLaunch``)
         self.packets: list[bytes | ArgLaunch] = []
@@ -64,6 +77,8 @@ class Graph:
                 self.launches += 1
             self.packets.append(p if isinstance(p, (bytes, ArgLaunch)) else p.encode())
         for obj in uses:
+            if isinstance(obj, DeviceView):  # a view's memory lives as long as its base
+                obj = obj.base
             self._uses.append(weakref.ref(obj))
             self._names.append(repr(obj))
         return len(self.packets)

@@ -164,7 +164,7 @@ class DeviceArray:
         self._allocator = _allocator(idx)
         s = stream or current_stream(idx)
         if s.capturing is not None:  # the graph's own pool, for the graph's lifetime
-            self._block = self._allocator.malloc(self.nbytes, s.capturing)
+            self._block = self._allocator.malloc(self.nbytes, s.capturing.pool)
             s.capturing.owned.append(self)
         else:
             self._block = self._allocator.malloc(self.nbytes, s)

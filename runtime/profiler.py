@@ -82,6 +82,7 @@ class _Done(NamedTuple):
     kernel: str | None
     prev_end_ns: int  # device time the queue's previous packet ended; 0: unknown
     end_ns: int  # device time
+    compile_ns: int = 0  # how long a launch waited for its kernel's compile
 
 
 def clock_offset(device: int, rounds: int = OFFSET_ROUNDS) -> int:
@@ -159,7 +160,8 @@ class _Recorder:
                 last = None
                 continue
             self.done.append(_Done(stream.device, stream.queue_id, p,
-                                   stream.kernel_name(p.seqno), last, end))
+                                   stream.kernel_name(p.seqno), last, end,
+                                   stream.compile_ns(p.seqno)))
             last = end
         if last is not None:
             self._last_end[stream] = last
@@ -175,6 +177,23 @@ class _Recorder:
                     pass  # faulted (later packets complete cancelled) or lost: keep what came
                 self._harvest(stream, queue)
                 self.lost += len(queue)
+
+
+def _device_events(d: _Done, offset: int) -> list[DeviceEvent]:
+    """The packet as device events on the host clock: itself, and before a launch that
+    waited for its kernel's first compile, that wait as an event of its own (``compile
+    <kernel>``, category ``kernel_compile``), so the compile never counts as the kernel's
+    time. The wait is placed at the packet's start (the firmware compiles when an engine
+    takes the launch), the kernel after it."""
+    event = _device_event(d, offset)
+    if not d.compile_ns or event.cat != "kernel":
+        return [event]
+    split = min(event.start_ns + d.compile_ns, event.end_ns)
+    wait = DeviceEvent(f"compile {event.name}", "kernel_compile", event.device, event.stream,
+                       event.seqno, event.start_ns, split, event.correlation,
+                       {"kernel": event.name})
+    event.start_ns = split
+    return [wait, event]
 
 
 def _device_event(d: _Done, offset: int) -> DeviceEvent:
@@ -262,8 +281,9 @@ class Profile:
             self._measure(index)  # first used inside the profile: measured now
         self._causal(rec.done)
         self.host_events = sorted(rec.host, key=lambda e: e.start_ns)
-        self.device_events = sorted((_device_event(d, self.clock_offsets[d.device])
-                                     for d in rec.done), key=lambda e: e.start_ns)
+        self.device_events = sorted((e for d in rec.done
+                                     for e in _device_events(d, self.clock_offsets[d.device])),
+                                    key=lambda e: e.start_ns)
         self.thread_names = rec.thread_names
         self.lost_packets = rec.lost
 

@@ -388,6 +388,11 @@ class Stream:
         """Device time (ns) ``seqno`` completed, while its slot is not reused."""
         return self._ring.timestamp(seqno)
 
+    def compile_ns(self, seqno: int) -> int:
+        """How long launch ``seqno`` waited for its kernel's compile in the firmware (ns;
+        0: none, or its slot was reused), once it completed."""
+        return self._ring.compile_ns(seqno)
+
     def _check_host_wait(self) -> None:
         self.ctx.check_fork()
         if self.capturing is not None:

@@ -233,6 +233,23 @@ def event_destroy(eid: int) -> None:
     _events.pop(eid, None)
 
 
+def profiler_record() -> tuple[int, int]:
+    """The profiler stubs' event at an operator's start or end: (current device, the id of
+    a timing event recorded on its current stream)."""
+    lazy_init()
+    device = runtime.current_device()
+    eid = next(_event_ids)
+    _events[eid] = event = runtime.Event(enable_timing=True)
+    event.record(runtime.current_stream(device))
+    return device, eid
+
+
+def profiler_elapsed_us(start: int, end: int) -> float:
+    """Microseconds of device time between two profiler events, once both completed."""
+    _events[end].synchronize()
+    return _events[start].elapsed_time(_events[end]) * 1000.0
+
+
 # ------------------------------------------------------------------ device storage
 #: (device, block address) -> the runtime array a storage lives in
 blocks: dict[tuple[int, int], runtime.DeviceArray] = {}
@@ -251,6 +268,17 @@ def alloc(nbytes: int, device: int) -> int:
 def free(device: int, va: int) -> None:
     if not in_bad_fork():  # a forked child's copy of the table frees nothing
         blocks.pop((device, va), None)
+
+
+def block_holding(device: int, ptr: int) -> tuple[runtime.DeviceArray, int]:
+    """The block of this process holding device address ``ptr``, and ``ptr``'s offset in
+    it, for a storage torch built around memory the allocator did not hand it (a DLPack
+    import). A scan of the live blocks: only such storages take this path."""
+    for (dev, va), arr in list(blocks.items()):
+        if dev == device and va <= ptr < va + arr.nbytes:
+            return arr, ptr - va
+    raise RuntimeError(f"accel:{device}: address {ptr:#x} is in no block this process "
+                       "allocated")
 
 
 def copy_data(device: int, dst: int, src: int, nbytes: int) -> None:

@@ -20,19 +20,23 @@ import runtime
 from runtime import discovery
 from torch_accel import _hooks, memory_summary as _summary, telemetry
 from torch_accel._hooks import device_count, is_available, is_initialized
+from torch_accel.graphs import (AccelGraph, graph, graph_pool_handle,
+                                is_current_stream_capturing, make_graphed_callables)
 
 __all__ = [
-    "DeviceProperties", "Event", "Stream", "current_device", "current_stream",
-    "default_stream", "device", "device_count", "device_of", "empty_cache",
-    "get_amp_supported_dtype", "get_arch_list", "get_device_capability", "get_device_name",
-    "get_device_properties", "get_rng_state", "get_rng_state_all", "init", "initial_seed",
-    "ipc_collect", "is_available", "is_bf16_supported", "is_initialized",
-    "list_gpu_processes", "manual_seed", "manual_seed_all", "max_memory_allocated",
-    "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_reserved",
-    "memory_snapshot", "memory_stats", "memory_summary", "reset_max_memory_allocated",
-    "reset_max_memory_cached", "reset_peak_memory_stats", "seed", "seed_all", "set_device",
-    "set_per_process_memory_fraction", "set_rng_state", "set_rng_state_all", "set_stream",
-    "stream", "synchronize", "temperature", "utilization",
+    "AccelGraph", "DeviceProperties", "Event", "Stream", "current_device",
+    "current_stream", "default_stream", "device", "device_count", "device_of",
+    "empty_cache", "get_amp_supported_dtype", "get_arch_list", "get_device_capability",
+    "get_device_name", "get_device_properties", "get_rng_state", "get_rng_state_all",
+    "graph", "graph_pool_handle", "init", "initial_seed", "ipc_collect", "is_available",
+    "is_bf16_supported", "is_current_stream_capturing", "is_initialized",
+    "list_gpu_processes", "make_graphed_callables", "manual_seed", "manual_seed_all",
+    "max_memory_allocated", "max_memory_reserved", "mem_get_info", "memory_allocated",
+    "memory_reserved", "memory_snapshot", "memory_stats", "memory_summary",
+    "reset_max_memory_allocated", "reset_max_memory_cached", "reset_peak_memory_stats",
+    "seed", "seed_all", "set_device", "set_per_process_memory_fraction",
+    "set_rng_state", "set_rng_state_all", "set_stream", "stream", "synchronize",
+    "temperature", "utilization",
 ]
 
 #: c10::DeviceType::PrivateUse1, the number torch.Stream's (id, index, type) form wants
@@ -353,10 +357,10 @@ def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None
 
 def ipc_collect() -> None:
     """torch.cuda.ipc_collect frees memory that other processes received through
-    torch.multiprocessing and released. accel tensors are not shared that way (torch has
-    no IPC path for a PrivateUse1 storage, and the runtime's imports free themselves when
-    collected), so there is nothing held for this to free: it initialises, as torch.cuda's
-    does."""
+    torch.multiprocessing and released, which CUDA's producer keeps behind reference
+    counters. An accel tensor received that way (torch_accel/ipc.py) maps the producer's
+    memory until its storage is freed, and the driver keeps the memory while any process
+    maps it, so nothing is held for this to free: it initialises, as torch.cuda's does."""
     _hooks.lazy_init()
 
 

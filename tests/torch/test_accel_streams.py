@@ -147,3 +147,25 @@ def test_record_stream_keeps_a_freed_block_until_that_streams_work_is_done(torch
     assert lines[3].startswith("other device:"), lines
     assert "the stream is on accel:1 but the tensor is on accel:0" in lines[3], lines
 
+
+
+def test_sleep_time_is_proportional_to_its_cycles(torch_json):
+    """``torch.accel._sleep(cycles)`` keeps the stream busy in proportion to ``cycles``, as
+    torch.cuda._sleep spins for a count of clock cycles: doubling them about doubles the
+    time between events around it. Measured side by side, alternating; the device is
+    emulated on the host's CPUs, which other work takes turns on, so each size's fastest
+    run is the one compared (a run is only ever slowed down), with generous bounds."""
+    r = torch_json("""
+        torch.accel._sleep(1); torch.accel.synchronize()      # the sleep kernel compiled
+        def busy_ms(cycles):
+            start, end = torch.accel.Event(enable_timing=True), torch.accel.Event(enable_timing=True)
+            start.record(); torch.accel._sleep(cycles); end.record(); end.synchronize()
+            return start.elapsed_time(end)
+        times = {1: [], 2: []}
+        for _ in range(7):
+            for k in (1, 2):
+                times[k].append(busy_ms(k * 10**7))
+        report(ms={k: min(v) for k, v in times.items()}, all=times)
+    """)
+    ratio = r["ms"]["2"] / r["ms"]["1"]
+    assert 1.3 < ratio < 3.5, r

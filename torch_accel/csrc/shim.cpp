@@ -33,6 +33,8 @@
 #include <c10/core/DeviceCapability.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
+#include <c10/util/ApproximateClock.h>
+#include <torch/csrc/profiler/stubs/base.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
@@ -508,6 +510,45 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
   KERNEL_PRIVATEUSEONE(cumsum, fp32)
 }
 
+// ----------------------------------------------------------------- profiler stubs
+// torch.autograd.profiler.profile(use_device="accel") (the KINETO_PRIVATEUSE1_FALLBACK
+// state) asks these for an event at each operator's start and end, and for the device
+// time between them (key_averages' device columns). Without them every operator's
+// profiler callback raised "PrivateUse1 used in profiler but not enabled" and
+// key_averages() read unset start times (-7.4e16 us). Events are runtime timing events
+// on the current stream, under the ids the guard's events use.
+using torch::profiler::impl::ProfilerVoidEventStub;
+
+struct AccelProfilerStubs final : torch::profiler::impl::ProfilerStubs {
+  void record(DeviceIndex* device, ProfilerVoidEventStub* event, int64_t* cpu_ns) const override {
+    auto [index, id] = call<std::pair<DeviceIndex, int64_t>>("profiler_record");
+    if (device) *device = index;
+    *event = ProfilerVoidEventStub(reinterpret_cast<void*>(id), [](void* e) {
+      call_quietly("event_destroy", reinterpret_cast<intptr_t>(e));
+    });
+    if (cpu_ns) *cpu_ns = c10::getTime();
+  }
+  float elapsed(const ProfilerVoidEventStub* start, const ProfilerVoidEventStub* end) const override {
+    return call<float>("profiler_elapsed_us", reinterpret_cast<intptr_t>(start->get()),
+                       reinterpret_cast<intptr_t>(end->get()));
+  }
+  void mark(const char*) const override {}
+  void rangePush(const char*) const override {}
+  void rangePop() const override {}
+  bool enabled() const override { return true; }
+  void onEachDevice(std::function<void(int)> op) const override {
+    auto prev = call<DeviceIndex>("current_device");
+    for (DeviceIndex i = 0; i < call<DeviceIndex>("device_count"); ++i) {
+      call<void>("set_device", i);
+      op(i);
+    }
+    call<void>("set_device", prev);
+  }
+  void synchronize() const override { call<void>("synchronize", -1); }
+};
+
+AccelProfilerStubs g_profiler_stubs;
+
 std::once_flag g_registered;
 
 }  // namespace
@@ -519,6 +560,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       g_hooks = new py::object(std::move(hooks));  // lives as long as the process
       c10::SetAllocator(kAccel, &g_allocator);
       at::RegisterPrivateUse1HooksInterface(new AccelHooks());
+      torch::profiler::impl::registerPrivateUse1Methods(&g_profiler_stubs);
     });
   });
   m.def("_philox_take", [](const at::Generator& gen, uint64_t increment) {
@@ -530,6 +572,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_default_generator", [](DeviceIndex index) {
     return at::detail::getPrivateUse1Hooks().getDefaultGenerator(index);
   }, "the device's default generator (what torch.manual_seed seeds)");
+  m.def("_block_tensor", [](DeviceIndex device, intptr_t va, size_t nbytes) {
+    // a uint8 tensor over a block the hooks hold in `blocks` but the allocator did not hand
+    // out (memory another process shared): its storage frees it through `free`, as theirs
+    c10::DataPtr p(reinterpret_cast<void*>(va), new Block{va, device}, &free_block, accel(device));
+    c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(p), nullptr, false);
+    auto t = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(accel(device)));
+    return t.set_(storage, 0, {static_cast<int64_t>(nbytes)}, {1});
+  }, "a uint8 tensor whose storage is the block at (device, va) of nbytes");
   m.def("_storage_block", [](const at::Tensor& t) {
     // (device, block address) of a tensor's storage: the runtime block it lives in
     const auto& p = t.storage().data_ptr();

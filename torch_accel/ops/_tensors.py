@@ -30,13 +30,20 @@ _EMPTY: dict[int, runtime.DeviceArray] = {}
 
 def base_of(t: torch.Tensor) -> runtime.DeviceArray:
     """The runtime block holding ``t``'s storage; a storage of no bytes has none (its
-    pointer is null), and is a zero-length array that kernels see as "nothing to do"."""
+    pointer is null), and is a zero-length array that kernels see as "nothing to do". A
+    storage torch made around another's memory (a DLPack import) is the window of the
+    block holding it that it covers (torch_accel/dlpack.py)."""
     if t.untyped_storage().nbytes() == 0:
         dev = t.device.index
         if dev not in _EMPTY:
             _EMPTY[dev] = runtime.empty(0, np.uint8, device=dev)
         return _EMPTY[dev]
-    return _hooks.blocks[_C._storage_block(t)]
+    try:
+        return _hooks.blocks[_C._storage_block(t)]
+    except RuntimeError:  # not a block of the allocator's: a view of the one holding it
+        storage = t.untyped_storage()
+        block, offset = _hooks.block_holding(t.device.index, storage.data_ptr())
+        return block.view(np.uint8, storage.nbytes(), offset)
 
 
 def _np(t: torch.Tensor) -> np.dtype:
