@@ -1,7 +1,7 @@
 """Convolutions on the device (im2col + the matrix unit, col2im for the input gradient):
 forward and every gradient match the CPU over a grid of 1-D/2-D/3-D shapes, groups,
-strides, padding, dilation and bias; max and average pooling (on the device) and adaptive
-pooling (through the fallback) match the CPU; a small CNN trains three
+strides, padding, dilation and bias; max, average and adaptive pooling (on the device)
+match the CPU; a small CNN trains three
 SGD steps to the CPU's weights from the same initialisation."""
 
 from __future__ import annotations
@@ -78,19 +78,25 @@ def test_pooling_matches_cpu(torch_json):
             F.avg_pool2d(xs, 3, stride=2, padding=1, count_include_pad=False).flatten(),
             F.avg_pool2d(xs, 3, stride=2, padding=1, ceil_mode=True).flatten(),
             F.avg_pool2d(xs, 2, divisor_override=3).flatten(),
-            F.adaptive_avg_pool2d(xs, (4, 3)).flatten(), F.adaptive_max_pool2d(xs, 2).flatten()])
+            F.adaptive_avg_pool2d(xs, (4, 3)).flatten(), F.adaptive_max_pool2d(xs, 2).flatten(),
+            F.adaptive_avg_pool2d(xs, (5, 11)).flatten(), F.adaptive_max_pool2d(xs, (3, 5)).flatten(),
+            F.adaptive_max_pool2d(xs, (10, 3)).flatten(), F.adaptive_avg_pool2d(xs, (1, 2)).flatten(),
+            F.adaptive_avg_pool2d(xs[0], 3).flatten()])
         gaps = compare(pools, x)
-        gaps64 = compare(lambda xs: F.max_pool2d(xs, 2) + F.avg_pool2d(xs, 2), x.double())
+        gaps64 = compare(lambda xs: F.max_pool2d(xs, 2) + F.avg_pool2d(xs, 2)
+                         + F.adaptive_avg_pool2d(xs, 4) + F.adaptive_max_pool2d(xs, 4), x.double())
         idx = [F.max_pool2d(x.to(d), 3, 2, 1, return_indices=True)[1].cpu() for d in ("cpu", "accel")]
+        aidx = [F.adaptive_max_pool2d(x.to(d), (4, 3), return_indices=True)[1].cpu()
+                for d in ("cpu", "accel")]
         report(gaps=gaps, gaps64=gaps64, same_indices=bool((idx[0] == idx[1]).all()),
+               same_adaptive_indices=bool((aidx[0] == aidx[1]).all()),
                fallback=dict(torch_accel.fallback_counts))
     """), timeout=500)
-    assert r["same_indices"]
+    assert r["same_indices"] and r["same_adaptive_indices"]
     for label, gap in {**r["gaps"], **r["gaps64"]}.items():
         assert gap < 1e-6, (label, gap)
-    # max and average pooling ran on the device; the adaptive ones through the fallback
-    assert not any(k.startswith(("aten::max_pool2d", "aten::avg_pool2d")) for k in r["fallback"]), \
-        r["fallback"]
+    # max, average and adaptive pooling all ran on the device
+    assert not any("pool" in k for k in r["fallback"]), r["fallback"]
 
 
 def test_small_cnn_trains_three_sgd_steps_like_cpu(torch_json):
