@@ -121,7 +121,7 @@ def test_capability_and_properties(torch_run):
         print(props.name)
         print(torch.accel.is_initialized())
     """)
-    assert lines[0] == "set missing [] False", lines
+    assert lines[0] == "set missing [] True", lines
     assert lines[1] == lines[2], lines  # both devices' capabilities
     assert lines[3] == f"{256 << 20} (1, 0)" and lines[4] == lines[5], lines
     assert lines[6:] == ["True"], lines

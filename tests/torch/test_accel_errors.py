@@ -86,3 +86,42 @@ def test_a_refusal_in_any_shim_entry_point_is_a_catchable_exception(torch_json):
     """)
     assert all(pair == ["RuntimeError"] * 2 for pair in r["outcomes"].values()), r
     assert r["after"] == [2.0, 2.0], r
+
+
+def test_operators_through_the_fallback_refuse_two_devices_too(torch_json):
+    """Operators without a device kernel (cat across devices, index_select, gather,
+    masked_fill, dist) refused nothing: on the host every tensor was a CPU tensor, so
+    ``torch.cat([on_accel0, on_accel1])`` returned a tensor. They raise the native
+    operators' error now, with torch.cuda's exceptions: CPU indices for advanced indexing,
+    0-d CPU tensors as numbers."""
+    r = torch_json("""
+        a0, a1 = torch.ones(2, 3, device="accel:0"), torch.ones(2, 3, device="accel:1")
+        i1 = torch.tensor([0, 1], device="accel:1")
+        def refusal(fn):
+            try:
+                return ["ran", fn().cpu().tolist()]
+            except Exception as exc:
+                return [type(exc).__module__ + "." + type(exc).__name__, str(exc)]
+        x = torch.zeros(3, 3, device="accel:0")
+        x[torch.tensor([0, 2])] = torch.ones(3, device="accel:0")
+        report(cat=refusal(lambda: torch.cat([a0, a1])), stack=refusal(lambda: torch.stack([a0, a1])),
+               cat_cpu=refusal(lambda: torch.cat([a0, torch.ones(2, 3)])),
+               index_select=refusal(lambda: a0.index_select(0, i1)),
+               gather=refusal(lambda: a0.gather(0, i1[None].expand(2, 2))),
+               masked_fill=refusal(lambda: a1.masked_fill(a0 > 0, 2.0)),
+               dist=refusal(lambda: torch.dist(a1, torch.ones(2, 3))),
+               index_put=refusal(lambda: x.index_put_((torch.tensor([1]),), a1[0])),
+               cpu_indices=refusal(lambda: x[torch.tensor([2, 1])]),
+               cpu_scalar=refusal(lambda: torch.atan2(a0[0], torch.tensor(1.0))),
+               untouched=x.cpu().tolist())
+    """)
+    two = lambda first, second: ["builtins.RuntimeError", f"{TWO_DEVICES}, {first} and {second}!"]
+    for op in ("cat", "stack"):
+        assert r[op] == two("accel:0", "accel:1"), r
+    assert r["cat_cpu"] == two("accel:0", "cpu"), r
+    assert r["index_select"] == two("accel:0", "accel:1") and r["gather"] == two("accel:0", "accel:1"), r
+    assert r["masked_fill"] == two("accel:1", "accel:0") and r["dist"] == two("accel:1", "cpu"), r
+    assert r["index_put"] == two("accel:0", "accel:1"), r
+    assert r["cpu_indices"] == ["ran", [[1.0] * 3, [0.0] * 3]], r
+    assert r["cpu_scalar"] == ["ran", [0.7853981852531433] * 3], r
+    assert r["untouched"] == [[1.0] * 3, [0.0] * 3, [1.0] * 3], r

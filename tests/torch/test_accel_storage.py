@@ -134,3 +134,32 @@ def test_pinned_storages_location_tags_and_restore_locations(torch_run):
 
     assert lines[1:] == ["False True", "False True", "accel:0 accel:1 accel:1",
                          "True accel:0 [0.0, 1.0, 2.0, 3.0]", "True accel:1 [0.0, 1.0, 2.0, 3.0]"]
+
+
+def test_every_dtype_the_capability_lists_allocates_and_copies(torch_json):
+    """``get_device_capability()["supported_dtypes"]`` is a promise: each dtype in it
+    allocates on accel and copies bit-exactly host -> device -> host, on the device
+    (clone, a transposed ``contiguous``, a slice), and to the peer device. complex128
+    could not be copied on the device before (no 16-byte integer to move it as), so the
+    capability left complex out; quantized dtypes stay out (docs/torch.md, "Tensors and
+    storage")."""
+    r = torch_json("""
+        dtypes = torch.accelerator.get_device_capability("accel:0")["supported_dtypes"]
+        bad = {}
+        for dt in sorted(dtypes, key=str):
+            size = torch.empty((), dtype=dt).element_size()
+            raw = torch.randint(0, 2 if dt == torch.bool else 256, (3, 4 * size), dtype=torch.uint8)
+            a = raw.view(dt).to("accel:0")
+            bits = lambda t: t.contiguous().cpu().view(torch.uint8)  # contiguous on the device
+            got = {"to and back": bits(a), "clone": bits(a.clone()),
+                   "transposed contiguous": bits(a.t().contiguous().t()),
+                   "peer": bits(a.to("accel:1")), "zeros": bits(torch.zeros_like(a))}
+            want = {"slice": raw[:, size:3 * size], "zeros": torch.zeros_like(raw)}
+            got["slice"] = bits(a[:, 1:3])
+            bad.update({f"{dt} {k}": "differs" for k, v in got.items()
+                        if not torch.equal(v, want.get(k, raw))})
+        report(bad=bad, dtypes=sorted(map(str, dtypes)))
+    """)
+    assert r["bad"] == {}, r["bad"]
+    assert {"torch.complex32", "torch.complex64", "torch.complex128"} <= set(r["dtypes"]), r
+    assert not any(q in r["dtypes"] for q in ("torch.qint8", "torch.quint8", "torch.qint32")), r

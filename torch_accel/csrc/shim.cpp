@@ -174,12 +174,13 @@ struct AccelGuardImpl final : c10::impl::DeviceGuardImplInterface {
   }
   void recordDataPtrOnStream(const c10::DataPtr& p, const c10::Stream& s) const override;
 
-  // Every dtype allocates and converts (the kernels' types natively, the others as bits
-  // or through the host), except complex and quantized ones: no strided copy for them.
+  // Every dtype allocates and copies (the kernels' types natively, the others as bits
+  // or through the host), complex ones too, except the quantized ones: a quantized
+  // tensor is a QTensorImpl that only a QuantizedPrivateUse1 kernel makes, and there is
+  // no quantized kernel to use it with (torch deprecates these dtypes).
   c10::DeviceCapability getDeviceCapability(c10::Device) const override {
     c10::DeviceCapability cap;
     auto& t = cap.capability_data.supported_scalar_types;
-    t.has_ComplexHalf = t.has_ComplexFloat = t.has_ComplexDouble = 0;
     t.has_QInt8 = t.has_QUInt8 = t.has_QInt32 = t.has_QUInt4x2 = t.has_QUInt2x4 = 0;
     return cap;
   }

@@ -40,6 +40,9 @@ from torch_accel.kernels.nn import (
     threshold_backward,
 )
 from torch_accel.kernels.pool import (
+    adaptive_avg_pool2d,
+    adaptive_avg_pool2d_backward,
+    adaptive_max_pool2d,
     avg_pool2d,
     avg_pool2d_backward,
     max_pool2d,
@@ -51,7 +54,8 @@ from torch_accel.kernels.sleep import sleep
 
 __all__ = [
     "Backward", "Binary", "Compare", "Predicate", "Reduce", "Reduction", "Unary",
-    "activation_backward", "arange", "avg_pool2d", "avg_pool2d_backward",
+    "activation_backward", "adaptive_avg_pool2d", "adaptive_avg_pool2d_backward",
+    "adaptive_max_pool2d", "arange", "avg_pool2d", "avg_pool2d_backward",
     "bernoulli_mask", "binary", "bmm", "compare", "counters", "fill", "fold",
     "gelu_backward", "index_add_rows", "index_rows", "max_pool2d", "max_pool2d_backward",
     "mm", "nll_loss_backward_rows", "nll_loss_rows", "normal", "predicate", "reduce_rows",

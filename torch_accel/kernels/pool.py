@@ -1,7 +1,10 @@
 """2-D pooling: max (with the flat index of each maximum in its plane, as torch returns
-it) and average, forward and backward, as one kernel of four modes (one compile per float
-dtype). One thread per output element walks its window; the backwards add into the input
-gradient with atomics, as windows may overlap.
+it) and average, forward and backward, with fixed windows or adaptive ones, as one kernel
+of four modes (one compile per float dtype). One thread per output element walks its
+window; the backwards add into the input gradient with atomics, as windows may overlap.
+
+An adaptive window is torch's: output row ``p`` of ``oh`` covers input rows
+``floor(p * h / oh)`` to ``ceil((p + 1) * h / oh)`` (columns alike), without padding.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from torch_accel.kernels._shared import Array
 SOURCE = """def pool2d(out, idx, x, g, back: 'int64', avg: 'int64', total: 'int64', h: 'int64',
            w: 'int64', oh: 'int64', ow: 'int64', kh: 'int64', kw: 'int64', sh: 'int64',
            sw: 'int64', ph: 'int64', pw: 'int64', dh: 'int64', dw: 'int64',
-           incl: 'int64', div: 'int64'):
+           incl: 'int64', div: 'int64', adaptive: 'int64'):
     i = global_id(0)
     if i < total:
         q = i % ow
@@ -26,13 +29,20 @@ SOURCE = """def pool2d(out, idx, x, g, back: 'int64', avg: 'int64', total: 'int6
         base = r // oh * h * w
         hs = p * sh - ph
         ws = q * sw - pw
+        nh = kh
+        nw = kw
+        if adaptive != 0:
+            hs = p * h // oh
+            ws = q * w // ow
+            nh = ((p + 1) * h + oh - 1) // oh - hs
+            nw = ((q + 1) * w + ow - 1) // ow - ws
         if avg == 0:
             if back == 0:
                 best = -1.0e300 * 1.0e300
                 at = -1
-                for a in range(kh):
+                for a in range(nh):
                     y = hs + a * dh
-                    for b in range(kw):
+                    for b in range(nw):
                         c = ws + b * dw
                         if 0 <= y < h and 0 <= c < w:
                             v = x[base + y * w + c]
@@ -44,8 +54,8 @@ SOURCE = """def pool2d(out, idx, x, g, back: 'int64', avg: 'int64', total: 'int6
             else:
                 atomic_add(x, base + idx[i], g[i])
         else:
-            he = min(hs + kh, h + ph)
-            we = min(ws + kw, w + pw)
+            he = min(hs + nh, h + ph)
+            we = min(ws + nw, w + pw)
             cnt = (he - hs) * (we - ws)
             y0 = max(hs, 0)
             c0 = max(ws, 0)
@@ -73,14 +83,14 @@ def _launch(back: int, avg: int, out: Array, idx: Array, x: Array, g: Array,
             spatial: Sequence[int], out_spatial: Sequence[int], planes: int,
             kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int],
             dilation: Sequence[int], count_include_pad: bool, divisor: int,
-            stream: runtime.Stream | None) -> None:
+            stream: runtime.Stream | None, adaptive: bool = False) -> None:
     total = planes * out_spatial[0] * out_spatial[1]
     if total == 0 or x.nbytes == 0:
         return
     shared.module("pool", SOURCE, x.device).pool2d[shared.grid(total), shared.BLOCK](
         shared.flat(out), shared.flat(idx), shared.flat(x), shared.flat(g), back, avg, total,
         *spatial, *out_spatial, *kernel, *stride, *padding, *dilation,
-        int(count_include_pad), divisor, stream=shared.stream_of(x, stream))
+        int(count_include_pad), divisor, int(adaptive), stream=shared.stream_of(x, stream))
 
 
 def max_pool2d(out: Array, indices: Array, x: Array, planes: int, spatial: Sequence[int],
@@ -122,6 +132,35 @@ def avg_pool2d_backward(grad_x: Array, grad: Array, planes: int, spatial: Sequen
     into ``grad_x`` (zeroed first)."""
     _launch(1, 1, grad, _no_index(grad.device), grad_x, grad, spatial, out_spatial, planes,
             kernel, stride, padding, (1, 1), count_include_pad, divisor, stream)
+
+
+def adaptive_max_pool2d(out: Array, indices: Array, x: Array, planes: int,
+                        spatial: Sequence[int], out_spatial: Sequence[int],
+                        stream: runtime.Stream | None = None) -> None:
+    """Each adaptive window's maximum and its flat index, as :func:`max_pool2d` (its
+    backward is :func:`max_pool2d_backward`)."""
+    one = (1, 1)
+    _launch(0, 0, out, indices, x, out, spatial, out_spatial, planes, one, one, (0, 0), one,
+            False, 0, stream, adaptive=True)
+
+
+def adaptive_avg_pool2d(out: Array, x: Array, planes: int, spatial: Sequence[int],
+                        out_spatial: Sequence[int], stream: runtime.Stream | None = None
+                        ) -> None:
+    """Each adaptive window's mean."""
+    one = (1, 1)
+    _launch(0, 1, out, _no_index(x.device), x, out, spatial, out_spatial, planes, one, one,
+            (0, 0), one, True, 0, stream, adaptive=True)
+
+
+def adaptive_avg_pool2d_backward(grad_x: Array, grad: Array, planes: int,
+                                 spatial: Sequence[int], out_spatial: Sequence[int],
+                                 stream: runtime.Stream | None = None) -> None:
+    """Spreads each output gradient evenly over its adaptive window, into ``grad_x``
+    (zeroed first)."""
+    one = (1, 1)
+    _launch(1, 1, grad, _no_index(grad.device), grad_x, grad, spatial, out_spatial, planes,
+            one, one, (0, 0), one, True, 0, stream, adaptive=True)
 
 
 _INDEX: dict[int, runtime.DeviceArray] = {}

@@ -12,5 +12,6 @@ from torch_accel.ops import (  # noqa: F401 - each registers its kernels
     pool,
     random,
     reduce,
+    rnn,
     shape,
 )

@@ -6,9 +6,14 @@ the weight gradient the product of the output gradient with the columns (unfolde
 transposed), the bias gradient a sum. The products' ``[C, N, L]`` and the tensors'
 ``[N, C, L]`` are exchanged by a row-wise transpose kernel.
 
-float32 and float64 only (the unit's types); transposed convolutions and other dtypes run
-torch's CPU convolution through the counted fallback, since the CPU has no
-``convolution_overrideable`` of its own to fall back to.
+A transposed convolution is the input gradient of the convolution it transposes (fold of
+``weight^T @ x``), and its backward the forward convolution of the output gradient (the
+input gradient) and that convolution's weight gradient with the roles of input and output
+gradient exchanged.
+
+float32 and float64 only (the unit's types); other dtypes run torch's CPU convolution
+through the counted fallback, since the CPU has no ``convolution_overrideable`` of its own
+to fall back to.
 """
 
 from __future__ import annotations
@@ -51,9 +56,25 @@ class _Geometry:
                 self.stride, self.padding, self.dilation, self.groups)
 
 
-def _on_device(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> bool:
-    return (not transposed and x.dtype in _FLOAT and weight.dtype == x.dtype
-            and 3 <= x.dim() <= 5 and x.numel() > 0)
+def _on_device(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dtype in _FLOAT and weight.dtype == x.dtype and 3 <= x.dim() <= 5
+            and x.numel() > 0)
+
+
+def _transposed_geometry(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
+                         padding: Sequence[int], dilation: Sequence[int],
+                         output_padding: Sequence[int], groups: int) -> _Geometry:
+    """A transposed convolution is the input gradient of the convolution whose input has
+    the transposed one's output shape and whose weight is the same ``weight``
+    (``[C_in, C_out / groups, *k]`` is the forward convolution's ``[O, C / groups, *k]``):
+    this is that convolution's geometry."""
+    nd = x.dim() - 2
+    per_dim = lambda v: list(v) * nd if len(v) == 1 else list(v)
+    out_spatial = [(i - 1) * st - 2 * p + d * (k - 1) + op + 1 for i, st, p, d, k, op in zip(
+        x.shape[2:], per_dim(stride), per_dim(padding), per_dim(dilation), weight.shape[2:],
+        per_dim(output_padding))]
+    out = torch.empty((x.shape[0], weight.shape[1] * groups, *out_spatial), device="meta")
+    return _Geometry(out, weight, stride, padding, dilation, groups)
 
 
 def _columns(x: torch.Tensor, g: _Geometry, transposed: bool = False) -> torch.Tensor:
@@ -82,20 +103,64 @@ def _grouped(weight: torch.Tensor, g: _Geometry) -> torch.Tensor:
     return contiguous_on_device(weight).reshape(g.groups, -1, g.rows)
 
 
+def _forward(x: torch.Tensor, weight: torch.Tensor, g: _Geometry,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """``out[n, o] = bias[o] + sum over the group's channels and the kernel``, as
+    ``weight [groups, O/groups, rows] @ columns [groups, rows, N * L]``."""
+    out = torch.bmm(_grouped(weight, g), _columns(contiguous_on_device(x), g))
+    return _swap01(out.reshape(weight.shape[0], g.batch, -1),
+                   (g.batch, weight.shape[0], *g.out_spatial), bias)
+
+
+def _per_group(grad: torch.Tensor, weight: torch.Tensor, g: _Geometry) -> torch.Tensor:
+    """The forward's output gradient ``[N, O, *L]`` as ``[groups, O/groups, N * L]``, the
+    products' layout."""
+    return _swap01(grad.reshape(g.batch, weight.shape[0], -1),
+                   (g.groups, weight.shape[0] // g.groups, g.cols))
+
+
+def _input_grad(per_group: torch.Tensor, weight: torch.Tensor, g: _Geometry,
+                shape: Sequence[int]) -> torch.Tensor:
+    """``weight^T @ grad`` folded back onto the forward input's elements (``shape``)."""
+    grad_cols = torch.bmm(_grouped(weight, g).transpose(1, 2), per_group)
+    grad_x = torch.zeros(shape, dtype=per_group.dtype, device=per_group.device)
+    kernels.fold(view_of(grad_x), view_of(grad_cols), *g.args(),
+                 stream=stream(per_group.device.index))
+    return grad_x
+
+
+def _weight_grad(per_group: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 g: _Geometry) -> torch.Tensor:
+    """``grad @ columns^T``: the forward's output gradient times its input unfolded."""
+    cols = _columns(contiguous_on_device(x), g, transposed=True)
+    return torch.bmm(per_group, cols).reshape(weight.shape)
+
+
+def _bias_grad(by_channel: torch.Tensor, channels: int) -> torch.Tensor:
+    """The output gradient summed per channel, from a layout where each channel's
+    elements are one contiguous row (one block each, where summing ``[N, C, *L]`` over
+    dims 0, 2, ... would first copy it into that layout)."""
+    return by_channel.reshape(channels, -1).sum(1)
+
+
 @implements("convolution_overrideable")
 def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
                 transposed: bool, output_padding: Sequence[int], groups: int) -> torch.Tensor:
-    """``out[n, o] = bias[o] + sum over the group's channels and the kernel``, as
-    ``weight [groups, O/groups, rows] @ columns [groups, rows, N * L]``."""
-    if not _on_device(x, weight, transposed):
+    """A convolution is :func:`_forward`; a transposed one is the input gradient of the
+    convolution it transposes, plus the bias."""
+    if not _on_device(x, weight):
         return cpu_fallback(torch.ops.aten.convolution.default, x, weight, bias, stride,
                             padding, dilation, transposed, output_padding, groups)
-    x = contiguous_on_device(x)
-    g = _Geometry(x, weight, stride, padding, dilation, groups)
-    out = torch.bmm(_grouped(weight, g), _columns(x, g))  # [groups, O/groups, N * L]
-    return _swap01(out.reshape(weight.shape[0], g.batch, -1),
-                   (g.batch, weight.shape[0], *g.out_spatial), bias)
+    if not transposed:
+        return _forward(x, weight, _Geometry(x, weight, stride, padding, dilation, groups),
+                        bias)
+    g = _transposed_geometry(x, weight, stride, padding, dilation, output_padding, groups)
+    out = _input_grad(_per_group(contiguous_on_device(x), weight, g), weight, g,
+                      (g.batch, g.channels, *g.spatial))
+    if bias is not None:
+        out.add_(bias.reshape(-1, *[1] * len(g.spatial)))
+    return out
 
 
 @implements("convolution_backward_overrideable")
@@ -104,29 +169,35 @@ def convolution_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tens
                          dilation: Sequence[int], transposed: bool,
                          output_padding: Sequence[int], groups: int,
                          output_mask: Sequence[bool]) -> tuple[Any, Any, Any]:
-    """The input gradient is ``weight^T @ grad`` folded back onto the input's elements;
-    the weight gradient ``grad @ columns^T``; the bias gradient ``grad`` summed over all
-    but the channels."""
-    if not _on_device(x, weight, transposed):
+    """For a convolution: the input gradient is :func:`_input_grad` of ``grad``, the
+    weight gradient ``grad @ columns(x)^T``. A transposed convolution swaps the roles: its
+    input gradient is the forward convolution of ``grad``, its weight gradient
+    ``x @ columns(grad)^T``. The bias gradient is ``grad`` summed over all but the
+    channels."""
+    if not _on_device(x, weight):
         bias_sizes = [weight.shape[1] * groups if transposed else weight.shape[0]]
         return cpu_fallback(torch.ops.aten.convolution_backward.default, grad, x, weight,
                             bias_sizes, stride, padding, dilation, transposed, output_padding,
                             groups, output_mask)
-    x = contiguous_on_device(x)
-    g = _Geometry(x, weight, stride, padding, dilation, groups)
-    # [N, O, *L] -> [groups, O/groups, N * L], the products' layout
-    per_group = _swap01(grad.reshape(g.batch, weight.shape[0], -1),
-                        (g.groups, weight.shape[0] // g.groups, g.cols))
     grad_x = grad_w = grad_b = None
+    if transposed:
+        g = _transposed_geometry(x, weight, stride, padding, dilation, output_padding, groups)
+        if output_mask[0]:
+            grad_x = _forward(grad, weight, g, None)
+        if output_mask[1]:
+            grad_w = _weight_grad(_per_group(contiguous_on_device(x), weight, g), grad,
+                                  weight, g)
+        if output_mask[2]:
+            grad_b = _bias_grad(_swap01(grad.reshape(g.batch, g.channels, -1),
+                                        (g.channels, g.batch, math.prod(g.spatial))),
+                                g.channels)
+        return grad_x, grad_w, grad_b
+    g = _Geometry(x, weight, stride, padding, dilation, groups)
+    per_group = _per_group(grad, weight, g)
     if output_mask[0]:
-        grad_cols = torch.bmm(_grouped(weight, g).transpose(1, 2), per_group)
-        grad_x = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-        kernels.fold(view_of(grad_x), view_of(grad_cols), *g.args(),
-                     stream=stream(x.device.index))
+        grad_x = _input_grad(per_group, weight, g, x.shape)
     if output_mask[1]:
-        grad_w = torch.bmm(per_group, _columns(x, g, transposed=True)).reshape(weight.shape)
+        grad_w = _weight_grad(per_group, x, weight, g)
     if output_mask[2]:
-        # each channel a contiguous row: one block each, where summing over dims 0, 2, ...
-        # of ``grad`` would first copy it into that layout
-        grad_b = per_group.reshape(weight.shape[0], g.cols).sum(1)
+        grad_b = _bias_grad(per_group, weight.shape[0])
     return grad_x, grad_w, grad_b

@@ -45,8 +45,11 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def strided_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[...] = src`` on one device, any strides, converting dtype: the device's
     strided-copy kernel (``src`` broadcast to ``dst``'s shape). A dtype the kernels lack
-    (float16, bfloat16) moves as same-size integers, converted on the host if it must be."""
+    (float16, bfloat16, complex) moves as same-size integers (complex128 as its real and
+    imaginary float64s), converted on the host if it must be."""
     src = src.expand_as(dst)
+    if src.dtype == dst.dtype and dst.element_size() == 16:  # complex128: two float64s
+        src, dst = torch.view_as_real(src), torch.view_as_real(dst)
     if src.dtype not in NUMPY or dst.dtype not in NUMPY:
         if src.dtype != dst.dtype:
             src = src.cpu().to(dst.dtype).to(dst.device)

@@ -99,6 +99,32 @@ def _view(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, An
     return tree_map(over_base, op(*meta_args, **meta_kwargs))
 
 
+def _advanced_indices(arg: torch._C.Argument) -> bool:
+    # ``Tensor?[] indices`` of index, index_put_, ...: torch.cuda takes CPU indices there
+    return str(arg.type) == "List[Optional[Tensor]]"
+
+
+def check_same_device(schema: torch._C.FunctionSchema, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> None:
+    """Refuse tensors on two devices as the native operators do (ops/_operands.py), in
+    torch's words, before anything moves: on the host they would all be CPU tensors and
+    the CPU kernel would run (``torch.cat([on_accel0, on_accel1])`` returned a tensor). A
+    0-d CPU tensor is a number, as in torch."""
+    by_name = _by_name(schema, args, kwargs)
+    device = None
+    for arg in schema.arguments:
+        if _advanced_indices(arg):
+            continue
+        for t in tree_leaves(by_name.get(arg.name)):
+            if not isinstance(t, torch.Tensor) or (t.device.type == "cpu" and t.dim() == 0):
+                continue
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                raise RuntimeError("Expected all tensors to be on the same device, but found "
+                                   f"at least two devices, {device} and {t.device}!")
+
+
 def cpu_fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     name = str(op.name()) if callable(getattr(op, "name", None)) else str(op)
     fallback_counts[name] += 1
@@ -107,6 +133,7 @@ def cpu_fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
     schema = op._schema
     if rule(schema) == "view":
         return _view(op, args, kwargs)
+    check_same_device(schema, args, kwargs)
     devices = [t.device for t in tree_leaves((args, kwargs)) if _is_accel(t)]
     asked = [d for d in tree_leaves((args, kwargs))
              if isinstance(d, torch.device) and d.type == "accel"]

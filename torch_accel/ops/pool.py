@@ -1,6 +1,6 @@
-"""2-D pooling on the device (kernels/pool.py): ``max_pool2d_with_indices`` and
-``avg_pool2d`` and their backwards, float32 and float64 over contiguous inputs; other
-dtypes run on the CPU. Output sizes (ceil_mode included) come from torch's meta kernels,
+"""2-D pooling on the device (kernels/pool.py): ``max_pool2d_with_indices``,
+``avg_pool2d``, ``adaptive_max_pool2d`` and ``_adaptive_avg_pool2d`` and their backwards,
+float32 and float64 over contiguous inputs; other dtypes run on the CPU. Output sizes (ceil_mode included) come from torch's meta kernels,
 so they follow torch's rules exactly."""
 
 from __future__ import annotations
@@ -97,4 +97,44 @@ def avg_pool2d_backward(grad: torch.Tensor, x: torch.Tensor, kernel_size: Sequen
                                 grad.shape[-2:], kernel, _pair(stride, kernel),
                                 _pair(padding, ()), count_include_pad, divisor_override or 0,
                                 stream=stream(x.device.index))
+    return grad_x
+
+
+@implements("adaptive_max_pool2d")
+def adaptive_max_pool2d(x: torch.Tensor, output_size: Sequence[int]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    x = _input(x)
+    shape = torch.ops.aten.adaptive_max_pool2d(_meta(x), output_size)[0].shape
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    idx = torch.empty(shape, dtype=torch.int64, device=x.device)
+    kernels.adaptive_max_pool2d(view_of(out), view_of(idx), view_of(x), _planes(x),
+                                x.shape[-2:], shape[-2:], stream=stream(x.device.index))
+    return out, idx
+
+
+@implements("adaptive_max_pool2d_backward")
+def adaptive_max_pool2d_backward(grad: torch.Tensor, x: torch.Tensor,
+                                 indices: torch.Tensor) -> torch.Tensor:
+    return max_pool2d_with_indices_backward(grad, x, (1,), (1,), (0,), (1,), False, indices)
+
+
+@implements("_adaptive_avg_pool2d")
+def adaptive_avg_pool2d(x: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
+    x = _input(x)
+    shape = torch.ops.aten._adaptive_avg_pool2d(_meta(x), output_size).shape
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    kernels.adaptive_avg_pool2d(view_of(out), view_of(x), _planes(x), x.shape[-2:],
+                                shape[-2:], stream=stream(x.device.index))
+    return out
+
+
+@implements("_adaptive_avg_pool2d_backward")
+def adaptive_avg_pool2d_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if grad.dtype != x.dtype:
+        raise Unsupported
+    x, grad = _input(x), _input(grad)
+    grad_x = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    kernels.adaptive_avg_pool2d_backward(view_of(grad_x), view_of(grad), _planes(x),
+                                         x.shape[-2:], grad.shape[-2:],
+                                         stream=stream(x.device.index))
     return grad_x
