@@ -45,7 +45,7 @@ from runtime.memory import (
 )
 from runtime.graphs import Graph, GraphPool, graph
 from runtime.profiler import Profile, profile
-from runtime.launch import Kernel, Module, compile, kernel
+from runtime.launch import Kernel, LaunchPlan, Module, compile, kernel
 from runtime.stream import Event, Stream, current_stream, default_stream, set_stream, stream
 from runtime.errors import (
     AccelError,
@@ -71,8 +71,9 @@ __all__ = [
     "AccelError", "AccelTimeoutError", "Context", "DeviceArray", "DeviceBusyError", "DeviceView",
     "DeviceFaultError", "DeviceInResetError", "DeviceLostError", "DeviceProperties",
     "DriverVersionMismatchError", "Event", "Fence", "FirmwareBootError",
-    "FirmwareCorruptError", "FirmwareError", "FirmwareMissingError", "Graph", "GraphPool", "HostArray",
-    "InvalidValueError", "IpcHandle", "Kernel", "KernelCompileError", "KernelFaultError", "Module",
+    "FirmwareCorruptError", "FirmwareError", "FirmwareMissingError", "Graph", "GraphPool",
+    "HostArray", "InvalidValueError", "IpcHandle", "Kernel", "KernelCompileError",
+    "KernelFaultError", "LaunchPlan", "Module",
     "NoDeviceError", "OutOfMemoryError", "Profile", "ResourceLimitError", "Stream", "UseAfterForkError", "compile",
     "current_device", "current_stream", "default_stream", "device", "device_count", "empty",
     "empty_cache", "enable_peer_access", "fault_records", "get_device_name", "get_device_properties",

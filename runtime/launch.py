@@ -105,6 +105,10 @@ class Kernel:
             self._launchers[config] = launcher
         return launcher
 
+    def plan(self, grid: Any, block: Any, args: Sequence[Any]) -> LaunchPlan:
+        """This launch checked once, to run again with other buffers (:class:`LaunchPlan`)."""
+        return LaunchPlan(self, grid, block, args)
+
     def _launch_args(self, grid: Any, block: Any, *args: Any, stream: Stream | None = None,
                      shared_mem: int = 0) -> int:
         return self.launch(grid, block, args, stream, shared_mem)
@@ -264,6 +268,81 @@ class Kernel:
         """The LAUNCH packet's 64 bytes (grid and block as packed words), naming no
         address: the stream's arena places its block (``ArgArena.write``)."""
         return userq.Launch(self.handle, grid, block, dynamic, 0, length).encode()
+
+
+class LaunchPlan:
+    """One launch of a kernel checked once, for launching again and again with only its
+    buffers' addresses new: what a framework's eager operator needs, whose kernel, grid,
+    scalars, dtypes and shapes repeat op after op while its output is a fresh allocation
+    (``Kernel.plan``). A call takes, for each buffer parameter in order, a device array
+    (an allocation, not a view) and a byte offset into it, and checks only what can
+    change: the array is of the kernel's device and not freed, and the window of the
+    planned dtype and shape at that offset lies inside it. The argument block is then the
+    planned one with the addresses in place, written by the stream's arena like any
+    launch's (``Stream._write_launch``); a capturing stream, a profiler or another device's
+    stream take ``Kernel.launch`` on views of the same windows instead, which decides.
+    A plan belongs to its kernel's module: after a reset it fails as the module does."""
+
+    __slots__ = ("kernel", "grid", "block", "device", "_args", "_buffers", "_consts",
+                 "_packet")
+
+    def __init__(self, kernel: Kernel, grid: Any, block: Any, args: Sequence[Any]) -> None:
+        if not (_plain(grid) and _plain(block)):
+            raise errors.InvalidValueError("a launch plan's grid and block must be ints or "
+                                           "tuples of ints")
+        raw = kernel._record_args(args)  # every argument checked, as a launch checks them
+        self.kernel, self.grid, self.block = kernel, grid, block
+        self.device = kernel.module.device
+        self._args = list(args)
+        #: per buffer parameter: (its position in args, dtype, shape, dtype code, bytes)
+        self._buffers: list[tuple[int, np.dtype, tuple[int, ...], int, int]] = []
+        #: the block's bytes around the buffers' address records: len(_buffers) + 1 pieces
+        self._consts: list[bytes] = []
+        piece = b""
+        for i, (p, v) in enumerate(zip(kernel._layout, args)):
+            if not p.buffer:
+                piece += kernel._scalar_arg(p, v)
+                continue
+            shape = tuple(v.shape)
+            _, code, nbytes, tail = _buffer_tail(v.dtype, shape)
+            self._buffers.append((i, v.dtype, shape, code, nbytes))
+            self._consts.append(piece)
+            piece = tail
+        self._consts.append(piece)
+        self._packet = kernel._packet(*kernel._config(grid, block), 0, len(raw))
+
+    def __call__(self, buffers: Sequence[tuple[DeviceArray, int]],
+                 stream: Stream | None = None) -> int:
+        """Queue the launch with ``buffers`` (``(array, byte offset)`` per buffer
+        parameter); return its seqno on the stream."""
+        device = self.device
+        consts = self._consts
+        raw = consts[0]
+        for j, ((base, off), (_, _, _, code, nbytes)) in enumerate(zip(buffers, self._buffers)):
+            if type(base) is not DeviceArray or base.device != device \
+                    or base._allocator.closed is not None or not 0 <= off <= base.nbytes - nbytes:
+                return self._checked(buffers, stream)
+            raw += _BUFFER_RECORD(userq.ARG_BUFFER, code, base.va + off, nbytes) + consts[j + 1]
+        if len(buffers) != len(self._buffers):
+            return self._checked(buffers, stream)
+        s = current_stream(device) if stream is None else stream
+        if s.device != device or s.capturing is not None or _trace.active is not None:
+            return self._checked(buffers, stream)
+        return s._write_launch(self._packet, raw)
+
+    def _checked(self, buffers: Sequence[tuple[Any, int]], stream: Stream | None) -> int:
+        """The launch through ``Kernel.launch`` on views of the buffers' windows: it checks
+        every argument and says why one is wrong, records a capture, shows a profiler."""
+        if len(buffers) != len(self._buffers):
+            raise errors.InvalidValueError(f"{self.kernel.name}: its plan takes "
+                                           f"{len(self._buffers)} buffers, got {len(buffers)}")
+        args = list(self._args)
+        for (base, off), (i, dtype, shape, _, _) in zip(buffers, self._buffers):
+            if not isinstance(base, DeviceArray):
+                raise errors.InvalidValueError(f"{self.kernel.name}: a plan's buffer must be "
+                                               f"a device array, got {type(base).__name__}")
+            args[i] = base.view(dtype, shape, off)
+        return self.kernel.launch(self.grid, self.block, args, stream)
 
 
 class Module:

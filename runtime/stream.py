@@ -123,9 +123,15 @@ class ArgLaunch(NamedTuple):
         return self.packet
 
 
+#: the byte offset of a LAUNCH packet's ``args_va`` word (after the opcode and flags words)
+_ARGS_VA_AT = 8 + 8 * userq.Launch._fields.index("args_va")
+
+
 def _with_args_va(packet: bytes, va: int) -> bytes:
-    """A LAUNCH packet naming its argument block's address ``va`` (a long slot's)."""
-    return userq.decode_bytes(packet)._replace(args_va=va).encode()
+    """A LAUNCH packet naming its argument block's address ``va`` (a long slot's): its
+    bytes with that one word replaced (decoding and encoding the packet cost ~1.5 us of
+    every launch whose block is longer than a short slot, as an elementwise one's is)."""
+    return packet[:_ARGS_VA_AT] + va.to_bytes(8, "little") + packet[_ARGS_VA_AT + 8:]
 
 
 class Stream:

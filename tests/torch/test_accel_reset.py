@@ -8,6 +8,7 @@ Each scenario is a fresh process on a private daemon: these tests reset its devi
 from __future__ import annotations
 
 import pytest
+from test_accel_plans import PLAN_HELPERS
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -133,6 +134,38 @@ def test_a_reset_under_a_backward_function_raises_instead_of_aborting(make_daemo
     assert r["forward"] == 8.0, r
     assert r["backward"] in ("ok", "DeviceLostError"), r
     assert r["next_cpu"] == ["DeviceLostError", True], r
+
+
+PLANS_ACROSS_RESET = RESET + PLAN_HELPERS + """
+a, b = torch.randn(4096), torch.randn(4096)
+da, db = a.to("accel"), b.to("accel")
+check("before", da + db, a + b)
+old_table = plans()
+old_plan = next(p for p in old_table.values() if p is not None)
+torch.accel.synchronize()
+reset()
+try:
+    da + db
+    report(after="ran")
+except RuntimeError as exc:
+    report(after=type(exc).__name__)
+runtime.recover(0)
+da, db = a.to("accel"), b.to("accel")
+check("recovered", da + db, a + b)
+new_table = plans()
+new_plan = next(p for p in new_table.values() if p is not None)
+report(new_table=new_table is not old_table, old_kept=len(old_table),
+       new_module=new_plan.launch.kernel.module is not old_plan.launch.kernel.module, bad=bad)
+"""
+
+
+def test_a_device_reset_drops_the_plans_with_the_context(make_daemon, torch_json):
+    r = torch_json(PLANS_ACROSS_RESET)
+    # the plan of before the reset is not launched on the lost context...
+    assert r["after"] == "DeviceLostError", r
+    # ...and the recovered device plans again, on its new module
+    assert r["new_table"] is True and r["new_module"] is True, r
+    assert r["bad"] == [], r
 
 
 @pytest.fixture

@@ -16,10 +16,12 @@ from torch_accel.kernels.elementwise import (
     Unary,
     arange,
     binary,
+    binary_launch,
     compare,
     fill,
     predicate,
     unary,
+    unary_launch,
     where,
 )
 from torch_accel.kernels.layout import strided_copy
@@ -56,10 +58,10 @@ __all__ = [
     "Backward", "Binary", "Compare", "Predicate", "Reduce", "Reduction", "Unary",
     "activation_backward", "adaptive_avg_pool2d", "adaptive_avg_pool2d_backward",
     "adaptive_max_pool2d", "arange", "avg_pool2d", "avg_pool2d_backward",
-    "bernoulli_mask", "binary", "bmm", "compare", "counters", "fill", "fold",
+    "bernoulli_mask", "binary", "binary_launch", "bmm", "compare", "counters", "fill", "fold",
     "gelu_backward", "index_add_rows", "index_rows", "max_pool2d", "max_pool2d_backward",
     "mm", "nll_loss_backward_rows", "nll_loss_rows", "normal", "predicate", "reduce_rows",
     "sigmoid_backward", "sleep", "softmax_backward_rows", "softmax_rows", "strided_copy",
-    "swap01", "tanh_backward", "threshold_backward", "unary", "unfold", "uniform",
+    "swap01", "tanh_backward", "threshold_backward", "unary", "unary_launch", "unfold", "uniform",
     "var_rows", "where",
 ]

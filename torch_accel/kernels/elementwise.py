@@ -16,6 +16,7 @@ buffer is allocated for it.
 from __future__ import annotations
 
 import enum
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -225,17 +226,40 @@ _OPERANDS = """    i = global_id(0)
 """
 
 
+#: The ops a training step runs most (the optimiser's and the layers' arithmetic, the
+#: common activations), each family's in a lean kernel of its own (``arith_*``,
+#: ``unary_hot_*``): the firmware runs a launch inline on its scheduler, without handing
+#: it to an engine, only when the kernel's body is loop-free and at most 256 syntax-tree
+#: nodes (firmware/kernel_check.py ``bounded_work``). ``binary_f`` (305 nodes) and
+#: ``unary_f`` (erf's loop) are neither, and an engine's hand-off cost a 4 Ki ``a + b``
+#: ~175 us of device time against ~25 us inline (docs/torch.md "Where an eager op's time
+#: goes"). The other ops keep the full kernels; the op codes are the same in both.
+ARITH = frozenset({Binary.add, Binary.sub, Binary.mul, Binary.div, Binary.maximum,
+                   Binary.minimum})
+HOT_UNARY = frozenset({Unary.neg, Unary.abs, Unary.relu, Unary.exp, Unary.log, Unary.sqrt,
+                       Unary.rsqrt, Unary.reciprocal, Unary.sigmoid, Unary.tanh, Unary.silu})
+
+
 def _source() -> str:
     ind = " " * 8
     float_bin = {k: v for k, v in _BINARY_OPS.items() if k not in INT_ONLY_BINARY}
     int_bin = {k: v for k, v in _BINARY_OPS.items() if k != Binary.div}
     int_un = {k: v for k, v in _UNARY_OPS.items() if k not in FLOAT_ONLY}
     float_un = {k: v for k, v in _UNARY_OPS.items() if k != Unary.bitwise_not}
+    hot_f = {k: v for k, v in float_un.items() if k in HOT_UNARY}
+    arith_f = shared.dispatch_store({k: v for k, v in float_bin.items() if k in ARITH}, ind, "0.0")
+    arith_i = shared.dispatch({k: v for k, v in int_bin.items() if k in ARITH}, ind)
+    parts = [f"def arith_f(out, a, b, bs, op: 'int64', alpha, n: 'int64', sa: 'int64', "
+             f"sb: 'int64'):\n{_OPERANDS}{arith_f}\n",
+             f"def arith_i(out, a, b, bs, op: 'int64', alpha, n: 'int64', sa: 'int64', "
+             f"sb: 'int64'):\n{_OPERANDS}{arith_i}\n",
+             f"def unary_hot_f(out, x, op: 'int64', p0, p1, n: 'int64'):\n"
+             f"    i = global_id(0)\n    if i < n:\n        v = x[i]\n"
+             f"{shared.dispatch_store(hot_f, ind, '0.0')}\n"]
     float_pred = dict(_PREDICATES)
     int_pred = {Predicate.logical_not: _PREDICATES[Predicate.logical_not],
                 Predicate.isnan: "out[i] = False", Predicate.isinf: "out[i] = False",
                 Predicate.isfinite: "out[i] = True", Predicate.signbit: "out[i] = v < 0"}
-    parts = []
     # float and bool results: one store after the op chain (dispatch_store); the integer
     # kernels store per op, as a uint64 and an int64 result would unify to float64
     for k, bops, uops, pops in (("f", shared.dispatch_store(float_bin, ind, "0.0"),
@@ -283,15 +307,31 @@ def _operand_b(b: Array | float | int | bool, a: Array, b_stride: int
     return shared.as_bytes_if_bool(shared.flat(b)), shared.scalar(0, a.dtype), b_stride
 
 
-def binary(op: Binary | str, out: Array, a: Array, b: Array | float | int | bool,
-           alpha: float | int = 1, a_stride: int = 1, b_stride: int = 1,
-           stream: runtime.Stream | None = None) -> None:
-    """``out[i] = a[i * a_stride] OP b[i * b_stride]`` for ``i < out.size``, one dtype."""
+class Launch(NamedTuple):
+    """A kernel launch as its arguments, before it is queued: what ``binary`` and ``unary``
+    launch, and what the torch backend's launch plans are made from (ops/_plans.py)."""
+
+    kernel: runtime.Kernel
+    grid: int
+    block: int
+    args: tuple[Any, ...]
+
+    def __call__(self, stream: runtime.Stream | None) -> None:
+        self.kernel[self.grid, self.block](*self.args, stream=stream)
+
+    def plan(self) -> runtime.LaunchPlan:
+        return self.kernel.plan(self.grid, self.block, self.args)
+
+
+def binary_launch(op: Binary | str, out: Array, a: Array, b: Array | float | int | bool,
+                  alpha: float | int = 1, a_stride: int = 1, b_stride: int = 1
+                  ) -> Launch | None:
+    """The launch of :func:`binary` (None: no elements)."""
     op = Binary[op] if isinstance(op, str) else Binary(op)
     shared.check_same(out, a, *([b] if not isinstance(b, (int, float, bool, np.generic)) else []))
     n = shared.size(out)
     if n == 0:
-        return
+        return None
     dt = out.dtype
     if dt == np.bool_:
         if op not in BOOL_BINARY:
@@ -302,11 +342,20 @@ def binary(op: Binary | str, out: Array, a: Array, b: Array | float | int | bool
     elif dt.kind != "f" and op == Binary.div:
         raise TypeError("div of integers: convert the operands to float first")
     bb, bs, sb = _operand_b(b, a, b_stride)
-    k = _mod(out.device).get_kernel(f"binary_{shared.kind(dt)}")
-    k[shared.grid(n), shared.BLOCK](
+    k = _mod(out.device).get_kernel(
+        f"{'arith' if op in ARITH else 'binary'}_{shared.kind(dt)}")
+    return Launch(k, shared.grid(n), shared.BLOCK, (
         shared.as_bytes_if_bool(shared.flat(out)), shared.as_bytes_if_bool(shared.flat(a)), bb,
-        bs, int(op), shared.scalar(alpha, dt), n, a_stride, sb,
-        stream=shared.stream_of(out, stream))
+        bs, int(op), shared.scalar(alpha, dt), n, a_stride, sb))
+
+
+def binary(op: Binary | str, out: Array, a: Array, b: Array | float | int | bool,
+           alpha: float | int = 1, a_stride: int = 1, b_stride: int = 1,
+           stream: runtime.Stream | None = None) -> None:
+    """``out[i] = a[i * a_stride] OP b[i * b_stride]`` for ``i < out.size``, one dtype."""
+    launch = binary_launch(op, out, a, b, alpha, a_stride, b_stride)
+    if launch is not None:
+        launch(shared.stream_of(out, stream))
 
 
 def _into_bool(codes: type[enum.IntEnum], op: enum.IntEnum | str, out: Array,
@@ -329,26 +378,37 @@ def compare(op: Compare | str, out: Array, a: Array, b: Array | float | int | bo
         stream=shared.stream_of(out, stream))
 
 
-def unary(op: Unary | str, out: Array, x: Array, p0: float = 0.0, p1: float = 0.0,
-          stream: runtime.Stream | None = None) -> None:
-    """``out[i] = OP(x[i])`` (``p0``/``p1``: clamp bounds, leaky_relu slope, elu alpha,
-    nan_to_num's +inf/-inf replacements); one dtype; see :data:`FLOAT_ONLY`."""
+def unary_launch(op: Unary | str, out: Array, x: Array, p0: float = 0.0, p1: float = 0.0
+                 ) -> Launch | None:
+    """The launch of :func:`unary` (None: no elements)."""
     op = Unary[op] if isinstance(op, str) else Unary(op)
     shared.check_same(out, x)
     n = shared.size(out)
     if n == 0:
-        return
+        return None
     dt = out.dtype
     if dt.kind != "f" and op in FLOAT_ONLY:
         raise TypeError(f"{op.name} needs float input")
     if dt == np.bool_:
         if op != Unary.bitwise_not:
             raise TypeError(f"{op.name} is not defined for bool here")
-        predicate(Predicate.logical_not, out, x, stream)
-        return
-    _mod(out.device).get_kernel(f"unary_{shared.kind(dt)}")[shared.grid(n), shared.BLOCK](
-        shared.flat(out), shared.flat(x), int(op), shared.scalar(p0, dt), shared.scalar(p1, dt), n,
-        stream=shared.stream_of(out, stream))
+        return Launch(_mod(out.device).predicate_i, shared.grid(n), shared.BLOCK, (
+            shared.flat(out), shared.as_bytes_if_bool(shared.flat(x)),
+            int(Predicate.logical_not), n))
+    kind = shared.kind(dt)
+    name = "unary_hot_f" if kind == "f" and op in HOT_UNARY else f"unary_{kind}"
+    return Launch(_mod(out.device).get_kernel(name), shared.grid(n), shared.BLOCK, (
+        shared.flat(out), shared.flat(x), int(op), shared.scalar(p0, dt), shared.scalar(p1, dt),
+        n))
+
+
+def unary(op: Unary | str, out: Array, x: Array, p0: float = 0.0, p1: float = 0.0,
+          stream: runtime.Stream | None = None) -> None:
+    """``out[i] = OP(x[i])`` (``p0``/``p1``: clamp bounds, leaky_relu slope, elu alpha,
+    nan_to_num's +inf/-inf replacements); one dtype; see :data:`FLOAT_ONLY`."""
+    launch = unary_launch(op, out, x, p0, p1)
+    if launch is not None:
+        launch(shared.stream_of(out, stream))
 
 
 def predicate(op: Predicate | str, out: Array, x: Array,

@@ -18,10 +18,13 @@ from torch_accel import kernels
 from torch_accel.kernels import Binary, Compare, Predicate, Unary
 from torch_accel.kernels.elementwise import FLOAT_ONLY, INT_ONLY_BINARY
 from torch_accel.ops import _operands as operands
+from torch_accel.ops import _plans
 from torch_accel.ops._register import Unsupported, implements
 from torch_accel.ops._tensors import stream, view_of
 
 _FLOATING = (torch.float32, torch.float64)
+#: the Python numbers a plan takes as a scalar operand (numpy scalars take the full path)
+_NUMBERS = (int, float, bool)
 
 
 # ------------------------------------------------------------------------ binary
@@ -47,14 +50,68 @@ class _Pair:
         return a, operands.operand(self.b, compute, self.shape, self.device)
 
 
+def _binary_compute(op: Binary, result: torch.dtype) -> torch.dtype:
+    """The dtype ``op`` computes in for operands promoting to ``result``."""
+    if op == Binary.div and not result.is_floating_point:
+        return torch.get_default_dtype()
+    if result in _FLOATING and op in INT_ONLY_BINARY:
+        raise Unsupported
+    return result
+
+
+def _binary_plan(op: Binary, a: torch.Tensor, b: Any, alpha: Any, in_place: bool
+                 ) -> _plans.Plan | None:
+    """The plan of ``a OP b`` when it is one launch on the operands as they are: one
+    dtype throughout (no promotion, no conversion), the same shape (no broadcast, or a
+    Python number ``b``), contiguous, not empty."""
+    b_tensor = isinstance(b, torch.Tensor)
+    if a.numel() == 0 or not a.is_contiguous() or (b_tensor and (
+            b.device != a.device or b.dtype != a.dtype or b.shape != a.shape
+            or not b.is_contiguous())):
+        return None
+    try:
+        if _binary_compute(op, torch.result_type(a, b)) != a.dtype \
+                or not operands.supported(a.dtype):
+            return None
+        va = view_of(a)  # also the result's stand-in: same dtype and shape
+        launch = kernels.binary_launch(op, va, va, view_of(b) if b_tensor else b, alpha)
+    except (Unsupported, TypeError):
+        return None  # the full path decides (and says why)
+    if launch is None:
+        return None
+    result = 0 if in_place else _plans.RESULT
+    return _plans.Plan(launch.plan(), a.shape, a.dtype, (result, 0, 1 if b_tensor else 0))
+
+
+def _binary_planned(op: Binary, a: Any, b: Any, alpha: Any,
+                    out: torch.Tensor | None) -> torch.Tensor | None:
+    """``a OP b`` through its launch plan (ops/_plans.py); None when the call has none."""
+    if not isinstance(a, torch.Tensor) or (out is not None and out is not a):
+        return None
+    b_tensor = isinstance(b, torch.Tensor)
+    if b_tensor:
+        b_key: tuple[Any, ...] = (b.dtype, b.shape, b.stride(), b.device)
+    elif type(b) in _NUMBERS and b == b:  # (a NaN is never equal to its key)
+        b_key = (type(b), b)
+    else:
+        return None
+    device = a.device
+    if device.type != "accel" or type(alpha) not in _NUMBERS:
+        return None
+    in_place = out is not None
+    key = (Binary, op, type(alpha), alpha, in_place, a.dtype, a.shape, a.stride(), b_key)
+    plan = _plans.find(device.index, key, lambda: _binary_plan(op, a, b, alpha, in_place))
+    if plan is None:
+        return None
+    return _plans.run(plan, device, (a, b) if b_tensor else (a,), out)
+
+
 def binary_op(op: Binary, a: Any, b: Any, alpha: Any = 1,
               out: torch.Tensor | None = None) -> torch.Tensor:
+    if (planned := _binary_planned(op, a, b, alpha, out)) is not None:
+        return planned
     p = _Pair(a, b)
-    compute = p.result
-    if op == Binary.div and not compute.is_floating_point:
-        compute = torch.get_default_dtype()
-    if compute in _FLOATING and op in INT_ONLY_BINARY:
-        raise Unsupported
+    compute = _binary_compute(op, p.result)
     operands.check_cast(compute, out)
     (ab, sa), (bb, sb) = p.buffers(compute)
     return operands.result(p.shape, compute, p.device, out, lambda o: kernels.binary(
@@ -195,8 +252,43 @@ for _name_, _op in (("eq", Compare.eq), ("ne", Compare.ne), ("lt", Compare.lt),
 
 
 # -------------------------------------------------------------------------- unary
+def _unary_plan(op: Unary, x: torch.Tensor, p0: float, p1: float, in_place: bool
+                ) -> _plans.Plan | None:
+    """The plan of ``OP(x)`` when it is one launch on ``x`` as it is: computed in its own
+    dtype, contiguous, not empty, not bool."""
+    if x.numel() == 0 or not x.is_contiguous() or x.dtype == torch.bool \
+            or not operands.supported(x.dtype) \
+            or (op in FLOAT_ONLY and not x.dtype.is_floating_point):
+        return None
+    vx = view_of(x)
+    try:
+        launch = kernels.unary_launch(op, vx, vx, p0, p1)
+    except TypeError:
+        return None
+    if launch is None:
+        return None
+    return _plans.Plan(launch.plan(), x.shape, x.dtype, (0 if in_place else _plans.RESULT, 0))
+
+
+def _unary_planned(op: Unary, x: Any, p0: Any, p1: Any,
+                   out: torch.Tensor | None) -> torch.Tensor | None:
+    """``OP(x)`` through its launch plan (ops/_plans.py); None when the call has none."""
+    if not isinstance(x, torch.Tensor) or (out is not None and out is not x) \
+            or type(p0) not in _NUMBERS or type(p1) not in _NUMBERS or p0 != p0 or p1 != p1:
+        return None
+    device = x.device
+    if device.type != "accel":
+        return None
+    in_place = out is not None
+    key = (Unary, op, type(p0), p0, type(p1), p1, in_place, x.dtype, x.shape, x.stride())
+    plan = _plans.find(device.index, key, lambda: _unary_plan(op, x, p0, p1, in_place))
+    return None if plan is None else _plans.run(plan, device, (x,), out)
+
+
 def unary_op(op: Unary, x: torch.Tensor, p0: float = 0.0, p1: float = 0.0,
              out: torch.Tensor | None = None) -> torch.Tensor:
+    if (planned := _unary_planned(op, x, p0, p1, out)) is not None:
+        return planned
     compute = x.dtype
     if op in FLOAT_ONLY and not compute.is_floating_point:
         compute = torch.get_default_dtype()

@@ -1,0 +1,123 @@
+"""Launch plans (torch_accel/ops/_plans.py): an elementwise call's host work is done once per
+key (operator, dtypes, shapes, strides, device, scalars, in place or not), and a later call
+of that key launches the planned kernel on its own tensors. These check, from torch's side,
+that a call is planned and reused only where that is right: every variation of the key is
+another plan (or none, for what the full path must do) and every result equals the CPU's,
+on the first call of a key and on the calls that reuse its plan, and a forked child never
+reaches them. (A device reset drops them with the device's context: test_accel_reset.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+#: ``check(name, got, want)`` compares with the CPU's result exactly; ``plans(d)`` is
+#: device d's table
+PLAN_HELPERS = """
+from torch_accel.ops import _plans
+def plans(d=0):
+    return _plans.table(d)
+bad = []
+def check(name, got, want):
+    # exactly (the arithmetic here is correctly rounded on both), NaN equal to NaN
+    try:
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True)
+    except AssertionError:
+        bad.append(name)
+"""
+
+VARIATIONS = PLAN_HELPERS + """
+torch.manual_seed(0)
+a, b = torch.randn(64, 32), torch.randn(64, 32)
+da, db = a.to("accel"), b.to("accel")
+before = dict(plans())
+for i in range(3):  # the first call makes each plan, the others reuse it
+    check(f"add {i}", da + db, a + b)
+made = {k: v for k, v in plans().items() if k not in before}
+report(first=len(made), planned=[v is not None for v in made.values()])
+same = next(iter(made.values()))
+check("add again", da + db, a + b)
+report(reused=next(iter({k: v for k, v in plans().items() if k not in before}.values())) is same)
+
+cases = {
+    # each is a new key: its own plan (or none), and the CPU's result
+    "float64": (lambda: da.double() + db.double(), lambda: a.double() + b.double()),
+    "int64": (lambda: da.long() * db.long(), lambda: a.long() * b.long()),
+    "other shape": (lambda: da[:10] + db[:10], lambda: a[:10] + b[:10]),
+    "offset": (lambda: da[5:] + db[5:], lambda: a[5:] + b[5:]),
+    "transposed": (lambda: da.t() + db.t(), lambda: a.t() + b.t()),
+    "mixed strides": (lambda: da + db.t().contiguous().t(), lambda: a + b),
+    "broadcast": (lambda: da + db[0], lambda: a + b[0]),
+    "promotion": (lambda: da + db.double(), lambda: a + b.double()),
+    "number": (lambda: da * 2.5, lambda: a * 2.5),
+    "other number": (lambda: da * -3.0, lambda: a * -3.0),
+    "int number": (lambda: da * 2, lambda: a * 2),
+    "alpha": (lambda: torch.add(da, db, alpha=0.5), lambda: torch.add(a, b, alpha=0.5)),
+    "other op": (lambda: da - db, lambda: a - b),
+    "div": (lambda: da / db, lambda: a / b),
+    "int div": (lambda: da.long() / 3, lambda: a.long() / 3),
+    "nan number": (lambda: da + float("nan"), lambda: a + float("nan")),
+    "relu": (lambda: torch.relu(da), lambda: torch.relu(a)),
+    "relu float64": (lambda: torch.relu(da.double()), lambda: torch.relu(a.double())),
+    "neg transposed": (lambda: da.t().neg(), lambda: a.t().neg()),
+    "leaky_relu": (lambda: torch.nn.functional.leaky_relu(da, 0.2),
+                   lambda: torch.nn.functional.leaky_relu(a, 0.2)),
+    "accel:1": (lambda: da.to("accel:1") + db.to("accel:1"), lambda: a + b),
+}
+for name, (dev, cpu) in cases.items():
+    for i in range(2):
+        got = dev()
+        check(f"{name} {i}", got, cpu())
+report(keys=len(plans()), keys1=len(plans(1)))
+
+# in place: the plan writes the tensor itself, which reuse must not mistake for a result
+x, dx = a.clone(), da.clone()
+for i in range(3):
+    x.add_(b, alpha=-0.1)
+    dx.add_(db, alpha=-0.1)
+    check(f"add_ {i}", dx, x)
+    x.relu_()
+    dx.relu_()
+    check(f"relu_ {i}", dx, x)
+# an out= tensor takes the full path (its resize and cast rules)
+out = torch.empty(3, device="accel")
+check("out=", torch.add(da, db, out=out), a + b)
+report(bad=bad)
+"""
+
+
+def test_a_plan_is_made_once_per_key_and_every_variation_matches_the_cpu(torch_json):
+    r = torch_json(VARIATIONS)
+    assert r["bad"] == [], r
+    assert r["first"] == 1 and r["planned"] == [True], r
+    assert r["reused"] is True, r
+    # every variation above was a key of its own on device 0 (accel:1's on device 1)
+    assert r["keys"] >= 20 and r["keys1"] == 1, r
+
+
+FORK = PLAN_HELPERS + """
+a, b = torch.randn(256), torch.randn(256)
+da, db = a.to("accel"), b.to("accel")
+check("parent", da + db, a + b)
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        da + db
+        msg = "ran"
+    except RuntimeError as exc:
+        msg = str(exc).split(".")[0]
+    os.write(write, msg.encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+report(child=os.read(read, 1000).decode())
+check("parent after", da + db, a + b)
+report(bad=bad)
+"""
+
+
+def test_a_forked_child_never_launches_its_parents_plans(torch_json):
+    r = torch_json(FORK)
+    assert r["child"] == "Cannot re-initialize accel in forked subprocess", r
+    assert r["bad"] == [], r
