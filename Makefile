@@ -26,18 +26,18 @@ $(SHIM_BUILT): .venv/.installed torch_accel/csrc/shim.cpp
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -c 'import torch_accel'
 	touch $@
 
-# The vendor kernel library (tools/kernel_library.py): torch_accel's kernels compiled ahead
+# The vendor kernel library (bench/kernel_library.py): torch_accel's kernels compiled ahead
 # of time, so a first training step does not wait for the JIT (about a minute on 2 cores).
 # Rebuilt when the firmware's compiler or torch_accel's kernels change; entries are keyed
 # on the whole JIT identity, so a stale library is never used, only useless.
 KERNEL_LIBRARY := firmware/kernel-library/.built
-$(KERNEL_LIBRARY): $(SHIM_BUILT) $(wildcard firmware/*.py firmware/lower/*.py firmware/lower/*/*.py torch_accel/kernels/*.py torch_accel/ops/*.py) tools/kernel_library.py
+$(KERNEL_LIBRARY): $(SHIM_BUILT) $(wildcard firmware/*.py firmware/lower/*.py firmware/lower/*/*.py torch_accel/kernels/*.py torch_accel/ops/*.py) bench/kernel_library.py
 	@echo "building the vendor kernel library (about a minute on 2 cores)"
-	$(PY) -m tools.kernel_library
+	$(PY) -m bench.kernel_library
 	touch $@
 
 kernels: $(SHIM_BUILT)
-	$(PY) -m tools.kernel_library
+	$(PY) -m bench.kernel_library
 	touch $(KERNEL_LIBRARY)
 
 setup: .venv/.installed $(SHIM_BUILT) $(KERNEL_LIBRARY)

@@ -3,7 +3,7 @@ ahead of time into ``firmware/kernel-library``, which the firmware consults afte
 state directory's JIT cache and before compiling (firmware/jit.py ``KernelCache``).
 
 How: a daemon whose ``--jit-cache`` is a fresh directory runs the workloads below (one
-training step of the MLP and of a LeNet-size CNN, float32) in a child process; the kernels
+training step of the MLP and of a LeNet-size CNN, float32) in this process; the kernels
 they launched are then that directory's entries, which replace the library. Entries are
 keyed exactly as the JIT cache's, so the library serves only a firmware of the same
 identity (ISA, firmware JIT ABI, python/numba/llvmlite/numpy, host CPU): rebuild it after
@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 
 from firmware.jit import LIBRARY_DIR
-from testkit import REPO
+
+#: the checkout the daemon runs from
+REPO = Path(__file__).resolve().parents[1]
 
 
 def workload() -> None:
@@ -62,8 +64,8 @@ def build(dest: Path) -> int:
                         "--devices", "1", "--memory", "512M", "--state-dir", str(state),
                         "--jit-cache", str(cache)], check=True, cwd=REPO, env=env)
         try:
-            subprocess.run([sys.executable, "-m", "tools.kernel_library", "--workload"],
-                           check=True, cwd=REPO, env=dict(env, ACCEL_EMU_ROOT=str(root)))
+            os.environ["ACCEL_EMU_ROOT"] = str(root)  # torch_accel is not imported yet
+            workload()
         finally:
             subprocess.run([sys.executable, "-m", "tools.accel_emud", "stop", "--root",
                             str(root)], cwd=REPO, env=env)
@@ -78,9 +80,10 @@ def build(dest: Path) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.kernel_library", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.kernel_library", description=__doc__)
     parser.add_argument("--dest", type=Path, default=LIBRARY_DIR)
-    parser.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", action="store_true",
+                        help="only run the workloads, against $ACCEL_EMU_ROOT")
     args = parser.parse_args()
     if args.workload:
         workload()
