@@ -5,7 +5,7 @@ PY := .venv/bin/python
 APT_PACKAGES := libfuse3-dev fuse3 pkg-config
 DEMO_ROOT ?= $(shell mktemp -u -d /tmp/accel-emu-demo.XXXXXX)
 
-.PHONY: setup run test bench bench-compare stress firmware clean
+.PHONY: setup run test bench bench-compare stress firmware kernels clean
 
 .venv/.installed: pyproject.toml
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -26,7 +26,21 @@ $(SHIM_BUILT): .venv/.installed torch_accel/csrc/shim.cpp
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(PY) -c 'import torch_accel'
 	touch $@
 
-setup: .venv/.installed $(SHIM_BUILT)
+# The vendor kernel library (bench/kernel_library.py): torch_accel's kernels compiled ahead
+# of time, so a first training step does not wait for the JIT (about a minute on 2 cores).
+# Rebuilt when the firmware's compiler or torch_accel's kernels change; entries are keyed
+# on the whole JIT identity, so a stale library is never used, only useless.
+KERNEL_LIBRARY := firmware/kernel-library/.built
+$(KERNEL_LIBRARY): $(SHIM_BUILT) $(wildcard firmware/*.py firmware/lower/*.py firmware/lower/*/*.py torch_accel/kernels/*.py torch_accel/ops/*.py) bench/kernel_library.py
+	@echo "building the vendor kernel library (about a minute on 2 cores)"
+	$(PY) -m bench.kernel_library
+	touch $@
+
+kernels: $(SHIM_BUILT)
+	$(PY) -m bench.kernel_library
+	touch $(KERNEL_LIBRARY)
+
+setup: .venv/.installed $(SHIM_BUILT) $(KERNEL_LIBRARY)
 
 run: setup
 	@root=$(DEMO_ROOT); \
@@ -59,4 +73,4 @@ firmware: setup
 	$(PY) -m firmware.image
 
 clean:
-	rm -rf .venv *.egg-info .pytest_cache
+	rm -rf .venv *.egg-info .pytest_cache firmware/kernel-library

@@ -75,6 +75,9 @@ DEFAULT_ISA = "aemu-isa 1.0"
 MAX_CACHE_ENTRIES = 2048
 _INT64 = np.dtype(np.int64)  # the abort word's (CompiledKernel.run)
 DEFAULT_STEPPING = "A1"
+#: The vendor kernel library shipped next to the firmware images (``make kernels``):
+#: torch_accel's kernels compiled ahead of time, read-only (KernelCache's ``library``).
+LIBRARY_DIR = Path(__file__).resolve().parent / "kernel-library"
 
 
 #: The range of KernelFault.index: a flat index that does not fit is clamped to it.
@@ -372,8 +375,17 @@ class KernelCache:
 
     def __init__(self, root: Path, isa: str = DEFAULT_ISA,
                  stepping: str = DEFAULT_STEPPING, use_blas: bool = True,
-                 max_entries: int = MAX_CACHE_ENTRIES) -> None:
+                 max_entries: int = MAX_CACHE_ENTRIES, library: Path | None = None) -> None:
         self.root = Path(root)
+        #: A read-only vendor kernel library (``LIBRARY_DIR``, built by ``make kernels``):
+        #: entries laid out and keyed exactly as this cache's, consulted after ``root`` and
+        #: before compiling. A hit is copied into ``root`` (numba's index is keyed on the
+        #: module file's path and mtime, which the copy keeps) and loaded from there. The
+        #: key holds the whole compatibility identity, so an entry built for another ISA,
+        #: firmware JIT ABI or numba is simply never found; a corrupt one fails ``_valid``
+        #: and the kernel compiles as without a library.
+        self.library = Path(library) if library is not None else None
+        self.library_hits = 0
         self.max_entries = max_entries
         self.root.mkdir(parents=True, exist_ok=True)
         self.isa = isa
@@ -506,6 +518,16 @@ class KernelCache:
                             os.utime(entry / "manifest.json")
                         return ck
                 shutil.rmtree(entry, ignore_errors=True)  # corrupt or half-written: rebuild
+            if self._from_library(entry, key, module_name, source):
+                try:
+                    ck, compiled = self._load(entry, key, module_name, source, k)
+                except Exception:  # noqa: BLE001 - unloadable: compiled afresh below
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    with self._lock:
+                        self.library_hits += 1
+                    self._count(hits=1, compiles=compiled)
+                    return ck
             self._count(misses=1)
             self._build(entry, key, inputs, module_name, source)
             try:
@@ -517,6 +539,24 @@ class KernelCache:
                 raise
             self._count(compiles=compiled)
             return ck
+
+    def _from_library(self, entry: Path, key: str, module_name: str, source: str) -> bool:
+        """Copy ``key``'s library entry into place (through a temporary directory, as a
+        build) if the library has a valid one; whether it did."""
+        if self.library is None:
+            return False
+        shipped = self.library / key[:2] / key
+        if not shipped.is_dir() or not self._valid(shipped, key, module_name, source):
+            return False
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=entry.parent))
+        try:
+            shutil.copytree(shipped, tmp, dirs_exist_ok=True)  # copy2: mtimes kept
+            os.rename(tmp, entry)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        return True
 
     def entries(self) -> list[Path]:
         return [e for shard in self.root.glob("??") if shard.is_dir() for e in shard.iterdir()

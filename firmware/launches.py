@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import os
 import queue
 import threading
 import time
@@ -128,7 +129,9 @@ class Kernels:
 
                 jit.warm_up()
                 self.deadlines = Deadlines(jit.ABORT_PREEMPT, jit.ABORT_WATCHDOG)
-                self._jit = jit.KernelCache(Path(self._jit_cache_dir))
+                library = Path(os.environ.get("AEMU_KERNEL_LIBRARY", jit.LIBRARY_DIR))
+                self._jit = jit.KernelCache(Path(self._jit_cache_dir),
+                                            library=library if library.is_dir() else None)
                 self._counters.peak("jit_ready", 1)
             return self._jit
 

@@ -1093,3 +1093,29 @@ def test_the_disk_cache_keeps_its_bound_least_recently_used_out(tmp_path: Path) 
     again = KernelCache(tmp_path, max_entries=2)
     again.get(kernel(1), types_, Options())
     assert (again.hits, again.misses) == (0, 1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("library_case", ["shipped", "other_identity", "corrupt"])
+def test_vendor_library(tmp_path: Path, library_case: str) -> None:
+    """A kernel in the vendor library (jit.LIBRARY_DIR, ``make kernels``) is copied into
+    the state cache and loaded, not compiled; one built for another identity (here
+    another ISA stepping) is never found, and a corrupt one is refused and compiled."""
+    ir, types = COPY, ("int16[1d]", "int16[1d]")
+    library = tmp_path / "library"
+    stepping = "B0" if library_case == "other_identity" else jit.DEFAULT_STEPPING
+    built = KernelCache(library, stepping=stepping)
+    built.get(ir, types, Options())
+    if library_case == "corrupt":
+        (entry,) = built.entries()
+        (entry / f"kernel_{entry.name[:16]}.py").write_text("garbage = 1\n")
+    state = KernelCache(tmp_path / "state", library=library)
+    k = state.get(ir, types, Options())
+    if library_case == "shipped":
+        assert (state.library_hits, state.misses, state.compiles) == (1, 0, 0)
+    else:
+        assert (state.library_hits, state.misses, state.compiles) == (0, 1, 1)
+    x = np.arange(64, dtype=np.int16)
+    out = np.zeros(64, np.int16)
+    k.run(0, 1, (1, 1, 1), (64, 1, 1), [x, out], no_abort())
+    np.testing.assert_array_equal(out, x)
