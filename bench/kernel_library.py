@@ -67,8 +67,10 @@ def build(dest: Path) -> int:
             os.environ["ACCEL_EMU_ROOT"] = str(root)  # torch_accel is not imported yet
             workload()
         finally:
-            subprocess.run([sys.executable, "-m", "tools.accel_emud", "stop", "--root",
-                            str(root)], cwd=REPO, env=env)
+            # --force: this process still holds its contexts (accel-emud stop refuses a
+            # daemon in use otherwise)
+            subprocess.run([sys.executable, "-m", "tools.accel_emud", "stop", "--force",
+                            "--root", str(root)], cwd=REPO, env=env, check=True)
         shutil.rmtree(cache / ".locks", ignore_errors=True)
         entries = sum(1 for shard in cache.glob("??") for _ in shard.iterdir())
         staged = dest.with_name(f".{dest.name}.new")
