@@ -293,7 +293,9 @@ class LaunchPlan:
         raw = kernel._record_args(args)  # every argument checked, as a launch checks them
         self.kernel, self.grid, self.block = kernel, grid, block
         self.device = kernel.module.device
-        self._args = list(args)
+        #: the scalars; a buffer's place is None (holding the first call's arrays would
+        #: keep their memory from the allocator for as long as the plan lives)
+        self._args = [None if p.buffer else v for p, v in zip(kernel._layout, args)]
         #: per buffer parameter: (its position in args, dtype, shape, dtype code, bytes)
         self._buffers: list[tuple[int, np.dtype, tuple[int, ...], int, int]] = []
         #: the block's bytes around the buffers' address records: len(_buffers) + 1 pieces

@@ -109,8 +109,9 @@ def test_a_package_reset_resets_every_partition(make_daemon):
         assert [outcome(first), outcome(second)] == [alone, alone]
     for dev, count in ((0, "1"), (1, "2"), (2, "1")):
         d.wait_attrs(dev, {"state": "operational", "reset_count": count})
-    assert d.attr(2, "reset_reason") == ("package reset of accel0: reset requested "
-                                         "through sysfs")
+    comm = Path(f"/proc/{os.getpid()}/comm").read_text().strip()
+    assert d.attr(2, "reset_reason") == ("package reset of accel0: reset requested through "
+                                         f"sysfs by pid {os.getpid()} ({comm}), uid {os.getuid()}")
 
     # accel-smi -r refuses a package whose partition a process holds, as a held device
     with holder(d, 2) as held:

@@ -45,7 +45,7 @@ def test_replay_runs_no_operator_python(torch_json):
     """A replay dispatches no aten operator and runs none of the operators' or the launch
     path's Python (counted with a TorchDispatchMode and sys.setprofile): what is left is
     the runtime writing the recorded packets into the stream's ring, a few calls a packet,
-    against the hundreds an operator costs eagerly."""
+    against the twenty an operator costs eagerly on its planned path."""
     r = torch_json("""
     from torch.utils._python_dispatch import TorchDispatchMode
     class Count(TorchDispatchMode):
@@ -82,7 +82,9 @@ def test_replay_runs_no_operator_python(torch_json):
     assert r["eager_ops"] == 40 and r["ops"] == 0, r
     assert not [f for f in r["files"] if f.startswith("ops/") or f in (
         "runtime/launch.py", "runtime/arg_packer.py", "runtime/kernels.py")], r
-    assert r["calls"] * 5 < r["eager_calls"], r
+    # a replay's host work is a few calls per packet (its argument block into the arena,
+    # its packet into the ring), not the operator's: eager's planned path is ~20 per op
+    assert r["calls"] <= 5 * r["packets"] < r["eager_calls"], r
 
 
 def test_capture_allocates_from_a_private_pool(torch_json):

@@ -79,7 +79,8 @@ def test_every_launch_packet_is_built_naming_no_address_and_written_by_the_strea
     """A LAUNCH packet is built in one place (``Kernel._packet``), with args_va 0;
     only the arena's answer fills the address in (``_with_args_va``, for a long block);
     and a launch reaches the ring only through ``Stream._write_launch`` (from
-    ``Kernel.launch`` and the generated launchers) or a graph's ``ArgLaunch``."""
+    ``Kernel.launch``, a ``LaunchPlan`` and the generated launchers) or a graph's
+    ``ArgLaunch``."""
     trees = _trees()
     built = [(name, scope, n) for name, tree in trees.items() for scope, n in _calls(tree)
              if _attr(n.func, "Launch")]
@@ -87,11 +88,12 @@ def test_every_launch_packet_is_built_naming_no_address_and_written_by_the_strea
     call = built[0][2]
     assert len(call.args) == 6 and isinstance(call.args[4], ast.Constant) \
         and call.args[4].value == 0, "a launch names its argument address: only the arena may"
-    addressed = _scopes(trees, lambda n: isinstance(n, ast.keyword)
-                           and n.arg == "args_va")
+    addressed = _scopes(trees, lambda n: (isinstance(n, ast.keyword) and n.arg == "args_va")
+                        or (isinstance(n, ast.Name) and n.id == "_ARGS_VA_AT"
+                            and isinstance(n.ctx, ast.Load)))
     assert addressed == {("runtime/stream.py", "_with_args_va")}
     writers = _scopes(trees, lambda n: _attr(n, "_write_launch"))
-    assert writers == {("runtime/launch.py", "launch")}
+    assert writers == {("runtime/launch.py", "launch"), ("runtime/launch.py", "__call__")}
     generated = (REPO / "runtime" / "arg_packer.py").read_text()
     assert "s._write_launch(pkt, raw)" in generated and ".mem[" not in generated
     wrapped = _scopes(trees, lambda n: isinstance(n, ast.Call) and (

@@ -25,7 +25,8 @@ from typing import NamedTuple
 import torch
 
 import runtime
-from torch_accel import _C, _hooks
+from torch_accel import _hooks
+from torch_accel.ops._tensors import block_of
 
 #: plans one device keeps; past this the table starts again (a program cycles through a
 #: few hundred kinds of calls at most; a key that keeps changing must not grow it)
@@ -72,10 +73,6 @@ def run(plan: Plan, device: torch.device, operands: tuple[torch.Tensor, ...],
     new result; return the result."""
     if out is None:
         out = torch.empty(plan.shape, dtype=plan.dtype, device=device)
-    blocks = _hooks.blocks
-    buffers = []
-    for src in plan.sources:
-        t = out if src == RESULT else operands[src]
-        buffers.append((blocks[_C._storage_block(t)], t.storage_offset() * t.element_size()))
+    buffers = [block_of(out if src == RESULT else operands[src]) for src in plan.sources]
     plan.launch(buffers, runtime.current_stream(device.index))
     return out

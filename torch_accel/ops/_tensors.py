@@ -46,6 +46,22 @@ def base_of(t: torch.Tensor) -> runtime.DeviceArray:
         return block.view(np.uint8, storage.nbytes(), offset)
 
 
+def block_of(t: torch.Tensor) -> tuple[runtime.DeviceArray, int]:
+    """The allocation holding ``t``'s first element and that element's byte offset in it,
+    as a launch plan takes its buffers (torch_accel/ops/_plans.py): the storage's own
+    block on the hot path, else (a DLPack import) the block the storage is a window of,
+    else (a storage of no bytes) the empty array."""
+    offset = t.storage_offset() * t.element_size()
+    try:
+        return _hooks.blocks[_C._storage_block(t)], offset
+    except RuntimeError:
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            return base_of(t), 0
+        block, start = _hooks.block_holding(t.device.index, storage.data_ptr())
+        return block, start + offset
+
+
 def _np(t: torch.Tensor) -> np.dtype:
     # dtypes without a device kernel type (float16, complex ...) are viewed as bytes
     return NUMPY.get(t.dtype, np.dtype(np.uint8))
