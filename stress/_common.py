@@ -24,7 +24,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -224,20 +225,21 @@ def timed(fn: Callable[[], T], seconds: float) -> T:
     return value
 
 
-def start_bystanders(d, spec: Any) -> tuple[list[Bystander], list[Bystander]]:
-    """``spec``: True (one per device, started here), False/None (none), or a list of
-    running bystanders (the caller's). Returns (all, the ones started here)."""
-    if spec is True:
-        mine: list[Bystander] = []
-        try:
+@contextmanager
+def bystanders_for(d, spec: Any, rep: Report, t0: float) -> Iterator[list[Bystander]]:
+    """The bystanders of a run, yielded: ``spec`` True (one per device, started here and
+    closed at the end), False/None (none), or a list of running bystanders (the
+    caller's). At the end, ``rep.seconds`` is the time since ``t0``."""
+    mine: list[Bystander] = []
+    try:
+        if spec is True:
             for dev in range(d.devices):
                 mine.append(Bystander(d, dev))
-        except BaseException:
-            for b in mine:
-                b.close()
-            raise
-        return mine, mine
-    return list(spec or []), []
+        yield mine if spec is True else list(spec or [])
+    finally:
+        for b in mine:
+            b.close()
+        rep.seconds = time.monotonic() - t0
 
 
 def check_round(d, before: Snapshot, rep: Report, bystanders: list[Bystander],
@@ -308,9 +310,7 @@ def fuzz_rounds(d, rep: Report, *, module: str, count: int, seed: int, round_siz
     """The parent's loop shared by the fuzzers: rounds of ``round_size`` units by fresh
     client processes (round ``r`` seeded from ``seed`` and ``r``), the containment check
     after every ``check_every`` rounds and after the last."""
-    t0 = time.monotonic()
-    everyone, mine = start_bystanders(d, bystanders)
-    try:
+    with bystanders_for(d, bystanders, rep, time.monotonic()) as everyone:
         before: Snapshot | None = timed(lambda: snapshot(d), 60)
         done, rnd = 0, 0
         while done < count and before is not None:
@@ -331,12 +331,8 @@ def fuzz_rounds(d, rep: Report, *, module: str, count: int, seed: int, round_siz
             last = done >= count
             if run.hung or run.rc != 0 or run.result.get("stop") or last or rnd % check_every == 0:
                 before = check_round(d, before, rep, everyone, where)
-    finally:
-        for b in mine:
-            b.close()
-        rep.seconds = time.monotonic() - t0
     return rep
 
 
-__all__ = ["ClientRun", "Deadline", "Progress", "check_round", "client_args", "fuzz_rounds",
-           "merge", "run_client", "start_bystanders", "timed", "write_result"]
+__all__ = ["ClientRun", "Deadline", "Progress", "bystanders_for", "check_round", "client_args",
+           "fuzz_rounds", "merge", "run_client", "timed", "write_result"]

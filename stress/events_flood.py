@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 from abi import uapi
-from stress._common import check_round, start_bystanders, timed
+from stress._common import bystanders_for, check_round, timed
 from stress.report import Report
 from testkit import REPO
 from testkit.contained import snapshot
@@ -252,8 +252,7 @@ def run(d: Daemon, *, count: int, seed: int, threads: int = THREADS,
         rep.notes.append("the root is not world-reachable: no uid 65534 attacker")
         rep.hangs += 1  # not ok: nothing was tested
         return rep
-    everyone, mine = start_bystanders(d, True)
-    try:
+    with bystanders_for(d, True, rep, t0) as everyone:
         before = timed(lambda: snapshot(d), 60)
         rnd = 0
         while rnd < count and before is not None:
@@ -262,10 +261,6 @@ def run(d: Daemon, *, count: int, seed: int, threads: int = THREADS,
             rnd += 1
             before = check_round(d, before, rep, everyone, where)
         rep.done["rounds"] = rnd
-    finally:
-        for b in mine:
-            b.close()
-        rep.seconds = time.monotonic() - t0
     return rep
 
 

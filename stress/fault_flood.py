@@ -29,7 +29,7 @@ from typing import Any
 from abi import faults, uapi
 from kmod_emul.faultlog import KEEP
 from kmod_emul.ratelimit import LOG_BURST, LOG_INTERVAL_S
-from stress._common import check_round, start_bystanders, timed
+from stress._common import bystanders_for, check_round, timed
 from stress.report import Report
 from testkit import REPO
 from testkit.contained import snapshot
@@ -202,8 +202,8 @@ def run(d: Daemon, *, count: int, seed: int) -> Report:
     device_wide = [r for dev in range(d.devices) for r in d.fault_log(dev)
                    if r.get("uid") is None]
     rng = random.Random(seed)
-    everyone, mine = start_bystanders(d, True)  # after the resets, which would lose theirs
-    try:
+    # the bystanders after the resets, which would lose theirs
+    with bystanders_for(d, True, rep, t0) as everyone:
         before = timed(lambda: snapshot(d), 60)
         done, rnd = 0, 0
         while done < count and before is not None:
@@ -213,10 +213,6 @@ def run(d: Daemon, *, count: int, seed: int) -> Report:
             done += n
             rnd += 1
             before = check_round(d, before, rep, everyone, where)
-    finally:
-        for b in mine:
-            b.close()
-        rep.seconds = time.monotonic() - t0
     return rep
 
 

@@ -61,6 +61,23 @@ def stat(name, dev=0, at_least=0):
         time.sleep(0.01)
 """
 
+#: A process whose stream ``s`` runs a kernel that never ends (until a watchdog, a reset or
+#: the daemon's death stops it); it says "waiting" once the launch is queued.
+SPINNING = """
+import sys, time
+import numpy as np, runtime
+spin = runtime.compile('''
+def spin(x):
+    i = 0
+    while i >= 0:
+        i = i + 1
+        x[0] = i
+''')
+s = runtime.Stream()
+spin.spin[1, 1](runtime.empty(1, np.int64), stream=s)
+print("waiting", flush=True)
+"""
+
 #: What device 0 of the shared daemon shows when no process holds anything on it.
 #: Load on the first visible device: 25,600 no-ops on one stream (the thermal model's
 #: load term follows the packet rate), then "ok".

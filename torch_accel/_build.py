@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +23,8 @@ from torch.utils import cpp_extension
 
 HERE = Path(__file__).resolve().parent
 SOURCES = [HERE / "csrc" / "shim.cpp"]
+#: the file a build writes once its library loaded: the build directory is complete
+DONE = "built"
 
 
 def build_dir() -> Path:
@@ -43,9 +46,27 @@ def load(verbose: bool = False) -> ModuleType:
         if not where.exists():  # a new source or torch: the older builds are stale
             for old in where.parent.glob("torch-*"):
                 shutil.rmtree(old, ignore_errors=True)
+        built = where / "torch_accel_C.so"
+        if (where / DONE).exists():
+            return _import(built)
         where.mkdir(exist_ok=True)
         (where / "lock").unlink(missing_ok=True)
-        return cpp_extension.load(name="torch_accel_C", sources=[str(p) for p in SOURCES],
-                                  build_directory=str(where), extra_cflags=["-O2"],
-                                  verbose=verbose)
+        module = cpp_extension.load(name="torch_accel_C", sources=[str(p) for p in SOURCES],
+                                    build_directory=str(where), extra_cflags=["-O2"],
+                                    verbose=verbose)
+        (where / DONE).touch()
+        return module
+
+
+def _import(library: Path) -> ModuleType:
+    """The shim a finished build left, imported as it is: the build directory's key (this
+    source, this torch) is all it depends on. Going through ``cpp_extension.load`` would
+    ask ninja, which rebuilds whenever the compiler's command line differs, and it does
+    when the same torch is reached through another path (a virtualenv behind a symlink:
+    two checkouts sharing one venv rebuilt each other's shim for a minute at every turn)."""
+    spec = importlib.util.spec_from_file_location("torch_accel_C", library)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 

@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+from scenario import SPINNING
 
 from testkit.bystander import Bystander
 
@@ -178,21 +179,8 @@ def test_recovery_manual_leaves_the_device_failed_until_reset(make_daemon):
     d.wait_attrs(0, {"state": "operational", "reset_count": "2"})
 
 
-SURVIVES_THE_DAEMON = """
-import sys, time
-import numpy as np, runtime
-
-spin = runtime.compile('''
-def spin(x):
-    i = 0
-    while i >= 0:
-        i = i + 1
-        x[0] = i
-''')
+SURVIVES_THE_DAEMON = SPINNING + """
 x = runtime.to_device(np.arange(1024, dtype=np.float32))
-s = runtime.Stream()
-spin.spin[1, 1](runtime.empty(1, np.int64), stream=s)
-print("waiting", flush=True)
 t = time.monotonic()
 try:
     s.synchronize()
@@ -246,20 +234,7 @@ def test_a_client_survives_the_daemon_dying_and_recovers_once_it_is_back(make_da
     d.wait_attrs(0, IDLE)
 
 
-RECOVER_WAITS = """
-import sys, time
-import numpy as np, runtime
-
-spin = runtime.compile('''
-def spin(x):
-    i = 0
-    while i >= 0:
-        i = i + 1
-        x[0] = i
-''')
-s = runtime.Stream()
-spin.spin[1, 1](runtime.empty(1, np.int64), stream=s)
-print("waiting", flush=True)
+RECOVER_WAITS = SPINNING + """
 try:
     s.synchronize()
 except runtime.DeviceLostError as exc:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 from rawdev import RawDev, errname
+from scenario import SPINNING
 
 from abi import uapi
 from kmod_emul import daemon as kdaemon
@@ -150,18 +151,7 @@ def test_wait_on_a_hung_device_never_blocks_in_the_driver(make_daemon):
     assert elapsed < heartbeat_s / 2, f"30 WAITs on a hung device took {elapsed:.1f} s"
 
 
-WAITS_ON_A_SPIN = """
-import numpy as np, runtime
-spin = runtime.compile('''
-def spin(x):
-    i = 0
-    while i >= 0:
-        i = i + 1
-        x[0] = i
-''')
-s = runtime.Stream()
-spin.spin[1, 1](runtime.empty(1, np.int64), stream=s)
-print("waiting", flush=True)
+WAITS_ON_A_SPIN = SPINNING + """
 try:
     s.synchronize()
 except runtime.DeviceLostError as exc:

@@ -57,17 +57,8 @@ def test_metrics_match_sysfs_and_sigterm_stops_it(make_daemon) -> None:
     inject = d.debug(0, "ras_ctrl")
     inject.write_text("inject memory ce 0x100000")
     inject.write_text("inject memory ce 0x100008")  # the same page again: retired
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tools.accel_exporter", "--root",
-                             str(d.root), "--port", str(port), "--interval", "0"],
-                            env=d.env(), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        got = samples(scrape(port))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
+    got, port, (returncode, out, err) = _scrape_once(d)
+    assert returncode == 0, err
     assert out == f"accel-exporter: serving http://127.0.0.1:{port}/metrics\n"
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):
         s.connect(("127.0.0.1", port))
@@ -116,17 +107,21 @@ def test_metrics_match_sysfs_and_sigterm_stops_it(make_daemon) -> None:
             assert present == [], metric
 
 
-def _scrape_once(d) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def _scrape_once(d) -> tuple[dict[tuple[str, tuple[tuple[str, str], ...]], float], int,
+                             tuple[int, str, str]]:
+    """One scrape of an exporter started for it and stopped by SIGTERM: the samples, the
+    port, and the exporter's exit status, stdout and stderr."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tools.accel_exporter", "--root",
                              str(d.root), "--port", str(port), "--interval", "0"],
                             env=d.env(), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        return samples(scrape(port))
+        got = samples(scrape(port))
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=30)
+    return got, port, (proc.returncode, out, err)
 
 
 def test_faults_go_on_across_a_reset_and_state_is_a_value_not_a_label(make_daemon) -> None:
@@ -136,11 +131,11 @@ def test_faults_go_on_across_a_reset_and_state_is_a_value_not_a_label(make_daemo
     d = make_daemon(devices=1)
     out = d.run_py(KERNEL_FAULT_PRELUDE + "print(type(exc).__name__)\n", timeout=60)
     assert out.stdout.strip() == "KernelFaultError", out.stderr
-    before = _scrape_once(d)
+    before = _scrape_once(d)[0]
     (d.root / uapi.CLASS_DIR / "accel0" / "reset").write_text("1")
     d.wait_attrs(0, {"state": "operational", "reset_count": "1"})
     assert d.attr(0, "faults") == "1"
-    after = _scrape_once(d)
+    after = _scrape_once(d)[0]
 
     def series(got, metric):
         return {labels: v for (name, labels), v in got.items() if name == metric}

@@ -10,7 +10,7 @@ make it contiguous in a temporary.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -32,11 +32,10 @@ def as_number(x: Any) -> Any:
     return x
 
 
-def device_of(*xs: Any) -> torch.device:
-    """The device an operator runs on: its tensors' one device (0-d CPU tensors are
-    numbers). Tensors on two devices are refused before any kernel is queued, in torch's
-    own words (TensorIterator's), so code that handles the CPU's or CUDA's error handles
-    this one: the kernel launcher's refusal would be the runtime's ValueError."""
+def common_device(xs: Iterable[Any]) -> torch.device | None:
+    """The one device of the tensors among ``xs`` (None: no tensor; a 0-d CPU tensor is
+    a number, as in torch). Tensors on two devices are refused in torch's own words
+    (TensorIterator's), so code that handles the CPU's or CUDA's error handles this one."""
     device = None
     for x in xs:
         if not isinstance(x, torch.Tensor) or (x.device.type == "cpu" and x.dim() == 0):
@@ -46,6 +45,13 @@ def device_of(*xs: Any) -> torch.device:
         elif x.device != device:
             raise RuntimeError("Expected all tensors to be on the same device, but found at "
                                f"least two devices, {device} and {x.device}!")
+    return device
+
+
+def device_of(*xs: Any) -> torch.device:
+    """The device an operator runs on: its tensors' one device, checked before any
+    kernel is queued (the kernel launcher's refusal would be the runtime's ValueError)."""
+    device = common_device(xs)
     if device is None or device.type != "accel":
         raise RuntimeError("accel: no accel tensor among the operands")
     return device

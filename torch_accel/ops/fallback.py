@@ -28,6 +28,8 @@ from typing import Any, Literal
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from torch_accel.ops._operands import common_device
+
 WARN = os.environ.get("TORCH_ACCEL_FALLBACK_WARN", "") not in ("", "0")
 #: operator name -> calls that ran on the CPU, this process
 fallback_counts: Counter[str] = Counter()
@@ -111,18 +113,8 @@ def check_same_device(schema: torch._C.FunctionSchema, args: tuple[Any, ...],
     the CPU kernel would run (``torch.cat([on_accel0, on_accel1])`` returned a tensor). A
     0-d CPU tensor is a number, as in torch."""
     by_name = _by_name(schema, args, kwargs)
-    device = None
-    for arg in schema.arguments:
-        if _advanced_indices(arg):
-            continue
-        for t in tree_leaves(by_name.get(arg.name)):
-            if not isinstance(t, torch.Tensor) or (t.device.type == "cpu" and t.dim() == 0):
-                continue
-            if device is None:
-                device = t.device
-            elif t.device != device:
-                raise RuntimeError("Expected all tensors to be on the same device, but found "
-                                   f"at least two devices, {device} and {t.device}!")
+    common_device(t for arg in schema.arguments if not _advanced_indices(arg)
+                  for t in tree_leaves(by_name.get(arg.name)))
 
 
 def cpu_fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
