@@ -200,6 +200,9 @@ class OpenFile:
     gid: int
     replies: dict[int, bytes] = field(default_factory=dict)
     ctx: Context | None = None
+    #: why its last refused command was refused, one line ("" before any):
+    #: ``uapi.ACCEL_LAST_ERROR_OFFSET``
+    last_error: str = ""
 
     def context(self, ctx_id: int) -> Context:
         """The caller's live context, checked against the handle the command names."""

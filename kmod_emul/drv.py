@@ -279,9 +279,21 @@ def _decode(raw: bytes) -> tuple[uapi.Command, int, Any]:
 
 async def execute(info: DriverInfo, f: OpenFile, raw: bytes) -> None:
     """Run one command transaction; store its reply under its tag. Raises DriverError:
-    ENODEV for every one once the device was removed, whoever opened it when."""
-    f.device.check_present()
-    cmd, tag, arg = _decode(raw)
+    ENODEV for every one once the device was removed, whoever opened it when. A refusal's
+    reason is kept as the file's ``last_error`` (``uapi.ACCEL_LAST_ERROR_OFFSET``)."""
+    name = "write"
+    try:
+        f.device.check_present()
+        cmd, tag, arg = _decode(raw)
+        name = cmd.name
+        await _run(info, f, cmd, tag, arg)
+    except DriverError as exc:
+        f.last_error = (f"{name} {errno.errorcode.get(exc.errno, exc.errno)}: "
+                        f"{exc.message}")[:uapi.ACCEL_LAST_ERROR_MAX - 1] + "\n"
+        raise
+
+
+async def _run(info: DriverInfo, f: OpenFile, cmd: uapi.Command, tag: int, arg: Any) -> None:
     if cmd.has_reply:
         if tag in f.replies:
             raise DriverError(errno.EEXIST, f"the reply for tag {tag} is still unread")
@@ -290,6 +302,14 @@ async def execute(info: DriverInfo, f: OpenFile, raw: bytes) -> None:
     out = await TABLE[cmd.code](info, f, arg)
     if cmd.has_reply:
         f.replies[tag] = bytes(out)
+
+
+def read(f: OpenFile, off: int, size: int) -> bytes:
+    """A read at offset ``off``: the reply stored under tag ``off``, or at
+    ``uapi.ACCEL_LAST_ERROR_OFFSET`` the reason of the file's last refused command."""
+    if off == uapi.ACCEL_LAST_ERROR_OFFSET:
+        return f.last_error.encode()[:size]
+    return take_reply(f, off, size)
 
 
 def take_reply(f: OpenFile, tag: int, size: int) -> bytes:
