@@ -218,7 +218,13 @@ class accel_device_info(Struct):
 #: tenant): refused with EBUSY while another process has it open, and while held every
 #: other process's open answers EBUSY.
 ACCEL_CTX_EXCLUSIVE: Final = 1 << 0
-ACCEL_CTX_FLAGS_MASK: Final = ACCEL_CTX_EXCLUSIVE
+#: ``accel_ctx_create.flags``: the context is a diagnostic's (``accel-diag``), which faults
+#: on purpose: its fault records carry ``origin`` "diag" and the tenant fault counters
+#: (sysfs ``faults``, ``accel_faults_total``) leave them out, as ``dcgmi diag`` leaves no
+#: XIDs. Only root may set it (EPERM, counted in ``isolation/``): a tenant must not hide
+#: its own faults by claiming to be a diagnostic.
+ACCEL_CTX_DIAGNOSTIC: Final = 1 << 1
+ACCEL_CTX_FLAGS_MASK: Final = ACCEL_CTX_EXCLUSIVE | ACCEL_CTX_DIAGNOSTIC
 
 
 class accel_ctx_create(Struct):

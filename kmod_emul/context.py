@@ -130,6 +130,8 @@ class Context:
     lost: str | None = None
     #: its entry in the firmware's live table (kmod_emul/fw.py), cleared by ``lose``
     live: LiveEntry | None = None
+    #: a diagnostic's (ACCEL_CTX_DIAGNOSTIC, root's): its faults are provoked on purpose
+    diagnostic: bool = False
 
     def check_live(self) -> None:
         if self.lost is not None:

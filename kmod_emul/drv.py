@@ -64,8 +64,14 @@ async def ctx_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_create) 
         )
     if f.ctx is not None:
         raise DriverError(errno.EEXIST, f"this open file already holds context {f.ctx.id}")
+    diagnostic = bool(arg.flags & uapi.ACCEL_CTX_DIAGNOSTIC)
+    if diagnostic and f.uid != 0:  # its faults leave the tenant counters: root's alone
+        raise f.device.isolation.refuse(
+            "privileged", f.pid, f.uid, "ACCEL_CTX_DIAGNOSTIC is root's (accel-diag): its "
+            "faults are not counted as a tenant's")
     ctx = f.device.tenants.create_context(f, bool(arg.flags & uapi.ACCEL_CTX_EXCLUSIVE),
-                                  arg.doorbell_fd, arg.event_fd, arg.db_page_fd)
+                                          arg.doorbell_fd, arg.event_fd, arg.db_page_fd,
+                                          diagnostic=diagnostic)
     arg.ctx_id = ctx.id
     return arg
 
