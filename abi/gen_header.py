@@ -81,7 +81,7 @@ def _literal(value: int) -> str:
     return f"{value:#x}ULL" if value > 0xFFFFFFFF else f"{value:#x}u" if value > 9 else f"{value}u"
 
 
-def _field(cls: type[Struct], name: str, ctype: Any) -> str:
+def _field(name: str, ctype: Any) -> str:
     if issubclass(ctype, ctypes.Array):
         base = _SCALARS[ctype._type_]
         return f"{base} {name}[{ctype._length_}];"
@@ -112,7 +112,7 @@ def _doc(obj: Any) -> str:
 
 def _struct(cls: type[Struct]) -> list[str]:
     out = [f"/* {_doc(cls)} */", f"struct {cls.__name__} {{"]
-    out += [f"\t{_field(cls, n, t)}" for n, t, _o, _s in fields(cls)]
+    out += [f"\t{_field(n, t)}" for n, t, _o, _s in fields(cls)]
     out += ["};", f"_Static_assert(sizeof(struct {cls.__name__}) == {ctypes.sizeof(cls)}, "
                   f"\"{cls.__name__}\");"]
     out += [f"_Static_assert(offsetof(struct {cls.__name__}, {n}) == {o}, "
