@@ -179,6 +179,10 @@ def test_diag_faults_are_marked_and_left_out_of_the_tenant_counter(make_daemon) 
     [mine] = [r for r in d.fault_log(0) if r["name"] == "PAGE_FAULT"]
     assert mine["origin"] == faults.ORIGIN_DIAG and mine["pid"] is not None
     assert d.attr(0, "faults") == "0"
+    errors = subprocess.run([sys.executable, "-m", "tools.accel_smi", "-q", "-d", "ERRORS"],
+                            capture_output=True, text=True, env=d.env(), cwd=REPO, timeout=60)
+    [row] = [r.split() for r in errors.stdout.splitlines() if "PAGE_FAULT" in r]
+    assert row[-1] == "diag", errors.stdout  # the operator sees it as the diagnostic's
     out = d.run_py(KERNEL_FAULT_PRELUDE + "print(type(exc).__name__)\n", timeout=60)
     assert out.stdout.strip() == "KernelFaultError", out.stderr
     assert d.attr(0, "faults") == "1"  # the tenant's fault counts
