@@ -652,7 +652,8 @@ ERRNO_MEANING: Final[dict[int, str]] = {
     errno.EPERM: "the handle is held by another open file's context (counted in "
                  "sys/class/accel/accelN/isolation); peer access needs a context of this "
                  "process on the peer device; a device reset needs a context that holds the "
-                 "device exclusively; the driver may not reach this process's descriptors",
+                 "device exclusively; a diagnostic context (ACCEL_CTX_DIAGNOSTIC) is root's; "
+                 "the driver may not reach this process's descriptors",
     errno.EACCES: "MEM_IMPORT of an allocation not exported, or with the wrong token; an "
                   "attribute only root may read or write (counted in "
                   "sys/class/accel/accelN/isolation)",
