@@ -2,10 +2,11 @@
 # `make test` runs the suite against real mounts. `make setup` installs everything.
 SHELL := /bin/bash
 PY := .venv/bin/python
-APT_PACKAGES := libfuse3-dev fuse3 pkg-config
+# gcc and libc6-dev: the suite builds the C header's check and examples/raw_client.c
+APT_PACKAGES := libfuse3-dev fuse3 pkg-config gcc libc6-dev
 DEMO_ROOT ?= $(shell mktemp -u -d /tmp/accel-emu-demo.XXXXXX)
 
-.PHONY: setup run test bench bench-compare stress firmware kernels clean
+.PHONY: setup run test bench bench-compare stress firmware kernels header clean
 
 .venv/.installed: pyproject.toml
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -71,6 +72,11 @@ stress: setup
 # Rebuild the shipped firmware image after changing firmware/image.py's defaults.
 firmware: setup
 	$(PY) -m firmware.image
+
+# abi/accel_uapi.h, the uAPI's C header, after a change to abi/uapi.py or abi/userq.py
+# (tests/driver/test_c_header.py fails while it is stale).
+header:
+	$(PY) -m abi.gen_header --write
 
 clean:
 	rm -rf .venv *.egg-info .pytest_cache firmware/kernel-library

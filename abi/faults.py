@@ -144,7 +144,9 @@ BY_NAME: Final[dict[str, Kind]] = {k.name: k for k in _KINDS}
 #: ``seq`` numbers a device's records (persisted: it goes on across daemon restarts);
 #: ``contexts`` lists the contexts a context-, device- or package-scope fault lost; ``uid``
 #: is the owning process's user (who may see the record); ``origin`` is None for a fault the
-#: device or a tenant met, ``requested`` for a reset someone asked for (not dumped).
+#: device or a tenant met, ``requested`` for a reset someone asked for (not dumped),
+#: ``diag`` for a fault of a diagnostic's context (``ACCEL_CTX_DIAGNOSTIC``: provoked on
+#: purpose, not counted as a tenant's).
 FIELDS: Final = (
     "seq", "code", "name", "device", "device_uuid", "engine", "queue", "context", "pid",
     "uid", "seqno", "address", "bank", "link", "errno", "opcode", "severity", "corrected",
@@ -153,6 +155,8 @@ FIELDS: Final = (
 
 #: ``origin`` of a reset someone asked for (sysfs ``reset``, ``accel-smi -r``, DEVICE_RESET).
 ORIGIN_REQUESTED: Final = "requested"
+#: ``origin`` of a record of a diagnostic's context (``uapi.ACCEL_CTX_DIAGNOSTIC``).
+ORIGIN_DIAG: Final = "diag"
 
 #: Banks device memory is interleaved over (``bank`` of a memory fault).
 MEMORY_BANKS: Final = 8

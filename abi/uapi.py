@@ -102,6 +102,15 @@ assert CMD_HDR.size == ctypes.sizeof(accel_cmd_hdr)
 ACCEL_TAG_LIMIT: Final = 1 << 62
 #: A context may hold this many unread replies; one more write answers EBUSY.
 ACCEL_MAX_PENDING_REPLIES: Final = 256
+#: ``pread(fd, buf, n, ACCEL_LAST_ERROR_OFFSET)`` reads why this open file's last refused
+#: command was refused: one line of text, ``<COMMAND> <ERRNO>: <reason>\n`` (``write`` for
+#: a write refused before its command was known), empty before any refusal, truncated to
+#: ``n`` bytes. Reading it takes nothing away. The offset is the first one no tag may use,
+#: so it is never a reply's. A raw client's strerror(errno) says which rule it broke; this
+#: says how ("doorbell page: 64 bytes, 12288 needed"), as a kernel driver's dmesg line would.
+ACCEL_LAST_ERROR_OFFSET: Final = ACCEL_TAG_LIMIT
+#: The longest reason kept (longer ones are cut).
+ACCEL_LAST_ERROR_MAX: Final = 512
 
 # --- device identity ------------------------------------------------------------------
 
@@ -209,7 +218,13 @@ class accel_device_info(Struct):
 #: tenant): refused with EBUSY while another process has it open, and while held every
 #: other process's open answers EBUSY.
 ACCEL_CTX_EXCLUSIVE: Final = 1 << 0
-ACCEL_CTX_FLAGS_MASK: Final = ACCEL_CTX_EXCLUSIVE
+#: ``accel_ctx_create.flags``: the context is a diagnostic's (``accel-diag``), which faults
+#: on purpose: its fault records carry ``origin`` "diag" and the tenant fault counters
+#: (sysfs ``faults``, ``accel_faults_total``) leave them out, as ``dcgmi diag`` leaves no
+#: XIDs. Only root may set it (EPERM, counted in ``isolation/``): a tenant must not hide
+#: its own faults by claiming to be a diagnostic.
+ACCEL_CTX_DIAGNOSTIC: Final = 1 << 1
+ACCEL_CTX_FLAGS_MASK: Final = ACCEL_CTX_EXCLUSIVE | ACCEL_CTX_DIAGNOSTIC
 
 
 class accel_ctx_create(Struct):
@@ -610,7 +625,8 @@ COMMANDS_BY_NR: Final[dict[int, Command]] = {ioc_nr(c.code): c for c in COMMANDS
 #: tests/driver/test_errno_contract.py holds it to what the driver answers on a mount.
 ERRNO_MEANING: Final[dict[int, str]] = {
     errno.ENOTTY: "unknown command",
-    errno.EINVAL: "malformed command (size, reserved field, flag or value)",
+    errno.EINVAL: "malformed command (size, reserved field, flag or value); a descriptor of "
+                  "the right kind but too small, or a pipe's other end",
     errno.ENOMSG: "no reply pending for that tag",
     errno.EBUSY: "device held exclusively by another process, or too many unread replies",
     errno.EDQUOT: "over a per-process or per-context limit (contexts, queues, pinned "
@@ -636,12 +652,13 @@ ERRNO_MEANING: Final[dict[int, str]] = {
     errno.EPERM: "the handle is held by another open file's context (counted in "
                  "sys/class/accel/accelN/isolation); peer access needs a context of this "
                  "process on the peer device; a device reset needs a context that holds the "
-                 "device exclusively; the driver may not reach this process's descriptors",
+                 "device exclusively; a diagnostic context (ACCEL_CTX_DIAGNOSTIC) is root's; "
+                 "the driver may not reach this process's descriptors",
     errno.EACCES: "MEM_IMPORT of an allocation not exported, or with the wrong token; an "
                   "attribute only root may read or write (counted in "
                   "sys/class/accel/accelN/isolation)",
-    errno.EMEDIUMTYPE: "a file descriptor the command names is not a sealed memfd (or pipe) "
-                       "of the kind it needs",
+    errno.EMEDIUMTYPE: "a file descriptor the command names is not the kind of object it "
+                       "needs: a memfd sealed as it needs, or a pipe",
 }
 
 

@@ -108,5 +108,8 @@ def fdinfo(dev: AccelDevice, uid: int) -> str:
             *(f"drm-engine-{k}: {ns[k]} ns" for k in mailbox.ENGINE_KINDS),
             f"drm-total-vram: {vram_kib} KiB",
             f"drm-memory-vram: {vram_kib} KiB",
+            # the file's last refused command, as its process reads it (ACCEL_LAST_ERROR_OFFSET)
+            *([f"accel-last-error: {ctx.file.last_error.strip()}"] if ctx.file.last_error
+              else []),
         ]))
     return "\n\n".join(blocks)

@@ -104,8 +104,6 @@ def detach(dev: AccelDevice) -> None:
     the confirmations the firmware owed (unmaps, context teardowns) will never come."""
     fw, dev.fw = dev.fw, None
     if fw is not None:
-        if fw.mbx is not None:  # its counters, read before the mailbox is released
-            dev.faults_before += fw.mbx.stats().get("faults", 0)
         fw.drop_backlog()
     dev.memory.firmware_gone()
 

@@ -130,6 +130,8 @@ class Context:
     lost: str | None = None
     #: its entry in the firmware's live table (kmod_emul/fw.py), cleared by ``lose``
     live: LiveEntry | None = None
+    #: a diagnostic's (ACCEL_CTX_DIAGNOSTIC, root's): its faults are provoked on purpose
+    diagnostic: bool = False
 
     def check_live(self) -> None:
         if self.lost is not None:
@@ -200,6 +202,9 @@ class OpenFile:
     gid: int
     replies: dict[int, bytes] = field(default_factory=dict)
     ctx: Context | None = None
+    #: why its last refused command was refused, one line ("" before any):
+    #: ``uapi.ACCEL_LAST_ERROR_OFFSET``
+    last_error: str = ""
 
     def context(self, ctx_id: int) -> Context:
         """The caller's live context, checked against the handle the command names."""

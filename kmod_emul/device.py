@@ -40,7 +40,7 @@ from typing import Any
 
 import trio
 
-from abi import fwimage, mailbox, uapi
+from abi import faults, fwimage, mailbox, uapi
 from abi._struct import Struct
 from kmod_emul import boot, bringup, irq, watch
 from kmod_emul.activity import Activity
@@ -112,9 +112,11 @@ class AccelDevice:
         #: the last failure and its wall-clock time, kept across the reset that recovers it
         self.last_failure: tuple[int, str, float] | None = None
         self.reset_count = 0
-        #: engine faults earlier firmware lives reported (``faults`` goes on across resets:
-        #: a counter never goes down, and the fault log keeps those lives' records)
-        self.faults_before = 0
+        #: engine faults the firmware reported on tenants' queues (sysfs ``faults``): the
+        #: driver counts them as their reports come (kmod_emul/irq.py), so the count goes
+        #: on across resets (a counter never goes down, and the fault log keeps those
+        #: lives' records) and leaves out a diagnostic's (ACCEL_CTX_DIAGNOSTIC)
+        self.tenant_faults = 0
         #: why the last reset happened, and when (wall-clock seconds); "" / 0 before any
         self.reset_reason = ""
         self.last_reset = 0.0
@@ -273,9 +275,12 @@ class AccelDevice:
         )
 
     def report(self, code: int, ctx: Context | None = None, **fields: Any) -> dict[str, Any]:
-        """Record a fault of catalogue ``code`` (of ``ctx``'s process, when it has one)."""
+        """Record a fault of catalogue ``code`` (of ``ctx``'s process, when it has one; a
+        diagnostic context's records say so in ``origin``)."""
         if ctx is not None:
             fields.update(context=ctx.id, pid=ctx.file.pid, uid=ctx.file.uid)
+            if ctx.diagnostic:
+                fields.setdefault("origin", faults.ORIGIN_DIAG)
         return self.faults.report(code, **fields)
 
     # --- supervisor ----------------------------------------------------------------------

@@ -64,8 +64,14 @@ async def ctx_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_create) 
         )
     if f.ctx is not None:
         raise DriverError(errno.EEXIST, f"this open file already holds context {f.ctx.id}")
+    diagnostic = bool(arg.flags & uapi.ACCEL_CTX_DIAGNOSTIC)
+    if diagnostic and f.uid != 0:  # its faults leave the tenant counters: root's alone
+        raise f.device.isolation.refuse(
+            "privileged", f.pid, f.uid, "ACCEL_CTX_DIAGNOSTIC is root's (accel-diag): its "
+            "faults are not counted as a tenant's")
     ctx = f.device.tenants.create_context(f, bool(arg.flags & uapi.ACCEL_CTX_EXCLUSIVE),
-                                  arg.doorbell_fd, arg.event_fd, arg.db_page_fd)
+                                          arg.doorbell_fd, arg.event_fd, arg.db_page_fd,
+                                          diagnostic=diagnostic)
     arg.ctx_id = ctx.id
     return arg
 
@@ -279,9 +285,21 @@ def _decode(raw: bytes) -> tuple[uapi.Command, int, Any]:
 
 async def execute(info: DriverInfo, f: OpenFile, raw: bytes) -> None:
     """Run one command transaction; store its reply under its tag. Raises DriverError:
-    ENODEV for every one once the device was removed, whoever opened it when."""
-    f.device.check_present()
-    cmd, tag, arg = _decode(raw)
+    ENODEV for every one once the device was removed, whoever opened it when. A refusal's
+    reason is kept as the file's ``last_error`` (``uapi.ACCEL_LAST_ERROR_OFFSET``)."""
+    name = "write"
+    try:
+        f.device.check_present()
+        cmd, tag, arg = _decode(raw)
+        name = cmd.name
+        await _run(info, f, cmd, tag, arg)
+    except DriverError as exc:
+        f.last_error = (f"{name} {errno.errorcode.get(exc.errno, exc.errno)}: "
+                        f"{exc.message}")[:uapi.ACCEL_LAST_ERROR_MAX - 1] + "\n"
+        raise
+
+
+async def _run(info: DriverInfo, f: OpenFile, cmd: uapi.Command, tag: int, arg: Any) -> None:
     if cmd.has_reply:
         if tag in f.replies:
             raise DriverError(errno.EEXIST, f"the reply for tag {tag} is still unread")
@@ -290,6 +308,14 @@ async def execute(info: DriverInfo, f: OpenFile, raw: bytes) -> None:
     out = await TABLE[cmd.code](info, f, arg)
     if cmd.has_reply:
         f.replies[tag] = bytes(out)
+
+
+def read(f: OpenFile, off: int, size: int) -> bytes:
+    """A read at offset ``off``: the reply stored under tag ``off``, or at
+    ``uapi.ACCEL_LAST_ERROR_OFFSET`` the reason of the file's last refused command."""
+    if off == uapi.ACCEL_LAST_ERROR_OFFSET:
+        return f.last_error.encode()[:size]
+    return take_reply(f, off, size)
 
 
 def take_reply(f: OpenFile, tag: int, size: int) -> bytes:

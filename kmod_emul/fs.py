@@ -366,7 +366,7 @@ class AccelFS(pyfuse3.Operations):
         try:
             if isinstance(handle, Watcher):
                 return await handle.read(size)
-            return drv.take_reply(handle, off, size)
+            return drv.read(handle, off, size)
         except Exception as exc:  # noqa: BLE001 - see _fuse_error
             raise _fuse_error(exc) from None
 

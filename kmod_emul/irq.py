@@ -80,6 +80,8 @@ def on_fault(dev: AccelDevice, ctx_id: int, status: int, msg: mailbox.fw_fault) 
     """A packet faulted (``status`` its errno): record it for its process. The process
     learns it from its own ring; this is the record everyone else reads."""
     ctx = dev.contexts.get(ctx_id)
+    if ctx is None or not ctx.diagnostic:  # one whose context is gone counts: it may be anyone's
+        dev.tenant_faults += 1
     op = userq.op_name(msg.opcode)
     dev.report(faults.queue_fault_kind(status).code, ctx, engine=faults.engine_of(op),
                queue=msg.queue_id, seqno=msg.seqno, address=msg.address, opcode=op,

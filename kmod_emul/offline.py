@@ -3,7 +3,7 @@
 ``OfflineDriver`` builds the daemon's devices (``AccelDevice``, one VRAM memfd each, peers
 of one another) with the firmware image loaded and the state operational, as
 ``kmod_emul.boot.boot`` leaves them, but starts no firmware process and mounts nothing.
-Commands go through the same ``drv.execute``/``drv.take_reply`` the FUSE layer calls
+Commands go through the same ``drv.execute``/``drv.read`` the FUSE layer calls
 (``kmod_emul/fs.py``), on open files of this process, so the descriptors a command names
 are this process's own, exactly as for a client of a real mount.
 
@@ -88,7 +88,7 @@ class OfflineDriver:
     def read(self, f: OpenFile, size: int, tag: int) -> bytes:
         """``pread(fd, size, tag)``: take the reply stored under ``tag``."""
         try:
-            return drv.take_reply(f, tag, size)
+            return drv.read(f, tag, size)
         except DriverError as exc:
             raise _oserror(exc) from None
 

@@ -78,9 +78,8 @@ def _static_field(dev: AccelDevice, field: str) -> str:
 
 
 def _fw_stat(dev: AccelDevice, name: str) -> str:
-    """A firmware counter; ``faults`` counts every firmware life since the driver loaded."""
-    before = dev.faults_before if name == "faults" else 0
-    return str(before + dev.fw_stats().get(name, 0))
+    """A firmware counter (of its current life)."""
+    return str(dev.fw_stats().get(name, 0))
 
 
 def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
@@ -144,6 +143,8 @@ def device_attrs(dev: AccelDevice) -> dict[str, Attr]:
         host_allocations=Attr(read=lambda: str(dev.memory.host_allocations())),
     )
     attrs.update({name: Attr(read=functools.partial(_fw_stat, dev, name)) for name in mailbox.STAT_NAMES})
+    # not the firmware's: the driver's count of tenants' faults, of every firmware life
+    attrs["faults"] = Attr(read=lambda: str(dev.tenant_faults))
     return attrs
 
 

@@ -71,7 +71,7 @@ class Tenants:
 
     # --- contexts ------------------------------------------------------------------------
     def create_context(self, f: OpenFile, exclusive: bool, doorbell_fd: int, event_fd: int,
-                       db_page_fd: int) -> Context:
+                       db_page_fd: int, *, diagnostic: bool = False) -> Context:
         """CTX_CREATE: the process brings its doorbell pipe, event pipe and doorbell page
         (imported here); the driver adds the default queue, a ring of its own."""
         dev = self.dev
@@ -109,7 +109,8 @@ class Tenants:
             for fd in mine:
                 os.close(fd)
             raise
-        ctx = Context(ctx_id, f, exclusive, db, event_keep, ring, live=live)
+        ctx = Context(ctx_id, f, exclusive, db, event_keep, ring, live=live,
+                      diagnostic=diagnostic)
         dev.fw_send(ctx.id, mailbox.fw_ctx_create(live_slot=live.slot if live else 0), fds=mine[:3])
         dev.fw_send(ctx.id, mailbox.fw_queue_create(
             queue_id=0, priority=uapi.ACCEL_QUEUE_PRIORITY_LOW,

@@ -77,7 +77,9 @@ def _reopen(handle: int, flags: int) -> int:
 def import_memfd(pid: int, fd: int, size: int, seals: int, what: str) -> int:
     """A descriptor of our own for the client's sealed memfd ``fd`` of at least ``size``
     bytes carrying ``seals`` (``uapi.ACCEL_SEALS_*``); the caller owns it. Raises
-    DriverError: EBADF (no such descriptor), EMEDIUMTYPE (not a fitting memfd)."""
+    DriverError: EBADF (no such descriptor), EMEDIUMTYPE (not a memfd sealed as it needs:
+    the wrong kind of object), EINVAL (the right kind, too small: a value, as a size field
+    too large is)."""
     handle, link = _open_path(pid, fd, what)
     if not link.startswith("/memfd:"):
         os.close(handle)
@@ -103,11 +105,38 @@ def import_memfd(pid: int, fd: int, size: int, seals: int, what: str) -> int:
     return mine
 
 
+def _access_mode(pid: int, fd: int) -> int | None:
+    """``O_RDONLY``, ``O_WRONLY`` or ``O_RDWR``: how the client opened its ``fd`` (the
+    ``flags`` of its /proc fdinfo); None if that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"flags:"):
+                    return int(line.split()[1], 8) & os.O_ACCMODE
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def import_pipe(pid: int, fd: int, write_end: bool, what: str) -> int:
     """A non-blocking descriptor of our own for the client's pipe end ``fd`` (the read
-    end, or with ``write_end`` the write end); the caller owns it."""
+    end, or with ``write_end`` the write end); the caller owns it. Raises DriverError:
+    EBADF, EMEDIUMTYPE (not a pipe), EINVAL (the pipe's other end).
+
+    Reopening a pipe through /proc gives whichever end the driver asks for, so a client
+    that named the wrong end would work by accident (writing its doorbell byte into the
+    end it kept, say) until a client of another driver did not: the end is checked against
+    how the client opened its descriptor, to tell it at once. The driver's own end is
+    always the one it opens, whatever the client swaps in meanwhile."""
     handle, link = _open_path(pid, fd, what)
     if not link.startswith("pipe:["):
         os.close(handle)
         raise DriverError(errno.EMEDIUMTYPE, f"{what}: descriptor {fd} is {link!r}, not a pipe")
-    return _reopen(handle, (os.O_WRONLY if write_end else os.O_RDONLY) | os.O_NONBLOCK)
+    want = os.O_WRONLY if write_end else os.O_RDONLY
+    mode = _access_mode(pid, fd)
+    if mode is not None and mode not in (want, os.O_RDWR):  # a FIFO opened O_RDWR is both
+        os.close(handle)
+        ends = {os.O_RDONLY: "read", os.O_WRONLY: "write"}
+        raise DriverError(errno.EINVAL, f"{what}: descriptor {fd} is the {ends[mode]} end of its "
+                                        f"pipe; the {ends[want]} end is needed")
+    return _reopen(handle, want | os.O_NONBLOCK)

@@ -113,6 +113,16 @@ class Events:
             self.fd = -1
 
 
+#: ``ACCEL_DIAGNOSTIC=1``: this process's contexts are a diagnostic's (docs/contract.md).
+DIAGNOSTIC_ENV = "ACCEL_DIAGNOSTIC"
+
+
+def _diagnostic() -> int:
+    """``ACCEL_CTX_DIAGNOSTIC`` when the environment asks for it (accel-diag run as root:
+    the faults it provokes on purpose are not a tenant's), else 0."""
+    return uapi.ACCEL_CTX_DIAGNOSTIC if os.environ.get(DIAGNOSTIC_ENV) == "1" else 0
+
+
 class Context:
     """A driver context on one physical device (``accelN``)."""
 
@@ -132,7 +142,7 @@ class Context:
                 uapi.ACCEL_CMD_CTX_CREATE,
                 uapi.accel_ctx_create(
                     abi_major=uapi.ACCEL_ABI_MAJOR, abi_minor=uapi.ACCEL_ABI_MINOR,
-                    flags=uapi.ACCEL_CTX_EXCLUSIVE if exclusive else 0,
+                    flags=(uapi.ACCEL_CTX_EXCLUSIVE if exclusive else 0) | _diagnostic(),
                     doorbell_fd=bell_r, event_fd=event_w, db_page_fd=db_fd),
             )
         except errors.DriverVersionMismatchError as exc:

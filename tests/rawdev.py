@@ -70,6 +70,10 @@ class RawDev:
     def read(self, size: int, tag: int) -> bytes:
         return os.pread(self.fd, size, tag)
 
+    def last_error(self) -> str:
+        """Why this file's last refused command was refused (``ACCEL_LAST_ERROR_OFFSET``)."""
+        return self.read(uapi.ACCEL_LAST_ERROR_MAX, uapi.ACCEL_LAST_ERROR_OFFSET).decode()
+
     def call(self, cmd: uapi.Command, arg: Any, tag: int | None = None) -> Any:
         tag = next(_tags) if tag is None else tag
         self.write(header(cmd.code, tag) + bytes(arg))

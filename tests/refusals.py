@@ -122,6 +122,11 @@ def refuse(env: Env, cmd: uapi.Command, bad: Bad) -> None:
     else:
         got = errname(lambda: target.call(cmd, sent))
     assert got == bad.errno, f"{cmd.name} {bad.name}: {got or 'success'}, wanted {bad.errno}"
+    # the reason reaches the client: the command (or "write", refused before it was
+    # known), the errno and a message, on one line
+    reason = target.last_error()
+    assert reason.startswith((f"{cmd.name} {bad.errno}: ", f"write {bad.errno}: ")), reason
+    assert reason.endswith("\n") and reason.count("\n") == 1 and len(reason) > 20, reason
     counted = isolation_refusals(env.daemon) - before
     assert counted == (bad.errno in ISOLATION_ERRNOS), f"{cmd.name} {bad.name}: {counted} counted"
 

@@ -79,8 +79,8 @@ COUNTERS = (
     ("accel_launches", "launches", "Kernel launches."),
     ("accel_copies", "copies", "Copy-engine transfers."),
     ("accel_copy_bytes", "copy_bytes", "Bytes the copy engines moved."),
-    ("accel_faults", "faults", "Engine faults the firmware reported since the driver "
-     "loaded (across resets)."),
+    ("accel_faults", "faults", "Engine faults of tenants' work the firmware reported since "
+     "the driver loaded (across resets; a diagnostic's own are left out)."),
     ("accel_isolation_refusals", "isolation/total",
      "Requests refused for naming another context's objects."),
 )

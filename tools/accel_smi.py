@@ -133,9 +133,10 @@ DISPLAY: dict[str, tuple[str, ...]] = {
     "LINK": ("Link",), "ECC": ("ECC",), "PAGE_RETIREMENT": ("Retired Pages",),
     "ERRORS": ("Errors",), "COREDUMP": ("Coredump",),
 }
-#: Fault-record fields the ERRORS section shows, in order (the JSON has them all).
+#: Fault-record fields the ERRORS section shows, in order (the JSON has them all);
+#: ``origin`` tells a diagnostic's records (``diag``) and requested resets from faults.
 ERROR_COLUMNS = ("seq", "time", "code", "name", "severity", "scope", "action", "pid",
-                 "context", "engine", "queue", "address", "bank", "link")
+                 "context", "engine", "queue", "address", "bank", "link", "origin")
 
 
 # --- the tree is read and parsed by tools/sysfs_tree.py; units ----------------------------

@@ -69,6 +69,10 @@ CTX_CREATE_BAD = [
     Bad("page-unsealed", "EMEDIUMTYPE", lambda env: env.ctx_arg(
         db_page_fd=env.memfd(userq.ACCEL_DB_PAGE_SIZE, seals=None))),
     Bad("page-small", "EINVAL", lambda env: env.ctx_arg(db_page_fd=env.memfd(64))),
+    # each pipe's other end: it would work by accident here (the driver reopens the end
+    # it needs) and fail with any other driver, so it is refused
+    Bad("doorbell-write-end", "EINVAL", lambda env: env.ctx_arg(doorbell_fd=env.pipe()[1])),
+    Bad("event-read-end", "EINVAL", lambda env: env.ctx_arg(event_fd=env.pipe()[0])),
 ]
 
 

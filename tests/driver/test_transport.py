@@ -7,6 +7,8 @@ same device keeps completing work. (Each command's own bad inputs: test_cmd_*.py
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import os
 import threading
 
 import pytest
@@ -14,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rawdev import assert_unharmed, errname, header
 
-from abi import uapi
+from abi import uapi, userq
+from tools.sysfs_tree import fdinfo
 
 
 @pytest.mark.parametrize(
@@ -106,4 +109,36 @@ def test_many_threads_share_one_fd(daemon, dev, bystander):
 def test_random_bytes_never_harm_the_driver(dev, bystander, payload):
     err = errname(lambda: dev.write(payload))
     assert err in ("", "EINVAL", "ENOTTY", "EBADFD", "EEXIST", "ENOENT", "EPROTO")
+    assert_unharmed(dev, bystander)
+
+
+@pytest.mark.timeout(60)
+def test_last_error_gives_a_raw_client_the_reason(daemon, dev, bystander):
+    """The driver's reason for a refusal reaches the client that was refused: a read at
+    ACCEL_LAST_ERROR_OFFSET (no context needed: CTX_CREATE's own refusals come before
+    there is one), kept until the next refusal, never another file's; its context's
+    fdinfo block shows the same line to the operator."""
+    assert dev.last_error() == ""  # nothing refused yet
+    arg = dev.ctx_args()
+    small = os.memfd_create("small", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(small, 64)
+    fcntl.fcntl(small, uapi.F_ADD_SEALS, uapi.ACCEL_SEALS_PINNED)
+    arg.db_page_fd = small
+    try:
+        assert errname(lambda: dev.call(uapi.ACCEL_CMD_CTX_CREATE, arg)) == "EINVAL"
+    finally:
+        for fd in (*dev._lend, small):
+            os.close(fd)
+    want = (f"CTX_CREATE EINVAL: doorbell page: 64 bytes, {userq.ACCEL_DB_PAGE_SIZE} "
+            "needed\n")
+    assert dev.last_error() == want
+    assert dev.read(10, uapi.ACCEL_LAST_ERROR_OFFSET) == want[:10].encode()  # cut to the read
+    ctx = dev.ctx_create()  # a success keeps the reason: it is the last *refused* command's
+    assert dev.last_error() == want
+    assert errname(lambda: dev.write(b"\x01\x02\x03")) == "EINVAL"
+    assert dev.last_error().startswith("write EINVAL: short write: 3 bytes")
+    assert bystander[0].last_error() == ""  # per open file
+    blocks = {b["drm-client-id"]: b for b in fdinfo(daemon.attr(0, "fdinfo"))}
+    assert blocks[ctx]["accel-last-error"] == dev.last_error().strip()
+    assert "accel-last-error" not in blocks[bystander[1]]
     assert_unharmed(dev, bystander)

@@ -22,6 +22,7 @@ from scenario import KERNEL_FAULT_PRELUDE
 from test_smi import REPO
 
 from abi import faults, uapi
+from testkit.tenants import as_user
 from tools.accel_exporter import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS
 
 pytestmark = pytest.mark.timeout(120)
@@ -146,6 +147,49 @@ def test_faults_go_on_across_a_reset_and_state_is_a_value_not_a_label(make_daemo
         assert list(series(got, "accel_device_state").values()) == [2]
     for metric in ("accel_device_info", "accel_device_state", "accel_firmware_info"):
         assert series(before, metric).keys() == series(after, metric).keys(), metric
+
+
+#: A tenant of another user claiming to be a diagnostic, to hide its faults.
+CLAIMS_DIAG = """
+try:
+    runtime.empty(16, np.uint8, device=0)
+    print("accepted")
+except runtime.AccelError as exc:
+    print(errno.errorcode[exc.errno])
+"""
+
+
+def test_diag_faults_are_marked_and_left_out_of_the_tenant_counter(make_daemon) -> None:
+    """accel-diag -r 2's fault_isolation faults a stream on purpose: its record says
+    origin "diag" and accel_faults_total (sysfs ``faults``) leaves it out, as dcgmi diag
+    leaves no XIDs; a tenant's fault still counts, and a tenant that is not root cannot
+    claim to be a diagnostic (EPERM, counted as an isolation refusal). Before the fix the
+    diagnostic's PAGE_FAULT counted 1 and carried no origin."""
+    d = make_daemon(devices=1, tenants=True)  # the other user must reach the mount
+    diag = subprocess.run([sys.executable, "-m", "tools.accel_diag", "-r", "fault_isolation",
+                           "--json"], capture_output=True, text=True, env=d.env(), cwd=REPO,
+                          timeout=120)
+    assert diag.returncode == 0, diag.stdout + diag.stderr
+    assert "(diagnostic, not counted)" in diag.stdout
+    [mine] = [r for r in d.fault_log(0) if r["name"] == "PAGE_FAULT"]
+    assert mine["origin"] == faults.ORIGIN_DIAG and mine["pid"] is not None
+    assert d.attr(0, "faults") == "0"
+    errors = subprocess.run([sys.executable, "-m", "tools.accel_smi", "-q", "-d", "ERRORS"],
+                            capture_output=True, text=True, env=d.env(), cwd=REPO, timeout=60)
+    [row] = [r.split() for r in errors.stdout.splitlines() if "PAGE_FAULT" in r]
+    assert row[-1] == "diag", errors.stdout  # the operator sees it as the diagnostic's
+    out = d.run_py(KERNEL_FAULT_PRELUDE + "print(type(exc).__name__)\n", timeout=60)
+    assert out.stdout.strip() == "KernelFaultError", out.stderr
+    assert d.attr(0, "faults") == "1"  # the tenant's fault counts
+    [tenant] = [r for r in d.fault_log(0) if r["seq"] > mine["seq"]]
+    assert tenant["origin"] is None
+    refusals = int(d.attr(0, "isolation/total"))
+    claim = d.run_py(as_user(CLAIMS_DIAG), ACCEL_DIAGNOSTIC="1")
+    assert claim.stdout.strip() == "EPERM", claim.stdout + claim.stderr
+    assert int(d.attr(0, "isolation/total")) == refusals + 1
+    [faults_total] = [v for (name, _), v in _scrape_once(d).items()
+                      if name == "accel_faults_total"]
+    assert faults_total == 1
 
 
 def test_a_busy_port_is_an_error(daemon) -> None:

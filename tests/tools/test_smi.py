@@ -463,6 +463,7 @@ def test_errors_section_and_json_show_every_fault_record(make_daemon) -> None:
                                               "queue", "restart-app", first[8]]
     assert first[9:13] == [ctx, "compute", queue, first[12]] and first[12].startswith("0x")
     assert second[3:8] == ["120", "DEVICE_RESET", "fatal", "device", "restart-app"]
+    assert (first[-1], second[-1]) == ("-", "requested")  # origin: a fault, an asked reset
     doc = json.loads(smi(d, "--json", "-i", "0").stdout)["devices"][0]["fault_log"]
     assert [(r["seq"], r["code"]) for r in doc] == [(1, 31), (2, 120)]
     assert smi(d, "--json", "-i", "1").returncode == 0  # the other device has none

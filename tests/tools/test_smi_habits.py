@@ -62,6 +62,15 @@ def test_a_valid_nvidia_smi_field_the_device_lacks_is_not_supported(daemon) -> N
                                         "[Not Supported]" for i in (0, 1)]
     bad = smi(daemon, "--query-gpu=index,fan.colour", "--format=csv")
     assert bad.returncode == 2 and "unknown field 'fan.colour'" in bad.stderr
+    # names of the list once written from memory that no nvidia-smi prints: refused,
+    # as nvidia-smi refuses them; names of recent drivers' lists are known
+    for wrong in ("clocks.max.video", "ecc.errors.corrected.volatile.texture_shm"):
+        bad = smi(daemon, f"--query-gpu=index,{wrong}", "--format=csv")
+        assert bad.returncode == 2 and f"unknown field {wrong!r}" in bad.stderr
+    recent = smi(daemon, "--query-gpu=index,gpu_recovery_action,remapped_rows.histogram.max",
+                 "--format=csv,noheader")
+    assert recent.stdout.splitlines() == [f"{i}, [Not Supported], [Not Supported]"
+                                          for i in (0, 1)], recent.stderr
 
 
 @pytest.mark.parametrize("args, message", [

@@ -57,3 +57,21 @@ def test_the_check_sees_a_missing_word_and_a_wrong_offset():
     assert rows["RING_ARGS_VA"] != userq.RING_ARGS_VA
     without = {n: o for n, o in rows.items() if n != "RING_ARGS_SLOTS"}
     assert offset_constants() - set(without) == {"RING_ARGS_SLOTS"}
+
+
+def packet_rows(text: str) -> dict[int, tuple[str, list[str]]]:
+    """Opcode -> (name, the word each of a0..a6 names or '-'), from the rows
+    ``| N | `NAME` | a0 | ... | a6 | faults |`` of the page's packet table."""
+    rows = {}
+    for opcode, name, cells in re.findall(r"^\| (\d) \| `([A-Z_]+)` \| (.*) \|$", text, re.M):
+        words = [c.strip() for c in re.split(r"(?<!\\)\|", cells)][:7]
+        rows[int(opcode)] = (name, [w.split("`")[1] if w.startswith("`") else w for w in words])
+    return rows
+
+
+@pytest.mark.timeout(30)
+def test_the_packet_table_is_the_layouts():
+    """Each opcode's row names its layout's words in order as a0.., the rest '-'."""
+    want = {int(op): (op.name, [*userq.LAYOUTS[op]._fields, *"-" * (7 - len(
+        userq.LAYOUTS[op]._fields))]) for op in userq.Op}
+    assert packet_rows(DOC.read_text()) == want
