@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import time
 
@@ -144,7 +145,12 @@ def test_a_dying_firmware_is_recovered_by_the_driver_and_clients_hear_at_once(ma
                else "firmware stopped heart-beating")
     words = lines[0].split()
     assert words[:2] == ["lost", "after"], lines
-    assert float(words[2]) < (1.0 if how == "kill" else 0.5 + 1.0), lines[0]
+    # a hang is seen after the heartbeat timeout of time the firmware could have run: the
+    # watchdog leaves out what the host kept it waiting for a CPU (kmod_emul/watch.py),
+    # which the reason gives ("none for 1.4 s, 0.9 s of it waiting for a CPU")
+    starved = re.search(r"none for [\d.]+ s, ([\d.]+) s of it waiting for a CPU", lines[0])
+    bound = 1.0 if how == "kill" else 0.5 + 1.0 + (float(starved[1]) if starved else 0.0)
+    assert float(words[2]) < bound, lines[0]
     assert f"context lost because it was reset (recovery from: {failure}" in lines[0]
     assert lines[1] == "back operational 1"
     assert lines[2].startswith(f"reason recovery from: {failure}")

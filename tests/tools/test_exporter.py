@@ -187,7 +187,7 @@ def test_diag_faults_are_marked_and_left_out_of_the_tenant_counter(make_daemon) 
     claim = d.run_py(as_user(CLAIMS_DIAG), ACCEL_DIAGNOSTIC="1")
     assert claim.stdout.strip() == "EPERM", claim.stdout + claim.stderr
     assert int(d.attr(0, "isolation/total")) == refusals + 1
-    [faults_total] = [v for (name, _), v in _scrape_once(d).items()
+    [faults_total] = [v for (name, _), v in _scrape_once(d)[0].items()
                       if name == "accel_faults_total"]
     assert faults_total == 1
 
