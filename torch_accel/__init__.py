@@ -33,11 +33,12 @@ torch.utils.generate_methods_for_privateuse1_backend(
     for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
 
 from torch_accel import ops  # noqa: E402,F401 - registers the operators
-from torch_accel import dlpack, ipc, profiler  # noqa: E402
+from torch_accel import _dynamo_hook, dlpack, ipc, profiler  # noqa: E402
 
 profiler.install()
 dlpack.install()
 ipc.install()
+_dynamo_hook.install()
 from torch_accel.ops.fallback import fallback_counts  # noqa: E402
 
 __all__ = ["accel", "fallback_counts"]

@@ -91,6 +91,10 @@ class device:
             _hooks.set_device(self.prev)
 
 
+#: ``device`` under a name a parameter called ``device`` does not hide
+_device_guard = device
+
+
 class device_of(device):
     """The device of tensor ``obj`` current for the body (torch.cuda.device_of)."""
 
@@ -190,7 +194,7 @@ class Stream(torch.Stream):
     def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream:
         if kwargs:  # torch's rebuild from (stream_id, device_index, device_type)
             return super().__new__(cls, **kwargs)
-        with globals()["device"](device):
+        with _device_guard(device):
             return super().__new__(cls, device=torch.device("accel", _index(device)),
                                    priority=priority)
 
