@@ -108,11 +108,12 @@ class AccelInterface(DeviceInterface):
 
 def register() -> None:
     """Register the interface for ``accel`` and ``accel:N`` (as torch does for cuda), and
-    let Dynamo put ``torch.accel``'s stream and device calls in the graph as calls, as its
-    trace rules do for ``torch.cuda``'s (tracing into them would reach the runtime's
-    process checks, which Dynamo cannot trace: a graph break)."""
+    let Dynamo put ``torch.accel``'s stream calls in the graph as calls, as its trace
+    rules do for ``torch.cuda``'s (tracing into them would reach the runtime's process
+    checks, which Dynamo cannot trace: a graph break); ``accel.stream`` so reaches
+    Dynamo's handler of a device interface's stream context."""
     torch.compiler.allow_in_graph([accel.current_stream, accel.default_stream,
-                                   accel.synchronize, accel.set_stream])
+                                   accel.synchronize, accel.set_stream, accel.stream])
     register_interface_for_device(DEVICE_TYPE, AccelInterface)
     for i in range(accel.device_count()):
         register_interface_for_device(f"{DEVICE_TYPE}:{i}", AccelInterface)

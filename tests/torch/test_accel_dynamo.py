@@ -55,3 +55,29 @@ def test_code_reading_the_stream_and_synchronizing_compiles_into_one_graph(torch
     """)
     assert abs(r["got"] - r["want"]) <= 1e-4 * max(1.0, abs(r["want"])), r
     assert r["device"] == "accel:0" and r["index"] == [0, 0] and r["frames"] == 1, r
+
+
+@pytest.mark.timeout(300)
+def test_stream_contexts_and_events_compile_with_torchs_generic_names(torch_json):
+    """Inside a compiled region Dynamo resolves streams it knows by name: torch.cuda's,
+    torch.xpu's and ``torch.accelerator``'s (hard-coded in Dynamo), so accel code there uses
+    ``torch.accelerator.current_stream()`` and ``torch.Event``; ``torch.accel.stream(s)``
+    enters as torch.cuda.stream does."""
+    r = torch_json("""
+        import torch._dynamo
+        side, done = torch.accel.Stream(), torch.Event(device="accel")
+        def step(x):
+            with torch.accel.stream(side):
+                y = x * 3
+            torch.accelerator.current_stream().wait_stream(side)
+            z = y + 1
+            torch.accelerator.current_stream().record_event(done)
+            done.wait(side)
+            return z
+        x = torch.arange(8.0, device="accel")
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+        got = compiled(x)
+        torch.accel.synchronize()
+        report(got=got, want=step(x), graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    """)
+    assert r["got"] == r["want"] == [3.0 * i + 1 for i in range(8)] and r["graphs"] == 1, r
