@@ -8,6 +8,7 @@ from torch_accel.ops import (  # noqa: F401 - each registers its kernels
     copy,
     elementwise,
     fallback,
+    geometry,
     linalg,
     nn,
     pool,
