@@ -11,6 +11,7 @@ from torch_accel.ops import (  # noqa: F401 - each registers its kernels
     geometry,
     linalg,
     nn,
+    norm,
     pool,
     random,
     reduce,
