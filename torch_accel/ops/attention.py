@@ -62,6 +62,15 @@ def _scores(q: torch.Tensor, k: torch.Tensor, attn_bias: torch.Tensor | None, is
     return s, scale
 
 
+def _logsumexp(s: torch.Tensor) -> torch.Tensor:
+    """Row ``logsumexp`` of the scores, as torch's (-inf for a fully masked row) but with
+    the device's kernels: torch's own fills infinite maxima with ``masked_fill_``, which
+    has no device kernel."""
+    peak = s.amax(-1, keepdim=True)
+    peak = torch.where(peak.abs() == math.inf, 0.0, peak)
+    return (torch.log(torch.exp(s - peak).sum(-1, keepdim=True)) + peak).squeeze(-1)
+
+
 def _probabilities(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """``softmax(s)`` from its row ``logsumexp``: zeros where every key is masked."""
     return torch.exp(s - torch.where(lse == -math.inf, 0.0, lse).unsqueeze(-1))
@@ -79,7 +88,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               is_causal: bool = False, return_debug_mask: bool = False, *,
               scale: float | None = None) -> tuple:
     s, _ = _scores(_wide(query), _wide(key), attn_bias, is_causal, scale)
-    lse = torch.logsumexp(s, -1)
+    lse = _logsumexp(s)
     probs = _probabilities(s, lse)
     seed = offset = 0
     if dropout_p > 0:
