@@ -506,6 +506,7 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
   KERNEL_PRIVATEUSEONE(baddbmm, lower_precision_fp)
   KERNEL_PRIVATEUSEONE(matmul, lower_precision_fp)
   KERNEL_PRIVATEUSEONE(linear, lower_precision_fp)
+  KERNEL_PRIVATEUSEONE(scaled_dot_product_attention, lower_precision_fp)
   KERNEL_PRIVATEUSEONE(dot, fp32)
   KERNEL_PRIVATEUSEONE(mse_loss, fp32)
   KERNEL_PRIVATEUSEONE(nll_loss, fp32)
