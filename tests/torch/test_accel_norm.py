@@ -60,3 +60,26 @@ def test_batch_norm_matches_cpu_in_training_and_evaluation(torch_json):
         assert gap < 1e-5, (label, where, gap)
     assert r["fallback"] == {}, r["fallback"]
     assert r["opinfo_samples"] >= 5, r  # torch's OpInfo samples of F.batch_norm, float32
+
+
+def test_batch_norm_is_captured_by_a_graph(torch_run):
+    """On the device, batch norm queues only device work, so a graph captures it (the CPU
+    fallback needs the host, which a capture refuses): a replay gives the eager output and
+    moves the running statistics as the eager step does."""
+    lines = torch_run("""
+        import copy
+        torch.manual_seed(0)
+        bn = torch.nn.BatchNorm2d(3).to("accel")
+        eager = copy.deepcopy(bn)
+        x = torch.randn(4, 3, 5, 5, device="accel")
+        g = torch.accel.AccelGraph()
+        with torch.accel.graph(g):
+            y = bn(x)
+        g.replay()
+        ref = eager(x)  # a capture queues nothing: the replay is the one step
+        print(torch.allclose(y.cpu(), ref.cpu(), atol=1e-6),
+              torch.allclose(bn.running_mean.cpu(), eager.running_mean.cpu(), atol=1e-6),
+              torch.allclose(bn.running_var.cpu(), eager.running_var.cpu(), atol=1e-6),
+              bn.num_batches_tracked.item(), dict(torch_accel.fallback_counts))
+    """)
+    assert lines == ["True True True 1 {}"]
