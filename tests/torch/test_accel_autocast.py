@@ -52,3 +52,26 @@ def test_unsupported_dtype_warns_and_disables_autocast(torch_run):
     assert lines == ["False torch.float32", str([(
         "UserWarning", "In accel autocast, but the target dtype is not supported. Disabling "
         "autocast.\naccel Autocast only supports dtypes of torch.float16, torch.bfloat16 currently.")])]
+
+
+def test_attention_runs_in_the_autocast_dtype(torch_run):
+    """scaled_dot_product_attention is on torch.cuda's lower-precision list: under
+    autocast it takes and returns the autocast dtype, and its gradients reach float32
+    leaves, close to float32 attention of the rounded inputs."""
+    lines = torch_run("""
+        import torch.nn.functional as F
+        torch.manual_seed(0)
+        q = torch.randn(2, 2, 16, 8)
+        leaf = q.to("accel").requires_grad_()
+        with torch.autocast("accel"):
+            out = F.scaled_dot_product_attention(leaf, leaf, leaf, is_causal=True)
+        out.float().sum().backward()
+        ref_leaf = q.half().float().requires_grad_()
+        ref = F.scaled_dot_product_attention(ref_leaf, ref_leaf, ref_leaf, is_causal=True)
+        ref.sum().backward()
+        print(out.dtype, leaf.grad.dtype, out.grad_fn.name())
+        print((out.float().cpu() - ref).abs().max().item() < 1e-2,
+              (leaf.grad.cpu() - ref_leaf.grad).abs().max().item() < 2e-2)
+    """)
+    assert lines == ["torch.float16 torch.float32 ScaledDotProductFusedAttentionOverrideableBackward0",
+                     "True True"]

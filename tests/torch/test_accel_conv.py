@@ -135,9 +135,18 @@ def test_small_cnn_trains_three_sgd_steps_like_cpu(torch_json):
                 for (n, p), q in zip(acc.named_parameters(), cpu.parameters())}
         bufs = {n: (p.cpu().float() - q.float()).abs().max().item()
                 for (n, p), q in zip(acc.named_buffers(), cpu.buffers())}
-        report(gaps=gaps, bufs=bufs, losses=losses,
-               conv_fallback=sum(v for k, v in torch_accel.fallback_counts.items() if "convolution" in k))
+        cpu.eval(), acc.eval()
+        with torch.no_grad():  # eval: the running statistics normalise
+            xe = torch.randn(3, 3, 8, 8)
+            gaps["eval output"] = (acc(xe.to("accel")).cpu() - cpu(xe)).abs().max().item()
+        report(gaps=gaps, bufs=bufs, losses=losses, tracked=acc[1].num_batches_tracked.item(),
+               buffer_devices=sorted({str(b.device) for b in acc.buffers()}),
+               conv_fallback=sum(v for k, v in torch_accel.fallback_counts.items() if "convolution" in k),
+               norm_fallback={k: v for k, v in torch_accel.fallback_counts.items() if "norm" in k})
     """, timeout=500)
     assert r["conv_fallback"] == 0
+    assert r["tracked"] == 3 and r["buffer_devices"] == ["accel:0"], r
+    assert {"1.running_mean", "1.running_var", "1.num_batches_tracked"} <= set(r["bufs"]), r["bufs"]
     for name, gap in {**r["gaps"], **r["bufs"]}.items():
         assert gap < 1e-5, (name, gap, r["losses"])
+    assert r["norm_fallback"] == {}, r["norm_fallback"]  # batch norm ran on the device

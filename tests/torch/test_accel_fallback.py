@@ -36,7 +36,9 @@ schemas = [s for s in C._jit_get_all_schemas()
 
 def test_batch_norm_training_updates_running_stats(torch_json):
     """native_batch_norm writes the running statistics although its schema does not say so:
-    three training steps of BatchNorm1d and BatchNorm2d, then eval, match the CPU."""
+    three training steps of BatchNorm1d and BatchNorm2d, then eval, match the CPU (float32:
+    the device's batch norm, ops/norm.py); F.batch_norm in bfloat16, which has no device
+    kernel, takes the fallback, and its running statistics are copied back."""
     r = torch_json("""
         torch.manual_seed(0)
         out = {}
@@ -53,16 +55,19 @@ def test_batch_norm_training_updates_running_stats(torch_json):
                 torch.testing.assert_close(getattr(acc, name).cpu(), getattr(cpu, name))
             torch.testing.assert_close(acc(x.to("accel")).cpu(), cpu(x))
             out[f"{cls.__name__}{len(shape)}"] = float(cpu.running_var.sub(1).abs().max())
-        mean, var = torch.zeros(4, device="accel"), torch.ones(4, device="accel")
-        x = torch.randn(8, 4)
+        bf = torch.bfloat16
+        mean, var = torch.zeros(4, device="accel", dtype=bf), torch.ones(4, device="accel", dtype=bf)
+        x = torch.randn(8, 4, dtype=bf)
+        torch_accel.fallback_counts.clear()
         torch.nn.functional.batch_norm(x.to("accel"), mean, var, training=True, momentum=0.5)
-        cm, cv = torch.zeros(4), torch.ones(4)
+        cm, cv = torch.zeros(4, dtype=bf), torch.ones(4, dtype=bf)
         torch.nn.functional.batch_norm(x, cm, cv, training=True, momentum=0.5)
         torch.testing.assert_close((mean.cpu(), var.cpu()), (cm, cv))
-        report(moved=out, functional=float(cm.abs().max()))
+        report(moved=out, functional=float(cm.abs().max()),
+               fallback=torch_accel.fallback_counts.get("aten::native_batch_norm", 0))
     """)
     assert all(v > 0 for v in r["moved"].values()), r  # the statistics did change
-    assert r["functional"] > 0, r
+    assert r["functional"] > 0 and r["fallback"] == 1, r
 
 
 def test_views_through_the_fallback_alias_their_base(torch_json):

@@ -112,3 +112,60 @@ def test_tensors_shared_through_torch_multiprocessing(daemon, tmp_path):
                                         for i, v in enumerate(base)], (name, got)
         assert "received from another process" in got["reshare"], (name, got)
     assert "Cannot pickle accel storage" in r["storage"], r
+
+
+#: the producer drops its tensor and exits while the consumer still holds the shared one
+#: (OpenReg's and torch.cuda's "limbo" case)
+LIMBO = """
+import json
+import torch
+import torch.multiprocessing as mp
+
+
+def producer(queue, received):
+    t = torch.arange(1.0, 5.0, device="accel:0")
+    queue.put(t)
+    received.wait(timeout=60)
+    del t
+    torch.accel.empty_cache()         # the block leaves this process's cache too
+
+
+def consumer(queue, received, gone, results):
+    t = queue.get(timeout=60)
+    received.set()
+    gone.wait(timeout=60)             # the producer has exited
+    results.put(t.cpu().tolist())
+    del t
+
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    queue, results, received, gone = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    prod = ctx.Process(target=producer, args=(queue, received))
+    cons = ctx.Process(target=consumer, args=(queue, received, gone, results))
+    prod.start(), cons.start()
+    try:
+        prod.join(timeout=90)
+        gone.set()
+        values = results.get(timeout=60)
+        cons.join(timeout=30)
+        print(json.dumps({"values": values, "exitcodes": [prod.exitcode, cons.exitcode]}))
+    finally:
+        for p in (prod, cons):
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+"""
+
+
+def test_consumer_keeps_the_memory_after_the_producer_exits(daemon, tmp_path):
+    """The producer frees the tensor, empties its cache and exits while the consumer
+    holds the shared tensor: both exit 0 and the consumer still reads the values (the
+    driver keeps the memory mapped while an importer holds it)."""
+    script = tmp_path / "limbo.py"
+    script.write_text(textwrap.dedent(LIMBO))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=daemon.env(), timeout=220, cwd=REPO)
+    assert out.returncode == 0, out.stderr + out.stdout
+    r = json.loads(out.stdout.strip().split("\n")[-1])
+    assert r == {"values": [1.0, 2.0, 3.0, 4.0], "exitcodes": [0, 0]}, (r, out.stderr)

@@ -113,3 +113,36 @@ def test_tensors_of_every_kind_give_back_what_they_took(torch_run):
     assert lines == ["allocated 0 0", "moved 0 0 [4.0]", "True", "True", "accel:0 0",
                      "cpu [1.0, 1.0]"]
 
+
+
+def test_two_devices_allocate_apart_and_cycles_give_everything_back(torch_run):
+    """OpenReg's multi-device and leak tests: each device's tensors stay on it with
+    addresses no other device hands out, a tensor moves 0 -> 1 -> 0 unchanged, and a
+    thousand allocate/free cycles (plain, copies, views, in-place, autograd) end where
+    they began on both devices, without the reserved memory growing."""
+    lines = torch_run("""
+        import gc
+        t0 = [torch.empty(1000 + i, device="accel:0") for i in range(10)]
+        t1 = [torch.empty(1000 + i, device="accel:1") for i in range(10)]
+        print({t.device.index for t in t0}, {t.device.index for t in t1},
+              len({t.data_ptr() for t in t0} & {t.data_ptr() for t in t1}))
+        x = torch.randn(100, device="accel:0")
+        there = x.to("accel:1")
+        print(there.device, there.data_ptr() != x.data_ptr(), torch.equal(there.to("accel:0").cpu(), x.cpu()))
+        del t0, t1, x, there
+        gc.collect()
+        base = [torch.accel.memory_allocated(d) for d in (0, 1)]
+        reserved = [torch.accel.memory_reserved(d) for d in (0, 1)]
+        for i in range(200):
+            dev = f"accel:{i % 2}"
+            x = torch.empty((100, 500, 1000, 5000)[i % 4], device=dev)
+            y = torch.randn(500, device=dev, requires_grad=True)
+            z = (y + y).view(10, 50)[2:4].reshape(-1)
+            w = torch.ones(1000, device=dev).add_(1).mul_(2).div_(2).sub_(1)
+            c = w.cpu().to(dev).clone()
+            del x, y, z, w, c
+        gc.collect()
+        print([torch.accel.memory_allocated(d) for d in (0, 1)] == base,
+              [torch.accel.memory_reserved(d) for d in (0, 1)] == reserved)
+    """)
+    assert lines == ["{0} {1} 0", "accel:1 True True", "True True"]

@@ -119,3 +119,39 @@ def test_a_kernels_first_compile_is_its_own_row(torch_run, tmp_path):
     compiles = [e for e in trace["traceEvents"] if e.get("cat") == "kernel_compile"]
     assert any(e["name"].startswith("compile twice") and str(e["pid"]).startswith("accel:")
                for e in compiles), compiles
+
+
+def test_autograd_profiler_edge_cases(torch_run, tmp_path):
+    """The rest of OpenReg's test_profiler: an empty profile, an exception raised inside
+    one, many record_function ranges, events recorded and synchronized on a side stream,
+    and the legacy profiler's Chrome trace, which is valid JSON naming the ranges."""
+    trace = tmp_path / "legacy.json"
+    lines = torch_run(f"""
+        import json
+        from torch.autograd.profiler import profile as autograd_profile
+        from torch.profiler import record_function
+        with autograd_profile(use_device="accel") as empty:
+            pass
+        try:
+            with autograd_profile(use_device="accel") as failed:
+                x = torch.randn(10, 10, device="accel")
+                raise RuntimeError("Test exception")
+        except RuntimeError as e:
+            print(e, isinstance(failed.function_events, list))
+        s, ev = torch.Stream(device="accel"), torch.Event(device="accel", enable_timing=True)
+        with autograd_profile(use_device="accel") as prof:
+            with s:
+                y = torch.randn(10, 10, device="accel")
+                ev.record(s)
+                y + y
+            ev.synchronize()
+            for i in range(100):
+                with record_function(f"op_{{i}}"):
+                    y = y + 1
+        names = [e.name for e in prof.function_events]
+        print(len(empty.function_events), len(names) > 100, all(f"op_{{i}}" in names for i in range(100)))
+        prof.export_chrome_trace({str(trace)!r})
+        events = json.load(open({str(trace)!r}))["traceEvents"]
+        print(sum(e.get("name") == "op_7" for e in events), min(e.get("dur", 0) for e in events if "dur" in e) >= 0)
+    """)
+    assert lines == ["Test exception True", "0 True True", "1 True"]

@@ -20,12 +20,15 @@
 //     only in C++, per device.
 //   * record_stream and CPU/accel shallow copies (``x.data = y``), which need the block or
 //     the dispatch keys; autocast's fallthrough and casting lists.
+//   * the attention backend choice F.scaled_dot_product_attention asks a DispatchStub for.
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/GeneratorForPrivateuseone.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/Resize.h>
+#include <ATen/native/transformers/attention.h>
+#include <ATen/ops/_fused_sdp_choice.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
 #include <ATen/ops/_reshape_alias_native.h>
@@ -503,12 +506,26 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
   KERNEL_PRIVATEUSEONE(baddbmm, lower_precision_fp)
   KERNEL_PRIVATEUSEONE(matmul, lower_precision_fp)
   KERNEL_PRIVATEUSEONE(linear, lower_precision_fp)
+  KERNEL_PRIVATEUSEONE(scaled_dot_product_attention, lower_precision_fp)
   KERNEL_PRIVATEUSEONE(dot, fp32)
   KERNEL_PRIVATEUSEONE(mse_loss, fp32)
   KERNEL_PRIVATEUSEONE(nll_loss, fp32)
   KERNEL_PRIVATEUSEONE(softmax, int, fp32)
   KERNEL_PRIVATEUSEONE(log_softmax, int, fp32)
   KERNEL_PRIVATEUSEONE(cumsum, fp32)
+}
+
+// ----------------------------------------------------------------- attention
+// F.scaled_dot_product_attention picks its backend through a DispatchStub, not the
+// dispatcher (_fused_sdp_choice_stub), and a device without an entry there gets the math
+// decomposition. This entry asks the dispatcher's _fused_sdp_choice, whose accel kernel
+// decides in Python (ops/attention.py), as torch.ops.aten._fused_sdp_choice answers.
+// (registered for the device at the end of this file, in torch's namespace)
+int64_t fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                         bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  return at::_fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                               enable_gqa);
 }
 
 // ----------------------------------------------------------------- profiler stubs
@@ -553,6 +570,10 @@ AccelProfilerStubs g_profiler_stubs;
 std::once_flag g_registered;
 
 }  // namespace
+
+namespace at::native {
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &::fused_sdp_choice)
+}  // namespace at::native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_accel's C++ shim (see shim.cpp's header)";

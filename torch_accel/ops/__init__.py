@@ -3,12 +3,15 @@ other operator through the counted CPU fallback (fallback.py). ``_register.nativ
 the natively implemented ``name.overload``s."""
 
 from torch_accel.ops import (  # noqa: F401 - each registers its kernels
+    attention,
     conv,
     copy,
     elementwise,
     fallback,
+    geometry,
     linalg,
     nn,
+    norm,
     pool,
     random,
     reduce,

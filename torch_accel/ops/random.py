@@ -55,8 +55,21 @@ def bernoulli_(x: torch.Tensor, p: float = 0.5, *,
     if not operands.supported(x.dtype):
         raise Unsupported
     seed, offset = _draw(x, generator)
+    return bernoulli_at(x, p, seed, offset)
+
+
+def bernoulli_at(x: torch.Tensor, p: float, seed: int, offset: int) -> torch.Tensor:
+    """Fill ``x`` with ones of probability ``p`` drawn at a given Philox ``(seed, offset)``:
+    a backward that must see its forward's dropout mask again (attention.py) redraws it
+    from the pair the forward took, instead of keeping the mask alive."""
     return operands.result(x.shape, x.dtype, x.device, x, lambda o: kernels.bernoulli_mask(
         o, seed, offset, float(p), stream=stream(x.device.index)))
+
+
+def take_philox(x: torch.Tensor) -> tuple[int, int]:
+    """The ``(seed, offset)`` a draw filling ``x`` takes from the device's default
+    generator, which it moves past them (as ``bernoulli_(x)`` would)."""
+    return _draw(x, None)
 
 
 @implements("native_dropout")
