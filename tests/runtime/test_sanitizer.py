@@ -1,0 +1,345 @@
+"""The stream-race sanitizer (``ACCEL_SANITIZE``, docs/sanitizer.md) on a corpus of racy
+and correct programs, run on a real mount through the public API.
+
+Every racy program must raise ``runtime.RaceError`` at its synchronisation point with a
+report naming both accesses exactly (stream queue, seqno, op, mode, call site line), the
+overlapping bytes and their kind; every correct one must not. The corpus runs in one
+process, each program ending in a device synchronize, so the next starts ordered after
+everything before it. Precision and recall over the corpus are in docs/sanitizer.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scenario import STREAM_PRELUDE as PRELUDE
+from scenario import run_json, run_scenario
+
+pytestmark = pytest.mark.timeout(300)
+
+#: The corpus's helpers: kernels, streams, and ``run`` which runs a program and reports
+#: whether it raised and what. ``here()`` is the caller's line: a program notes the line
+#: of each access it expects in a report.
+SETUP = """
+import dataclasses
+from runtime import sanitizer
+assert sanitizer.active is not None and sanitizer.active.mode == "raise"
+K = runtime.compile('''
+def fill(out, v):
+    i = global_id(0)
+    if i < out.size:
+        out[i] = v
+
+def scale(out, x, a):
+    i = global_id(0)
+    if i < out.size:
+        out[i] = x[i] * a
+''')
+N = 4096
+G, B = N // 256, 256
+s1, s2 = runtime.Stream(), runtime.Stream()
+host = runtime.pinned_empty(N, np.float32)
+host2 = runtime.pinned_empty(N, np.float32)
+host[:] = 1
+results = {}
+def here():
+    return sys._getframe(1).f_lineno
+def run(name, program):
+    expect = {}
+    try:
+        program(expect)
+        runtime.synchronize()
+        results[name] = {"raised": False, "expect": expect}
+    except runtime.RaceError as e:
+        runtime.synchronize()
+        results[name] = {"raised": True, "expect": expect,
+                         "report": dataclasses.asdict(e.report), "n": len(e.reports),
+                         "text": str(e)}
+def note(expect, key, stream, **kw):
+    expect[key] = dict(queue=stream.queue_id, seqno=stream.last_seqno, **kw)
+"""
+
+#: racy programs: each leaves two accesses unordered; ``a``/``b`` note them (first queued,
+#: second queued) with the bytes they overlap on
+RACY = """
+def copy_copy(x):  # two copies into one array on two streams
+    a = runtime.empty(N, np.float32)
+    runtime.synchronize()
+    a.copy_from_host(host, s1); note(x, "first", s1, op="copy", mode="write", line=here())
+    a.copy_from_host(host2, s2); note(x, "second", s2, op="copy", mode="write", line=here())
+    x["range"] = [a.va, a.va + a.nbytes]; x["kind"] = "device"
+run("copy_copy", copy_copy)
+
+def kernel_then_read(x):  # a kernel writes, a copy on another stream reads
+    a = runtime.empty(N, np.float32)
+    runtime.synchronize()
+    K.fill[G, B](a, np.float32(2), stream=s1); note(x, "first", s1, op="fill", mode="write", line=here())
+    a.copy_to_host(host2, stream=s2); note(x, "second", s2, op="copy", mode="read", line=here())
+    x["range"] = [a.va, a.va + a.nbytes]; x["kind"] = "device"
+run("kernel_then_read", kernel_then_read)
+
+def read_then_write(x):  # a kernel reads its input, a memset on another stream writes it
+    a, b = runtime.empty(N, np.float32), runtime.empty(N, np.float32)
+    runtime.synchronize()
+    K.scale[G, B](b, a, np.float32(3), stream=s1); note(x, "first", s1, op="scale", mode="read", line=here())
+    a.memset(0, stream=s2); note(x, "second", s2, op="memset", mode="write", line=here())
+    x["range"] = [a.va, a.va + a.nbytes]; x["kind"] = "device"
+run("read_then_write", read_then_write)
+
+def overlapping_views(x):  # two views of one array, overlapping by half
+    base = runtime.empty(2 * N, np.float32)
+    runtime.synchronize()
+    v1 = base.view(np.float32, (N,), 0)
+    v2 = base.view(np.float32, (N,), 2 * N)
+    K.fill[G, B](v1, np.float32(1), stream=s1); note(x, "first", s1, op="fill", mode="write", line=here())
+    K.fill[G, B](v2, np.float32(2), stream=s2); note(x, "second", s2, op="fill", mode="write", line=here())
+    x["range"] = [base.va + 2 * N, base.va + 4 * N]; x["kind"] = "device"
+run("overlapping_views", overlapping_views)
+
+def event_too_early(x):  # the event is recorded before the work it should cover
+    a = runtime.empty(N, np.float32)
+    runtime.synchronize()
+    e = runtime.Event()
+    e.record(s1)
+    K.fill[G, B](a, np.float32(1), stream=s1); note(x, "first", s1, op="fill", mode="write", line=here())
+    s2.wait_event(e)
+    a.copy_to_host(host2, stream=s2); note(x, "second", s2, op="copy", mode="read", line=here())
+    x["range"] = [a.va, a.va + a.nbytes]; x["kind"] = "device"
+run("event_too_early", event_too_early)
+
+def pinned_host_memory(x):  # a copy reads pinned memory another stream's copy writes
+    a, b = runtime.empty(N, np.float32), runtime.empty(N, np.float32)
+    runtime.synchronize()
+    a.copy_to_host(host2, stream=s1); note(x, "first", s1, op="copy", mode="write", line=here())
+    b.copy_from_host(host2, s2); note(x, "second", s2, op="copy", mode="read", line=here())
+    x["range"] = [host2.device_va, host2.device_va + host2.nbytes]; x["kind"] = "host_pinned"
+run("pinned_host_memory", pinned_host_memory)
+
+def reuse_without_record_stream(x):  # s2 uses s1's array, which is freed and reused on s1
+    a = runtime.empty(N, np.float32, stream=s1)
+    runtime.synchronize()
+    va = a.va
+    K.fill[G, B](a, np.float32(1), stream=s2); note(x, "first", s2, op="fill", mode="write", line=here())
+    del a
+    b = runtime.empty(N, np.float32, stream=s1)
+    x["reused"] = b.va == va
+    b.memset(0, stream=s1); note(x, "second", s1, op="memset", mode="write", line=here())
+    x["range"] = [b.va, b.va + b.nbytes]; x["kind"] = "device"
+run("reuse_without_record_stream", reuse_without_record_stream)
+
+def graph_replay(x):  # a replayed kernel and a memset on another stream
+    a = runtime.empty(N, np.float32, stream=s1)
+    g = runtime.Graph()
+    with runtime.graph(g, s1):
+        K.fill[G, B](a, np.float32(5), stream=s1)
+    runtime.synchronize()
+    g.replay(s1); note(x, "first", s1, op="fill", mode="write", line=here())
+    a.memset(0, stream=s2); note(x, "second", s2, op="memset", mode="write", line=here())
+    x["range"] = [a.va, a.va + a.nbytes]; x["kind"] = "device"
+run("graph_replay", graph_replay)
+"""
+
+#: correct programs: the same shapes of work, ordered by each rule of docs/sanitizer.md
+CORRECT = """
+def disjoint_views(x):
+    base = runtime.empty(2 * N, np.float32)
+    runtime.synchronize()
+    K.fill[G, B](base.view(np.float32, (N,), 0), np.float32(1), stream=s1)
+    K.fill[G, B](base.view(np.float32, (N,), 4 * N), np.float32(2), stream=s2)
+run("disjoint_views", disjoint_views)
+
+def same_stream(x):
+    a = runtime.empty(N, np.float32)
+    runtime.synchronize()
+    K.fill[G, B](a, np.float32(1), stream=s1)
+    a.copy_from_host(host, s1)
+    a.copy_to_host(host2, stream=s1)
+run("same_stream", same_stream)
+
+def reads_only(x):
+    a = runtime.empty(N, np.float32)
+    runtime.synchronize()
+    a.copy_to_host(host, stream=s1)
+    a.copy_to_host(host2, stream=s2)
+run("reads_only", reads_only)
+
+def event_ordered(x):
+    a = runtime.empty(N, np.float32)
+    runtime.synchronize()
+    K.fill[G, B](a, np.float32(1), stream=s1)
+    e = runtime.Event()
+    e.record(s1)
+    s2.wait_event(e)
+    a.copy_to_host(host2, stream=s2)
+run("event_ordered", event_ordered)
+
+def wait_stream_ordered(x):
+    a = runtime.empty(N, np.float32)
+    runtime.synchronize()
+    a.copy_from_host(host, s1)
+    s2.wait_stream(s1)
+    a.memset(0, stream=s2)
+run("wait_stream_ordered", wait_stream_ordered)
+
+def synchronize_ordered(x):
+    a = runtime.empty(N, np.float32)
+    runtime.synchronize()
+    K.fill[G, B](a, np.float32(1), stream=s1)
+    s1.synchronize()
+    a.memset(0, stream=s2)
+run("synchronize_ordered", synchronize_ordered)
+
+def event_query_ordered(x):
+    a = runtime.empty(N, np.float32)
+    runtime.synchronize()
+    K.fill[G, B](a, np.float32(1), stream=s1)
+    e = runtime.Event()
+    e.record(s1)
+    while not e.query():
+        time.sleep(0.001)
+    a.memset(0, stream=s2)
+run("event_query_ordered", event_query_ordered)
+
+def blocking_copy_ordered(x):
+    a = runtime.empty(N, np.float32)
+    runtime.synchronize()
+    with runtime.stream(s1):
+        K.fill[G, B](a, np.float32(1))
+        a.copy_to_host()  # blocking: the host waits for s1
+    a.memset(0, stream=s2)
+run("blocking_copy_ordered", blocking_copy_ordered)
+
+def reuse_same_stream(x):
+    a = runtime.empty(N, np.float32, stream=s1)
+    runtime.synchronize()
+    va = a.va
+    K.fill[G, B](a, np.float32(1), stream=s1)
+    del a
+    b = runtime.empty(N, np.float32, stream=s1)
+    x["reused"] = b.va == va
+    b.memset(0, stream=s1)
+run("reuse_same_stream", reuse_same_stream)
+
+def reuse_with_record_stream(x):
+    a = runtime.empty(N, np.float32, stream=s1)
+    runtime.synchronize()
+    va = a.va
+    K.fill[G, B](a, np.float32(1), stream=s2)
+    a.record_stream(s2)
+    del a
+    s2.synchronize()  # the event completes: the allocator may hand the block out again
+    b = runtime.empty(N, np.float32, stream=s1)
+    x["reused"] = b.va == va
+    b.memset(0, stream=s1)
+run("reuse_with_record_stream", reuse_with_record_stream)
+
+def graph_replay_ordered(x):
+    a = runtime.empty(N, np.float32, stream=s1)
+    g = runtime.Graph()
+    with runtime.graph(g, s1):
+        K.fill[G, B](a, np.float32(5), stream=s1)
+    runtime.synchronize()
+    g.replay(s1)
+    s2.wait_stream(s1)
+    a.memset(0, stream=s2)
+run("graph_replay_ordered", graph_replay_ordered)
+
+def across_devices_ordered(x):  # an event of device 0 orders work on device 1
+    a = runtime.empty(N, np.float32, device=1)
+    t1 = runtime.Stream(1)
+    runtime.synchronize(1)
+    K1 = runtime.compile('''
+def fill(out, v):
+    i = global_id(0)
+    if i < out.size:
+        out[i] = v
+''', device=1)
+    K1.fill[G, B](a, np.float32(1), stream=t1)
+    e = runtime.Event()
+    e.record(t1)
+    t2 = runtime.Stream(1)
+    s1.wait_event(e)  # device 0 waits for device 1's event...
+    t2.wait_event(runtime.Stream.record_event(s1))  # ...and device 1 for device 0's
+    a.memset(0, stream=t2)
+    runtime.synchronize(1)
+run("across_devices_ordered", across_devices_ordered)
+"""
+
+RACY_NAMES = ["copy_copy", "kernel_then_read", "read_then_write", "overlapping_views",
+              "event_too_early", "pinned_host_memory", "reuse_without_record_stream",
+              "graph_replay"]
+CORRECT_NAMES = ["disjoint_views", "same_stream", "reads_only", "event_ordered",
+                 "wait_stream_ordered", "synchronize_ordered", "event_query_ordered",
+                 "blocking_copy_ordered", "reuse_same_stream", "reuse_with_record_stream",
+                 "graph_replay_ordered", "across_devices_ordered"]
+
+
+@pytest.fixture(scope="module")
+def corpus(daemon):
+    """The corpus's results, from one process with ``ACCEL_SANITIZE=1``."""
+    r = run_json(daemon, PRELUDE, SETUP + RACY + CORRECT + "report(results=results)\n",
+                 timeout=240, ACCEL_SANITIZE="1")
+    return r["results"]
+
+
+def _access(got: dict, want: dict) -> None:
+    assert (got["queue"], got["seqno"], got["op"], got["mode"]) == \
+        (want["queue"], want["seqno"], want["op"], want["mode"]), (got, want)
+    assert got["site"] == f"<string>:{want['line']}", (got, want)
+
+
+@pytest.mark.parametrize("name", RACY_NAMES)
+def test_racy_program_raises_naming_both_accesses(corpus, name):
+    r = corpus[name]
+    assert r["raised"], r
+    report, want = r["report"], r["expect"]
+    _access(report["first"], want["first"])
+    _access(report["second"], want["second"])
+    assert [report["start"], report["end"]] == want["range"], (report, want)
+    assert report["kind"] == want["kind"]
+    assert r["n"] == 1, r["text"]  # one race, reported once
+    if "reused" in want:
+        assert want["reused"], "the allocator handed the block out again on s1"
+
+
+@pytest.mark.parametrize("name", CORRECT_NAMES)
+def test_correct_program_does_not_raise(corpus, name):
+    r = corpus[name]
+    assert not r["raised"], r.get("text")
+
+
+def test_the_corpus_is_the_documented_one(corpus):
+    """docs/sanitizer.md states precision and recall over exactly this corpus."""
+    assert sorted(corpus) == sorted(RACY_NAMES + CORRECT_NAMES)
+    text = open("docs/sanitizer.md").read()
+    assert f"{len(RACY_NAMES)} racy and {len(CORRECT_NAMES)} correct" in text
+
+
+def test_warn_mode_prints_and_goes_on(daemon):
+    out = daemon.run_py(PRELUDE + """
+from runtime import sanitizer
+a = runtime.empty(1024, np.uint8)
+s1, s2 = runtime.Stream(), runtime.Stream()
+runtime.synchronize()
+a.memset(1, stream=s1)
+a.memset(2, stream=s2)
+runtime.synchronize()
+print("went on", sanitizer.active.mode, len(sanitizer.active.found))
+""", timeout=120, ACCEL_SANITIZE="warn")
+    assert out.returncode == 0, out.stderr
+    assert "went on warn 1" in out.stdout
+    assert "accel sanitizer: race on device memory" in out.stderr
+    assert "write by memset" in out.stderr
+
+
+def test_off_by_default_and_racy_work_runs(daemon):
+    lines = run_scenario(daemon, PRELUDE, """
+        from runtime import sanitizer
+        a = runtime.empty(1024, np.uint8)
+        s1, s2 = runtime.Stream(), runtime.Stream()
+        a.memset(1, stream=s1)
+        a.memset(2, stream=s2)
+        runtime.synchronize()
+        print("active", sanitizer.active)
+    """, timeout=120, ACCEL_SANITIZE="")
+    assert "active None" in lines
