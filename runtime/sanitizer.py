@@ -58,7 +58,7 @@ class Access:
     queue: int
     seqno: int
     op: str          #: the kernel's name, ``copy`` or ``memset``
-    mode: str        #: ``read``, ``write`` or ``read+write``
+    mode: str        #: ``read``, ``write``, ``read+write`` or ``atomic``
     site: str        #: ``file:line`` of the first host frame outside runtime and torch_accel
     start: int
     end: int
@@ -91,19 +91,22 @@ class RaceReport:
 
 
 # --- kernel argument modes ------------------------------------------------------------------
-#: the built-ins that take a whole buffer (abi/kernel_lang.py): the argument positions
-#: they write (mma's ``c``, atomic_add's buffer: read and written); the rest they read
+#: the built-ins that take a whole buffer (abi/kernel_lang.py) -> the argument they
+#: write: mma's ``c`` (read and written; ``a`` and ``b`` read); atomic_add's buffer is
+#: its own mode, ``atomic``
 _BUFFER_CALLS = {"atomic_add": 0, "mma": 0}
 
 
 def param_modes(ir: dict[str, Any]) -> list[str | None]:
     """Per buffer parameter of a kernel, in order, how its source uses the buffer's bytes:
-    ``read``, ``write``, ``read+write``, or None (only its ``.size``/``.shape``): from the
-    IR's source, which the front end checked (abi/kernel_frontend.py), so a buffer is
-    reached only by subscripts and by the built-ins of ``_BUFFER_CALLS``."""
+    ``read``, ``write``, ``read+write``, ``atomic`` (only through atomic_add), or None
+    (only its ``.size``/``.shape``). From the IR's source, which the front end checked
+    (abi/kernel_frontend.py): a buffer is reached only by subscripts and by the
+    built-ins of ``_BUFFER_CALLS``."""
     buffers = [p["name"] for p in ir["params"] if p["kind"] == "buffer"]
     reads: set[str] = set()
     writes: set[str] = set()
+    atomics: set[str] = set()
     for node in ast.walk(ast.parse(ir["source"])):
         if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
             (writes if isinstance(node.ctx, ast.Store) else reads).add(node.value.id)
@@ -113,14 +116,20 @@ def param_modes(ir: dict[str, Any]) -> list[str | None]:
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
                 and node.func.id in _BUFFER_CALLS:
             for i, arg in enumerate(node.args):
-                if isinstance(arg, ast.Name):
-                    reads.add(arg.id)
-                    if i == _BUFFER_CALLS[node.func.id]:
-                        writes.add(arg.id)
+                if not isinstance(arg, ast.Name):
+                    continue
+                if node.func.id == "atomic_add":
+                    if i == 0:
+                        atomics.add(arg.id)
+                    continue
+                reads.add(arg.id)
+                if i == _BUFFER_CALLS[node.func.id]:
+                    writes.add(arg.id)
     modes: list[str | None] = []
     for name in buffers:
-        r, w = name in reads, name in writes
-        modes.append("read+write" if r and w else "write" if w else "read" if r else None)
+        r, w = name in reads, name in writes or (name in atomics and name in reads)
+        modes.append("read+write" if r and w else "write" if w else "read" if r
+                     else "atomic" if name in atomics else None)
     return modes
 
 
@@ -165,12 +174,14 @@ def _ordered(a: Access, clock: _Clock) -> bool:
 # --- shadow memory ---------------------------------------------------------------------------
 class _Cell:
     """What is known of the bytes [start, end): the last write, and since it the last read
-    of each stream (a later read of a stream is ordered after its earlier ones, so a write
-    unordered with an earlier read is unordered with the later one too)."""
+    and the last atomic access of each stream, keyed (stream serial, atomic) (a later one
+    of a stream is ordered after its earlier ones, so a write unordered with an earlier
+    read is unordered with the later one too)."""
 
     __slots__ = ("end", "write", "reads")
 
-    def __init__(self, end: int, write: Access | None, reads: dict[int, Access]) -> None:
+    def __init__(self, end: int, write: Access | None,
+                 reads: dict[tuple[int, bool], Access]) -> None:
         self.end, self.write, self.reads = end, write, reads
 
 
@@ -181,8 +192,10 @@ class _Shadow:
         self.starts: list[int] = []
         self.cells: list[_Cell] = []
 
-    def access(self, acc: Access, write: bool, clock: _Clock) -> list[Access]:
-        """Record ``acc``; return the earlier accesses it races with. The cells over its
+    def access(self, acc: Access, clock: _Clock) -> list[Access]:
+        """Record ``acc``; return the earlier accesses it races with: a write races with
+        every unordered access, a read with unordered writes and atomics, an atomic with
+        unordered writes and reads (atomics do not race with atomics). The cells over its
         bytes are split at its ends, gaps filled, each checked and updated, and the
         updated ones that end up alike merged (a write leaves one cell)."""
         lo, hi = acc.start, acc.end
@@ -209,6 +222,8 @@ class _Shadow:
             pos = min(c.end, hi)
         if pos < hi:
             inside.append((pos, _Cell(hi, None, {})))
+        write = acc.mode not in ("read", "atomic")
+        atomic = acc.mode == "atomic"
         races: dict[int, Access] = {}
         out: list[tuple[int, _Cell]] = []
         for start, c in inside:
@@ -216,14 +231,14 @@ class _Shadow:
             w = c.write
             if w is not None and not _ordered(w, clock):
                 races[id(w)] = w
+            for (_, was_atomic), r in c.reads.items():
+                if (write or was_atomic != atomic) and not _ordered(r, clock):
+                    races[id(r)] = r
             if write:
-                for r in c.reads.values():
-                    if not _ordered(r, clock):
-                        races[id(r)] = r
                 new = _Cell(end, acc, {})
             else:
                 reads = dict(c.reads)
-                reads[acc.serial] = acc
+                reads[acc.serial, atomic] = acc
                 new = _Cell(end, w, reads)
             last = out[-1][1] if out else None
             if last is not None and last.write is new.write and last.reads == new.reads:
@@ -366,7 +381,7 @@ class Sanitizer:
         shadow = self._shadows.get(physical)
         if shadow is None:
             shadow = self._shadows[physical] = _Shadow()
-        for prev in shadow.access(acc, mode != "read", clock):
+        for prev in shadow.access(acc, clock):
             lo, hi = max(prev.start, acc.start), min(prev.end, acc.end)
             report = RaceReport(prev, acc, lo, hi, self._kind(physical, lo))
             self.found.append(report)

@@ -34,6 +34,16 @@ def scale(out, x, a):
     i = global_id(0)
     if i < out.size:
         out[i] = x[i] * a
+
+def count(total, x):
+    i = global_id(0)
+    if i < x.size:
+        atomic_add(total, 0, x[i])
+
+def bump(x):
+    i = global_id(0)
+    if i < x.size:
+        x[i] += 1.0
 ''')
 N = 4096
 G, B = N // 256, 256
@@ -137,6 +147,30 @@ def graph_replay(x):  # a replayed kernel and a memset on another stream
     a.memset(0, stream=s2); note(x, "second", s2, op="memset", mode="write", line=here())
     x["range"] = [a.va, a.va + a.nbytes]; x["kind"] = "device"
 run("graph_replay", graph_replay)
+
+def raw_packets(x):  # packets a client encodes itself, written through Stream.submit
+    a, b = runtime.empty(N, np.float32), runtime.empty(N, np.float32)
+    runtime.synchronize()
+    s1.submit([pkt(userq.Op.MEMSET, a.va + 64, 128, 7)]); note(x, "first", s1, op="memset", mode="write", line=here())
+    s2.submit([pkt(userq.Op.COPY, b.va, a.va, 4 * N)]); note(x, "second", s2, op="copy", mode="read", line=here())
+    x["range"] = [a.va + 64, a.va + 192]; x["kind"] = "device"
+run("raw_packets", raw_packets)
+
+def atomic_then_read(x):  # atomics on s1, a plain read of the total on s2
+    a, total = runtime.empty(N, np.float32), runtime.empty(4, np.float32)
+    runtime.synchronize()
+    K.count[G, B](total, a, stream=s1); note(x, "first", s1, op="count", mode="atomic", line=here())
+    total.copy_to_host(runtime.pinned_empty(4, np.float32), stream=s2); note(x, "second", s2, op="copy", mode="read", line=here())
+    x["range"] = [total.va, total.va + 16]; x["kind"] = "device"
+run("atomic_then_read", atomic_then_read)
+
+def read_modify_write(x):  # x[i] += 1 reads and writes: racing a read on another stream
+    a = runtime.empty(N, np.float32)
+    runtime.synchronize()
+    a.copy_to_host(host2, stream=s2); note(x, "first", s2, op="copy", mode="read", line=here())
+    K.bump[G, B](a, stream=s1); note(x, "second", s1, op="bump", mode="read+write", line=here())
+    x["range"] = [a.va, a.va + a.nbytes]; x["kind"] = "device"
+run("read_modify_write", read_modify_write)
 """
 
 #: correct programs: the same shapes of work, ordered by each rule of docs/sanitizer.md
@@ -147,6 +181,13 @@ def disjoint_views(x):
     K.fill[G, B](base.view(np.float32, (N,), 0), np.float32(1), stream=s1)
     K.fill[G, B](base.view(np.float32, (N,), 4 * N), np.float32(2), stream=s2)
 run("disjoint_views", disjoint_views)
+
+def atomics_on_two_streams(x):  # atomic adds do not race with atomic adds
+    a, total = runtime.empty(N, np.float32), runtime.empty(4, np.float32)
+    runtime.synchronize()
+    K.count[G, B](total, a, stream=s1)
+    K.count[G, B](total, a, stream=s2)
+run("atomics_on_two_streams", atomics_on_two_streams)
 
 def same_stream(x):
     a = runtime.empty(N, np.float32)
@@ -267,8 +308,8 @@ run("across_devices_ordered", across_devices_ordered)
 
 RACY_NAMES = ["copy_copy", "kernel_then_read", "read_then_write", "overlapping_views",
               "event_too_early", "pinned_host_memory", "reuse_without_record_stream",
-              "graph_replay"]
-CORRECT_NAMES = ["disjoint_views", "same_stream", "reads_only", "event_ordered",
+              "graph_replay", "raw_packets", "atomic_then_read", "read_modify_write"]
+CORRECT_NAMES = ["disjoint_views", "atomics_on_two_streams", "same_stream", "reads_only", "event_ordered",
                  "wait_stream_ordered", "synchronize_ordered", "event_query_ordered",
                  "blocking_copy_ordered", "reuse_same_stream", "reuse_with_record_stream",
                  "graph_replay_ordered", "across_devices_ordered"]

@@ -1,0 +1,100 @@
+"""The stream-race sanitizer (``ACCEL_SANITIZE=1``, docs/sanitizer.md) under torch_accel:
+racy and correct torch programs on two streams; a race names the aten operators, the
+kernels they launched, their modes and the user's lines (the runtime's corpus is
+tests/runtime/test_sanitizer.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+PROGRAMS = """
+import dataclasses
+from runtime import sanitizer
+assert sanitizer.active is not None
+N = 4096
+s = torch.accel.Stream()
+results = {}
+def here():
+    return sys._getframe(1).f_lineno
+def run(name, program):
+    lines = {}
+    try:
+        program(lines)
+        torch.accel.synchronize()
+        results[name] = {"raised": False, "lines": lines}
+    except runtime.RaceError as e:
+        torch.accel.synchronize()
+        results[name] = {"raised": True, "lines": lines, "n": len(e.reports),
+                         "report": dataclasses.asdict(e.report)}
+
+def op_then_inplace_on_side_stream(lines):  # x read on the current stream, written on s
+    x = torch.ones(N, device="accel")
+    torch.accel.synchronize()
+    y = x * 2; lines["first"] = here()
+    with torch.accel.stream(s):
+        x.add_(1); lines["second"] = here()
+run("op_then_inplace_on_side_stream", op_then_inplace_on_side_stream)
+
+def side_stream_waits(lines):  # the same, with s.wait_stream(current) first
+    x = torch.ones(N, device="accel")
+    torch.accel.synchronize()
+    y = x * 2
+    s.wait_stream(torch.accel.current_stream())
+    with torch.accel.stream(s):
+        x.add_(1)
+run("side_stream_waits", side_stream_waits)
+
+def reuse_without_record_stream(lines):  # x used on s, freed, its block reused
+    x = torch.empty(N, device="accel")
+    torch.accel.synchronize()
+    p = x.data_ptr()
+    with torch.accel.stream(s):
+        x.fill_(1); lines["first"] = here()
+    del x
+    y = torch.empty(N, device="accel")
+    lines["reused"] = y.data_ptr() == p
+    y.fill_(2); lines["second"] = here()
+run("reuse_without_record_stream", reuse_without_record_stream)
+
+def reuse_with_record_stream(lines):
+    x = torch.empty(N, device="accel")
+    torch.accel.synchronize()
+    with torch.accel.stream(s):
+        x.fill_(1)
+    x.record_stream(s)
+    del x
+    y = torch.empty(N, device="accel")
+    y.fill_(2)
+run("reuse_with_record_stream", reuse_with_record_stream)
+report(results=results)
+"""
+
+
+def test_torch_corpus(torch_json):
+    """Both racy programs raise naming the aten operators, modes and lines; both correct
+    ones do not (one process: torch's import and the kernels' compiles are paid once)."""
+    results = torch_json(PROGRAMS, timeout=280, ACCEL_SANITIZE="1")["results"]
+
+    r = results["op_then_inplace_on_side_stream"]
+    assert r["raised"] and r["n"] == 1, r
+    first, second = r["report"]["first"], r["report"]["second"]
+    assert (first["aten"], first["mode"], first["site"]) == \
+        ("aten::mul.Tensor", "read", f"<string>:{r['lines']['first']}"), first
+    assert (second["aten"], second["mode"], second["site"]) == \
+        ("aten::add_.Tensor", "write", f"<string>:{r['lines']['second']}"), second
+    assert first["queue"] != second["queue"] and r["report"]["kind"] == "device"
+    assert r["report"]["end"] - r["report"]["start"] == 4096 * 4
+
+    r = results["reuse_without_record_stream"]
+    assert r["lines"]["reused"], "the caching allocator handed x's block to y"
+    assert r["raised"] and r["n"] == 1, r
+    first, second = r["report"]["first"], r["report"]["second"]
+    assert (first["aten"], first["site"]) == ("aten::fill_.Scalar",
+                                               f"<string>:{r['lines']['first']}"), first
+    assert (second["aten"], second["site"]) == ("aten::fill_.Scalar",
+                                                f"<string>:{r['lines']['second']}"), second
+
+    for name in ("side_stream_waits", "reuse_with_record_stream"):
+        assert not results[name]["raised"], (name, results[name])
