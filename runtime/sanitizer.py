@@ -46,10 +46,11 @@ _REGISTER = os.path.join("torch_accel", "ops", "_register.py")
 #: ``<launchers of NAME>``)
 _GENERATED = ("<packer of ", "<launchers of ")
 _RECORD = userq.ARG_RECORD
-_RAW = userq.RAW_PACKET
+#: launches whose accesses are kept parsed, by (context, packet, argument block)
+LAUNCH_CACHE = 4096
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Access:
     """One packet's access to one byte range: who made it and where the host asked."""
 
@@ -203,6 +204,10 @@ class _Shadow:
         j = bisect.bisect_right(starts, lo) - 1
         if j < 0 or cells[j].end <= lo:
             j += 1
+        races: dict[int, Access] = {}
+        if j < len(cells) and starts[j] == lo and cells[j].end == hi:  # the same bytes again
+            cells[j] = _visit(cells[j], hi, acc, clock, races)
+            return list(races.values())
         k = j
         while k < len(cells) and starts[k] < hi:
             k += 1
@@ -222,33 +227,37 @@ class _Shadow:
             pos = min(c.end, hi)
         if pos < hi:
             inside.append((pos, _Cell(hi, None, {})))
-        write = acc.mode not in ("read", "atomic")
-        atomic = acc.mode == "atomic"
-        races: dict[int, Access] = {}
         out: list[tuple[int, _Cell]] = []
         for start, c in inside:
-            end = min(c.end, hi)
-            w = c.write
-            if w is not None and not _ordered(w, clock):
-                races[id(w)] = w
-            for (_, was_atomic), r in c.reads.items():
-                if (write or was_atomic != atomic) and not _ordered(r, clock):
-                    races[id(r)] = r
-            if write:
-                new = _Cell(end, acc, {})
-            else:
-                reads = dict(c.reads)
-                reads[acc.serial, atomic] = acc
-                new = _Cell(end, w, reads)
+            new = _visit(c, min(c.end, hi), acc, clock, races)
             last = out[-1][1] if out else None
             if last is not None and last.write is new.write and last.reads == new.reads:
-                last.end = end
+                last.end = new.end
             else:
                 out.append((start, new))
         merged = head + out + tail
         starts[j:k] = [s for s, _ in merged]
         cells[j:k] = [c for _, c in merged]
         return list(races.values())
+
+
+def _visit(c: _Cell, end: int, acc: Access, clock: _Clock, races: dict[int, Access]) -> _Cell:
+    """Check ``acc`` against cell ``c`` (adding what it races with to ``races``); the
+    cell as it is after ``acc``, up to ``end``."""
+    mode = acc.mode
+    write = mode != "read" and mode != "atomic"
+    atomic = mode == "atomic"
+    w = c.write
+    if w is not None and not _ordered(w, clock):
+        races[id(w)] = w
+    for (_, was_atomic), r in c.reads.items():
+        if (write or was_atomic != atomic) and not _ordered(r, clock):
+            races[id(r)] = r
+    if write:
+        return _Cell(end, acc, {})
+    reads = dict(c.reads)
+    reads[acc.serial, atomic] = acc
+    return _Cell(end, w, reads)
 
 
 # --- the sanitizer ---------------------------------------------------------------------------
@@ -265,6 +274,7 @@ class Sanitizer:
         self.epoch = 0
         self._shadows: dict[str, _Shadow] = {}
         self._modes: dict[tuple[int, int], list[str | None] | None] = {}
+        self._launches: dict[tuple[int, bytes, bytes], tuple[tuple[str, str, int, int], ...]] = {}
         self._host_memory: dict[str, list[tuple[int, int, str]]] = {}
         self.pending: list[RaceReport] = []
         #: every race found (tests and ``races()`` read it)
@@ -308,13 +318,11 @@ class Sanitizer:
             clock = self._enter(stream, wptr + 1)
             for n, pkt in enumerate(packets, wptr + 1):
                 clock.vc[clock.serial] = n
-                if type(pkt) is bytes:
-                    self._packet(stream, clock, n, userq.decode_bytes(pkt), None, site, aten)
-                elif hasattr(pkt, "args"):  # a captured launch (ArgLaunch): replayed
-                    self._packet(stream, clock, n, userq.decode_bytes(pkt.packet), pkt.args,
-                                 site, aten)
+                if hasattr(pkt, "args"):  # a launch with its block (ArgLaunch): a replay
+                    self._launch(stream, clock, n, pkt.packet, pkt.args, site, aten)
                 else:
-                    self._packet(stream, clock, n, pkt, None, site, aten)
+                    self._packet(stream, clock, n, userq.decode_bytes(pkt) if type(pkt)
+                                 is bytes else pkt, site, aten)
 
     def launching(self, stream: Any, seqno: int, packet: bytes, args: bytes) -> None:
         """``stream`` writes one LAUNCH as ``seqno`` (``Stream._write_launch``)."""
@@ -322,7 +330,7 @@ class Sanitizer:
         with self._lock:
             clock = self._enter(stream, seqno)
             clock.vc[clock.serial] = seqno
-            self._packet(stream, clock, seqno, userq.decode_bytes(packet), args, site, aten)
+            self._launch(stream, clock, seqno, packet, args, site, aten)
 
     def _enter(self, stream: Any, seqno: int) -> _Clock:
         clock = self._clock(stream)
@@ -331,8 +339,11 @@ class Sanitizer:
             clock.epoch = self.epoch
         return clock
 
-    def _packet(self, stream: Any, clock: _Clock, seqno: int, pkt: Any, args: bytes | None,
-                site: str, aten: str | None) -> None:
+    def _packet(self, stream: Any, clock: _Clock, seqno: int, pkt: Any, site: str,
+                aten: str | None) -> None:
+        """A packet other than a launch with its argument block: a LAUNCH a client wrote
+        itself names its block's address in memory the sanitizer does not read, so its
+        accesses are not tracked (docs/sanitizer.md)."""
         op = type(pkt)
         if op is userq.Copy:
             self._touch(stream, clock, seqno, "copy", "read", pkt.src, pkt.nbytes, site, aten)
@@ -343,18 +354,37 @@ class Sanitizer:
             src = self._waited_queue(stream, pkt.queue)
             if src is not None:
                 clock.join(src.at(pkt.seqno), seqno)
-        elif op is userq.Launch and args is not None:
-            name = stream.ctx.kernel_names.get(pkt.handle, f"kernel {pkt.handle:#x}")
-            modes = self._kernel_modes(stream.ctx, pkt.handle)
-            k = 0
-            for off in range(0, len(args) - _RECORD.size + 1, _RECORD.size):
-                kind, _, va, nbytes = _RECORD.unpack_from(args, off)
-                if kind != userq.ARG_BUFFER:
-                    continue
-                mode = modes[k] if modes is not None and k < len(modes) else "write"
-                k += 1
-                if mode is not None:
-                    self._touch(stream, clock, seqno, name, mode, va, nbytes, site, aten)
+
+    def _launch(self, stream: Any, clock: _Clock, seqno: int, packet: bytes, args: bytes,
+                site: str, aten: str | None) -> None:
+        key = (stream.ctx.id, packet, args)
+        accesses = self._launches.get(key)
+        if accesses is None:  # a program launches a few (kernel, arguments) over and over
+            if len(self._launches) >= LAUNCH_CACHE:
+                self._launches.clear()
+            accesses = self._launches[key] = self._launch_accesses(stream.ctx, packet, args)
+        for name, mode, va, nbytes in accesses:
+            self._touch(stream, clock, seqno, name, mode, va, nbytes, site, aten)
+
+    def _launch_accesses(self, ctx: Any, packet: bytes,
+                         args: bytes) -> tuple[tuple[str, str, int, int], ...]:
+        """(kernel name, mode, address, bytes) of each buffer a launch reaches: its
+        argument block's buffer records, in order, with the kernel's parameter modes
+        (written, conservatively, when the kernel's IR is unknown)."""
+        handle = userq.decode_bytes(packet).handle
+        name = ctx.kernel_names.get(handle, f"kernel {handle:#x}")
+        modes = self._kernel_modes(ctx, handle)
+        out = []
+        k = 0
+        for off in range(0, len(args) - _RECORD.size + 1, _RECORD.size):
+            kind, _, va, nbytes = _RECORD.unpack_from(args, off)
+            if kind != userq.ARG_BUFFER:
+                continue
+            mode = modes[k] if modes is not None and k < len(modes) else "write"
+            k += 1
+            if mode is not None:
+                out.append((name, mode, va, nbytes))
+        return tuple(out)
 
     def _waited_queue(self, stream: Any, qid: int) -> _Clock | None:
         """The stream a WAIT_QUEUE of ``stream`` names: a queue of its device, or one it
