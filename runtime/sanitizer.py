@@ -48,6 +48,9 @@ _GENERATED = ("<packer of ", "<launchers of ")
 _RECORD = userq.ARG_RECORD
 #: launches whose accesses are kept parsed, by (context, packet, argument block)
 LAUNCH_CACHE = 4096
+#: joins a stream's clock remembers (``_Clock``): a program that synchronises every step
+#: joins once a step, and the history would otherwise grow without bound
+JOIN_HISTORY = 1024
 
 
 @dataclass(slots=True)
@@ -139,20 +142,26 @@ class _Clock:
     """A stream's vector clock: stream serial -> the last seqno of it ordered before this
     stream's next packet; its own entry is its last packet. ``joins`` keeps the clock as
     each join left it (seqno it applies from, the clock), so a wait for an earlier seqno of
-    this stream finds what was ordered before that seqno."""
+    this stream finds what was ordered before that seqno. It keeps the last
+    ``JOIN_HISTORY`` joins: a wait for a seqno older than those gets the oldest kept, which
+    may order more than was (a missed race, never a false one)."""
 
-    __slots__ = ("serial", "vc", "joins", "epoch", "label", "device", "queue", "__weakref__")
+    __slots__ = ("serial", "vc", "joins", "pruned", "epoch", "label", "device", "queue",
+                 "__weakref__")
 
     def __init__(self, serial: int, stream: Any) -> None:
         self.serial = serial
         self.vc: dict[int, int] = {serial: stream.last_seqno}
         self.joins: list[tuple[int, dict[int, int]]] = []
+        self.pruned = False
         self.epoch = -1
         self.label, self.device, self.queue = repr(stream), stream.device, stream.queue_id
 
     def at(self, seqno: int) -> dict[int, int]:
         """The clock of this stream's packet ``seqno``."""
         i = bisect.bisect_right(self.joins, seqno, key=lambda j: j[0]) - 1
+        if i < 0 and self.pruned:
+            i = 0
         vc = dict(self.joins[i][1]) if i >= 0 else {}
         vc[self.serial] = seqno
         return vc
@@ -166,6 +175,9 @@ class _Clock:
                 changed = True
         if changed:
             self.joins.append((from_seqno, dict(vc)))
+            if len(self.joins) > JOIN_HISTORY:
+                del self.joins[: JOIN_HISTORY // 2]
+                self.pruned = True
 
 
 def _ordered(a: Access, clock: _Clock) -> bool:
