@@ -42,6 +42,10 @@ from runtime.errors import RaceError
 _OWN_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d)
                   + os.sep for d in ("runtime", "torch_accel"))
 _REGISTER = os.path.join("torch_accel", "ops", "_register.py")
+#: torch_accel's operators registered as functions of their own (not through
+#: ``_register.implements``): the copies torch's composite operators end in
+_COPY = os.path.join("torch_accel", "ops", "copy.py")
+_COPY_OPS = ("_copy_from", "_copy_from_and_resize")
 #: the code the runtime generates (runtime/arg_packer.py names it ``<packer of NAME>``,
 #: ``<launchers of NAME>``)
 _GENERATED = ("<packer of ", "<launchers of ")
@@ -447,7 +451,8 @@ class Sanitizer:
 
 def _call_site() -> tuple[str, str | None]:
     """``file:line`` of the first frame outside the runtime and torch_accel, and the
-    torch operator being run (torch_accel's registered wrapper holds it as ``_op``)."""
+    torch operator being run (torch_accel's registered wrapper holds it as ``_op``; its
+    copy operators are functions of their own). Only called while the sanitizer is on."""
     f = sys._getframe(2)
     aten = None
     while f is not None:
@@ -456,6 +461,8 @@ def _call_site() -> tuple[str, str | None]:
             return f"{path}:{f.f_lineno}", aten
         if aten is None and path.endswith(_REGISTER) and "_op" in f.f_locals:
             aten = f.f_locals["_op"].name()
+        elif aten is None and path.endswith(_COPY) and f.f_code.co_name in _COPY_OPS:
+            aten = f"aten::{f.f_code.co_name}"
         f = f.f_back
     return "?", aten
 

@@ -68,12 +68,30 @@ def reuse_with_record_stream(lines):
     y = torch.empty(N, device="accel")
     y.fill_(2)
 run("reuse_with_record_stream", reuse_with_record_stream)
+def train_step(model, opt):
+    loss = model(torch.ones(16, 8, device="accel")).square().sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+def snapshot(lines, wait_back):  # parameters cloned on a side stream while training goes on
+    model = torch.nn.Linear(8, 4).to("accel")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_step(model, opt)
+    s.wait_stream(torch.accel.current_stream())
+    with torch.accel.stream(s):
+        snap = [p.detach().clone() for p in model.parameters()]; lines["first"] = here()
+    if wait_back:
+        torch.accel.current_stream().wait_stream(s)
+    train_step(model, opt)
+run("snapshot_without_wait_back", lambda lines: snapshot(lines, False))
+run("snapshot_with_wait_back", lambda lines: snapshot(lines, True))
 report(results=results)
 """
 
 
 def test_torch_corpus(torch_json):
-    """Both racy programs raise naming the aten operators, modes and lines; both correct
+    """The racy programs raise naming the aten operators, modes and lines; the correct
     ones do not (one process: torch's import and the kernels' compiles are paid once)."""
     results = torch_json(PROGRAMS, timeout=280, ACCEL_SANITIZE="1")["results"]
 
@@ -96,5 +114,15 @@ def test_torch_corpus(torch_json):
     assert (second["aten"], second["site"]) == ("aten::fill_.Scalar",
                                                 f"<string>:{r['lines']['second']}"), second
 
-    for name in ("side_stream_waits", "reuse_with_record_stream"):
+    # a realistic one: the optimizer's next step writes the parameters a side stream is
+    # still cloning (each parameter's race is reported: weight and bias)
+    r = results["snapshot_without_wait_back"]
+    assert r["raised"] and r["n"] == 2, r
+    first, second = r["report"]["first"], r["report"]["second"]
+    assert (first["aten"], first["mode"], first["site"]) == \
+        ("aten::_copy_from", "read", f"<string>:{r['lines']['first']}"), first
+    assert (second["aten"], second["mode"]) == ("aten::add_.Tensor", "write"), second
+    assert second["site"].endswith("torch/optim/sgd.py:" + second["site"].split(":")[-1])
+
+    for name in ("side_stream_waits", "reuse_with_record_stream", "snapshot_with_wait_back"):
         assert not results[name]["raised"], (name, results[name])
