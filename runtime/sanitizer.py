@@ -33,7 +33,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from abi import userq
 from runtime.errors import RaceError
@@ -277,6 +277,13 @@ def _visit(c: _Cell, end: int, acc: Access, clock: _Clock, races: dict[int, Acce
 
 
 # --- the sanitizer ---------------------------------------------------------------------------
+class _ContextCache(NamedTuple):
+    """What the sanitizer keeps parsed per context."""
+
+    modes: dict[int, list[str | None] | None]
+    launches: dict[tuple[bytes, bytes], tuple[tuple[str, str, int, int], ...]]
+
+
 class Sanitizer:
     """The process's race tracker (one, :data:`active`)."""
 
@@ -289,11 +296,14 @@ class Sanitizer:
         self.host: dict[int, int] = {}
         self.epoch = 0
         self._shadows: dict[str, _Shadow] = {}
-        self._modes: dict[tuple[int, int], list[str | None] | None] = {}
-        self._launches: dict[tuple[int, bytes, bytes], tuple[tuple[str, str, int, int], ...]] = {}
+        #: per context (weakly: a context id is unique on its device only, and a rebuilt
+        #: context reuses ids and handles): kernel handle -> its parameters' modes, and
+        #: (packet, argument block) -> the launch's accesses
+        self._contexts: weakref.WeakKeyDictionary[Any, _ContextCache] = \
+            weakref.WeakKeyDictionary()
         self._host_memory: dict[str, list[tuple[int, int, str]]] = {}
         self.pending: list[RaceReport] = []
-        #: every race found (tests and ``races()`` read it)
+        #: every race found, raised or printed or not
         self.found: list[RaceReport] = []
 
     # --- clocks ------------------------------------------------------------------------
@@ -373,12 +383,13 @@ class Sanitizer:
 
     def _launch(self, stream: Any, clock: _Clock, seqno: int, packet: bytes, args: bytes,
                 site: str, aten: str | None) -> None:
-        key = (stream.ctx.id, packet, args)
-        accesses = self._launches.get(key)
+        cache = self._cache(stream.ctx)
+        accesses = cache.launches.get((packet, args))
         if accesses is None:  # a program launches a few (kernel, arguments) over and over
-            if len(self._launches) >= LAUNCH_CACHE:
-                self._launches.clear()
-            accesses = self._launches[key] = self._launch_accesses(stream.ctx, packet, args)
+            if len(cache.launches) >= LAUNCH_CACHE:
+                cache.launches.clear()
+            accesses = cache.launches[packet, args] = self._launch_accesses(stream.ctx,
+                                                                            packet, args)
         for name, mode, va, nbytes in accesses:
             self._touch(stream, clock, seqno, name, mode, va, nbytes, site, aten)
 
@@ -410,12 +421,18 @@ class Sanitizer:
                 return self._queues.get((physical, peer_qid))
         return self._queues.get((stream.ctx.physical, qid))
 
+    def _cache(self, ctx: Any) -> _ContextCache:
+        cache = self._contexts.get(ctx)
+        if cache is None:
+            cache = self._contexts[ctx] = _ContextCache({}, {})
+        return cache
+
     def _kernel_modes(self, ctx: Any, handle: int) -> list[str | None] | None:
-        key = (ctx.id, handle)
-        if key not in self._modes:
+        modes = self._cache(ctx).modes
+        if handle not in modes:
             ir = ctx.kernel_irs.get(handle)
-            self._modes[key] = param_modes(ir) if ir is not None else None
-        return self._modes[key]
+            modes[handle] = param_modes(ir) if ir is not None else None
+        return modes[handle]
 
     def _touch(self, stream: Any, clock: _Clock, seqno: int, op: str, mode: str, va: int,
                nbytes: int, site: str, aten: str | None) -> None:
