@@ -432,7 +432,7 @@ class _HostAllocation:
         self.handle, self.va, self.kind = reply.handle, reply.va, kind
         self.base = np.frombuffer(self.mem, np.uint8).ctypes.data
         if (san := _sanitizer.active) is not None:
-            san.host_memory(ctx.physical, self.va, nbytes, kind.name.lower())
+            san.host_memory(self.va, nbytes, kind.name.lower())
 
     def __del__(self) -> None:
         if self.handle is not None and os.getpid() == self.ctx.channel.pid \

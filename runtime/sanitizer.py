@@ -92,7 +92,7 @@ class RaceReport:
 
     def __str__(self) -> str:
         return (f"race on {self.kind} memory [{self.start:#x}, {self.end:#x}) "
-                f"({self.end - self.start} bytes) of accel:{self.first.device}:\n"
+                f"({self.end - self.start} bytes):\n"
                 f"  {self.first}\n  {self.second}\n"
                 "  neither is ordered before the other (no event, wait or host "
                 "synchronisation joins them)")
@@ -295,13 +295,16 @@ class Sanitizer:
         self._serial = 0
         self.host: dict[int, int] = {}
         self.epoch = 0
-        self._shadows: dict[str, _Shadow] = {}
+        #: the process's device addresses: unique per (device, process), a peer mapping a
+        #: device's memory at the same address (docs/memory.md), so one map for all devices
+        #: compares a peer copy's bytes with the owner's kernels
+        self._shadow = _Shadow()
         #: per context (weakly: a context id is unique on its device only, and a rebuilt
         #: context reuses ids and handles): kernel handle -> its parameters' modes, and
         #: (packet, argument block) -> the launch's accesses
         self._contexts: weakref.WeakKeyDictionary[Any, _ContextCache] = \
             weakref.WeakKeyDictionary()
-        self._host_memory: dict[str, list[tuple[int, int, str]]] = {}
+        self._host_memory: list[tuple[int, int, str]] = []
         self.pending: list[RaceReport] = []
         #: every race found, raised or printed or not
         self.found: list[RaceReport] = []
@@ -372,10 +375,10 @@ class Sanitizer:
         accesses are not tracked (docs/sanitizer.md)."""
         op = type(pkt)
         if op is userq.Copy:
-            self._touch(stream, clock, seqno, "copy", "read", pkt.src, pkt.nbytes, site, aten)
-            self._touch(stream, clock, seqno, "copy", "write", pkt.dst, pkt.nbytes, site, aten)
+            self._touch(clock, seqno, "copy", "read", pkt.src, pkt.nbytes, site, aten)
+            self._touch(clock, seqno, "copy", "write", pkt.dst, pkt.nbytes, site, aten)
         elif op is userq.Memset:
-            self._touch(stream, clock, seqno, "memset", "write", pkt.dst, pkt.nbytes, site, aten)
+            self._touch(clock, seqno, "memset", "write", pkt.dst, pkt.nbytes, site, aten)
         elif op is userq.WaitQueue:
             src = self._waited_queue(stream, pkt.queue)
             if src is not None:
@@ -391,7 +394,7 @@ class Sanitizer:
             accesses = cache.launches[packet, args] = self._launch_accesses(stream.ctx,
                                                                             packet, args)
         for name, mode, va, nbytes in accesses:
-            self._touch(stream, clock, seqno, name, mode, va, nbytes, site, aten)
+            self._touch(clock, seqno, name, mode, va, nbytes, site, aten)
 
     def _launch_accesses(self, ctx: Any, packet: bytes,
                          args: bytes) -> tuple[tuple[str, str, int, int], ...]:
@@ -434,19 +437,15 @@ class Sanitizer:
             modes[handle] = param_modes(ir) if ir is not None else None
         return modes[handle]
 
-    def _touch(self, stream: Any, clock: _Clock, seqno: int, op: str, mode: str, va: int,
+    def _touch(self, clock: _Clock, seqno: int, op: str, mode: str, va: int,
                nbytes: int, site: str, aten: str | None) -> None:
         if nbytes <= 0:
             return
         acc = Access(clock.label, clock.device, clock.queue, seqno, op, mode, site, va,
                      va + nbytes, aten, clock.serial)
-        physical = stream.ctx.physical
-        shadow = self._shadows.get(physical)
-        if shadow is None:
-            shadow = self._shadows[physical] = _Shadow()
-        for prev in shadow.access(acc, clock):
+        for prev in self._shadow.access(acc, clock):
             lo, hi = max(prev.start, acc.start), min(prev.end, acc.end)
-            report = RaceReport(prev, acc, lo, hi, self._kind(physical, lo))
+            report = RaceReport(prev, acc, lo, hi, self._kind(lo))
             self.found.append(report)
             if self.mode == "warn":
                 print(f"accel sanitizer: {report}", file=sys.stderr, flush=True)
@@ -454,13 +453,13 @@ class Sanitizer:
                 self.pending.append(report)
 
     # --- memory kinds ------------------------------------------------------------------
-    def host_memory(self, physical: str, va: int, nbytes: int, kind: str) -> None:
-        """Pinned or managed memory was mapped at ``va`` for ``physical``'s device."""
+    def host_memory(self, va: int, nbytes: int, kind: str) -> None:
+        """Pinned or managed memory was mapped for a device at ``va``."""
         with self._lock:
-            self._host_memory.setdefault(physical, []).append((va, va + nbytes, kind))
+            self._host_memory.append((va, va + nbytes, kind))
 
-    def _kind(self, physical: str, va: int) -> str:
-        for lo, hi, kind in reversed(self._host_memory.get(physical, ())):
+    def _kind(self, va: int) -> str:
+        for lo, hi, kind in reversed(self._host_memory):
             if lo <= va < hi:
                 return kind
         return "device"

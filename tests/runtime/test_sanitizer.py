@@ -24,7 +24,7 @@ SETUP = """
 import dataclasses
 from runtime import sanitizer
 assert sanitizer.active is not None and sanitizer.active.mode == "raise"
-K = runtime.compile('''
+SOURCE = '''
 def fill(out, v):
     i = global_id(0)
     if i < out.size:
@@ -44,24 +44,31 @@ def bump(x):
     i = global_id(0)
     if i < x.size:
         x[i] += 1.0
-''')
+'''
+K = runtime.compile(SOURCE)
 N = 4096
 G, B = N // 256, 256
 s1, s2 = runtime.Stream(), runtime.Stream()
 host = runtime.pinned_empty(N, np.float32)
 host2 = runtime.pinned_empty(N, np.float32)
 host[:] = 1
+runtime.enable_peer_access(1, device=0)
+K1 = runtime.compile(SOURCE, device=1)
+t1 = runtime.Stream(1)
 results = {}
 def here():
     return sys._getframe(1).f_lineno
+def sync():
+    runtime.synchronize(0)
+    runtime.synchronize(1)
 def run(name, program):
     expect = {}
     try:
         program(expect)
-        runtime.synchronize()
+        sync()
         results[name] = {"raised": False, "expect": expect}
     except runtime.RaceError as e:
-        runtime.synchronize()
+        sync()
         results[name] = {"raised": True, "expect": expect,
                          "report": dataclasses.asdict(e.report), "n": len(e.reports),
                          "text": str(e)}
@@ -171,6 +178,15 @@ def read_modify_write(x):  # x[i] += 1 reads and writes: racing a read on anothe
     K.bump[G, B](a, stream=s1); note(x, "second", s1, op="bump", mode="read+write", line=here())
     x["range"] = [a.va, a.va + a.nbytes]; x["kind"] = "device"
 run("read_modify_write", read_modify_write)
+
+def peer_copy(x):  # device 0 copies device 1's array while a kernel on device 1 writes it
+    b = runtime.empty(N, np.float32, device=1)
+    a = runtime.empty(N, np.float32)
+    runtime.synchronize(1)
+    K1.fill[G, B](b, np.float32(1), stream=t1); note(x, "first", t1, op="fill", mode="write", line=here())
+    a.copy_(b, stream=s1); note(x, "second", s1, op="copy", mode="read", line=here())
+    x["range"] = [b.va, b.va + b.nbytes]; x["kind"] = "device"
+run("peer_copy", peer_copy)
 """
 
 #: correct programs: the same shapes of work, ordered by each rule of docs/sanitizer.md
@@ -285,16 +301,20 @@ def graph_replay_ordered(x):
     a.memset(0, stream=s2)
 run("graph_replay_ordered", graph_replay_ordered)
 
+def peer_copy_ordered(x):  # the same, device 0's stream waiting for device 1's event
+    b = runtime.empty(N, np.float32, device=1)
+    a = runtime.empty(N, np.float32)
+    runtime.synchronize(1)
+    K1.fill[G, B](b, np.float32(1), stream=t1)
+    e = runtime.Event()
+    e.record(t1)
+    s1.wait_event(e)
+    a.copy_(b, stream=s1)
+run("peer_copy_ordered", peer_copy_ordered)
+
 def across_devices_ordered(x):  # an event of device 0 orders work on device 1
     a = runtime.empty(N, np.float32, device=1)
-    t1 = runtime.Stream(1)
     runtime.synchronize(1)
-    K1 = runtime.compile('''
-def fill(out, v):
-    i = global_id(0)
-    if i < out.size:
-        out[i] = v
-''', device=1)
     K1.fill[G, B](a, np.float32(1), stream=t1)
     e = runtime.Event()
     e.record(t1)
@@ -308,11 +328,13 @@ run("across_devices_ordered", across_devices_ordered)
 
 RACY_NAMES = ["copy_copy", "kernel_then_read", "read_then_write", "overlapping_views",
               "event_too_early", "pinned_host_memory", "reuse_without_record_stream",
-              "graph_replay", "raw_packets", "atomic_then_read", "read_modify_write"]
+              "graph_replay", "raw_packets", "atomic_then_read", "read_modify_write",
+              "peer_copy"]
 CORRECT_NAMES = ["disjoint_views", "atomics_on_two_streams", "same_stream", "reads_only", "event_ordered",
                  "wait_stream_ordered", "synchronize_ordered", "event_query_ordered",
                  "blocking_copy_ordered", "reuse_same_stream", "reuse_with_record_stream",
-                 "graph_replay_ordered", "across_devices_ordered"]
+                 "graph_replay_ordered", "across_devices_ordered",
+                 "peer_copy_ordered"]
 
 
 @pytest.fixture(scope="module")
