@@ -290,6 +290,20 @@ def reuse_with_record_stream(x):
     b.memset(0, stream=s1)
 run("reuse_with_record_stream", reuse_with_record_stream)
 
+def reuse_when_the_allocator_finds_the_event_done(x):  # no host wait but the allocator's
+    a = runtime.empty(N, np.float32, stream=s1)
+    runtime.synchronize()
+    va = a.va
+    K.fill[G, B](a, np.float32(1), stream=s2)
+    a.record_stream(s2)
+    del a
+    while s2.completed < s2.last_seqno:  # reading the fence is no synchronisation
+        time.sleep(0.001)
+    b = runtime.empty(N, np.float32, stream=s1)  # the allocator's Event.query finds it done
+    x["reused"] = b.va == va
+    b.memset(0, stream=s1)
+run("reuse_when_the_allocator_finds_the_event_done", reuse_when_the_allocator_finds_the_event_done)
+
 def graph_replay_ordered(x):
     a = runtime.empty(N, np.float32, stream=s1)
     g = runtime.Graph()
@@ -333,6 +347,7 @@ RACY_NAMES = ["copy_copy", "kernel_then_read", "read_then_write", "overlapping_v
 CORRECT_NAMES = ["disjoint_views", "atomics_on_two_streams", "same_stream", "reads_only", "event_ordered",
                  "wait_stream_ordered", "synchronize_ordered", "event_query_ordered",
                  "blocking_copy_ordered", "reuse_same_stream", "reuse_with_record_stream",
+                 "reuse_when_the_allocator_finds_the_event_done",
                  "graph_replay_ordered", "across_devices_ordered",
                  "peer_copy_ordered"]
 
@@ -369,6 +384,8 @@ def test_racy_program_raises_naming_both_accesses(corpus, name):
 def test_correct_program_does_not_raise(corpus, name):
     r = corpus[name]
     assert not r["raised"], r.get("text")
+    if "reused" in r["expect"]:
+        assert r["expect"]["reused"], "the allocator handed the block out again"
 
 
 def test_the_corpus_is_the_documented_one(corpus):
