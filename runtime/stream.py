@@ -416,7 +416,9 @@ class Stream:
 
         Spins on the fence in shared memory briefly, then sleeps on the context's event
         pipe with the fence armed (so Ctrl-C interrupts it, a timeout is honoured and a
-        lost device is noticed). Raises the fault that covers ``seqno``.
+        lost device is noticed). Raises the fault that covers ``seqno``; with
+        ``ACCEL_SANITIZE`` on, the host now knows ``seqno``'s work done (an ordering edge),
+        and the races found so far raise ``RaceError`` (runtime/sanitizer.py).
         """
         self._check_host_wait()
         if seqno == 0:
