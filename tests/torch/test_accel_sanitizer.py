@@ -86,6 +86,14 @@ def snapshot(lines, wait_back):  # parameters cloned on a side stream while trai
     train_step(model, opt)
 run("snapshot_without_wait_back", lambda lines: snapshot(lines, False))
 run("snapshot_with_wait_back", lambda lines: snapshot(lines, True))
+def peer_copy_then_free(lines):  # x's block reused on accel:0 after a copy to accel:1
+    x = torch.randn(1000, device="accel")
+    p = x.data_ptr()
+    y = x.to("accel:1")
+    del x
+    z = torch.randn(1000, device="accel")
+    lines["reused"] = z.data_ptr() == p
+run("peer_copy_then_free", peer_copy_then_free)
 report(results=results)
 """
 
@@ -124,5 +132,26 @@ def test_torch_corpus(torch_json):
     assert (second["aten"], second["mode"]) == ("aten::add_.Tensor", "write"), second
     assert second["site"].endswith("torch/optim/sgd.py:" + second["site"].split(":")[-1])
 
-    for name in ("side_stream_waits", "reuse_with_record_stream", "snapshot_with_wait_back"):
+    assert results["peer_copy_then_free"]["lines"]["reused"]
+    for name in ("side_stream_waits", "reuse_with_record_stream", "snapshot_with_wait_back",
+                 "peer_copy_then_free"):
         assert not results[name]["raised"], (name, results[name])
+
+
+def test_a_peer_copy_reads_its_source_before_the_source_is_reused(torch_json):
+    """``x.to("accel:1")`` queues the transfer on accel:1's stream; freeing ``x`` gives its
+    block back to accel:0's stream, whose next allocation takes it. The transfer must read
+    ``x`` before that work writes it: here it waits behind a busy kernel on accel:1 while
+    accel:0 is idle. Found by the sanitizer (``peer_copy_then_free`` above raised
+    aten::_copy_from against aten::normal_); before the fix ``y`` held ``z``'s values."""
+    r = torch_json("""
+        x = torch.randn(1000, device="accel")
+        want = x.cpu()
+        with torch.accel.device(1):
+            torch.accel._sleep(10**8)
+        y = x.to("accel:1")
+        del x
+        z = torch.randn(1000, device="accel")
+        report(y_is_x=torch.equal(y.cpu(), want), y_is_z=torch.equal(y.cpu(), z.cpu()))
+    """)
+    assert r == {"y_is_x": True, "y_is_z": False}, r
