@@ -23,6 +23,7 @@ from bench.elementwise import elementwise
 from bench.kernels import kernels, tiny_launches
 from bench.memory import allocator_and_copies, daemon_memory_per_context, managed_kernels
 from bench.procs import AccelDaemon, EchoServer
+from bench.sanitizer import sanitizer_overhead
 from bench.submission import idle_cpu, submission
 from bench.torch_backend import torch_backend
 
@@ -194,6 +195,7 @@ BENCHMARKS: list[tuple[str, Benchmark]] = [
     ("daemon_memory_per_context", daemon_memory_per_context),
     ("managed_kernels", managed_kernels),
     ("submission", submission),
+    ("sanitizer_overhead", sanitizer_overhead),
     ("idle_cpu", idle_cpu),
     ("bystander_under_floods", bystander_under_floods),
     ("bystander_launches_under_floods", bystander_launches_under_floods),

@@ -63,6 +63,7 @@ from runtime.errors import (
     KernelFaultError,
     NoDeviceError,
     OutOfMemoryError,
+    RaceError,
     ResourceLimitError,
     UseAfterForkError,
 )
@@ -74,7 +75,7 @@ __all__ = [
     "FirmwareCorruptError", "FirmwareError", "FirmwareMissingError", "Graph", "GraphPool",
     "HostArray", "InvalidValueError", "IpcHandle", "Kernel", "KernelCompileError",
     "KernelFaultError", "LaunchPlan", "Module",
-    "NoDeviceError", "OutOfMemoryError", "Profile", "ResourceLimitError", "Stream", "UseAfterForkError", "compile",
+    "NoDeviceError", "OutOfMemoryError", "Profile", "RaceError", "ResourceLimitError", "Stream", "UseAfterForkError", "compile",
     "current_device", "current_stream", "default_stream", "device", "device_count", "empty",
     "empty_cache", "enable_peer_access", "fault_records", "get_device_name", "get_device_properties",
     "graph", "init", "is_available", "is_initialized", "kernel", "managed_empty",

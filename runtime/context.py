@@ -163,6 +163,8 @@ class Context:
         #: kernel handle -> name, of the kernels this context's modules gave out: a
         #: launch's packet names its kernel by handle (Stream.kernel_name)
         self.kernel_names: dict[int, str] = {}
+        #: kernel handle -> its IR (the sanitizer reads which buffers a launch writes)
+        self.kernel_irs: dict[int, dict[str, Any]] = {}
         self._knock_lock = threading.Lock()
         self._imports: dict[tuple[str, int], int] = {}
         #: this context's streams (synchronize() covers them), and its last no-op fence

@@ -110,6 +110,21 @@ class AccelTimeoutError(AccelError, TimeoutError):
     """A host wait ran out of time before the device finished (ETIME)."""
 
 
+class RaceError(AccelError, RuntimeError):
+    """The sanitizer (``ACCEL_SANITIZE=1``, runtime/sanitizer.py) found device accesses to
+    overlapping bytes, at least one a write, that nothing orders. Raised at the next host
+    wait after the second was queued; ``report`` is the first race (a
+    ``runtime.sanitizer.RaceReport``: both accesses with stream, queue, seqno, op, mode and
+    call site, the overlapping range and its memory kind), ``reports`` every race found
+    since the last such raise."""
+
+    def __init__(self, reports: list[Any]) -> None:
+        more = f"\n(and {len(reports) - 1} more: see .reports)" if len(reports) > 1 else ""
+        super().__init__(f"{reports[0]}{more}")
+        self.reports = list(reports)
+        self.report = reports[0]
+
+
 #: How the runtime reads a driver errno. Open-time codes carry the device's failure text.
 ERRNO_CLASSES: dict[int, type[AccelError]] = {
     _errno.ENOENT: InvalidValueError,

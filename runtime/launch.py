@@ -395,6 +395,7 @@ class Module:
                 ctx_id=self._ctx.id, module_id=self.id, name=name.encode()))
             k = self._kernels[name] = Kernel(self, name, self.ir["kernels"][name], reply.handle)
             self._ctx.kernel_names[reply.handle] = name
+            self._ctx.kernel_irs[reply.handle] = k.ir
             if not name.startswith("_") and name not in vars(self) \
                     and not hasattr(type(self), name):
                 # ``module.name`` from now on without __getattr__ (a failed lookup first:

@@ -33,6 +33,7 @@ import numpy as np
 from abi import uapi, userq
 from runtime import devices as _device
 from runtime import _trace, discovery, errors
+from runtime import sanitizer as _sanitizer
 from runtime._shm import map_memfd, sealed_memfd
 from runtime.allocator import CachingAllocator
 from runtime.context import Context
@@ -430,6 +431,8 @@ class _HostAllocation:
             os.close(fd)  # the mapping and the driver keep the memory
         self.handle, self.va, self.kind = reply.handle, reply.va, kind
         self.base = np.frombuffer(self.mem, np.uint8).ctypes.data
+        if (san := _sanitizer.active) is not None:
+            san.host_memory(self.va, nbytes, kind.name.lower())
 
     def __del__(self) -> None:
         if self.handle is not None and os.getpid() == self.ctx.channel.pid \

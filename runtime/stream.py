@@ -27,6 +27,7 @@ import numpy as np
 
 from abi import uapi, userq
 from runtime import _trace, errors, faults
+from runtime import sanitizer as _sanitizer
 from runtime import devices as _device
 from runtime._shm import sealed_memfd
 from runtime.context import Context
@@ -215,6 +216,8 @@ class Stream:
             wptr = self.last_seqno
             if (tracer := _trace.active) is not None:
                 tracer.submitting(self, wptr, packets)
+            if (san := _sanitizer.active) is not None:
+                san.submitting(self, wptr, packets)
             for pkt in packets:
                 if wptr >= self._room:
                     self._make_room(wptr)
@@ -247,6 +250,8 @@ class Stream:
             if wptr >= self._room:
                 self._make_room(wptr)
             wptr += 1
+            if (san := _sanitizer.active) is not None:
+                san.launching(self, wptr, pkt, args)
             va = arena.write(wptr, args)
             ring.write_packet(wptr - 1, pkt if not va else _with_args_va(pkt, va))
             self._publish(wptr)
@@ -411,7 +416,9 @@ class Stream:
 
         Spins on the fence in shared memory briefly, then sleeps on the context's event
         pipe with the fence armed (so Ctrl-C interrupts it, a timeout is honoured and a
-        lost device is noticed). Raises the fault that covers ``seqno``.
+        lost device is noticed). Raises the fault that covers ``seqno``; with
+        ``ACCEL_SANITIZE`` on, the host now knows ``seqno``'s work done (an ordering edge),
+        and the races found so far raise ``RaceError`` (runtime/sanitizer.py).
         """
         self._check_host_wait()
         if seqno == 0:
@@ -439,6 +446,8 @@ class Stream:
                 lambda: self.completed >= seqno or self._ring.read_fault()[0] != 0,
                 timeout, repr(self), arm=lambda: self._arm(seqno))
         self._raise_fault(seqno)
+        if (san := _sanitizer.active) is not None:
+            san.waited(self, seqno)
         return self.timestamp(seqno)
 
     def query(self) -> bool:
@@ -447,6 +456,8 @@ class Stream:
         done = self.completed >= self.last_seqno
         if done:
             self._raise_fault(self.last_seqno)
+            if (san := _sanitizer.active) is not None:
+                san.waited(self, self.last_seqno, check=False)
         return done
 
     def synchronize(self, timeout: float | None = None) -> None:
@@ -545,6 +556,8 @@ class Event:
         done = self.stream.completed >= self.seqno
         if done:
             self.stream._raise_fault(self.seqno)
+            if (san := _sanitizer.active) is not None:
+                san.waited(self.stream, self.seqno, check=False)
         return done
 
     def synchronize(self, timeout: float | None = None) -> None:

@@ -106,13 +106,20 @@ def _between_devices(src: torch.Tensor, dst: torch.Tensor) -> None:
             strided_into(dst, src)
         return
     # peer: the source's work first, then one transfer of contiguous bytes of dst's dtype
+    # on dst's stream; then src's stream waits for it, as torch.cuda's copy ends in a
+    # barrier: the source's memory, freed, goes back to src's stream, which would
+    # otherwise hand it out again (and let it be written) before the transfer read it
     dense = contiguous_on_device(src.expand(dst.shape), dst.dtype)
-    stream(src.device.index).synchronize()
+    src_stream = stream(src.device.index)
+    src_stream.synchronize()
     target = dst if dst.is_contiguous() else torch.empty_like(dst, memory_format=torch.contiguous_format)
     if dense.numel():
         with runtime.device(dst.device.index):
             runtime.enable_peer_access(src.device.index)
-            view_of(target).copy_(view_of(dense), stream=stream(dst.device.index))
+            dst_stream = stream(dst.device.index)
+            view_of(target).copy_(view_of(dense), stream=dst_stream)
+        if dst_stream.capturing is None:  # a capture records no cross-stream wait
+            src_stream.wait_stream(dst_stream)
     if target is not dst:
         strided_into(dst, target)
 
