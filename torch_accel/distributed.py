@@ -44,6 +44,7 @@ NAME = "accl"
 #: how often a waiting collective looks in the store for another rank's fault (seconds)
 FAULT_POLL_S = 0.2
 _FAULTS = "accl/faults"
+_ABANDONED: list = []
 
 
 def _reduce_op(op: Any) -> Any:
@@ -110,6 +111,8 @@ class AcclProcessGroup(dist.ProcessGroup):
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size,
                                            timeout=timeout)
         self._comm: dict[int, torch.Stream] = {}
+        #: each device's name in fault messages, taken while it still answers
+        self._names: dict[int, str] = {}
         self._issue: queue.Queue[_Op | None] = queue.Queue()
         self._complete: queue.Queue[_Op | None] = queue.Queue()
         self._fault: str | None = None
@@ -127,6 +130,7 @@ class AcclProcessGroup(dist.ProcessGroup):
         """The device's communication stream (one per device, made on first use)."""
         if dev.index not in self._comm:
             self._comm[dev.index] = torch.accel.Stream(device=dev)
+            self._names[dev.index] = f"{dev} (uuid {torch.accel.get_device_properties(dev).uuid})"
         return self._comm[dev.index]
 
     def _start_threads(self) -> None:
@@ -244,7 +248,7 @@ class AcclProcessGroup(dist.ProcessGroup):
     def _local_fault(self, dev: torch.device, exc: BaseException) -> RuntimeError:
         """This rank's device failed: tell the other ranks through the store, and make this
         group's later collectives raise it too."""
-        msg = f"accl: rank {self.rank()} lost its device {dev}: {exc}"
+        msg = f"accl: rank {self.rank()} lost its device {self._names.get(dev.index, dev)}: {exc}"
         if self._fault is None:
             self._fault = msg
             try:
@@ -438,7 +442,11 @@ class AcclProcessGroup(dist.ProcessGroup):
         return self._gloo.monitored_barrier(opts or dist.BarrierOptions(), wait_all_ranks)
 
     def shutdown(self) -> None:
-        """Stop the threads (after their queued work) and gloo."""
+        """Stop the threads (after their queued work) and gloo; after a fault, abort gloo
+        instead (its collective with the lost rank never completes)."""
+        if self._fault is not None:
+            _ABANDONED.append(self._gloo)
+            return
         if self._threads:
             self._issue.put(None)
             self._threads[0].join()
