@@ -44,7 +44,41 @@ NAME = "accl"
 #: how often a waiting collective looks in the store for another rank's fault (seconds)
 FAULT_POLL_S = 0.2
 _FAULTS = "accl/faults"
-_ABANDONED: list = []
+#: what gloo's Work.wait(timeout) raises when the timeout passes first
+_GLOO_POLL_TIMEOUT = "Operation timed out!"
+#: gloo groups left alone after a fault: destroying or aborting one with a collective still
+#: waiting for the lost rank crashed the process at exit (SIGSEGV), so they live on
+_ABANDONED: list[dist.ProcessGroupGloo] = []
+
+
+class _PinnedPool:
+    """Pinned host buffers by size, reused across collectives: pinning is a sealed memfd
+    the copy engines map (3.3 ms for 4 KiB on this machine, against 1 us pageable), which
+    would be most of a small collective's time. A few free buffers of each size are kept."""
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """A contiguous pinned CPU tensor of ``like``'s shape and dtype."""
+        nbytes = like.numel() * like.element_size()
+        with self._lock:
+            free = self._free.get(nbytes)
+            raw = free.pop() if free else None
+        if raw is None:
+            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0)
+        return raw.view(like.dtype).view(like.shape)
+
+    def give(self, bufs: Sequence[torch.Tensor]) -> None:
+        with self._lock:
+            for b in bufs:
+                raw = b.view(-1).view(torch.uint8)
+                free = self._free.setdefault(raw.numel(), [])
+                if raw.numel() and len(free) < self.KEEP:
+                    free.append(raw)
 
 
 def _reduce_op(op: Any) -> Any:
@@ -69,6 +103,8 @@ class _Op:
     finish: Callable[[], None] | None = None
     future: Future = field(default_factory=Future)
     gloo: dist.Work | None = None
+    #: the pinned buffers, back to the pool when the op is over
+    buffers: list[torch.Tensor] = field(default_factory=list)
 
 
 class AcclWork(dist.Work):
@@ -81,6 +117,7 @@ class AcclWork(dist.Work):
         self._comm = comm
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """``timeout`` is not applied: the group's own (gloo's) bounds the wait."""
         self._op.future.wait()
         if self._comm is not None:
             with torch.accel.device(self._op.device):
@@ -111,6 +148,7 @@ class AcclProcessGroup(dist.ProcessGroup):
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size,
                                            timeout=timeout)
         self._comm: dict[int, torch.Stream] = {}
+        self._pool = _PinnedPool()
         #: each device's name in fault messages, taken while it still answers
         self._names: dict[int, str] = {}
         self._issue: queue.Queue[_Op | None] = queue.Queue()
@@ -149,7 +187,7 @@ class AcclProcessGroup(dist.ProcessGroup):
         ``run(host_inputs, host_outputs)`` (gloo's call); ``outputs`` get their host
         buffers' contents back. An output that is also an input shares its buffer (the
         in-place collectives). ``finish(host_outputs)`` runs on the host after gloo."""
-        self._raise_fault()
+        self._raise_fault(look=False)
         tensors = [*inputs, *outputs]
         dev = tensors[0].device
         if any(t.device != dev for t in tensors):
@@ -163,7 +201,7 @@ class AcclProcessGroup(dist.ProcessGroup):
                     host: dict[int, torch.Tensor] = {}
                     for t in tensors:
                         if id(t) not in host:
-                            host[id(t)] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                            host[id(t)] = self._pool.take(t)
                             if any(t is i for i in inputs):
                                 host[id(t)].copy_(t, non_blocking=True)
                         t.record_stream(comm)
@@ -175,7 +213,7 @@ class AcclProcessGroup(dist.ProcessGroup):
         h_out = [host[id(t)] for t in outputs]
         op = _Op(dev, lambda: run(h_in, h_out), [(t, host[id(t)]) for t in outputs],
                  list(value if value is not None else outputs), staged, tensors,
-                 (lambda: finish(h_out)) if finish else None)
+                 (lambda: finish(h_out)) if finish else None, buffers=list(host.values()))
         return self._queue(op, comm)
 
     def _queue(self, op: _Op, comm: torch.Stream | None) -> AcclWork:
@@ -187,7 +225,7 @@ class AcclProcessGroup(dist.ProcessGroup):
         """gloo's own call on CPU tensors (or none, a barrier), queued behind this group's
         accel collectives: gloo matches collectives across ranks by the order they reach
         it, so every call goes through the one issuing thread."""
-        self._raise_fault()
+        self._raise_fault(look=False)
         return self._queue(_Op(None, run, [], list(tensors), None, []), None)
 
     def _issuing(self) -> None:
@@ -215,6 +253,7 @@ class AcclProcessGroup(dist.ProcessGroup):
             except BaseException as exc:  # noqa: BLE001 - it belongs to the op's future
                 op.future.set_exception(self._failure(op, exc))
                 continue
+            self._pool.give(op.buffers)
             op.keep.clear()
             op.future.set_result(op.value)
 
@@ -232,17 +271,21 @@ class AcclProcessGroup(dist.ProcessGroup):
     def _wait_gloo(self, work: dist.Work) -> None:
         """Wait for gloo's part, looking in the store for another rank's device fault every
         FAULT_POLL_S: a rank that lost its device never joins, and waiting for gloo's
-        timeout would hang every other rank for the group's whole timeout."""
-        try:
-            fut = work.get_future()
-        except RuntimeError:  # gloo's reduce_scatter has no future: only its own timeout
-            work.wait()
-            return
-        done = threading.Event()
-        fut.add_done_callback(lambda _: done.set())
-        while not done.wait(FAULT_POLL_S):
+        timeout would hang every other rank for the group's whole timeout.
+
+        gloo's ``wait(timeout)`` raises "Operation timed out!" and leaves the collective
+        running, so it serves as the poll. (A Python callback on the work's future would do
+        without polling, but gloo calls it when the lost rank's connection closes, which
+        can be while the interpreter exits: that crashed the process, SIGSEGV.)"""
+        poll = timedelta(seconds=FAULT_POLL_S)
+        while True:
+            try:
+                work.wait(poll)
+                return
+            except RuntimeError as exc:
+                if str(exc) != _GLOO_POLL_TIMEOUT:
+                    raise  # gloo's own error: a peer gone, the group's timeout
             self._raise_fault()
-        fut.wait()  # raises gloo's error (a peer gone, the timeout)
 
     # --- faults ------------------------------------------------------------------------
     def _local_fault(self, dev: torch.device, exc: BaseException) -> RuntimeError:
@@ -258,9 +301,11 @@ class AcclProcessGroup(dist.ProcessGroup):
                 pass
         return RuntimeError(msg)
 
-    def _raise_fault(self) -> None:
-        """Raise the first device fault any rank of the group published."""
-        if self._fault is None and self._store.add(_FAULTS, 0) > 0:
+    def _raise_fault(self, look: bool = True) -> None:
+        """Raise the first device fault any rank of the group published; ``look=False``
+        only if this rank already knows one (no store round trip: a collective issued after
+        another rank's fault meets it in its wait for gloo, within FAULT_POLL_S)."""
+        if look and self._fault is None and self._store.add(_FAULTS, 0) > 0:
             for r in range(self.size()):
                 key = f"accl/fault/{r}"
                 if self._store.check([key]):
@@ -284,8 +329,7 @@ class AcclProcessGroup(dist.ProcessGroup):
                              f"got {sorted(kinds)}")
         return kinds == {"accel"}
 
-    def _host_reduce(self, op: Any, tensors: Sequence[torch.Tensor]
-                     ) -> tuple[Any, Callable[[list[torch.Tensor]], None] | None]:
+    def _host_reduce(self, op: Any) -> tuple[Any, Callable[[list[torch.Tensor]], None] | None]:
         """gloo's reduce op for ``op``, and the host step that completes it: gloo has no
         AVG, so AVG is SUM then a division (truncating for integers, as NCCL's)."""
         kind = _reduce_op(op)
@@ -307,7 +351,7 @@ class AcclProcessGroup(dist.ProcessGroup):
         opts = opts or dist.AllreduceOptions()
         if not self._on_accel(tensors):
             return self._host(lambda: self._gloo.allreduce(tensors, opts), tensors)
-        gop, finish = self._host_reduce(opts.reduceOp, tensors)
+        gop, finish = self._host_reduce(opts.reduceOp)
 
         def run(h: list[torch.Tensor], _: list[torch.Tensor]) -> dist.Work:
             o = dist.AllreduceOptions()
@@ -325,7 +369,7 @@ class AcclProcessGroup(dist.ProcessGroup):
         opts = opts or dist.ReduceOptions()
         if not self._on_accel(tensors):
             return self._host(lambda: self._gloo.reduce(tensors, opts), tensors)
-        gop, finish = self._host_reduce(opts.reduceOp, tensors)
+        gop, finish = self._host_reduce(opts.reduceOp)
         root = opts.rootRank
 
         def run(h: list[torch.Tensor], _: list[torch.Tensor]) -> dist.Work:
@@ -362,7 +406,7 @@ class AcclProcessGroup(dist.ProcessGroup):
         if not self._on_accel([output, input]):
             return self._host(lambda: self._gloo._reduce_scatter_base(output, input, opts),
                               [output])
-        gop, finish = self._host_reduce(opts.reduceOp, [output])
+        gop, finish = self._host_reduce(opts.reduceOp)
 
         def run(hi: list[torch.Tensor], ho: list[torch.Tensor]) -> dist.Work:
             o = dist.ReduceScatterOptions()
@@ -377,7 +421,7 @@ class AcclProcessGroup(dist.ProcessGroup):
         opts = opts or dist.ReduceScatterOptions()
         if not self._on_accel([*outputs, *inputs[0]]):
             return self._host(lambda: self._gloo.reduce_scatter(outputs, inputs, opts), outputs)
-        gop, finish = self._host_reduce(opts.reduceOp, outputs)
+        gop, finish = self._host_reduce(opts.reduceOp)
 
         def run(hi: list[torch.Tensor], ho: list[torch.Tensor]) -> dist.Work:
             o = dist.ReduceScatterOptions()
