@@ -26,6 +26,7 @@ value, which the runtime does not offer. CPU tensors go to gloo as they are.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -143,9 +144,11 @@ class AcclProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)
-        self._store = store
-        self._timeout = timeout
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size,
+        # torchrun restarts a job's ranks against its agent's same store: keys of an earlier
+        # attempt (gloo's addresses, a fault) would meet this one's, so they are per attempt
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._store = dist.PrefixStore(f"accl/attempt{attempt}/", store)
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self._store), rank, size,
                                            timeout=timeout)
         self._comm: dict[int, torch.Stream] = {}
         self._pool = _PinnedPool()
@@ -167,9 +170,20 @@ class AcclProcessGroup(dist.ProcessGroup):
     def _stream(self, dev: torch.device) -> torch.Stream:
         """The device's communication stream (one per device, made on first use)."""
         if dev.index not in self._comm:
+            self._name(dev)
             self._comm[dev.index] = torch.accel.Stream(device=dev)
-            self._names[dev.index] = f"{dev} (uuid {torch.accel.get_device_properties(dev).uuid})"
         return self._comm[dev.index]
+
+    def _name(self, dev: torch.device) -> str:
+        """``dev`` and its UUID, as fault messages name it (the device's properties are
+        read once: they still answer after the device is lost, from the runtime's copy)."""
+        if dev.index not in self._names:
+            try:
+                uuid = torch.accel.get_device_properties(dev).uuid
+                self._names[dev.index] = f"{dev} (uuid {uuid})"
+            except Exception:  # noqa: BLE001 - a device gone before its first collective
+                return str(dev)
+        return self._names[dev.index]
 
     def _start_threads(self) -> None:
         if not self._threads:
@@ -193,8 +207,8 @@ class AcclProcessGroup(dist.ProcessGroup):
         if any(t.device != dev for t in tensors):
             raise ValueError(f"accl: one collective's tensors must share a device, got "
                              f"{sorted({str(t.device) for t in tensors})}")
-        comm = self._stream(dev)
         try:
+            comm = self._stream(dev)
             with torch.accel.device(dev):
                 comm.wait_stream(torch.accel.current_stream())
                 with torch.accel.stream(comm):
@@ -291,7 +305,7 @@ class AcclProcessGroup(dist.ProcessGroup):
     def _local_fault(self, dev: torch.device, exc: BaseException) -> RuntimeError:
         """This rank's device failed: tell the other ranks through the store, and make this
         group's later collectives raise it too."""
-        msg = f"accl: rank {self.rank()} lost its device {self._names.get(dev.index, dev)}: {exc}"
+        msg = f"accl: rank {self.rank()} lost its device {self._name(dev)}: {exc}"
         if self._fault is None:
             self._fault = msg
             try:

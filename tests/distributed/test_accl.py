@@ -179,15 +179,35 @@ for attempt in ("pending", "next"):
 dist.destroy_process_group()
 """
 
+RESTART = """
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+dist.init_process_group("accl", timeout=datetime.timedelta(seconds=120))
+r = dist.get_rank()
+x = torch.full((1024,), float(r + 1), device=dev)
+if attempt == 0 and r == 1:
+    phys = torch.accel.get_device_properties().physical_index
+    with open(f"{os.environ['ACCEL_EMU_ROOT']}/sys/class/accel/accel{phys}/reset", "w") as f:
+        f.write("1")
+try:
+    dist.all_reduce(x)
+except RuntimeError as exc:
+    say(f"attempt {attempt} failed: {str(exc)[:60]}")
+    raise
+assert torch.equal(x.cpu(), torch.full((1024,), 3.0)), x[:4].cpu()
+say(f"attempt {attempt} all_reduce ok on {dev}")
+dist.destroy_process_group()
+"""
+
 
 def torchrun(daemon: Daemon, tmp_path: Path, body: str, *args: str,
-             timeout: float = 240) -> dict[int, list[str]]:
+             timeout: float = 240, launcher: tuple[str, ...] = ()) -> dict[int, list[str]]:
     """``body`` run as 2 ranks by ``torchrun --standalone`` against ``daemon``; each rank's
     lines, by rank."""
     script = tmp_path / "ranks.py"
     script.write_text(textwrap.dedent(PRELUDE) + textwrap.dedent(body))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node=2", str(script), *args], capture_output=True,
+                          "--nproc-per-node=2", *launcher, str(script), *args],
+                         capture_output=True,
                          text=True, env=daemon.env(), timeout=timeout, cwd=REPO)
     assert out.returncode == 0, out.stderr[-6000:] + out.stdout
     lines: dict[int, list[str]] = {0: [], 1: []}
@@ -239,3 +259,16 @@ def test_a_rank_losing_its_device_fails_every_ranks_collective(make_daemon, tmp_
             assert f"accl: rank 1 lost its device accel:1 (uuid {uuid})" in line, lines
             assert "reset requested through sysfs" in line, lines
     assert "seen by rank 0" in lines[0][0] and "seen by rank 0" in lines[0][1], lines
+
+
+def test_torchrun_restarts_the_job_once_the_lost_device_is_back(make_daemon, tmp_path):
+    """``torchrun --max-restarts=1``: the first attempt fails on every rank (rank 1's device
+    reset under it), torchrun restarts both ranks, and the second attempt's collective
+    completes on the recovered device (its fresh processes get fresh contexts)."""
+    d = make_daemon(devices=2)
+    lines = torchrun(d, tmp_path, RESTART, timeout=200, launcher=("--max-restarts=1",))
+    for rank in (0, 1):
+        assert lines[rank][0].startswith("attempt 0 failed: accl: rank 1 lost its device accel:1"
+                                         " (uuid ACCEL-"), lines
+        assert lines[rank][1] == f"attempt 1 all_reduce ok on accel:{rank}", lines
+    assert d.attr(1, "state") == "operational"
