@@ -158,6 +158,7 @@ class AcclProcessGroup(dist.ProcessGroup):
         self._complete: queue.Queue[_Op | None] = queue.Queue()
         self._fault: str | None = None
         self._threads: list[threading.Thread] = []
+        self._group_name = self._group_desc = ""
 
     # --- identity ----------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - the trampoline's C++ name
@@ -165,6 +166,20 @@ class AcclProcessGroup(dist.ProcessGroup):
 
     def name(self) -> str:
         return NAME
+
+    # torch sets and reads these through the trampoline; the C++ base keeps them on its
+    # backends, which a Python group has none of ("ProcessGroup name not set", DeviceMesh)
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
 
     # --- the three stages --------------------------------------------------------------
     def _stream(self, dev: torch.device) -> torch.Stream:

@@ -160,6 +160,44 @@ say(f"DDP on {next(ddp.parameters()).device} matches full-batch CPU training")
 dist.destroy_process_group()
 """
 
+FSDP2 = """
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("accl")
+r, w = dist.get_rank(), dist.get_world_size()
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def train(net, xs, ys):
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(xs), ys).backward()
+        opt.step()
+    return list(net.parameters())
+
+
+g = torch.Generator().manual_seed(1)
+X, Y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+ref = [p.detach() for p in train(model(), X, Y)]
+sharded = model().to(dev)
+for layer in sharded:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer)
+fully_shard(sharded)
+got = train(sharded, X.chunk(w)[r].to(dev), Y.chunk(w)[r].to(dev))
+# each rank holds rows r of every parameter (Shard(0)); full_tensor() is not used: it
+# runs torch's functional collectives, which reach a group only through C++
+diff = max((p.to_local().cpu() - q.chunk(w)[r]).abs().max().item() for p, q in zip(got, ref))
+assert diff < 1e-5, diff
+say(f"FSDP2 shards on {got[0].to_local().device} match full-batch CPU training")
+dist.destroy_process_group()
+"""
+
 FAULT = """
 dist.init_process_group("accl", timeout=datetime.timedelta(seconds=120))
 r = dist.get_rank()
@@ -244,6 +282,16 @@ def test_ddp_on_accel_trains_to_full_batch_cpu_parameters(daemon, tmp_path):
     lines = torchrun(daemon, tmp_path, DDP)
     for rank in (0, 1):
         assert lines[rank] == [f"DDP on accel:{rank} matches full-batch CPU training"], lines
+
+
+def test_fsdp2_fully_shard_on_accel_trains_to_full_batch_cpu_parameters(daemon, tmp_path):
+    """torch's FSDP2 (``fully_shard``) accepts accel: its all-gathers and reduce-scatters
+    go through the accl group, and each rank's shard ends at its rows of the parameters one
+    CPU process reaches on the whole batch."""
+    lines = torchrun(daemon, tmp_path, FSDP2)
+    for rank in (0, 1):
+        assert lines[rank] == [f"FSDP2 shards on accel:{rank} match full-batch CPU training"], \
+            lines
 
 
 def test_a_rank_losing_its_device_fails_every_ranks_collective(make_daemon, tmp_path):
