@@ -73,6 +73,15 @@ done.append(check("all_gather_into_tensor", big, torch.cat(mine)))
 part = torch.empty(2, device=dev)
 dist.reduce_scatter_tensor(part, t, op=dist.ReduceOp.MAX)
 done.append(check("reduce_scatter_tensor", part, mine[-1][2 * r:2 * r + 2]))
+parts = torch.empty(2, device=dev)
+dist.reduce_scatter(parts, [c.clone() for c in t.chunk(w)])
+done.append(check("reduce_scatter", parts, sum(mine)[2 * r:2 * r + 2]))
+lists = [torch.empty(2, device=dev) for _ in range(w)]
+dist.all_to_all(lists, [c.clone() for c in t.chunk(w)])
+done.append(check("all_to_all", torch.cat(lists), torch.cat([m[2 * r:2 * r + 2] for m in mine])))
+bits = torch.tensor([0b1100, 0b1010], device=dev) | (r + 1)
+dist.all_reduce(bits, op=dist.ReduceOp.BAND)
+done.append(check("all_reduce.BAND", bits, torch.tensor([0b1100, 0b1010])))  # 1, 2: no common bit
 a2a = torch.empty(4, device=dev)
 dist.all_to_all_single(a2a, t)
 done.append(check("all_to_all_single", a2a, torch.cat([m[2 * r:2 * r + 2] for m in mine])))
@@ -264,7 +273,7 @@ def test_collectives_on_accel_tensors_leave_torchs_results_on_the_device(daemon,
     config = "accel:accl" if backend == "default" else "accel:accl,cpu:accl"
     for rank in (0, 1):
         assert lines[rank][0] == f"config {config}", lines
-        assert lines[rank][1].startswith(f"ok {16 if rank == 0 else 15} all_reduce.SUM"), lines
+        assert lines[rank][1].startswith(f"ok {19 if rank == 0 else 18} all_reduce.SUM"), lines
 
 
 def test_async_collective_is_ordered_on_streams_and_keeps_its_tensors(daemon, tmp_path):
