@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from abi import uapi
 from bench.core import Benchmark, Env, Row, interleave, middle_half, timed_row
+from bench.distributed import distributed
 from bench.faults import fault_recovery
 from bench.partitions import partition_isolation
 from bench.floods import bystander_launches_under_floods, bystander_under_floods
@@ -205,4 +206,5 @@ BENCHMARKS: list[tuple[str, Benchmark]] = [
     ("fault_recovery", fault_recovery),
     ("partition_isolation", partition_isolation),
     ("torch_backend", torch_backend),
+    ("distributed", distributed),
 ]

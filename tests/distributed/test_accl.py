@@ -1,0 +1,331 @@
+"""The c10d backend ``accl`` (torch_accel/distributed.py, docs/distributed.md) from the
+user's side: ranks started by ``torchrun`` against a real mount, each on its own device,
+calling ``torch.distributed`` on accel tensors. Every script checks its values against what
+torch's CPU computes and prints one line per rank; the tests read those lines."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from testkit import REPO
+from testkit.daemon import Daemon
+
+pytestmark = pytest.mark.timeout(300)
+
+PRELUDE = """
+import datetime, os, sys, time
+import torch
+import torch.distributed as dist
+
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.accel.set_device(local_rank)
+dev = torch.device("accel", local_rank)
+
+
+def say(text: str) -> None:
+    # one write(2) a line: the ranks share the launcher's stdout
+    os.write(1, f"rank {dist.get_rank()}: {text}\\n".encode())
+"""
+
+COLLECTIVES = """
+dist.init_process_group(None if sys.argv[1] == "default" else sys.argv[1])
+r, w = dist.get_rank(), dist.get_world_size()
+say(f"config {dist.get_backend_config()}")
+base = torch.arange(4.0)
+t = (base + r).to(dev)
+mine = [base + i for i in range(w)]  # every rank's t, on the CPU
+
+
+def check(name, got, want):
+    assert got.device == dev, (name, got.device)
+    assert torch.equal(got.cpu(), want), (name, got.cpu(), want)
+    return name
+
+
+done = []
+for op, want in [(dist.ReduceOp.SUM, sum(mine)), (dist.ReduceOp.AVG, sum(mine) / w),
+                 (dist.ReduceOp.MAX, mine[-1]), (dist.ReduceOp.MIN, mine[0]),
+                 (dist.ReduceOp.PRODUCT, mine[0] * mine[1])]:
+    x = t.clone()
+    dist.all_reduce(x, op=op)
+    done.append(check(f"all_reduce.{op.name}", x, want))
+i = torch.tensor([5, -7], dtype=torch.int64, device=dev) * (r + 1)
+dist.all_reduce(i, op=dist.ReduceOp.AVG)  # integers: truncated, as NCCL's
+done.append(check("all_reduce.AVG.int64", i, torch.tensor([7, -10])))
+x = t.clone()
+dist.broadcast(x, src=1)
+done.append(check("broadcast", x, mine[1]))
+x = t.clone()
+dist.reduce(x, dst=0)
+done.append(check("reduce", x, sum(mine) if r == 0 else mine[r]))
+outs = [torch.empty(4, device=dev) for _ in range(w)]
+dist.all_gather(outs, t)
+done.append(check("all_gather", torch.cat(outs), torch.cat(mine)))
+big = torch.empty(4 * w, device=dev)
+dist.all_gather_into_tensor(big, t)
+done.append(check("all_gather_into_tensor", big, torch.cat(mine)))
+part = torch.empty(2, device=dev)
+dist.reduce_scatter_tensor(part, t, op=dist.ReduceOp.MAX)
+done.append(check("reduce_scatter_tensor", part, mine[-1][2 * r:2 * r + 2]))
+parts = torch.empty(2, device=dev)
+dist.reduce_scatter(parts, [c.clone() for c in t.chunk(w)])
+done.append(check("reduce_scatter", parts, sum(mine)[2 * r:2 * r + 2]))
+lists = [torch.empty(2, device=dev) for _ in range(w)]
+dist.all_to_all(lists, [c.clone() for c in t.chunk(w)])
+done.append(check("all_to_all", torch.cat(lists), torch.cat([m[2 * r:2 * r + 2] for m in mine])))
+bits = torch.tensor([0b1100, 0b1010], device=dev) | (r + 1)
+dist.all_reduce(bits, op=dist.ReduceOp.BAND)
+done.append(check("all_reduce.BAND", bits, torch.tensor([0b1100, 0b1010])))  # 1, 2: no common bit
+a2a = torch.empty(4, device=dev)
+dist.all_to_all_single(a2a, t)
+done.append(check("all_to_all_single", a2a, torch.cat([m[2 * r:2 * r + 2] for m in mine])))
+got = [torch.empty(4, device=dev) for _ in range(w)] if r == 0 else None
+dist.gather(t, got, dst=0)
+if r == 0:
+    done.append(check("gather", torch.cat(got), torch.cat(mine)))
+s = torch.empty(4, device=dev)
+dist.scatter(s, [m.to(dev) * 10 for m in mine] if r == 0 else None, src=0)
+done.append(check("scatter", s, mine[r] * 10))
+strided = torch.zeros(4, 2, device=dev)[:, 1]  # a column: not contiguous
+if r == 0:
+    dist.send(t * 3, dst=1)
+    dist.recv(strided, src=1)
+    done.append(check("send/recv strided", strided, mine[1] * 4))
+else:
+    y = torch.empty(4, device=dev)
+    dist.recv(y, src=0)
+    dist.send(t * 4, dst=0)
+    done.append(check("send/recv", y, mine[0] * 3))
+dist.barrier()
+c = torch.full((3,), float(r))  # CPU tensors go to gloo as they are
+dist.all_reduce(c)
+done.append(check("cpu all_reduce", c.to(dev), torch.full((3,), float(sum(range(w))))))
+names = [None] * w
+dist.all_gather_object(names, torch.accel.get_device_properties().uuid)
+assert len(set(names)) == w, names
+say(f"ok {len(done)} " + " ".join(done))
+dist.destroy_process_group()
+"""
+
+ASYNC = """
+dist.init_process_group("accl")
+r, w = dist.get_rank(), dist.get_world_size()
+x = torch.ones(4096, device=dev)
+torch.accel._sleep(20_000_000)  # the current stream is busy ...
+x.mul_(r + 2)  # ... and x is written behind that: the collective must read it after
+if r == 1:
+    time.sleep(1.0)  # rank 0's collective cannot complete before this rank joins
+work = dist.all_reduce(x, async_op=True)
+pending = work.is_completed()
+x2 = torch.full((1 << 16,), 7.0, device=dev)
+w2 = dist.all_reduce(x2 * 1, async_op=True)  # a temporary: the Work keeps it alive
+del x2
+fill = [torch.full((1 << 16,), -1.0, device=dev) for _ in range(4)]  # reuse freed blocks
+work.wait()
+x.add_(1)  # the current stream, after wait(): ordered after the results landed
+got = w2.get_future().wait()[0]
+assert torch.equal(x.cpu(), torch.full((4096,), float(sum(range(2, w + 2)) + 1))), x[:4].cpu()
+assert torch.equal(got.cpu(), torch.full((1 << 16,), 7.0 * w)), got[:4].cpu()
+assert all(torch.equal(f.cpu(), torch.full((1 << 16,), -1.0)) for f in fill)
+say(f"{type(work).__name__} completed at issue {pending} result ok")
+dist.destroy_process_group()
+"""
+
+DDP = """
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("accl")
+r, w = dist.get_rank(), dist.get_world_size()
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def train(net, xs, ys):
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(xs), ys).backward()
+        opt.step()
+    return [p.detach().cpu() for p in net.parameters()]
+
+
+g = torch.Generator().manual_seed(1)
+X, Y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+ref = train(model(), X, Y)  # one process, the whole batch, on the CPU
+ddp = DDP(model().to(dev))
+got = train(ddp, X.chunk(w)[r].to(dev), Y.chunk(w)[r].to(dev))  # this rank's half
+diff = max((a - b).abs().max().item() for a, b in zip(got, ref))
+assert diff < 1e-5, diff
+say(f"DDP on {next(ddp.parameters()).device} matches full-batch CPU training")
+dist.destroy_process_group()
+"""
+
+FSDP2 = """
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("accl")
+r, w = dist.get_rank(), dist.get_world_size()
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def train(net, xs, ys):
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(xs), ys).backward()
+        opt.step()
+    return list(net.parameters())
+
+
+g = torch.Generator().manual_seed(1)
+X, Y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+ref = [p.detach() for p in train(model(), X, Y)]
+sharded = model().to(dev)
+for layer in sharded:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer)
+fully_shard(sharded)
+got = train(sharded, X.chunk(w)[r].to(dev), Y.chunk(w)[r].to(dev))
+# each rank holds rows r of every parameter (Shard(0)); full_tensor() is not used: it
+# runs torch's functional collectives, which reach a group only through C++
+diff = max((p.to_local().cpu() - q.chunk(w)[r]).abs().max().item() for p, q in zip(got, ref))
+assert diff < 1e-5, diff
+say(f"FSDP2 shards on {got[0].to_local().device} match full-batch CPU training")
+dist.destroy_process_group()
+"""
+
+FAULT = """
+dist.init_process_group("accl", timeout=datetime.timedelta(seconds=120))
+r = dist.get_rank()
+x = torch.ones(1024, device=dev)
+dist.all_reduce(x)
+if r == 1:
+    time.sleep(1.0)  # rank 0 is waiting in the next collective by now
+    phys = torch.accel.get_device_properties().physical_index
+    with open(f"{os.environ['ACCEL_EMU_ROOT']}/sys/class/accel/accel{phys}/reset", "w") as f:
+        f.write("1")
+for attempt in ("pending", "next"):
+    try:
+        dist.all_reduce(x)
+        say(f"{attempt}: no error")
+    except RuntimeError as exc:
+        say(f"{attempt}: {exc}")
+dist.destroy_process_group()
+"""
+
+RESTART = """
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+dist.init_process_group("accl", timeout=datetime.timedelta(seconds=120))
+r = dist.get_rank()
+x = torch.full((1024,), float(r + 1), device=dev)
+if attempt == 0 and r == 1:
+    phys = torch.accel.get_device_properties().physical_index
+    with open(f"{os.environ['ACCEL_EMU_ROOT']}/sys/class/accel/accel{phys}/reset", "w") as f:
+        f.write("1")
+try:
+    dist.all_reduce(x)
+except RuntimeError as exc:
+    say(f"attempt {attempt} failed: {str(exc)[:60]}")
+    raise
+assert torch.equal(x.cpu(), torch.full((1024,), 3.0)), x[:4].cpu()
+say(f"attempt {attempt} all_reduce ok on {dev}")
+dist.destroy_process_group()
+"""
+
+
+def torchrun(daemon: Daemon, tmp_path: Path, body: str, *args: str,
+             timeout: float = 240, launcher: tuple[str, ...] = ()) -> dict[int, list[str]]:
+    """``body`` run as 2 ranks by ``torchrun --standalone`` against ``daemon``; each rank's
+    lines, by rank."""
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent(PRELUDE) + textwrap.dedent(body))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node=2", *launcher, str(script), *args],
+                         capture_output=True,
+                         text=True, env=daemon.env(), timeout=timeout, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-6000:] + out.stdout
+    lines: dict[int, list[str]] = {0: [], 1: []}
+    for rank, text in re.findall(r"^rank (\d): (.*)$", out.stdout, re.M):
+        lines[int(rank)].append(text)
+    return lines
+
+
+@pytest.mark.parametrize("backend", ["accl", "default"])
+def test_collectives_on_accel_tensors_leave_torchs_results_on_the_device(daemon, tmp_path,
+                                                                         backend):
+    """Every collective of the brief, on accel tensors, against the CPU's arithmetic; with
+    ``init_process_group()`` (no name) the accelerator's default picks accl, as cuda's
+    picks nccl."""
+    lines = torchrun(daemon, tmp_path, COLLECTIVES, backend)
+    config = "accel:accl" if backend == "default" else "accel:accl,cpu:accl"
+    for rank in (0, 1):
+        assert lines[rank][0] == f"config {config}", lines
+        assert lines[rank][1].startswith(f"ok {19 if rank == 0 else 18} all_reduce.SUM"), lines
+
+
+def test_async_collective_is_ordered_on_streams_and_keeps_its_tensors(daemon, tmp_path):
+    """async_op=True returns before the collective is done (the host does not wait for the
+    device or the peer), reads its input after the current stream's earlier work, keeps a
+    temporary alive for its whole run, and ``wait()`` orders the current stream after it."""
+    lines = torchrun(daemon, tmp_path, ASYNC)
+    assert lines[0] == ["AcclWork completed at issue False result ok"], lines
+    assert lines[1] and lines[1][0].endswith("result ok"), lines
+
+
+def test_ddp_on_accel_trains_to_full_batch_cpu_parameters(daemon, tmp_path):
+    """DistributedDataParallel(model.to("accel")) on 2 ranks, each on half the batch, ends
+    at the parameters one CPU process reaches on the whole batch."""
+    lines = torchrun(daemon, tmp_path, DDP)
+    for rank in (0, 1):
+        assert lines[rank] == [f"DDP on accel:{rank} matches full-batch CPU training"], lines
+
+
+def test_fsdp2_fully_shard_on_accel_trains_to_full_batch_cpu_parameters(daemon, tmp_path):
+    """torch's FSDP2 (``fully_shard``) accepts accel: its all-gathers and reduce-scatters
+    go through the accl group, and each rank's shard ends at its rows of the parameters one
+    CPU process reaches on the whole batch."""
+    lines = torchrun(daemon, tmp_path, FSDP2)
+    for rank in (0, 1):
+        assert lines[rank] == [f"FSDP2 shards on accel:{rank} match full-batch CPU training"], \
+            lines
+
+
+def test_a_rank_losing_its_device_fails_every_ranks_collective(make_daemon, tmp_path):
+    """Rank 1's device is reset (sysfs ``reset``) while rank 0 waits in a collective: rank
+    0's pending collective and its next one raise a RuntimeError naming rank 1, its device
+    and the fault, instead of waiting out the group's 120 s timeout, and both exit."""
+    d = make_daemon(devices=2)
+    lines = torchrun(d, tmp_path, FAULT, timeout=100)
+    uuid = d.attr(1, "uuid")
+    for rank in (0, 1):
+        assert len(lines[rank]) == 2, lines
+        for line in lines[rank]:
+            assert f"accl: rank 1 lost its device accel:1 (uuid {uuid})" in line, lines
+            assert "reset requested through sysfs" in line, lines
+    assert "seen by rank 0" in lines[0][0] and "seen by rank 0" in lines[0][1], lines
+
+
+def test_torchrun_restarts_the_job_once_the_lost_device_is_back(make_daemon, tmp_path):
+    """``torchrun --max-restarts=1``: the first attempt fails on every rank (rank 1's device
+    reset under it), torchrun restarts both ranks, and the second attempt's collective
+    completes on the recovered device (its fresh processes get fresh contexts)."""
+    d = make_daemon(devices=2)
+    lines = torchrun(d, tmp_path, RESTART, timeout=200, launcher=("--max-restarts=1",))
+    for rank in (0, 1):
+        assert lines[rank][0].startswith("attempt 0 failed: accl: rank 1 lost its device accel:1"
+                                         " (uuid ACCEL-"), lines
+        assert lines[rank][1] == f"attempt 1 all_reduce ok on accel:{rank}", lines
+    assert d.attr(1, "state") == "operational"

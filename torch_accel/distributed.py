@@ -1,0 +1,548 @@
+"""The c10d backend ``accl``: torch.distributed collectives on accel tensors.
+
+``import torch_accel`` registers it (``install``) for the device types ``accel`` and
+``cpu``, so ``init_process_group("accl")`` works, and ``init_process_group()`` with no
+backend picks it where the accelerator is ``accel``, as cuda picks nccl.
+
+The transport is gloo, which torch ships: the emulated devices have no network of their
+own, and gloo already carries bytes between hosts. A collective on accel tensors is three
+stages (docs/distributed.md, "The accl backend"):
+
+1. *Staging*, on the calling thread: a communication stream per device waits for the
+   current stream, copies each input into a pinned host buffer (asynchronous, on that
+   stream) and records an event. The host does not wait for the device here.
+2. *Transport*, on the group's issuing thread: it waits for the event, then hands the host
+   buffers to gloo. One thread issues in call order, so every rank's gloo sees the same
+   sequence of collectives.
+3. *Return*, on the group's completing thread: it waits for gloo (watching the store for
+   another rank's device fault meanwhile), copies the results back into the device tensors
+   on the communication stream, waits for that copy and completes the Work's future.
+
+``Work.wait()`` blocks the host until the return stage is done, then makes the current
+stream wait for the communication stream: the same contract as gloo's CUDA path in torch.
+NCCL's wait does not block the host; that needs a device-side wait on a host-written
+value, which the runtime does not offer. CPU tensors go to gloo as they are.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+import runtime
+
+#: the backend's name, as ``init_process_group`` and ``dist.get_backend`` spell it
+NAME = "accl"
+#: how often a waiting collective looks in the store for another rank's fault (seconds)
+FAULT_POLL_S = 0.2
+_FAULTS = "accl/faults"
+#: what gloo's Work.wait(timeout) raises when the timeout passes first
+_GLOO_POLL_TIMEOUT = "Operation timed out!"
+#: gloo groups left alone after a fault: destroying or aborting one with a collective still
+#: waiting for the lost rank crashed the process at exit (SIGSEGV), so they live on
+_ABANDONED: list[dist.ProcessGroupGloo] = []
+
+
+class _PinnedPool:
+    """Pinned host buffers by size, reused across collectives: pinning is a sealed memfd
+    the copy engines map (3.3 ms for 4 KiB on this machine, against 1 us pageable), which
+    would be most of a small collective's time. A few free buffers of each size are kept."""
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """A contiguous pinned CPU tensor of ``like``'s shape and dtype."""
+        nbytes = like.numel() * like.element_size()
+        with self._lock:
+            free = self._free.get(nbytes)
+            raw = free.pop() if free else None
+        if raw is None:
+            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0)
+        return raw.view(like.dtype).view(like.shape)
+
+    def give(self, bufs: Sequence[torch.Tensor]) -> None:
+        with self._lock:
+            for b in bufs:
+                raw = b.view(-1).view(torch.uint8)
+                free = self._free.setdefault(raw.numel(), [])
+                if raw.numel() and len(free) < self.KEEP:
+                    free.append(raw)
+
+
+def _reduce_op(op: Any) -> Any:
+    """The ``RedOpType`` behind a ``ReduceOp`` argument (options hold either)."""
+    return getattr(op, "op", op)
+
+
+@dataclass
+class _Op:
+    """One accel collective in flight: its host buffers, what gloo does with them, and where
+    the results go on the device."""
+
+    #: the accel device, or None for CPU tensors (gloo's own, queued only for the order)
+    device: torch.device | None
+    run: Callable[[], dist.Work | None]
+    #: (device tensor, host buffer) pairs copied back once gloo is done
+    results: list[tuple[torch.Tensor, torch.Tensor]]
+    #: what the Work's future holds: the result tensors, on the device
+    value: list[torch.Tensor]
+    staged: torch.Event | None
+    keep: list[torch.Tensor]
+    finish: Callable[[], None] | None = None
+    future: Future = field(default_factory=Future)
+    gloo: dist.Work | None = None
+    #: the pinned buffers, back to the pool when the op is over
+    buffers: list[torch.Tensor] = field(default_factory=list)
+
+
+class AcclWork(dist.Work):
+    """A collective's handle: ``wait()`` raises the collective's error, or makes the current
+    stream wait for the results (module docstring)."""
+
+    def __init__(self, op: _Op, comm: torch.Stream | None) -> None:
+        super().__init__()
+        self._op = op
+        self._comm = comm
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """``timeout`` is not applied: the group's own (gloo's) bounds the wait."""
+        self._op.future.wait()
+        if self._comm is not None:
+            with torch.accel.device(self._op.device):
+                torch.accel.current_stream().wait_stream(self._comm)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._op.future.done()
+
+    def get_future(self) -> Future:
+        return self._op.future
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class AcclProcessGroup(dist.ProcessGroup):
+    """A process group whose collectives take accel tensors (and CPU ones, passed to gloo).
+
+    torch calls its Python methods by their c10d names (``allreduce``, ``all_gather_single``,
+    ...), and DDP's C++ reducer reaches ``allreduce`` through torch's ProcessGroup
+    trampoline."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        # torchrun restarts a job's ranks against its agent's same store: keys of an earlier
+        # attempt (gloo's addresses, a fault) would meet this one's, so they are per attempt
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._store = dist.PrefixStore(f"accl/attempt{attempt}/", store)
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self._store), rank, size,
+                                           timeout=timeout)
+        self._comm: dict[int, torch.Stream] = {}
+        self._pool = _PinnedPool()
+        #: each device's name in fault messages, taken while it still answers
+        self._names: dict[int, str] = {}
+        self._issue: queue.Queue[_Op | None] = queue.Queue()
+        self._complete: queue.Queue[_Op | None] = queue.Queue()
+        self._fault: str | None = None
+        self._threads: list[threading.Thread] = []
+        self._group_name = self._group_desc = ""
+
+    # --- identity ----------------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - the trampoline's C++ name
+        return NAME
+
+    def name(self) -> str:
+        return NAME
+
+    # torch sets and reads these through the trampoline; the C++ base keeps them on its
+    # backends, which a Python group has none of ("ProcessGroup name not set", DeviceMesh)
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    # --- the three stages --------------------------------------------------------------
+    def _stream(self, dev: torch.device) -> torch.Stream:
+        """The device's communication stream (one per device, made on first use)."""
+        if dev.index not in self._comm:
+            self._name(dev)
+            self._comm[dev.index] = torch.accel.Stream(device=dev)
+        return self._comm[dev.index]
+
+    def _name(self, dev: torch.device) -> str:
+        """``dev`` and its UUID, as fault messages name it (the device's properties are
+        read once: they still answer after the device is lost, from the runtime's copy)."""
+        if dev.index not in self._names:
+            try:
+                uuid = torch.accel.get_device_properties(dev).uuid
+                self._names[dev.index] = f"{dev} (uuid {uuid})"
+            except Exception:  # noqa: BLE001 - a device gone before its first collective
+                return str(dev)
+        return self._names[dev.index]
+
+    def _start_threads(self) -> None:
+        if not self._threads:
+            for target in (self._issuing, self._completing):
+                t = threading.Thread(target=target, name=f"accl-{target.__name__[1:]}",
+                                     daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _submit(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                run: Callable[[list[torch.Tensor], list[torch.Tensor]], dist.Work | None],
+                value: Sequence[torch.Tensor] | None = None,
+                finish: Callable[[list[torch.Tensor]], None] | None = None) -> dist.Work:
+        """Stage ``inputs`` to pinned host buffers on the communication stream and queue
+        ``run(host_inputs, host_outputs)`` (gloo's call); ``outputs`` get their host
+        buffers' contents back. An output that is also an input shares its buffer (the
+        in-place collectives). ``finish(host_outputs)`` runs on the host after gloo."""
+        self._raise_fault(look=False)
+        tensors = [*inputs, *outputs]
+        dev = tensors[0].device
+        if any(t.device != dev for t in tensors):
+            raise ValueError(f"accl: one collective's tensors must share a device, got "
+                             f"{sorted({str(t.device) for t in tensors})}")
+        try:
+            comm = self._stream(dev)
+            with torch.accel.device(dev):
+                comm.wait_stream(torch.accel.current_stream())
+                with torch.accel.stream(comm):
+                    host: dict[int, torch.Tensor] = {}
+                    for t in tensors:
+                        if id(t) not in host:
+                            host[id(t)] = self._pool.take(t)
+                            if any(t is i for i in inputs):
+                                host[id(t)].copy_(t, non_blocking=True)
+                        t.record_stream(comm)
+                    staged = torch.Event(device=dev)
+                    staged.record(comm)
+        except runtime.AccelError as exc:
+            raise self._local_fault(dev, exc) from exc
+        h_in = [host[id(t)] for t in inputs]
+        h_out = [host[id(t)] for t in outputs]
+        op = _Op(dev, lambda: run(h_in, h_out), [(t, host[id(t)]) for t in outputs],
+                 list(value if value is not None else outputs), staged, tensors,
+                 (lambda: finish(h_out)) if finish else None, buffers=list(host.values()))
+        return self._queue(op, comm)
+
+    def _queue(self, op: _Op, comm: torch.Stream | None) -> AcclWork:
+        self._start_threads()
+        self._issue.put(op)
+        return AcclWork(op, comm)
+
+    def _host(self, run: Callable[[], dist.Work], tensors: Sequence[torch.Tensor]) -> AcclWork:
+        """gloo's own call on CPU tensors (or none, a barrier), queued behind this group's
+        accel collectives: gloo matches collectives across ranks by the order they reach
+        it, so every call goes through the one issuing thread."""
+        self._raise_fault(look=False)
+        return self._queue(_Op(None, run, [], list(tensors), None, []), None)
+
+    def _issuing(self) -> None:
+        """Stage 2: in call order, wait for each op's staging and start its gloo call."""
+        while (op := self._issue.get()) is not None:
+            try:
+                if op.staged is not None:
+                    op.staged.synchronize()
+                op.gloo = op.run()
+            except BaseException as exc:  # noqa: BLE001 - it belongs to the op's future
+                op.future.set_exception(self._failure(op, exc))
+                continue
+            self._complete.put(op)
+
+    def _completing(self) -> None:
+        """Stage 3: wait for gloo, copy the results back to the device, complete the future."""
+        while (op := self._complete.get()) is not None:
+            try:
+                if op.gloo is not None:
+                    self._wait_gloo(op.gloo)
+                if op.finish is not None:
+                    op.finish()
+                if op.device is not None:
+                    self._copy_back(op)
+            except BaseException as exc:  # noqa: BLE001 - it belongs to the op's future
+                op.future.set_exception(self._failure(op, exc))
+                continue
+            self._pool.give(op.buffers)
+            op.keep.clear()
+            op.future.set_result(op.value)
+
+    def _copy_back(self, op: _Op) -> None:
+        """The results into their device tensors, on the communication stream; returns once
+        they are there, so the future's value is ready on every stream that waits for it."""
+        comm = self._comm[op.device.index]
+        with torch.accel.device(op.device), torch.accel.stream(comm):
+            for t, h in op.results:
+                t.copy_(h, non_blocking=True)
+            done = torch.Event(device=op.device)
+            done.record(comm)
+        done.synchronize()
+
+    def _wait_gloo(self, work: dist.Work) -> None:
+        """Wait for gloo's part, looking in the store for another rank's device fault every
+        FAULT_POLL_S: a rank that lost its device never joins, and waiting for gloo's
+        timeout would hang every other rank for the group's whole timeout.
+
+        gloo's ``wait(timeout)`` raises "Operation timed out!" and leaves the collective
+        running, so it serves as the poll. (A Python callback on the work's future would do
+        without polling, but gloo calls it when the lost rank's connection closes, which
+        can be while the interpreter exits: that crashed the process, SIGSEGV.)"""
+        poll = timedelta(seconds=FAULT_POLL_S)
+        while True:
+            try:
+                work.wait(poll)
+                return
+            except RuntimeError as exc:
+                if str(exc) != _GLOO_POLL_TIMEOUT:
+                    raise  # gloo's own error: a peer gone, the group's timeout
+            self._raise_fault()
+
+    # --- faults ------------------------------------------------------------------------
+    def _local_fault(self, dev: torch.device, exc: BaseException) -> RuntimeError:
+        """This rank's device failed: tell the other ranks through the store, and make this
+        group's later collectives raise it too."""
+        msg = f"accl: rank {self.rank()} lost its device {self._name(dev)}: {exc}"
+        if self._fault is None:
+            self._fault = msg
+            try:
+                self._store.set(f"accl/fault/{self.rank()}", msg)
+                self._store.add(_FAULTS, 1)
+            except Exception:  # noqa: BLE001 - the store gone too: gloo reports the peer
+                pass
+        return RuntimeError(msg)
+
+    def _raise_fault(self, look: bool = True) -> None:
+        """Raise the first device fault any rank of the group published; ``look=False``
+        only if this rank already knows one (no store round trip: a collective issued after
+        another rank's fault meets it in its wait for gloo, within FAULT_POLL_S)."""
+        if look and self._fault is None and self._store.add(_FAULTS, 0) > 0:
+            for r in range(self.size()):
+                key = f"accl/fault/{r}"
+                if self._store.check([key]):
+                    self._fault = self._store.get(key).decode()
+                    break
+        if self._fault is not None:
+            raise RuntimeError(f"{self._fault} (seen by rank {self.rank()}; the group "
+                               f"cannot run collectives any more)")
+
+    def _failure(self, op: _Op, exc: BaseException) -> BaseException:
+        if isinstance(exc, runtime.AccelError) and op.device is not None:
+            return self._local_fault(op.device, exc)
+        return exc
+
+    # --- dispatch ----------------------------------------------------------------------
+    @staticmethod
+    def _on_accel(tensors: Sequence[torch.Tensor]) -> bool:
+        kinds = {t.device.type for t in tensors}
+        if len(kinds) > 1:
+            raise ValueError(f"accl: a collective's tensors must all be on one device type, "
+                             f"got {sorted(kinds)}")
+        return kinds == {"accel"}
+
+    def _host_reduce(self, op: Any) -> tuple[Any, Callable[[list[torch.Tensor]], None] | None]:
+        """gloo's reduce op for ``op``, and the host step that completes it: gloo has no
+        AVG, so AVG is SUM then a division (truncating for integers, as NCCL's)."""
+        kind = _reduce_op(op)
+        if kind == dist.ReduceOp.AVG:
+            def average(outs: list[torch.Tensor]) -> None:
+                for h in outs:
+                    if h.is_floating_point() or h.is_complex():
+                        h.div_(self.size())
+                    else:
+                        h.div_(self.size(), rounding_mode="trunc")
+            return dist.ReduceOp.SUM, average
+        if kind not in (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN,
+                        dist.ReduceOp.MAX, dist.ReduceOp.BAND, dist.ReduceOp.BOR,
+                        dist.ReduceOp.BXOR):
+            raise ValueError(f"accl: reduce op {kind} is not supported")
+        return kind, None
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or dist.AllreduceOptions()
+        if not self._on_accel(tensors):
+            return self._host(lambda: self._gloo.allreduce(tensors, opts), tensors)
+        gop, finish = self._host_reduce(opts.reduceOp)
+
+        def run(h: list[torch.Tensor], _: list[torch.Tensor]) -> dist.Work:
+            o = dist.AllreduceOptions()
+            o.reduceOp = gop
+            return self._gloo.allreduce(h, o)
+        return self._submit(tensors, tensors, run, finish=finish)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or dist.BroadcastOptions()
+        if not self._on_accel(tensors):
+            return self._host(lambda: self._gloo.broadcast(tensors, opts), tensors)
+        return self._submit(tensors, tensors, lambda h, _: self._gloo.broadcast(h, opts))
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or dist.ReduceOptions()
+        if not self._on_accel(tensors):
+            return self._host(lambda: self._gloo.reduce(tensors, opts), tensors)
+        gop, finish = self._host_reduce(opts.reduceOp)
+        root = opts.rootRank
+
+        def run(h: list[torch.Tensor], _: list[torch.Tensor]) -> dist.Work:
+            o = dist.ReduceOptions()
+            o.reduceOp, o.rootRank, o.rootTensor = gop, root, opts.rootTensor
+            return self._gloo.reduce(h, o)
+        # only the root's tensor changes, as with NCCL and gloo
+        return self._submit(tensors, tensors if self.rank() == root else [], run,
+                            value=tensors, finish=finish if self.rank() == root else None)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: Any = None) -> dist.Work:
+        opts = opts or dist.AllgatherOptions()
+        if not self._on_accel([*inputs, *outputs[0]]):
+            return self._host(lambda: self._gloo.allgather(outputs, inputs, opts),
+                              outputs[0])
+        return self._submit(inputs, outputs[0],
+                            lambda hi, ho: self._gloo.allgather([ho], hi, opts),
+                            value=outputs[0])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                          opts: Any = None) -> dist.Work:
+        opts = opts or dist.AllgatherOptions()
+        if not self._on_accel([output, input]):
+            return self._host(lambda: self._gloo._allgather_base(output, input, opts), [output])
+        return self._submit([input], [output],
+                            lambda hi, ho: self._gloo._allgather_base(ho[0], hi[0], opts))
+
+    _allgather_base = all_gather_single
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                              opts: Any = None) -> dist.Work:
+        opts = opts or dist.ReduceScatterOptions()
+        if not self._on_accel([output, input]):
+            return self._host(lambda: self._gloo._reduce_scatter_base(output, input, opts),
+                              [output])
+        gop, finish = self._host_reduce(opts.reduceOp)
+
+        def run(hi: list[torch.Tensor], ho: list[torch.Tensor]) -> dist.Work:
+            o = dist.ReduceScatterOptions()
+            o.reduceOp = gop
+            return self._gloo._reduce_scatter_base(ho[0], hi[0], o)
+        return self._submit([input], [output], run, finish=finish)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                       opts: Any = None) -> dist.Work:
+        opts = opts or dist.ReduceScatterOptions()
+        if not self._on_accel([*outputs, *inputs[0]]):
+            return self._host(lambda: self._gloo.reduce_scatter(outputs, inputs, opts), outputs)
+        gop, finish = self._host_reduce(opts.reduceOp)
+
+        def run(hi: list[torch.Tensor], ho: list[torch.Tensor]) -> dist.Work:
+            o = dist.ReduceScatterOptions()
+            o.reduceOp = gop
+            return self._gloo.reduce_scatter(ho, [hi], o)
+        return self._submit(inputs[0], outputs, run, finish=finish)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                          output_splits: list[int], input_splits: list[int],
+                          opts: Any = None) -> dist.Work:
+        opts = opts or dist.AllToAllOptions()
+        if not self._on_accel([output, input]):
+            return self._host(lambda: self._gloo.alltoall_base(
+                output, input, output_splits, input_splits, opts), [output])
+        return self._submit([input], [output], lambda hi, ho: self._gloo.alltoall_base(
+            ho[0], hi[0], output_splits, input_splits, opts))
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                 opts: Any = None) -> dist.Work:
+        opts = opts or dist.AllToAllOptions()
+        if not self._on_accel([*outputs, *inputs]):
+            return self._host(lambda: self._gloo.alltoall(outputs, inputs, opts), outputs)
+        return self._submit(inputs, outputs, lambda hi, ho: self._gloo.alltoall(ho, hi, opts))
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+               opts: Any = None) -> dist.Work:
+        opts = opts or dist.GatherOptions()
+        outs = outputs[0] if outputs else []
+        if not self._on_accel([*inputs, *outs]):
+            return self._host(lambda: self._gloo.gather(outputs, inputs, opts), outs)
+        return self._submit(inputs, outs, lambda hi, ho: self._gloo.gather(
+            [ho] if ho else [], hi, opts), value=outs)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                opts: Any = None) -> dist.Work:
+        opts = opts or dist.ScatterOptions()
+        ins = inputs[0] if inputs else []
+        if not self._on_accel([*outputs, *ins]):
+            return self._host(lambda: self._gloo.scatter(outputs, inputs, opts), outputs)
+        return self._submit(ins, outputs, lambda hi, ho: self._gloo.scatter(
+            ho, [hi] if hi else [], opts))
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        if not self._on_accel(tensors):
+            return self._host(lambda: self._gloo.send(tensors, dst, tag), tensors)
+        return self._submit(tensors, [], lambda h, _: self._gloo.send(h, dst, tag),
+                            value=tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        if not self._on_accel(tensors):
+            return self._host(lambda: self._gloo.recv(tensors, src, tag), tensors)
+        return self._submit([], tensors, lambda _, h: self._gloo.recv(h, src, tag))
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        """gloo's barrier, behind this group's earlier collectives."""
+        opts = opts or dist.BarrierOptions()
+        return self._host(lambda: self._gloo.barrier(opts), [])
+
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
+        return self._gloo.monitored_barrier(opts or dist.BarrierOptions(), wait_all_ranks)
+
+    def shutdown(self) -> None:
+        """Stop the threads (after their queued work) and gloo; after a fault, abort gloo
+        instead (its collective with the lost rank never completes)."""
+        if self._fault is not None:
+            _ABANDONED.append(self._gloo)
+            return
+        if self._threads:
+            self._issue.put(None)
+            self._threads[0].join()
+            self._complete.put(None)
+            self._threads[1].join()
+            self._threads.clear()
+        self._gloo.shutdown()
+
+    def abort(self) -> None:
+        self._gloo.abort()
+
+
+def _create(opts: Any, backend_options: Any = None) -> AcclProcessGroup:
+    """``register_backend``'s creator (the extended API: ``opts`` is torch's
+    ``_DistributedBackendOptions``)."""
+    return AcclProcessGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+
+
+def install() -> None:
+    """Register ``accl`` with torch.distributed for accel (and CPU) tensors."""
+    if dist.is_available() and NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(NAME, _create, extended_api=True,
+                                      devices=["accel", "cpu"])
+
+
+__all__ = ["NAME", "AcclProcessGroup", "AcclWork", "install"]
