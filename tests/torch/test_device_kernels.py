@@ -251,12 +251,15 @@ def test_nn_kernels(daemon):
         keep = tgt != -100
         dt, loss = dev(tgt), runtime.empty(rows, np.float32)
         picked = -lp[np.arange(rows)[keep], tgt[keep]]
+        total = runtime.empty(1, np.float32)
         for red, w in (("mean", [picked.mean()]), ("sum", [picked.sum()])):
-            K.nll_loss_rows(loss, y, dt, rows, n, red)
+            K.nll_loss_rows(loss, y, dt, rows, n, red, total=total)
             check(f"nll {red}", host(loss)[:1], w, rtol=1e-5)
+            check(f"nll {red} total weight", host(total), [keep.sum()])
         K.nll_loss_rows(loss, y, runtime.empty(0, np.int64), 0, n, "mean")
         check("nll mean of no rows", host(loss)[:1], [np.nan])
-        K.nll_loss_rows(loss, y, dt, rows, n, "none")
+        K.nll_loss_rows(loss, y, dt, rows, n, "none", total=total)
+        check("nll none total weight", host(total), [0])
         want = np.zeros(rows, np.float32)
         want[keep] = picked
         check("nll none", host(loss), want, rtol=1e-5)

@@ -120,7 +120,7 @@ def index_add_rows(out, index, src, rows: 'int64', cols: 'int64'):
         atomic_add(out, (index[r], c), src[r, c])
 
 
-def nll_loss(out, logp, target, rows: 'int64', reduction: 'int64', ignore: 'int64'):
+def nll_loss(out, total, logp, target, rows: 'int64', reduction: 'int64', ignore: 'int64'):
     part = shared_array(256, "float64")
     cnt = shared_array(256, "float64")
     t = local_id(0)
@@ -139,10 +139,11 @@ def nll_loss(out, logp, target, rows: 'int64', reduction: 'int64', ignore: 'int6
     cnt[t] = c
 {shared.block_tree("part", "{a} + {b}")}
 {shared.block_tree("cnt", "{a} + {b}")}
-    if t == 0 and reduction != 0:
+    if t == 0:
+        total[0] = cnt[0] if reduction != 0 else 0.0
         if reduction == 1:
             out[0] = part[0] / cnt[0]
-        else:
+        elif reduction == 2:
             out[0] = part[0]
 
 
@@ -257,19 +258,26 @@ def index_add_rows(out: Array, index: Array, src: Array, rows_src: int, row_len:
 
 def nll_loss_rows(out_loss: Array, logp: Array, target: Array, rows: int, n: int,
                   reduction: Reduction | str = Reduction.mean, ignore_index: int = -100,
-                  stream: runtime.Stream | None = None) -> None:
+                  stream: runtime.Stream | None = None, total: Array | None = None) -> None:
     """``-logp[r, target[r]]`` per row (0 where ``target == ignore_index``), into
     ``out_loss[rows]`` for reduction none, else into ``out_loss[0]`` summed (sum) or
     divided by the count of non-ignored targets (mean; NaN when all are ignored). One
-    block: the batch's rows, not their classes, are the work."""
+    block: the batch's rows, not their classes, are the work. ``total[0]`` (one element
+    of ``out_loss``'s dtype) gets that count, 0 for reduction none: torch's
+    ``total_weight`` without class weights, in the same launch."""
     red = Reduction[reduction] if isinstance(reduction, str) else Reduction(reduction)
+    s = shared.stream_of(out_loss, stream)
     if rows == 0:  # an empty batch (whose buffers no launch may name): torch's values
         if red != Reduction.none:
-            fill(out_loss, np.nan if red == Reduction.mean else 0.0, stream)
+            fill(out_loss, np.nan if red == Reduction.mean else 0.0, s)
+        if total is not None:
+            fill(total, 0.0, s)
         return
+    if total is None:
+        total = runtime.empty(1, out_loss.dtype, device=out_loss.device, stream=s)
     _mod(out_loss.device).nll_loss[1, shared.BLOCK](
-        shared.flat(out_loss), shared.matrix(logp, rows, n), shared.flat(target), rows, int(red),
-        ignore_index, stream=shared.stream_of(out_loss, stream))
+        shared.flat(out_loss), shared.flat(total), shared.matrix(logp, rows, n),
+        shared.flat(target), rows, int(red), ignore_index, stream=s)
 
 
 def nll_loss_backward_rows(grad_logp: Array, grad_out: Array, target: Array, rows: int,
