@@ -316,7 +316,7 @@ def test_nn_kernels(daemon):
 @pytest.mark.timeout(150)
 def test_matmul_random_sleep(daemon):
     lines = run(daemon, """
-        for m, k, n in ((1, 1, 1), (65, 130, 33), (129, 7, 257), (4, 0, 3)):
+        for m, k, n in ((1, 1, 1), (65, 130, 33), (129, 7, 257), (300, 40, 520), (4, 0, 3)):
             a = rng.standard_normal((m, k)).astype(np.float32)
             b = rng.standard_normal((k, n)).astype(np.float32)
             c = rng.standard_normal((m, n)).astype(np.float32)
