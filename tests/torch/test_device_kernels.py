@@ -231,6 +231,23 @@ def test_reduce_rows(daemon):
 @pytest.mark.timeout(300)
 def test_nn_kernels(daemon):
     lines = run(daemon, """
+        for rows, n in ((70, 10), (3, 64)):  # rows of a thread each (nn.SHORT_ROW), 3 blocks
+            x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+            dx, y = dev(x), runtime.empty((rows, n), np.float32)
+            e = np.exp(x - x.max(1, keepdims=True))
+            sm = e / e.sum(1, keepdims=True)
+            g = rng.standard_normal((rows, n)).astype(np.float32)
+            gi = runtime.empty((rows, n), np.float32)
+            K.softmax_rows(y, dx, rows, n)
+            check(f"short softmax {n}", host(y), sm, rtol=1e-5, atol=1e-7)
+            K.softmax_backward_rows(gi, dev(g), y, rows, n)
+            check(f"short softmax backward {n}", host(gi), sm * (g - (g * sm).sum(1, keepdims=True)),
+                  rtol=1e-4, atol=1e-6)
+            K.softmax_rows(y, dx, rows, n, log=True)
+            check(f"short log_softmax {n}", host(y), np.log(sm), rtol=1e-5, atol=1e-6)
+            K.softmax_backward_rows(gi, dev(g), y, rows, n, log=True)
+            check(f"short log_softmax backward {n}", host(gi), g - sm * g.sum(1, keepdims=True),
+                  rtol=1e-4, atol=1e-6)
         rows, n = 7, 300
         x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
         dx, y = dev(x), runtime.empty((rows, n), np.float32)

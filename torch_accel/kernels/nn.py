@@ -104,6 +104,41 @@ def softmax_backward(gi, g, y, n: 'int64', logf: 'int64'):
             gi[base + j] = y[base + j] * (g[base + j] - tot)
 
 
+def softmax_short(out, x, rows: 'int64', n: 'int64', logf: 'int64'):
+    r = global_id(0)
+    if r < rows:
+        base = r * n
+        m = -1.0e300 * 1.0e300
+        for j in range(n):
+            m = max(m, x[base + j])
+        s = 0.0
+        for j in range(n):
+            s += exp(x[base + j] - m)
+        lt = log(s)
+        for j in range(n):
+            if logf != 0:
+                out[base + j] = x[base + j] - m - lt
+            else:
+                out[base + j] = exp(x[base + j] - m) / s
+
+
+def softmax_backward_short(gi, g, y, rows: 'int64', n: 'int64', logf: 'int64'):
+    r = global_id(0)
+    if r < rows:
+        base = r * n
+        s = 0.0
+        for j in range(n):
+            if logf != 0:
+                s += g[base + j]
+            else:
+                s += g[base + j] * y[base + j]
+        for j in range(n):
+            if logf != 0:
+                gi[base + j] = g[base + j] - exp(y[base + j]) * s
+            else:
+                gi[base + j] = y[base + j] * (g[base + j] - s)
+
+
 def index_rows(out, weight, index, rows: 'int64', cols: 'int64'):
     i = global_id(0)
     if i < rows * cols:
@@ -168,6 +203,15 @@ def nll_loss_backward(grad, gout, target, rows: 'int64', reduction: 'int64', ign
 """
 
 
+#: rows at most this long get a thread each (softmax and its backward): a 256-thread
+#: block with its barrier phases per row of 10 classes (a classifier's logits) is mostly
+#: block overhead
+SHORT_ROW = 64
+#: threads per block of the thread-per-row kernels: a batch of 64 rows still spreads
+#: over the engines
+SHORT_BLOCK = 32
+
+
 def _mod(device: int) -> runtime.Module:
     return shared.module("nn", SOURCE, device)
 
@@ -211,20 +255,33 @@ def tanh_backward(out: Array, grad: Array, y: Array,
 
 def softmax_rows(out: Array, x: Array, rows: int, n: int, log: bool = False,
                  stream: runtime.Stream | None = None) -> None:
-    """Softmax (or log_softmax) of each row of a contiguous ``[rows, n]`` buffer."""
-    if rows and n:
-        _mod(out.device).softmax[rows, shared.BLOCK](shared.flat(out), shared.flat(x), n, int(log),
-                                                     stream=shared.stream_of(out, stream))
+    """Softmax (or log_softmax) of each row of a contiguous ``[rows, n]`` buffer: a block
+    per row, or a thread per row for rows of at most :data:`SHORT_ROW` elements."""
+    if not (rows and n):
+        return
+    s = shared.stream_of(out, stream)
+    if n <= SHORT_ROW:
+        _mod(out.device).softmax_short[shared.grid(rows, SHORT_BLOCK), SHORT_BLOCK](
+            shared.flat(out), shared.flat(x), rows, n, int(log), stream=s)
+    else:
+        _mod(out.device).softmax[rows, shared.BLOCK](shared.flat(out), shared.flat(x), n,
+                                                     int(log), stream=s)
 
 
 def softmax_backward_rows(grad_in: Array, grad_out: Array, y: Array, rows: int, n: int,
                           log: bool = False, stream: runtime.Stream | None = None) -> None:
     """From the forward's output ``y``: ``y * (g - sum(g * y))``, or for log_softmax
     ``g - exp(y) * sum(g)``, per row."""
-    if rows and n:
-        _mod(grad_in.device).softmax_backward[rows, shared.BLOCK](
-            shared.flat(grad_in), shared.flat(grad_out), shared.flat(y), n, int(log),
-            stream=shared.stream_of(grad_in, stream))
+    if not (rows and n):
+        return
+    s = shared.stream_of(grad_in, stream)
+    args = (shared.flat(grad_in), shared.flat(grad_out), shared.flat(y))
+    if n <= SHORT_ROW:
+        _mod(grad_in.device).softmax_backward_short[shared.grid(rows, SHORT_BLOCK),
+                                                    SHORT_BLOCK](*args, rows, n, int(log),
+                                                                 stream=s)
+    else:
+        _mod(grad_in.device).softmax_backward[rows, shared.BLOCK](*args, n, int(log), stream=s)
 
 
 def _rows_of(arr: Array, cols: int) -> int:
