@@ -19,6 +19,7 @@ from bench.core import Benchmark, Env, Row, interleave, middle_half, timed_row
 from bench.distributed import distributed
 from bench.faults import fault_recovery
 from bench.partitions import partition_isolation
+from bench.first_use import first_use
 from bench.floods import bystander_launches_under_floods, bystander_under_floods
 from bench.elementwise import elementwise
 from bench.kernels import kernels, tiny_launches
@@ -206,5 +207,6 @@ BENCHMARKS: list[tuple[str, Benchmark]] = [
     ("fault_recovery", fault_recovery),
     ("partition_isolation", partition_isolation),
     ("torch_backend", torch_backend),
+    ("first_use", first_use),
     ("distributed", distributed),
 ]

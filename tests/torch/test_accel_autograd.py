@@ -49,3 +49,37 @@ def test_mlp_forward_backward_and_optimiser_steps_match_cpu_on_both_devices(torc
         assert got["loss_apart"] == 0 and got["params_apart"] == 0, (run, got)
         assert got["devices"] == [run.split()[0]] and got["fallbacks"] == {}, (run, got)
 
+
+
+@pytest.mark.timeout(200)
+def test_nll_loss_forward_total_weight_matches_cpu(torch_json):
+    """``aten::nll_loss_forward`` returns (loss, total_weight); the total (the count of
+    targets not ignored; 0 for a batch with reduction none, but not for one sample) comes
+    from the loss's own launch: as the CPU's, ignored targets included, for 1-D and 2-D
+    inputs. (Before, it was 0 for one sample with reduction none.)"""
+    r = torch_json("""
+        torch.manual_seed(0)
+        out = {}
+        for shape, target in (((6, 5), [1, -100, 4, 0, -100, 2]), ((5,), [3]), ((5,), [-100]), ((3, 4), [-100] * 3)):
+            logp = torch.randn(*shape).log_softmax(-1)
+            tg = torch.tensor(target if len(shape) == 2 else target[0])
+            for red in (0, 1, 2):
+                cpu = torch.ops.aten.nll_loss_forward(logp, tg, None, red, -100)
+                acc = torch.ops.aten.nll_loss_forward(logp.to("accel"), tg.to("accel"), None, red, -100)
+                out[f"{shape} {red}"] = [[c.tolist(), a.cpu().tolist(), a.dtype == c.dtype, a.shape == c.shape]
+                                         for c, a in zip(cpu, acc)]
+        report(**out)
+    """)
+    for case, pairs in r.items():
+        for cpu, acc, same_dtype, same_shape in pairs:
+            assert same_dtype and same_shape, case
+            assert torch_close(cpu, acc), (case, cpu, acc)
+
+
+def torch_close(a, b) -> bool:
+    """Lists of floats equal within float32 rounding (NaN equal to NaN)."""
+    import math
+
+    if isinstance(a, list):
+        return len(a) == len(b) and all(torch_close(x, y) for x, y in zip(a, b))
+    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)

@@ -231,6 +231,23 @@ def test_reduce_rows(daemon):
 @pytest.mark.timeout(300)
 def test_nn_kernels(daemon):
     lines = run(daemon, """
+        for rows, n in ((70, 10), (3, 64)):  # rows of a thread each (nn.SHORT_ROW), 3 blocks
+            x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+            dx, y = dev(x), runtime.empty((rows, n), np.float32)
+            e = np.exp(x - x.max(1, keepdims=True))
+            sm = e / e.sum(1, keepdims=True)
+            g = rng.standard_normal((rows, n)).astype(np.float32)
+            gi = runtime.empty((rows, n), np.float32)
+            K.softmax_rows(y, dx, rows, n)
+            check(f"short softmax {n}", host(y), sm, rtol=1e-5, atol=1e-7)
+            K.softmax_backward_rows(gi, dev(g), y, rows, n)
+            check(f"short softmax backward {n}", host(gi), sm * (g - (g * sm).sum(1, keepdims=True)),
+                  rtol=1e-4, atol=1e-6)
+            K.softmax_rows(y, dx, rows, n, log=True)
+            check(f"short log_softmax {n}", host(y), np.log(sm), rtol=1e-5, atol=1e-6)
+            K.softmax_backward_rows(gi, dev(g), y, rows, n, log=True)
+            check(f"short log_softmax backward {n}", host(gi), g - sm * g.sum(1, keepdims=True),
+                  rtol=1e-4, atol=1e-6)
         rows, n = 7, 300
         x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
         dx, y = dev(x), runtime.empty((rows, n), np.float32)
@@ -251,12 +268,15 @@ def test_nn_kernels(daemon):
         keep = tgt != -100
         dt, loss = dev(tgt), runtime.empty(rows, np.float32)
         picked = -lp[np.arange(rows)[keep], tgt[keep]]
+        total = runtime.empty(1, np.float32)
         for red, w in (("mean", [picked.mean()]), ("sum", [picked.sum()])):
-            K.nll_loss_rows(loss, y, dt, rows, n, red)
+            K.nll_loss_rows(loss, y, dt, rows, n, red, total=total)
             check(f"nll {red}", host(loss)[:1], w, rtol=1e-5)
+            check(f"nll {red} total weight", host(total), [keep.sum()])
         K.nll_loss_rows(loss, y, runtime.empty(0, np.int64), 0, n, "mean")
         check("nll mean of no rows", host(loss)[:1], [np.nan])
-        K.nll_loss_rows(loss, y, dt, rows, n, "none")
+        K.nll_loss_rows(loss, y, dt, rows, n, "none", total=total)
+        check("nll none total weight", host(total), [0])
         want = np.zeros(rows, np.float32)
         want[keep] = picked
         check("nll none", host(loss), want, rtol=1e-5)
@@ -313,7 +333,7 @@ def test_nn_kernels(daemon):
 @pytest.mark.timeout(150)
 def test_matmul_random_sleep(daemon):
     lines = run(daemon, """
-        for m, k, n in ((1, 1, 1), (65, 130, 33), (129, 7, 257), (4, 0, 3)):
+        for m, k, n in ((1, 1, 1), (65, 130, 33), (129, 7, 257), (300, 40, 520), (4, 0, 3)):
             a = rng.standard_normal((m, k)).astype(np.float32)
             b = rng.standard_normal((k, n)).astype(np.float32)
             c = rng.standard_normal((m, n)).astype(np.float32)

@@ -104,6 +104,41 @@ def softmax_backward(gi, g, y, n: 'int64', logf: 'int64'):
             gi[base + j] = y[base + j] * (g[base + j] - tot)
 
 
+def softmax_short(out, x, rows: 'int64', n: 'int64', logf: 'int64'):
+    r = global_id(0)
+    if r < rows:
+        base = r * n
+        m = -1.0e300 * 1.0e300
+        for j in range(n):
+            m = max(m, x[base + j])
+        s = 0.0
+        for j in range(n):
+            s += exp(x[base + j] - m)
+        lt = log(s)
+        for j in range(n):
+            if logf != 0:
+                out[base + j] = x[base + j] - m - lt
+            else:
+                out[base + j] = exp(x[base + j] - m) / s
+
+
+def softmax_backward_short(gi, g, y, rows: 'int64', n: 'int64', logf: 'int64'):
+    r = global_id(0)
+    if r < rows:
+        base = r * n
+        s = 0.0
+        for j in range(n):
+            if logf != 0:
+                s += g[base + j]
+            else:
+                s += g[base + j] * y[base + j]
+        for j in range(n):
+            if logf != 0:
+                gi[base + j] = g[base + j] - exp(y[base + j]) * s
+            else:
+                gi[base + j] = y[base + j] * (g[base + j] - s)
+
+
 def index_rows(out, weight, index, rows: 'int64', cols: 'int64'):
     i = global_id(0)
     if i < rows * cols:
@@ -120,7 +155,7 @@ def index_add_rows(out, index, src, rows: 'int64', cols: 'int64'):
         atomic_add(out, (index[r], c), src[r, c])
 
 
-def nll_loss(out, logp, target, rows: 'int64', reduction: 'int64', ignore: 'int64'):
+def nll_loss(out, total, logp, target, rows: 'int64', reduction: 'int64', ignore: 'int64'):
     part = shared_array(256, "float64")
     cnt = shared_array(256, "float64")
     t = local_id(0)
@@ -139,10 +174,11 @@ def nll_loss(out, logp, target, rows: 'int64', reduction: 'int64', ignore: 'int6
     cnt[t] = c
 {shared.block_tree("part", "{a} + {b}")}
 {shared.block_tree("cnt", "{a} + {b}")}
-    if t == 0 and reduction != 0:
+    if t == 0:
+        total[0] = cnt[0] if reduction != 0 else 0.0
         if reduction == 1:
             out[0] = part[0] / cnt[0]
-        else:
+        elif reduction == 2:
             out[0] = part[0]
 
 
@@ -165,6 +201,15 @@ def nll_loss_backward(grad, gout, target, rows: 'int64', reduction: 'int64', ign
             else:
                 grad[r, tg] = -gout[0]
 """
+
+
+#: rows at most this long get a thread each (softmax and its backward): a 256-thread
+#: block with its barrier phases per row of 10 classes (a classifier's logits) is mostly
+#: block overhead
+SHORT_ROW = 64
+#: threads per block of the thread-per-row kernels: a batch of 64 rows still spreads
+#: over the engines
+SHORT_BLOCK = 32
 
 
 def _mod(device: int) -> runtime.Module:
@@ -210,20 +255,33 @@ def tanh_backward(out: Array, grad: Array, y: Array,
 
 def softmax_rows(out: Array, x: Array, rows: int, n: int, log: bool = False,
                  stream: runtime.Stream | None = None) -> None:
-    """Softmax (or log_softmax) of each row of a contiguous ``[rows, n]`` buffer."""
-    if rows and n:
-        _mod(out.device).softmax[rows, shared.BLOCK](shared.flat(out), shared.flat(x), n, int(log),
-                                                     stream=shared.stream_of(out, stream))
+    """Softmax (or log_softmax) of each row of a contiguous ``[rows, n]`` buffer: a block
+    per row, or a thread per row for rows of at most :data:`SHORT_ROW` elements."""
+    if not (rows and n):
+        return
+    s = shared.stream_of(out, stream)
+    if n <= SHORT_ROW:
+        _mod(out.device).softmax_short[shared.grid(rows, SHORT_BLOCK), SHORT_BLOCK](
+            shared.flat(out), shared.flat(x), rows, n, int(log), stream=s)
+    else:
+        _mod(out.device).softmax[rows, shared.BLOCK](shared.flat(out), shared.flat(x), n,
+                                                     int(log), stream=s)
 
 
 def softmax_backward_rows(grad_in: Array, grad_out: Array, y: Array, rows: int, n: int,
                           log: bool = False, stream: runtime.Stream | None = None) -> None:
     """From the forward's output ``y``: ``y * (g - sum(g * y))``, or for log_softmax
     ``g - exp(y) * sum(g)``, per row."""
-    if rows and n:
-        _mod(grad_in.device).softmax_backward[rows, shared.BLOCK](
-            shared.flat(grad_in), shared.flat(grad_out), shared.flat(y), n, int(log),
-            stream=shared.stream_of(grad_in, stream))
+    if not (rows and n):
+        return
+    s = shared.stream_of(grad_in, stream)
+    args = (shared.flat(grad_in), shared.flat(grad_out), shared.flat(y))
+    if n <= SHORT_ROW:
+        _mod(grad_in.device).softmax_backward_short[shared.grid(rows, SHORT_BLOCK),
+                                                    SHORT_BLOCK](*args, rows, n, int(log),
+                                                                 stream=s)
+    else:
+        _mod(grad_in.device).softmax_backward[rows, shared.BLOCK](*args, n, int(log), stream=s)
 
 
 def _rows_of(arr: Array, cols: int) -> int:
@@ -257,19 +315,26 @@ def index_add_rows(out: Array, index: Array, src: Array, rows_src: int, row_len:
 
 def nll_loss_rows(out_loss: Array, logp: Array, target: Array, rows: int, n: int,
                   reduction: Reduction | str = Reduction.mean, ignore_index: int = -100,
-                  stream: runtime.Stream | None = None) -> None:
+                  stream: runtime.Stream | None = None, total: Array | None = None) -> None:
     """``-logp[r, target[r]]`` per row (0 where ``target == ignore_index``), into
     ``out_loss[rows]`` for reduction none, else into ``out_loss[0]`` summed (sum) or
     divided by the count of non-ignored targets (mean; NaN when all are ignored). One
-    block: the batch's rows, not their classes, are the work."""
+    block: the batch's rows, not their classes, are the work. ``total[0]`` (one element
+    of ``out_loss``'s dtype) gets that count, 0 for reduction none: torch's
+    ``total_weight`` without class weights, in the same launch."""
     red = Reduction[reduction] if isinstance(reduction, str) else Reduction(reduction)
+    s = shared.stream_of(out_loss, stream)
     if rows == 0:  # an empty batch (whose buffers no launch may name): torch's values
         if red != Reduction.none:
-            fill(out_loss, np.nan if red == Reduction.mean else 0.0, stream)
+            fill(out_loss, np.nan if red == Reduction.mean else 0.0, s)
+        if total is not None:
+            fill(total, 0.0, s)
         return
+    if total is None:
+        total = runtime.empty(1, out_loss.dtype, device=out_loss.device, stream=s)
     _mod(out_loss.device).nll_loss[1, shared.BLOCK](
-        shared.flat(out_loss), shared.matrix(logp, rows, n), shared.flat(target), rows, int(red),
-        ignore_index, stream=shared.stream_of(out_loss, stream))
+        shared.flat(out_loss), shared.flat(total), shared.matrix(logp, rows, n),
+        shared.flat(target), rows, int(red), ignore_index, stream=s)
 
 
 def nll_loss_backward_rows(grad_logp: Array, grad_out: Array, target: Array, rows: int,

@@ -10,7 +10,7 @@ import math
 import torch
 
 from torch_accel import kernels
-from torch_accel.kernels import Backward, Binary
+from torch_accel.kernels import Backward, Binary, Reduction
 from torch_accel.ops import _operands as operands
 from torch_accel.ops._register import Unsupported, implements
 from torch_accel.ops._tensors import stream, view_of
@@ -105,14 +105,15 @@ def _nll_args(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | N
 def nll_loss_forward(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
                      reduction: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     lp, tg, rows, n = _nll_args(logp, target, weight)
-    s = stream(logp.device.index)
     out = torch.empty(rows if reduction == 0 and logp.dim() == 2 else (), dtype=logp.dtype,
                       device=logp.device)
-    kernels.nll_loss_rows(view_of(out), view_of(lp), view_of(tg), rows, n, reduction, ignore_index,
-                          stream=s)
-    # torch's total_weight: the count of targets that are not ignored (no class weights)
-    total = (tg != ignore_index).sum().to(logp.dtype) if reduction != 0 else \
-        torch.zeros((), dtype=logp.dtype, device=logp.device)
+    # torch's total_weight: the count of targets that are not ignored (no class weights),
+    # counted by the loss's own launch; 0 for a batch with reduction none, while one
+    # sample's loss is its own sum (its total counts its target whatever the reduction)
+    total = torch.empty((), dtype=logp.dtype, device=logp.device)
+    red = Reduction.sum if reduction == Reduction.none and logp.dim() == 1 else reduction
+    kernels.nll_loss_rows(view_of(out), view_of(lp), view_of(tg), rows, n, red, ignore_index,
+                          stream=stream(logp.device.index), total=view_of(total))
     return out, total
 
 
