@@ -137,41 +137,9 @@ say(f"{type(work).__name__} completed at issue {pending} result ok")
 dist.destroy_process_group()
 """
 
-DDP = """
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-dist.init_process_group("accl")
-r, w = dist.get_rank(), dist.get_world_size()
-
-
-def model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-
-
-def train(net, xs, ys):
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for _ in range(3):
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(xs), ys).backward()
-        opt.step()
-    return [p.detach().cpu() for p in net.parameters()]
-
-
-g = torch.Generator().manual_seed(1)
-X, Y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
-ref = train(model(), X, Y)  # one process, the whole batch, on the CPU
-ddp = DDP(model().to(dev))
-got = train(ddp, X.chunk(w)[r].to(dev), Y.chunk(w)[r].to(dev))  # this rank's half
-diff = max((a - b).abs().max().item() for a, b in zip(got, ref))
-assert diff < 1e-5, diff
-say(f"DDP on {next(ddp.parameters()).device} matches full-batch CPU training")
-dist.destroy_process_group()
-"""
-
-FSDP2 = """
-from torch.distributed.fsdp import fully_shard
-
+#: Both data-parallel tests: a small model trained 3 SGD steps on a batch (the reference
+#: is one process training on the whole batch on the CPU).
+TRAINING = """
 dist.init_process_group("accl")
 r, w = dist.get_rank(), dist.get_world_size()
 
@@ -192,6 +160,23 @@ def train(net, xs, ys):
 
 g = torch.Generator().manual_seed(1)
 X, Y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+"""
+
+DDP = TRAINING + """
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+ref = [p.detach() for p in train(model(), X, Y)]
+ddp = DDP(model().to(dev))
+got = train(ddp, X.chunk(w)[r].to(dev), Y.chunk(w)[r].to(dev))  # this rank's half
+diff = max((a.detach().cpu() - b).abs().max().item() for a, b in zip(got, ref))
+assert diff < 1e-5, diff
+say(f"DDP on {next(ddp.parameters()).device} matches full-batch CPU training")
+dist.destroy_process_group()
+"""
+
+FSDP2 = TRAINING + """
+from torch.distributed.fsdp import fully_shard
+
 ref = [p.detach() for p in train(model(), X, Y)]
 sharded = model().to(dev)
 for layer in sharded:
