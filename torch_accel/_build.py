@@ -46,11 +46,10 @@ def load(verbose: bool = False) -> ModuleType:
         if not where.exists():  # a new source or torch: the older builds are stale
             for old in where.parent.glob("torch-*"):
                 shutil.rmtree(old, ignore_errors=True)
-        built = where / "torch_accel_C.so"
-        if (where / DONE).exists():
-            return _import(built)
         where.mkdir(exist_ok=True)
         (where / "lock").unlink(missing_ok=True)
+        if (where / DONE).exists():
+            return _import(where / "torch_accel_C.so")
         module = cpp_extension.load(name="torch_accel_C", sources=[str(p) for p in SOURCES],
                                     build_directory=str(where), extra_cflags=["-O2"],
                                     verbose=verbose)
