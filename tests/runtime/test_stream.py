@@ -171,23 +171,32 @@ def test_priorities_high_runs_first_and_preempts_long_copies(make_daemon):
         report(high_ns=b.stream.timestamp(b.seqno), low_nop_ns=a.stream.timestamp(a.seqno + 1))
         # preemption: each copy engine busy with one long (18-chunk) low-priority copy
         taken = lambda s: s._ring.rptr
-        big[1].copy_(big[0], stream=low1)
-        big[2].copy_(big[0], stream=low2)
-        t_end = time.monotonic() + 5
-        while (taken(low1) < low1.last_seqno or taken(low2) < low2.last_seqno) and time.monotonic() < t_end:
-            pass                                     # both dispatched to the engines
-        time.sleep(0.001)
-        small[1].copy_(small[0], stream=high)
-        hi = high.record_event(); l1, l2 = low1.record_event(), low2.record_event()
-        for s in (high, low1, low2):
-            s.synchronize()
+        for attempt in range(1, 6):
+            big[1].copy_(big[0], stream=low1)
+            big[2].copy_(big[0], stream=low2)
+            t_end = time.monotonic() + 5
+            while (taken(low1) < low1.last_seqno or taken(low2) < low2.last_seqno) and time.monotonic() < t_end:
+                pass                                     # both dispatched to the engines
+            time.sleep(0.001)
+            high.submit([pkt(userq.Op.NOP)])             # its time: when the firmware took
+            arrived = high.last_seqno                    # the high work (a NOP runs inline)
+            small[1].copy_(small[0], stream=high)
+            hi = high.record_event(); l1, l2 = low1.record_event(), low2.record_event()
+            for s in (high, low1, low2):
+                s.synchronize()
+            lows = [low1.timestamp(l1.seqno), low2.timestamp(l2.seqno)]
+            if high.timestamp(arrived) < min(lows):
+                break  # the scenario: the high copy came while both engines had a low one
+            # this process was held off its CPU until a low copy had ended: nothing was
+            # tested (the host's scheduling, not the device's); again
         # both engines were busy with one long copy each: finishing first means a low copy
         # yielded its engine between chunks (counted in sysfs preemptions; the bench
         # measures the delay)
-        report(high_copy_ns=high.timestamp(hi.seqno),
-               low_copies_ns=[low1.timestamp(l1.seqno), low2.timestamp(l2.seqno)])
+        report(high_copy_ns=high.timestamp(hi.seqno), low_copies_ns=lows, attempt=attempt,
+               arrived_ns=high.timestamp(arrived))
     """)
     assert r["high_ns"] <= r["low_nop_ns"], r
+    assert r["arrived_ns"] < min(r["low_copies_ns"]), r  # the scenario happened (5 tries)
     assert r["high_copy_ns"] < min(r["low_copies_ns"]), r
 
 
