@@ -124,6 +124,11 @@ def test_record_stream_keeps_a_freed_block_until_that_streams_work_is_done(torch
         y = torch.empty(MiB, dtype=torch.uint8, device="accel")
         print(y.data_ptr() - ptr)                  # no other stream: reused at once
         side = torch.accel.Stream()
+        # the side stream's work cannot end before this process looks: the device takes
+        # nothing while held (a sleep alone ended first when the host kept this process
+        # waiting for a CPU)
+        hold = f"{{os.environ['ACCEL_EMU_ROOT']}}/sys/kernel/debug/accel/accel0/sched_hold"
+        open(hold, "w").write("1")
         with torch.accel.stream(side):
             torch.accel._sleep({BUSY})
         y.record_stream(side)
@@ -131,6 +136,7 @@ def test_record_stream_keeps_a_freed_block_until_that_streams_work_is_done(torch
         # best fit may pick another free block first: two requests show where ptr went
         busy = [torch.empty(MiB, dtype=torch.uint8, device="accel") for _ in range(2)]
         print(sorted(t.data_ptr() - ptr for t in busy), side.query())  # side busy: held back
+        open(hold, "w").write("0")
         side.synchronize()
         done = [torch.empty(MiB, dtype=torch.uint8, device="accel") for _ in range(2)]
         print(sorted(t.data_ptr() - ptr for t in done))                # side done: reused
