@@ -77,14 +77,10 @@ class AccelInterface(DeviceInterface):
     def is_available() -> bool:
         return accel.is_available()
 
-    @staticmethod
-    def exchange_device(device: int) -> int:
-        """Make ``device`` current; the one that was (Dynamo's ``DeviceGuard``)."""
-        return _hooks.exchange_device(device)
-
-    @staticmethod
-    def maybe_exchange_device(device: int) -> int:
-        return _hooks.exchange_device(device)
+    #: make a device current, return the one that was (Dynamo's ``DeviceGuard``); setting
+    #: a device opens no context here (runtime.set_device), so "maybe" is the same call
+    exchange_device = staticmethod(_hooks.exchange_device)
+    maybe_exchange_device = staticmethod(_hooks.exchange_device)
 
     @staticmethod
     def _set_stream_by_id(stream_id: int, device_index: int, device_type: int) -> None:
