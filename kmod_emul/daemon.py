@@ -128,19 +128,33 @@ def _unescape(field: str) -> str:
     return field.encode().decode("unicode_escape")
 
 
-def find_mount(root: Path) -> MountInfo | None:
-    """The accel-emud mount at ``root`` according to /proc/mounts, if any."""
-    target = os.path.realpath(root)
+def _fuse_mounts() -> Iterator[tuple[str, Path]]:
+    """(source, mountpoint) of every FUSE mount in /proc/mounts."""
     with open("/proc/mounts") as f:
         for line in f:
             source, mountpoint, fstype, *_ = line.split()
-            if _unescape(mountpoint) != target or not fstype.startswith("fuse"):
-                continue
-            if source.startswith(FSNAME_PREFIX):
-                pid_text = source[len(FSNAME_PREFIX):]
-                return MountInfo(Path(target), int(pid_text) if pid_text.isdigit() else None)
-            return MountInfo(Path(target), None)
+            if fstype.startswith("fuse"):
+                yield source, Path(_unescape(mountpoint))
+
+
+def _mount_info(source: str, mountpoint: Path) -> MountInfo:
+    pid_text = source[len(FSNAME_PREFIX):] if source.startswith(FSNAME_PREFIX) else ""
+    return MountInfo(mountpoint, int(pid_text) if pid_text.isdigit() else None)
+
+
+def find_mount(root: Path) -> MountInfo | None:
+    """The accel-emud mount at ``root`` according to /proc/mounts, if any."""
+    target = Path(os.path.realpath(root))
+    for source, mountpoint in _fuse_mounts():
+        if mountpoint == target:
+            return _mount_info(source, mountpoint)
     return None
+
+
+def accel_mounts() -> list[MountInfo]:
+    """Every mount an accel-emud made (its source names the daemon), wherever it is."""
+    return [_mount_info(source, mountpoint) for source, mountpoint in _fuse_mounts()
+            if source.startswith(FSNAME_PREFIX)]
 
 
 def unmount_stale(root: Path) -> None:

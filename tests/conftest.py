@@ -31,6 +31,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import pytest
 
 from abi.fwimage import IMAGE_NAME
 from firmware.image import IMAGE_DIR
+from testkit import orphans
 from testkit.daemon import Daemon
 from testkit.tenants import OtherUser, user_environment
 
@@ -51,6 +53,18 @@ def _new_daemon(tmp: Path, devices: int, firmware_dir: Path | None, extra: list[
     tmp.mkdir(parents=True, exist_ok=True)
     return Daemon(tmp / "root", tmp / "state", firmware_dir or IMAGE_DIR, devices, extra,
                   jit_cache)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_orphan_daemons(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Claim this run's temporary directory and stop the daemons a killed earlier run left
+    mounted under the user's pytest temporaries (testkit/orphans.py says why they stay)."""
+    base = tmp_path_factory.getbasetemp()
+    orphans.claim(base)
+    top = next((p for p in base.parents if p.name.startswith("pytest-of-")), None)
+    if top is not None and (stopped := orphans.sweep(top)):
+        warnings.warn(f"stopped {len(stopped)} accel-emud daemon(s) a killed test run left "
+                      f"mounted: {', '.join(map(str, stopped))}", stacklevel=1)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from scenario import SPINNING
 from abi import uapi
 from kmod_emul import daemon as kdaemon
 from kmod_emul.daemon import pid_alive
-from testkit import REPO
+from testkit import REPO, orphans
 from testkit.waiting import wait_until
 
 
@@ -183,3 +183,24 @@ def test_stop_refuses_while_in_use_and_force_tells_clients_it_was_a_stop(make_da
             client.kill()
             client.wait()
     assert kdaemon.find_mount(d.root) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_runs_daemon_is_stopped_by_the_next_runs_sweep(make_daemon, tmp_path):
+    """A runner killed before its teardown leaves its daemons mounted (they run in their own
+    session); the next run stops those whose claiming process is gone, and only those."""
+    orphaned, owned = tmp_path / "killed-run", tmp_path / "live-run"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    for base, pid in ((orphaned, gone.pid), (owned, os.getpid())):
+        base.mkdir()
+        orphans.claim(base, pid)
+    victim = make_daemon(name="killed-run/d")
+    keeper = make_daemon(name="live-run/d")
+    unclaimed = make_daemon(name="d")  # directly under tmp_path: no claim below the top
+
+    assert orphans.sweep(tmp_path) == [victim.root]
+    assert kdaemon.find_mount(victim.root) is None
+    for d in (keeper, unclaimed):
+        assert kdaemon.find_mount(d.root).alive
+        assert (d.node(0)).exists()
