@@ -10,7 +10,7 @@
 
 /* --- constants (abi/uapi.py) --- */
 #define ACCEL_ABI_MAJOR 2u
-#define ACCEL_ABI_MINOR 3u
+#define ACCEL_ABI_MINOR 4u
 #define ACCEL_IOCTL_BASE 0x61u
 #define ACCEL_TAG_LIMIT 0x4000000000000000ULL
 #define ACCEL_MAX_PENDING_REPLIES 0x100u
@@ -157,7 +157,9 @@ struct accel_ctx_create {
 	int32_t event_fd;
 	int32_t db_page_fd;
 	uint64_t ctx_id;
-	uint64_t reserved[2];
+	uint32_t schedule;
+	int32_t schedule_fd;
+	uint64_t seed;
 };
 _Static_assert(sizeof(struct accel_ctx_create) == 48, "accel_ctx_create");
 _Static_assert(offsetof(struct accel_ctx_create, abi_major) == 0, "accel_ctx_create.abi_major");
@@ -167,7 +169,9 @@ _Static_assert(offsetof(struct accel_ctx_create, doorbell_fd) == 12, "accel_ctx_
 _Static_assert(offsetof(struct accel_ctx_create, event_fd) == 16, "accel_ctx_create.event_fd");
 _Static_assert(offsetof(struct accel_ctx_create, db_page_fd) == 20, "accel_ctx_create.db_page_fd");
 _Static_assert(offsetof(struct accel_ctx_create, ctx_id) == 24, "accel_ctx_create.ctx_id");
-_Static_assert(offsetof(struct accel_ctx_create, reserved) == 32, "accel_ctx_create.reserved");
+_Static_assert(offsetof(struct accel_ctx_create, schedule) == 32, "accel_ctx_create.schedule");
+_Static_assert(offsetof(struct accel_ctx_create, schedule_fd) == 36, "accel_ctx_create.schedule_fd");
+_Static_assert(offsetof(struct accel_ctx_create, seed) == 40, "accel_ctx_create.seed");
 
 /* ACCEL_CMD_CTX_DESTROY: tear the context down; the fd may create a new one. */
 struct accel_ctx_destroy {
