@@ -92,9 +92,21 @@ class Plan:
                     decisions.append([e.queue, e.seqno, e.kind.name.lower(), e.value])
             devices[physical] = {"decisions": decisions, "dropped": dropped}
         with open(self.record, "w") as f:
-            json.dump({"format": FORMAT, "version": VERSION, "schedule": self.name,
-                       "devices": devices}, f, indent=1)
-            f.write("\n")
+            f.write(dumps({"format": FORMAT, "version": VERSION, "schedule": self.name,
+                           "devices": devices}))
+
+
+def dumps(doc: dict[str, Any]) -> str:
+    """A recording's text: JSON with one decision a line (diffable, easy to edit)."""
+    head = {k: v for k, v in doc.items() if k != "devices"}
+    lines = [json.dumps(head)[:-1] + ', "devices": {']
+    for i, (physical, dev) in enumerate(doc["devices"].items()):
+        rows = ",\n".join("   " + json.dumps(d) for d in dev["decisions"])
+        lines.append(f' {json.dumps(physical)}: {{"dropped": {dev["dropped"]}, "decisions": ['
+                     + (f"\n{rows}\n  " if rows else "") + "]}"
+                     + ("," if i < len(doc["devices"]) - 1 else ""))
+    lines.append("}}")
+    return "\n".join(lines) + "\n"
 
 
 def _u64s(words: list[int]) -> bytes:

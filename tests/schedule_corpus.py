@@ -1,0 +1,134 @@
+"""The sanitizer's corpus (tests/runtime/test_sanitizer.py) run for its results, with the
+sanitizer off, under a schedule: what adversarial scheduling exposes (docs/schedule.md).
+
+The programs are the corpus's own (imported, not copied); a harness run before them
+notes every array a program allocates and, once the program and a device synchronize
+are done, reads those arrays' bytes and the pinned buffer the programs copy into, and
+reports a digest of them: the program's *result*. Before each program the harness zeroes
+every block the earlier ones were given (the caching allocator hands them out again), so
+a program's result depends on its own work alone, not on what an earlier one left.
+
+A result is *wrong* when it differs from the program's result in program order, which
+``serial=True`` gives: the second stream is the first (``s2 = s1``), so each program's
+device-0 work runs in the order it was written.
+
+``python tests/schedule_corpus.py [SEEDS]`` prints the figures table of docs/schedule.md:
+for each racy program, how many of SEEDS adversarial seeds and of as many default runs
+give a wrong result (one daemon of its own, stopped at the end).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+for _p in (HERE.parent, HERE, HERE / "runtime"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from scenario import STREAM_PRELUDE, run_json  # noqa: E402
+from test_sanitizer import CORRECT, RACY, SETUP  # noqa: E402
+
+from testkit.daemon import Daemon  # noqa: E402
+
+#: the corpus's setup asserts the sanitizer is on: here it must be off (its checks would
+#: raise at the synchronisation points; what is measured is what the programs compute)
+_SANITIZER_ON = 'assert sanitizer.active is not None and sanitizer.active.mode == "raise"\n'
+assert _SANITIZER_ON in SETUP
+
+HARNESS = """
+import hashlib
+assert sanitizer.active is None
+_made = set()     # (device, va, nbytes) of every array a program was given
+_ever = set()     # ... and of every earlier program
+_empty = runtime.empty
+def _tracked(*a, **k):
+    arr = _empty(*a, **k)
+    if arr.nbytes:
+        _made.add((k.get("device") or 0, arr.va, arr.nbytes))
+    return arr
+runtime.empty = _tracked
+_probe = runtime.pinned_empty(4 * N, np.float32)
+_outcomes = {}
+def _zero_earlier_blocks():
+    for dev, va, n in sorted(_ever):
+        (t1 if dev else s1).submit([pkt(userq.Op.MEMSET, va, n, 0)])
+    host2[:] = 0
+    sync()
+def _result():
+    h = hashlib.sha256()
+    for dev, va, n in sorted(_made):
+        s1.submit([pkt(userq.Op.COPY, _probe.device_va, va, n)])
+        s1.synchronize()
+        h.update(_probe.view(np.uint8)[:n].tobytes())
+    h.update(host2.tobytes())
+    return h.hexdigest()[:12]
+_run = run
+def run(name, program):
+    def observed(x):
+        _zero_earlier_blocks()
+        _made.clear()
+        program(x)
+        sync()
+        _outcomes[name] = _result()
+        _ever.update(_made)
+    _run(name, observed)
+"""
+
+SERIAL = "s2 = s1  # program order: every device-0 access on one stream\n"
+
+
+def program_names(corpus: str) -> list[str]:
+    """The names of a corpus's programs, in order (its ``run("name", ...)`` lines)."""
+    return [line.split('"')[1] for line in corpus.splitlines() if line.startswith('run("')]
+
+
+def outcomes(daemon: Daemon, corpus: str, *, serial: bool = False, timeout: float = 240,
+             **env: str) -> dict[str, str]:
+    """Each program's result (a digest) in one process running ``corpus`` (RACY or
+    CORRECT) with the environment ``env`` (ACCEL_SCHEDULE, ACCEL_REPLAY, ...)."""
+    code = SETUP.replace(_SANITIZER_ON, "") + HARNESS + (SERIAL if serial else "") + corpus
+    r = run_json(daemon, STREAM_PRELUDE, code + "report(outcomes=_outcomes)\n",
+                 timeout=timeout, ACCEL_SANITIZE="0", **env)
+    return r["outcomes"]
+
+
+def exposure(daemon: Daemon, seeds: int) -> list[dict[str, Any]]:
+    """For each racy program: how many of ``seeds`` adversarial seeds (0, 1, ...) and of
+    as many default-scheduler runs give a result other than program order's."""
+    want = outcomes(daemon, RACY, serial=True)
+    adversarial = [outcomes(daemon, RACY, ACCEL_SCHEDULE=f"adversarial:{s}")
+                   for s in range(seeds)]
+    default = [outcomes(daemon, RACY) for _ in range(seeds)]
+    return [{"program": name,
+             "adversarial": sum(o[name] != want[name] for o in adversarial),
+             "default": sum(o[name] != want[name] for o in default),
+             "first_seed": next((s for s, o in enumerate(adversarial)
+                                 if o[name] != want[name]), None)}
+            for name in program_names(RACY)]
+
+
+def main() -> None:
+    import tempfile
+
+    from firmware.image import IMAGE_DIR
+    seeds = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+    with tempfile.TemporaryDirectory(prefix="schedule-corpus-") as tmp:
+        d = Daemon(Path(tmp) / "root", Path(tmp) / "state", IMAGE_DIR, 2, [], None)
+        d.start()
+        try:
+            rows = exposure(d, seeds)
+        finally:
+            d.stop()
+    print(f"| racy program | adversarial: wrong in N of {seeds} seeds | first seed | "
+          f"default scheduler: wrong in N of {seeds} runs |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        first = "-" if r["first_seed"] is None else r["first_seed"]
+        print(f"| `{r['program']}` | {r['adversarial']} | {first} | {r['default']} |")
+
+
+if __name__ == "__main__":
+    main()
