@@ -55,6 +55,10 @@ class Decision(enum.IntEnum):
     #: from this packet on, the queue's rank among its context's queues is ``value``
     #: (lower goes first when several could run: PCT's priority)
     RANK = 2
+    #: the packet was the ``value``-th of its context to start (from 0): a replay starts
+    #: the packets it lists in the order of their values, each once every listed packet
+    #: before it has started
+    ORDER = 3
 
 
 class Entry(NamedTuple):

@@ -37,6 +37,11 @@ DELAYS_US = (1_000, 5_000, 20_000)
 CHANGE_CHANCE = 1 / 16
 #: Ranks are drawn from this many values (lower runs first).
 RANKS = 1 << 16
+#: How long a replayed packet waits for the packets listed before it to start before the
+#: replay gives up on them (the program took another path than the recorded run).
+ORDER_PATIENCE_NS = 2_000_000_000
+#: ... and how often it looks whether they did (the loop sleeps meanwhile)
+ORDER_RECHECK_NS = 100_000
 
 
 class Adversary:
@@ -50,6 +55,12 @@ class Adversary:
         #: a replay's decisions, by (queue, seqno)
         self.delays: dict[tuple[int, int], int] = {}
         self.ranks: dict[tuple[int, int], int] = {}
+        #: a replay's start order: each listed packet's place among the listed, and the
+        #: place whose packet starts next (``frontier``), since when it is awaited
+        self.order: dict[tuple[int, int], int] = {}
+        self.frontier = 0
+        self.awaited_since = 0
+        self.started = 0  # packets started: the next one's ORDER value
         if self.mode == sched.Mode.REPLAY and self.table is not None:
             self._load()
         self.record = bool(schedule & sched.SCHED_RECORD) and self.table is not None
@@ -66,14 +77,20 @@ class Adversary:
         words = self.table.words
         count = min(self.table.get(sched.SCHED_COUNT), sched.SCHED_CAPACITY)
         base = sched.SCHED_ENTRIES >> 3
+        starts: list[tuple[int, int, int]] = []
         for i in range(count):
             w = words[base + 4 * i: base + 4 * i + 4].tolist()
             try:
                 e = sched.entry_of(w)
             except ValueError:
                 continue
-            (self.delays if e.kind == Decision.DELAY else self.ranks)[e.queue, e.seqno] = \
-                e.value
+            if e.kind == Decision.ORDER:
+                starts.append((e.value, e.queue, e.seqno))
+            else:
+                table = self.delays if e.kind == Decision.DELAY else self.ranks
+                table[e.queue, e.seqno] = e.value
+        # places by value, renumbered from 0: a shrunk recording keeps only some
+        self.order = {(q, s): place for place, (_, q, s) in enumerate(sorted(starts))}
 
     def close(self) -> None:
         if self.table is not None:
@@ -139,7 +156,31 @@ class Adversary:
             ring.held_until = monotonic_ns() + us * 1000 if us else 0
             if us:
                 self._note(Entry(index, seqno, Decision.DELAY, us))
-        until = ring.held_until
-        if until and monotonic_ns() >= until:
-            ring.held_until = until = 0
-        return bool(until)
+        if ring.held_until:
+            if monotonic_ns() < ring.held_until:
+                return True
+            ring.held_until = 0
+        if self.order and self._out_of_order(ring.adv_index, seqno):
+            ring.held_until = monotonic_ns() + ORDER_RECHECK_NS
+            return True
+        self._note(Entry(ring.adv_index, seqno, Decision.ORDER, self.started))
+        self.started += 1
+        return False
+
+    def _out_of_order(self, queue: int, seqno: int) -> bool:
+        """Must a replay's packet wait for one listed before it to start? A packet the
+        order does not list never waits; one awaited for ``ORDER_PATIENCE_NS`` (the run
+        went another way: it never comes) is given up on."""
+        place = self.order.get((queue, seqno))
+        if place is None:
+            return False
+        now = monotonic_ns()
+        if place > self.frontier:
+            if not self.awaited_since:
+                self.awaited_since = now
+            if now - self.awaited_since < ORDER_PATIENCE_NS:
+                return True
+            self.frontier = place  # what it waited for is not coming
+        self.frontier = max(self.frontier, place + 1)
+        self.awaited_since = 0
+        return False

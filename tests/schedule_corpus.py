@@ -77,6 +77,25 @@ def run(name, program):
     _run(name, observed)
 """
 
+#: A program that forgets ``s2.wait_stream(s1)``: a copy into an array on ``s1``, then a
+#: copy out of it on ``s2``; it exits 1 when the second read anything but what the first
+#: wrote. The default scheduler runs both inline, in submission order, so it passes there.
+MISSING_WAIT = """
+import sys, numpy as np, runtime
+N = 4096
+s1, s2 = runtime.Stream(), runtime.Stream()
+a = runtime.empty(N, np.float32)
+src, dst = runtime.pinned_empty(N, np.float32), runtime.pinned_empty(N, np.float32)
+src[:] = 2
+a.memset(0)
+runtime.synchronize()
+a.copy_from_host(src, s1)
+a.copy_to_host(dst, stream=s2)  # missing: s2.wait_stream(s1)
+runtime.synchronize()
+print("right" if (dst == 2).all() else "wrong")
+sys.exit(0 if (dst == 2).all() else 1)
+"""
+
 SERIAL = "s2 = s1  # program order: every device-0 access on one stream\n"
 
 
