@@ -101,11 +101,11 @@ class Tenants:
             mine.append(userfd.import_pipe(f.pid, event_fd, True, "event pipe"))
             mine.append(userfd.import_memfd(f.pid, db_page_fd, userq.ACCEL_DB_PAGE_SIZE,
                                             uapi.ACCEL_SEALS_PINNED, "doorbell page"))
-            db = userq.SharedWords(mine[2], userq.ACCEL_DB_PAGE_SIZE)
-            if _needs_table(schedule):
+            if _needs_table(schedule):  # before the page's mapping, which nothing here undoes
                 mine.append(userfd.import_memfd(f.pid, schedule_fd, sched.SCHED_FILE_SIZE,
                                                 uapi.ACCEL_SEALS_PINNED, "schedule table"))
             sent = mine[:]
+            db = userq.SharedWords(mine[2], userq.ACCEL_DB_PAGE_SIZE)
             ring_fd = new_ring_memfd(f"{dev.name}-default-queue")
             mine.append(ring_fd)
             ring = DefaultQueue(ring_fd)
