@@ -102,13 +102,16 @@ def write(path: str, doc: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    argv, command = argv[:split], argv[split + 1:]
     p = argparse.ArgumentParser(
-        prog="accel-replay",
+        prog="accel-replay", usage="%(prog)s RECORDING [-o OUT] [--tries N] [--timeout S] "
+                                   "-- COMMAND [ARG...]",
         description="Shrink a failing ACCEL_RECORD recording to a minimal schedule: rerun "
                     "COMMAND with ACCEL_REPLAY over subsets of its decisions (failure: a "
                     "nonzero exit).")
     p.add_argument("recording", help="the recording (ACCEL_RECORD's file)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")
     p.add_argument("-o", "--output", help="where the shrunk recording goes "
                                           "(default: RECORDING with .min.json)")
     p.add_argument("--tries", type=int, default=1,
@@ -116,7 +119,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a run may take; one that takes longer failed (default 120)")
     args = p.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("no command: accel-replay RECORDING -- COMMAND [ARG...]")
     if args.tries < 1:
