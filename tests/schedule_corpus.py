@@ -2,11 +2,14 @@
 sanitizer off, under a schedule: what adversarial scheduling exposes (docs/schedule.md).
 
 The programs are the corpus's own (imported, not copied); a harness run before them
-notes every array a program allocates and, once the program and a device synchronize
-are done, reads those arrays' bytes and the pinned buffer the programs copy into, and
-reports a digest of them: the program's *result*. Before each program the harness zeroes
-every block the earlier ones were given (the caching allocator hands them out again), so
-a program's result depends on its own work alone, not on what an earlier one left.
+notes every device array and pinned buffer a program allocates and, once the program
+and a device synchronize are done, reads their bytes and those of the pinned buffer the
+programs copy into, and reports a digest of them: the program's *result*. Each device
+array is set to a known byte (0x3C: as float32 0.0115, small enough that adding 1 shows)
+when it is allocated, by a memset on the stream it is allocated for; pinned buffers are
+zeroed. So a program's result depends on its own work alone, not on what an earlier one
+left in a reused block, and a race whose two orders write or read the same values (a
+memset of 0 over zeros) is not hidden by them.
 
 A result is *wrong* when it differs from the program's result in program order, which
 ``serial=True`` gives: the second stream is the first (``s2 = s1``), so each program's
@@ -41,39 +44,43 @@ assert _SANITIZER_ON in SETUP
 HARNESS = """
 import hashlib
 assert sanitizer.active is None
-_made = set()     # (device, va, nbytes) of every array a program was given
-_ever = set()     # ... and of every earlier program
+_made = set()     # (va, nbytes) of every array a program was given
 _empty = runtime.empty
 def _tracked(*a, **k):
     arr = _empty(*a, **k)
-    if arr.nbytes:
-        _made.add((k.get("device") or 0, arr.va, arr.nbytes))
+    if arr.nbytes:  # a known pattern, on the stream the array was allocated for
+        arr.memset(0x3C, stream=k.get("stream"))  # float32 0.0115
+        _made.add((arr.va, arr.nbytes))
     return arr
 runtime.empty = _tracked
 _probe = runtime.pinned_empty(4 * N, np.float32)
+_host = []        # the pinned buffers a program made (a racing read may land there)
+_pinned_empty = runtime.pinned_empty
+def _tracked_pinned(*a, **k):
+    arr = _pinned_empty(*a, **k)
+    arr[...] = 0
+    _host.append(arr)
+    return arr
+runtime.pinned_empty = _tracked_pinned
 _outcomes = {}
-def _zero_earlier_blocks():
-    for dev, va, n in sorted(_ever):
-        (t1 if dev else s1).submit([pkt(userq.Op.MEMSET, va, n, 0)])
-    host2[:] = 0
-    sync()
 def _result():
     h = hashlib.sha256()
-    for dev, va, n in sorted(_made):
+    for va, n in sorted(_made):
         s1.submit([pkt(userq.Op.COPY, _probe.device_va, va, n)])
         s1.synchronize()
         h.update(_probe.view(np.uint8)[:n].tobytes())
-    h.update(host2.tobytes())
+    for arr in [host2, *_host]:
+        h.update(arr.tobytes())
     return h.hexdigest()[:12]
 _run = run
 def run(name, program):
     def observed(x):
-        _zero_earlier_blocks()
+        host2[:] = 0
         _made.clear()
+        _host.clear()
         program(x)
         sync()
         _outcomes[name] = _result()
-        _ever.update(_made)
     _run(name, observed)
 """
 
