@@ -35,6 +35,9 @@ DELAYS_US = (1_000, 5_000, 20_000)
 #: The chance that a queue's rank changes at a packet (PCT's priority change points,
 #: spread over the run instead of chosen from a known length).
 CHANGE_CHANCE = 1 / 16
+#: The longest delay a replay applies, whatever its table says (an edited one could
+#: otherwise stall its own queue, and the unmaps behind it, for an hour).
+MAX_REPLAY_DELAY_US = 1_000_000
 #: Ranks are drawn from this many values (lower runs first).
 RANKS = 1 << 16
 #: How long a replayed packet waits for the packets listed before it to start before the
@@ -136,8 +139,8 @@ class Adversary:
         return rank
 
     def _delay_us(self, queue: int, seqno: int) -> int:
-        if self.mode == sched.Mode.REPLAY:
-            return self.delays.get((queue, seqno), 0)
+        if self.mode == sched.Mode.REPLAY:  # the table is the process's: bounded here
+            return min(self.delays.get((queue, seqno), 0), MAX_REPLAY_DELAY_US)
         rng = self._rng(queue, seqno)
         pick = rng.randrange(2 * len(DELAYS_US))
         return DELAYS_US[pick] if pick < len(DELAYS_US) else 0
