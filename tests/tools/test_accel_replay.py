@@ -51,7 +51,7 @@ def test_a_failing_recording_shrinks_to_a_schedule_that_still_fails(daemon, tmp_
     assert r.stdout.startswith(f"{len(full)} decisions -> {len(small)} in "), r.stdout
     for _ in range(3):  # the shrunk schedule fails every time
         again = daemon.run_py(MISSING_WAIT, timeout=60, ACCEL_REPLAY=str(out))
-        assert again.returncode == 1 and "wrong" in again.stdout, again.stderr
+        assert again.returncode == 1 and "wrong" in again.stdout, r.stdout + again.stderr
 
 
 def test_a_recording_that_does_not_fail_is_refused(daemon, tmp_path, program):
