@@ -6,8 +6,9 @@ notes every device array and pinned buffer a program allocates and, once the pro
 and a device synchronize are done, reads their bytes and those of the pinned buffer the
 programs copy into, and reports a digest of them: the program's *result*. Each device
 array is set to a known byte (0x3C: as float32 0.0115, small enough that adding 1 shows)
-when it is allocated, by a memset on the stream it is allocated for; pinned buffers are
-zeroed. So a program's result depends on its own work alone, not on what an earlier one
+when it is allocated, by a memset on the stream it is allocated for that the harness waits
+for (only that stream: the program's other streams' work stays unordered with it); pinned
+buffers are zeroed. So a program's result depends on its own work alone, not on what an earlier one
 left in a reused block, and a race whose two orders write or read the same values (a
 memset of 0 over zeros) is not hidden by them.
 
@@ -48,8 +49,11 @@ _made = set()     # (va, nbytes) of every array a program was given
 _empty = runtime.empty
 def _tracked(*a, **k):
     arr = _empty(*a, **k)
-    if arr.nbytes:  # a known pattern, on the stream the array was allocated for
-        arr.memset(0x3C, stream=k.get("stream"))  # float32 0.0115
+    if arr.nbytes:  # a known pattern, on the stream the array was allocated for, done
+        # before the program sees the array (its first use may be on another stream)
+        stream = k.get("stream") or runtime.current_stream(k.get("device") or 0)
+        arr.memset(0x3C, stream=stream)  # float32 0.0115
+        stream.synchronize()
         _made.add((arr.va, arr.nbytes))
     return arr
 runtime.empty = _tracked
