@@ -6,7 +6,7 @@ PY := .venv/bin/python
 APT_PACKAGES := libfuse3-dev fuse3 pkg-config gcc libc6-dev
 DEMO_ROOT ?= $(shell mktemp -u -d /tmp/accel-emu-demo.XXXXXX)
 
-.PHONY: setup run test bench bench-compare stress firmware kernels header clean
+.PHONY: setup run test bench bench-compare schedule-figures stress firmware kernels header clean
 
 .venv/.installed: pyproject.toml
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -59,6 +59,12 @@ test: setup
 
 bench: setup
 	$(PY) -m bench
+
+# The racy programs of the sanitizer corpus under SEEDS adversarial seeds and as many default
+# runs: how many give a wrong result (docs/schedule.md's table).
+SEEDS ?= 20
+schedule-figures: setup
+	$(PY) tests/schedule_corpus.py $(SEEDS)
 
 # This checkout against commit BASE, benchmark by benchmark in alternating runs (bench/compare.py).
 bench-compare: setup

@@ -106,11 +106,14 @@ class Op(enum.IntEnum):
 # --- message payloads: one struct per message ---------------------------------------------
 # Host to firmware. A field ``cookie`` names the descriptors sent with the message (0: none).
 class fw_ctx_create(Struct):
-    """A context: fds doorbell pipe read end, event pipe write end, doorbell page memfd;
-    ``live_slot``, its entry in the live table (``LIVE_OFF``)."""
+    """A context: fds doorbell pipe read end, event pipe write end, doorbell page memfd,
+    and its schedule's decision table when ``schedule`` records or replays;
+    ``live_slot``, its entry in the live table (``LIVE_OFF``); ``schedule`` and ``seed``
+    as the process asked (abi/schedule.py; 0 and 0, the default schedule, is the message
+    a firmware before schedules knew)."""
 
     _fields_ = [("cookie", ctypes.c_uint64), ("live_slot", ctypes.c_uint64),
-                ("reserved", ctypes.c_uint64)]
+                ("schedule", ctypes.c_uint64), ("seed", ctypes.c_uint64)]
 
 
 class fw_ctx_destroy(Struct):

@@ -40,8 +40,9 @@ ACCEL_ABI_MAJOR: Final = 2
 #: 2.1: DEVICE_RESET. 2.2: DEVICE_QUERY reports max_queues_per_process and
 #: max_queue_depth (in what was reserved). 2.3: a queue's ring may name its argument arena
 #: (abi/userq.py RING_ARGS_VA) and a LAUNCH then names no address; a runtime of 2.3 does,
-#: so a driver (and firmware) of 2.2 must refuse it.
-ACCEL_ABI_MINOR: Final = 3
+#: so a driver (and firmware) of 2.2 must refuse it. 2.4: CTX_CREATE names a schedule
+#: (``schedule``, ``schedule_fd``, ``seed``, in what was reserved; abi/schedule.py).
+ACCEL_ABI_MINOR: Final = 4
 
 # --- _IOC encoding, as in include/uapi/asm-generic/ioctl.h ---------------------------
 _IOC_NRBITS, _IOC_TYPEBITS, _IOC_SIZEBITS = 8, 8, 14
@@ -247,7 +248,13 @@ class accel_ctx_create(Struct):
         ("event_fd", ctypes.c_int32),  # in: pipe write end
         ("db_page_fd", ctypes.c_int32),  # in: sealed memfd, userq.ACCEL_DB_PAGE_SIZE bytes
         ("ctx_id", ctypes.c_uint64),  # out: unique on the device, never reused
-        ("reserved", ctypes.c_uint64 * 2),
+        #: in (2.4): the context's schedule, abi.schedule.Mode | SCHED_RECORD (0: the
+        #: default); ``schedule_fd`` the decision table (a sealed memfd of
+        #: abi.schedule.SCHED_FILE_SIZE bytes), read only when the schedule is a replay or
+        #: records; ``seed`` the adversarial schedule's (docs/schedule.md)
+        ("schedule", ctypes.c_uint32),
+        ("schedule_fd", ctypes.c_int32),
+        ("seed", ctypes.c_uint64),
     ]
 
 

@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from abi import fwimage, mailbox, uapi, userq
+from abi import fwimage, mailbox, schedule, uapi, userq
 from abi._struct import Struct
 from firmware import host_cpu, memory
+from firmware.adversary import Adversary
 from firmware.rings import FwContext, Ring
 from firmware.scheduler import Scheduler
 from firmware.telemetry import Counters, log_unexpected
@@ -221,8 +222,18 @@ class Firmware:
         self.post(mailbox.Op.LINK, 0, mailbox.fw_link(device=msg.device, up=msg.up))
 
     def _on_ctx_create(self, ctx_id: int, msg: mailbox.fw_ctx_create) -> None:
-        ctx = self._create_context(ctx_id, self.fdchan.take(msg.cookie))
+        fds = self.fdchan.take(msg.cookie)
+        table = fds.pop() if len(fds) > 3 else None  # a schedule's decision table
+        ctx = self._create_context(ctx_id, fds)
         ctx.live_table, ctx.live_slot = self.mbx.live, msg.live_slot
+        if msg.schedule & schedule.SCHED_MODE_MASK:  # else the default's: no decisions
+            try:
+                ctx.adversary = Adversary(msg.schedule, msg.seed, table)
+            finally:
+                if table is not None:
+                    os.close(table)
+        elif table is not None:
+            os.close(table)
         if not 0 <= msg.live_slot < mailbox.LIVE_SLOTS:  # a driver bug: fail closed
             ctx.live_table, ctx.lost = None, True
             log_unexpected("CTX_CREATE", ValueError(f"live slot {msg.live_slot}"))
@@ -330,6 +341,8 @@ class Firmware:
             os.close(fd)
         ctx.queues[qid] = ring
         if not fence_only:
+            if ctx.adversary is not None:
+                ctx.adversary.queue_added(ring)
             self.sched.add(ring)
 
     def _load_module(self, ctx: FwContext, module_id: int, size: int, cookie: int) -> None:
@@ -420,6 +433,7 @@ class Firmware:
             timeout = 0.0
         elif any(r.blocked and r.blocked[0].fence_only for r in self.sched.active):
             timeout = min(timeout, CROSS_DEVICE_POLL_S)
+        timeout = min(timeout, self.sched.held_for_s())
         for fd, _events in self._poller.poll(timeout * 1000):
             self._drain_fd(fd)
         for c in contexts:

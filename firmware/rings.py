@@ -19,13 +19,16 @@ from __future__ import annotations
 import array
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from abi import userq
 from firmware import memory
 from firmware.telemetry import EngineTime
+
+if TYPE_CHECKING:
+    from firmware.adversary import Adversary
 
 #: A context with at most this many rings has its doorbell slots compared one by one;
 #: more are compared in one numpy operation.
@@ -75,6 +78,11 @@ class Ring(userq.RingView):
         self.vtime = 0
         self.blocked: tuple[Ring, int, int] | None = None  # (ring, seqno) it waits for, since
         self.parked: tuple[int, tuple[int, ...]] | None = None  # a launch awaiting its module
+        #: its context's adversarial schedule (firmware/adversary.py): the queue's index
+        #: in the context and rank (lower goes first), and the packet it last decided on
+        #: and when that one may start (monotonic ns; 0: now)
+        self.adv_index = self.adv_rank = 0
+        self.held_seqno = self.held_until = 0
         self.faulted = self.read_fault()[0] != 0
         self.closing = False
         self.last_irq = 0
@@ -214,6 +222,9 @@ class FwContext:
     #: context, before its message (``lost``) may arrive
     live_table: memoryview | None = None
     live_slot: int = 0
+    #: its schedule's decisions when the process asked for other than the default
+    #: (firmware/adversary.py)
+    adversary: Adversary | None = None
 
     def dropped(self) -> bool:
         """Whether nothing more may start from this context's rings: the driver lost or
@@ -274,6 +285,8 @@ class FwContext:
                 os.close(fd)
         self.doorbell = self.event = -1
         self.db.close()
+        if self.adversary is not None:
+            self.adversary.close()
         for ring in self.queues.values():
             ring.close()
         self.queues.clear()

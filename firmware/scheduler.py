@@ -147,7 +147,15 @@ class Scheduler:
         kept the loop polling with no timeout, holding the GIL from the thread importing
         numba that the awaited launch needed: a launch on a cold JIT followed by a
         wait_event on another stream never completed on a loaded machine."""
-        return any(r.ready() and r.blocked is None and r.parked is None for r in self.active)
+        now = monotonic_ns()
+        return any(r.ready() and r.blocked is None and r.parked is None
+                   and r.held_until <= now for r in self.active)
+
+    def held_for_s(self) -> float:
+        """How long until a packet an adversarial schedule delays may start (seconds; inf:
+        none is delayed): the longest the loop may sleep with nothing else to do."""
+        until = min((r.held_until for r in self.active if r.held_until), default=0)
+        return max(0.0, (until - monotonic_ns()) / 1e9) if until else float("inf")
 
     def doorbells_moved(self) -> bool:
         return any(c.db.get(userq.DB_SEQ) != c.seen_seq for c in self.contexts.values())
@@ -248,13 +256,18 @@ class Scheduler:
         left this pass, the highest priority, then the context that has had the least
         time, then its ring that has."""
         best: Ring | None = None
+        now = 0
         for ring in self.active:
             if ring.busy or budget.get(ring, (BATCH,))[0] <= 0:
                 continue
             if not (ring.ready() or ring.blocked is not None or ring.parked is not None):
                 continue
-            if best is None or (-ring.priority, ring.ctx.vtime, ring.vtime) < \
-                    (-best.priority, best.ctx.vtime, best.vtime):
+            if ring.held_until:  # an adversarial schedule delays its next packet
+                now = now or monotonic_ns()
+                if ring.held_until > now:
+                    continue
+            if best is None or (-ring.priority, ring.ctx.vtime, ring.adv_rank, ring.vtime) < \
+                    (-best.priority, best.ctx.vtime, best.adv_rank, best.vtime):
                 best = ring
         return best
 
@@ -295,6 +308,8 @@ class Scheduler:
                 if not self._unblocked(ring):
                     break
                 continue
+            if ring.ctx.adversary is not None and ring.ctx.adversary.holds(ring):
+                break  # its next packet is delayed: the loop wakes for it (held_for_s)
             seqno, pkt = ring.take()
             done += 1
             if not self._start(ring, seqno, pkt):

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from abi import faults, uapi
+from abi import faults, schedule, uapi
 from kmod_emul import modules
 from kmod_emul.context import OpenFile
 from kmod_emul.device import DRIVER_VERSION
@@ -69,9 +69,13 @@ async def ctx_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_create) 
         raise f.device.isolation.refuse(
             "privileged", f.pid, f.uid, "ACCEL_CTX_DIAGNOSTIC is root's (accel-diag): its "
             "faults are not counted as a tenant's")
+    if arg.schedule & ~schedule.SCHED_FLAGS_MASK \
+            or arg.schedule & schedule.SCHED_MODE_MASK not in set(schedule.Mode):
+        raise DriverError(errno.EINVAL, f"unknown schedule {arg.schedule:#x}")
     ctx = f.device.tenants.create_context(f, bool(arg.flags & uapi.ACCEL_CTX_EXCLUSIVE),
                                           arg.doorbell_fd, arg.event_fd, arg.db_page_fd,
-                                          diagnostic=diagnostic)
+                                          diagnostic=diagnostic, schedule=arg.schedule,
+                                          schedule_fd=arg.schedule_fd, seed=arg.seed)
     arg.ctx_id = ctx.id
     return arg
 

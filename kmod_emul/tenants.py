@@ -14,6 +14,7 @@ import os
 from typing import TYPE_CHECKING
 
 from abi import mailbox, uapi, userq
+from abi import schedule as sched
 from kmod_emul import limits, userfd
 from kmod_emul.context import Context, DefaultQueue, OpenFile, Queue, new_ring_memfd, tgid_of
 from kmod_emul.errors import DriverError
@@ -71,9 +72,11 @@ class Tenants:
 
     # --- contexts ------------------------------------------------------------------------
     def create_context(self, f: OpenFile, exclusive: bool, doorbell_fd: int, event_fd: int,
-                       db_page_fd: int, *, diagnostic: bool = False) -> Context:
+                       db_page_fd: int, *, diagnostic: bool = False, schedule: int = 0,
+                       schedule_fd: int = -1, seed: int = 0) -> Context:
         """CTX_CREATE: the process brings its doorbell pipe, event pipe and doorbell page
-        (imported here); the driver adds the default queue, a ring of its own."""
+        (imported here), and the decision table of a schedule that records or replays;
+        the driver adds the default queue, a ring of its own."""
         dev = self.dev
         dev.check_usable()
         if exclusive:
@@ -98,6 +101,10 @@ class Tenants:
             mine.append(userfd.import_pipe(f.pid, event_fd, True, "event pipe"))
             mine.append(userfd.import_memfd(f.pid, db_page_fd, userq.ACCEL_DB_PAGE_SIZE,
                                             uapi.ACCEL_SEALS_PINNED, "doorbell page"))
+            if _needs_table(schedule):  # before the page's mapping, which nothing here undoes
+                mine.append(userfd.import_memfd(f.pid, schedule_fd, sched.SCHED_FILE_SIZE,
+                                                uapi.ACCEL_SEALS_PINNED, "schedule table"))
+            sent = mine[:]
             db = userq.SharedWords(mine[2], userq.ACCEL_DB_PAGE_SIZE)
             ring_fd = new_ring_memfd(f"{dev.name}-default-queue")
             mine.append(ring_fd)
@@ -111,7 +118,8 @@ class Tenants:
             raise
         ctx = Context(ctx_id, f, exclusive, db, event_keep, ring, live=live,
                       diagnostic=diagnostic)
-        dev.fw_send(ctx.id, mailbox.fw_ctx_create(live_slot=live.slot if live else 0), fds=mine[:3])
+        dev.fw_send(ctx.id, mailbox.fw_ctx_create(live_slot=live.slot if live else 0,
+                                                  schedule=schedule, seed=seed), fds=sent)
         dev.fw_send(ctx.id, mailbox.fw_queue_create(
             queue_id=0, priority=uapi.ACCEL_QUEUE_PRIORITY_LOW,
             doorbell_slot=userq.ACCEL_DB_DEFAULT_SLOT, depth=dev.limits.max_queue_depth),
@@ -256,3 +264,10 @@ class Tenants:
         if self.dev.fw is not None:
             self.dev.fw.ring_doorbell()
         return seqno
+
+
+def _needs_table(schedule: int) -> bool:
+    """Whether a context's schedule (``accel_ctx_create.schedule``, checked) reads or
+    writes its decision table: a replay or a recording."""
+    return bool(schedule & sched.SCHED_RECORD) \
+        or schedule & sched.SCHED_MODE_MASK == sched.Mode.REPLAY

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from abi import uapi, userq
-from runtime import discovery, errors, faults
+from runtime import discovery, errors, faults, schedule
 from runtime._channel import Channel, fork_message
 from runtime._shm import keep_private, sealed_memfd
 
@@ -133,6 +133,9 @@ class Context:
         keep_private()  # before the first memfd or pipe exists (runtime/_shm.py)
         self.physical = physical
         self.channel = Channel(physical)
+        # the schedule asked for (docs/schedule.md): its table's descriptor, if any, is
+        # the driver's to import, like the doorbell page's
+        sched = schedule.plan().ctx_fields(physical)
         db_fd = sealed_memfd("doorbell-page", userq.ACCEL_DB_PAGE_SIZE)
         bell_r, bell_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         event_r, event_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -143,7 +146,7 @@ class Context:
                 uapi.accel_ctx_create(
                     abi_major=uapi.ACCEL_ABI_MAJOR, abi_minor=uapi.ACCEL_ABI_MINOR,
                     flags=(uapi.ACCEL_CTX_EXCLUSIVE if exclusive else 0) | _diagnostic(),
-                    doorbell_fd=bell_r, event_fd=event_w, db_page_fd=db_fd),
+                    doorbell_fd=bell_r, event_fd=event_w, db_page_fd=db_fd, **sched),
             )
         except errors.DriverVersionMismatchError as exc:
             self._abandon(bell_w, event_r)
@@ -152,8 +155,9 @@ class Context:
             self._abandon(bell_w, event_r)
             raise
         finally:  # the driver holds its own: ours of what only the device uses can go
-            for fd in (db_fd, bell_r, event_w):
-                os.close(fd)
+            for fd in (db_fd, bell_r, event_w, sched["schedule_fd"]):
+                if fd >= 0:
+                    os.close(fd)
         self.id: int = reply.ctx_id
         self.channel.ctx_id = self.id
         faults.context_made(physical, self.id)

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import pytest
 from rawdev import OfflineDev, errname, header
 
-from abi import uapi, userq
+from abi import schedule, uapi, userq
 from firmware.image import IMAGE_DIR
 from kmod_emul.drv import DriverInfo
 from kmod_emul.offline import OfflineDriver
@@ -169,9 +169,14 @@ def ctx_arg(**change: object) -> Iterator[uapi.accel_ctx_create]:
     ({"doorbell_fd": "page"}, "EMEDIUMTYPE"),  # the doorbell page where a pipe belongs
     ({"db_page_fd": "unsealed"}, "EMEDIUMTYPE"),
     ({"db_page_fd": "small"}, "EINVAL"),
-    ({"reserved": (0, 1)}, "EINVAL"),
+    ({"schedule": 7}, "EINVAL"),  # no such mode (abi/schedule.py)
+    ({"schedule": 1 << 20}, "EINVAL"),  # no such flag
+    ({"schedule": schedule.Mode.REPLAY, "schedule_fd": 9999}, "EBADF"),
+    ({"schedule": schedule.SCHED_RECORD, "schedule_fd": "unsealed"}, "EMEDIUMTYPE"),
+    ({"schedule": schedule.Mode.REPLAY, "schedule_fd": "small"}, "EINVAL"),
 ], ids=["flags", "major", "minor", "doorbell-ebadf", "event-ebadf", "doorbell-not-pipe",
-        "page-unsealed", "page-small", "reserved"])
+        "page-unsealed", "page-small", "schedule-mode", "schedule-flag", "table-ebadf",
+        "table-unsealed", "table-small"])
 def test_offline_ctx_create_bad_inputs(dev, change, expected):
     with ctx_arg(**change) as arg:
         assert refused(dev, uapi.ACCEL_CMD_CTX_CREATE, arg) == expected
