@@ -40,6 +40,7 @@ from torch._C import _distributed_c10d as c10d
 from torch.futures import Future
 
 import runtime
+from torch_accel import funcol
 
 #: the backend's name, as ``init_process_group`` and ``dist.get_backend`` spell it
 NAME = "accl"
@@ -678,6 +679,7 @@ def install() -> None:
     if dist.is_available() and NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(NAME, _create, extended_api=True,
                                       devices=["accel", "cpu"])
+        funcol.install()
 
 
 __all__ = ["NAME", "AcclProcessGroup", "AcclWork", "install"]

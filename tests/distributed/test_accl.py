@@ -184,11 +184,41 @@ for layer in sharded:
         fully_shard(layer)
 fully_shard(sharded)
 got = train(sharded, X.chunk(w)[r].to(dev), Y.chunk(w)[r].to(dev))
-# each rank holds rows r of every parameter (Shard(0)); full_tensor() is not used: it
-# runs torch's functional collectives, which reach a group only through C++
+# each rank holds rows r of every parameter (Shard(0))
 diff = max((p.to_local().cpu() - q.chunk(w)[r]).abs().max().item() for p, q in zip(got, ref))
 assert diff < 1e-5, diff
 say(f"FSDP2 shards on {got[0].to_local().device} match full-batch CPU training")
+dist.destroy_process_group()
+"""
+
+DTENSOR = """
+dist.init_process_group("accl")
+r, w = dist.get_rank(), dist.get_world_size()
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+import torch.distributed._functional_collectives as funcol
+
+mesh = init_device_mesh("accel", (w,))
+full = torch.arange(32.0).reshape(8, 4)
+d = distribute_tensor(full.to(dev), mesh, [Shard(0)])
+got = d.full_tensor()  # an all_gather_into_tensor through the functional ops
+assert got.device == dev and torch.equal(got.cpu(), full), got.cpu()
+x = torch.arange(4.0, device=dev) + 10 * r
+mine = [torch.arange(4.0) + 10 * i for i in range(w)]  # every rank's x, on the CPU
+checks = {
+    "all_reduce": (funcol.all_reduce(x, "sum", mesh), sum(mine)),
+    "all_gather": (funcol.all_gather_tensor(x, 0, mesh), torch.cat(mine)),
+    "reduce_scatter": (funcol.reduce_scatter_tensor(x, "max", 0, mesh),
+                       mine[-1].chunk(w)[r]),
+    "all_to_all": (funcol.all_to_all_single(x, None, None, mesh),
+                   torch.cat([m.chunk(w)[r] for m in mine])),
+    "all_reduce_coalesced": (funcol.all_reduce_coalesced([x, 2 * x], "avg", mesh)[1],
+                             2 * sum(mine) / w),
+}
+for name, (y, want) in checks.items():
+    y = funcol.wait_tensor(y)
+    assert y.device == dev and torch.equal(y.cpu(), want), (name, y.cpu(), want)
+say(f"full_tensor and {len(checks)} functional collectives match the CPU")
 dist.destroy_process_group()
 """
 
@@ -286,6 +316,16 @@ def test_fsdp2_fully_shard_on_accel_trains_to_full_batch_cpu_parameters(daemon, 
     for rank in (0, 1):
         assert lines[rank] == [f"FSDP2 shards on accel:{rank} match full-batch CPU training"], \
             lines
+
+
+def test_dtensor_full_tensor_and_functional_collectives_on_accel(daemon, tmp_path):
+    """DTensor's ``full_tensor()`` and torch's functional collectives on a 2-rank accel
+    mesh give the CPU's values, left on the device: the ops whose C++ kernels call group
+    methods torch's Python trampoline does not forward run accl's kernels
+    (torch_accel/funcol.py)."""
+    lines = torchrun(daemon, tmp_path, DTENSOR)
+    for rank in (0, 1):
+        assert lines[rank] == ["full_tensor and 5 functional collectives match the CPU"], lines
 
 
 def test_a_rank_losing_its_device_fails_every_ranks_collective(make_daemon, tmp_path):
