@@ -119,6 +119,14 @@ def _pieces(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
     return [([(d, h)], [(d, h)]) for d, h in pairs]
 
 
+def _record_text(rec: dict[str, Any]) -> str:
+    """The driver's fault record behind a device error, as one line for every rank's
+    message: what it was, how far it reached and what to do (docs/faults.md)."""
+    where = f", link {rec['link']}" if rec.get("link") else ""
+    return (f"fault record {rec.get('seq')}: {rec.get('code')} {rec.get('name')}, scope "
+            f"{rec.get('scope')}, action {rec.get('action')}{where}")
+
+
 def _sync(opts: Any) -> bool:
     """Whether the caller waits at once (``async_op=False``: torch sets ``opts.asyncOp``;
     C++ callers such as DDP's reducer leave it True)."""
@@ -445,6 +453,8 @@ class AcclProcessGroup(dist.ProcessGroup):
         """This rank's device failed: tell the other ranks through the store, and make this
         group's later collectives raise it too."""
         msg = f"accl: rank {self.rank()} lost its device {self._name(dev)}: {exc}"
+        if rec := getattr(exc, "record", None):
+            msg += f"; {_record_text(rec)}"
         if self._fault is None:
             self._fault = msg
             try:

@@ -241,6 +241,30 @@ for attempt in ("pending", "next"):
 dist.destroy_process_group()
 """
 
+LINK = """
+dist.init_process_group("accl", timeout=datetime.timedelta(seconds=120))
+r = dist.get_rank()
+x = torch.ones(1024, device=dev)
+dist.all_reduce(x)
+if r == 1:
+    torch.accel._sleep(500_000_000)  # the collective's copy out waits behind this ...
+work = dist.all_reduce(x, async_op=True)
+if r == 1:  # ... while the device's link goes down under it
+    phys = torch.accel.get_device_properties().physical_index
+    root = os.environ["ACCEL_EMU_ROOT"]
+    with open(f"{root}/sys/kernel/debug/accel/accel{phys}/ras_ctrl", "w") as f:
+        f.write("inject link ue 0x1000")
+for attempt, call in (("pending", work.wait), ("next", lambda: dist.all_reduce(x))):
+    try:
+        call()
+        say(f"{attempt}: no error")
+    except RuntimeError as exc:
+        say(f"{attempt}: {exc}")
+if r == 0:  # the peer's own device work goes on
+    say(f"local work {(torch.arange(4.0, device=dev) * 2).cpu().tolist()}")
+dist.destroy_process_group()
+"""
+
 RESTART = """
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 dist.init_process_group("accl", timeout=datetime.timedelta(seconds=120))
@@ -341,6 +365,32 @@ def test_a_rank_losing_its_device_fails_every_ranks_collective(make_daemon, tmp_
             assert f"accl: rank 1 lost its device accel:1 (uuid {uuid})" in line, lines
             assert "reset requested through sysfs" in line, lines
     assert "seen by rank 0" in lines[0][0] and "seen by rank 0" in lines[0][1], lines
+
+
+def test_a_link_error_during_a_collective_fails_every_rank_and_the_package_comes_back(
+        make_daemon, tmp_path):
+    """An uncorrectable link error (``ras_ctrl`` ``inject link ue``) on rank 1's device while
+    its all_reduce waits to copy out: the package/link scope of docs/faults.md runs (rank
+    1's context lost, the peer drained, the package reset, the link back up), and both
+    ranks' pending and next collectives raise a RuntimeError naming rank 1, its device
+    and the fault record (74 LINK_ERROR, package, drain-and-reset, the link), without
+    waiting for the group's 120 s timeout; rank 0's own device work goes on."""
+    d = make_daemon(devices=2)
+    lines = torchrun(d, tmp_path, LINK, timeout=100)
+    uuid = d.attr(1, "uuid")
+    record = ("74 LINK_ERROR, scope package, action drain-and-reset, link fabric0:port1")
+    for rank in (0, 1):
+        errors = [line for line in lines[rank] if not line.startswith("local work")]
+        assert len(errors) == 2, lines
+        for line in errors:
+            assert f"accl: rank 1 lost its device accel:1 (uuid {uuid})" in line, lines
+            assert "link error on fabric0:port1" in line and record in line, lines
+    assert "seen by rank 0" in lines[0][0], lines
+    assert lines[0][-1] == "local work [0.0, 2.0, 4.0, 6.0]", lines
+    d.wait_state(1, "operational")
+    assert (d.attr(1, "link_state"), d.attr(1, "reset_count")) == ("up", "1")
+    assert [r["scope"] for r in d.fault_log(1) if r["code"] == 74] == ["package"]
+    assert d.attr(0, "reset_count") == "0"  # the peer was drained, not reset
 
 
 def test_torchrun_restarts_the_job_once_the_lost_device_is_back(make_daemon, tmp_path):
