@@ -97,28 +97,6 @@ class _PinnedPool:
                     free.append((raw, after, stream))
 
 
-#: a synchronous elementwise collective of one contiguous tensor at least twice this large
-#: goes to gloo in pieces this large (``AcclProcessGroup._inline``): 64 MiB all_reduces took
-#: 169 ms in pieces of 8 MiB and 220 ms whole, against gloo's 118 ms (same run, load 4.5)
-PIPELINE_BYTES = 8 << 20
-
-Piece = tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]
-
-
-def _pieces(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-            host: dict[int, torch.Tensor], elementwise: bool) -> list[Piece]:
-    """(device, host) pairs of inputs and outputs per gloo call: one call for everything,
-    or an in-place elementwise collective of one large contiguous tensor cut in pieces of
-    PIPELINE_BYTES."""
-    t = inputs[0] if len(inputs) == 1 else None
-    if not (elementwise and t is not None and len(outputs) == 1 and outputs[0] is t
-            and t.is_contiguous() and t.numel() * t.element_size() >= 2 * PIPELINE_BYTES):
-        return [([(i, host[id(i)]) for i in inputs], [(o, host[id(o)]) for o in outputs])]
-    n = PIPELINE_BYTES // t.element_size()
-    pairs = zip(t.view(-1).split(n), host[id(t)].view(-1).split(n))
-    return [([(d, h)], [(d, h)]) for d, h in pairs]
-
-
 def _record_text(rec: dict[str, Any]) -> str:
     """The driver's fault record behind a device error, as one line for every rank's
     message: what it was, how far it reached and what to do (docs/faults.md)."""
@@ -266,7 +244,7 @@ class AcclProcessGroup(dist.ProcessGroup):
                 run: Callable[[list[torch.Tensor], list[torch.Tensor]], dist.Work | None],
                 value: Sequence[torch.Tensor] | None = None,
                 finish: Callable[[list[torch.Tensor]], None] | None = None,
-                sync: bool = False, elementwise: bool = False) -> dist.Work:
+                sync: bool = False) -> dist.Work:
         """Stage ``inputs`` to pinned host buffers on the communication stream and queue
         ``run(host_inputs, host_outputs)`` (gloo's call); ``outputs`` get their host
         buffers' contents back. An output that is also an input shares its buffer (the
@@ -284,8 +262,7 @@ class AcclProcessGroup(dist.ProcessGroup):
         if sync and self._issue.unfinished_tasks == 0:
             with self._issuing_lock:
                 if self._issue.unfinished_tasks == 0:
-                    return self._inline(dev, inputs, outputs, run, value, finish,
-                                        elementwise)
+                    return self._inline(dev, inputs, outputs, run, value, finish)
         try:
             comm = self._stream(dev)
             with torch.accel.device(dev):
@@ -313,20 +290,14 @@ class AcclProcessGroup(dist.ProcessGroup):
                 outputs: Sequence[torch.Tensor],
                 run: Callable[[list[torch.Tensor], list[torch.Tensor]], dist.Work | None],
                 value: Sequence[torch.Tensor] | None,
-                finish: Callable[[list[torch.Tensor]], None] | None,
-                elementwise: bool) -> AcclWork:
+                finish: Callable[[list[torch.Tensor]], None] | None) -> AcclWork:
         """A synchronous collective on the calling thread and the current stream, with the
         issuing lock held (nothing else of the group is queued, so gloo sees it in call
         order): copy the inputs out and wait for them, run gloo and wait for it, queue the
         copies back on the current stream and return a completed Work. The host waits for
         the device here, but a synchronous caller waits anyway; what this saves is three
         thread hand-offs and the communication stream's waits (docs/distributed.md,
-        "Cost").
-
-        An ``elementwise`` collective (all_reduce, broadcast: each element's result depends
-        on that element alone) of one large contiguous tensor goes in pieces of
-        ``PIPELINE_BYTES``, each its own gloo call: piece k+1's copy out runs while gloo
-        has piece k, and piece k's copy back while gloo has k+1."""
+        "Cost")."""
         try:
             with torch.accel.device(dev):
                 stream = torch.accel.current_stream()
@@ -334,32 +305,25 @@ class AcclProcessGroup(dist.ProcessGroup):
                 for t in [*inputs, *outputs]:
                     if id(t) not in host:
                         host[id(t)] = self._pool.take(t, stream)
-                pieces = _pieces(inputs, outputs, host, elementwise)
-                staged = []
-                for ins, _ in pieces:
-                    for t, h in ins:
-                        h.copy_(t, non_blocking=True)
-                    staged.append(torch.Event(device=dev))
-                    staged[-1].record(stream)
-                works = []
-                for ev, (ins, outs) in zip(staged, pieces):
-                    ev.synchronize()
-                    works.append(run([h for _, h in ins], [h for _, h in outs]))
+                        if any(t is i for i in inputs):
+                            host[id(t)].copy_(t, non_blocking=True)
+                stream.synchronize()
         except runtime.AccelError as exc:
             raise self._local_fault(dev, exc) from exc
-        landed = torch.Event(device=dev)
-        for work, (_, outs) in zip(works, pieces):
-            if work is not None:
-                self._wait_gloo(work)
-            if finish is not None:
-                finish([h for _, h in outs])
-            try:
-                with torch.accel.device(dev):
-                    for t, h in outs:
-                        t.copy_(h, non_blocking=True)
-                    landed.record(stream)
-            except runtime.AccelError as exc:
-                raise self._local_fault(dev, exc) from exc
+        h_out = [host[id(t)] for t in outputs]
+        work = run([host[id(t)] for t in inputs], h_out)
+        if work is not None:
+            self._wait_gloo(work)
+        if finish is not None:
+            finish(h_out)
+        try:
+            with torch.accel.device(dev):
+                for t, h in zip(outputs, h_out):
+                    t.copy_(h, non_blocking=True)
+                landed = torch.Event(device=dev)
+                landed.record(stream)
+        except runtime.AccelError as exc:
+            raise self._local_fault(dev, exc) from exc
         self._pool.give(list(host.values()), landed, stream)
         op = _Op(dev, lambda: None, [], list(value if value is not None else outputs), None, [])
         op.future.set_result(op.value)
@@ -521,8 +485,7 @@ class AcclProcessGroup(dist.ProcessGroup):
             o = dist.AllreduceOptions()
             o.reduceOp = gop
             return self._gloo.allreduce(h, o)
-        return self._submit(tensors, tensors, run, finish=finish, sync=_sync(opts),
-                            elementwise=True)
+        return self._submit(tensors, tensors, run, finish=finish, sync=_sync(opts))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts or dist.BroadcastOptions()
@@ -530,7 +493,7 @@ class AcclProcessGroup(dist.ProcessGroup):
             return self._host(lambda: self._gloo.broadcast(tensors, opts), tensors,
                               sync=_sync(opts))
         return self._submit(tensors, tensors, lambda h, _: self._gloo.broadcast(h, opts),
-                            sync=_sync(opts), elementwise=True)
+                            sync=_sync(opts))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts or dist.ReduceOptions()
