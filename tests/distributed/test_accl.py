@@ -133,6 +133,14 @@ got = w2.get_future().wait()[0]
 assert torch.equal(x.cpu(), torch.full((4096,), float(sum(range(2, w + 2)) + 1))), x[:4].cpu()
 assert torch.equal(got.cpu(), torch.full((1 << 16,), 7.0 * w)), got[:4].cpu()
 assert all(torch.equal(f.cpu(), torch.full((1 << 16,), -1.0)) for f in fill)
+a1 = torch.full((8,), float(r + 1), device=dev)
+a2 = torch.full((8,), 10.0 * (r + 1), device=dev)
+if r == 1:
+    torch.accel._sleep(50_000_000)  # rank 1's a1 is still being staged when ...
+h1 = dist.all_reduce(a1, async_op=True)
+dist.all_reduce(a2)  # ... this synchronous one comes: it must not reach gloo first
+h1.wait()
+assert (a1.cpu().tolist(), a2.cpu().tolist()) == ([3.0] * 8, [30.0] * 8), (a1.cpu(), a2.cpu())
 say(f"{type(work).__name__} completed at issue {pending} result ok")
 dist.destroy_process_group()
 """
@@ -318,7 +326,8 @@ def test_collectives_on_accel_tensors_leave_torchs_results_on_the_device(daemon,
 def test_async_collective_is_ordered_on_streams_and_keeps_its_tensors(daemon, tmp_path):
     """async_op=True returns before the collective is done (the host does not wait for the
     device or the peer), reads its input after the current stream's earlier work, keeps a
-    temporary alive for its whole run, and ``wait()`` orders the current stream after it."""
+    temporary alive for its whole run, and ``wait()`` orders the current stream after it;
+    a synchronous collective issued behind a queued one reaches gloo after it."""
     lines = torchrun(daemon, tmp_path, ASYNC)
     assert lines[0] == ["AcclWork completed at issue False result ok"], lines
     assert lines[1] and lines[1][0].endswith("result ok"), lines
