@@ -18,6 +18,9 @@ stages (docs/distributed.md, "The accl backend"):
    another rank's device fault meanwhile), copies the results back into the device tensors
    on the communication stream, waits for that copy and completes the Work's future.
 
+A synchronous collective (``async_op=False``) with nothing of the group queued runs all
+three on the calling thread and the current stream instead (``_inline``).
+
 ``Work.wait()`` blocks the host until the return stage is done, then makes the current
 stream wait for the communication stream: the same contract as gloo's CUDA path in torch.
 NCCL's wait does not block the host; that needs a device-side wait on a host-written
@@ -409,7 +412,11 @@ class AcclProcessGroup(dist.ProcessGroup):
                 return
             except RuntimeError as exc:
                 if str(exc) != _GLOO_POLL_TIMEOUT:
-                    raise  # gloo's own error: a peer gone, the group's timeout
+                    # gloo's own error: a peer gone, the group's timeout. A peer that lost
+                    # its device published that before it exited and closed its connection:
+                    # that is the cause to raise, not the closed connection
+                    self._raise_fault()
+                    raise
             self._raise_fault()
 
     # --- faults ------------------------------------------------------------------------
