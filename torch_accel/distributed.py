@@ -18,6 +18,9 @@ stages (docs/distributed.md, "The accl backend"):
    another rank's device fault meanwhile), copies the results back into the device tensors
    on the communication stream, waits for that copy and completes the Work's future.
 
+A synchronous collective (``async_op=False``) with nothing of the group queued runs all
+three on the calling thread and the current stream instead (``_inline``).
+
 ``Work.wait()`` blocks the host until the return stage is done, then makes the current
 stream wait for the communication stream: the same contract as gloo's CUDA path in torch.
 NCCL's wait does not block the host; that needs a device-side wait on a host-written
@@ -36,9 +39,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
 from torch.futures import Future
 
 import runtime
+from torch_accel import funcol
 
 #: the backend's name, as ``init_process_group`` and ``dist.get_backend`` spell it
 NAME = "accl"
@@ -55,31 +60,58 @@ _ABANDONED: list[dist.ProcessGroupGloo] = []
 class _PinnedPool:
     """Pinned host buffers by size, reused across collectives: pinning is a sealed memfd
     the copy engines map (3.3 ms for 4 KiB on this machine, against 1 us pageable), which
-    would be most of a small collective's time. A few free buffers of each size are kept."""
+    would be most of a small collective's time. A few free buffers of each size are kept.
+
+    A buffer may come back while a copy out of it is still queued (``give(..., after)``:
+    the synchronous path does not wait for its copy back to the device). It is handed out
+    again at once to work on that same stream, which runs after that copy, and to work on
+    any other stream only once the copy is done."""
 
     KEEP = 4
 
     def __init__(self) -> None:
-        self._free: dict[int, list[torch.Tensor]] = {}
+        self._free: dict[int, list[tuple[torch.Tensor, torch.Event | None,
+                                         torch.Stream | None]]] = {}
         self._lock = threading.Lock()
 
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        """A contiguous pinned CPU tensor of ``like``'s shape and dtype."""
+    def take(self, like: torch.Tensor, stream: torch.Stream | None = None) -> torch.Tensor:
+        """A contiguous pinned CPU tensor of ``like``'s shape and dtype, free for work
+        queued on ``stream`` from now on."""
         nbytes = like.numel() * like.element_size()
+        raw = None
         with self._lock:
-            free = self._free.get(nbytes)
-            raw = free.pop() if free else None
+            free = self._free.get(nbytes, [])
+            for i, (buf, after, on) in enumerate(free):
+                if after is None or on == stream or after.query():
+                    raw = free.pop(i)[0]
+                    break
         if raw is None:
             raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0)
         return raw.view(like.dtype).view(like.shape)
 
-    def give(self, bufs: Sequence[torch.Tensor]) -> None:
+    def give(self, bufs: Sequence[torch.Tensor], after: torch.Event | None = None,
+             stream: torch.Stream | None = None) -> None:
+        """``bufs`` back, free once ``after`` (recorded on ``stream``) is done."""
         with self._lock:
             for b in bufs:
                 raw = b.view(-1).view(torch.uint8)
                 free = self._free.setdefault(raw.numel(), [])
                 if raw.numel() and len(free) < self.KEEP:
-                    free.append(raw)
+                    free.append((raw, after, stream))
+
+
+def _record_text(rec: dict[str, Any]) -> str:
+    """The driver's fault record behind a device error, as one line for every rank's
+    message: what it was, how far it reached and what to do (docs/faults.md)."""
+    where = f", link {rec['link']}" if rec.get("link") else ""
+    return (f"fault record {rec.get('seq')}: {rec.get('code')} {rec.get('name')}, scope "
+            f"{rec.get('scope')}, action {rec.get('action')}{where}")
+
+
+def _sync(opts: Any) -> bool:
+    """Whether the caller waits at once (``async_op=False``: torch sets ``opts.asyncOp``;
+    C++ callers such as DDP's reducer leave it True)."""
+    return getattr(opts, "asyncOp", True) is False
 
 
 def _reduce_op(op: Any) -> Any:
@@ -155,6 +187,9 @@ class AcclProcessGroup(dist.ProcessGroup):
         #: each device's name in fault messages, taken while it still answers
         self._names: dict[int, str] = {}
         self._issue: queue.Queue[_Op | None] = queue.Queue()
+        #: held while a collective is handed to gloo: by the issuing thread, and by a
+        #: synchronous collective that runs on its caller's thread (``_inline``)
+        self._issuing_lock = threading.Lock()
         self._complete: queue.Queue[_Op | None] = queue.Queue()
         self._fault: str | None = None
         self._threads: list[threading.Thread] = []
@@ -211,17 +246,26 @@ class AcclProcessGroup(dist.ProcessGroup):
     def _submit(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                 run: Callable[[list[torch.Tensor], list[torch.Tensor]], dist.Work | None],
                 value: Sequence[torch.Tensor] | None = None,
-                finish: Callable[[list[torch.Tensor]], None] | None = None) -> dist.Work:
+                finish: Callable[[list[torch.Tensor]], None] | None = None,
+                sync: bool = False) -> dist.Work:
         """Stage ``inputs`` to pinned host buffers on the communication stream and queue
         ``run(host_inputs, host_outputs)`` (gloo's call); ``outputs`` get their host
         buffers' contents back. An output that is also an input shares its buffer (the
-        in-place collectives). ``finish(host_outputs)`` runs on the host after gloo."""
+        in-place collectives). ``finish(host_outputs)`` runs on the host after gloo.
+
+        ``sync`` (the caller waits at once: ``async_op=False``, torch's ``opts.asyncOp``)
+        runs the collective on the calling thread when nothing of the group is queued
+        (``_inline``)."""
         self._raise_fault(look=False)
         tensors = [*inputs, *outputs]
         dev = tensors[0].device
         if any(t.device != dev for t in tensors):
             raise ValueError(f"accl: one collective's tensors must share a device, got "
                              f"{sorted({str(t.device) for t in tensors})}")
+        if sync and self._issue.unfinished_tasks == 0:
+            with self._issuing_lock:
+                if self._issue.unfinished_tasks == 0:
+                    return self._inline(dev, inputs, outputs, run, value, finish)
         try:
             comm = self._stream(dev)
             with torch.accel.device(dev):
@@ -245,28 +289,83 @@ class AcclProcessGroup(dist.ProcessGroup):
                  (lambda: finish(h_out)) if finish else None, buffers=list(host.values()))
         return self._queue(op, comm)
 
+    def _inline(self, dev: torch.device, inputs: Sequence[torch.Tensor],
+                outputs: Sequence[torch.Tensor],
+                run: Callable[[list[torch.Tensor], list[torch.Tensor]], dist.Work | None],
+                value: Sequence[torch.Tensor] | None,
+                finish: Callable[[list[torch.Tensor]], None] | None) -> AcclWork:
+        """A synchronous collective on the calling thread and the current stream, with the
+        issuing lock held (nothing else of the group is queued, so gloo sees it in call
+        order): copy the inputs out and wait for them, run gloo and wait for it, queue the
+        copies back on the current stream and return a completed Work. The host waits for
+        the device here, but a synchronous caller waits anyway; what this saves is three
+        thread hand-offs and the communication stream's waits (docs/distributed.md,
+        "Cost")."""
+        try:
+            with torch.accel.device(dev):
+                stream = torch.accel.current_stream()
+                host: dict[int, torch.Tensor] = {}
+                for t in [*inputs, *outputs]:
+                    if id(t) not in host:
+                        host[id(t)] = self._pool.take(t, stream)
+                        if any(t is i for i in inputs):
+                            host[id(t)].copy_(t, non_blocking=True)
+                stream.synchronize()
+        except runtime.AccelError as exc:
+            raise self._local_fault(dev, exc) from exc
+        h_out = [host[id(t)] for t in outputs]
+        work = run([host[id(t)] for t in inputs], h_out)
+        if work is not None:
+            self._wait_gloo(work)
+        if finish is not None:
+            finish(h_out)
+        try:
+            with torch.accel.device(dev):
+                for t, h in zip(outputs, h_out):
+                    t.copy_(h, non_blocking=True)
+                landed = torch.Event(device=dev)
+                landed.record(stream)
+        except runtime.AccelError as exc:
+            raise self._local_fault(dev, exc) from exc
+        self._pool.give(list(host.values()), landed, stream)
+        op = _Op(dev, lambda: None, [], list(value if value is not None else outputs), None, [])
+        op.future.set_result(op.value)
+        return AcclWork(op, None)
+
     def _queue(self, op: _Op, comm: torch.Stream | None) -> AcclWork:
         self._start_threads()
         self._issue.put(op)
         return AcclWork(op, comm)
 
-    def _host(self, run: Callable[[], dist.Work], tensors: Sequence[torch.Tensor]) -> AcclWork:
+    def _host(self, run: Callable[[], dist.Work], tensors: Sequence[torch.Tensor],
+              sync: bool = False) -> AcclWork:
         """gloo's own call on CPU tensors (or none, a barrier), queued behind this group's
         accel collectives: gloo matches collectives across ranks by the order they reach
-        it, so every call goes through the one issuing thread."""
+        it, so every call goes through the one issuing thread, or runs on the caller's
+        with the issuing lock held when ``sync`` and nothing is queued (as ``_inline``)."""
         self._raise_fault(look=False)
-        return self._queue(_Op(None, run, [], list(tensors), None, []), None)
+        op = _Op(None, run, [], list(tensors), None, [])
+        if sync and self._issue.unfinished_tasks == 0:
+            with self._issuing_lock:
+                if self._issue.unfinished_tasks == 0:
+                    self._wait_gloo(run())
+                    op.future.set_result(op.value)
+                    return AcclWork(op, None)
+        return self._queue(op, None)
 
     def _issuing(self) -> None:
         """Stage 2: in call order, wait for each op's staging and start its gloo call."""
         while (op := self._issue.get()) is not None:
-            try:
-                if op.staged is not None:
-                    op.staged.synchronize()
-                op.gloo = op.run()
-            except BaseException as exc:  # noqa: BLE001 - it belongs to the op's future
-                op.future.set_exception(self._failure(op, exc))
-                continue
+            with self._issuing_lock:
+                try:
+                    if op.staged is not None:
+                        op.staged.synchronize()
+                    op.gloo = op.run()
+                except BaseException as exc:  # noqa: BLE001 - it belongs to the op's future
+                    op.future.set_exception(self._failure(op, exc))
+                    continue
+                finally:
+                    self._issue.task_done()
             self._complete.put(op)
 
     def _completing(self) -> None:
@@ -313,7 +412,11 @@ class AcclProcessGroup(dist.ProcessGroup):
                 return
             except RuntimeError as exc:
                 if str(exc) != _GLOO_POLL_TIMEOUT:
-                    raise  # gloo's own error: a peer gone, the group's timeout
+                    # gloo's own error: a peer gone, the group's timeout. A peer that lost
+                    # its device published that before it exited and closed its connection:
+                    # that is the cause to raise, not the closed connection
+                    self._raise_fault()
+                    raise
             self._raise_fault()
 
     # --- faults ------------------------------------------------------------------------
@@ -321,6 +424,8 @@ class AcclProcessGroup(dist.ProcessGroup):
         """This rank's device failed: tell the other ranks through the store, and make this
         group's later collectives raise it too."""
         msg = f"accl: rank {self.rank()} lost its device {self._name(dev)}: {exc}"
+        if rec := getattr(exc, "record", None):
+            msg += f"; {_record_text(rec)}"
         if self._fault is None:
             self._fault = msg
             try:
@@ -379,25 +484,28 @@ class AcclProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts or dist.AllreduceOptions()
         if not self._on_accel(tensors):
-            return self._host(lambda: self._gloo.allreduce(tensors, opts), tensors)
+            return self._host(lambda: self._gloo.allreduce(tensors, opts), tensors,
+                              sync=_sync(opts))
         gop, finish = self._host_reduce(opts.reduceOp)
 
         def run(h: list[torch.Tensor], _: list[torch.Tensor]) -> dist.Work:
             o = dist.AllreduceOptions()
             o.reduceOp = gop
             return self._gloo.allreduce(h, o)
-        return self._submit(tensors, tensors, run, finish=finish)
+        return self._submit(tensors, tensors, run, finish=finish, sync=_sync(opts))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts or dist.BroadcastOptions()
         if not self._on_accel(tensors):
-            return self._host(lambda: self._gloo.broadcast(tensors, opts), tensors)
-        return self._submit(tensors, tensors, lambda h, _: self._gloo.broadcast(h, opts))
+            return self._host(lambda: self._gloo.broadcast(tensors, opts), tensors,
+                              sync=_sync(opts))
+        return self._submit(tensors, tensors, lambda h, _: self._gloo.broadcast(h, opts),
+                            sync=_sync(opts))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts or dist.ReduceOptions()
         if not self._on_accel(tensors):
-            return self._host(lambda: self._gloo.reduce(tensors, opts), tensors)
+            return self._host(lambda: self._gloo.reduce(tensors, opts), tensors, sync=_sync(opts))
         gop, finish = self._host_reduce(opts.reduceOp)
         root = opts.rootRank
 
@@ -407,25 +515,28 @@ class AcclProcessGroup(dist.ProcessGroup):
             return self._gloo.reduce(h, o)
         # only the root's tensor changes, as with NCCL and gloo
         return self._submit(tensors, tensors if self.rank() == root else [], run,
-                            value=tensors, finish=finish if self.rank() == root else None)
+                            value=tensors, finish=finish if self.rank() == root else None,
+                            sync=_sync(opts))
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> dist.Work:
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or c10d.AllgatherOptions()
         if not self._on_accel([*inputs, *outputs[0]]):
             return self._host(lambda: self._gloo.allgather(outputs, inputs, opts),
-                              outputs[0])
+                              outputs[0], sync=_sync(opts))
         return self._submit(inputs, outputs[0],
                             lambda hi, ho: self._gloo.allgather([ho], hi, opts),
-                            value=outputs[0])
+                            value=outputs[0], sync=_sync(opts))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           opts: Any = None) -> dist.Work:
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or c10d.AllgatherOptions()
         if not self._on_accel([output, input]):
-            return self._host(lambda: self._gloo._allgather_base(output, input, opts), [output])
+            return self._host(lambda: self._gloo._allgather_base(output, input, opts), [output],
+                              sync=_sync(opts))
         return self._submit([input], [output],
-                            lambda hi, ho: self._gloo._allgather_base(ho[0], hi[0], opts))
+                            lambda hi, ho: self._gloo._allgather_base(ho[0], hi[0], opts),
+                            sync=_sync(opts))
 
     _allgather_base = all_gather_single
 
@@ -434,14 +545,14 @@ class AcclProcessGroup(dist.ProcessGroup):
         opts = opts or dist.ReduceScatterOptions()
         if not self._on_accel([output, input]):
             return self._host(lambda: self._gloo._reduce_scatter_base(output, input, opts),
-                              [output])
+                              [output], sync=_sync(opts))
         gop, finish = self._host_reduce(opts.reduceOp)
 
         def run(hi: list[torch.Tensor], ho: list[torch.Tensor]) -> dist.Work:
             o = dist.ReduceScatterOptions()
             o.reduceOp = gop
             return self._gloo._reduce_scatter_base(ho[0], hi[0], o)
-        return self._submit([input], [output], run, finish=finish)
+        return self._submit([input], [output], run, finish=finish, sync=_sync(opts))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -449,14 +560,15 @@ class AcclProcessGroup(dist.ProcessGroup):
                        opts: Any = None) -> dist.Work:
         opts = opts or dist.ReduceScatterOptions()
         if not self._on_accel([*outputs, *inputs[0]]):
-            return self._host(lambda: self._gloo.reduce_scatter(outputs, inputs, opts), outputs)
+            return self._host(lambda: self._gloo.reduce_scatter(outputs, inputs, opts), outputs,
+                              sync=_sync(opts))
         gop, finish = self._host_reduce(opts.reduceOp)
 
         def run(hi: list[torch.Tensor], ho: list[torch.Tensor]) -> dist.Work:
             o = dist.ReduceScatterOptions()
             o.reduceOp = gop
             return self._gloo.reduce_scatter(ho, [hi], o)
-        return self._submit(inputs[0], outputs, run, finish=finish)
+        return self._submit(inputs[0], outputs, run, finish=finish, sync=_sync(opts))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           output_splits: list[int], input_splits: list[int],
@@ -464,9 +576,9 @@ class AcclProcessGroup(dist.ProcessGroup):
         opts = opts or dist.AllToAllOptions()
         if not self._on_accel([output, input]):
             return self._host(lambda: self._gloo.alltoall_base(
-                output, input, output_splits, input_splits, opts), [output])
+                output, input, output_splits, input_splits, opts), [output], sync=_sync(opts))
         return self._submit([input], [output], lambda hi, ho: self._gloo.alltoall_base(
-            ho[0], hi[0], output_splits, input_splits, opts))
+            ho[0], hi[0], output_splits, input_splits, opts), sync=_sync(opts))
 
     alltoall_base = all_to_all_single
 
@@ -474,26 +586,30 @@ class AcclProcessGroup(dist.ProcessGroup):
                  opts: Any = None) -> dist.Work:
         opts = opts or dist.AllToAllOptions()
         if not self._on_accel([*outputs, *inputs]):
-            return self._host(lambda: self._gloo.alltoall(outputs, inputs, opts), outputs)
-        return self._submit(inputs, outputs, lambda hi, ho: self._gloo.alltoall(ho, hi, opts))
+            return self._host(lambda: self._gloo.alltoall(outputs, inputs, opts), outputs,
+                              sync=_sync(opts))
+        return self._submit(inputs, outputs, lambda hi, ho: self._gloo.alltoall(ho, hi, opts),
+                            sync=_sync(opts))
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                opts: Any = None) -> dist.Work:
         opts = opts or dist.GatherOptions()
         outs = outputs[0] if outputs else []
         if not self._on_accel([*inputs, *outs]):
-            return self._host(lambda: self._gloo.gather(outputs, inputs, opts), outs)
+            return self._host(lambda: self._gloo.gather(outputs, inputs, opts), outs,
+                              sync=_sync(opts))
         return self._submit(inputs, outs, lambda hi, ho: self._gloo.gather(
-            [ho] if ho else [], hi, opts), value=outs)
+            [ho] if ho else [], hi, opts), value=outs, sync=_sync(opts))
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                 opts: Any = None) -> dist.Work:
         opts = opts or dist.ScatterOptions()
         ins = inputs[0] if inputs else []
         if not self._on_accel([*outputs, *ins]):
-            return self._host(lambda: self._gloo.scatter(outputs, inputs, opts), outputs)
+            return self._host(lambda: self._gloo.scatter(outputs, inputs, opts), outputs,
+                              sync=_sync(opts))
         return self._submit(ins, outputs, lambda hi, ho: self._gloo.scatter(
-            ho, [hi] if hi else [], opts))
+            ho, [hi] if hi else [], opts), sync=_sync(opts))
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         if not self._on_accel(tensors):
@@ -509,7 +625,7 @@ class AcclProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> dist.Work:
         """gloo's barrier, behind this group's earlier collectives."""
         opts = opts or dist.BarrierOptions()
-        return self._host(lambda: self._gloo.barrier(opts), [])
+        return self._host(lambda: self._gloo.barrier(opts), [], sync=_sync(opts))
 
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
         return self._gloo.monitored_barrier(opts or dist.BarrierOptions(), wait_all_ranks)
@@ -543,6 +659,7 @@ def install() -> None:
     if dist.is_available() and NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(NAME, _create, extended_api=True,
                                       devices=["accel", "cpu"])
+        funcol.install()
 
 
 __all__ = ["NAME", "AcclProcessGroup", "AcclWork", "install"]

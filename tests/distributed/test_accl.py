@@ -133,6 +133,14 @@ got = w2.get_future().wait()[0]
 assert torch.equal(x.cpu(), torch.full((4096,), float(sum(range(2, w + 2)) + 1))), x[:4].cpu()
 assert torch.equal(got.cpu(), torch.full((1 << 16,), 7.0 * w)), got[:4].cpu()
 assert all(torch.equal(f.cpu(), torch.full((1 << 16,), -1.0)) for f in fill)
+a1 = torch.full((8,), float(r + 1), device=dev)
+a2 = torch.full((8,), 10.0 * (r + 1), device=dev)
+if r == 1:
+    torch.accel._sleep(50_000_000)  # rank 1's a1 is still being staged when ...
+h1 = dist.all_reduce(a1, async_op=True)
+dist.all_reduce(a2)  # ... this synchronous one comes: it must not reach gloo first
+h1.wait()
+assert (a1.cpu().tolist(), a2.cpu().tolist()) == ([3.0] * 8, [30.0] * 8), (a1.cpu(), a2.cpu())
 say(f"{type(work).__name__} completed at issue {pending} result ok")
 dist.destroy_process_group()
 """
@@ -184,11 +192,41 @@ for layer in sharded:
         fully_shard(layer)
 fully_shard(sharded)
 got = train(sharded, X.chunk(w)[r].to(dev), Y.chunk(w)[r].to(dev))
-# each rank holds rows r of every parameter (Shard(0)); full_tensor() is not used: it
-# runs torch's functional collectives, which reach a group only through C++
+# each rank holds rows r of every parameter (Shard(0))
 diff = max((p.to_local().cpu() - q.chunk(w)[r]).abs().max().item() for p, q in zip(got, ref))
 assert diff < 1e-5, diff
 say(f"FSDP2 shards on {got[0].to_local().device} match full-batch CPU training")
+dist.destroy_process_group()
+"""
+
+DTENSOR = """
+dist.init_process_group("accl")
+r, w = dist.get_rank(), dist.get_world_size()
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+import torch.distributed._functional_collectives as funcol
+
+mesh = init_device_mesh("accel", (w,))
+full = torch.arange(32.0).reshape(8, 4)
+d = distribute_tensor(full.to(dev), mesh, [Shard(0)])
+got = d.full_tensor()  # an all_gather_into_tensor through the functional ops
+assert got.device == dev and torch.equal(got.cpu(), full), got.cpu()
+x = torch.arange(4.0, device=dev) + 10 * r
+mine = [torch.arange(4.0) + 10 * i for i in range(w)]  # every rank's x, on the CPU
+checks = {
+    "all_reduce": (funcol.all_reduce(x, "sum", mesh), sum(mine)),
+    "all_gather": (funcol.all_gather_tensor(x, 0, mesh), torch.cat(mine)),
+    "reduce_scatter": (funcol.reduce_scatter_tensor(x, "max", 0, mesh),
+                       mine[-1].chunk(w)[r]),
+    "all_to_all": (funcol.all_to_all_single(x, None, None, mesh),
+                   torch.cat([m.chunk(w)[r] for m in mine])),
+    "all_reduce_coalesced": (funcol.all_reduce_coalesced([x, 2 * x], "avg", mesh)[1],
+                             2 * sum(mine) / w),
+}
+for name, (y, want) in checks.items():
+    y = funcol.wait_tensor(y)
+    assert y.device == dev and torch.equal(y.cpu(), want), (name, y.cpu(), want)
+say(f"full_tensor and {len(checks)} functional collectives match the CPU")
 dist.destroy_process_group()
 """
 
@@ -208,6 +246,30 @@ for attempt in ("pending", "next"):
         say(f"{attempt}: no error")
     except RuntimeError as exc:
         say(f"{attempt}: {exc}")
+dist.destroy_process_group()
+"""
+
+LINK = """
+dist.init_process_group("accl", timeout=datetime.timedelta(seconds=120))
+r = dist.get_rank()
+x = torch.ones(1024, device=dev)
+dist.all_reduce(x)
+if r == 1:
+    torch.accel._sleep(500_000_000)  # the collective's copy out waits behind this ...
+work = dist.all_reduce(x, async_op=True)
+if r == 1:  # ... while the device's link goes down under it
+    phys = torch.accel.get_device_properties().physical_index
+    root = os.environ["ACCEL_EMU_ROOT"]
+    with open(f"{root}/sys/kernel/debug/accel/accel{phys}/ras_ctrl", "w") as f:
+        f.write("inject link ue 0x1000")
+for attempt, call in (("pending", work.wait), ("next", lambda: dist.all_reduce(x))):
+    try:
+        call()
+        say(f"{attempt}: no error")
+    except RuntimeError as exc:
+        say(f"{attempt}: {exc}")
+if r == 0:  # the peer's own device work goes on
+    say(f"local work {(torch.arange(4.0, device=dev) * 2).cpu().tolist()}")
 dist.destroy_process_group()
 """
 
@@ -264,7 +326,8 @@ def test_collectives_on_accel_tensors_leave_torchs_results_on_the_device(daemon,
 def test_async_collective_is_ordered_on_streams_and_keeps_its_tensors(daemon, tmp_path):
     """async_op=True returns before the collective is done (the host does not wait for the
     device or the peer), reads its input after the current stream's earlier work, keeps a
-    temporary alive for its whole run, and ``wait()`` orders the current stream after it."""
+    temporary alive for its whole run, and ``wait()`` orders the current stream after it;
+    a synchronous collective issued behind a queued one reaches gloo after it."""
     lines = torchrun(daemon, tmp_path, ASYNC)
     assert lines[0] == ["AcclWork completed at issue False result ok"], lines
     assert lines[1] and lines[1][0].endswith("result ok"), lines
@@ -288,6 +351,16 @@ def test_fsdp2_fully_shard_on_accel_trains_to_full_batch_cpu_parameters(daemon, 
             lines
 
 
+def test_dtensor_full_tensor_and_functional_collectives_on_accel(daemon, tmp_path):
+    """DTensor's ``full_tensor()`` and torch's functional collectives on a 2-rank accel
+    mesh give the CPU's values, left on the device: the ops whose C++ kernels call group
+    methods torch's Python trampoline does not forward run accl's kernels
+    (torch_accel/funcol.py)."""
+    lines = torchrun(daemon, tmp_path, DTENSOR)
+    for rank in (0, 1):
+        assert lines[rank] == ["full_tensor and 5 functional collectives match the CPU"], lines
+
+
 def test_a_rank_losing_its_device_fails_every_ranks_collective(make_daemon, tmp_path):
     """Rank 1's device is reset (sysfs ``reset``) while rank 0 waits in a collective: rank
     0's pending collective and its next one raise a RuntimeError naming rank 1, its device
@@ -301,6 +374,32 @@ def test_a_rank_losing_its_device_fails_every_ranks_collective(make_daemon, tmp_
             assert f"accl: rank 1 lost its device accel:1 (uuid {uuid})" in line, lines
             assert "reset requested through sysfs" in line, lines
     assert "seen by rank 0" in lines[0][0] and "seen by rank 0" in lines[0][1], lines
+
+
+def test_a_link_error_during_a_collective_fails_every_rank_and_the_package_comes_back(
+        make_daemon, tmp_path):
+    """An uncorrectable link error (``ras_ctrl`` ``inject link ue``) on rank 1's device while
+    its all_reduce waits to copy out: the package/link scope of docs/faults.md runs (rank
+    1's context lost, the peer drained, the package reset, the link back up), and both
+    ranks' pending and next collectives raise a RuntimeError naming rank 1, its device
+    and the fault record (74 LINK_ERROR, package, drain-and-reset, the link), without
+    waiting for the group's 120 s timeout; rank 0's own device work goes on."""
+    d = make_daemon(devices=2)
+    lines = torchrun(d, tmp_path, LINK, timeout=100)
+    uuid = d.attr(1, "uuid")
+    record = ("74 LINK_ERROR, scope package, action drain-and-reset, link fabric0:port1")
+    for rank in (0, 1):
+        errors = [line for line in lines[rank] if not line.startswith("local work")]
+        assert len(errors) == 2, lines
+        for line in errors:
+            assert f"accl: rank 1 lost its device accel:1 (uuid {uuid})" in line, lines
+            assert "link error on fabric0:port1" in line and record in line, lines
+    assert "seen by rank 0" in lines[0][0], lines
+    assert lines[0][-1] == "local work [0.0, 2.0, 4.0, 6.0]", lines
+    d.wait_state(1, "operational")
+    assert (d.attr(1, "link_state"), d.attr(1, "reset_count")) == ("up", "1")
+    assert [r["scope"] for r in d.fault_log(1) if r["code"] == 74] == ["package"]
+    assert d.attr(0, "reset_count") == "0"  # the peer was drained, not reset
 
 
 def test_torchrun_restarts_the_job_once_the_lost_device_is_back(make_daemon, tmp_path):
