@@ -41,6 +41,7 @@ from torch._inductor.utils import get_bounds_index_expr, get_fused_kernel_name, 
 from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.printers import PythonPrinter
 
+DEVICE_TYPE = "accel"
 #: the kernel language's longest name (abi/kernel_lang.py)
 NAME_MAX = 63
 #: float64 magnitude at and above which every double is an integer (floor is the value)
@@ -509,6 +510,19 @@ class AccelWrapper(PythonWrapperCodegen):
     def write_header(self) -> None:
         super().write_header()
         self.imports.writeline("from torch_accel.inductor.launcher import Generated")
+
+    def make_allocation(self, name: str, device: torch.device, dtype: torch.dtype,
+                        shape: Any, stride: Any, allocation_shape: Any = None,
+                        is_pinned: bool = False) -> str:
+        """Allocations name their device's index: Inductor writes device guards only for
+        the GPU types it knows, and without one ``device='accel'`` is the current device,
+        not the graph's (a graph on accel:1 allocated its outputs on accel:0)."""
+        line = super().make_allocation(name, device, dtype, shape, stride, allocation_shape,
+                                       is_pinned)
+        if device.type == DEVICE_TYPE and device.index is not None:
+            line = line.replace(f"device='{DEVICE_TYPE}'",
+                                f"device='{DEVICE_TYPE}:{device.index}'", 1)
+        return line
 
     @staticmethod
     def create(is_subgraph: bool, subgraph_name: str | None, parent_wrapper: Any,
