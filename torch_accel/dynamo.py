@@ -11,8 +11,8 @@ records an event or enters ``torch.accel.device`` breaks the graph or fails. Thi
 every name onto ``torch.accel`` (torch_accel/accel.py), which keeps torch.cuda's names.
 
 Triton is not the device's kernel language (``is_triton_capable`` is False), so Inductor's
-GPU path does not take accel graphs; what Inductor does with them is issue 32's second
-half (docs/torch.md, "torch.compile").
+Triton path does not take accel graphs: torch_accel/inductor/ generates their kernels in
+the device's own language (docs/torch.md, "torch.compile").
 """
 
 from __future__ import annotations
