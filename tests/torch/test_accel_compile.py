@@ -127,6 +127,39 @@ def test_generated_kernels_are_device_launches_on_the_current_stream(torch_json)
     assert r["side"] and r["dev1"] == ["accel:1", True] and r["sizes"] == [True, True], r
 
 
+@pytest.mark.timeout(400)
+def test_16_bit_floats_round_and_compute_as_torchs_casts(torch_json):
+    """float16 and bfloat16 have no buffers in the kernel language: generated kernels take
+    them as their bits (torch_accel/inductor/halfbits.py). A compiled cast from float32
+    gives torch's CPU cast bit for bit (ties to even, subnormals, overflow to inf, NaN,
+    signed zero), a compiled cast back is exact, and arithmetic with a reduction agrees
+    with eager within one unit of the last place (it rounds once, eager per op)."""
+    r = torch_json("""
+        torch.manual_seed(0)
+        special = torch.tensor([0.0, -0.0, 1.0, -1.0, 65504.0, 65519.0, 65520.0, 1e6, -1e6,
+                                6.1e-5, 5.96e-8, 2.9e-8, 3.0e-8, 1e-10, float("inf"),
+                                float("-inf"), float("nan"), 1 / 3, 2049.0, 2051.0, 1e38,
+                                3.4e38, 1e-40])
+        x = torch.cat([special, torch.randn(4000) * 100, torch.randn(4000) * 1e-5])
+        out = {}
+        for dt in (torch.float16, torch.bfloat16):
+            got = torch.compile(lambda a: a.to(dt))(x.to("accel")).cpu()
+            want = x.to(dt)
+            bits = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+            back = torch.compile(lambda a: a.float())(want.to("accel")).cpu()
+            w = torch.randn(10, 10).to(dt).to("accel")
+            f = lambda a: (a * 2 + 1).sum(0)
+            g, e = torch.compile(f)(w).cpu(), f(w).cpu()
+            ulp = (e.float().abs() * 2.0 ** -(10 if dt == torch.float16 else 7)).clamp(min=1e-3)
+            out[str(dt)] = [bool(bits.all()), bool(torch.equal(back, want.float()) or
+                            torch.allclose(back, want.float(), equal_nan=True)),
+                            str(g.dtype), bool(((g.float() - e.float()).abs() <= ulp).all())]
+        report(**out)
+    """, timeout=380)
+    assert r == {"torch.float16": [True, True, "torch.float16", True],
+                 "torch.bfloat16": [True, True, "torch.bfloat16", True]}, r
+
+
 @pytest.mark.timeout(500)
 def test_mlp_training_compiled_matches_eager(torch_json):
     """The MLP of the eager issue (784-256-10, cross entropy, SGD): three steps of a
@@ -181,7 +214,7 @@ def test_openregs_compile_cases_on_the_default_backend(torch_json):
     """PyTorch's OpenReg test_compile.py cases, with Inductor instead of OpenReg's own
     backend: simple and full-graph compiles, recompilation only on a new shape, autograd
     through a compiled function, an nn.Module, dynamic shapes, a device transfer inside a
-    full graph, a graph break, and a default device."""
+    full graph, a graph break, a default device, and autocast to float16 around ``mm``."""
     r = torch_json("""
         import torch._dynamo
         from torch._dynamo.testing import CompileCounterWithBackend
@@ -218,6 +251,12 @@ def test_openregs_compile_cases_on_the_default_backend(torch_json):
         with torch.device("accel"):
             dd = torch.compile(lambda x: x + torch.zeros(4))(x)
         out["default_device"] = str(dd.device)
+        @torch.compile
+        def autocast(a, b):
+            with torch.autocast(device_type="accel", dtype=torch.float16):
+                return torch.mm(a, b)
+        ac = autocast(torch.randn(2, 3, device="accel"), torch.randn(3, 3, device="accel"))
+        out["autocast"] = str(ac.dtype)
         report(**out)
     """, timeout=380)
     assert r.pop("recompile") == [1, 2] and r.pop("autograd") == [2.0] * 4, r
@@ -225,4 +264,4 @@ def test_openregs_compile_cases_on_the_default_backend(torch_json):
     assert ok and breaks > 1, r
     assert r == {"simple": True, "fullgraph": True, "module": ["accel:0", [2, 4], True],
                  "dynamic": [True, True], "transfer": ["cpu", True],
-                 "default_device": "accel:0"}, r
+                 "default_device": "accel:0", "autocast": "torch.float16"}, r

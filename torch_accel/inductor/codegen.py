@@ -41,6 +41,8 @@ from torch._inductor.utils import get_bounds_index_expr, get_fused_kernel_name, 
 from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.printers import PythonPrinter
 
+from torch_accel.inductor import halfbits
+
 DEVICE_TYPE = "accel"
 #: the kernel language's longest name (abi/kernel_lang.py)
 NAME_MAX = 63
@@ -293,25 +295,38 @@ class AccelKernel(SIMDKernel):
     def load(self, name: str, index: sympy.Expr) -> CSEVariable:
         var = self.args.input(name)
         index = self.prepare_indexing(index)
-        return self.cse.generate(self.loads, f"{var}[{self.index_to_str(index)}]",
-                                 dtype=V.graph.get_dtype(name))
+        dtype = V.graph.get_dtype(name)
+        line = f"{var}[{self.index_to_str(index)}]"
+        if dtype not in halfbits.FORMATS:
+            return self.cse.generate(self.loads, line, dtype=dtype)
+        bits = self.cse.generate(self.loads, line, dtype=torch.int32)
+        return self.cse.generate(self.loads, halfbits.decode(str(bits), halfbits.FORMATS[dtype]),
+                                 dtype=torch.float32)
+
+    def _store_lines(self, name: str, index: sympy.Expr, value: Any) -> list[Any]:
+        """The statements storing ``value`` at ``index`` of ``name`` (16-bit floats as
+        their rounded bits); the store itself is deferred (dropped if the buffer is)."""
+        var = self.args.output(name)
+        target = f"{var}[{self.index_to_str(self.prepare_indexing(index))}]"
+        fmt = halfbits.FORMATS.get(V.graph.get_dtype(name))
+        if fmt is None:
+            return [DeferredLine(name, f"{target} = {value}")]
+        bits = self.cse.newvar(dtype=torch.int32)
+        return [*halfbits.encode(str(value), str(bits), fmt, str(bits)),
+                DeferredLine(name, f"{target} = {bits}")]
 
     def store(self, name: str, index: sympy.Expr, value: CSEVariable, mode: Any = None) -> None:
-        var = self.args.output(name)
-        index = self.prepare_indexing(index)
-        idx = self.index_to_str(index)
-        if mode is None:
-            line = f"{var}[{idx}] = {value}"
-        elif mode == "atomic_add":
-            line = f"atomic_add({var}, {idx}, {value})"
-        else:
-            raise NotImplementedError(f"accel: store mode {mode}")
-        self.stores.writeline(DeferredLine(name, line))
+        if mode == "atomic_add" and V.graph.get_dtype(name) not in halfbits.FORMATS:
+            var = self.args.output(name)
+            idx = self.index_to_str(self.prepare_indexing(index))
+            self.stores.writeline(DeferredLine(name, f"atomic_add({var}, {idx}, {value})"))
+            return
+        if mode is not None:
+            raise NotImplementedError(f"accel: store mode {mode} on {V.graph.get_dtype(name)}")
+        self.stores.writelines(self._store_lines(name, index, value))
 
     def store_reduction(self, name: str, index: sympy.Expr, value: CSEVariable) -> None:
-        var = self.args.output(name)
-        index = self.prepare_indexing(index)
-        self.suffix.writeline(DeferredLine(name, f"{var}[{self.index_to_str(index)}] = {value}"))
+        self.suffix.writelines(self._store_lines(name, index, value))
 
     def check_bounds(self, expr: sympy.Expr, size: sympy.Expr, lower: bool, upper: bool
                      ) -> None:

@@ -16,6 +16,7 @@ import hashlib
 from collections.abc import Hashable
 from typing import Any
 
+import numpy as np
 import torch
 
 import runtime
@@ -26,6 +27,10 @@ from torch_accel.ops._tensors import NUMPY, block_of
 BLOCK = shared.BLOCK
 #: launch plans one kernel keeps (kinds of call: buffer extents, sizes); past it, restart
 MAX_PLANS = 64
+
+#: the dtypes of kernel buffers: torch_accel's, and the 16-bit floats as their bits
+#: (the generated code converts them: halfbits.py)
+BUFFER_DTYPES = {**NUMPY, torch.float16: np.dtype(np.uint16), torch.bfloat16: np.dtype(np.uint16)}
 
 #: generated kernels launched in this process, by kernel name (tests read it)
 launches: dict[str, int] = {}
@@ -85,10 +90,10 @@ class Generated:
         values: list[Any] = []
         for a in params:
             if isinstance(a, torch.Tensor):
-                if a.dtype not in NUMPY:
+                if a.dtype not in BUFFER_DTYPES:
                     raise TypeError(f"{self.name}: no device dtype for {a.dtype}")
                 base, offset = block_of(a)
-                values.append(base.view(NUMPY[a.dtype], (_extent(a),), offset))
+                values.append(base.view(BUFFER_DTYPES[a.dtype], (_extent(a),), offset))
             else:
                 values.append(int(a))
         values.append(numel)
