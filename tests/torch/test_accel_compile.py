@@ -38,6 +38,8 @@ CASES = {
     "bool": (lambda a: (a > 0) & ~(a > 1) | (a < -2), [(100,)], None),
     "int64_sum": (lambda a: a.sum(0), [(10, 7)], torch.int64),
     "bool_any": (lambda a: (a > 1.5).any(1), [(10, 40)], None),
+    "sign_floor_trunc": (lambda a: (a * 3).sign() + (a * 3).floor() - (a * 3).trunc()
+                         + (a * 3).ceil() + (a * 2.5).round(), [(100,)], None),
     "where_clamp": (lambda a: torch.where(a > 0, a, a * 0.1).clamp(-0.1, 0.5), [(100,)], None),
     "fallback_cumsum": (lambda a: a.cumsum(0) * 2, [(100,)], None),
     "extern_mm": (lambda a, b: (a @ b).relu() + 1, [(16, 8), (8, 4)], None),
@@ -99,7 +101,8 @@ def test_generated_kernels_are_device_launches_on_the_current_stream(torch_json)
     device (category ``kernel``), it runs on the stream current when the compiled function
     runs (a side stream's work is not done until that stream is synchronized), on the
     device of its inputs (accel:1), and with ``dynamic=True`` one kernel serves two
-    sizes."""
+    sizes. Generated again with Inductor's caches off, the code is the same text (the
+    device's JIT cache keys on it)."""
     r = torch_json("""
         from torch_accel.inductor import launcher
         fn = torch.compile(lambda x: (x * 2 + 1).exp())
@@ -119,12 +122,23 @@ def test_generated_kernels_are_device_launches_on_the_current_stream(torch_json)
         dyn = torch.compile(lambda x: (x + 1) * x.sum(), dynamic=True)
         sizes = [bool(torch.allclose(dyn(v).cpu(), ((v + 1) * v.sum()).cpu(), rtol=1e-5))
                  for v in (torch.randn(40, device="accel"), torch.randn(77, device="accel"))]
-        report(names=names, side=bool(torch.allclose(y.cpu(), (x * 2 + 1).exp().cpu())),
+        import re
+        from torch._inductor import config as inductor_config
+        from torch._inductor.utils import run_and_get_code
+        codes = []
+        for _ in range(2):  # Inductor's caches off: the code generated again, the same
+            torch._dynamo.reset()
+            with inductor_config.patch(fx_graph_cache=False):
+                _, code = run_and_get_code(torch.compile(lambda x: (x * 3).sum(0) + 1), x1)
+            codes.append(re.findall(r"Generated\\(.*?\\)$", code[0], re.S | re.M))
+        report(deterministic=codes[0] == codes[1] != [], code=codes[0],
+               names=names, side=bool(torch.allclose(y.cpu(), (x * 2 + 1).exp().cpu())),
                dev1=[str(y1.device), bool(torch.allclose(y1.cpu(), (x1 * 2 + 1).exp().cpu()))],
                sizes=sizes, launches=launcher.launches)
     """, timeout=380)
     assert any(n.startswith("accel_fused_add_exp_mul") for n in r["names"]), r
     assert r["side"] and r["dev1"] == ["accel:1", True] and r["sizes"] == [True, True], r
+    assert r["deterministic"] and "def accel_fused_" in r["code"][0], r["code"]
 
 
 @pytest.mark.timeout(400)

@@ -186,12 +186,20 @@ class AccelOverrides(OpOverrides):
         return f"({_float_floor(str(x))} if {x} >= 0 else -{_float_floor(f'(-{x})')})"
 
     @staticmethod
+    def round(x: Any) -> str:
+        """Half to even, as torch.round."""
+        f = V.kernel.cse.generate(V.kernel.compute, _float_floor(str(x)), dtype=torch.float64)
+        return f"({f} + 1.0 if {x} - {f} > 0.5 or ({x} - {f} == 0.5 and " \
+               f"{f} - 2.0 * float(floor({f} * 0.5)) != 0.0) else {f})"
+
+    @staticmethod
     def neg(x: Any) -> str:
         return f"(-{x})"
 
     @staticmethod
     def sign(x: Any) -> str:
-        return f"(({x} > 0) - ({x} < 0))"
+        """torch.sign: 0 keeps its zero, NaN stays NaN (``x * 0``), else +-1."""
+        return f"({x} * 0 if {x} == 0 or {x} != {x} else (1 if {x} > 0 else -1))"
 
     @staticmethod
     def signbit(x: Any) -> str:
