@@ -10,8 +10,7 @@ Same-run rows, alternating blocks:
 * a chain of 8 ops of which three are transcendental (exp, sqrt, tanh), compiled against
   eager: reported, no goal. The emulated device computes those with numba's scalar libm
   calls (a 1 Mi ``tanh`` alone costs ten times a 1 Mi multiply), so such a chain is bound
-  by its arithmetic, which fusion does not remove, not by the memory passes and launches
-  it does;
+  by those calls, which fusion keeps, not by the memory passes and launches it removes;
 * one MLP training step (784-256-10, batch 64, forward, cross entropy, backward, SGD),
   the model compiled (AOTAutograd: a compiled forward and backward) against eager on
   accel; goal 1x. The first compiled step's time (Dynamo, AOTAutograd, Inductor, the
