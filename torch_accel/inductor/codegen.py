@@ -265,6 +265,7 @@ _INIT = {"sum": ("0.0", "0"), "prod": ("1.0", "1"), "any": ("False", "False"),
 
 
 def _iinfo(dtype: torch.dtype) -> tuple[int, int]:
+    """The least and greatest values of an integer (or bool) dtype: max/min's start."""
     if dtype == torch.bool:
         return 0, 1
     info = torch.iinfo(dtype)
@@ -279,7 +280,6 @@ class AccelKernel(SIMDKernel):
     overrides = AccelOverrides  # type: ignore[assignment]
     kexpr = PythonPrinter().doprint
     sexpr = kexpr
-    allow_block_ptr = False
 
     def __init__(self, tiling: dict[str, sympy.Expr], **kwargs: Any) -> None:
         super().__init__(tiling, **kwargs)
@@ -288,13 +288,11 @@ class AccelKernel(SIMDKernel):
         self.suffix = IndentedBuffer()
 
     def dtype_to_str(self, dtype: torch.dtype) -> str:
+        """The language's dtype name (Inductor names the index dtype through it)."""
         return str(dtype).removeprefix("torch.")
 
     def should_use_persistent_reduction(self) -> bool:
         return False  # a reduction is always a loop of its thread
-
-    def want_no_x_dim(self) -> bool:
-        return False
 
     def index_to_str(self, index: sympy.Expr) -> str:  # type: ignore[override]
         return self.kexpr(self.rename_indexing(index))
@@ -423,7 +421,9 @@ class AccelKernel(SIMDKernel):
             self.body.writeline(line)  # per thread, outside the reduction loop
 
     def iteration_ranges_codegen_header(self, entry: Any, code: IndentedBuffer) -> None:
-        pass
+        """Nothing: a range here has no block offset or mask to set up (one thread per
+        ``x`` index, a plain loop over ``r0_``); its index variables are written per
+        entry (``codegen_iteration_ranges_entry``)."""
 
     def codegen_body(self) -> None:
         """Flush what was generated since the last flush into ``self.body``: inside a
