@@ -28,6 +28,7 @@ from bench.procs import AccelDaemon, EchoServer
 from bench.sanitizer import sanitizer_overhead
 from bench.submission import idle_cpu, submission
 from bench.torch_backend import torch_backend
+from bench.torch_compile import torch_compile
 
 ECHO_TXN = "echo-fs pwrite+pread"
 
@@ -207,6 +208,7 @@ BENCHMARKS: list[tuple[str, Benchmark]] = [
     ("fault_recovery", fault_recovery),
     ("partition_isolation", partition_isolation),
     ("torch_backend", torch_backend),
+    ("torch_compile", torch_compile),
     ("first_use", first_use),
     ("distributed", distributed),
 ]

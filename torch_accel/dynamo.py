@@ -11,8 +11,8 @@ records an event or enters ``torch.accel.device`` breaks the graph or fails. Thi
 every name onto ``torch.accel`` (torch_accel/accel.py), which keeps torch.cuda's names.
 
 Triton is not the device's kernel language (``is_triton_capable`` is False), so Inductor's
-GPU path does not take accel graphs; what Inductor does with them is issue 32's second
-half (docs/torch.md, "torch.compile").
+Triton path does not take accel graphs: torch_accel/inductor/ generates their kernels in
+the device's own language (docs/torch.md, "torch.compile").
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._dynamo import trace_rules
 from torch._dynamo.device_interface import (
     DeviceInterface,
     caching_worker_current_devices,
@@ -103,13 +104,19 @@ class AccelInterface(DeviceInterface):
 
 
 def register() -> None:
-    """Register the interface for ``accel`` and ``accel:N`` (as torch does for cuda), and
-    let Dynamo put ``torch.accel``'s stream calls in the graph as calls, as its trace
+    """Register the interface for ``accel`` and ``accel:N`` (as torch does for cuda),
+    keep Dynamo out of the backend's own modules, and let Dynamo put ``torch.accel``'s stream calls in the graph as calls, as its trace
     rules do for ``torch.cuda``'s (tracing into them would reach the runtime's process
     checks, which Dynamo cannot trace: a graph break); ``accel.stream`` so reaches
     Dynamo's handler of a device interface's stream context."""
     torch.compiler.allow_in_graph([accel.current_stream, accel.default_stream,
                                    accel.synchronize, accel.set_stream, accel.stream])
+    # the backend's own Python (operators, kernels, the runtime) is the device's driver
+    # stack, as torch's C++ is cuda's: frames Dynamo meets running after a graph break (an
+    # eager ``loss.backward()`` inside a compiled function) are run, not traced, as it
+    # does for torch's own files (tracing the runtime's launch fails)
+    for package in ("torch_accel", "runtime", "abi"):
+        trace_rules.add(package)
     register_interface_for_device(DEVICE_TYPE, AccelInterface)
     for i in range(accel.device_count()):
         register_interface_for_device(f"{DEVICE_TYPE}:{i}", AccelInterface)

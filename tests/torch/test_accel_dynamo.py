@@ -3,8 +3,9 @@ by, registered when Dynamo loads and not before, and code on accel tensors that 
 current stream and synchronizes compiling into one graph (``fullgraph=True`` fails on any
 graph break) with eager's results.
 
-Inductor, the default backend, has no accel code generator yet (docs/torch.md,
-"torch.compile"): these compile with ``aot_eager``, which runs Dynamo and AOTAutograd.
+These compile with ``aot_eager`` (Dynamo and AOTAutograd, then the eager operators): what
+they test is Dynamo's view of the device; Inductor's code generator for accel is
+tests/torch/test_accel_compile.py's.
 """
 
 from __future__ import annotations

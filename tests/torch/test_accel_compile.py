@@ -1,0 +1,281 @@
+"""torch.compile with its default backend (Inductor) on accel (torch_accel/inductor/): the
+graph's pointwise and reduction work becomes kernels of the device's language, fused,
+compiled by the firmware and launched on the current accel stream; what Inductor does not
+lower runs as the eager accel operators. Every case compares with the same function run
+eagerly on accel in the same process; the cases share a few processes (one torch import
+and one Inductor import each) to keep the file's time down.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+#: the cases of the main matrix: name -> (function, input shapes, input dtype); the
+#: inputs are ``randn`` in float32, then cast
+MATRIX = """
+import torch.nn.functional as F
+from torch_accel.inductor import launcher
+CASES = {
+    "chain8": (lambda a: ((((a * 1.5 + 0.25).relu() - 0.5).exp() * 0.75).sqrt() + a).tanh(),
+               [(4096,)], None),
+    "broadcast": (lambda a, b, c: (a + b) * c.sigmoid() - b, [(64, 32), (32,), (64, 1)], None),
+    "transposed_input": (lambda a: a.t() * 2 + 1, [(16, 24)], None),
+    "sum_dim": (lambda a: a.sum(1), [(48, 33)], None),
+    "sum_dim0_keepdim": (lambda a: a.sum(0, keepdim=True), [(48, 33)], None),
+    "sum_all": (lambda a: a.sum(), [(3000,)], None),
+    "mean_keepdim": (lambda a: a.mean(-1, keepdim=True), [(8, 5, 7)], None),
+    "amax_amin": (lambda a: a.amax(1) - a.amin(1), [(16, 40)], None),
+    "var": (lambda a: a.var(1), [(16, 40)], None),
+    "argmax": (lambda a: a.argmax(1), [(16, 40)], None),
+    "prod": (lambda a: (a * 0.1 + 1).prod(1), [(16, 10)], None),
+    "fused_pointwise_reduction": (lambda a, b: ((a - b) ** 2).sum(1) + 1, [(32, 64), (32, 64)],
+                                  None),
+    "softmax": (lambda a: torch.softmax(a, -1), [(16, 40)], None),
+    "layer_norm": (lambda a: F.layer_norm(a, (40,)), [(16, 40)], None),
+    "cat": (lambda a, b: torch.cat([a, b]) * 2, [(4, 3), (5, 3)], None),
+    "float64": (lambda a: (a.exp() + 1).log() * a, [(100,)], torch.float64),
+    "int64": (lambda a: (a * 3 // 2 + a % 5 - 7).abs(), [(100,)], torch.int64),
+    "bool": (lambda a: (a > 0) & ~(a > 1) | (a < -2), [(100,)], None),
+    "int64_sum": (lambda a: a.sum(0), [(10, 7)], torch.int64),
+    "bool_any": (lambda a: (a > 1.5).any(1), [(10, 40)], None),
+    "sign_floor_trunc": (lambda a: (a * 3).sign() + (a * 3).floor() - (a * 3).trunc()
+                         + (a * 3).ceil() + (a * 2.5).round(), [(100,)], None),
+    "where_clamp": (lambda a: torch.where(a > 0, a, a * 0.1).clamp(-0.1, 0.5), [(100,)], None),
+    "fallback_cumsum": (lambda a: a.cumsum(0) * 2, [(100,)], None),
+    "extern_mm": (lambda a, b: (a @ b).relu() + 1, [(16, 8), (8, 4)], None),
+}
+
+def inputs(shapes, dtype):
+    out = []
+    for s in shapes:
+        t = torch.randn(*s) * (10 if dtype == torch.int64 else 1)
+        out.append(t.to(dtype or torch.float32).to("accel"))
+    return out
+
+results = {}
+torch.manual_seed(0)
+for name, (fn, shapes, dtype) in CASES.items():
+    args = inputs(shapes, dtype)
+    before = dict(launcher.launches)
+    got = torch.compile(fn)(*args)
+    want = fn(*args)
+    torch.accel.synchronize()
+    ran = sorted(k for k, v in launcher.launches.items() if v > before.get(k, 0))
+    results[name] = dict(
+        same=bool(torch.allclose(got.cpu().double(), want.cpu().double(), rtol=1e-5,
+                                 atol=1e-6, equal_nan=True)),
+        meta=[str(got.dtype), list(got.shape), str(got.device)] == [str(want.dtype),
+              list(want.shape), str(want.device)],
+        kernels=ran)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_default_backend_matches_eager_with_generated_kernels(torch_json):
+    """Pointwise chains, broadcasting, strided inputs, reductions over a dim, kept dims
+    and everything, fused pointwise+reduction, softmax and layer norm (several reduction
+    loops in one kernel), masked loads (cat), float32/float64/int64/bool: each equals eager
+    on accel, and each ran at least one generated kernel (an ``accel_...`` launch), fused
+    (the 8-op chain is one kernel). ``cumsum`` has no lowering and ``mm`` is an extern
+    kernel: both run as the eager accel operators, around generated kernels. Import torch
+    loads no Inductor."""
+    r = torch_json("import sys\nloaded_at_import = 'torch._inductor' in sys.modules\n"
+                   + MATRIX + """
+report(loaded_at_import=loaded_at_import, results=results,
+       fallback=dict(torch_accel.fallback_counts))
+""", timeout=580)
+    assert r["loaded_at_import"] is False
+    results = r["results"]
+    bad = {k: v for k, v in results.items() if not (v["same"] and v["meta"] and v["kernels"])}
+    assert not bad, bad
+    assert len(results["chain8"]["kernels"]) == 1, results["chain8"]
+    assert len(results["fused_pointwise_reduction"]["kernels"]) == 1, results
+    assert all(k.startswith("accel_") for v in results.values() for k in v["kernels"])
+    # the op Inductor does not lower ran as aten (twice: compiled and eager)
+    assert r["fallback"].get("aten::cumsum.out", 0) >= 2, r["fallback"]
+
+
+@pytest.mark.timeout(400)
+def test_generated_kernels_are_device_launches_on_the_current_stream(torch_json):
+    """A generated kernel is a launch like any other: the profiler shows it by name on the
+    device (category ``kernel``), it runs on the stream current when the compiled function
+    runs (a side stream's work is not done until that stream is synchronized), on the
+    device of its inputs (accel:1), and with ``dynamic=True`` one kernel serves two
+    sizes. Generated again with Inductor's caches off, the code is the same text (the
+    device's JIT cache keys on it)."""
+    r = torch_json("""
+        from torch_accel.inductor import launcher
+        fn = torch.compile(lambda x: (x * 2 + 1).exp())
+        x = torch.randn(1000, device="accel")
+        fn(x)
+        with torch.profiler.profile() as prof:
+            fn(x)
+            torch.accel.synchronize()
+        names = sorted({e["name"] for e in prof.accel_events if e["cat"] == "kernel"})
+        side = torch.accel.Stream()
+        side.wait_stream(torch.accel.current_stream())
+        with torch.accel.stream(side):
+            y = fn(x)
+        side.synchronize()
+        x1 = torch.randn(300, device="accel:1")
+        y1 = fn(x1)
+        dyn = torch.compile(lambda x: (x + 1) * x.sum(), dynamic=True)
+        sizes = [bool(torch.allclose(dyn(v).cpu(), ((v + 1) * v.sum()).cpu(), rtol=1e-5))
+                 for v in (torch.randn(40, device="accel"), torch.randn(77, device="accel"))]
+        import re
+        from torch._inductor import config as inductor_config
+        from torch._inductor.utils import run_and_get_code
+        codes = []
+        for _ in range(2):  # Inductor's caches off: the code generated again, the same
+            torch._dynamo.reset()
+            with inductor_config.patch(fx_graph_cache=False):
+                _, code = run_and_get_code(torch.compile(lambda x: (x * 3).sum(0) + 1), x1)
+            codes.append(re.findall(r"Generated\\(.*?\\)$", code[0], re.S | re.M))
+        report(deterministic=codes[0] == codes[1] != [], code=codes[0],
+               names=names, side=bool(torch.allclose(y.cpu(), (x * 2 + 1).exp().cpu())),
+               dev1=[str(y1.device), bool(torch.allclose(y1.cpu(), (x1 * 2 + 1).exp().cpu()))],
+               sizes=sizes, launches=launcher.launches)
+    """, timeout=380)
+    assert any(n.startswith("accel_fused_add_exp_mul") for n in r["names"]), r
+    assert r["side"] and r["dev1"] == ["accel:1", True] and r["sizes"] == [True, True], r
+    assert r["deterministic"] and "def accel_fused_" in r["code"][0], r["code"]
+
+
+@pytest.mark.timeout(400)
+def test_16_bit_floats_round_and_compute_as_torchs_casts(torch_json):
+    """float16 and bfloat16 have no buffers in the kernel language: generated kernels take
+    them as their bits (torch_accel/inductor/halfbits.py). A compiled cast from float32
+    gives torch's CPU cast bit for bit (ties to even, subnormals, overflow to inf, NaN,
+    signed zero), a compiled cast back is exact, and arithmetic with a reduction agrees
+    with eager within one unit of the last place (it rounds once, eager per op)."""
+    r = torch_json("""
+        torch.manual_seed(0)
+        special = torch.tensor([0.0, -0.0, 1.0, -1.0, 65504.0, 65519.0, 65520.0, 1e6, -1e6,
+                                6.1e-5, 5.96e-8, 2.9e-8, 3.0e-8, 1e-10, float("inf"),
+                                float("-inf"), float("nan"), 1 / 3, 2049.0, 2051.0, 1e38,
+                                3.4e38, 1e-40])
+        x = torch.cat([special, torch.randn(4000) * 100, torch.randn(4000) * 1e-5])
+        out = {}
+        for dt in (torch.float16, torch.bfloat16):
+            got = torch.compile(lambda a: a.to(dt))(x.to("accel")).cpu()
+            want = x.to(dt)
+            bits = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+            back = torch.compile(lambda a: a.float())(want.to("accel")).cpu()
+            w = torch.randn(10, 10).to(dt).to("accel")
+            f = lambda a: (a * 2 + 1).sum(0)
+            g, e = torch.compile(f)(w).cpu(), f(w).cpu()
+            ulp = (e.float().abs() * 2.0 ** -(10 if dt == torch.float16 else 7)).clamp(min=1e-3)
+            out[str(dt)] = [bool(bits.all()), bool(torch.equal(back, want.float()) or
+                            torch.allclose(back, want.float(), equal_nan=True)),
+                            str(g.dtype), bool(((g.float() - e.float()).abs() <= ulp).all())]
+        report(**out)
+    """, timeout=380)
+    assert r == {"torch.float16": [True, True, "torch.float16", True],
+                 "torch.bfloat16": [True, True, "torch.bfloat16", True]}, r
+
+
+@pytest.mark.timeout(500)
+def test_mlp_training_compiled_matches_eager(torch_json):
+    """The MLP of the eager issue (784-256-10, cross entropy, SGD): three steps of a
+    compiled model (AOTAutograd: a compiled forward and a compiled backward) give eager's
+    losses and weights, and a step with ``loss.backward()`` inside the compiled function
+    (a graph break; the eager backward runs our operators, which Dynamo must not trace)
+    gives eager's gradients."""
+    r = torch_json("""
+        from torch import nn
+        from torch_accel.inductor import launcher
+        def make():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10)).to("accel")
+        x = torch.randn(64, 784, device="accel")
+        y = torch.randint(0, 10, (64,), device="accel")
+        losses = {}
+        models = {}
+        for mode in ("eager", "compiled"):
+            m = make()
+            run = torch.compile(m) if mode == "compiled" else m
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            losses[mode] = []
+            for _ in range(3):
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(run(x), y)
+                loss.backward()
+                opt.step()
+                losses[mode].append(loss.item())
+            models[mode] = m
+        diff = max((a - b).abs().max().item() for a, b in
+                   zip(models["eager"].parameters(), models["compiled"].parameters()))
+        def step(m, x, y):
+            loss = nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            return loss
+        m1, m2 = make(), make()
+        torch.compile(step)(m1, x, y)
+        step(m2, x, y)
+        grad = max((a.grad - b.grad).abs().max().item() for a, b in
+                   zip(m1.parameters(), m2.parameters()))
+        report(losses=losses, diff=diff, grad=grad,
+               backward_kernels=sorted(k for k in launcher.launches if "backward" in k))
+    """, timeout=480)
+    for a, b in zip(r["losses"]["eager"], r["losses"]["compiled"]):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), r["losses"]
+    assert r["diff"] <= 1e-5 and r["grad"] <= 1e-6, r
+    assert r["backward_kernels"], r
+
+
+@pytest.mark.timeout(400)
+def test_openregs_compile_cases_on_the_default_backend(torch_json):
+    """PyTorch's OpenReg test_compile.py cases, with Inductor instead of OpenReg's own
+    backend: simple and full-graph compiles, recompilation only on a new shape, autograd
+    through a compiled function, an nn.Module, dynamic shapes, a device transfer inside a
+    full graph, a graph break, a default device, and autocast to float16 around ``mm``."""
+    r = torch_json("""
+        import torch._dynamo
+        from torch._dynamo.testing import CompileCounterWithBackend
+        out = {}
+        x = torch.randn(4, device="accel")
+        out["simple"] = bool(torch.equal(torch.compile(lambda x: x + 1)(x).cpu(), (x + 1).cpu()))
+        full = torch.compile(lambda x: torch.relu((x + 1) * 2), fullgraph=True)
+        out["fullgraph"] = bool(torch.equal(full(x).cpu(), torch.relu((x + 1) * 2).cpu()))
+        counter = CompileCounterWithBackend("inductor")
+        fn = torch.compile(lambda x: x + 1, backend=counter)
+        fn(x); fn(x); once = counter.frame_count
+        fn(torch.randn(8, device="accel"))
+        out["recompile"] = [once, counter.frame_count]
+        xg = torch.randn(4, device="accel", requires_grad=True)
+        torch.compile(lambda x: (x * 2).sum())(xg).backward()
+        out["autograd"] = xg.grad.cpu().tolist()
+        lin = torch.nn.Linear(4, 4).to("accel")
+        xs = torch.randn(2, 4, device="accel")
+        got = torch.compile(lin)(xs)
+        out["module"] = [str(got.device), list(got.shape),
+                         bool(torch.allclose(got.cpu(), lin(xs).cpu(), atol=1e-6))]
+        dyn = torch.compile(lambda x: x + 1, dynamic=True)
+        out["dynamic"] = [bool(torch.equal(dyn(v).cpu(), (v + 1).cpu()))
+                          for v in (torch.randn(4, device="accel"), torch.randn(8, device="accel"))]
+        tr = torch.compile(lambda x: (x + 1).cpu() * 2, fullgraph=True)(x)
+        out["transfer"] = [str(tr.device), bool(torch.equal(tr, (x + 1).cpu() * 2))]
+        counter = CompileCounterWithBackend("inductor")
+        def broken(x):
+            y = x + 1
+            torch._dynamo.graph_break()
+            return y * 2
+        out["graph_break"] = [bool(torch.equal(torch.compile(broken, backend=counter)(x).cpu(),
+                                               ((x + 1) * 2).cpu())), counter.frame_count]
+        with torch.device("accel"):
+            dd = torch.compile(lambda x: x + torch.zeros(4))(x)
+        out["default_device"] = str(dd.device)
+        @torch.compile
+        def autocast(a, b):
+            with torch.autocast(device_type="accel", dtype=torch.float16):
+                return torch.mm(a, b)
+        ac = autocast(torch.randn(2, 3, device="accel"), torch.randn(3, 3, device="accel"))
+        out["autocast"] = str(ac.dtype)
+        report(**out)
+    """, timeout=380)
+    assert r.pop("recompile") == [1, 2] and r.pop("autograd") == [2.0] * 4, r
+    ok, breaks = r.pop("graph_break")
+    assert ok and breaks > 1, r
+    assert r == {"simple": True, "fullgraph": True, "module": ["accel:0", [2, 4], True],
+                 "dynamic": [True, True], "transfer": ["cpu", True],
+                 "default_device": "accel:0", "autocast": "torch.float16"}, r

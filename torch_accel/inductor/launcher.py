@@ -1,0 +1,100 @@
+"""What Inductor's generated wrapper calls: one generated kernel, compiled by the runtime
+and launched on the current accel stream, as every eager operator's kernel is.
+
+The wrapper (Python, written by Inductor) defines each kernel once, ``k = Generated(name,
+source)``, and calls ``k(buf0, arg0_1, ..., ks0, numel)``: the kernel's buffers (torch
+tensors on one accel device), its size variables (ints) and last the number of threads
+(one per output element or row). Nothing here knows Inductor: the source is already our
+kernel language (torch_accel/inductor/codegen.py writes it), and the launch is the
+runtime's (``runtime.compile``, ``Kernel.plan``), so a compiled model's kernels go through
+the same module load, JIT, launch packet, fault and profiler paths as eager ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+import torch
+
+import runtime
+from torch_accel.kernels import _shared as shared
+from torch_accel.ops._tensors import NUMPY, block_of
+
+#: threads per block: one thread per element (pointwise) or per output row (reductions)
+BLOCK = shared.BLOCK
+#: launch plans one kernel keeps (kinds of call: buffer extents, sizes); past it, restart
+MAX_PLANS = 64
+
+#: the dtypes of kernel buffers: torch_accel's, and the 16-bit floats as their bits
+#: (the generated code converts them: halfbits.py)
+BUFFER_DTYPES = {**NUMPY, torch.float16: np.dtype(np.uint16), torch.bfloat16: np.dtype(np.uint16)}
+
+#: generated kernels launched in this process, by kernel name (tests read it)
+launches: dict[str, int] = {}
+
+
+def get_raw_stream(device: int) -> int:
+    """The current stream's id on ``device`` (what the wrapper names its stream by; the
+    kernels themselves launch on the current stream when they run)."""
+    return runtime.current_stream(device).stream_id
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first one to its storage's end: Inductor indexes a buffer from
+    its data pointer by its own layout, which may reach past ``t``'s own view (a reused
+    buffer, a reinterpreted one); the firmware's bounds checks guard the rest."""
+    return (t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()) \
+        // t.element_size()
+
+
+class Generated:
+    """One kernel Inductor generated, compiled once per device (``runtime.compile``: the
+    front end, then the firmware's JIT on first launch, whose cache keys on the source and
+    every compatibility input, not on the name), launched through a checked plan per kind
+    of call."""
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        #: the module's name in the device's parts: the source's hash, so two graphs that
+        #: generate one kernel share its module
+        self._key = "inductor/" + hashlib.sha256(source.encode()).hexdigest()[:24]
+        self._plans: dict[Hashable, runtime.LaunchPlan] = {}
+
+    def _kernel(self, device: int) -> runtime.Kernel:
+        return getattr(shared.module(self._key, self.source, device), self.name)
+
+    def __call__(self, *args: Any) -> None:
+        *params, numel = args
+        numel = int(numel)
+        tensors = [a for a in params if isinstance(a, torch.Tensor)]
+        if numel <= 0 or not tensors:
+            return
+        device = tensors[0].device.index
+        key = (device, numel, *((a.dtype, _extent(a)) if isinstance(a, torch.Tensor)
+                                else int(a) for a in params))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(device, numel, params)
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+        plan([block_of(t) for t in tensors], runtime.current_stream(device))
+        launches[self.name] = launches.get(self.name, 0) + 1
+
+    def _plan(self, device: int, numel: int, params: list[Any]) -> runtime.LaunchPlan:
+        """The launch checked once for these extents and sizes."""
+        values: list[Any] = []
+        for a in params:
+            if isinstance(a, torch.Tensor):
+                if a.dtype not in BUFFER_DTYPES:
+                    raise TypeError(f"{self.name}: no device dtype for {a.dtype}")
+                base, offset = block_of(a)
+                values.append(base.view(BUFFER_DTYPES[a.dtype], (_extent(a),), offset))
+            else:
+                values.append(int(a))
+        values.append(numel)
+        return self._kernel(device).plan(shared.grid(numel, BLOCK), BLOCK, values)
