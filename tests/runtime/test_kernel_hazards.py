@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime import kernel_lib
 from scenario import STREAM_PRELUDE as PRELUDE
 from scenario import run_json
 
@@ -179,6 +180,10 @@ def dynamic_with_barrier(x, out, n):
 ''', 2, 16, 128),
 }
 
+#: The library's kernels with shared arrays (runtime/kernel_lib.py), clean too.
+CLEAN.update({"reduce_sum": (kernel_lib.SOURCE, 2, 256, 0),
+              "gemm": (kernel_lib.SOURCE, (2, 2), (16, 16), 0)})
+
 #: The child: compile and launch every kernel on arguments of the right shapes (inputs
 #: 0..n-1), synchronise, record whether it raised and what, and each output's bytes.
 CORPUS = """
@@ -186,8 +191,11 @@ import dataclasses, hashlib
 from runtime import sanitizer
 RACY, CLEAN = json.loads(SPEC)
 def args_for(name, src, grid, block, dyn):
-    n = 16
-    if "matmul" in name or "tile" in name:
+    n = 32 if name == "gemm" else 16
+    if name == "reduce_sum":
+        return [runtime.to_device(np.arange(5000, dtype=np.float64)),
+                runtime.to_device(np.zeros(1))]
+    if "matmul" in name or "tile" in name or name == "gemm":
         a = runtime.to_device(np.arange(n * n, dtype=np.float32).reshape(n, n) / 7)
         b = runtime.to_device(np.arange(n * n, dtype=np.float32).reshape(n, n)[::-1].copy() / 5)
         return [a, b, runtime.to_device(np.zeros((n, n), np.float32)), np.int64(n)]
@@ -208,7 +216,7 @@ for table in (RACY, CLEAN):
         try:
             args = launch(name, spec)
             runtime.synchronize()
-            out = args[2] if "matmul" in name or "tile" in name else args[1]
+            out = args[2] if len(args) == 4 and args[3].dtype == np.int64 else args[1]
             results[name] = {"raised": False,
                              "out": hashlib.sha256(out.copy_to_host().tobytes()).hexdigest()}
         except runtime.RaceError as e:
