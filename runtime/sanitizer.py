@@ -288,6 +288,9 @@ class _ContextCache(NamedTuple):
 
     modes: dict[int, list[str | None] | None]
     launches: dict[tuple[bytes, bytes], tuple[tuple[str, str, int, int], ...]]
+    #: LAUNCH packets of kernels without shared arrays (they run unchecked): decoding the
+    #: packet to find out cost ~1 us of every launch's host call
+    plain: set[bytes]
 
 
 class Sanitizer:
@@ -384,10 +387,17 @@ class Sanitizer:
         one whose argument block has no room for the record)."""
         from runtime.stream import LONG_ARGS  # runtime.stream imports this module
 
+        plain = self._cache(stream.ctx).plain
+        if packet in plain:
+            return packet, args
         pkt = userq.decode_bytes(packet)
         ir = stream.ctx.kernel_irs.get(pkt.handle)
-        if ir is None or not (ir.get("shared_mem") or ir.get("dynamic_shared")) \
-                or len(args) + _RECORD.size > LONG_ARGS:
+        if ir is None or not (ir.get("shared_mem") or ir.get("dynamic_shared")):
+            if len(plain) >= LAUNCH_CACHE:
+                plain.clear()
+            plain.add(packet)
+            return packet, args
+        if len(args) + _RECORD.size > LONG_ARGS:
             return packet, args
         slots = self._hazards.get(stream)
         if slots is None:
@@ -467,7 +477,7 @@ class Sanitizer:
     def _cache(self, ctx: Any) -> _ContextCache:
         cache = self._contexts.get(ctx)
         if cache is None:
-            cache = self._contexts[ctx] = _ContextCache({}, {})
+            cache = self._contexts[ctx] = _ContextCache({}, {}, set())
         return cache
 
     def _kernel_modes(self, ctx: Any, handle: int) -> list[str | None] | None:
