@@ -385,11 +385,11 @@ class Sanitizer:
                  site: str) -> tuple[bytes, bytes]:
         """A launch of a kernel with shared arrays, in checked mode; any other as it is (and
         one whose argument block has no room for the record)."""
-        from runtime.stream import LONG_ARGS  # runtime.stream imports this module
-
         plain = self._cache(stream.ctx).plain
         if packet in plain:
             return packet, args
+        from runtime.stream import LONG_ARGS  # runtime.stream imports this module
+
         pkt = userq.decode_bytes(packet)
         ir = stream.ctx.kernel_irs.get(pkt.handle)
         if ir is None or not (ir.get("shared_mem") or ir.get("dynamic_shared")):

@@ -58,6 +58,11 @@ Why the generated code looks the way it does
   (a store per element would sit in the loop the range check keeps free of checks; not
   measured), unchecked code and mma operands mark the whole buffer; firmware/managed.py
   migrates what is marked. Other buffers' code is unchanged.
+* The checked variant (``Options.sanitize``, ACCEL_SANITIZE's launches) adds a trailing
+  ``_grid`` argument, the launch's hazard record ``_hz`` (abi/hazard.py), a shadow per
+  shared array allocated once per call, the barrier phase ``_hzep`` (bumped per block and
+  at each ``BlockBarrier``), and after each in-range shared access an ``_hz_acc`` call with
+  its mode and kernel line (firmware/hazards.py). Without it none of this is written.
 
 Modes
 -----
