@@ -49,7 +49,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -65,6 +64,7 @@ from firmware.kernel_check import (SHARED_LIMIT, ArgType, Kernel, KernelCompileE
 from firmware.lower import (ABORT_KILL, ABORT_PREEMPT, ABORT_WATCHDOG, FAULT_ABORT, FAULT_BOUNDS,
                             FAULT_INDEX, FAULT_NDIM, FAULT_SHAPE, FAULT_WORDS,
                             MAX_BLOCK_THREADS, MAX_DIM, Options, lower, lower_kernel)
+from firmware.lower.abi import options_key
 
 #: The firmware's JIT compatibility boundary. Bump it whenever anything the generated code
 #: depends on outside itself changes meaning (firmware/intrinsics.py, the ``_grid`` calling
@@ -143,7 +143,7 @@ def compat_key(options: Options = Options(), isa: str = DEFAULT_ISA,
         "stepping": stepping,
         "cpu": cpu,
         "cpu_features": features,
-        "options": asdict(options),
+        "options": options_key(options),
         "codegen_env": {name: _config_value(name) for name in _CODEGEN_CONFIG},
     }
 
@@ -178,7 +178,8 @@ class CompiledKernel:
     def __init__(self, key: str, name: str, params: list[str], arg_types: list[ArgType],
                  shared: list[str], dispatcher: Any, signature: tuple[Any, ...],
                  source: str, module_path: Path, blas: np.ndarray, uses_mma: bool,
-                 work_per_thread: int | None, capabilities: frozenset[str]) -> None:
+                 work_per_thread: int | None, capabilities: frozenset[str],
+                 sanitize: bool = False) -> None:
         self.key = key
         self.name = name
         self.params = params
@@ -210,8 +211,10 @@ class CompiledKernel:
             self._entry = dispatcher
         self._checks = [(i, np.dtype(t.dtype), t.ndim) for i, t in enumerate(arg_types) if t.ndim]
         #: arguments ``run`` takes: the parameters, then each managed buffer's page map
-        #: and first-page offset (firmware/managed.py)
-        self.nargs = len(params) + sum(len(t.extra_numba_types()) for t in arg_types)
+        #: and first-page offset (firmware/managed.py), then the checked variant's hazard
+        #: record (abi/hazard.py)
+        self.nargs = len(params) + sum(len(t.extra_numba_types()) for t in arg_types) \
+            + sanitize
 
     @property
     def inline_ok(self) -> bool:
@@ -414,7 +417,7 @@ class KernelCache:
             "kernel": {"source": ir["source"], "params": params,
                        "shared_mem": ir.get("shared_mem", 0)},
             "arg_types": list(arg_types),
-            "options": asdict(options),
+            "options": options_key(options),
             "compat": compat_key(options, self.isa, self.stepping),
         }
 
@@ -452,7 +455,7 @@ class KernelCache:
             with self._lock:
                 ck = self._mem.get(key)
             if ck is None:
-                ck = _on_own_thread(self._get_disk, key, inputs, source, k)
+                ck = _on_own_thread(self._get_disk, key, inputs, source, k, options)
             else:
                 self._count(hits=1)
             with self._lock:
@@ -502,14 +505,14 @@ class KernelCache:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
     def _get_disk(self, key: str, inputs: dict[str, Any], source: str,
-                  k: Kernel) -> CompiledKernel:
+                  k: Kernel, options: Options) -> CompiledKernel:
         entry = self.entry_dir(key)
         module_name = f"kernel_{key[:16]}.py"
         with self._flock(key):
             if entry.exists():
                 if self._valid(entry, key, module_name, source):
                     try:
-                        ck, compiled = self._load(entry, key, module_name, source, k)
+                        ck, compiled = self._load(entry, key, module_name, source, k, options)
                     except Exception:  # noqa: BLE001 - e.g. numba's cache files unreadable
                         ck = None  # rebuilt below; a real compile error shows up there
                     if ck is not None:
@@ -520,7 +523,7 @@ class KernelCache:
                 shutil.rmtree(entry, ignore_errors=True)  # corrupt or half-written: rebuild
             if self._from_library(entry, key, module_name, source):
                 try:
-                    ck, compiled = self._load(entry, key, module_name, source, k)
+                    ck, compiled = self._load(entry, key, module_name, source, k, options)
                 except Exception:  # noqa: BLE001 - unloadable: compiled afresh below
                     shutil.rmtree(entry, ignore_errors=True)
                 else:
@@ -531,7 +534,7 @@ class KernelCache:
             self._count(misses=1)
             self._build(entry, key, inputs, module_name, source)
             try:
-                ck, compiled = self._load(entry, key, module_name, source, k)
+                ck, compiled = self._load(entry, key, module_name, source, k, options)
             except BaseException:
                 shutil.rmtree(entry, ignore_errors=True)  # never keep an entry that fails
                 with contextlib.suppress(OSError):
@@ -613,7 +616,7 @@ class KernelCache:
             raise
 
     def _load(self, entry: Path, key: str, module_name: str, source: str,
-              k: Kernel) -> tuple[CompiledKernel, int]:
+              k: Kernel, options: Options) -> tuple[CompiledKernel, int]:
         """Import the entry's module and compile ``_grid`` eagerly: numba loads it from its
         ``__pycache__`` when it can (returns compiled=0) or compiles and saves it (1)."""
         mod_name = f"aemu_jit_kernel_{key[:16]}"
@@ -639,7 +642,8 @@ class KernelCache:
         sig = (types.int64, types.int64, types.int64, types.int64, types.int64,
                types.int64, types.int64, types.int64, abort_t, abort_t, abort_t, types.int64,
                *[t.numba_type() for t in k.arg_types],
-               *[x for t in k.arg_types for x in t.extra_numba_types()])
+               *[x for t in k.arg_types for x in t.extra_numba_types()],
+               *([abort_t] if options.sanitize else []))  # the hazard record (abi/hazard.py)
         disp = mod._grid
         try:
             disp.compile(sig)
@@ -650,7 +654,7 @@ class KernelCache:
         compiled = 1 if sum(disp.stats.cache_misses.values()) else 0
         ck = CompiledKernel(key, k.fn.name, k.params, k.arg_types, list(k.shared), disp, sig,
                             source, path, self.blas, calls_mma(k.fn.body),
-                            bounded_work(k), capabilities_used(k))
+                            bounded_work(k), capabilities_used(k), options.sanitize)
         return ck, compiled
 
 

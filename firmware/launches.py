@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from abi import kernel_lang, userq
+from abi import hazard, kernel_lang, userq
 from abi.userq import Op
 from firmware import managed, memory
 from firmware.engines import Deadlines, Job
@@ -196,8 +196,10 @@ class Kernels:
         if raw is None:
             raw = _argument_block(space, args_va, args_len)
         generation = space.generation  # before binding: a change meanwhile binds again
-        values, types, buffers, pages = bind_args(space, self._plan(mod, index, kir, raw))
-        kernel = self._compiled(mod, index, kir, types)
+        steps = self._plan(mod, index, kir, raw)
+        options = _options(bool(steps) and steps[-1][0] == "hazard")  # ACCEL_SANITIZE's
+        values, types, buffers, pages = bind_args(space, steps)
+        kernel = self._compiled(mod, index, kir, types, options)
         nblocks = grid[0] * grid[1] * grid[2]
         total = nblocks * threads
         if kernel is not None and kernel.inline_ok and total <= INLINE_THREADS \
@@ -222,7 +224,8 @@ class Kernels:
             return None
         parts = max(1, min(self.compute_engines, nblocks))
         launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block, dynamic,
-                        kernel, pages=pages, nblocks=nblocks, engines=parts, remaining=parts)
+                        kernel, pages=pages, nblocks=nblocks, engines=parts, remaining=parts,
+                        options=options)
         jobs = [BlockJob(sched, launch, start_ns) for _ in range(parts)]
         for job in jobs[1:]:
             sched.compute.submit(ring.priority, job)
@@ -240,15 +243,18 @@ class Kernels:
             steps = mod.plans[key] = plan_args(raw, kir.get("params"))
         return steps
 
-    def _compiled(self, mod: FwModule, index: int, kir: dict, types: tuple[str, ...]) -> Any:
+    def _compiled(self, mod: FwModule, index: int, kir: dict, types: tuple[str, ...],
+                  options: Any) -> Any:
         """The kernel's compiled form if the JIT has it (None otherwise), remembered on its
         module: the JIT cache's lookup compares the whole IR with its own copy (~10 us for
-        a small kernel), which a module's parsed, unchanging IR need pass only once."""
-        kernel = mod.compiled.get((index, types))
+        a small kernel), which a module's parsed, unchanging IR need pass only once. The
+        checked variant (``options.sanitize``) is remembered apart."""
+        key = (index, types, True) if options.sanitize else (index, types)
+        kernel = mod.compiled.get(key)
         if kernel is None and self._jit is not None:
-            kernel = self._jit.cached(kir, types, _options())
+            kernel = self._jit.cached(kir, types, options)
             if kernel is not None:
-                mod.compiled[(index, types)] = kernel
+                mod.compiled[key] = kernel
                 self.publish_jit_counts(self._jit)
         return kernel
 
@@ -320,11 +326,12 @@ def _argument_block(space: memory.AddressSpace, va: int, length: int) -> bytes:
 
 
 @functools.cache
-def _options() -> Any:
-    """The JIT options every launch uses (one instance: built per launch it cost ~2 us)."""
+def _options(sanitize: bool = False) -> Any:
+    """The JIT options of a launch (one instance each: built per launch it cost ~2 us):
+    the checked variant when its argument block names a hazard record (abi/hazard.py)."""
     from firmware.jit import Options
 
-    return Options()
+    return Options(sanitize=sanitize)
 
 
 @dataclass
@@ -350,6 +357,7 @@ class Launch:
     claimed: int = 0  # blocks [0, claimed) are some engine's (Launch.claim)
     fault: tuple[int, int] | None = None  # (errno, address)
     pages: list[managed.PageMap] | None = None  # its managed buffers' page maps, if any
+    options: Any = None  # the JIT options it compiles with (None: the default ones)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def claim(self) -> tuple[int, int] | None:
@@ -425,7 +433,8 @@ class BlockJob(Job):
             if kernel is None:
                 jit = kernels.jit()
                 began = time.monotonic_ns()
-                kernel = jit.get(launch.kernel_ir, launch.arg_types, _options())
+                kernel = jit.get(launch.kernel_ir, launch.arg_types,
+                                 launch.options or _options())
                 with launch.lock:  # the engines sharing it may each have waited
                     launch.ring.record_compile(launch.seqno, time.monotonic_ns() - began)
                 kernels.publish_jit_counts(jit)
@@ -507,7 +516,8 @@ _DTYPES = {code: np.dtype(name) for code, name in kernel_lang.DTYPE_NAMES.items(
 
 
 #: a step of an argument plan: ("scalar", value, type), ("buffer", va, nbytes, dtype,
-#: shape, type, param name, shape ok) or ("fault", addr, errno)
+#: shape, type, param name, shape ok), ("hazard", va): the checked mode's hazard record
+#: (abi/hazard.py), last, or ("fault", addr, errno)
 Step = tuple
 #: plans a module keeps (per kernel and argument block bytes) before it starts over
 PLAN_CACHE = 64
@@ -556,6 +566,12 @@ def plan_args(raw: bytes, params: Any) -> list[Step]:
                           product == elements))
         else:
             return [*steps, ("fault", 0, errno.EINVAL)]
+    if i < len(recs) and recs[i][0] == hazard.ARG_HAZARD:  # the checked mode's record
+        _, _, va, nbytes = recs[i]
+        i += 1
+        if nbytes < hazard.RECORD_BYTES or va % 8:
+            return [*steps, ("fault", va, errno.EINVAL)]
+        steps.append(("hazard", va))
     if i != len(recs):
         steps.append(("fault", 0, errno.EINVAL))
     return steps
@@ -571,6 +587,7 @@ def bind_args(space: memory.AddressSpace, steps: list[Step]
     types: list[str] = []
     buffers: list[tuple[str, int, int]] = []
     pages: list[managed.PageMap] | None = None
+    record: list[np.ndarray] = []
     for step in steps:
         if step[0] == "scalar":
             values.append(step[1])
@@ -585,8 +602,11 @@ def bind_args(space: memory.AddressSpace, steps: list[Step]
                 pages, type_name = managed.bind(pages, m, off, nbytes, type_name)
             types.append(type_name)
             buffers.append((pname, va, dtype.itemsize))
+        elif step[0] == "hazard":
+            m, off = space.resolve(step[1], hazard.RECORD_BYTES)
+            record.append(m.data[off : off + hazard.RECORD_BYTES].view(np.int64))
         else:
             raise memory.Fault(step[1], step[2])
     if pages is not None:
         values += managed.arguments(pages)
-    return values, tuple(types), buffers, pages
+    return values + record, tuple(types), buffers, pages

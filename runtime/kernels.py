@@ -13,7 +13,9 @@ Public API:
 - :func:`validate` -- one kernel (function object or source text) -> its IR dict;
 - :func:`compile_module` -- source text / function / list of functions -> module IR;
 - :func:`module_hash` -- sha256 of the canonical JSON of a module IR (cache key);
-- :class:`KernelCompileError` -- with ``lineno``, ``reason`` and ``kernel``.
+- :class:`KernelCompileError` -- with ``lineno``, ``reason`` and ``kernel``;
+- :func:`source_of` -- where a compiled kernel's IR lines are in the user's file (the
+  in-kernel hazard reports of ``ACCEL_SANITIZE``: runtime/sanitizer.py).
 """
 
 from __future__ import annotations
@@ -64,13 +66,41 @@ class _Unit:
 
     fn: ast.FunctionDef
     offset: int
+    file: str = "<source>"  #: the user's file (a function object's), else ``<source>``
 
 
-def _parse(text: str, offset: int) -> list[_Unit]:
+@dataclass(frozen=True)
+class KernelSource:
+    """Where a compiled kernel came from: the user's ``file``, the user's line of each
+    line of the IR's ``source`` (``lines[i]`` for IR line ``i + 1``; 0 where no statement
+    starts), and its shared arrays (name, dtype) in the front end's order, the order the
+    firmware numbers them in."""
+
+    file: str
+    lines: tuple[int, ...]
+    shared: tuple[tuple[str, str], ...]
+
+    def site(self, ir_line: int) -> str:
+        """``file:line`` in the user's file of IR source line ``ir_line``."""
+        user = self.lines[ir_line - 1] if 0 < ir_line <= len(self.lines) else 0
+        return f"{self.file}:{user or '?'}"
+
+
+#: (kernel name, IR source) -> its KernelSource, for every kernel this process compiled
+#: (two identical definitions in different files share an entry: the later one's)
+_SOURCES: dict[tuple[str, str], KernelSource] = {}
+
+
+def source_of(ir: dict[str, Any]) -> KernelSource | None:
+    """The :class:`KernelSource` of an IR this process compiled, else None."""
+    return _SOURCES.get((ir.get("name", ""), ir.get("source", "")))
+
+
+def _parse(text: str, offset: int, file: str = "<source>") -> list[_Unit]:
     """Parse source text whose line 1 is line ``offset + 1`` of the user's file into its
     top-level kernel definitions; anything else at the top level is an error."""
     try:
-        return [_Unit(fn, offset) for fn in kernel_frontend.definitions(text, offset)]
+        return [_Unit(fn, offset, file) for fn in kernel_frontend.definitions(text, offset)]
     except LanguageError as e:
         raise KernelCompileError.of(e) from None
 
@@ -93,7 +123,7 @@ def _units_of_function(fn: Callable[..., Any]) -> list[_Unit]:
     except (OSError, TypeError) as e:
         raise KernelCompileError(f"cannot read the source of {fn.__name__}: {e}", 0) from None
     offset = code.co_firstlineno - 1
-    units = _parse(text, offset)
+    units = _parse(text, offset, code.co_filename)
     if len(units) != 1:  # pragma: no cover - getsource returns one definition
         raise KernelCompileError("a kernel must be exactly one `def`", 1 + offset)
     units[0].fn.decorator_list = []
@@ -117,10 +147,13 @@ def _ir(unit: _Unit) -> dict[str, Any]:
         info = kernel_frontend.check(unit.fn, unit.offset)
     except LanguageError as e:
         raise KernelCompileError.of(e) from None
+    source, lines = _clean_source(unit.fn, unit.offset)
+    _SOURCES[info.name, source] = KernelSource(
+        unit.file, lines, tuple((n, dtype) for n, (_, dtype) in info.shared.items()))
     return {
         "name": info.name,
         "params": info.ir_params(),
-        "source": _clean_source(unit.fn),
+        "source": source,
         "shared_mem": info.shared_mem,
         "uses_barrier": info.uses_barrier,
         "uses_atomics": info.uses_atomics,
@@ -129,10 +162,12 @@ def _ir(unit: _Unit) -> dict[str, Any]:
     }
 
 
-def _clean_source(fn: ast.FunctionDef) -> str:
+def _clean_source(fn: ast.FunctionDef, offset: int) -> tuple[str, tuple[int, ...]]:
     """The validated function re-printed: no decorators, annotations or docstring, and
     the dtypes of shared_array and dynamic_shared spelled canonically ("f32" ->
-    "float32")."""
+    "float32"); and the user's line of each of its lines (``offset`` + the line in the
+    parsed text) where a statement starts: the re-printed text parses to the same tree,
+    so its statements pair with the original's in walk order."""
     fn = copy.deepcopy(fn)
     fn.decorator_list = []
     fn.returns = None
@@ -145,7 +180,13 @@ def _clean_source(fn: ast.FunctionDef) -> str:
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                 and node.func.id in kernel_lang.builtins_of("declaration")):
             node.args[-1].value = normalize_dtype(node.args[-1].value)  # checked: a name
-    return ast.unparse(ast.fix_missing_locations(fn))
+    source = ast.unparse(ast.fix_missing_locations(fn))
+    lines = [0] * (source.count("\n") + 1)
+    printed = ast.parse(source).body[0]
+    for old, new in zip(ast.walk(fn), ast.walk(printed)):
+        if isinstance(new, ast.stmt) and not lines[new.lineno - 1]:
+            lines[new.lineno - 1] = old.lineno + offset
+    return source, tuple(lines)
 
 
 # --------------------------------------------------------------------------- public API

@@ -19,6 +19,10 @@ events found complete). Two accesses to overlapping bytes, at least one a write,
 ordered before the other, are a race, whether or not this run's timing made it harmful.
 It is reported at the next host wait (:class:`RaceError`, or printed under ``warn``).
 
+Kernels with shared arrays run in the firmware's checked mode, which finds races between
+the threads of a block within a barrier phase (runtime/_hazards.py): those are reported the
+same way, as :class:`~runtime._hazards.KernelHazardReport`.
+
 With the variable unset, :data:`active` is None: the runtime's hot paths pay one module
 attribute load and comparison, as for the profiler (runtime/_trace.py). docs/sanitizer.md
 lists what is tracked and what is not.
@@ -36,6 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from abi import userq
+from runtime import kernels as _kernels
+from runtime._hazards import CheckedLaunch, HazardSlots, KernelHazardReport
 from runtime.errors import RaceError
 
 #: the files whose frames are the runtime's, not the user's (the call site skips them)
@@ -282,6 +288,9 @@ class _ContextCache(NamedTuple):
 
     modes: dict[int, list[str | None] | None]
     launches: dict[tuple[bytes, bytes], tuple[tuple[str, str, int, int], ...]]
+    #: LAUNCH packets of kernels without shared arrays (they run unchecked): decoding the
+    #: packet to find out cost ~1 us of every launch's host call
+    plain: set[bytes]
 
 
 class Sanitizer:
@@ -305,9 +314,12 @@ class Sanitizer:
         self._contexts: weakref.WeakKeyDictionary[Any, _ContextCache] = \
             weakref.WeakKeyDictionary()
         self._host_memory: list[tuple[int, int, str]] = []
-        self.pending: list[RaceReport] = []
+        #: per stream: the hazard records of its launches in checked mode
+        self._hazards: weakref.WeakKeyDictionary[Any, HazardSlots] = \
+            weakref.WeakKeyDictionary()
+        self.pending: list[RaceReport | KernelHazardReport] = []
         #: every race found, raised or printed or not
-        self.found: list[RaceReport] = []
+        self.found: list[RaceReport | KernelHazardReport] = []
 
     # --- clocks ------------------------------------------------------------------------
     def _clock(self, stream: Any) -> _Clock:
@@ -328,6 +340,10 @@ class Sanitizer:
                 if host.get(s, 0) < n:
                     host[s] = n
                     self.epoch += 1
+            slots = self._hazards.get(stream)
+            if slots is not None and slots.pending:
+                for report in slots.completed(seqno):
+                    self._found(report)
         if check:
             self.check()
 
@@ -353,13 +369,47 @@ class Sanitizer:
                     self._packet(stream, clock, n, userq.decode_bytes(pkt) if type(pkt)
                                  is bytes else pkt, site, aten)
 
-    def launching(self, stream: Any, seqno: int, packet: bytes, args: bytes) -> None:
-        """``stream`` writes one LAUNCH as ``seqno`` (``Stream._write_launch``)."""
+    def launching(self, stream: Any, seqno: int, packet: bytes,
+                  args: bytes) -> tuple[bytes, bytes]:
+        """``stream`` writes one LAUNCH as ``seqno`` (``Stream._write_launch``): the packet
+        and argument block to write, which ask for the firmware's checked mode when the
+        kernel has shared arrays (runtime/_hazards.py)."""
         site, aten = _call_site()
         with self._lock:
             clock = self._enter(stream, seqno)
             clock.vc[clock.serial] = seqno
             self._launch(stream, clock, seqno, packet, args, site, aten)
+            return self._checked(stream, seqno, packet, args, site)
+
+    def _checked(self, stream: Any, seqno: int, packet: bytes, args: bytes,
+                 site: str) -> tuple[bytes, bytes]:
+        """A launch of a kernel with shared arrays, in checked mode; any other as it is (and
+        one whose argument block has no room for the record)."""
+        plain = self._cache(stream.ctx).plain
+        if packet in plain:
+            return packet, args
+        from runtime.stream import LONG_ARGS  # runtime.stream imports this module
+
+        pkt = userq.decode_bytes(packet)
+        ir = stream.ctx.kernel_irs.get(pkt.handle)
+        if ir is None or not (ir.get("shared_mem") or ir.get("dynamic_shared")):
+            if len(plain) >= LAUNCH_CACHE:
+                plain.clear()
+            plain.add(packet)
+            return packet, args
+        if len(args) + _RECORD.size > LONG_ARGS:
+            return packet, args
+        slots = self._hazards.get(stream)
+        if slots is None:
+            slots = self._hazards[stream] = HazardSlots(stream.device,
+                                                        (stream._arena or stream.arena()).slots)
+        launch = CheckedLaunch(seqno, stream.ctx.kernel_names.get(pkt.handle, ir["name"]),
+                               userq.unpack_dims(pkt.grid), userq.unpack_dims(pkt.block),
+                               _kernels.source_of(ir), repr(stream), site)
+        packet, args, earlier = slots.arm(launch, packet, args)
+        if earlier is not None:
+            self._found(earlier)
+        return packet, args
 
     def _enter(self, stream: Any, seqno: int) -> _Clock:
         clock = self._clock(stream)
@@ -427,7 +477,7 @@ class Sanitizer:
     def _cache(self, ctx: Any) -> _ContextCache:
         cache = self._contexts.get(ctx)
         if cache is None:
-            cache = self._contexts[ctx] = _ContextCache({}, {})
+            cache = self._contexts[ctx] = _ContextCache({}, {}, set())
         return cache
 
     def _kernel_modes(self, ctx: Any, handle: int) -> list[str | None] | None:
@@ -445,12 +495,14 @@ class Sanitizer:
                      va + nbytes, aten, clock.serial)
         for prev in self._shadow.access(acc, clock):
             lo, hi = max(prev.start, acc.start), min(prev.end, acc.end)
-            report = RaceReport(prev, acc, lo, hi, self._kind(lo))
-            self.found.append(report)
-            if self.mode == "warn":
-                print(f"accel sanitizer: {report}", file=sys.stderr, flush=True)
-            else:
-                self.pending.append(report)
+            self._found(RaceReport(prev, acc, lo, hi, self._kind(lo)))
+
+    def _found(self, report: RaceReport | KernelHazardReport) -> None:
+        self.found.append(report)
+        if self.mode == "warn":
+            print(f"accel sanitizer: {report}", file=sys.stderr, flush=True)
+        else:
+            self.pending.append(report)
 
     # --- memory kinds ------------------------------------------------------------------
     def host_memory(self, va: int, nbytes: int, kind: str) -> None:

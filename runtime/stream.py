@@ -251,7 +251,7 @@ class Stream:
                 self._make_room(wptr)
             wptr += 1
             if (san := _sanitizer.active) is not None:
-                san.launching(self, wptr, pkt, args)
+                pkt, args = san.launching(self, wptr, pkt, args)
             va = arena.write(wptr, args)
             ring.write_packet(wptr - 1, pkt if not va else _with_args_va(pkt, va))
             self._publish(wptr)

@@ -17,7 +17,8 @@ The abort word
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from firmware.kernel_check import MAX_NDIM
 
@@ -52,3 +53,16 @@ class Options:
 
     boundscheck: bool = True
     fastmath: bool = False
+    #: the checked variant of ``ACCEL_SANITIZE`` launches (firmware/hazards.py): every
+    #: shared-memory access tracked per barrier phase; implies the per-thread checked
+    #: phases only (no vectorised, range-checked or inlined variants)
+    sanitize: bool = False
+
+
+def options_key(options: Options) -> dict[str, Any]:
+    """The options as the cache key names them: ``sanitize`` only when set, so the keys
+    of unchecked kernels (and the vendor library's) are those from before it existed."""
+    fields = asdict(options)
+    if not options.sanitize:
+        del fields["sanitize"]
+    return fields

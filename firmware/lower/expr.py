@@ -17,7 +17,10 @@ import ast
 import copy
 from typing import Callable
 
-from firmware.kernel_check import ID_BUILTINS, MATH_BUILTINS, const_int
+import numpy as np
+
+from abi import hazard
+from firmware.kernel_check import DYNAMIC_SHAPE, ID_BUILTINS, MATH_BUILTINS, const_int
 from firmware.lower.program import Program
 from firmware.lower.syntax import indices, user_name
 
@@ -34,6 +37,28 @@ def page_map(prog: Program, name: str) -> list[str]:
     other): its accesses set ``_pm_x[page] = 1`` so that the firmware migrates exactly
     the pages touched (firmware/managed.py)."""
     return [f"_pm_{name}", f"_po_{name}"] if name in prog.managed else []
+
+
+def shadow_of(prog: Program, name: str) -> str:
+    """The hazard shadow of a shared array in a checked variant (firmware/hazards.py): one
+    per static array, one for all the ``dynamic_shared`` arrays (they alias)."""
+    shape, _ = prog.kernel.shared[name]
+    return "_sw__dyn" if shape == DYNAMIC_SHAPE else f"_sw_{name}"
+
+
+def hazard_args(prog: Program, name: str, elem: str, line: str,
+                how: int = hazard.READ) -> list[str]:
+    """The arguments of ``_hz_acc`` (firmware/hazards.py) for an access of element
+    ``elem`` (an int64 temporary) of shared array ``name`` at kernel line ``line`` by the
+    phase's thread ``_t``, in barrier phase ``_hzep`` (every constant an int64: a literal
+    argument compiles a specialisation per value)."""
+    shape, dtype = prog.kernel.shared[name]
+    isz = np.dtype(dtype).itemsize
+    key = f"{elem} * {isz}" if shape == DYNAMIC_SHAPE else elem
+    pos = list(prog.kernel.shared).index(name)
+    return [shadow_of(prog, name), key, elem, f"np.int64({isz})", "_t", f"np.int64({line})",
+            f"np.int64({how})", "_hzep", "_hz", f"np.int64({pos})",
+            "(_g2 * _ng1 + _g1) * _ng0 + _g0"]
 
 
 def subscript(name: str, idx: list[ast.expr], ctx: ast.expr_context) -> ast.Subscript:
@@ -122,12 +147,23 @@ class ExprWriter(ast.NodeTransformer):
             return ast.Call(ast.Name(f"_ld_{name}", ast.Load()),
                             [ast.Name(user_name(name), ast.Load()), *idx,
                              ast.Name("fault", ast.Load()),
-                             *[ast.Name(v, ast.Load()) for v in page_map(self.prog, name)]], [])
+                             *[ast.Name(v, ast.Load()) for v in page_map(self.prog, name)],
+                             *self.tracked(name, n)], [])
         if self.checked:
             assert self.hoist is not None and self.out is not None
             idx = [ast.Name(v, ast.Load()) for v in self.hoist(
                 name, [ast.unparse(i) for i in idx], self.out, self.ind)]
         return subscript(name, idx, n.ctx)
+
+
+    def tracked(self, name: str, n: ast.AST) -> list[ast.expr]:
+        """A checked variant's extra arguments of a shared array's load helper (its
+        ``_hz_acc`` call: render.Renderer.load_helper)."""
+        if not (self.prog.options.sanitize and name in self.k.shared):
+            return []
+        return [ast.parse(a, mode="eval").body for a in (
+            f"np.int64({getattr(n, 'lineno', 0)})", "_t", "_hzep", "_hz", "_g0", "_g1", "_g2",
+            "_ng0", "_ng1", shadow_of(self.prog, name))]
 
 
 def block_expr(prog: Program, node: ast.AST, uniform: tuple[str, ...]) -> tuple[str, set[str]]:

@@ -71,7 +71,15 @@ class BlockJump:
     keyword: str
 
 
-BlockNode = Union[RunPhase, RunCollective, BlockIf, BlockFor, BlockWhile, BlockJump]
+@dataclass
+class BlockBarrier:
+    """A ``barrier()`` between two phases: nothing to run (the phases' thread loops are
+    the barrier), except that a checked variant starts a new hazard phase there
+    (firmware/hazards.py)."""
+
+
+BlockNode = Union[RunPhase, RunCollective, BlockIf, BlockFor, BlockWhile, BlockJump,
+                  BlockBarrier]
 
 
 # -- vectorised phases ---------------------------------------------------------------------

@@ -58,6 +58,11 @@ Why the generated code looks the way it does
   (a store per element would sit in the loop the range check keeps free of checks; not
   measured), unchecked code and mma operands mark the whole buffer; firmware/managed.py
   migrates what is marked. Other buffers' code is unchanged.
+* The checked variant (``Options.sanitize``, ACCEL_SANITIZE's launches) adds a trailing
+  ``_grid`` argument, the launch's hazard record ``_hz`` (abi/hazard.py), a shadow per
+  shared array allocated once per call, the barrier phase ``_hzep`` (bumped per block and
+  at each ``BlockBarrier``), and after each in-range shared access an ``_hz_acc`` call with
+  its mode and kernel line (firmware/hazards.py). Without it none of this is written.
 
 Modes
 -----
@@ -75,17 +80,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from abi import hazard
 from firmware import matrix
 from firmware.kernel_check import (DYNAMIC_SHAPE, buffer_dtype, buffer_ndim, calls_mma,
                                    const_int, is_mma, reject)
 from firmware.lower.abi import ABORT_PREEMPT, FAULT_ABORT, FAULT_BOUNDS, FAULT_INDEX, \
     FAULT_NDIM, FAULT_SHAPE
+from firmware.hazards import SHADOW_COLS
 from firmware.lower.analysis.liveness import recomputed
-from firmware.lower.expr import DEFINED_BINOPS, ExprWriter, block_expr, page_map, subscript
+from firmware.lower.expr import (DEFINED_BINOPS, ExprWriter, block_expr, hazard_args, page_map,
+                                 shadow_of, subscript)
 from firmware.lower.passes.vectorise import JAM
 from firmware.lower.passes.variants import range_conds
-from firmware.lower.program import (BlockFor, BlockIf, BlockJump, BlockNode, BlockWhile,
-                                    Phase, Program, RunCollective, RunPhase, Segment, VLoop)
+from firmware.lower.program import (BlockBarrier, BlockFor, BlockIf, BlockJump, BlockNode,
+                                    BlockWhile, Phase, Program, RunCollective, RunPhase,
+                                    Segment, VLoop)
 from firmware.lower import syntax
 from firmware.lower.syntax import indices, user_name
 
@@ -124,6 +133,8 @@ class Renderer:
         self.affine = prog.affine
         self.origins = prog.origins
         self.tmp = 0
+        self.sanitize = prog.options.sanitize
+        self.line = 0  # the kernel's line of the statement being written (sanitize)
 
     # -- helpers --------------------------------------------------------------------------
     def fresh(self, prefix: str) -> str:
@@ -192,10 +203,11 @@ class Renderer:
 
     # -- thread-level code -------------------------------------------------------------------
     def hoist_index(self, name: str, idx: list[str], out: list[str], ind: str,
-                    stop: str) -> list[str]:
+                    stop: str, how: int = hazard.READ) -> list[str]:
         """Evaluate an access's indices into int64 temporaries and check them (unsigned
         compare: a negative index is a miss too); a miss records the fault and stops the
-        thread."""
+        thread. ``how``: the access's mode, which a checked variant records for a shared
+        array (:meth:`track`)."""
         u = user_name(name)
         ivars = []
         for i in idx:
@@ -210,7 +222,38 @@ class Renderer:
         hidden = [f"{v}o" for v in ivars]
         out += [f"{ind}{h} = _rt_opaque({v})" for h, v in zip(hidden, ivars)]
         out += self.mark(name, hidden, ind)
+        out += self.track(name, hidden, ind, how)
         return hidden
+
+    # -- the checked variant (ACCEL_SANITIZE): shared-memory accesses per barrier phase -----
+    def track(self, name: str, ivars: list[str], ind: str, how: int) -> list[str]:
+        """Record one in-range access of a shared array (firmware/hazards.py)."""
+        if not (self.sanitize and name in self.k.shared):
+            return []
+        u = user_name(name)
+        elem = ivars[0]
+        for d, v in enumerate(ivars[1:], 1):
+            elem = f"({elem}) * {u}.shape[{d}] + {v}"
+        e = self.fresh("e")
+        return [f"{ind}{e} = {elem}",
+                f"{ind}_hz_acc({', '.join(hazard_args(self.prog, name, e, str(self.line), how))})"]
+
+    def hazard_params(self) -> list[str]:
+        """The checked variant's extra phase parameters: the barrier phase, the launch's
+        hazard record and the shared arrays' shadows."""
+        if not self.sanitize:
+            return []
+        return ["_hzep", "_hz", *dict.fromkeys(shadow_of(self.prog, s) for s in self.k.shared)]
+
+    def shadows(self) -> list[str]:
+        """``_grid``'s allocation of the shadows, once per call (the phase number never
+        repeats within one, so they need no clearing)."""
+        out = {}
+        for name, (shape, _) in self.k.shared.items():
+            size = "max(_dyn, 1)" if shape == DYNAMIC_SHAPE else str(max(1, int(np.prod(shape))))
+            out[f"    {shadow_of(self.prog, name)} = np.zeros(({size}, {SHADOW_COLS}), "
+                "np.int64)"] = None
+        return ["    _hzep = 0", *out]
 
     def fault_check(self, ind: str, mode: Mode) -> list[str]:
         return [f"{ind}if fault[0] != 0:", f"{ind}    {mode.stop}"]
@@ -220,7 +263,7 @@ class Renderer:
                 f"{ind}    fault[0] = {FAULT_ABORT}", f"{ind}    {stop}"]
 
     def access(self, name: str, idx_nodes: list[ast.expr], ind: str, out: list[str],
-               mode: Mode, node: ast.AST) -> tuple[list[str], bool]:
+               mode: Mode, node: ast.AST, how: int) -> tuple[list[str], bool]:
         """The index texts of a store/atomic target (checked when bounds-checking,
         unless ``node`` is an access whose range the block checked already)."""
         texts, loads = [], False
@@ -237,12 +280,13 @@ class Renderer:
         if loads:
             out += self.fault_check(ind, mode)
             loads = False
-        return self.hoist_index(name, texts, out, ind, mode.stop), loads
+        return self.hoist_index(name, texts, out, ind, mode.stop, how), loads
 
-    def target(self, t: ast.expr, ind: str, out: list[str], mode: Mode) -> str:
+    def target(self, t: ast.expr, ind: str, out: list[str], mode: Mode,
+               how: int = hazard.WRITE) -> str:
         if isinstance(t, ast.Subscript):
             name = t.value.id  # type: ignore[attr-defined]
-            idx, _ = self.access(name, indices(t), ind, out, mode, t)
+            idx, _ = self.access(name, indices(t), ind, out, mode, t, how)
             return ast.unparse(subscript(name, [ast.parse(i, mode="eval").body for i in idx],
                                          ast.Store()))
         return ast.unparse(ExprWriter(self.prog).visit(self.origins.copy(t)))
@@ -259,6 +303,7 @@ class Renderer:
 
     def stmt(self, s: ast.stmt, ind: str, writeback: list[str], mode: Mode) -> list[str]:
         out: list[str] = []
+        self.line = s.lineno
         if isinstance(s, ast.Assign):
             value, loads = self.hexpr(s.value, ind, out, mode)
             if loads:
@@ -277,7 +322,7 @@ class Renderer:
             value, loads = self.hexpr(s.value, ind, out, mode)
             if loads:
                 out += self.fault_check(ind, mode)
-            tgt = self.target(s.target, ind, out, mode)
+            tgt = self.target(s.target, ind, out, mode, hazard.READ_WRITE)
             helper = DEFINED_BINOPS.get(type(s.op))
             conv = self.conversion(s.target)
             if helper is None and not conv:
@@ -298,7 +343,7 @@ class Renderer:
             value, loads = self.hexpr(call.args[2], ind, out, mode)
             if loads:
                 out += self.fault_check(ind, mode)
-            ivars, _ = self.access(name, idx, ind, out, mode, call)
+            ivars, _ = self.access(name, idx, ind, out, mode, call, hazard.ATOMIC)
             v = self.fresh("v")
             out.append(f"{ind}{v} = {self.conversion(call.args[0])}({value})")
             out.append(f"{ind}_rt_atomic_add({user_name(name)}, ({', '.join(ivars)},), {v})")
@@ -437,6 +482,9 @@ class Renderer:
                 out += self.collective(self.prog.phases[n.phase], ind)
             elif isinstance(n, BlockJump):
                 out.append(f"{ind}{n.keyword}")
+            elif isinstance(n, BlockBarrier):
+                if self.sanitize:
+                    out.append(f"{ind}_hzep += 1")
             elif isinstance(n, BlockIf):
                 out.append(f"{ind}if {self.expr(n.test, n.uniform)}:")
                 out += self.structure(n.body, ind + "    ") or [f"{ind}    pass"]
@@ -523,7 +571,7 @@ class Renderer:
     def phase_params(self) -> list[str]:
         return (["_l0", "_l1", "_l2", "_g0", "_g1", "_g2", "_ls0", "_ls1", "_ls2",
                  "_ng0", "_ng1", "_ng2", "_t", *(["_done"] if self.prog.returns else []),
-                 "abort", "fault", "_blas"]
+                 "abort", "fault", "_blas", *self.hazard_params()]
                 + [user_name(v) for v in self.prog.uniform_vars]
                 + [user_name(s) for s in self.k.shared]
                 + [f"_pt_{v}" for v in self.prog.per_thread]
@@ -606,6 +654,7 @@ class Renderer:
             "from firmware.intrinsics import (_rt_abort_word, _rt_atomic_add, _rt_floor, "
             "_rt_index, _rt_int, _rt_oob, _rt_opaque, _rt_pow, _rt_shl, _rt_shr, _rt_uindex)",
             *(["from firmware.matrix import _rt_gemm, _rt_span"] if uses_mma else []),
+            *(["from firmware.hazards import _hz_acc"] if self.sanitize else []),
             "",
             f"_NJ = {nj}",
             # every function but _grid is called from compiled code only: no CPython or C
@@ -636,13 +685,15 @@ class Renderer:
         # the grid function
         sig = ["block_lo", "block_hi", "_ng0", "_ng1", "_ng2", "_ls0", "_ls1", "_ls2",
                "abort", "fault", "_blas", "_dyn"] + [user_name(p) for p in k.params] \
-            + [a for p in prog.managed for a in page_map(prog, p)]
+            + [a for p in prog.managed for a in page_map(prog, p)] \
+            + (["_hz"] if self.sanitize else [])
         lines += ["", "@njit(**_NJ)", f"def _grid({', '.join(sig)}):",
                   "    _nt = _ls0 * _ls1 * _ls2",
                   # which threads returned: only a kernel with a return needs it (an
                   # allocation's numba implementation costs ~0.4 s of a first compile)
                   *(["    _done = np.zeros(max(_nt, 1), np.uint8)"] if prog.returns else []),
-                  *self.whole_marks()]
+                  *self.whole_marks(),
+                  *(self.shadows() if self.sanitize else [])]
         for name, kind in prog.per_thread.items():
             dt = "np.float64" if kind == "float" else "np.int64"
             lines.append(f"    _pt_{name} = np.zeros(max(_nt, 1), {dt})")
@@ -653,7 +704,8 @@ class Renderer:
                   "            return _blk",
                   "        _g0 = _blk % _ng0",
                   "        _g1 = (_blk // _ng0) % _ng1",
-                  "        _g2 = _blk // (_ng0 * _ng1)"]
+                  "        _g2 = _blk // (_ng0 * _ng1)",
+                  *(["        _hzep += 1"] if self.sanitize else [])]
         if prog.returns and len(prog.phases) > 1:
             lines.append("        _done[:] = 0")
         if any(shape == DYNAMIC_SHAPE for shape, _ in k.shared.values()):
@@ -683,13 +735,23 @@ class Renderer:
         js = [f"j{d}" for d in range(ndim)]
         sub = ", ".join(f"_rt_uindex(_rt_opaque(j{d}))" for d in range(ndim))
         pm = page_map(self.prog, name)
+        hz = ["_hzln", "_t", "_hzep", "_hz", "_g0", "_g1", "_g2", "_ng0", "_ng1",
+              shadow_of(self.prog, name)] if self.sanitize and name in self.k.shared else []
+        track = []
+        if hz:
+            elem = "j0"
+            for d in range(1, ndim):
+                elem = f"({elem}) * a.shape[{d}] + j{d}"
+            track = [f"    _e = {elem}",
+                     f"    _hz_acc({', '.join(hazard_args(self.prog, name, '_e', '_hzln'))})"]
         return ["", "@njit(**_NJI)",
-                f"def _ld_{name}(a, {', '.join(ivars)}, {', '.join(['fault', *pm])}):",
+                f"def _ld_{name}(a, {', '.join(ivars)}, {', '.join(['fault', *pm, *hz])}):",
                 *[f"    j{d} = _rt_index(i{d})" for d in range(ndim)],
                 f"    if {conds}:",
                 f"        {_miss_call(self.pos_of(name), js, 'a')}",
                 f"        return {zero}",
                 *self.mark(name, [", ".join(js)], "    ", "a"),
+                *track,
                 f"    return a[{sub}]", ""]
 
     def phase_function(self, phase: Phase, prefix: str, mode: Mode) -> list[str]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import ast
 
 from firmware.kernel_check import DECLARATIONS, is_mma, structural
-from firmware.lower.program import (BlockFor, BlockIf, BlockJump, BlockNode, BlockWhile,
-                                    Phase, Program, RunCollective, RunPhase)
+from firmware.lower.program import (BlockBarrier, BlockFor, BlockIf, BlockJump, BlockNode,
+                                    BlockWhile, Phase, Program, RunCollective, RunPhase)
 
 
 def is_shared_decl(s: ast.stmt) -> bool:
@@ -57,7 +57,7 @@ def _structure(prog: Program, stmts: list[ast.stmt], in_loop: bool,
         if is_mma(s):
             out.append(RunCollective(_phase(prog, [s], in_loop, False, collective=True)))
         elif isinstance(s, ast.Expr):
-            continue  # barrier(): the phase boundary is the barrier
+            out.append(BlockBarrier())  # barrier(): the phase boundary is the barrier
         elif isinstance(s, (ast.Break, ast.Continue)):
             out.append(BlockJump(type(s).__name__.lower()))
         elif isinstance(s, ast.If):

@@ -11,6 +11,9 @@
   re-optimised in every caller), and one function fewer per phase variant halved
   ``where``'s first compile (docs/kernels.md, "Compile time").
 
+A checked variant (``Options.sanitize``: ACCEL_SANITIZE's launches) keeps only the checked
+per-thread ``_ph``, whose every shared-memory access it tracks (firmware/hazards.py).
+
 Reads: Phase.range_conds, .vector. Writes: Phase.inline, Phase.fast."""
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ INLINE_NODES = 250
 
 def run(prog: Program) -> None:
     for phase in prog.phases:
-        if phase.collective:
+        if phase.collective or prog.options.sanitize:  # sanitize: the checked _ph only
             continue
         checks = bool(range_conds(prog, phase.index))
         per_thread_loop = phase.vector is None or checks
@@ -46,5 +49,7 @@ def run(prog: Program) -> None:
 
 def range_conds(prog: Program, index: int) -> list[str]:
     """The block-level conditions of phase ``index``'s range-checked variants (none
-    without bounds checks: the variants then run unconditionally, or not at all)."""
-    return prog.phases[index].range_conds if prog.checked else []
+    without bounds checks: the variants then run unconditionally, or not at all; none in
+    a checked variant, which has no range-checked variants)."""
+    return prog.phases[index].range_conds if prog.checked and not prog.options.sanitize \
+        else []

@@ -12,6 +12,9 @@ buffer sees its accesses in the old order. An interchanged loop with a constant 
 a small one-loop body runs :data:`JAM` iterations per pass of the thread loops
 (unroll-and-jam, each thread's order kept).
 
+A checked variant (``Options.sanitize``) is not vectorised: it tracks each thread's
+shared-memory accesses in the per-thread phases (firmware/hazards.py).
+
 Reads: Program.phases, .affine, .kinds. Writes: Phase.vector (segments and interchanged
 loops, with their jammed copies and recomputed locals), Program.vector_locals."""
 
@@ -35,6 +38,8 @@ JAM_NODES = 80
 
 def run(prog: Program) -> None:
     assert prog.affine is not None
+    if prog.options.sanitize:
+        return  # the checked variant tracks each thread's accesses in the per-thread phases
     for phase in prog.phases:
         if phase.collective:
             continue
