@@ -169,7 +169,9 @@ def _check_fork() -> None:
 
 
 def is_initialized() -> bool:
-    return _init_pid is not None and _init_pid == os.getpid()
+    """Initialised in this process (a child forked after initialisation is not: ``_pid``
+    is refreshed at fork, so no system call here, as in ``_check_fork``)."""
+    return _init_pid is not None and _init_pid == _pid
 
 
 def init_state() -> None:

@@ -156,12 +156,20 @@ class DeviceArray:
 
     def __init__(self, shape: tuple[int, ...] | int, dtype: Any, *, device: _device.DeviceLike = None,
                  stream: Stream | None = None) -> None:
-        self.shape = (shape,) if type(shape) is int else tuple(shape)
-        if self.shape and min(self.shape) < 0:
-            raise errors.InvalidValueError(f"negative dimension in shape {self.shape}")
-        self.dtype = np.dtype(dtype)
-        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
-        self.device = idx = _device.current_device() if device is None else _device._index(device)
+        # The common call (a framework's storage: one length, a dtype object, a device
+        # index) skips the general conversions: this is the hot path of every eager
+        # operator's result (docs/torch.md, "Where an eager op's time goes").
+        self.dtype = dt = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
+        if type(shape) is int and shape >= 0:
+            self.shape = (shape,)
+            self.nbytes = shape * dt.itemsize
+        else:
+            self.shape = (shape,) if type(shape) is int else tuple(shape)
+            if self.shape and min(self.shape) < 0:
+                raise errors.InvalidValueError(f"negative dimension in shape {self.shape}")
+            self.nbytes = math.prod(self.shape) * dt.itemsize
+        self.device = idx = device if type(device) is int else \
+            _device.current_device() if device is None else _device._index(device)
         self._allocator = _allocator(idx)
         s = stream or current_stream(idx)
         if s.capturing is not None:  # the graph's own pool, for the graph's lifetime

@@ -33,6 +33,19 @@ _PRIORITIES = (0, -1)  # runtime.Stream.priority_range(): low, high
 
 _lock = threading.Lock()
 _init_pid: int | None = None
+#: this process's pid, refreshed in a forked child: the fork checks on the hot paths
+#: (every allocation and free) compare it without a system call, as the runtime's do
+_pid = os.getpid()
+#: the visible devices, as initialisation counted them (0 before)
+_count = 0
+
+
+def _after_fork_in_child() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # ------------------------------------------------------------------------- devices
@@ -44,23 +57,24 @@ def fork_error() -> RuntimeError:
 
 def lazy_init() -> None:
     """Initialise the runtime once per process (torch.cuda's ``_lazy_init``)."""
-    global _init_pid
-    if _init_pid == os.getpid():
+    global _init_pid, _count
+    if _init_pid == _pid:
         return
     if _init_pid is not None:
         raise fork_error()
     with _lock:
         if _init_pid is None:
             runtime.devices.init_state()  # as torch.cuda's: no device opened here
+            _count = runtime.devices.visible_count()
             _init_pid = os.getpid()
 
 
 def in_bad_fork() -> bool:
-    return _init_pid is not None and _init_pid != os.getpid()
+    return _init_pid is not None and _init_pid != _pid
 
 
 def is_initialized() -> bool:
-    return _init_pid == os.getpid()
+    return _init_pid == _pid
 
 
 def is_available() -> bool:
@@ -258,12 +272,17 @@ def profiler_elapsed_us(start: int, end: int) -> float:
 # ------------------------------------------------------------------ device storage
 #: (device, block address) -> the runtime array a storage lives in
 blocks: dict[tuple[int, int], runtime.DeviceArray] = {}
+_BYTES = np.dtype(np.uint8)
 
 
 def alloc(nbytes: int, device: int) -> int:
-    lazy_init()
+    """A block of ``nbytes`` on ``device`` (the shim's allocator, for a storage); an index
+    out of range is torch's RuntimeError, as the device guard around the allocation said
+    before the shim allocated on the named device directly."""
+    if _init_pid != _pid or not 0 <= device < _count:
+        checked(device)
     try:
-        arr = runtime.empty(nbytes, np.uint8, device=device)
+        arr = runtime.empty(nbytes, _BYTES, device=device)
     except runtime.OutOfMemoryError as exc:
         raise torch.OutOfMemoryError(str(exc)) from None
     blocks[(device, arr.va)] = arr

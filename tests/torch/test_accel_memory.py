@@ -146,3 +146,40 @@ def test_two_devices_allocate_apart_and_cycles_give_everything_back(torch_run):
               [torch.accel.memory_reserved(d) for d in (0, 1)] == reserved)
     """)
     assert lines == ["{0} {1} 0", "accel:1 True True", "True True"]
+
+
+def test_a_factory_allocates_on_its_named_device_without_switching_devices(torch_json):
+    """``torch.empty(..., device="accel:1")`` allocates on device 1 directly: the shim
+    hands torch an allocator bound to that device instead of making it current around
+    the allocation (the guard's exchange and restore were two calls into Python per
+    tensor, ~3 us of a small operator's host time). The current device never moves, the
+    bytes are counted on device 1, and an index out of range is still torch's error,
+    for an empty tensor too."""
+    r = torch_json("""
+        from torch_accel import _hooks
+        torch.empty(1, device="accel:0")
+        switches = []
+        for name in ("exchange_device", "set_device"):
+            real = getattr(_hooks, name)
+            setattr(_hooks, name, lambda i, _r=real, _n=name: switches.append(_n) or _r(i))
+        before = [torch.accel.memory_allocated(d) for d in (0, 1)]
+        t = torch.empty(1024, device="accel:1")
+        s = torch.empty_strided((16, 16), (1, 16), device="accel:1")
+        after = [torch.accel.memory_allocated(d) for d in (0, 1)]
+        switched = list(switches)
+        t.fill_(2.0)
+        def refused(fn):
+            try:
+                fn()
+            except RuntimeError as exc:
+                return "invalid device index 9" in str(exc)
+            return False
+        report(switches=switched, current=torch.accel.current_device(),
+               devices=[t.device.index, s.device.index], grew=[a - b for a, b in zip(after, before)],
+               value=t[:2].cpu().tolist(),
+               refused=[refused(lambda: torch.empty(4, device="accel:9")),
+                        refused(lambda: torch.empty(0, device="accel:9")),
+                        refused(lambda: torch.empty_strided((2,), (1,), device="accel:9"))])
+    """)
+    assert r == {"switches": [], "current": 0, "devices": [1, 1], "grew": [0, 4096 + 1024],
+                 "value": [2.0, 2.0], "refused": [True, True, True]}, r

@@ -83,7 +83,21 @@ for i in range(3):
 # an out= tensor takes the full path (its resize and cast rules)
 out = torch.empty(3, device="accel")
 check("out=", torch.add(da, db, out=out), a + b)
-report(bad=bad)
+
+# a planned result is made like its first operand only when that has the standard
+# contiguous strides: a contiguous (1, 64) whose size-1 dimension has stride 1 must not
+# hand its strides on; results have the CPU's strides either way
+col, col2 = torch.randn(64, 1), torch.randn(64, 1)
+dcol, dcol2 = col.to("accel"), col2.to("accel")
+strides = {}
+for name, dev, cpu in (("standard", lambda: da * db, lambda: a * b),
+                       ("size-1 stride", lambda: dcol.t() + dcol2.t(), lambda: col.t() + col2.t()),
+                       ("unary size-1 stride", lambda: dcol.t().neg(), lambda: col.t().neg())):
+    for i in range(2):
+        got, want = dev(), cpu()
+        check(f"{name} {i}", got, want)
+        strides[f"{name} {i}"] = [got.stride(), want.stride()]
+report(strides=strides, bad=bad)
 """
 
 
@@ -94,6 +108,7 @@ def test_a_plan_is_made_once_per_key_and_every_variation_matches_the_cpu(torch_j
     assert r["reused"] is True, r
     # every variation above was a key of its own on device 0 (accel:1's on device 1)
     assert r["keys"] >= 20 and r["keys1"] == 1, r
+    assert all(list(got) == list(want) for got, want in r["strides"].values()), r
 
 
 FORK = PLAN_HELPERS + """

@@ -42,6 +42,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -213,16 +214,25 @@ void free_block(void* ctx) {
 
 struct AccelAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t nbytes) override {
-    auto device = call<DeviceIndex>("current_device");
-    if (nbytes == 0) return c10::DataPtr(nullptr, accel(device));
+    return allocate_on(nbytes, call<DeviceIndex>("current_device"));
+  }
+  // A block of ``device`` (checked: an index out of range is torch's RuntimeError).
+  c10::DataPtr allocate_on(size_t nbytes, DeviceIndex device) const {
+    if (nbytes == 0) {
+      call<void>("checked", device);
+      return c10::DataPtr(nullptr, accel(device));
+    }
     auto va = call<intptr_t>("alloc", nbytes, device);
     auto* block = new Block{va, device};
     return c10::DataPtr(reinterpret_cast<void*>(va), block, &free_block, accel(device));
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
-    call<void>("copy_data", call<DeviceIndex>("current_device"),
-               reinterpret_cast<intptr_t>(dest), reinterpret_cast<intptr_t>(src), count);
+    copy_on(call<DeviceIndex>("current_device"), dest, src, count);
+  }
+  void copy_on(DeviceIndex device, void* dest, const void* src, std::size_t count) const {
+    call<void>("copy_data", device, reinterpret_cast<intptr_t>(dest),
+               reinterpret_cast<intptr_t>(src), count);
   }
 
   bool initialized() override { return call<bool>("is_initialized"); }
@@ -274,6 +284,35 @@ struct AccelAllocator final : c10::DeviceAllocator {
 };
 
 AccelAllocator g_allocator;
+
+// The allocator of one device, which ``empty`` and ``empty_strided`` hand torch: a tensor
+// made for accel:i allocates on i without making i the current device around the call.
+// A device guard there cost three calls into Python (exchange, restore and the
+// allocator's question for the current device), ~3 us of a small operator's host time
+// (docs/torch.md, "Where an eager op's time goes"). Storages keep it as their allocator.
+struct DeviceBoundAllocator final : c10::Allocator {
+  DeviceIndex device = 0;
+  c10::DataPtr allocate(size_t nbytes) override { return g_allocator.allocate_on(nbytes, device); }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    g_allocator.copy_on(device, dest, src, count);
+  }
+};
+
+c10::Allocator* allocator_of(DeviceIndex device) {
+  static DeviceBoundAllocator bound[std::numeric_limits<DeviceIndex>::max() + 1];
+  static std::once_flag numbered;
+  std::call_once(numbered, [] {
+    for (int i = 0; i <= std::numeric_limits<DeviceIndex>::max(); ++i) bound[i].device = i;
+  });
+  TORCH_CHECK(device >= 0, "accel: invalid device index ", static_cast<int>(device));
+  return &bound[device];
+}
+
+// The device a factory's ``device`` argument names (none, or no index: the current one).
+DeviceIndex device_of(const std::optional<c10::Device>& device) {
+  return device && device->has_index() ? device->index() : call<DeviceIndex>("current_device");
+}
 
 void AccelGuardImpl::recordDataPtrOnStream(const c10::DataPtr& p, const c10::Stream& s) const {
   g_allocator.recordStream(p, s);
@@ -415,16 +454,15 @@ struct AccelHooks final : at::PrivateUse1HooksInterface {
 at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
                                std::optional<c10::Layout>, std::optional<c10::Device> device,
                                std::optional<bool>, std::optional<c10::MemoryFormat> format) {
-  c10::OptionalDeviceGuard guard(device);
-  return at::detail::empty_generic(size, &g_allocator, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+  return at::detail::empty_generic(size, allocator_of(device_of(device)),
+                                   c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                    c10::dtype_or_default(dtype), format);
 }
 
 at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
                          std::optional<c10::ScalarType> dtype, std::optional<c10::Layout>,
                          std::optional<c10::Device> device, std::optional<bool>) {
-  c10::OptionalDeviceGuard guard(device);
-  return at::detail::empty_strided_generic(size, stride, &g_allocator,
+  return at::detail::empty_strided_generic(size, stride, allocator_of(device_of(device)),
                                            c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                            c10::dtype_or_default(dtype));
 }

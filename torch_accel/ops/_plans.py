@@ -44,6 +44,25 @@ class Plan(NamedTuple):
     dtype: torch.dtype
     #: per buffer parameter of the kernel: RESULT, or the index of the operand it reads
     sources: tuple[int, ...]
+    #: a new result is ``torch.empty_like(operands[0])``: that operand has the result's
+    #: shape and dtype, laid out with the standard contiguous strides (``like``), which
+    #: empty_like keeps. torch parses ``torch.empty(shape, dtype=, device=)``'s arguments
+    #: ~1 us longer, a twentieth of a small operator's host time.
+    like: bool = False
+
+
+def like(t: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> bool:
+    """Whether ``torch.empty_like(t)`` is a new contiguous result of ``shape`` and
+    ``dtype`` (a plan's ``like``): ``t`` has them, with the standard contiguous strides
+    (a contiguous tensor may have other strides on its dimensions of size 1)."""
+    if t.shape != shape or t.dtype != dtype:
+        return False
+    stride, expected = t.stride(), 1
+    for i in range(len(shape) - 1, -1, -1):
+        if stride[i] != expected:
+            return False
+        expected *= shape[i]
+    return True
 
 
 def table(device: int) -> dict[Hashable, Plan | None]:
@@ -72,7 +91,8 @@ def run(plan: Plan, device: torch.device, operands: tuple[torch.Tensor, ...],
     """Launch ``plan`` on ``operands`` (on ``device``'s current stream) into ``out``, or a
     new result; return the result."""
     if out is None:
-        out = torch.empty(plan.shape, dtype=plan.dtype, device=device)
+        out = torch.empty_like(operands[0]) if plan.like else \
+            torch.empty(plan.shape, dtype=plan.dtype, device=device)
     buffers = [block_of(out if src == RESULT else operands[src]) for src in plan.sources]
     plan.launch(buffers, runtime.current_stream(device.index))
     return out

@@ -80,7 +80,8 @@ def _binary_plan(op: Binary, a: torch.Tensor, b: Any, alpha: Any, in_place: bool
     if launch is None:
         return None
     result = 0 if in_place else _plans.RESULT
-    return _plans.Plan(launch.plan(), a.shape, a.dtype, (result, 0, 1 if b_tensor else 0))
+    return _plans.Plan(launch.plan(), a.shape, a.dtype, (result, 0, 1 if b_tensor else 0),
+                       _plans.like(a, a.shape, a.dtype))
 
 
 def _binary_planned(op: Binary, a: Any, b: Any, alpha: Any,
@@ -267,7 +268,8 @@ def _unary_plan(op: Unary, x: torch.Tensor, p0: float, p1: float, in_place: bool
         return None
     if launch is None:
         return None
-    return _plans.Plan(launch.plan(), x.shape, x.dtype, (0 if in_place else _plans.RESULT, 0))
+    return _plans.Plan(launch.plan(), x.shape, x.dtype, (0 if in_place else _plans.RESULT, 0),
+                       _plans.like(x, x.shape, x.dtype))
 
 
 def _unary_planned(op: Unary, x: Any, p0: Any, p1: Any,
