@@ -1,7 +1,7 @@
 """2-D pooling: max (with the flat index of each maximum in its plane, as torch returns
 it) and average, forward and backward, with fixed windows or adaptive ones, as one kernel
-of four modes (one compile per float dtype). One thread per output element walks its
-window; the backwards add into the input gradient with atomics, as windows may overlap.
+of four modes (one compile per float dtype). One thread per output row walks its
+windows; the backwards add into the input gradient with atomics, as windows may overlap.
 
 An adaptive window is torch's: output row ``p`` of ``oh`` covers input rows
 ``floor(p * h / oh)`` to ``ceil((p + 1) * h / oh)`` (columns alike), without padding.
@@ -23,59 +23,60 @@ SOURCE = """def pool2d(out, idx, x, g, back: 'int64', avg: 'int64', total: 'int6
            incl: 'int64', div: 'int64', adaptive: 'int64'):
     i = global_id(0)
     if i < total:
-        q = i % ow
-        r = i // ow
-        p = r % oh
-        base = r // oh * h * w
+        p = i % oh
+        base = i // oh * h * w
         hs = p * sh - ph
-        ws = q * sw - pw
         nh = kh
-        nw = kw
         if adaptive != 0:
             hs = p * h // oh
-            ws = q * w // ow
             nh = ((p + 1) * h + oh - 1) // oh - hs
-            nw = ((q + 1) * w + ow - 1) // ow - ws
-        if avg == 0:
-            if back == 0:
-                best = -1.0e300 * 1.0e300
-                at = -1
-                for a in range(nh):
-                    y = hs + a * dh
-                    for b in range(nw):
-                        c = ws + b * dw
-                        if 0 <= y < h and 0 <= c < w:
-                            v = x[base + y * w + c]
-                            if at < 0 or v > best or v != v:
-                                best = v
-                                at = y * w + c
-                out[i] = best
-                idx[i] = at
+        for q in range(ow):
+            o = i * ow + q
+            ws = q * sw - pw
+            nw = kw
+            if adaptive != 0:
+                ws = q * w // ow
+                nw = ((q + 1) * w + ow - 1) // ow - ws
+            if avg == 0:
+                if back == 0:
+                    best = -1.0e300 * 1.0e300
+                    at = -1
+                    for a in range(nh):
+                        y = hs + a * dh
+                        for b in range(nw):
+                            c = ws + b * dw
+                            if 0 <= y < h and 0 <= c < w:
+                                v = x[base + y * w + c]
+                                if at < 0 or v > best or v != v:
+                                    best = v
+                                    at = y * w + c
+                    out[o] = best
+                    idx[o] = at
+                else:
+                    atomic_add(x, base + idx[o], g[o])
             else:
-                atomic_add(x, base + idx[i], g[i])
-        else:
-            he = min(hs + nh, h + ph)
-            we = min(ws + nw, w + pw)
-            cnt = (he - hs) * (we - ws)
-            y0 = max(hs, 0)
-            c0 = max(ws, 0)
-            he = min(he, h)
-            we = min(we, w)
-            if incl == 0:
-                cnt = (he - y0) * (we - c0)
-            if div != 0:
-                cnt = div
-            if back == 0:
-                s = 0.0
-                for yy in range(y0, he):
-                    for cc in range(c0, we):
-                        s += x[base + yy * w + cc]
-                out[i] = s / cnt
-            else:
-                v = g[i] / cnt
-                for yy in range(y0, he):
-                    for cc in range(c0, we):
-                        atomic_add(x, base + yy * w + cc, v)
+                he = min(hs + nh, h + ph)
+                we = min(ws + nw, w + pw)
+                cnt = (he - hs) * (we - ws)
+                y0 = max(hs, 0)
+                c0 = max(ws, 0)
+                he = min(he, h)
+                we = min(we, w)
+                if incl == 0:
+                    cnt = (he - y0) * (we - c0)
+                if div != 0:
+                    cnt = div
+                if back == 0:
+                    s = 0.0
+                    for yy in range(y0, he):
+                        for cc in range(c0, we):
+                            s += x[base + yy * w + cc]
+                    out[o] = s / cnt
+                else:
+                    v = g[o] / cnt
+                    for yy in range(y0, he):
+                        for cc in range(c0, we):
+                            atomic_add(x, base + yy * w + cc, v)
 """
 
 
@@ -84,8 +85,10 @@ def _launch(back: int, avg: int, out: Array, idx: Array, x: Array, g: Array,
             kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int],
             dilation: Sequence[int], count_include_pad: bool, divisor: int,
             stream: runtime.Stream | None, adaptive: bool = False) -> None:
-    total = planes * out_spatial[0] * out_spatial[1]
-    if total == 0 or x.nbytes == 0:
+    # a thread per output row: placing a thread (its divisions) costs more than a
+    # small window (a thread per element: 143 ns an output of a 2x2 max pool)
+    total = planes * out_spatial[0]
+    if total == 0 or out_spatial[1] == 0 or x.nbytes == 0:
         return
     shared.module("pool", SOURCE, x.device).pool2d[shared.grid(total), shared.BLOCK](
         shared.flat(out), shared.flat(idx), shared.flat(x), shared.flat(g), back, avg, total,
