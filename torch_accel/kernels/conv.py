@@ -99,6 +99,8 @@ def fold(x, cols, total: 'int64', {_GEOMETRY}):
         c = i % ch
         n = i // ch
         xb = i * d0 * d1 * d2
+        for e in range(d0 * d1 * d2):
+            x[xb + e] = 0.0
         nl = nb * o0 * o1 * o2
         for a0 in range(k0):
             for a1 in range(k1):
@@ -179,10 +181,11 @@ def fold(x: Array, cols: Array, batch: int, channels: int, spatial: Sequence[int
          out_spatial: Sequence[int], kernel: Sequence[int], stride: Sequence[int],
          padding: Sequence[int], dilation: Sequence[int], groups: int = 1,
          stream: runtime.Stream | None = None) -> None:
-    """col2im, the adjoint of :func:`unfold` (untransposed columns): adds each column
-    entry into the input element it was read from, so ``x`` must hold zeros (or what to
-    add to) first. A thread owns one ``[N, C]`` plane of ``x`` and walks every kernel
-    offset's columns into it, so overlapping windows need no atomics. ``groups`` does not
+    """col2im, the adjoint of :func:`unfold` (untransposed columns): each element of
+    ``x`` is the sum of the column entries read from it (``x`` is overwritten, zero where
+    no window reads). A thread owns one ``[N, C]`` plane of ``x``, zeroes it and walks
+    every kernel offset's columns into it, so overlapping windows need no atomics and
+    ``x`` needs no memset first. ``groups`` does not
     change the layout: row ``c * K + k`` is channel ``c``'s in every group."""
     shared.check_same(cols, x)
     total = batch * channels

@@ -123,7 +123,7 @@ def _input_grad(per_group: torch.Tensor, weight: torch.Tensor, g: _Geometry,
                 shape: Sequence[int]) -> torch.Tensor:
     """``weight^T @ grad`` folded back onto the forward input's elements (``shape``)."""
     grad_cols = torch.bmm(_grouped(weight, g).transpose(1, 2), per_group)
-    grad_x = torch.zeros(shape, dtype=per_group.dtype, device=per_group.device)
+    grad_x = torch.empty(shape, dtype=per_group.dtype, device=per_group.device)
     kernels.fold(view_of(grad_x), view_of(grad_cols), *g.args(),
                  stream=stream(per_group.device.index))
     return grad_x
