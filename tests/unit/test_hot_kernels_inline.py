@@ -10,26 +10,30 @@ import pytest
 
 from firmware import jit, kernel_check
 from runtime.kernels import compile_module
-from torch_accel.kernels import elementwise
+from torch_accel.kernels import elementwise, nn
 
 pytestmark = pytest.mark.timeout(60)
 
-#: kernel -> argument types of a float32 (or int64) launch
+#: kernel -> its module's source and the argument types of a float32 (or int64) launch
 HOT = {
-    "arith_f": ("float32[1d]",) * 3 + ("float64", "int64", "float64", "int64", "int64", "int64"),
-    "arith_i": ("int64[1d]",) * 3 + ("int64",) * 6,
-    "unary_hot_f": ("float32[1d]",) * 2 + ("int64", "float64", "float64", "int64"),
+    "arith_f": (elementwise.SOURCE, ("float32[1d]",) * 3
+                + ("float64", "int64", "float64", "int64", "int64", "int64")),
+    "arith_i": (elementwise.SOURCE, ("int64[1d]",) * 3 + ("int64",) * 6),
+    "unary_hot_f": (elementwise.SOURCE, ("float32[1d]",) * 2
+                    + ("int64", "float64", "float64", "int64")),
+    "activation_backward_hot": (nn.SOURCE, ("float32[1d]",) * 3 + ("int64", "float64", "int64")),
 }
 
 
 @pytest.mark.parametrize("name", sorted(HOT))
 def test_hot_elementwise_kernels_are_bounded_work(name: str) -> None:
-    ir = compile_module(elementwise.SOURCE)["kernels"][name]
-    work = kernel_check.bounded_work(jit.validate(ir, HOT[name]))
+    source, types = HOT[name]
+    ir = compile_module(source)["kernels"][name]
+    work = kernel_check.bounded_work(jit.validate(ir, types))
     assert work is not None and work <= kernel_check.INLINE_MAX_NODES, (name, work)
 
 
 def test_the_full_binary_kernel_is_not_bounded_work() -> None:
     """What the split is for: the full kernel exceeds the bound (else it is not needed)."""
     ir = compile_module(elementwise.SOURCE)["kernels"]["binary_f"]
-    assert kernel_check.bounded_work(jit.validate(ir, HOT["arith_f"])) is None
+    assert kernel_check.bounded_work(jit.validate(ir, HOT["arith_f"][1])) is None
