@@ -3,7 +3,8 @@ mount, through the runtime's public names and debugfs ``ras_ctrl``.
 
 A recording process hit by an operator's injection fails with the fault's record, and its
 recording holds the fault; replaying the recording, with no operator, makes the same
-failure every time while a bystander on the same device is untouched; a forged fault
+failure every time while a bystander on the same device is untouched; a recorded device
+reset is not replayed from a context sharing the device; a forged fault
 entry beyond what the replaying context may cause itself is refused exactly as
 documented (counted and logged as a ``privileged`` refusal, nothing injected), and the
 bystander is untouched again.
@@ -44,6 +45,22 @@ def test_an_injected_fault_is_recorded_and_replays_every_time(make_daemon, tmp_p
     assert d.attr(0, "reset_count") == "0"
     # a replay retires no page: the one bad page is the operator's
     assert len(d.attr(0, "bad_pages").splitlines()) == 1
+
+
+def test_an_injected_device_reset_is_recorded_and_its_replay_refused_on_a_shared_device(
+        make_daemon, tmp_path):
+    """The operator's ``compute ue`` resets the device: recorded, but a replay from a
+    context that does not hold the device alone would reset it under everyone else, so it
+    is refused and the program runs to its end."""
+    d = make_daemon(devices=1)
+    rec, out = recorded_with_fault(d, tmp_path, "inject compute ue 0x5")
+    assert out.split() == ["DeviceLostError", "120", "None"]  # the reset that lost it
+    assert [f[2:] for f in faults_of(rec)] == [["fault", "compute ue 0x5"]]
+    d.wait_attrs(0, {"state": "operational", "reset_count": "1"})
+    r = d.run_py(PROGRAM, timeout=120, ACCEL_REPLAY=str(rec))
+    assert (r.returncode, r.stdout.split()[0]) == (0, "ran"), r.stdout + r.stderr
+    assert d.attr(0, "reset_count") == "1"
+    assert d.attr(0, "isolation/privileged") == "1"
 
 
 FORGED = [
