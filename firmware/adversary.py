@@ -121,7 +121,8 @@ class Adversary:
             if e.kind == Decision.ORDER:
                 starts.append((e.value, e.queue, e.seqno))
             elif e.kind == Decision.FAULT:
-                self.faults.append(e)
+                if len(self.faults) < sched.SCHED_FAULT_CAPACITY:  # what a recording holds:
+                    self.faults.append(e)  # each packet start looks at every one pending
             else:
                 table = self.delays if e.kind == Decision.DELAY else self.ranks
                 table[e.queue, e.seqno] = e.value
