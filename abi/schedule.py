@@ -42,6 +42,8 @@ from __future__ import annotations
 import enum
 from typing import Final, NamedTuple
 
+from abi import faults
+
 
 class Mode(enum.IntEnum):
     """``accel_ctx_create.schedule``'s low 16 bits: which schedule the context gets."""
@@ -103,6 +105,7 @@ SCHED_CAPACITY: Final = (SCHED_FAULT_ENTRIES - SCHED_ENTRIES) // SCHED_ENTRY_SIZ
 #: die's models, whose effect is not a context's packet: not recorded.)
 FAULT_BLOCKS: Final = ("memory", "compute", "copy", "firmware")
 FAULT_SEVERITIES: Final = ("ue", "ce")
+assert set(FAULT_BLOCKS) <= set(faults.BLOCKS), "a recorded fault of no block"
 #: ``SCHED_AT``'s seqno bits (the queue index sits above them)
 _AT_SEQNO_BITS: Final = 40
 
