@@ -10,7 +10,7 @@
 
 /* --- constants (abi/uapi.py) --- */
 #define ACCEL_ABI_MAJOR 2u
-#define ACCEL_ABI_MINOR 4u
+#define ACCEL_ABI_MINOR 5u
 #define ACCEL_IOCTL_BASE 0x61u
 #define ACCEL_TAG_LIMIT 0x4000000000000000ULL
 #define ACCEL_MAX_PENDING_REPLIES 0x100u
@@ -61,13 +61,14 @@
 #define ACCEL_SCHED_ENTRIES 0x40u
 #define ACCEL_SCHED_ENTRY_SIZE 0x20u
 #define ACCEL_SCHED_FILE_SIZE 0x80000u
-#define ACCEL_SCHED_CAPACITY 0x3ffeu
+#define ACCEL_SCHED_CAPACITY 0x3fbeu
 #define ACCEL_SCHED_DEFAULT 0u
 #define ACCEL_SCHED_ADVERSARIAL 1u
 #define ACCEL_SCHED_REPLAY 2u
 #define ACCEL_SCHED_DECISION_DELAY 1u
 #define ACCEL_SCHED_DECISION_RANK 2u
 #define ACCEL_SCHED_DECISION_ORDER 3u
+#define ACCEL_SCHED_DECISION_FAULT 4u
 
 /* --- structs: the transaction header, then each command's --- */
 /* Precedes every command's payload in the write. */

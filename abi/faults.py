@@ -146,7 +146,7 @@ BY_NAME: Final[dict[str, Kind]] = {k.name: k for k in _KINDS}
 #: is the owning process's user (who may see the record); ``origin`` is None for a fault the
 #: device or a tenant met, ``requested`` for a reset someone asked for (not dumped),
 #: ``diag`` for a fault of a diagnostic's context (``ACCEL_CTX_DIAGNOSTIC``: provoked on
-#: purpose, not counted as a tenant's).
+#: purpose, not counted as a tenant's), ``replay`` for one a replayed schedule injected.
 FIELDS: Final = (
     "seq", "code", "name", "device", "device_uuid", "engine", "queue", "context", "pid",
     "uid", "seqno", "address", "bank", "link", "errno", "opcode", "severity", "corrected",
@@ -157,6 +157,9 @@ FIELDS: Final = (
 ORIGIN_REQUESTED: Final = "requested"
 #: ``origin`` of a record of a diagnostic's context (``uapi.ACCEL_CTX_DIAGNOSTIC``).
 ORIGIN_DIAG: Final = "diag"
+#: ``origin`` of a fault a replayed schedule injected (``ACCEL_REPLAY``, docs/schedule.md):
+#: the process's own recording asked for it, no hardware failed again.
+ORIGIN_REPLAY: Final = "replay"
 
 #: Banks device memory is interleaved over (``bank`` of a memory fault).
 MEMORY_BANKS: Final = 8

@@ -101,6 +101,9 @@ class Op(enum.IntEnum):
     LINK = 17
     #: the driver lost the context (a reset or a failure): take nothing more from its rings
     CTX_LOST = 18
+    #: firmware to host: a replayed schedule reached a FAULT entry (inject it); host to
+    #: firmware: done (or refused), the context's packets may start again
+    FAULT_REPLAY = 19
 
 
 # --- message payloads: one struct per message ---------------------------------------------
@@ -132,6 +135,14 @@ class fw_ctx_lost(Struct):
     sent CTX_DESTROY instead, which stops it the same way. Not answered."""
 
     _fields_ = [("reserved", ctypes.c_uint64 * 2)]
+
+
+class fw_fault_replayed(Struct):
+    """The driver's answer to a context's FAULT_REPLAY: ``applied`` 1 if it injected the
+    fault, 0 if it refused it (beyond what the context may cause itself). The firmware
+    starts nothing of the context's between the two."""
+
+    _fields_ = [("applied", ctypes.c_uint64), ("reserved", ctypes.c_uint64)]
 
 
 class fw_hang(Struct):
@@ -269,6 +280,20 @@ class fw_fault(Struct):
     ]
 
 
+class fw_fault_replay(Struct):
+    """A replayed schedule's FAULT entry was reached (abi/schedule.py): its ``value``
+    (``fault_value``) and ``address``, the queue index and seqno it names. The driver
+    injects it as ``ras_ctrl`` would, if the context may cause it, and answers
+    (FAULT_REPLAY, ``fw_fault_replayed``)."""
+
+    _fields_ = [
+        ("queue", ctypes.c_uint64),
+        ("seqno", ctypes.c_uint64),
+        ("value", ctypes.c_uint64),
+        ("address", ctypes.c_uint64),
+    ]
+
+
 class fw_link(Struct):
     """Device ``device`` is reachable over the link (``up`` 1) or not (0): copies that
     touch its memory fail with ENOLINK from now on. Answered (LINK) once applied, so the
@@ -289,6 +314,7 @@ COMMANDS: Final[dict[Op, type[Struct]]] = {
     Op.QUEUE_DESTROY: fw_queue_destroy, Op.SET_BUDGET: fw_set_budget,
     Op.QUEUE_IMPORT: fw_queue_import, Op.HOLD: fw_hold, Op.MODULE_LOAD: fw_module_load,
     Op.MODULE_UNLOAD: fw_module_unload, Op.LINK: fw_link, Op.CTX_LOST: fw_ctx_lost,
+    Op.FAULT_REPLAY: fw_fault_replayed,
 }
 #: The op a payload struct travels as (host to firmware).
 OP_OF: Final[dict[type[Struct], Op]] = {cls: op for op, cls in COMMANDS.items()}
@@ -296,7 +322,7 @@ OP_OF: Final[dict[type[Struct], Op]] = {cls: op for op, cls in COMMANDS.items()}
 COMPLETIONS: Final[dict[Op, type[Struct]]] = {
     Op.MAP: fw_map_done, Op.UNMAP: fw_unmap_done, Op.CTX_DESTROY: fw_ctx_destroy_done,
     Op.QUEUE_CREATE: fw_queue_done, Op.QUEUE_IMPORT: fw_queue_done, Op.FAULT: fw_fault,
-    Op.LINK: fw_link,
+    Op.LINK: fw_link, Op.FAULT_REPLAY: fw_fault_replay,
 }
 
 

@@ -41,8 +41,11 @@ ACCEL_ABI_MAJOR: Final = 2
 #: max_queue_depth (in what was reserved). 2.3: a queue's ring may name its argument arena
 #: (abi/userq.py RING_ARGS_VA) and a LAUNCH then names no address; a runtime of 2.3 does,
 #: so a driver (and firmware) of 2.2 must refuse it. 2.4: CTX_CREATE names a schedule
-#: (``schedule``, ``schedule_fd``, ``seed``, in what was reserved; abi/schedule.py).
-ACCEL_ABI_MINOR: Final = 4
+#: (``schedule``, ``schedule_fd``, ``seed``, in what was reserved; abi/schedule.py). 2.5:
+#: the schedule table holds injected faults (``FAULT`` entries, the ``SCHED_AT`` word and
+#: the driver's fault region; abi/schedule.py): a driver of 2.4 would neither record nor
+#: replay them.
+ACCEL_ABI_MINOR: Final = 5
 
 # --- _IOC encoding, as in include/uapi/asm-generic/ioctl.h ---------------------------
 _IOC_NRBITS, _IOC_TYPEBITS, _IOC_SIZEBITS = 8, 8, 14

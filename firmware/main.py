@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import mmap
 import os
 import select
@@ -103,6 +104,7 @@ class Firmware:
         self.context_handlers: dict[mailbox.Op, Callable[[FwContext, Any], None]] = {
             mailbox.Op.CTX_DESTROY: self._on_ctx_destroy,
             mailbox.Op.CTX_LOST: self._on_ctx_lost,
+            mailbox.Op.FAULT_REPLAY: self._on_fault_replayed,
             mailbox.Op.MAP: self._on_map,
             mailbox.Op.UNMAP: self._on_unmap,
             mailbox.Op.QUEUE_CREATE: self._on_queue_create,
@@ -226,9 +228,11 @@ class Firmware:
         table = fds.pop() if len(fds) > 3 else None  # a schedule's decision table
         ctx = self._create_context(ctx_id, fds)
         ctx.live_table, ctx.live_slot = self.mbx.live, msg.live_slot
-        if msg.schedule & schedule.SCHED_MODE_MASK:  # else the default's: no decisions
+        # the default schedule makes no decisions; recording it keeps the fault position
+        if msg.schedule & (schedule.SCHED_MODE_MASK | schedule.SCHED_RECORD):
             try:
-                ctx.adversary = Adversary(msg.schedule, msg.seed, table)
+                ctx.adversary = Adversary(msg.schedule, msg.seed, table,
+                                          functools.partial(self._replay_fault, ctx_id))
             finally:
                 if table is not None:
                     os.close(table)
@@ -237,6 +241,16 @@ class Firmware:
         if not 0 <= msg.live_slot < mailbox.LIVE_SLOTS:  # a driver bug: fail closed
             ctx.live_table, ctx.lost = None, True
             log_unexpected("CTX_CREATE", ValueError(f"live slot {msg.live_slot}"))
+
+    def _replay_fault(self, ctx_id: int, e: schedule.Entry) -> None:
+        """A replayed schedule reached a FAULT entry: the driver injects it (or refuses),
+        then answers (``_on_fault_replayed``)."""
+        self.post(mailbox.Op.FAULT_REPLAY, ctx_id, mailbox.fw_fault_replay(
+            queue=e.queue, seqno=e.seqno, value=e.value, address=e.address))
+
+    def _on_fault_replayed(self, ctx: FwContext, msg: mailbox.fw_fault_replayed) -> None:
+        if ctx.adversary is not None:
+            ctx.adversary.fault_answered()
 
     def _on_ctx_lost(self, ctx: FwContext, msg: mailbox.fw_ctx_lost) -> None:
         ctx.lost = True  # its device is being reset (or failed): the reset forgets it

@@ -407,6 +407,9 @@ class Scheduler:
                 ring.on_engine(False)
             userq.full_barrier()  # store the fence, then load what waiters armed (they mirror)
             irq = ring.irq_due()
+        adversary = ring.ctx.adversary
+        if adversary is not None and adversary.record:  # where a fault now would hit
+            adversary.completed(ring, seqno)
         count = self.counters if from_engine else self.tally
         if passed > 0:  # a jump of 2**63 counts as a ring's worth
             count.add("packets", passed if passed <= userq.RING_SLOTS else userq.RING_SLOTS)

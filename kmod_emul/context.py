@@ -132,6 +132,9 @@ class Context:
     live: LiveEntry | None = None
     #: a diagnostic's (ACCEL_CTX_DIAGNOSTIC, root's): its faults are provoked on purpose
     diagnostic: bool = False
+    #: the driver's mapping of a recording context's schedule table, where it notes the
+    #: faults injected into it (kmod_emul/ras.py; abi/schedule.py's fault region)
+    schedule_table: userq.SharedWords | None = None
 
     def check_live(self) -> None:
         if self.lost is not None:
@@ -189,6 +192,9 @@ class Context:
             os.close(self.event_fd)
             self.event_fd = -1
         self.db.close()
+        if self.schedule_table is not None:
+            self.schedule_table.close()
+            self.schedule_table = None
         self.default_queue.close()
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from abi import faults, mailbox, userq
+from abi import faults, mailbox, schedule, userq
 
 if TYPE_CHECKING:
     from kmod_emul.device import AccelDevice
@@ -115,6 +115,17 @@ def fault_queue(dev: AccelDevice, ctx_id: int, qid: int, code: int) -> None:
     ctx.signal()
 
 
+def on_fault_replay(dev: AccelDevice, ctx_id: int, status: int,
+                    msg: mailbox.fw_fault_replay) -> None:
+    """A replayed schedule reached a FAULT entry: inject it if the context may cause it
+    (kmod_emul/ras.py ``Ras.replay``), then let the firmware start the context's packets
+    again (a fault that lost the context has stopped them for good)."""
+    ctx = dev.contexts.get(ctx_id)
+    applied = ctx is not None and dev.ras.replay(ctx, schedule.Entry(
+        msg.queue, msg.seqno, schedule.Decision.FAULT, msg.value, msg.address))
+    dev.fw_send(ctx_id, mailbox.fw_fault_replayed(applied=int(applied)))
+
+
 #: What the driver does with each completion the firmware sends: one entry per op of
 #: ``mailbox.COMPLETIONS`` (checked when the driver loads).
 COMPLETION_HANDLERS: dict[mailbox.Op, Callable[[AccelDevice, int, int, Any], None]] = {
@@ -125,5 +136,6 @@ COMPLETION_HANDLERS: dict[mailbox.Op, Callable[[AccelDevice, int, int, Any], Non
     mailbox.Op.CTX_DESTROY: on_ctx_destroy_done,
     mailbox.Op.FAULT: on_fault,
     mailbox.Op.LINK: on_link_done,
+    mailbox.Op.FAULT_REPLAY: on_fault_replay,
 }
 assert set(COMPLETION_HANDLERS) == set(mailbox.COMPLETIONS), "a completion without a handler"

@@ -28,6 +28,17 @@ frees it, and becomes ``R`` at the device's next reset (boot). Neither is ever h
 again (``VramAllocator.exclude``); their bytes count as neither used nor free. The table
 takes ``MAX_BAD_PAGES`` retired or pending pages (amdgpu's bad-page threshold); past that
 a retirement fails (``F``, 65 PAGE_RETIREMENT_FAILED) and the page stays in service.
+
+Record and replay (docs/schedule.md, "Injected faults"): a memory, compute, copy or
+firmware injection that reaches a context recording its schedule is noted in that
+context's table (``_note``) at the packet the firmware says a fault would hit now; a
+replay's firmware asks for the fault again when that packet comes (``replay``), and it
+is injected through the same handlers, for the replaying context -- if it is confined to
+that context (a ``ce``; a memory ``ue`` in memory only it holds), or the context holds the
+device exclusively. Anything else is refused: counted and logged as a ``privileged``
+refusal, nothing injected. A replayed fault is the process's recording, not a new
+hardware error: it is recorded (origin ``replay``, with the context's pid) but neither
+counted in ``*_err_count`` nor retires a page.
 """
 
 from __future__ import annotations
@@ -44,12 +55,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from abi import faults, uapi
+from abi import faults, uapi, userq
+from abi import schedule as sched
 from kmod_emul import thermal
 from kmod_emul.attr import Attr, parse_number
 from kmod_emul.errors import DriverError
 
 if TYPE_CHECKING:
+    from kmod_emul.context import Context
     from kmod_emul.device import AccelDevice
 
 log = logging.getLogger(__name__)
@@ -150,7 +163,81 @@ class Ras:
         address = parse_number(where, f"{block} address", self._address_bound(block))
         self.dev.check_usable()
         self.counts[block][severity] += 1
+        if block in sched.FAULT_BLOCKS:
+            self._note_injected(block, severity, address)
         INJECT[block](self, block, severity, address, *hold)
+
+    # --- record and replay ----------------------------------------------------------------------
+    def _note_injected(self, block: str, severity: str, address: int) -> None:
+        """Note an operator's injection in the table of each context recording its
+        schedule that it reaches -- every one, but for a memory error only the contexts
+        holding the byte, at their own device address of it -- before it takes effect
+        (the effect may lose the context, or kill the firmware)."""
+        value = sched.fault_value(block, severity)
+        for ctx in self.dev.tenants.live_contexts():
+            table = ctx.schedule_table
+            where = self._own_address(ctx, address) if block == "memory" else address
+            if table is None or where is None:
+                continue
+            queue, seqno = sched.at_of(table.get(sched.SCHED_AT))
+            _note(table, sched.Entry(queue, seqno, sched.Decision.FAULT, value, where))
+
+    def _own_address(self, ctx: Context, offset: int) -> int | None:
+        """``ctx``'s device address of VRAM byte ``offset``, if it holds it."""
+        backing = self.dev.memory.backing_at(offset)
+        for alloc in ctx.allocations.values():
+            if backing is not None and alloc.backing is backing:
+                return alloc.va + offset - backing.offset
+        return None
+
+    def _own_offset(self, ctx: Context, va: int) -> int | None:
+        """The VRAM offset of ``ctx``'s device address ``va``, if it is in device-local
+        memory of this device that ``ctx`` holds."""
+        for alloc in ctx.allocations.values():
+            b = alloc.backing
+            if b.kind == uapi.MemKind.DEVICE and b.owner is self.dev \
+                    and alloc.va <= va < alloc.va + b.size:
+                return b.offset + va - alloc.va
+        return None
+
+    def replay(self, ctx: Context, entry: sched.Entry) -> bool:
+        """A replayed schedule's FAULT entry reached its packet: inject it for ``ctx``, as
+        ``ras_ctrl`` would, if the context may cause it; True if injected. Refused (counted
+        and logged as ``privileged``): a value that is no recorded fault, a memory address
+        outside the context's own device memory, and a fault whose effect reaches beyond
+        the context (an uncorrectable compute, copy or firmware error: a device reset; a
+        memory one in memory another context reaches) unless the context holds the device
+        exclusively, when what the reset loses is its own process's."""
+        dev = self.dev
+        if ctx.lost is not None or dev.removed or dev.state != uapi.DeviceState.OPERATIONAL:
+            return False  # nothing left to hit: the context or the device went already
+        try:
+            block, severity = sched.fault_parts(entry.value)
+        except ValueError:
+            block = severity = ""
+        where = entry.address
+        if block == "memory":
+            where = self._own_offset(ctx, entry.address)
+            backing = dev.memory.backing_at(where) if where is not None else None
+            confined = backing is not None and (
+                severity == "ce" or dev.memory.holders(backing) == [ctx])
+        else:
+            confined = severity == "ce"
+        if not block or where is None or not (confined or ctx.exclusive):
+            what = (sched.fault_text(entry.value, entry.address) if block else
+                    f"fault value {entry.value}")
+            dev.isolation.refuse(
+                "privileged", ctx.file.pid, ctx.file.uid,
+                f"replayed fault '{what}' of context {ctx.id} refused: "
+                + ("not in its device memory" if block and where is None else
+                   "not a fault a schedule records" if not block else
+                   "it reaches beyond the context, which does not hold the device "
+                   "exclusively"))
+            return False
+        if ctx.schedule_table is not None:  # a replay that records notes it again
+            _note(ctx.schedule_table, entry)
+        INJECT[block](self, block, severity, where, by=ctx)
+        return True
 
     def _address_bound(self, block: str) -> int:
         """What an injection's ADDRESS must be below: an offset of the device's memory,
@@ -161,12 +248,18 @@ class Ras:
             return thermal.MAX_INJECT_C + 1
         return 1 << 64
 
-    def _memory_error(self, block: str, severity: str, offset: int) -> None:
+    def _memory_error(self, block: str, severity: str, offset: int, *,
+                      by: Context | None = None) -> None:
+        """``by``: the context whose replayed schedule injects it (abi/schedule.py): its
+        record, and no page retired (no cell failed again)."""
         dev = self.dev
         pfn = offset // PAGE
-        where = {"address": offset, "bank": faults.bank_of(offset, dev.memory_total)}
+        where = {"address": offset, "bank": faults.bank_of(offset, dev.memory_total),
+                 **_replayed(by)}
         if severity == "ce":
-            dev.report(_code("MEMORY_CE"), **where)
+            dev.report(_code("MEMORY_CE"), by, **where)
+            if by is not None:
+                return
             if pfn in self._corrected:
                 self._retire(pfn, "ce")
             elif pfn not in self.pages:
@@ -186,20 +279,23 @@ class Ras:
                 ctx, f"uncorrectable memory error at {offset:#x} of {dev.name} in its "
                      "memory (fault 94 MEMORY_UE_CONTAINED)")
             dev.report(_code("MEMORY_UE_CONTAINED"), ctx, contexts=[ctx.id], **where)
-            self._retire(pfn, "ue")
+            if by is None:
+                self._retire(pfn, "ue")
             return
         who = f"shared by {len(holders)} contexts" if holders else "still being unmapped"
-        dev.report(_code("MEMORY_UE_UNCONTAINED"), contexts=sorted(c.id for c in holders),
-                   **where)
-        self._retire(pfn, "ue")
+        dev.report(_code("MEMORY_UE_UNCONTAINED"), by,
+                   contexts=sorted(c.id for c in holders), **where)
+        if by is None:
+            self._retire(pfn, "ue")
         dev.resets.request(f"uncorrectable memory error at {offset:#x} in memory {who} "
                           "(fault 95 MEMORY_UE_UNCONTAINED)")
 
-    def _engine_error(self, block: str, severity: str, address: int) -> None:
+    def _engine_error(self, block: str, severity: str, address: int, *,
+                      by: Context | None = None) -> None:
         """compute and copy: the catalogue's BLOCK_CE / BLOCK_UE; an uncorrectable one
-        leaves the engine's state unknown, so the device resets."""
+        leaves the engine's state unknown, so the device resets. ``by``: as for memory."""
         kind = faults.BY_NAME[f"{block.upper()}_{severity.upper()}"]
-        self.dev.report(kind.code, address=address)
+        self.dev.report(kind.code, by, address=address, **_replayed(by))
         if severity == "ue":
             self.dev.resets.request(f"uncorrectable {block}-engine error (fault {kind.code} "
                                    f"{kind.name})")
@@ -211,11 +307,13 @@ class Ras:
         model = getattr(self.dev, block)
         (model.correctable if severity == "ce" else model.uncorrectable)(address, *hold)
 
-    def _firmware_error(self, block: str, severity: str, address: int) -> None:
+    def _firmware_error(self, block: str, severity: str, address: int, *,
+                        by: Context | None = None) -> None:
         """An uncorrectable error halts the firmware: it is killed, and the driver meets it
-        as any firmware death (79 FIRMWARE_DIED, then its recovery resets the device)."""
+        as any firmware death (79 FIRMWARE_DIED, then its recovery resets the device).
+        ``by``: as for memory."""
         kind = faults.BY_NAME[f"FIRMWARE_{severity.upper()}"]
-        self.dev.report(kind.code, address=address)
+        self.dev.report(kind.code, by, address=address, **_replayed(by))
         if severity == "ue" and self.dev.fw is not None:
             self.dev.fw.kill()
 
@@ -277,6 +375,23 @@ def _code(name: str) -> int:
     return faults.BY_NAME[name].code
 
 
+def _replayed(by: Context | None) -> dict[str, str]:
+    """A record's origin when a replayed schedule injected it."""
+    return {} if by is None else {"origin": faults.ORIGIN_REPLAY}
+
+
+def _note(table: userq.SharedWords, e: sched.Entry) -> None:
+    """Append a fault entry to a recording context's fault region (the driver is its one
+    writer): the entry, then the count that shows it; past the region's capacity only
+    the count grows (the runtime reports the rest as dropped)."""
+    n = table.get(sched.SCHED_FAULT_COUNT)
+    if n < sched.SCHED_FAULT_CAPACITY:
+        base = sched.SCHED_FAULT_ENTRIES + n * sched.SCHED_ENTRY_SIZE
+        for i, w in enumerate(sched.entry_words(e)):
+            table.set(base + 8 * i, w)
+    table.set(sched.SCHED_FAULT_COUNT, n + 1)
+
+
 def _parse_hold(text: str) -> float:
     """A thermal throttle's hold: seconds above 0, at most ``thermal.MAX_HOLD_S``."""
     try:
@@ -296,7 +411,8 @@ _STATUS_CODES: dict[PageStatus, int] = {
 }
 
 #: What an injected error of each block does: ``handler(ras, block, severity, address)``
-#: (and a thermal throttle's hold, where the operator gave one).
+#: (and a thermal throttle's hold, where the operator gave one; ``by``, the context a
+#: replayed fault is injected for, for the blocks of ``schedule.FAULT_BLOCKS``).
 INJECT: dict[str, Callable[..., None]] = {
     "memory": Ras._memory_error,
     "compute": Ras._engine_error,

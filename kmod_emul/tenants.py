@@ -96,6 +96,7 @@ class Tenants:
         # no firmware (kmod_emul/offline.py): no messages either, so no entry
         live = dev.fw.live.claim(ctx_id) if dev.fw is not None and dev.fw.live else None
         mine: list[int] = []
+        table: userq.SharedWords | None = None
         try:
             mine.append(userfd.import_pipe(f.pid, doorbell_fd, False, "doorbell pipe"))
             mine.append(userfd.import_pipe(f.pid, event_fd, True, "event pipe"))
@@ -106,6 +107,9 @@ class Tenants:
                                                 uapi.ACCEL_SEALS_PINNED, "schedule table"))
             sent = mine[:]
             db = userq.SharedWords(mine[2], userq.ACCEL_DB_PAGE_SIZE)
+            # a recording's faults are the driver's to note (its own mapping of the table)
+            table = (userq.SharedWords(mine[3], sched.SCHED_FILE_SIZE)
+                     if schedule & sched.SCHED_RECORD else None)
             ring_fd = new_ring_memfd(f"{dev.name}-default-queue")
             mine.append(ring_fd)
             ring = DefaultQueue(ring_fd)
@@ -113,11 +117,13 @@ class Tenants:
         except BaseException:
             if live is not None:
                 live.clear()
+            if table is not None:
+                table.close()
             for fd in mine:
                 os.close(fd)
             raise
         ctx = Context(ctx_id, f, exclusive, db, event_keep, ring, live=live,
-                      diagnostic=diagnostic)
+                      diagnostic=diagnostic, schedule_table=table)
         dev.fw_send(ctx.id, mailbox.fw_ctx_create(live_slot=live.slot if live else 0,
                                                   schedule=schedule, seed=seed), fds=sent)
         dev.fw_send(ctx.id, mailbox.fw_queue_create(

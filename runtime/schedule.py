@@ -8,6 +8,10 @@
 * ``ACCEL_REPLAY=PATH``: the firmware applies exactly the decisions PATH lists, so the
   recorded schedule, and the failure it caused, happens again.
 
+A recording also lists the faults an operator injected into this process's contexts
+(``fault`` entries, whose value is what the operator wrote after ``inject``); a replay
+injects them again at the same packets, as far as the driver lets a process hurt itself.
+
 Every context the process makes asks for the same schedule (``CTX_CREATE``'s ``schedule``,
 ``seed`` and ``schedule_fd``, abi/schedule.py); other processes keep theirs. The
 variables are read when the first context is made; a malformed one raises
@@ -63,7 +67,9 @@ class Plan:
         if self.mode != sched.Mode.REPLAY and not self.record:
             return {"schedule": flags, "seed": self.seed, "schedule_fd": -1}
         fd = sealed_memfd(f"schedule-{physical}", sched.SCHED_FILE_SIZE)
-        entries = self.replay.get(physical, [])[:sched.SCHED_CAPACITY]
+        # the faults first: a table too small for every decision still holds them
+        entries = sorted(self.replay.get(physical, []),
+                         key=lambda e: e.kind != Decision.FAULT)[:sched.SCHED_CAPACITY]
         words = [w for e in entries for w in sched.entry_words(e)]
         os.pwrite(fd, _u64s(words), sched.SCHED_ENTRIES)
         os.pwrite(fd, _u64s([len(entries)]), sched.SCHED_COUNT)
@@ -72,8 +78,8 @@ class Plan:
         return {"schedule": flags, "seed": self.seed, "schedule_fd": fd}
 
     def dump(self) -> None:
-        """Write the recording (at exit): each device's decisions as its firmware noted
-        them, in the order applied."""
+        """Write the recording (at exit): each context's decisions as its firmware noted
+        them, in the order applied, then the faults the driver noted for it."""
         if self.record is None or os.getpid() != self.pid:
             return
         devices: dict[str, Any] = {}
@@ -81,15 +87,15 @@ class Plan:
             decisions: list[list[Any]] = []
             dropped = 0
             for fd in fds:
-                head = os.pread(fd, 16, 0)
-                count = min(int.from_bytes(head[:8], "little"), sched.SCHED_CAPACITY)
-                dropped += int.from_bytes(head[8:16], "little")
-                raw = os.pread(fd, count * sched.SCHED_ENTRY_SIZE, sched.SCHED_ENTRIES)
-                for i in range(count):
-                    w = [int.from_bytes(raw[32 * i + 8 * j: 32 * i + 8 * j + 8], "little")
-                         for j in range(4)]
-                    e = sched.entry_of(w)
-                    decisions.append([e.queue, e.seqno, e.kind.name.lower(), e.value])
+                head = [int.from_bytes(os.pread(fd, 8, off), "little")
+                        for off in (sched.SCHED_COUNT, sched.SCHED_DROPPED,
+                                    sched.SCHED_FAULT_COUNT)]
+                count, lost, faults = head
+                dropped += lost + max(0, faults - sched.SCHED_FAULT_CAPACITY)
+                for base, n in ((sched.SCHED_ENTRIES, min(count, sched.SCHED_CAPACITY)),
+                                (sched.SCHED_FAULT_ENTRIES,
+                                 min(faults, sched.SCHED_FAULT_CAPACITY))):
+                    decisions.extend(_entries(fd, base, n))
             devices[physical] = {"decisions": decisions, "dropped": dropped}
         with open(self.record, "w") as f:
             f.write(dumps({"format": FORMAT, "version": VERSION, "schedule": self.name,
@@ -111,6 +117,20 @@ def dumps(doc: dict[str, Any]) -> str:
 
 def _u64s(words: list[int]) -> bytes:
     return b"".join(w.to_bytes(8, "little") for w in words)
+
+
+def _entries(fd: int, base: int, count: int) -> list[list[Any]]:
+    """``count`` table entries from offset ``base``, as a recording lists them:
+    ``[queue, seqno, kind, value]``, a fault's value its text (``schedule.fault_text``)."""
+    raw = os.pread(fd, count * sched.SCHED_ENTRY_SIZE, base)
+    out: list[list[Any]] = []
+    for i in range(count):
+        w = [int.from_bytes(raw[32 * i + 8 * j: 32 * i + 8 * j + 8], "little")
+             for j in range(4)]
+        e = sched.entry_of(w)
+        value = sched.fault_text(e.value, e.address) if e.kind == Decision.FAULT else e.value
+        out.append([e.queue, e.seqno, e.kind.name.lower(), value])
+    return out
 
 
 def load_recording(path: str) -> dict[str, list[Entry]]:
@@ -140,11 +160,17 @@ def parse_recording(doc: Any) -> dict[str, list[Entry]]:
         entries = []
         for d in dev["decisions"]:
             queue, seqno, kind, value = d
+            address = 0
+            if kind == "fault":  # its value is its text, what ras_ctrl takes after inject
+                try:
+                    value, address = sched.parse_fault_text(value)
+                except ValueError as exc:
+                    raise ValueError(f"bad decision {d!r} of {physical}: {exc}") from None
             if kind not in _KINDS or not all(
                     isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32
                     for v in (queue, seqno, value)):
                 raise ValueError(f"bad decision {d!r} of {physical}")
-            entries.append(Entry(queue, seqno, _KINDS[kind], value))
+            entries.append(Entry(queue, seqno, _KINDS[kind], value, address))
         out[str(physical)] = entries
     return out
 

@@ -99,8 +99,11 @@ class RawDev:
                                      doorbell_fd=bell_r, event_fd=event_w, db_page_fd=db_fd)
 
     def ctx_create(self, flags: int = 0, major: int = uapi.ACCEL_ABI_MAJOR,
-                   minor: int = uapi.ACCEL_ABI_MINOR) -> int:
+                   minor: int = uapi.ACCEL_ABI_MINOR, **fields: int) -> int:
+        """CTX_CREATE; ``fields``: more of ``accel_ctx_create``'s (a schedule's)."""
         arg = self.ctx_args(flags, major, minor)
+        for name, value in fields.items():
+            setattr(arg, name, value)
         try:
             return self.call(uapi.ACCEL_CMD_CTX_CREATE, arg).ctx_id
         finally:

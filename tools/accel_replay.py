@@ -8,7 +8,9 @@ the decisions (the firmware makes no other: a packet whose delay was dropped run
 the default scheduler would run it), and calls a run failed when it exits nonzero. Delta
 debugging (Zeller's ddmin) over the decisions finds a subset that still fails and from
 which no single decision can be dropped (1-minimal), usually the one or two delays that
-let a packet overtake the one it should have waited for. The result is written to ``OUT``
+let a packet overtake the one it should have waited for. An injected fault the recording
+holds (a ``fault`` entry) is one decision more: a failure only the fault causes shrinks to
+it alone. The result is written to ``OUT``
 (default: ``RECORDING`` with ``.min.json``) and its decisions printed.
 
 Exit status: 0 shrunk (or nothing to shrink), 1 the full recording does not fail when

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from recorded_faults import PROGRAM, faults_of, recorded_with_fault
 from schedule_corpus import MISSING_WAIT
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,6 +53,30 @@ def test_a_failing_recording_shrinks_to_a_schedule_that_still_fails(daemon, tmp_
     for _ in range(3):  # the shrunk schedule fails every time
         again = daemon.run_py(MISSING_WAIT, timeout=60, ACCEL_REPLAY=str(out))
         assert again.returncode == 1 and "wrong" in again.stdout, r.stdout + again.stderr
+
+
+def test_a_recording_with_decisions_and_a_fault_shrinks_to_the_fault(make_daemon, tmp_path):
+    """A correct program failed only because an operator injected a memory error into its
+    context: the adversarial schedule's decisions did nothing, and the shrunk recording
+    keeps the fault alone, which fails every time replayed."""
+    d = make_daemon(devices=1)
+    rec, _ = recorded_with_fault(d, tmp_path, "inject memory ue {offset:#x}",
+                                 ACCEL_SCHEDULE="adversarial:2")
+    full = decisions(rec)
+    (fault,) = faults_of(rec)
+    assert len(full) > 1, full
+    program = tmp_path / "uses_an_array.py"
+    program.write_text(PROGRAM)
+    out = tmp_path / "min.json"
+    r = accel_replay(d, str(rec), "-o", str(out), "--", sys.executable, str(program))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert decisions(out) == [fault]
+    queue, seqno, _, text = fault
+    assert r.stdout.splitlines()[0].startswith(f"{len(full)} decisions -> 1 in ")
+    assert r.stdout.splitlines()[1:] == [f"  accel0 queue {queue} seqno {seqno}: fault {text}"]
+    for _ in range(3):
+        again = d.run_py(PROGRAM, timeout=120, ACCEL_REPLAY=str(out))
+        assert again.stdout.split() == ["DeviceLostError", "94", "replay"], again.stderr
 
 
 def test_a_recording_that_does_not_fail_is_refused(daemon, tmp_path, program):

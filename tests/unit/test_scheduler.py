@@ -24,9 +24,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from abi import kernel_lang, mailbox, uapi, userq
+from abi import kernel_lang, mailbox, schedule, uapi, userq
 from abi.userq import Op
 from firmware import copies, image, memory
+from firmware.adversary import Adversary
 from firmware.engines import EnginePool, Job
 from firmware.rings import Completion, FwContext, Ring
 from firmware.scheduler import Scheduler
@@ -859,3 +860,42 @@ def test_a_launch_naming_no_address_reads_its_queues_arena_slot(device, ctx):
         ctx.mem[off : off + length] = np.frombuffer(_args(x_va, n, v), np.uint8)
         assert launch(q).status == 0 and (x == v).all()
     check_written_back(q, device.ended(q))
+
+
+@pytest.mark.timeout(60)
+def test_a_replayed_fault_comes_at_its_packet_and_holds_the_context_until_answered(
+        device, ctx):
+    """A replay's FAULT entry at packet 2 of queue 0 (docs/schedule.md, "Injected
+    faults") is due once queue 0 started packet 1 and the context is about to start
+    another packet -- here queue 1's first: the firmware asks the driver for it (``fire``)
+    and starts nothing of the context's until the answer; another context runs meanwhile."""
+    value, address = schedule.parse_fault_text("compute ue 0x7")
+    fd = _memfd(schedule.SCHED_FILE_SIZE)
+    try:
+        fault = schedule.Entry(0, 2, schedule.Decision.FAULT, value, address)
+        os.pwrite(fd, b"".join(w.to_bytes(8, "little") for w in schedule.entry_words(fault)),
+                  schedule.SCHED_ENTRIES)
+        os.pwrite(fd, (1).to_bytes(8, "little"), schedule.SCHED_COUNT)
+        fired: list[schedule.Entry] = []
+        adv = ctx.ctx.adversary = Adversary(schedule.Mode.REPLAY, 0, fd, fired.append)
+    finally:
+        os.close(fd)
+    q0, q1 = ctx.queue(1), ctx.queue(2)
+    adv.queue_added(q0.ring)
+    adv.queue_added(q1.ring)
+    q0.submit(packet(Op.NOP))
+    device.run_until(lambda: 1 in device.ended(q0))
+    assert fired == []  # packet 1 came before the fault
+    q1.submit(packet(Op.NOP))
+    other = Context(device, next(_ctx_ids))
+    try:
+        bystander = other.queue(1)
+        bystander.submit(packet(Op.NOP))
+        device.run_until(lambda: 1 in device.ended(bystander))
+    finally:
+        other.close()
+    assert fired == [fault]
+    assert 1 not in device.ended(q1)  # held until the driver answers
+    adv.fault_answered()
+    device.run_until(lambda: 1 in device.ended(q1))
+    assert fired == [fault]  # once
