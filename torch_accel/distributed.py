@@ -44,6 +44,7 @@ from torch.futures import Future
 
 import runtime
 from torch_accel import funcol
+from torch_accel.intrahost import IntraHost
 
 #: the backend's name, as ``init_process_group`` and ``dist.get_backend`` spell it
 NAME = "accl"
@@ -182,6 +183,9 @@ class AcclProcessGroup(dist.ProcessGroup):
         self._store = dist.PrefixStore(f"accl/attempt{attempt}/", store)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self._store), rank, size,
                                            timeout=timeout)
+        #: shared memory for all_reduce when every rank is on this host, else None (gloo)
+        self._intra = IntraHost.join(dist.PrefixStore("intrahost/", self._store), rank, size,
+                                     timeout.total_seconds())
         self._comm: dict[int, torch.Stream] = {}
         self._pool = _PinnedPool()
         #: each device's name in fault messages, taken while it still answers
@@ -488,7 +492,10 @@ class AcclProcessGroup(dist.ProcessGroup):
                               sync=_sync(opts))
         gop, finish = self._host_reduce(opts.reduceOp)
 
-        def run(h: list[torch.Tensor], _: list[torch.Tensor]) -> dist.Work:
+        def run(h: list[torch.Tensor], _: list[torch.Tensor]) -> dist.Work | None:
+            if self._intra is not None and self._intra.takes(h, gop):
+                self._intra.allreduce(h, gop, self._raise_fault)
+                return None
             o = dist.AllreduceOptions()
             o.reduceOp = gop
             return self._gloo.allreduce(h, o)
@@ -633,6 +640,8 @@ class AcclProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Stop the threads (after their queued work) and gloo; after a fault, abort gloo
         instead (its collective with the lost rank never completes)."""
+        if self._intra is not None:
+            self._intra.close()
         if self._fault is not None:
             _ABANDONED.append(self._gloo)
             return
