@@ -16,8 +16,10 @@ A rank waiting for the others yields the CPU for ``SPIN_S``, then naps ``NAP_S``
 time; every ``FAULT_POLL_S`` it runs the group's fault check (another rank's lost device,
 published in the store) and looks whether a late rank's process exited (through a pidfd
 of each, opened when the group was made; gloo would see its socket close), and it gives
-up at the group's timeout. The ranks join when the group is made (``join``): all of them, or
-none, use this transport, decided from what every rank published in the store.
+up at the group's timeout. The ranks join when the group is made (``join``): all of them,
+or none, use this transport, decided from what every rank published in the store. A rank
+started with ``ACCL_SHM_DISABLE=1`` (NCCL's ``NCCL_SHM_DISABLE``) publishes that it cannot,
+so the whole group stays with gloo.
 
 Stores are published after the data they cover with a full barrier between (x86's order:
 a store is not reordered with an earlier store, nor a load with a later load).
@@ -93,18 +95,19 @@ class IntraHost:
         if size < 2:
             return None
         path, fd, me = None, -1, {"host": None}
-        try:
-            path = f"{_DIR}/accl-{os.getpid()}-{secrets.token_hex(8)}"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, _HEADER + 2 * SLOT_BYTES)
-            me = {"host": _host_identity(), "path": path, "pid": os.getpid()}
-        except OSError:
-            pass
+        if os.environ.get("ACCL_SHM_DISABLE", "0") in ("", "0"):
+            try:
+                path = f"{_DIR}/accl-{os.getpid()}-{secrets.token_hex(8)}"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                os.ftruncate(fd, _HEADER + 2 * SLOT_BYTES)
+                me = {"host": _host_identity(), "path": path, "pid": os.getpid()}
+            except OSError:
+                pass  # no /dev/shm here: this rank publishes that it cannot
         maps: list[mmap.mmap] = []
         pidfds: dict[int, int] = {}
         try:
-            store.set(f"intrahost/{rank}", json.dumps(me))
-            peers = [json.loads(store.get(f"intrahost/{r}")) for r in range(size)]
+            store.set(f"rank/{rank}", json.dumps(me))
+            peers = [json.loads(store.get(f"rank/{r}")) for r in range(size)]
             ok = me["host"] is not None and all(p["host"] == me["host"] for p in peers)
             if ok:
                 try:
@@ -119,8 +122,8 @@ class IntraHost:
                               if r != rank}
                 except OSError:
                     ok = False
-            store.set(f"intrahost/mapped/{rank}", "1" if ok else "0")
-            ok = all(store.get(f"intrahost/mapped/{r}") == b"1" for r in range(size))
+            store.set(f"mapped/{rank}", "1" if ok else "0")
+            ok = all(store.get(f"mapped/{r}") == b"1" for r in range(size))
         finally:
             # every rank has mapped it (or given up) once it answered above: the name can go
             if path is not None and fd >= 0:
