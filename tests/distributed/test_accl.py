@@ -5,6 +5,7 @@ torch's CPU computes and prints one line per rank; the tests read those lines.""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -426,6 +427,47 @@ def test_a_rank_exiting_during_a_same_host_all_reduce_fails_the_waiting_rank(dae
             if p.poll() is None:
                 p.kill()
             p.communicate()
+
+
+#: two ranks started by hand, rank 1 with ACCL_SHM_DISABLE=1
+SHM_OFF = """
+import os, sys, torch
+import torch.distributed as dist
+rank = int(sys.argv[1])
+torch.accel.set_device(rank)
+dist.init_process_group("accl", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank,
+                        world_size=2)
+x = torch.full((4,), float(rank + 1), device="accel")
+dist.all_reduce(x)
+group = dist.distributed_c10d._get_default_group()
+print(f"shared memory {group._intra is not None} {x.cpu().tolist()}")
+dist.destroy_process_group()
+"""
+
+
+def test_one_rank_without_shared_memory_keeps_the_whole_group_on_gloo(daemon):
+    """A rank started with ``ACCL_SHM_DISABLE=1`` publishes that it cannot share memory:
+    neither rank uses the same-host transport, the all_reduce goes through gloo and is
+    right, and no segment is left in /dev/shm."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    ranks = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(SHM_OFF), str(r), port],
+                              env=daemon.env(**({"ACCL_SHM_DISABLE": "1"} if r else {})),
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, (out, err) in zip(ranks, outs):
+        assert p.returncode == 0, err
+        assert out.strip().split("\n")[-1] == "shared memory False [3.0, 3.0, 3.0, 3.0]", out
+    assert not [f for f in os.listdir("/dev/shm") if any(
+        f.startswith(f"accl-{p.pid}-") for p in ranks)]
 
 
 def test_ddp_on_accel_trains_to_full_batch_cpu_parameters(daemon, tmp_path):
