@@ -328,16 +328,23 @@ class DeviceMemory:
         alloc = self._attach(ctx, backing)
         if kind == uapi.MemKind.DEVICE:
             dev.send_budget()
-            for peer_dev, peer_ctx in dev.tenants.peer_contexts_of(ctx.file.pid):
-                self.map_into(alloc, peer_dev, peer_ctx)
         return alloc
 
     def _attach(self, ctx: Context, backing: Backing) -> Allocation:
+        """``ctx``'s new handle on ``backing`` (an allocation's or an import's), mapped in
+        ``ctx`` and, for device-local memory, in every context of the same process that
+        enabled access to this device already (``PEER_ENABLE`` maps what the process holds
+        when it is called, this what it gets later). An import once missed that second
+        step: a buffer imported after the process's first peer copy from this device was
+        mapped nowhere else, and the peer's copy of it faulted (EFAULT)."""
         alloc = Allocation(self.device.new_id(), ctx, self._new_va(ctx.file.pid, backing.size),
                            backing)
         backing.refs += 1
         ctx.allocations[alloc.handle] = alloc
         self.map_into(alloc, self.device, ctx)
+        if backing.kind == uapi.MemKind.DEVICE:
+            for peer_dev, peer_ctx in self.device.tenants.peer_contexts_of(ctx.file.pid):
+                self.map_into(alloc, peer_dev, peer_ctx)
         return alloc
 
     def map_into(self, alloc: Allocation, dev: AccelDevice, ctx: Context) -> None:

@@ -5,7 +5,8 @@
 backend picks it where the accelerator is ``accel``, as cuda picks nccl.
 
 The transport is gloo, which torch ships: the emulated devices have no network of their
-own, and gloo already carries bytes between hosts. A collective on accel tensors is three
+own, and gloo already carries bytes between hosts. An all_reduce whose ranks are all on
+this host goes through shared memory instead (:mod:`torch_accel.intrahost`). A collective on accel tensors is three
 stages (docs/distributed.md, "The accl backend"):
 
 1. *Staging*, on the calling thread: a communication stream per device waits for the
@@ -44,6 +45,7 @@ from torch.futures import Future
 
 import runtime
 from torch_accel import funcol
+from torch_accel.intrahost import IntraHost
 
 #: the backend's name, as ``init_process_group`` and ``dist.get_backend`` spell it
 NAME = "accl"
@@ -182,6 +184,9 @@ class AcclProcessGroup(dist.ProcessGroup):
         self._store = dist.PrefixStore(f"accl/attempt{attempt}/", store)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self._store), rank, size,
                                            timeout=timeout)
+        #: shared memory for all_reduce when every rank is on this host, else None (gloo)
+        self._intra = IntraHost.join(dist.PrefixStore("intrahost/", self._store), rank, size,
+                                     timeout.total_seconds())
         self._comm: dict[int, torch.Stream] = {}
         self._pool = _PinnedPool()
         #: each device's name in fault messages, taken while it still answers
@@ -488,7 +493,10 @@ class AcclProcessGroup(dist.ProcessGroup):
                               sync=_sync(opts))
         gop, finish = self._host_reduce(opts.reduceOp)
 
-        def run(h: list[torch.Tensor], _: list[torch.Tensor]) -> dist.Work:
+        def run(h: list[torch.Tensor], _: list[torch.Tensor]) -> dist.Work | None:
+            if self._intra is not None and self._intra.takes(h, gop):
+                self._intra.allreduce(h, gop, self._raise_fault)
+                return None
             o = dist.AllreduceOptions()
             o.reduceOp = gop
             return self._gloo.allreduce(h, o)
@@ -633,6 +641,8 @@ class AcclProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Stop the threads (after their queued work) and gloo; after a fault, abort gloo
         instead (its collective with the lost rank never completes)."""
+        if self._intra is not None:
+            self._intra.close()
         if self._fault is not None:
             _ABANDONED.append(self._gloo)
             return

@@ -5,7 +5,10 @@ torch's CPU computes and prints one line per rank; the tests read those lines.""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -293,6 +296,38 @@ dist.destroy_process_group()
 """
 
 
+INTRAHOST = """
+from torch_accel import intrahost
+dist.init_process_group("accl")
+r = dist.get_rank()
+say(f"same host {dist.distributed_c10d._get_default_group()._intra is not None}")
+n = (2 * intrahost.SLOT_BYTES + 12) // 4  # three steps of the shared-memory transport
+x = (torch.arange(n, dtype=torch.float32) * (r + 1)).to(dev)
+dist.all_reduce(x)
+assert torch.equal(x.cpu(), torch.arange(n, dtype=torch.float32) * 3), x[-4:].cpu()
+y = torch.full((n,), float(r) - 0.5, dtype=torch.float64, device=dev)
+dist.all_reduce(y, op=dist.ReduceOp.MAX, async_op=True).wait()
+assert torch.equal(y.cpu(), torch.full((n,), 0.5, dtype=torch.float64)), y[:4].cpu()
+b = torch.tensor([0b1100 << r, 7], dtype=torch.int32, device=dev)
+dist.all_reduce(b, op=dist.ReduceOp.BXOR)
+assert b.cpu().tolist() == [0b1100 ^ 0b11000, 0], b.cpu()
+flags = torch.tensor([r == 0, True], device=dev)  # bool: gloo's
+dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+assert flags.cpu().tolist() == [True, True], flags.cpu()
+say("all_reduce over shared memory matches the CPU")
+bad = torch.ones(8 if r == 0 else 4, device=dev)
+try:
+    dist.all_reduce(bad)
+    say("mismatched sizes: no error")
+except ValueError as exc:
+    say(f"mismatched sizes: {exc}")
+x = torch.full((5,), float(r + 1), device=dev)
+dist.all_reduce(x)
+say(f"next all_reduce {x.cpu().tolist()}")
+dist.destroy_process_group()
+"""
+
+
 def torchrun(daemon: Daemon, tmp_path: Path, body: str, *args: str,
              timeout: float = 240, launcher: tuple[str, ...] = ()) -> dict[int, list[str]]:
     """``body`` run as 2 ranks by ``torchrun --standalone`` against ``daemon``; each rank's
@@ -331,6 +366,108 @@ def test_async_collective_is_ordered_on_streams_and_keeps_its_tensors(daemon, tm
     lines = torchrun(daemon, tmp_path, ASYNC)
     assert lines[0] == ["AcclWork completed at issue False result ok"], lines
     assert lines[1] and lines[1][0].endswith("result ok"), lines
+
+
+def test_all_reduce_of_ranks_on_one_host_goes_through_shared_memory(daemon, tmp_path):
+    """Ranks on one host all-reduce through shared memory (torch_accel/intrahost.py): a
+    tensor of three of its steps, MAX on float64 asynchronously, BXOR on int32 give the
+    CPU's values, bool goes to gloo; ranks all-reducing different sizes both get a
+    ValueError naming both sizes, and the group's next all_reduce is right."""
+    lines = torchrun(daemon, tmp_path, INTRAHOST)
+    for rank in (0, 1):
+        other, mine = (1, 32) if rank == 0 else (0, 16)
+        assert lines[rank] == [
+            "same host True", "all_reduce over shared memory matches the CPU",
+            f"mismatched sizes: accl: rank {other} all-reduces {48 - mine} bytes where rank "
+            f"{rank} does {mine} (step 10)", "next all_reduce [3.0, 3.0, 3.0, 3.0, 3.0]"], lines
+
+
+#: two ranks started by hand (rank 0 holds the store, so it outlives rank 1): rank 1 is
+#: killed while rank 0 waits for it in a same-host all_reduce
+EXIT = """
+import datetime, os, signal, sys, time
+import torch
+import torch.distributed as dist
+rank = int(sys.argv[1])
+torch.accel.set_device(rank)
+dist.init_process_group("accl", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank,
+                        world_size=2, timeout=datetime.timedelta(seconds=120))
+x = torch.ones(1024, device="accel")
+dist.all_reduce(x)
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+start = time.monotonic()
+try:
+    dist.all_reduce(x)
+    print("no error")
+except RuntimeError as exc:
+    print(f"within 5 s {time.monotonic() - start < 5}: {exc}")
+"""
+
+
+def test_a_rank_exiting_during_a_same_host_all_reduce_fails_the_waiting_rank(daemon):
+    """Rank 1's process is killed while rank 0 waits for it in an all_reduce over shared
+    memory: rank 0 raises a RuntimeError naming rank 1 within seconds (its pidfd tells,
+    zombie or reaped), not at the group's 120 s timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    ranks = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(EXIT), str(r), port],
+                              env=daemon.env(), cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        out, err = ranks[0].communicate(timeout=120)
+        assert ranks[0].returncode == 0, err
+        assert out.strip().split("\n")[-1] == (
+            "within 5 s True: accl: rank 1 exited during an all_reduce; rank 0 cannot "
+            "complete it"), out + err
+        assert ranks[1].wait(timeout=30) == -signal.SIGKILL
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+
+
+#: two ranks started by hand, rank 1 with ACCL_SHM_DISABLE=1
+SHM_OFF = """
+import os, sys, torch
+import torch.distributed as dist
+rank = int(sys.argv[1])
+torch.accel.set_device(rank)
+dist.init_process_group("accl", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank,
+                        world_size=2)
+x = torch.full((4,), float(rank + 1), device="accel")
+dist.all_reduce(x)
+group = dist.distributed_c10d._get_default_group()
+print(f"shared memory {group._intra is not None} {x.cpu().tolist()}")
+dist.destroy_process_group()
+"""
+
+
+def test_one_rank_without_shared_memory_keeps_the_whole_group_on_gloo(daemon):
+    """A rank started with ``ACCL_SHM_DISABLE=1`` publishes that it cannot share memory:
+    neither rank uses the same-host transport, the all_reduce goes through gloo and is
+    right, and no segment is left in /dev/shm."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    ranks = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(SHM_OFF), str(r), port],
+                              env=daemon.env(**({"ACCL_SHM_DISABLE": "1"} if r else {})),
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, (out, err) in zip(ranks, outs):
+        assert p.returncode == 0, err
+        assert out.strip().split("\n")[-1] == "shared memory False [3.0, 3.0, 3.0, 3.0]", out
+    assert not [f for f in os.listdir("/dev/shm") if any(
+        f.startswith(f"accl-{p.pid}-") for p in ranks)]
 
 
 def test_ddp_on_accel_trains_to_full_batch_cpu_parameters(daemon, tmp_path):

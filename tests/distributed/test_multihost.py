@@ -2,7 +2,9 @@
 one ``torchrun --nnodes=2`` per "host" (each with its own ``ACCEL_EMU_ROOT``) meets the
 other at a c10d rendezvous on 127.0.0.1, as on a cluster (docs/distributed.md, "Several
 hosts"). The job is examples/distributed_ddp.py: DDP over ``accl`` whose ranks each hold
-their own host's device."""
+their own host's device. The second "host" is started with ``ACCL_SHM_DISABLE=1``: ranks
+on one machine would otherwise all-reduce through shared memory (torch_accel/intrahost.py),
+and the group would not carry its gradients over gloo as between two machines."""
 
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ def test_ddp_across_two_hosts_each_on_its_own_daemon(make_daemon):
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
          f"--node-rank={k}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
          "--rdzv-id=accl-two-hosts", str(REPO / "examples" / "distributed_ddp.py")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=host.env(), cwd=REPO)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env=host.env(**({"ACCL_SHM_DISABLE": "1"} if k else {})))
         for k, host in enumerate(hosts)]
     outs = []
     try:
