@@ -237,6 +237,7 @@ async def serve(config: DaemonConfig, on_ready: Callable[[], None]) -> None:
                 booting.start_soon(nursery.start, dev.run)
             booting.start_soon(partitions.start, nursery)
         pyfuse3.init(fs, str(config.root), options)
+        fs.turns.watch(_fuse_fd())
         try:
             on_ready()
             log.info("serving %d device(s) at %s", len(devices), config.root)
@@ -245,6 +246,23 @@ async def serve(config: DaemonConfig, on_ready: Callable[[], None]) -> None:
         finally:
             pyfuse3.close(unmount=True)
             nursery.cancel_scope.cancel()
+
+
+def _fuse_fd() -> int:
+    """The descriptor of /dev/fuse that pyfuse3 reads requests from (it does not say which:
+    the daemon opens /dev/fuse only through it, so it is the one there is)."""
+    fds = [int(fd) for fd in os.listdir("/proc/self/fd")
+           if _link(f"/proc/self/fd/{fd}") == "/dev/fuse"]
+    if len(fds) != 1:
+        raise RuntimeError(f"expected one descriptor of /dev/fuse, found {fds}")
+    return fds[0]
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # the listing's own descriptor, closed by now
+        return ""
 
 
 #: What a context lost to a stop says (``accel-emud stop --force``, or a signal).

@@ -21,7 +21,10 @@ looping on commands queued every other tenant's commands behind theirs (bench
 ``dev/accel/accelN`` answers with an inode of the calling process (``Tree.instance``), never
 cached (``entry_timeout`` 0), so that every open walks to its own process's inode; a process's
 threads still share theirs, so a flood queues only behind itself. The kernel's lookup count of
-each such inode is kept, and the inode goes when the kernel forgets it (``forget``).
+each such inode is kept, and the inode goes when the kernel forgets it (``forget``). The kernel
+still hands the daemon every process's requests in one queue, in arrival order, so the
+device-node writes and reads it has read start in turns by process (:mod:`kmod_emul.turns`;
+debugfs ``accel/turns`` lists the last starts).
 
 Permissions are the driver's own checks (the mount has no ``default_permissions``): writing
 an attribute needs root, as does anything under ``sys/kernel/debug`` and a device's
@@ -56,6 +59,7 @@ from kmod_emul.isolation import isolation_attrs
 from kmod_emul.partition import Partitions, partition_attrs, partition_debug_attrs
 from kmod_emul.ras import ras_attrs
 from kmod_emul.sysfs import debug_attrs, device_attrs, limit_attrs, module_attrs, reset_mask_attrs
+from kmod_emul.turns import Turns
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +245,10 @@ class AccelFS(pyfuse3.Operations):
         self._handles: dict[int, OpenFile | AttrHandle | Watcher] = {}
         self._fh = itertools.count(1)
         self._mtime_ns = time.time_ns()
+        #: device-node writes and reads start in turns by process (kmod_emul/turns.py)
+        self.turns = Turns()
+        tree.add_attrs("sys/kernel/debug/accel", {"turns": Attr(read=self.turns.render)},
+                       root_only=True)
 
     def add_device(self, dev: AccelDevice) -> None:
         """A partition enabled: its nodes appear (nothing cached stands in their way)."""
@@ -366,6 +374,7 @@ class AccelFS(pyfuse3.Operations):
         try:
             if isinstance(handle, Watcher):
                 return await handle.read(size)
+            await self.turns.take(handle.pid)
             return drv.read(handle, off, size)
         except Exception as exc:  # noqa: BLE001 - see _fuse_error
             raise _fuse_error(exc) from None
@@ -381,6 +390,7 @@ class AccelFS(pyfuse3.Operations):
             elif isinstance(handle, Watcher):
                 handle.configure(buf.decode(errors="replace"))
             else:
+                await self.turns.take(handle.pid)
                 await drv.execute(self.info, handle, buf)
         except Exception as exc:  # noqa: BLE001 - see _fuse_error
             raise _fuse_error(exc) from None

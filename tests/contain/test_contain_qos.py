@@ -11,12 +11,19 @@ order, where before the fix it was one to two orders of magnitude off:
 * the control loop gave each ring a turn of up to 64 packets: four rings full of a
   tenant's launches held a bystander's launch for 2.9 ms (204x). Contexts now take turns
   of about 20 us of the loop's time (firmware/scheduler.py; its unit test replays the order).
+* the daemon served device-node requests in the order the kernel queued them: a tenant
+  with many in flight had some ahead of every other tenant's. They now start in turns by
+  process (kmod_emul/turns.py); the test counts the order they started in, no timings.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import platform
+import signal
 import statistics
+import time
 
 import pytest
 
@@ -45,6 +52,100 @@ time.sleep(3600)
 """
 
 
+#: Another user's threads, each reading the reply of a tag it never sent once told to (one
+#: request each, answered ENOMSG); it prints their thread ids, then the errors it got.
+MISSING_REPLY_READS = """
+import errno, os, sys, threading
+fd = os.open(sys.argv[1], os.O_RDWR)
+go = threading.Event()
+got = []
+def read_missing(tag):
+    go.wait()
+    try:
+        os.pread(fd, 64, tag)
+    except OSError as exc:
+        got.append(errno.errorcode[exc.errno])
+threads = [threading.Thread(target=read_missing, args=(1 + i,)) for i in range(int(sys.argv[2]))]
+for t in threads:
+    t.start()
+print(*(t.native_id for t in threads), flush=True)
+sys.stdin.readline()
+go.set()
+for t in threads:
+    t.join()
+print(len(got), *sorted(set(got)), flush=True)
+"""
+
+#: A tenant with a context that sends one DEVICE_QUERY when told to; it prints the id of the
+#: thread that will send it, then the device's index.
+QUERY_ON_GO = """
+import sys, threading, runtime
+from runtime.context import Context
+ctx = Context("accel0")
+print(threading.get_native_id(), flush=True)
+sys.stdin.readline()
+print(ctx.query_device().index, flush=True)
+"""
+
+#: pread64 and pwrite64 by machine (/proc/PID/task/TID/syscall shows the number)
+_SYSCALLS = {"x86_64": (17, 18), "aarch64": (67, 68)}
+
+
+def _wait_blocked_in(pid: int, tids: list[int], nr: int, what: str) -> None:
+    """Wait until each of ``tids`` sleeps in system call ``nr`` (with the daemon stopped:
+    its request queued in the kernel, not read)."""
+    deadline = time.monotonic() + 60
+    while True:
+        waiting = []
+        for tid in tids:
+            with open(f"/proc/{pid}/task/{tid}/syscall") as f:
+                if f.read().split()[0] != str(nr):
+                    waiting.append(tid)
+        if not waiting:
+            return
+        assert time.monotonic() < deadline, f"{what}: threads {waiting} never blocked in {nr}"
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(180)
+def test_a_request_queued_behind_a_flood_is_served_after_at_most_two_of_it(contained,
+                                                                             other_user):
+    """With the daemon stopped, another user's 32 threads each queue a read of device 0's
+    node, then a bystander's DEVICE_QUERY is queued behind them all. Once the daemon goes
+    on, the bystander's write starts after at most two of the 32 (the one the daemon took
+    first and the one tied with it: kmod_emul/turns.py), where served in the kernel's order it
+    came after all 32; every read is answered (ENOMSG: it never sent that tag) and so is
+    the query. The order is debugfs ``accel/turns``, the daemon's own record."""
+    d = contained
+    read_nr, write_nr = _SYSCALLS[platform.machine()]
+    flood = other_user.popen(d, MISSING_REPLY_READS, str(d.node(0)), "32")
+    bystander = d.popen_py(QUERY_ON_GO)
+    try:
+        flood_tids = [int(t) for t in flood.stdout.readline().split()]
+        assert len(flood_tids) == 32, flood.stderr.read()
+        query_tid = int(bystander.stdout.readline())
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            flood.stdin.write("go\n")
+            flood.stdin.flush()
+            _wait_blocked_in(flood.pid, flood_tids, read_nr, "the flood")
+            bystander.stdin.write("go\n")
+            bystander.stdin.flush()
+            _wait_blocked_in(bystander.pid, [query_tid], write_nr, "the bystander")
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        assert flood.stdout.readline().split() == ["32", "ENOMSG"], flood.stderr.read()
+        assert bystander.stdout.readline().strip() == "0", bystander.stderr.read()
+        served = [int(line.split()[1]) for line in
+                  (d.root / "sys/kernel/debug/accel/turns").read_text().splitlines()]
+    finally:
+        for proc in (flood, bystander):
+            proc.kill()
+            proc.wait(timeout=30)
+    query_write = [i for i, pid in enumerate(served) if pid == bystander.pid][-2]
+    ahead = served[:query_write].count(flood.pid)
+    assert ahead <= 2, f"{ahead} of the flood's 32 reads started before the bystander's query"
+    assert served.count(flood.pid) == 32
 
 
 def _stat_ino(d, other_user=None) -> list[int]:
