@@ -279,6 +279,10 @@ class AccelKernel(SIMDKernel):
 
     overrides = AccelOverrides  # type: ignore[assignment]
     kexpr = PythonPrinter().doprint
+    #: the reductions ``_reduction`` writes a loop for (fallbacks.py sends the others to
+    #: the eager operators)
+    REDUCTIONS = frozenset({"sum", "prod", "any", "xor_sum", "max", "min", "argmax", "argmin",
+                            "welford_reduce", "welford_combine"})
     sexpr = kexpr
 
     def __init__(self, tiling: dict[str, sympy.Expr], **kwargs: Any) -> None:
