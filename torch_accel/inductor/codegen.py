@@ -87,6 +87,10 @@ class AccelOverrides(OpOverrides):
                  use_compute_types: bool = True) -> str:
         if dtype == torch.bool:
             return f"({x} != 0)"
+        if (src_dtype or getattr(x, "dtype", None)) == torch.bool:
+            # the language converts no bool with float() or int() (the JIT rejects the
+            # kernel): a select instead
+            return f"(1.0 if {x} else 0.0)" if dtype.is_floating_point else f"(1 if {x} else 0)"
         if dtype.is_floating_point:
             return f"float({x})"
         if dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
