@@ -308,8 +308,10 @@ class AccelKernel(SIMDKernel):
     # ------------------------------------------------------------------ memory
     def load(self, name: str, index: sympy.Expr) -> CSEVariable:
         var = self.args.input(name)
-        index = self.prepare_indexing(index)
         dtype = V.graph.get_dtype(name)
+        if V.graph.is_unspec_arg(name):  # a Python number Dynamo passes as a 0-d CPU
+            return var                   # tensor: a scalar parameter (launcher.py)
+        index = self.prepare_indexing(index)
         line = f"{var}[{self.index_to_str(index)}]"
         if dtype not in halfbits.FORMATS:
             return self.cse.generate(self.loads, line, dtype=dtype)
@@ -464,8 +466,11 @@ class AccelKernel(SIMDKernel):
         self.codegen_body()
         argdefs, _, _, _ = self.args.python_argdefs()
         params = [a.name for a in argdefs if a.name not in self.removed_buffers]
-        sizes = set(self.args.sizevars.values())
-        params = [f"{p}: 'int64'" if p in sizes else p for p in params]
+        scalars = dict.fromkeys(self.args.sizevars.values(), "int64")
+        scalars.update({inner: "float64" if V.graph.get_dtype(outer).is_floating_point
+                        else "int64" for outer, inner in self.args.input_buffers.items()
+                        if V.graph.is_unspec_arg(outer)})
+        params = [f"{p}: {scalars[p]!r}" if p in scalars else p for p in params]
         code = IndentedBuffer()
         code.writeline(f"def KERNEL_NAME({', '.join([*params, 'xnumel: ' + repr('int64')])}):")
         with code.indent():
