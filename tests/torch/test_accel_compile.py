@@ -102,7 +102,8 @@ def test_generated_kernels_are_device_launches_on_the_current_stream(torch_json)
     runs (a side stream's work is not done until that stream is synchronized), on the
     device of its inputs (accel:1), and with ``dynamic=True`` one kernel serves two
     sizes. Generated again with Inductor's caches off, the code is the same text (the
-    device's JIT cache keys on it)."""
+    device's JIT cache keys on it). A Python number made a graph input is a scalar
+    parameter."""
     r = torch_json("""
         from torch_accel.inductor import launcher
         fn = torch.compile(lambda x: (x * 2 + 1).exp())
@@ -122,6 +123,13 @@ def test_generated_kernels_are_device_launches_on_the_current_stream(torch_json)
         dyn = torch.compile(lambda x: (x + 1) * x.sum(), dynamic=True)
         sizes = [bool(torch.allclose(dyn(v).cpu(), ((v + 1) * v.sum()).cpu(), rtol=1e-5))
                  for v in (torch.randn(40, device="accel"), torch.randn(77, device="accel"))]
+        # dynamic=True makes a Python number a graph input (a 0-d CPU tensor): a scalar
+        # parameter of the kernel
+        scaled = torch.compile(lambda x, v: torch.addcdiv(x, x, x * x + 2, value=v),
+                               dynamic=True)
+        sizes += [bool(torch.allclose(scaled(x1, v).cpu(),
+                                      torch.addcdiv(x1, x1, x1 * x1 + 2, value=v).cpu()))
+                  for v in (0.5, 0.25)]
         import re
         from torch._inductor import config as inductor_config
         from torch._inductor.utils import run_and_get_code
@@ -137,7 +145,7 @@ def test_generated_kernels_are_device_launches_on_the_current_stream(torch_json)
                sizes=sizes, launches=launcher.launches)
     """, timeout=380)
     assert any(n.startswith("accel_fused_add_exp_mul") for n in r["names"]), r
-    assert r["side"] and r["dev1"] == ["accel:1", True] and r["sizes"] == [True, True], r
+    assert r["side"] and r["dev1"] == ["accel:1", True] and r["sizes"] == [True] * 4, r
     assert r["deterministic"] and "def accel_fused_" in r["code"][0], r["code"]
 
 

@@ -206,6 +206,10 @@ class AccelOverrides(OpOverrides):
         return f"({x} * 0 if {x} == 0 or {x} != {x} else (1 if {x} > 0 else -1))"
 
     @staticmethod
+    def copysign(a: Any, b: Any) -> str:
+        return f"(-abs({a}) if {AccelOverrides.signbit(b)} else abs({a}))"
+
+    @staticmethod
     def signbit(x: Any) -> str:
         return f"({x} < 0 or ({x} == 0 and 1.0 / {x} < 0))"
 
@@ -310,7 +314,7 @@ class AccelKernel(SIMDKernel):
         var = self.args.input(name)
         dtype = V.graph.get_dtype(name)
         if V.graph.is_unspec_arg(name):  # a Python number Dynamo passes as a 0-d CPU
-            return var                   # tensor: a scalar parameter (launcher.py)
+            return self.cse.generate(self.loads, var, dtype=dtype)  # tensor: a scalar
         index = self.prepare_indexing(index)
         line = f"{var}[{self.index_to_str(index)}]"
         if dtype not in halfbits.FORMATS:
