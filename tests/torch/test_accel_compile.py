@@ -102,7 +102,8 @@ def test_generated_kernels_are_device_launches_on_the_current_stream(torch_json)
     runs (a side stream's work is not done until that stream is synchronized), on the
     device of its inputs (accel:1), and with ``dynamic=True`` one kernel serves two
     sizes. Generated again with Inductor's caches off, the code is the same text (the
-    device's JIT cache keys on it)."""
+    device's JIT cache keys on it). A Python number made a graph input is a scalar
+    parameter."""
     r = torch_json("""
         from torch_accel.inductor import launcher
         fn = torch.compile(lambda x: (x * 2 + 1).exp())
@@ -122,6 +123,13 @@ def test_generated_kernels_are_device_launches_on_the_current_stream(torch_json)
         dyn = torch.compile(lambda x: (x + 1) * x.sum(), dynamic=True)
         sizes = [bool(torch.allclose(dyn(v).cpu(), ((v + 1) * v.sum()).cpu(), rtol=1e-5))
                  for v in (torch.randn(40, device="accel"), torch.randn(77, device="accel"))]
+        # dynamic=True makes a Python number a graph input (a 0-d CPU tensor): a scalar
+        # parameter of the kernel
+        scaled = torch.compile(lambda x, v: torch.addcdiv(x, x, x * x + 2, value=v),
+                               dynamic=True)
+        sizes += [bool(torch.allclose(scaled(x1, v).cpu(),
+                                      torch.addcdiv(x1, x1, x1 * x1 + 2, value=v).cpu()))
+                  for v in (0.5, 0.25)]
         import re
         from torch._inductor import config as inductor_config
         from torch._inductor.utils import run_and_get_code
@@ -137,7 +145,7 @@ def test_generated_kernels_are_device_launches_on_the_current_stream(torch_json)
                sizes=sizes, launches=launcher.launches)
     """, timeout=380)
     assert any(n.startswith("accel_fused_add_exp_mul") for n in r["names"]), r
-    assert r["side"] and r["dev1"] == ["accel:1", True] and r["sizes"] == [True, True], r
+    assert r["side"] and r["dev1"] == ["accel:1", True] and r["sizes"] == [True] * 4, r
     assert r["deterministic"] and "def accel_fused_" in r["code"][0], r["code"]
 
 
@@ -221,6 +229,69 @@ def test_mlp_training_compiled_matches_eager(torch_json):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), r["losses"]
     assert r["diff"] <= 1e-5 and r["grad"] <= 1e-6, r
     assert r["backward_kernels"], r
+
+
+@pytest.mark.timeout(500)
+def test_cnn_training_compiled_matches_eager_and_cpu(torch_json):
+    """The CNN of the eager issue (LeNet size: conv, batch norm, ReLU, max pooling, twice,
+    then a linear layer; 1x28x28 inputs, batch 8), compiled and trained three SGD steps
+    (AOTAutograd: a compiled forward and a compiled backward, the optimizer eager), ends
+    with the weights, batch norm running statistics and eval output of the same model
+    trained eagerly on accel and on the CPU. The convolutions are extern kernels (the eager
+    accel operators); batch norm, ReLU and pooling, forward and backward, are generated
+    kernels, and nothing is left to the CPU."""
+    r = torch_json("""
+        import copy
+        from torch import nn
+        from torch_accel.inductor import launcher
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Conv2d(1, 6, 5), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+                            nn.Conv2d(6, 16, 5), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+                            nn.Flatten(), nn.Linear(16 * 4 * 4, 10))
+        x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+        xe = torch.randn(4, 1, 28, 28)
+        models, losses, evals, backward_launches = {}, {}, {}, []
+        for mode in ("cpu", "eager", "compiled"):
+            dev = "cpu" if mode == "cpu" else "accel"
+            m = copy.deepcopy(ref).to(dev)
+            run = torch.compile(m) if mode == "compiled" else m
+            opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+            losses[mode] = []
+            for _ in range(3):
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(run(x.to(dev)), y.to(dev))
+                before = sum(launcher.launches.values())
+                loss.backward()
+                if mode == "compiled":
+                    backward_launches.append(sum(launcher.launches.values()) - before)
+                opt.step()
+                losses[mode].append(loss.item())
+            m.eval()
+            with torch.no_grad():  # eval: the running statistics normalise
+                evals[mode] = run(xe.to(dev)).cpu()
+            models[mode] = m
+        def state(m):
+            return {k: v.detach().cpu().double() for k, v in m.state_dict().items()}
+        want = state(models["eager"])
+        gaps = {other: {k: (v - want[k]).abs().max().item()
+                        for k, v in state(models[other]).items()}
+                for other in ("compiled", "cpu")}
+        for other in ("compiled", "cpu"):
+            gaps[other]["eval output"] = (evals[other] - evals["eager"]).abs().max().item()
+        report(losses=losses, gaps=gaps, kernels=sorted(launcher.launches),
+               backward_launches=backward_launches, fallback=dict(torch_accel.fallback_counts))
+    """, timeout=480)
+    for mode in ("compiled", "cpu"):
+        for a, b in zip(r["losses"]["eager"], r["losses"][mode]):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), r["losses"]
+        assert {"1.running_mean", "1.running_var", "5.running_mean", "5.running_var",
+                "5.num_batches_tracked"} <= set(r["gaps"][mode]), r["gaps"]
+        for name, gap in r["gaps"][mode].items():
+            assert gap < 1e-5, (mode, name, gap, r["losses"])
+    # batch norm and ReLU fused forward; the compiled backward launched generated kernels
+    assert any("native_batch_norm" in k and "relu" in k for k in r["kernels"]), r["kernels"]
+    assert min(r["backward_launches"]) > 0, r
+    assert r["fallback"] == {}, r["fallback"]
 
 
 @pytest.mark.timeout(400)

@@ -35,7 +35,7 @@ def register() -> None:
 
     from torch._inductor.custom_graph_pass import CustomGraphModulePass
 
-    from torch_accel.inductor import codegen
+    from torch_accel.inductor import codegen, fallbacks
 
     class CodegenIdentity(CustomGraphModulePass):
         """A post-grad pass that changes nothing: Inductor puts a device's custom pass's
@@ -50,3 +50,4 @@ def register() -> None:
     register_backend_for_device(DEVICE_TYPE, codegen.AccelScheduling, codegen.AccelWrapper,
                                 device_custom_pass=CodegenIdentity())
     register_device_op_overrides(DEVICE_TYPE, codegen.AccelDeviceOpOverrides())
+    fallbacks.install()

@@ -87,6 +87,10 @@ class AccelOverrides(OpOverrides):
                  use_compute_types: bool = True) -> str:
         if dtype == torch.bool:
             return f"({x} != 0)"
+        if (src_dtype or getattr(x, "dtype", None)) == torch.bool:
+            # the language converts no bool with float() or int() (the JIT rejects the
+            # kernel): a select instead
+            return f"(1.0 if {x} else 0.0)" if dtype.is_floating_point else f"(1 if {x} else 0)"
         if dtype.is_floating_point:
             return f"float({x})"
         if dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
@@ -202,6 +206,10 @@ class AccelOverrides(OpOverrides):
         return f"({x} * 0 if {x} == 0 or {x} != {x} else (1 if {x} > 0 else -1))"
 
     @staticmethod
+    def copysign(a: Any, b: Any) -> str:
+        return f"(-abs({a}) if {AccelOverrides.signbit(b)} else abs({a}))"
+
+    @staticmethod
     def signbit(x: Any) -> str:
         return f"({x} < 0 or ({x} == 0 and 1.0 / {x} < 0))"
 
@@ -279,6 +287,10 @@ class AccelKernel(SIMDKernel):
 
     overrides = AccelOverrides  # type: ignore[assignment]
     kexpr = PythonPrinter().doprint
+    #: the reductions ``_reduction`` writes a loop for (fallbacks.py sends the others to
+    #: the eager operators)
+    REDUCTIONS = frozenset({"sum", "prod", "any", "xor_sum", "max", "min", "argmax", "argmin",
+                            "welford_reduce", "welford_combine"})
     sexpr = kexpr
 
     def __init__(self, tiling: dict[str, sympy.Expr], **kwargs: Any) -> None:
@@ -300,8 +312,10 @@ class AccelKernel(SIMDKernel):
     # ------------------------------------------------------------------ memory
     def load(self, name: str, index: sympy.Expr) -> CSEVariable:
         var = self.args.input(name)
-        index = self.prepare_indexing(index)
         dtype = V.graph.get_dtype(name)
+        if V.graph.is_unspec_arg(name):  # a Python number Dynamo passes as a 0-d CPU
+            return self.cse.generate(self.loads, var, dtype=dtype)  # tensor: a scalar
+        index = self.prepare_indexing(index)
         line = f"{var}[{self.index_to_str(index)}]"
         if dtype not in halfbits.FORMATS:
             return self.cse.generate(self.loads, line, dtype=dtype)
@@ -456,8 +470,11 @@ class AccelKernel(SIMDKernel):
         self.codegen_body()
         argdefs, _, _, _ = self.args.python_argdefs()
         params = [a.name for a in argdefs if a.name not in self.removed_buffers]
-        sizes = set(self.args.sizevars.values())
-        params = [f"{p}: 'int64'" if p in sizes else p for p in params]
+        scalars = dict.fromkeys(self.args.sizevars.values(), "int64")
+        scalars.update({inner: "float64" if V.graph.get_dtype(outer).is_floating_point
+                        else "int64" for outer, inner in self.args.input_buffers.items()
+                        if V.graph.is_unspec_arg(outer)})
+        params = [f"{p}: {scalars[p]!r}" if p in scalars else p for p in params]
         code = IndentedBuffer()
         code.writeline(f"def KERNEL_NAME({', '.join([*params, 'xnumel: ' + repr('int64')])}):")
         with code.indent():

@@ -70,12 +70,16 @@ class Generated:
     def __call__(self, *args: Any) -> None:
         *params, numel = args
         numel = int(numel)
+        # a Python number Dynamo made a graph input travels as a 0-d CPU tensor; the
+        # kernel takes it as a scalar parameter (codegen.py's ``load``)
+        params = [a.item() if isinstance(a, torch.Tensor) and a.device.type == "cpu" else a
+                  for a in params]
         tensors = [a for a in params if isinstance(a, torch.Tensor)]
         if numel <= 0 or not tensors:
             return
         device = tensors[0].device.index
         key = (device, numel, *((a.dtype, _extent(a)) if isinstance(a, torch.Tensor)
-                                else int(a) for a in params))
+                                else a for a in params))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(device, numel, params)
@@ -95,6 +99,6 @@ class Generated:
                 base, offset = block_of(a)
                 values.append(base.view(BUFFER_DTYPES[a.dtype], (_extent(a),), offset))
             else:
-                values.append(int(a))
+                values.append(a if isinstance(a, float) else int(a))
         values.append(numel)
         return self._kernel(device).plan(shared.grid(numel, BLOCK), BLOCK, values)
