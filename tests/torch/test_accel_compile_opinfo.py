@@ -22,8 +22,10 @@ tolerance overrides, torch's defaults otherwise).
 
 Time: each distinct generated kernel is compiled once by the firmware's JIT (about half a
 second on this machine, more under load), and nearly every sample is a kernel of its own,
-so the CI run takes the first sample of each operator in float32; with
-``ACCEL_OPINFO_ALL_SAMPLES=1`` every sample, in float32 and int64 (many minutes).
+so the CI run takes the first float32 sample of every third derived operator (in op_db's
+order: 63 of 188 with torch 2.13, about 70 s; all 188 took 157 s at load 1); with
+``ACCEL_OPINFO_ALL_SAMPLES=1`` every operator and every sample, in float32 and int64
+(many minutes).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ FULL = os.environ.get("ACCEL_OPINFO_ALL_SAMPLES") == "1"
 SAMPLES = 0 if FULL else 1
 #: the dtypes run: int64 too (for the operators that support it) in the full run
 DTYPES = ["float32", "int64"] if FULL else ["float32"]
+#: every STRIDE-th derived operator is run (the suite's time budget: see above)
+STRIDE = 1 if FULL else 3
 #: operators per compiled function
 GROUP = 60
 
@@ -69,7 +73,8 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.utils import run_and_get_code
 from torch_accel.inductor import launcher
 T0 = time.monotonic()
-SAMPLES, GROUP, DTYPES = {samples!r}, {group!r}, [getattr(torch, d) for d in {dtypes!r}]
+SAMPLES, GROUP, STRIDE = {samples!r}, {group!r}, {stride!r}
+DTYPES = [getattr(torch, d) for d in {dtypes!r}]
 DECOMP = select_decomp_table()
 TAGS = (torch.Tag.pointwise, torch.Tag.reduction)
 #: casts to complex dtypes: Inductor generates no complex code on any device
@@ -190,8 +195,9 @@ def compile_and_compare(infos, dtype):
         except Exception as e:
             bad.append(f"{{key(info)}}[{{i}}] {{dtype}}: {{str(e).splitlines()[0]}}")
 
+tested = derived[::STRIDE]
 for dtype in DTYPES:
-    infos = [i for i in derived if dtype in i.supported_dtypes("cpu")]
+    infos = [i for i in tested if dtype in i.supported_dtypes("cpu")]
     for k in range(0, len(infos), GROUP):
         try:
             compile_and_compare(infos[k:k + GROUP], dtype)
@@ -203,22 +209,23 @@ for dtype in DTYPES:
                 except Exception as e:
                     bad.append(f"{{key(info)}} {{dtype}}: compile: {{type(e).__name__}}: "
                                f"{{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}}")
-report(derived=sorted(key(i) for i in derived), bad=bad, eager=eager, counted=counted, groups=groups, eager_errors=eager_errors,
+report(derived=sorted(key(i) for i in derived), tested=sorted(key(i) for i in tested), bad=bad, eager=eager, counted=counted, groups=groups, eager_errors=eager_errors,
        derive_s=round(derive_s, 1), total_s=round(time.monotonic() - T0, 1))
 """
 
 
 def test_compiled_pointwise_and_reduction_opinfos_match_eager(torch_json):
-    r = torch_json(SCRIPT.format(samples=SAMPLES, group=GROUP, dtypes=DTYPES),
+    r = torch_json(SCRIPT.format(samples=SAMPLES, group=GROUP, stride=STRIDE, dtypes=DTYPES),
                    timeout=580)
-    print({k: v for k, v in r.items() if k != "derived"})
-    derived = set(r["derived"])
+    print({k: v for k, v in r.items() if k not in ("derived", "tested")})
+    derived, tested = set(r["derived"]), set(r["tested"])
+    assert len(tested) >= len(derived) // STRIDE, (len(tested), len(derived))
     # the families the issue names are among the derived operators
     assert {"add", "exp", "where", "clamp", "lerp", "addcmul", "sum", "mean", "amax", "var",
             "argmax", "any", "logsumexp"} <= derived, derived
     assert not r["bad"], r["bad"]
     # no fallback or extern call in the generated code but the listed ones
     assert {k: v for k, v in r["eager"].items() if EAGER.get(k) != v} == {}, r["eager"]
-    assert set(EAGER) <= set(r["eager"]), set(EAGER) - set(r["eager"])  # none stale
+    assert (set(EAGER) & tested) <= set(r["eager"]), (set(EAGER) & tested) - set(r["eager"])
     assert all(g["kernels"] > 0 and g["launches"] > 0 for g in r["groups"]), r["groups"]
-    assert r["counted"]["torch.float32"] >= len(derived), r["counted"]
+    assert r["counted"]["torch.float32"] >= len(tested), r["counted"]
