@@ -69,10 +69,18 @@ def test_non_blocking_copies_with_pinned_memory_are_stream_ordered(torch_run):
         p = x.pin_memory()
         print(p.is_pinned(), x.is_pinned())
         d = torch.empty_like(x, device="accel")
-        torch.accel._sleep(2_000_000)
-        d.copy_(p, non_blocking=True)
-        print(torch.accel.current_stream().query())          # still queued behind the sleep
         h = torch.empty_like(x).pin_memory()
+        # the device takes nothing while held, so the copy is still queued when this
+        # process looks (a sleep alone ended first when the host kept the process waiting
+        # for a CPU: a fresh clone's make test printed True)
+        hold = f"{os.environ['ACCEL_EMU_ROOT']}/sys/kernel/debug/accel/accel0/sched_hold"
+        open(hold, "w").write("1")
+        try:
+            torch.accel._sleep(2_000_000)
+            d.copy_(p, non_blocking=True)
+            print(torch.accel.current_stream().query())      # still queued behind the sleep
+        finally:
+            open(hold, "w").write("0")
         h.copy_(d, non_blocking=True)
         torch.accel.current_stream().synchronize()
         print("wrong", int((h != x).sum()))
