@@ -43,6 +43,18 @@ print("wrong", np.count_nonzero(b.copy_to_host() != np.arange(1 << 16, dtype=np.
 """
 
 
+def let_go(exp, fate: str) -> None:
+    """The exporter (IPC_EXPORTER) lets its block go: ``frees`` it and lives on, or ``dies``
+    (SIGKILL)."""
+    if fate == "frees":
+        exp.stdin.write("free\n")
+        exp.stdin.flush()
+        assert exp.stdout.readline().strip() == "freed"
+    else:
+        exp.send_signal(signal.SIGKILL)
+        exp.wait()
+
+
 @pytest.mark.parametrize("exporter_fate", ["frees", "dies"])
 def test_ipc_lifetime_outlives_the_exporter(daemon, exporter_fate):
     daemon.wait_attrs(0, IDLE)
@@ -52,13 +64,7 @@ def test_ipc_lifetime_outlives_the_exporter(daemon, exporter_fate):
         handle = exp.stdout.readline().strip()
         imp = daemon.popen_py(IPC_IMPORTER, handle)
         assert imp.stdout.readline().strip() == "wrong 0"
-        if exporter_fate == "frees":
-            exp.stdin.write("free\n")
-            exp.stdin.flush()
-            assert exp.stdout.readline().strip() == "freed"
-        else:
-            exp.send_signal(signal.SIGKILL)
-            exp.wait()
+        let_go(exp, exporter_fate)
         imp.stdin.write("\n")
         imp.stdin.flush()
         assert imp.stdout.readline().strip() == "wrong 0"  # still readable after the exporter
@@ -207,13 +213,7 @@ def test_a_handle_whose_memory_every_holder_let_go_is_refused(daemon, exporter_f
     exp = daemon.popen_py(IPC_EXPORTER)
     try:
         handle = exp.stdout.readline().strip()
-        if exporter_fate == "frees":
-            exp.stdin.write("free\n")
-            exp.stdin.flush()
-            assert exp.stdout.readline().strip() == "freed"
-        else:
-            exp.send_signal(signal.SIGKILL)
-            exp.wait()
+        let_go(exp, exporter_fate)
         daemon.wait_attrs(0, {"memory_used": "0"})  # released: no holder is left
         out = daemon.run_py(LATE_IMPORTER.replace("sys.argv[1]", repr(handle)))
         assert out.returncode == 0, out.stderr
