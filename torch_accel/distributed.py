@@ -6,8 +6,8 @@ backend picks it where the accelerator is ``accel``, as cuda picks nccl.
 
 The transport is gloo, which torch ships: the emulated devices have no network of their
 own, and gloo already carries bytes between hosts. An all_reduce whose ranks are all on
-this host goes through shared memory instead (:mod:`torch_accel.intrahost`). A collective on accel tensors is three
-stages (docs/distributed.md, "The accl backend"):
+this host goes through shared memory instead (:mod:`torch_accel.intrahost`). A collective
+on accel tensors is three stages (docs/distributed.md, "The accl backend"):
 
 1. *Staging*, on the calling thread: a communication stream per device waits for the
    current stream, copies each input into a pinned host buffer (asynchronous, on that

@@ -209,7 +209,8 @@ for dtype in DTYPES:
                 except Exception as e:
                     bad.append(f"{{key(info)}} {{dtype}}: compile: {{type(e).__name__}}: "
                                f"{{str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}}")
-report(derived=sorted(key(i) for i in derived), tested=sorted(key(i) for i in tested), bad=bad, eager=eager, counted=counted, groups=groups, eager_errors=eager_errors,
+report(derived=sorted(key(i) for i in derived), tested=sorted(key(i) for i in tested), bad=bad,
+       eager=eager, counted=counted, groups=groups, eager_errors=eager_errors,
        derive_s=round(derive_s, 1), total_s=round(time.monotonic() - T0, 1))
 """
 

@@ -63,6 +63,8 @@ _ROW = """    part = shared_array(256, "float64")
 HOT_BACKWARD = frozenset({Backward.threshold, Backward.sigmoid, Backward.tanh,
                           Backward.silu})
 
+_HOT_BACKWARD_OPS = {k: v for k, v in _BACKWARD.items() if k in HOT_BACKWARD}
+
 _ACTIVATION_OPERANDS = """    i = global_id(0)
     if i < n:
         g = grad[i]
@@ -74,7 +76,7 @@ SOURCE = f"""def activation_backward(out, grad, x, op: 'int64', p0, n: 'int64'):
 
 
 def activation_backward_hot(out, grad, x, op: 'int64', p0, n: 'int64'):
-{_ACTIVATION_OPERANDS}{shared.dispatch_store({k: v for k, v in _BACKWARD.items() if k in HOT_BACKWARD}, " " * 8, "0.0")}
+{_ACTIVATION_OPERANDS}{shared.dispatch_store(_HOT_BACKWARD_OPS, " " * 8, "0.0")}
 
 
 def softmax(out, x, n: 'int64', logf: 'int64'):
