@@ -218,3 +218,40 @@ sys.stdin.readline()
             child.kill()
             child.wait(timeout=60)
     daemon.wait_attrs(0, IDLE)
+
+
+def test_a_reset_with_a_wait_pending_loses_the_stream_at_once(make_daemon):
+    """A device reset while a stream waits (an hour's timeout) on a word nobody writes: the
+    waiter raises DeviceLostError when the reset comes, not when the wait would end, and the
+    device serves again."""
+    d = make_daemon(devices=1)
+    client = d.popen_py(PRELUDE + """
+import time
+flag = runtime.pinned_empty(1, np.uint32)
+flag[0] = 0
+s = runtime.Stream()
+s.wait_value32(flag, 0, 1, timeout=3600)
+s.submit_nop()
+print("waiting", flush=True)
+t = time.monotonic()
+try:
+    s.synchronize(timeout=120)
+    print("no error", flush=True)
+except runtime.DeviceLostError as e:
+    print(f"lost within 60 s {time.monotonic() - t < 60}", flush=True)
+""")
+    try:
+        assert client.stdout.readline().strip() == "waiting", client.stderr.read()
+        (d.root / "sys/class/accel/accel0/reset").write_text("1")
+        assert client.stdout.readline().strip() == "lost within 60 s True", client.stderr.read()
+        assert client.wait(timeout=60) == 0, client.stderr.read()
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait(timeout=60)
+    d.wait_state(0, "operational")
+    d.wait_attrs(0, IDLE)
+    out = d.run_py(PRELUDE + """
+s = runtime.Stream(); s.submit_nop(); s.synchronize(timeout=30); print("works")
+""", timeout=120)
+    assert out.stdout.strip() == "works", out.stderr
