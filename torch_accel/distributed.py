@@ -147,8 +147,6 @@ class _Op:
     #: the accel device, or None for CPU tensors (gloo's own, queued only for the order)
     device: torch.device | None
     run: Callable[[], dist.Work | None]
-    #: (device tensor, host buffer) pairs copied back once gloo is done
-    results: list[tuple[torch.Tensor, torch.Tensor]]
     #: what the Work's future holds: the result tensors, on the device
     value: list[torch.Tensor]
     staged: torch.Event | None
@@ -342,8 +340,8 @@ class AcclProcessGroup(dist.ProcessGroup):
             raise self._local_fault(dev, exc) from exc
         h_in = [host[id(t)] for t in inputs]
         h_out = [host[id(t)] for t in outputs]
-        op = _Op(dev, lambda: run(h_in, h_out), [(t, host[id(t)]) for t in outputs],
-                 list(value if value is not None else outputs), staged, tensors,
+        op = _Op(dev, lambda: run(h_in, h_out), list(value if value is not None else outputs),
+                 staged, tensors,
                  (lambda: finish(h_out)) if finish else None, buffers=list(host.values()),
                  lane=lane, ticket=ticket, landed=landed)
         return self._queue(op)
@@ -387,7 +385,7 @@ class AcclProcessGroup(dist.ProcessGroup):
         except runtime.AccelError as exc:
             raise self._local_fault(dev, exc) from exc
         self._pool.give(list(host.values()), landed, stream)
-        op = _Op(dev, lambda: None, [], list(value if value is not None else outputs), None, [])
+        op = _Op(dev, lambda: None, list(value if value is not None else outputs), None, [])
         op.future.set_result(op.value)
         return AcclWork(op)
 
@@ -403,7 +401,7 @@ class AcclProcessGroup(dist.ProcessGroup):
         it, so every call goes through the one issuing thread, or runs on the caller's
         with the issuing lock held when ``sync`` and nothing is queued (as ``_inline``)."""
         self._raise_fault(look=False)
-        op = _Op(None, run, [], list(tensors), None, [])
+        op = _Op(None, run, list(tensors), None, [])
         if sync and self._issue.unfinished_tasks == 0:
             with self._issuing_lock:
                 if self._issue.unfinished_tasks == 0:
