@@ -10,7 +10,7 @@
 
 /* --- constants (abi/uapi.py) --- */
 #define ACCEL_ABI_MAJOR 2u
-#define ACCEL_ABI_MINOR 5u
+#define ACCEL_ABI_MINOR 6u
 #define ACCEL_IOCTL_BASE 0x61u
 #define ACCEL_TAG_LIMIT 0x4000000000000000ULL
 #define ACCEL_MAX_PENDING_REPLIES 0x100u
@@ -493,6 +493,11 @@ _Static_assert(offsetof(struct accel_device_reset, pad) == 12, "accel_device_res
 #define ACCEL_ARG_BUFFER 1u
 #define ACCEL_ARG_SHAPE 2u
 #define ACCEL_ARGS_MAX 0x1000u
+#define ACCEL_WAIT_VALUE_GEQ 0u
+#define ACCEL_WAIT_VALUE_EQ 1u
+#define ACCEL_WAIT_VALUE_AND 2u
+#define ACCEL_WAIT_VALUE_NOR 3u
+#define ACCEL_WAIT_VALUE_TIMEOUT_MAX_NS 0x4e94914f0000ULL
 #define ACCEL_DTYPE_INT8 1u
 #define ACCEL_DTYPE_UINT8 2u
 #define ACCEL_DTYPE_INT16 3u
@@ -512,6 +517,8 @@ _Static_assert(offsetof(struct accel_device_reset, pad) == 12, "accel_device_res
 #define ACCEL_OP_WAIT_QUEUE 3u
 #define ACCEL_OP_PREFETCH 4u
 #define ACCEL_OP_LAUNCH 5u
+#define ACCEL_OP_WAIT_VALUE 6u
+#define ACCEL_OP_WRITE_VALUE 7u
 
 /* Any packet: opcode, flags (0: anything else faults it, EINVAL), a0..a6. */
 struct accel_packet {
@@ -602,6 +609,38 @@ _Static_assert(sizeof(struct accel_packet_launch) == ACCEL_PACKET_SIZE, "accel_p
 #define ACCEL_LAUNCH_SHARED 3
 #define ACCEL_LAUNCH_ARGS_VA 4
 #define ACCEL_LAUNCH_ARGS_LEN 5
+
+/* WAIT_VALUE (cuStreamWaitValue32/64): later packets of this queue wait until the width-byte word (4 or 8, aligned to it) at va satisfies cmp (WAIT_VALUE_*) against value. va must lie in host-pinned memory of the context: a word the host writes, with no system call. A wait still unsatisfied timeout_ns after it began (0: the device's watchdog) faults its queue with ETIMEDOUT, like a kernel the watchdog stopped. Faults: EFAULT outside the context's mappings; EINVAL for another kind of memory, a misaligned va, a width, comparison, value (wider than width) or timeout out of range. */
+struct accel_packet_wait_value {
+	uint32_t opcode; /* ACCEL_OP_WAIT_VALUE */
+	uint32_t flags; /* 0 */
+	uint64_t va; /* a0 */
+	uint64_t value; /* a1 */
+	uint64_t width; /* a2 */
+	uint64_t cmp; /* a3 */
+	uint64_t timeout_ns; /* a4 */
+	uint64_t reserved[2]; /* a5..a6: 0 */
+};
+_Static_assert(sizeof(struct accel_packet_wait_value) == ACCEL_PACKET_SIZE, "accel_packet_wait_value");
+#define ACCEL_WAIT_VALUE_VA 0
+#define ACCEL_WAIT_VALUE_VALUE 1
+#define ACCEL_WAIT_VALUE_WIDTH 2
+#define ACCEL_WAIT_VALUE_CMP 3
+#define ACCEL_WAIT_VALUE_TIMEOUT_NS 4
+
+/* WRITE_VALUE (cuStreamWriteValue32/64): write value as a width-byte word (4 or 8, aligned to it) at va, host-pinned memory of the context, once the packets before it completed: the host (or another queue's WAIT_VALUE) sees the stream reach this point. Faults as WAIT_VALUE's. */
+struct accel_packet_write_value {
+	uint32_t opcode; /* ACCEL_OP_WRITE_VALUE */
+	uint32_t flags; /* 0 */
+	uint64_t va; /* a0 */
+	uint64_t value; /* a1 */
+	uint64_t width; /* a2 */
+	uint64_t reserved[4]; /* a3..a6: 0 */
+};
+_Static_assert(sizeof(struct accel_packet_write_value) == ACCEL_PACKET_SIZE, "accel_packet_write_value");
+#define ACCEL_WRITE_VALUE_VA 0
+#define ACCEL_WRITE_VALUE_VALUE 1
+#define ACCEL_WRITE_VALUE_WIDTH 2
 
 /* A record of a LAUNCH's argument block (docs/kernels.md "Launch ABI"): kind
  * ACCEL_ARG_SCALAR (value: its bits, low bytes first), ACCEL_ARG_BUFFER (value: its

@@ -84,6 +84,8 @@ _KINDS = (
          "a kernel ran past the watchdog and was stopped"),
     Kind(45, "QUEUE_UNMAPPABLE", "firmware", _U, Scope.QUEUE, Action.RESTART_APP,
          "the firmware could not map the queue's ring; the queue never runs"),
+    Kind(47, "QUEUE_WAIT_TIMEOUT", "firmware", _U, Scope.QUEUE, Action.RESTART_APP,
+         "a queue's wait for a value the host writes (WAIT_VALUE) ran past its timeout"),
     Kind(46, "MAP_FAILED", "firmware", _U, Scope.OPERATION, Action.RESTART_APP,
          "the firmware could not map an allocation MEM_ALLOC made: packets that touch it "
          "fault (EFAULT); free it and allocate again"),
@@ -170,12 +172,13 @@ def bank_of(offset: int, memory_total: int) -> int:
     return min(MEMORY_BANKS - 1, offset * MEMORY_BANKS // max(1, memory_total))
 
 
-def queue_fault_kind(code: int) -> Kind:
-    """The catalogue entry of a packet that faulted with errno ``code``."""
+def queue_fault_kind(code: int, opcode_name: str = "") -> Kind:
+    """The catalogue entry of a packet (opcode ``opcode_name``) that faulted with errno
+    ``code``: a timeout is a kernel's, or a WAIT_VALUE's."""
     if code == _errno.EFAULT:
         return CATALOGUE[31]
     if code in (_errno.ETIMEDOUT, _errno.ETIME):
-        return CATALOGUE[43]
+        return CATALOGUE[47 if opcode_name == "WAIT_VALUE" else 43]
     if code == _errno.ENOLINK:
         return CATALOGUE[76]
     return CATALOGUE[13]

@@ -44,8 +44,10 @@ ACCEL_ABI_MAJOR: Final = 2
 #: (``schedule``, ``schedule_fd``, ``seed``, in what was reserved; abi/schedule.py). 2.5:
 #: the schedule table holds injected faults (``FAULT`` entries, the ``SCHED_AT`` word and
 #: the driver's fault region; abi/schedule.py): a driver of 2.4 would neither record nor
-#: replay them.
-ACCEL_ABI_MINOR: Final = 5
+#: replay them. 2.6: the stream memory operations, WAIT_VALUE and WRITE_VALUE packets
+#: (abi/userq.py): a firmware of 2.5 faults them as unknown opcodes, so a driver of 2.5
+#: must refuse a runtime that may queue them.
+ACCEL_ABI_MINOR: Final = 6
 
 # --- _IOC encoding, as in include/uapi/asm-generic/ioctl.h ---------------------------
 _IOC_NRBITS, _IOC_TYPEBITS, _IOC_SIZEBITS = 8, 8, 14

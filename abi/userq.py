@@ -23,7 +23,7 @@ from abi import kernel_lang
 
 
 class Op(enum.IntEnum):
-    """Packet opcodes: word 0 of a packet. Each has one layout below (``Nop`` ... ``Launch``)."""
+    """Packet opcodes: word 0 of a packet. Each has one layout below (``Nop`` ... ``WriteValue``)."""
 
     NOP = 0
     COPY = 1
@@ -31,6 +31,8 @@ class Op(enum.IntEnum):
     WAIT_QUEUE = 3
     PREFETCH = 4
     LAUNCH = 5
+    WAIT_VALUE = 6
+    WRITE_VALUE = 7
 
 
 def op_name(opcode: int) -> str:
@@ -130,10 +132,61 @@ class Launch(NamedTuple):
         return _encode(self)
 
 
-Packet = Union[Nop, Copy, Memset, WaitQueue, Prefetch, Launch]
+#: WAIT_VALUE comparisons (``WaitValue.cmp``), CUDA's ``CU_STREAM_WAIT_VALUE_*``: the wait
+#: ends once the word ``w`` at its address satisfies, against the packet's ``value`` ``v``
+#: (both of the packet's width): GEQ ``(w - v) mod 2**width`` is below ``2**(width - 1)``
+#: (a counter that may wrap has reached ``v``), EQ ``w == v``, AND ``w & v != 0``, NOR
+#: ``~(w | v) != 0``.
+WAIT_VALUE_GEQ: Final = 0
+WAIT_VALUE_EQ: Final = 1
+WAIT_VALUE_AND: Final = 2
+WAIT_VALUE_NOR: Final = 3
+#: The longest timeout a WAIT_VALUE may name (ns: a day); longer faults the packet, EINVAL.
+#: 0 names the device's watchdog (the image's ``watchdog_ms``).
+WAIT_VALUE_TIMEOUT_MAX_NS: Final = 86_400 * 10**9
+
+
+class WaitValue(NamedTuple):
+    """WAIT_VALUE (cuStreamWaitValue32/64): later packets of this queue wait until the
+    ``width``-byte word (4 or 8, aligned to it) at ``va`` satisfies ``cmp`` (``WAIT_VALUE_*``)
+    against ``value``. ``va`` must lie in host-pinned memory of the context: a word the
+    host writes, with no system call. A wait still unsatisfied ``timeout_ns`` after it began
+    (0: the device's watchdog) faults its queue with ETIMEDOUT, like a kernel the watchdog
+    stopped. Faults: EFAULT outside the context's mappings; EINVAL for another kind of
+    memory, a misaligned ``va``, a width, comparison, value (wider than ``width``) or
+    timeout out of range."""
+
+    va: int
+    value: int
+    width: int
+    cmp: int
+    timeout_ns: int
+    OP = Op.WAIT_VALUE
+
+    def encode(self) -> bytes:
+        return _encode(self)
+
+
+class WriteValue(NamedTuple):
+    """WRITE_VALUE (cuStreamWriteValue32/64): write ``value`` as a ``width``-byte word (4 or
+    8, aligned to it) at ``va``, host-pinned memory of the context, once the packets before
+    it completed: the host (or another queue's WAIT_VALUE) sees the stream reach this
+    point. Faults as WAIT_VALUE's."""
+
+    va: int
+    value: int
+    width: int
+    OP = Op.WRITE_VALUE
+
+    def encode(self) -> bytes:
+        return _encode(self)
+
+
+Packet = Union[Nop, Copy, Memset, WaitQueue, Prefetch, Launch, WaitValue, WriteValue]
 #: opcode -> its layout
 LAYOUTS: Final[dict[int, type[Any]]] = {
-    cls.OP: cls for cls in (Nop, Copy, Memset, WaitQueue, Prefetch, Launch)}
+    cls.OP: cls for cls in (Nop, Copy, Memset, WaitQueue, Prefetch, Launch, WaitValue,
+                            WriteValue)}
 _PADS: Final = {op: (0,) * (7 - len(cls._fields)) for op, cls in LAYOUTS.items()}
 #: opcode -> (its layout, the end of its words in RAW_PACKET's unpacked tuple)
 _DECODE: Final = {op: (cls, 2 + len(cls._fields)) for op, cls in LAYOUTS.items()}

@@ -82,6 +82,8 @@ class Kernels:
         #: block-shared memory) faults with EOPNOTSUPP, whatever its IR's flags claimed
         self.capabilities = frozenset(config.get("capabilities", ()))
         self.watchdog_s = config.get("watchdog_ms", 10_000) / 1000
+        #: ...and in ns: a WAIT_VALUE that names no timeout of its own ends at it
+        self.watchdog_ns = int(config.get("watchdog_ms", 10_000)) * 1_000_000
         self.deadlines: Deadlines | None = None
         #: the abort word of the inline launches (one runs at a time, on the control loop)
         self._inline_abort = np.zeros(1, np.int64)

@@ -54,8 +54,6 @@ SPIN_AFTER_ACTIVITY_S = 500e-6
 #: a plain sleep made every tenant's packet wait out the nap (and the timer slack) while
 #: another tenant's grid ran.
 ENGINES_BUSY_NAP_S = 50e-6
-#: While a ring waits on another device's fence nothing here wakes us: poll this often.
-CROSS_DEVICE_POLL_S = 0.001
 #: Control messages handled per pass of the loop.
 MAILBOX_BATCH = 256
 _POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR
@@ -445,9 +443,7 @@ class Firmware:
             self.sched.pending() or self.sched.doorbells_moved() or self.mbx.cmd.pending())
         if runnable:
             timeout = 0.0
-        elif any(r.blocked and r.blocked[0].fence_only for r in self.sched.active):
-            timeout = min(timeout, CROSS_DEVICE_POLL_S)
-        timeout = min(timeout, self.sched.held_for_s())
+        timeout = min(timeout, self.sched.held_for_s(), self.sched.poll_in_s())
         for fd, _events in self._poller.poll(timeout * 1000):
             self._drain_fd(fd)
         for c in contexts:

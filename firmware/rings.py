@@ -29,6 +29,7 @@ from firmware.telemetry import EngineTime
 
 if TYPE_CHECKING:
     from firmware.adversary import Adversary
+    from firmware.waits import Wait
 
 #: A context with at most this many rings has its doorbell slots compared one by one;
 #: more are compared in one numpy operation.
@@ -76,7 +77,7 @@ class Ring(userq.RingView):
         #: the control loop's time its turns took (ns), from the scheduler's clock when it
         #: last became active (firmware/scheduler.py: fair turns)
         self.vtime = 0
-        self.blocked: tuple[Ring, int, int] | None = None  # (ring, seqno) it waits for, since
+        self.blocked: Wait | None = None  # what its current packet waits for (firmware/waits.py)
         self.parked: tuple[int, tuple[int, ...]] | None = None  # a launch awaiting its module
         #: its context's adversarial schedule (firmware/adversary.py): the queue's index
         #: in the context and rank (lower goes first), and the packet it last decided on

@@ -5,8 +5,8 @@ It takes packets in order, one queue at a time, high-priority queues first. Chea
 no-op round trip costs no thread hand-off; heavy ones become jobs for the engines
 (:mod:`firmware.engines`: copy engines for copies, memsets and migrations, compute engines
 for kernels), and the queue is busy until its job completes. What each packet does is
-:mod:`firmware.copies` and :mod:`firmware.launches`; ``WAIT_QUEUE`` is the scheduler's
-own (it orders queues).
+:mod:`firmware.copies` and :mod:`firmware.launches`; the waits (``WAIT_QUEUE``,
+``WAIT_VALUE``) and ``WRITE_VALUE`` are the scheduler's own, with :mod:`firmware.waits`.
 
 Nothing a process writes is trusted (docs/containment.md): ring words, packets, argument
 blocks and modules are checked in Python integers before anything runs, and any exception
@@ -34,7 +34,7 @@ from typing import Any
 
 from abi import userq
 from abi.userq import Op
-from firmware import copies, memory
+from firmware import copies, memory, waits
 from firmware.engines import EnginePool
 from firmware.launches import PARKED, Kernels
 from firmware.rings import Completion, FwContext, Ring
@@ -319,15 +319,30 @@ class Scheduler:
         return done
 
     def _unblocked(self, ring: Ring) -> bool:
-        """Complete the ring's WAIT_QUEUE if the fence it waits for passed (or the ring is
-        being destroyed: it drains)."""
-        assert ring.blocked is not None
-        other, target, start_ns = ring.blocked
-        if other.completed < target and not ring.closing:
-            return False
+        """Complete the ring's wait (firmware/waits.py) if it is over, or failed (a value
+        wait past its deadline faults the ring), or the ring is being destroyed (it
+        drains)."""
+        wait = ring.blocked
+        assert wait is not None
+        now = monotonic_ns()
+        try:
+            if not wait.ready(now) and not ring.closing:
+                return False
+            c = Completion(0, wait.start_ns, monotonic_ns())
+        except memory.Fault as f:
+            c = Completion.failed(ring.taken, wait.opcode, f.code, f.addr, wait.start_ns, now)
         ring.blocked = None
-        self.complete(ring, ring.taken, Completion(0, start_ns, monotonic_ns()))
+        self.complete(ring, ring.taken, c)
         return True
+
+    def poll_in_s(self) -> float:
+        """How long the loop may sleep before a blocked ring needs a look (seconds; inf:
+        whatever it waits for wakes the loop): another device's fence and a host-written
+        value move without telling us (firmware/waits.py)."""
+        now = monotonic_ns()
+        at = min((t for r in self.active if r.blocked is not None
+                  and (t := r.blocked.poll_at_ns(now)) is not None), default=None)
+        return float("inf") if at is None else max(0.0, (at - now) / 1e9)
 
     def _start(self, ring: Ring, seqno: int, words: tuple[int, ...]) -> bool:
         """Begin one packet, ``words`` as the ring holds it (``userq.RAW_PACKET``). True if
@@ -381,14 +396,24 @@ class Scheduler:
         if opcode == Op.MEMSET:
             return copies.memset(self, ring, seqno, userq.decode(words), start_ns)
         if opcode == Op.WAIT_QUEUE:
-            wait = userq.decode(words)
-            other = ring.ctx.queues.get(wait.queue)
+            pkt = userq.decode(words)
+            other = ring.ctx.queues.get(pkt.queue)
             if other is None or other is ring:
                 raise memory.Fault(0, errno.EINVAL)
-            if other.completed >= wait.seqno:
+            if other.completed >= pkt.seqno:
                 return None
-            ring.blocked = (other, wait.seqno, start_ns)
+            ring.blocked = waits.QueueWait(other, pkt.seqno, start_ns)
             return _BLOCKED
+        if opcode == Op.WAIT_VALUE:
+            value_wait = waits.wait_value(ring, userq.decode(words), start_ns,
+                                          self.kernels.watchdog_ns)
+            if value_wait is None:
+                return None
+            ring.blocked = value_wait
+            return _BLOCKED
+        if opcode == Op.WRITE_VALUE:
+            waits.write_value(ring, userq.decode(words))
+            return None
         if opcode == Op.PREFETCH:
             return copies.prefetch(self, ring, seqno, userq.decode(words), start_ns)
         raise memory.Fault(0, errno.EINVAL)

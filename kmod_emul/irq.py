@@ -83,7 +83,7 @@ def on_fault(dev: AccelDevice, ctx_id: int, status: int, msg: mailbox.fw_fault) 
     if ctx is None or not ctx.diagnostic:  # one whose context is gone counts: it may be anyone's
         dev.tenant_faults += 1
     op = userq.op_name(msg.opcode)
-    dev.report(faults.queue_fault_kind(status).code, ctx, engine=faults.engine_of(op),
+    dev.report(faults.queue_fault_kind(status, op).code, ctx, engine=faults.engine_of(op),
                queue=msg.queue_id, seqno=msg.seqno, address=msg.address, opcode=op,
                errno=_errno_name(status), **({} if ctx is not None else {"context": ctx_id}))
 

@@ -223,6 +223,12 @@ def _device_event(d: _Done, offset: int) -> DeviceEvent:
     elif isinstance(pkt, userq.WaitQueue):
         name, cat = "Wait Queue Sync", "gpu_sync"
         args = {"wait_on_queue": pkt.queue, "wait_on_seqno": pkt.seqno}
+    elif isinstance(pkt, userq.WaitValue):
+        name, cat = "Wait Value Sync", "gpu_sync"
+        args = {"address": pkt.va, "value": pkt.value}
+    elif isinstance(pkt, userq.WriteValue):
+        name, cat = "Write Value", "gpu_memset"
+        args = {"address": pkt.va, "value": pkt.value}
     else:  # NOP (an event's marker), or a raw packet of another opcode
         name, cat = ("Marker Sync" if opcode == userq.Op.NOP
                      else f"{userq.op_name(opcode)} Sync"), "gpu_sync"

@@ -39,6 +39,9 @@ _ERROR_SEQNO = userq.RING_ERROR_SEQNO >> 3
 _DB_LOST = userq.DB_LOST >> 3
 _ON_ENGINE = userq.RING_ON_ENGINE >> 3
 _SLOTS = userq.RING_SLOTS
+#: ``wait_value32``'s comparisons by name (CUDA's CU_STREAM_WAIT_VALUE_*)
+_WAIT_CMP = {"geq": userq.WAIT_VALUE_GEQ, "eq": userq.WAIT_VALUE_EQ,
+             "and": userq.WAIT_VALUE_AND, "nor": userq.WAIT_VALUE_NOR}
 #: an argument block up to this long goes in its seqno's slot, which the firmware finds
 #: itself (the packet names no address: ``userq.RING_ARGS_VA``)
 SHORT_ARGS = userq.RING_ARGS_SLOT_BYTES
@@ -379,6 +382,77 @@ class Stream:
     def wait_stream(self, other: Stream) -> None:
         self.wait_event(other.record_event())
 
+    # --- stream memory operations (CUDA's cuStreamWaitValue32/64, cuStreamWriteValue32/64)
+    def wait_value32(self, buf: Any, offset: int, value: int, cmp: str = "geq",
+                     timeout: float | None = None) -> None:
+        """Later work on this stream waits, on the device, until the 32-bit word at byte
+        ``offset`` of ``buf`` (pinned memory of this stream's device: ``pinned_empty``)
+        satisfies ``cmp`` against ``value``: ``"geq"`` (the word, a counter that may wrap,
+        has reached ``value``), ``"eq"``, ``"and"`` (a bit of ``value`` is set) or ``"nor"``
+        (CUDA's ``CU_STREAM_WAIT_VALUE_*``). The host goes on; whoever writes the word ends
+        the wait, the host with a plain store (``buf`` is its memory) or a stream with
+        ``write_value32``. A wait still unsatisfied after ``timeout`` seconds (None: the
+        device's watchdog) faults this stream with ETIMEDOUT, as a hung kernel does."""
+        self._wait_value(buf, offset, value, 4, cmp, timeout)
+
+    def wait_value64(self, buf: Any, offset: int, value: int, cmp: str = "geq",
+                     timeout: float | None = None) -> None:
+        """``wait_value32`` on a 64-bit word."""
+        self._wait_value(buf, offset, value, 8, cmp, timeout)
+
+    def write_value32(self, buf: Any, offset: int, value: int) -> None:
+        """Write ``value`` as the 32-bit word at byte ``offset`` of ``buf`` (pinned memory,
+        as ``wait_value32``'s) once the work queued before it on this stream is done: the
+        host sees the stream reach this point by reading it, without a system call."""
+        self.submit([userq.WriteValue(self._memop_va(buf, offset, 4, value), value, 4)],
+                    (buf,))
+
+    def write_value64(self, buf: Any, offset: int, value: int) -> None:
+        """``write_value32`` of a 64-bit word."""
+        self.submit([userq.WriteValue(self._memop_va(buf, offset, 8, value), value, 8)],
+                    (buf,))
+
+    def _wait_value(self, buf: Any, offset: int, value: int, width: int, cmp: str,
+                    timeout: float | None) -> None:
+        code = _WAIT_CMP.get(cmp)
+        if code is None:
+            raise errors.InvalidValueError(
+                f"wait_value: comparison {cmp!r} is not one of {sorted(_WAIT_CMP)}")
+        timeout_ns = 0 if timeout is None else round(timeout * 1e9)
+        if timeout is not None and not 0 < timeout_ns <= userq.WAIT_VALUE_TIMEOUT_MAX_NS:
+            raise errors.InvalidValueError(
+                f"wait_value: timeout {timeout!r} s is outside (0, "
+                f"{userq.WAIT_VALUE_TIMEOUT_MAX_NS // 10**9}] s")
+        va = self._memop_va(buf, offset, width, value)
+        self.submit([userq.WaitValue(va, value, width, code, timeout_ns)], (buf,))
+
+    def _memop_va(self, buf: Any, offset: int, width: int, value: int) -> int:
+        """The device address of the ``width``-byte word at ``offset`` of ``buf``, which
+        must be pinned memory of this stream's context, aligned, holding ``value``: what
+        the device would refuse (docs/submission.md, "Stream memory operations") is refused
+        here first, with the reason."""
+        from runtime.memory import HostArray  # runtime.memory imports this module
+
+        owner = buf._accel if isinstance(buf, HostArray) else None
+        if owner is None or owner.kind != uapi.MemKind.HOST_PINNED or owner.ctx is not self.ctx:
+            raise errors.InvalidValueError(
+                f"stream memory operations need pinned memory of accel:{self.device} "
+                f"(runtime.pinned_empty), got {type(buf).__name__}")
+        if isinstance(offset, bool) or not isinstance(offset, int) \
+                or not 0 <= offset <= buf.nbytes - width:
+            raise errors.InvalidValueError(
+                f"offset {offset!r}: a {width}-byte word must lie in the buffer's "
+                f"{buf.nbytes} bytes")
+        va = int(buf.device_va) + offset
+        if va % width:
+            raise errors.InvalidValueError(f"offset {offset}: a {width}-byte word must be "
+                                           f"aligned to {width} bytes (address {va:#x})")
+        if isinstance(value, bool) or not isinstance(value, int) \
+                or not 0 <= value < 1 << (8 * width):
+            raise errors.InvalidValueError(f"value {value!r} does not fit {8 * width} "
+                                           "unsigned bits")
+        return va
+
     # --- completion --------------------------------------------------------------------
     @property
     def completed(self) -> int:
@@ -511,6 +585,8 @@ def fault_error(stream: Stream, seqno: int, code: int, opcode: int,
         what = f"kernel {record['kernel']}"
         if code == errno.ETIMEDOUT:
             what += " (stopped by the watchdog)"
+    elif opcode == userq.Op.WAIT_VALUE and code == errno.ETIMEDOUT:
+        what += " (the word was not written before the wait's timeout)"
     return cls(
         f"accel:{stream.device} queue {stream.queue_id}: {what} (seqno {seqno}) failed with "
         f"{errno.errorcode.get(code, str(code))} at address {addr:#x}; later work on this "

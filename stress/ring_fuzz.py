@@ -19,6 +19,8 @@ rings and knocks, then waits, bounded, for the outcome:
   missing or wrong-kind records, wrong dtype codes, element counts not a multiple of the
   dtype, shapes whose product overflows or does not match, more than 8 dimensions, 16 TiB
   buffers, buffers of B, blocks past ``ACCEL_ARGS_MAX`` or outside A's memory;
+* WAIT_VALUE and WRITE_VALUE with those addresses and a width no word has (each must
+  fault);
 * WAIT_QUEUE on itself, unknown queues, B's queues, A's other rings, the default queue
   and the imported queue of device 1 (for seqnos reached later, already reached, never);
 * lies: write-pointer jumps (+1024, +10**6, +2**63, to 2**64-1, backwards), doorbell-slot
@@ -427,7 +429,7 @@ class Client:
     # --- packets -----------------------------------------------------------------------------------
     def packet(self, qid: int) -> Pkt:
         rng = self.rng
-        op = rng.choice(list(Op) * 3 + [6, 7, 255, 1 << 16, (1 << 32) - 1])
+        op = rng.choice(list(Op) * 3 + [len(Op), len(Op) + 1, 255, 1 << 16, (1 << 32) - 1])
         flags = 0 if rng.random() < 0.93 else rng.choice((1, 2, 1 << 31, (1 << 32) - 1))
         p = self._packet(int(op), qid)
         if flags:
@@ -468,6 +470,10 @@ class Client:
             return self.wait_packet(qid, pkt)
         if op == Op.LAUNCH:
             return self.launch_packet(rng.choice(list(SIGS)), valid=rng.random() < 0.35)
+        if op in (Op.WAIT_VALUE, Op.WRITE_VALUE):  # a width no word has: refused, whatever
+            va, width = self.address(), rng.choice((0, 1, 2, 3, 16, (1 << 64) - 1))
+            return Pkt(pkt(va, rng.getrandbits(64), width), must_fault=True,
+                       what=f"{Op(op).name.lower()} {va:#x} width {width}")
         return Pkt(pkt(), must_fault=True, what=f"opcode {op}")
 
     def wait_packet(self, qid: int, pkt: Any) -> Pkt:

@@ -10,22 +10,26 @@ this host goes through shared memory instead (:mod:`torch_accel.intrahost`). A c
 on accel tensors is three stages (docs/distributed.md, "The accl backend"):
 
 1. *Staging*, on the calling thread: a communication stream per device waits for the
-   current stream, copies each input into a pinned host buffer (asynchronous, on that
-   stream) and records an event. The host does not wait for the device here.
+   current stream, copies each input into a pinned host buffer and records an event; then
+   it waits, on the device, for the collective's ticket in the device's pinned release word
+   (``Stream.wait_value64``) and copies the results back from the host buffers behind
+   that. Everything the device does is queued here; the host waits for nothing.
 2. *Transport*, on the group's issuing thread: it waits for the event, then hands the host
    buffers to gloo. One thread issues in call order, so every rank's gloo sees the same
    sequence of collectives.
 3. *Return*, on the group's completing thread: it waits for gloo (watching the store for
-   another rank's device fault meanwhile), copies the results back into the device tensors
-   on the communication stream, waits for that copy and completes the Work's future.
+   another rank's device fault meanwhile), then stores the ticket in the release word, so
+   the queued copies back run, waits for them and completes the Work's future.
 
 A synchronous collective (``async_op=False``) with nothing of the group queued runs all
 three on the calling thread and the current stream instead (``_inline``).
 
-``Work.wait()`` blocks the host until the return stage is done, then makes the current
-stream wait for the communication stream: the same contract as gloo's CUDA path in torch.
-NCCL's wait does not block the host; that needs a device-side wait on a host-written
-value, which the runtime does not offer. CPU tensors go to gloo as they are.
+``Work.wait()`` does not block the host, as NCCL's: it makes the current stream wait (on
+the device) for the copies back, so later work there is ordered after the collective. A
+collective that fails still stores its ticket, so no stream waits for it forever; its
+error is the Work's (``wait()`` raises it once known, the future raises it, and the
+group's next collective raises it). CPU tensors go to gloo as they are, and waiting for
+their Work blocks the host, as gloo's.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
@@ -122,6 +127,19 @@ def _reduce_op(op: Any) -> Any:
 
 
 @dataclass
+class _Lane:
+    """A device's communication stream and its release word: one u64 of pinned memory
+    the device waits on (``Stream.wait_value64``) before each collective's copies back.
+    Collectives of the device take tickets 1, 2, ... in call order; the completing thread,
+    alone, stores each ticket once its results are in the host buffers (or it failed), in
+    the same order, so the word only grows and releases exactly the collectives done."""
+
+    stream: torch.Stream
+    word: Any  # runtime.HostArray, one uint64
+    issued: int = 0
+
+
+@dataclass
 class _Op:
     """One accel collective in flight: its host buffers, what gloo does with them, and where
     the results go on the device."""
@@ -129,8 +147,6 @@ class _Op:
     #: the accel device, or None for CPU tensors (gloo's own, queued only for the order)
     device: torch.device | None
     run: Callable[[], dist.Work | None]
-    #: (device tensor, host buffer) pairs copied back once gloo is done
-    results: list[tuple[torch.Tensor, torch.Tensor]]
     #: what the Work's future holds: the result tensors, on the device
     value: list[torch.Tensor]
     staged: torch.Event | None
@@ -140,23 +156,41 @@ class _Op:
     gloo: dist.Work | None = None
     #: the pinned buffers, back to the pool when the op is over
     buffers: list[torch.Tensor] = field(default_factory=list)
+    #: its device's lane and ticket there, and the event after its copies back (a queued
+    #: accel collective; None for the others)
+    lane: _Lane | None = None
+    ticket: int = 0
+    landed: torch.Event | None = None
+    #: what failed it before the return stage (the issuing thread's), for that stage
+    error: BaseException | None = None
 
 
 class AcclWork(dist.Work):
-    """A collective's handle: ``wait()`` raises the collective's error, or makes the current
-    stream wait for the results (module docstring)."""
+    """A collective's handle (module docstring): ``wait()`` orders the current stream after
+    the collective without blocking the host (NCCL's contract), or raises its error once
+    known; the future completes once the results are on the device."""
 
-    def __init__(self, op: _Op, comm: torch.Stream | None) -> None:
+    def __init__(self, op: _Op) -> None:
         super().__init__()
         self._op = op
-        self._comm = comm
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """``timeout`` is not applied: the group's own (gloo's) bounds the wait."""
-        self._op.future.wait()
-        if self._comm is not None:
-            with torch.accel.device(self._op.device):
-                torch.accel.current_stream().wait_stream(self._comm)
+        """Queue, on the current stream, a wait for the collective's copies back; return
+        at once. A collective that already failed raises its error here. CPU tensors' (and
+        a completed synchronous one's) have no copies queued: their future is waited for.
+        ``timeout`` is not applied: the group's own bounds the collective."""
+        op = self._op
+        if op.landed is None or op.future.done():
+            op.future.wait()  # raises the collective's error
+        if op.landed is not None:
+            try:
+                with torch.accel.device(op.device):
+                    torch.accel.current_stream().wait_event(op.landed)
+            except runtime.AccelError:
+                # the device is lost: so is the collective, whose error (the group's
+                # message, which every rank's log reads alike) is the one to raise
+                op.future.wait()
+                raise
         return True
 
     def is_completed(self) -> bool:
@@ -166,6 +200,7 @@ class AcclWork(dist.Work):
         return self._op.future
 
     def synchronize(self) -> None:
+        """NCCL's: the current stream waits for the collective (``wait``)."""
         self.wait()
 
 
@@ -187,7 +222,11 @@ class AcclProcessGroup(dist.ProcessGroup):
         #: shared memory for all_reduce when every rank is on this host, else None (gloo)
         self._intra = IntraHost.join(dist.PrefixStore("intrahost/", self._store), rank, size,
                                      timeout.total_seconds())
-        self._comm: dict[int, torch.Stream] = {}
+        self._lanes: dict[int, _Lane] = {}
+        #: how long a communication stream waits for a collective's release on the device
+        #: before its wait faults (seconds): the group's timeout, which bounds the
+        #: collective itself, within what WAIT_VALUE accepts
+        self._release_timeout_s = min(max(timeout.total_seconds(), 1.0), 86_400.0)
         self._pool = _PinnedPool()
         #: each device's name in fault messages, taken while it still answers
         self._names: dict[int, str] = {}
@@ -222,12 +261,14 @@ class AcclProcessGroup(dist.ProcessGroup):
         return self._group_desc
 
     # --- the three stages --------------------------------------------------------------
-    def _stream(self, dev: torch.device) -> torch.Stream:
-        """The device's communication stream (one per device, made on first use)."""
-        if dev.index not in self._comm:
+    def _lane(self, dev: torch.device) -> _Lane:
+        """The device's communication stream and release word (made on first use)."""
+        if dev.index not in self._lanes:
             self._name(dev)
-            self._comm[dev.index] = torch.accel.Stream(device=dev)
-        return self._comm[dev.index]
+            word = runtime.pinned_empty(1, np.uint64, device=dev.index)
+            word[0] = 0
+            self._lanes[dev.index] = _Lane(torch.accel.Stream(device=dev), word)
+        return self._lanes[dev.index]
 
     def _name(self, dev: torch.device) -> str:
         """``dev`` and its UUID, as fault messages name it (the device's properties are
@@ -272,7 +313,8 @@ class AcclProcessGroup(dist.ProcessGroup):
                 if self._issue.unfinished_tasks == 0:
                     return self._inline(dev, inputs, outputs, run, value, finish)
         try:
-            comm = self._stream(dev)
+            lane = self._lane(dev)
+            comm = lane.stream
             with torch.accel.device(dev):
                 comm.wait_stream(torch.accel.current_stream())
                 with torch.accel.stream(comm):
@@ -285,14 +327,24 @@ class AcclProcessGroup(dist.ProcessGroup):
                         t.record_stream(comm)
                     staged = torch.Event(device=dev)
                     staged.record(comm)
+                    # the copies back, queued now, run once the return stage releases them
+                    ticket = lane.issued + 1
+                    comm.runtime_stream.wait_value64(lane.word, 0, ticket,
+                                                     timeout=self._release_timeout_s)
+                    lane.issued = ticket
+                    for t in outputs:
+                        t.copy_(host[id(t)], non_blocking=True)
+                    landed = torch.Event(device=dev)
+                    landed.record(comm)
         except runtime.AccelError as exc:
             raise self._local_fault(dev, exc) from exc
         h_in = [host[id(t)] for t in inputs]
         h_out = [host[id(t)] for t in outputs]
-        op = _Op(dev, lambda: run(h_in, h_out), [(t, host[id(t)]) for t in outputs],
-                 list(value if value is not None else outputs), staged, tensors,
-                 (lambda: finish(h_out)) if finish else None, buffers=list(host.values()))
-        return self._queue(op, comm)
+        op = _Op(dev, lambda: run(h_in, h_out), list(value if value is not None else outputs),
+                 staged, tensors,
+                 (lambda: finish(h_out)) if finish else None, buffers=list(host.values()),
+                 lane=lane, ticket=ticket, landed=landed)
+        return self._queue(op)
 
     def _inline(self, dev: torch.device, inputs: Sequence[torch.Tensor],
                 outputs: Sequence[torch.Tensor],
@@ -333,14 +385,14 @@ class AcclProcessGroup(dist.ProcessGroup):
         except runtime.AccelError as exc:
             raise self._local_fault(dev, exc) from exc
         self._pool.give(list(host.values()), landed, stream)
-        op = _Op(dev, lambda: None, [], list(value if value is not None else outputs), None, [])
+        op = _Op(dev, lambda: None, list(value if value is not None else outputs), None, [])
         op.future.set_result(op.value)
-        return AcclWork(op, None)
+        return AcclWork(op)
 
-    def _queue(self, op: _Op, comm: torch.Stream | None) -> AcclWork:
+    def _queue(self, op: _Op) -> AcclWork:
         self._start_threads()
         self._issue.put(op)
-        return AcclWork(op, comm)
+        return AcclWork(op)
 
     def _host(self, run: Callable[[], dist.Work], tensors: Sequence[torch.Tensor],
               sync: bool = False) -> AcclWork:
@@ -349,17 +401,19 @@ class AcclProcessGroup(dist.ProcessGroup):
         it, so every call goes through the one issuing thread, or runs on the caller's
         with the issuing lock held when ``sync`` and nothing is queued (as ``_inline``)."""
         self._raise_fault(look=False)
-        op = _Op(None, run, [], list(tensors), None, [])
+        op = _Op(None, run, list(tensors), None, [])
         if sync and self._issue.unfinished_tasks == 0:
             with self._issuing_lock:
                 if self._issue.unfinished_tasks == 0:
                     self._wait_gloo(run())
                     op.future.set_result(op.value)
-                    return AcclWork(op, None)
-        return self._queue(op, None)
+                    return AcclWork(op)
+        return self._queue(op)
 
     def _issuing(self) -> None:
-        """Stage 2: in call order, wait for each op's staging and start its gloo call."""
+        """Stage 2: in call order, wait for each op's staging and start its gloo call. An
+        op that fails here still goes on to stage 3, which alone releases the device's
+        copies back, in order (``_Lane``)."""
         while (op := self._issue.get()) is not None:
             with self._issuing_lock:
                 try:
@@ -367,39 +421,41 @@ class AcclProcessGroup(dist.ProcessGroup):
                         op.staged.synchronize()
                     op.gloo = op.run()
                 except BaseException as exc:  # noqa: BLE001 - it belongs to the op's future
-                    op.future.set_exception(self._failure(op, exc))
-                    continue
+                    op.error = exc
                 finally:
                     self._issue.task_done()
             self._complete.put(op)
 
     def _completing(self) -> None:
-        """Stage 3: wait for gloo, copy the results back to the device, complete the future."""
+        """Stage 3: wait for gloo, release the copies back queued on the device, wait for
+        them, complete the future. A failed op is released too (what its copies back
+        bring is undefined, as a failed NCCL collective's output): a stream waiting for
+        it must not wait out its timeout."""
         while (op := self._complete.get()) is not None:
             try:
+                if op.error is not None:
+                    raise op.error
                 if op.gloo is not None:
                     self._wait_gloo(op.gloo)
                 if op.finish is not None:
                     op.finish()
-                if op.device is not None:
-                    self._copy_back(op)
+                self._release(op)
+                if op.landed is not None:
+                    op.landed.synchronize()  # the future's value is on the device
             except BaseException as exc:  # noqa: BLE001 - it belongs to the op's future
+                self._release(op)
                 op.future.set_exception(self._failure(op, exc))
                 continue
             self._pool.give(op.buffers)
             op.keep.clear()
             op.future.set_result(op.value)
 
-    def _copy_back(self, op: _Op) -> None:
-        """The results into their device tensors, on the communication stream; returns once
-        they are there, so the future's value is ready on every stream that waits for it."""
-        comm = self._comm[op.device.index]
-        with torch.accel.device(op.device), torch.accel.stream(comm):
-            for t, h in op.results:
-                t.copy_(h, non_blocking=True)
-            done = torch.Event(device=op.device)
-            done.record(comm)
-        done.synchronize()
+    @staticmethod
+    def _release(op: _Op) -> None:
+        """Let the device run ``op``'s copies back: its ticket into the release word, one
+        aligned store the device's wait sees (stage 3's thread only, in ticket order)."""
+        if op.lane is not None and op.lane.word[0] < op.ticket:
+            op.lane.word[0] = op.ticket
 
     def _wait_gloo(self, work: dist.Work) -> None:
         """Wait for gloo's part, looking in the store for another rank's device fault every

@@ -148,6 +148,38 @@ say(f"{type(work).__name__} completed at issue {pending} result ok")
 dist.destroy_process_group()
 """
 
+#: rank 1 joins the collective only once rank 0 says so through the store, which rank 0
+#: does only after its wait() returned: so wait() cannot have waited for the collective
+NONBLOCKING = """
+dist.init_process_group("accl")
+r, w = dist.get_rank(), dist.get_world_size()
+store = dist.distributed_c10d._get_default_store()
+x = torch.full((4096,), float(r + 1), device=dev)
+if r == 0:
+    work = dist.all_reduce(x, async_op=True)
+    work.wait()  # returns: rank 1 has not even joined
+    y = x * 10  # the current stream, ordered after the collective's copies back
+    after = torch.accel.Event()
+    after.record()
+    time.sleep(0.2)
+    seen = [work.is_completed(), after.query()]
+    store.set("go", "1")
+    work.get_future().wait()
+    after.synchronize()
+    ok = torch.equal(y.cpu(), torch.full((4096,), 30.0))
+    say(f"wait returned; completed, later work done before the peer joined: {seen}; {ok}")
+else:
+    store.wait(["go"])
+    dist.all_reduce(x)
+    say(f"joined late {x[:2].cpu().tolist()}")
+z = torch.full((8,), 1.0, device=dev)
+works = [dist.all_reduce(z, async_op=True) for _ in range(3)]  # in order, on one lane
+for work in works:
+    work.synchronize()
+say(f"three in a row {z.cpu().tolist()[:2]}")
+dist.destroy_process_group()
+"""
+
 #: Both data-parallel tests: a small model trained 3 SGD steps on a batch (the reference
 #: is one process training on the whole batch on the CPU).
 TRAINING = """
@@ -265,13 +297,16 @@ if r == 1:  # ... while the device's link goes down under it
     root = os.environ["ACCEL_EMU_ROOT"]
     with open(f"{root}/sys/kernel/debug/accel/accel{phys}/ras_ctrl", "w") as f:
         f.write("inject link ue 0x1000")
-for attempt, call in (("pending", work.wait), ("next", lambda: dist.all_reduce(x))):
+# wait() does not block the host (NCCL's): the pending collective's error is its future's
+pending = lambda: work.wait() and work.get_future().wait()  # noqa: E731
+for attempt, call in (("pending", pending), ("next", lambda: dist.all_reduce(x))):
     try:
         call()
         say(f"{attempt}: no error")
     except RuntimeError as exc:
         say(f"{attempt}: {exc}")
-if r == 0:  # the peer's own device work goes on
+if r == 0:  # the peer's own device work goes on, on the stream that waited for the
+    # failed collective: it was released, not left to wait out its timeout
     say(f"local work {(torch.arange(4.0, device=dev) * 2).cpu().tolist()}")
 dist.destroy_process_group()
 """
@@ -366,6 +401,19 @@ def test_async_collective_is_ordered_on_streams_and_keeps_its_tensors(daemon, tm
     lines = torchrun(daemon, tmp_path, ASYNC)
     assert lines[0] == ["AcclWork completed at issue False result ok"], lines
     assert lines[1] and lines[1][0].endswith("result ok"), lines
+
+
+def test_async_wait_does_not_block_the_host_and_orders_the_current_stream(daemon, tmp_path):
+    """NCCL's contract: ``work.wait()`` returns before the collective is done (the peer
+    joins only after rank 0's wait() returned, told through the store: no timing), work
+    queued after it on the current stream is not done until the peer joined, and then
+    sees the results; collectives queued back to back release in order."""
+    lines = torchrun(daemon, tmp_path, NONBLOCKING)
+    assert lines[0][0] == ("wait returned; completed, later work done before the peer "
+                           "joined: [False, False]; True"), lines
+    assert lines[1][0] == "joined late [3.0, 3.0]", lines
+    for rank in (0, 1):
+        assert lines[rank][1] == "three in a row [8.0, 8.0]", lines
 
 
 def test_all_reduce_of_ranks_on_one_host_goes_through_shared_memory(daemon, tmp_path):

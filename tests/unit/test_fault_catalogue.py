@@ -51,6 +51,11 @@ def test_queue_faults_map_to_their_entry(code, name):
     assert faults.queue_fault_kind(code).code == expected
 
 
+def test_a_wait_value_timeout_is_its_own_entry():
+    assert faults.queue_fault_kind(110, "WAIT_VALUE").name == "QUEUE_WAIT_TIMEOUT"
+    assert faults.queue_fault_kind(110, "LAUNCH").name == "KERNEL_TIMEOUT"
+
+
 def test_banks_cover_the_memory_in_order():
     total = 1 << 30
     banks = [faults.bank_of(off, total) for off in range(0, total, total // 64)]

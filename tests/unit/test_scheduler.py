@@ -520,6 +520,46 @@ def test_a_wait_completes_once_the_other_fence_passes(device, ctx):
     check_written_back(b, device.ended(b))
 
 
+@pytest.mark.timeout(60)
+def test_a_value_wait_sleeps_with_a_bounded_poll_and_ends_at_the_store(device, ctx):
+    """WAIT_VALUE: a queue waiting on a pinned word is not work the loop spins for (it
+    sleeps at most the wait's backoff, 50 us to 2 ms); the host's store releases it and
+    a WRITE_VALUE behind it writes in order; a bystander queue runs meanwhile."""
+    a, bystander = ctx.queue(1), ctx.queue(2)
+    word = ctx.mem[64:72].view(np.uint64)
+    a.submit(packet(Op.WAIT_VALUE, VA + 64, 5, 8, userq.WAIT_VALUE_GEQ, 0),
+             packet(Op.WRITE_VALUE, VA + 128, 0xABCD, 4))
+    device.step()
+    device.step()
+    assert a.ring.fence == 0 and a.ring.blocked is not None
+    assert not device.sched.pending()
+    assert 0 < device.sched.poll_in_s() <= 0.002
+    bystander.submit(packet(Op.NOP))
+    device.run_until(lambda: bystander.ring.fence == 1)
+    word[0] = 4
+    device.step()
+    assert a.ring.fence == 0
+    word[0] = 5
+    device.run_until(lambda: a.ring.fence == 2)
+    assert int(ctx.mem[128:132].view(np.uint32)[0]) == 0xABCD
+    assert device.ended(a)[1].status == 0 and device.sched.poll_in_s() == float("inf")
+    check_written_back(a, device.ended(a))
+
+
+@pytest.mark.timeout(60)
+def test_a_value_wait_nobody_ends_faults_its_queue_at_its_timeout(device, ctx):
+    q = ctx.queue(1)
+    q.submit(packet(Op.WAIT_VALUE, VA + 256, 1, 4, userq.WAIT_VALUE_EQ, 50_000_000),
+             packet(Op.NOP))
+    device.step()
+    assert q.ring.blocked is not None and device.sched.poll_in_s() <= 0.05
+    device.run_until(lambda: q.ring.fence == 2)
+    ended = device.ended(q)
+    assert (ended[1].status, ended[2].status) == (errno.ETIMEDOUT, errno.ECANCELED)
+    assert q.prod.read_fault() == (1, errno.ETIMEDOUT, Op.WAIT_VALUE, VA + 256)
+    assert ended[1].end_ns - ended[1].start_ns >= 50_000_000
+
+
 KERNEL = '''
 def fill(x, v):
     x[global_id(0)] = v
