@@ -12,6 +12,17 @@ from scenario import IDLE
 from scenario import STREAM_PRELUDE as PRELUDE
 from scenario import run_json
 
+#: a client whose stream waits (an hour's timeout) on a pinned word nobody writes, then
+#: says so on its stdout
+WAITING = """
+flag = runtime.pinned_empty(1, np.uint32)
+flag[0] = 0
+s = runtime.Stream()
+s.wait_value32(flag, 0, 1, timeout=3600)
+s.submit_nop()
+print("waiting", flush=True)
+"""
+
 
 def test_a_stream_waits_for_the_host_s_store(daemon):
     r = run_json(daemon, PRELUDE, """
@@ -200,13 +211,7 @@ def test_a_queue_or_process_that_goes_away_while_waiting_does_not_hang(daemon):
     """)
     assert r["closed_s"] < 30, r
     # a process that exits with a wait of an hour pending: its context is torn down
-    child = daemon.popen_py(PRELUDE + """
-flag = runtime.pinned_empty(1, np.uint32)
-flag[0] = 0
-s = runtime.Stream()
-s.wait_value32(flag, 0, 1, timeout=3600)
-s.submit_nop()
-print("waiting", flush=True)
+    child = daemon.popen_py(PRELUDE + WAITING + """
 sys.stdin.readline()
 """)
     try:
@@ -225,14 +230,8 @@ def test_a_reset_with_a_wait_pending_loses_the_stream_at_once(make_daemon):
     waiter raises DeviceLostError when the reset comes, not when the wait would end, and the
     device serves again."""
     d = make_daemon(devices=1)
-    client = d.popen_py(PRELUDE + """
+    client = d.popen_py(PRELUDE + WAITING + """
 import time
-flag = runtime.pinned_empty(1, np.uint32)
-flag[0] = 0
-s = runtime.Stream()
-s.wait_value32(flag, 0, 1, timeout=3600)
-s.submit_nop()
-print("waiting", flush=True)
 t = time.monotonic()
 try:
     s.synchronize(timeout=120)
