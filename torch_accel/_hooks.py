@@ -282,15 +282,17 @@ def alloc(nbytes: int, device: int) -> int:
     if _init_pid != _pid or not 0 <= device < _count:
         checked(device)
     try:
-        arr = runtime.empty(nbytes, _BYTES, device=device)
+        arr = runtime.DeviceArray(nbytes, _BYTES, device=device)
     except runtime.OutOfMemoryError as exc:
         raise torch.OutOfMemoryError(str(exc)) from None
-    blocks[(device, arr.va)] = arr
-    return arr.va
+    blocks[(device, va := arr.va)] = arr
+    return va
 
 
 def free(device: int, va: int) -> None:
-    if not in_bad_fork():  # a forked child's copy of the table frees nothing
+    # a forked child's copy of the table frees nothing (in_bad_fork, inlined: every
+    # tensor's free comes here)
+    if _init_pid is None or _init_pid == _pid:
         blocks.pop((device, va), None)
 
 

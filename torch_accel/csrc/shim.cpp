@@ -206,9 +206,35 @@ struct Block {
   DeviceIndex device;
 };
 
+// The storage hot path: every tensor's allocation and free call these two functions of
+// the hooks module, so they are looked up once (by _register) and called through CPython's
+// vectorcall with their two integers, not pybind11's per-call name lookup, argument tuple
+// and casts: that machinery was ~0.8 us of the ~8.5 us a small operator's result cost
+// (docs/torch.md, "Where an eager op's time goes").
+PyObject* g_alloc_fn = nullptr;  // _hooks.alloc(nbytes, device) -> block address
+PyObject* g_free_fn = nullptr;   // _hooks.free(device, va)
+
+// f(a, b): a new reference, or nullptr with the Python error set. The GIL is held.
+PyObject* call_ints(PyObject* f, long long a, long long b) {
+  PyObject* args[2] = {PyLong_FromLongLong(a), PyLong_FromLongLong(b)};
+  PyObject* out = args[0] && args[1] ? PyObject_Vectorcall(f, args, 2, nullptr) : nullptr;
+  Py_XDECREF(args[0]);
+  Py_XDECREF(args[1]);
+  return out;
+}
+
+// A storage's deleter: a destructor's path, so an error is printed, never thrown, and a
+// Python exception pending meanwhile is set aside (call_quietly_with's rules).
 void free_block(void* ctx) {
   auto* b = static_cast<Block*>(ctx);
-  call_quietly("free", b->device, b->va);
+  if (g_free_fn != nullptr && python_alive()) {
+    py::gil_scoped_acquire gil;
+    py::error_scope pending;
+    if (PyObject* out = call_ints(g_free_fn, b->device, b->va))
+      Py_DECREF(out);
+    else
+      py::error_already_set().discard_as_unraisable("free");
+  }
   delete b;
 }
 
@@ -222,7 +248,16 @@ struct AccelAllocator final : c10::DeviceAllocator {
       call<void>("checked", device);
       return c10::DataPtr(nullptr, accel(device));
     }
-    auto va = call<intptr_t>("alloc", nbytes, device);
+    TORCH_CHECK(g_alloc_fn != nullptr, "torch_accel is not initialised (import torch_accel)");
+    intptr_t va;
+    {
+      py::gil_scoped_acquire gil;
+      PyObject* out = call_ints(g_alloc_fn, static_cast<long long>(nbytes), device);
+      if (out == nullptr) throw py::error_already_set();
+      va = PyLong_AsSsize_t(out);
+      Py_DECREF(out);
+      if (va == -1 && PyErr_Occurred()) throw py::error_already_set();
+    }
     auto* block = new Block{va, device};
     return c10::DataPtr(reinterpret_cast<void*>(va), block, &free_block, accel(device));
   }
@@ -618,6 +653,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_register", [](py::object hooks) {
     std::call_once(g_registered, [&] {
       g_hooks = new py::object(std::move(hooks));  // lives as long as the process
+      g_alloc_fn = py::object(g_hooks->attr("alloc")).release().ptr();
+      g_free_fn = py::object(g_hooks->attr("free")).release().ptr();
       c10::SetAllocator(kAccel, &g_allocator);
       at::RegisterPrivateUse1HooksInterface(new AccelHooks());
       torch::profiler::impl::registerPrivateUse1Methods(&g_profiler_stubs);
