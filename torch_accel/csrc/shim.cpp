@@ -200,19 +200,22 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, AccelGuardImpl);
 
 // ------------------------------------------------------------------------ allocator
 // A storage's context: the block's device address and device (addresses of different
-// devices may coincide, so the address alone does not name the block).
+// devices may coincide, so the address alone does not name the block), and the runtime
+// array the hooks keep for it in ``blocks`` (a strong reference, dropped after ``free``),
+// so that a launch plan finds its buffers without a lookup (``_buffers``).
 struct Block {
   intptr_t va;
   DeviceIndex device;
+  PyObject* array;
 };
 
 // The storage hot path: every tensor's allocation and free call these two functions of
 // the hooks module, so they are looked up once (by _register) and called through CPython's
 // vectorcall with their two integers, not pybind11's per-call name lookup, argument tuple
-// and casts: that machinery was ~0.8 us of the ~8.5 us a small operator's result cost
-// (docs/torch.md, "Where an eager op's time goes").
-PyObject* g_alloc_fn = nullptr;  // _hooks.alloc(nbytes, device) -> block address
+// and casts (docs/torch.md, "The small op's host path, third pass").
+PyObject* g_alloc_fn = nullptr;  // _hooks.alloc(nbytes, device) -> its runtime array
 PyObject* g_free_fn = nullptr;   // _hooks.free(device, va)
+PyObject* g_va = nullptr;        // "va", interned
 
 // f(a, b): a new reference, or nullptr with the Python error set. The GIL is held.
 PyObject* call_ints(PyObject* f, long long a, long long b) {
@@ -234,6 +237,8 @@ void free_block(void* ctx) {
       Py_DECREF(out);
     else
       py::error_already_set().discard_as_unraisable("free");
+    Py_DECREF(b->array);  // the array's last reference, unless a forked child kept it
+    if (PyErr_Occurred()) py::error_already_set().discard_as_unraisable("free");
   }
   delete b;
 }
@@ -249,16 +254,18 @@ struct AccelAllocator final : c10::DeviceAllocator {
       return c10::DataPtr(nullptr, accel(device));
     }
     TORCH_CHECK(g_alloc_fn != nullptr, "torch_accel is not initialised (import torch_accel)");
-    intptr_t va;
+    Block* block;
     {
       py::gil_scoped_acquire gil;
-      PyObject* out = call_ints(g_alloc_fn, static_cast<long long>(nbytes), device);
-      if (out == nullptr) throw py::error_already_set();
-      va = PyLong_AsSsize_t(out);
-      Py_DECREF(out);
-      if (va == -1 && PyErr_Occurred()) throw py::error_already_set();
+      py::object array = py::reinterpret_steal<py::object>(
+          call_ints(g_alloc_fn, static_cast<long long>(nbytes), device));
+      if (!array) throw py::error_already_set();
+      auto va = py::reinterpret_steal<py::object>(PyObject_GetAttr(array.ptr(), g_va));
+      if (!va) throw py::error_already_set();
+      block = new Block{static_cast<intptr_t>(PyLong_AsSsize_t(va.ptr())), device,
+                        array.release().ptr()};
     }
-    auto* block = new Block{va, device};
+    intptr_t va = block->va;
     return c10::DataPtr(reinterpret_cast<void*>(va), block, &free_block, accel(device));
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
@@ -655,6 +662,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       g_hooks = new py::object(std::move(hooks));  // lives as long as the process
       g_alloc_fn = py::object(g_hooks->attr("alloc")).release().ptr();
       g_free_fn = py::object(g_hooks->attr("free")).release().ptr();
+      g_va = PyUnicode_InternFromString("va");
       c10::SetAllocator(kAccel, &g_allocator);
       at::RegisterPrivateUse1HooksInterface(new AccelHooks());
       torch::profiler::impl::registerPrivateUse1Methods(&g_profiler_stubs);
@@ -672,11 +680,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_block_tensor", [](DeviceIndex device, intptr_t va, size_t nbytes) {
     // a uint8 tensor over a block the hooks hold in `blocks` but the allocator did not hand
     // out (memory another process shared): its storage frees it through `free`, as theirs
-    c10::DataPtr p(reinterpret_cast<void*>(va), new Block{va, device}, &free_block, accel(device));
+    py::object array = g_hooks->attr("blocks")[py::make_tuple(device, va)];
+    c10::DataPtr p(reinterpret_cast<void*>(va), new Block{va, device, array.release().ptr()},
+                   &free_block, accel(device));
     c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(p), nullptr, false);
     auto t = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(accel(device)));
     return t.set_(storage, 0, {static_cast<int64_t>(nbytes)}, {1});
   }, "a uint8 tensor whose storage is the block at (device, va) of nbytes");
+  m.def("_buffers", [](const std::vector<at::Tensor>& tensors) -> py::object {
+    // per tensor, (its storage's runtime array, its first element's byte offset there): a
+    // launch plan's buffers in one call (ops/_plans.py); None if a storage is not an
+    // allocator block (a DLPack import, no bytes), which ops/_tensors.py resolves
+    py::list out(tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto& t = tensors[i];
+      const auto& p = t.storage().data_ptr();
+      auto* block = static_cast<Block*>(p.get_context());
+      if (p.get_deleter() != &free_block || block == nullptr) return py::none();
+      out[i] = py::make_tuple(py::reinterpret_borrow<py::object>(block->array),
+                              t.storage_offset() * static_cast<int64_t>(t.element_size()));
+    }
+    return std::move(out);
+  });
   m.def("_storage_block", [](const at::Tensor& t) {
     // (device, block address) of a tensor's storage: the runtime block it lives in
     const auto& p = t.storage().data_ptr();
