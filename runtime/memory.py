@@ -170,14 +170,14 @@ class DeviceArray:
             self.nbytes = math.prod(self.shape) * dt.itemsize
         self.device = idx = device if type(device) is int else \
             _device.current_device() if device is None else _device._index(device)
-        self._allocator = _allocator(idx)
+        self._allocator = allocator = _allocator(idx)
         s = stream or current_stream(idx)
-        if s.capturing is not None:  # the graph's own pool, for the graph's lifetime
-            self._block = self._allocator.malloc(self.nbytes, s.capturing.pool)
+        if s.capturing is None:
+            self._block = block = allocator.malloc(self.nbytes, s)
+        else:  # the graph's own pool, for the graph's lifetime
+            self._block = block = allocator.malloc(self.nbytes, s.capturing.pool)
             s.capturing.owned.append(self)
-        else:
-            self._block = self._allocator.malloc(self.nbytes, s)
-        self.va: int = self._block.va
+        self.va: int = block.va
 
     def __repr__(self) -> str:
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, device=accel:{self.device})"

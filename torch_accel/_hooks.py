@@ -275,22 +275,25 @@ blocks: dict[tuple[int, int], runtime.DeviceArray] = {}
 _BYTES = np.dtype(np.uint8)
 
 
-def alloc(nbytes: int, device: int) -> int:
-    """A block of ``nbytes`` on ``device`` (the shim's allocator, for a storage); an index
-    out of range is torch's RuntimeError, as the device guard around the allocation said
-    before the shim allocated on the named device directly."""
+def alloc(nbytes: int, device: int) -> runtime.DeviceArray:
+    """A block of ``nbytes`` on ``device`` (the shim's allocator, for a storage, which keeps
+    the array and frees it with ``free``); an index out of range is torch's RuntimeError,
+    as the device guard around the allocation said before the shim allocated on the named
+    device directly."""
     if _init_pid != _pid or not 0 <= device < _count:
         checked(device)
     try:
-        arr = runtime.empty(nbytes, _BYTES, device=device)
+        arr = runtime.DeviceArray(nbytes, _BYTES, device=device)
     except runtime.OutOfMemoryError as exc:
         raise torch.OutOfMemoryError(str(exc)) from None
     blocks[(device, arr.va)] = arr
-    return arr.va
+    return arr
 
 
 def free(device: int, va: int) -> None:
-    if not in_bad_fork():  # a forked child's copy of the table frees nothing
+    # a forked child's copy of the table frees nothing (in_bad_fork, inlined: every
+    # tensor's free comes here)
+    if _init_pid is None or _init_pid == _pid:
         blocks.pop((device, va), None)
 
 

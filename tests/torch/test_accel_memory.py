@@ -183,3 +183,60 @@ def test_a_factory_allocates_on_its_named_device_without_switching_devices(torch
     """)
     assert r == {"switches": [], "current": 0, "devices": [1, 1], "grew": [0, 4096 + 1024],
                  "value": [2.0, 2.0], "refused": [True, True, True]}, r
+
+
+def test_an_eager_loops_results_keep_torchs_figures(torch_json):
+    """The host path of a small operator's result (the shim's allocation and free calls,
+    the allocator's merge-then-split cycle): results dropped at once reuse one address,
+    and the figures move as torch's allocator's would: each result one allocation and one
+    free of its bytes, nothing held after the loop, the segment's rest one inactive split
+    whose peak is the merged state in between. A result another stream used
+    (record_stream) stays active, pending, until that stream's work is done."""
+    r = torch_json("""
+        acc = torch.accelerator
+        a, b = torch.ones(4096, device="accel"), torch.full((4096,), 2.0, device="accel")
+        acc.synchronize()
+        ptr = (a + b).data_ptr()
+        acc.reset_peak_memory_stats()
+        before = acc.memory_stats()
+        ptrs = {(a + b).data_ptr() - ptr for _ in range(50)}
+        after = acc.memory_stats()
+        keys = ("allocation.all.allocated", "allocation.all.freed", "allocation.all.current",
+                "allocated_bytes.all.allocated", "allocated_bytes.all.current",
+                "requested_bytes.all.current", "active.all.current", "segment.all.current",
+                "inactive_split.all.current")
+        [segment] = [s for s in torch.accel.memory_snapshot()
+                     if s["address"] <= ptr < s["address"] + s["total_size"]]
+        rest = segment["total_size"] - (ptr - segment["address"])
+        side = torch.accel.Stream()
+        c = a + b
+        c.record_stream(side)
+        side.wait_stream(torch.accel.current_stream())
+        with torch.accel.stream(side):
+            c.mul_(3)
+        torch.accel.current_stream().wait_stream(side)
+        value = c[:2].cpu().tolist()
+        del c
+        pending = acc.memory_stats()
+        side.synchronize()
+        (a + b)
+        done = acc.memory_stats()
+        report(ptrs=sorted(ptrs), delta={k: after[k] - before[k] for k in keys},
+               split_bytes=[after["inactive_split_bytes.all.current"],
+                            after["inactive_split_bytes.all.peak"]], rest=rest,
+               value=value,
+               pending=[pending[k] - after[k] for k in ("allocated_bytes.all.current",
+                                                        "active_bytes.all.current")],
+               done=[done[k] - after[k] for k in ("allocated_bytes.all.current",
+                                                  "active_bytes.all.current")])
+    """)
+    assert r["ptrs"] == [0], r
+    assert r["delta"] == {"allocation.all.allocated": 50, "allocation.all.freed": 50,
+                          "allocated_bytes.all.allocated": 50 * 16384,
+                          **dict.fromkeys(("allocation.all.current", "allocated_bytes.all.current",
+                                           "requested_bytes.all.current", "active.all.current",
+                                           "segment.all.current", "inactive_split.all.current"),
+                                          0)}, r
+    assert r["split_bytes"] == [r["rest"], r["rest"]], r   # merged: the result's and the rest's
+    assert r["value"] == [9.0, 9.0], r
+    assert r["pending"] == [0, 16384] and r["done"] == [0, 0], r

@@ -64,6 +64,10 @@ cases = {
     "leaky_relu": (lambda: torch.nn.functional.leaky_relu(da, 0.2),
                    lambda: torch.nn.functional.leaky_relu(a, 0.2)),
     "accel:1": (lambda: da.to("accel:1") + db.to("accel:1"), lambda: a + b),
+    # a DLPack import's storage is a window of the producer's block, not a block of its own:
+    # the plan's buffers come from the block holding it, at the window's offset
+    "dlpack import": (lambda: torch.from_dlpack(da[8:]) * torch.from_dlpack(db[8:]),
+                      lambda: a[8:] * b[8:]),
 }
 for name, (dev, cpu) in cases.items():
     for i in range(2):

@@ -229,6 +229,48 @@ def test_small_pool_splits_off_512_bytes(alloc: CachingAllocator) -> None:
 
 # -- streams -----------------------------------------------------------------------------------
 
+def test_an_eager_results_cycle_keeps_torchs_figures(alloc: CachingAllocator,
+                                                     backend: FakeBackend) -> None:
+    """An eager loop's result: freed, it merges with the rest of its segment; allocated
+    again, that rest is split off again (from the Block object the merge let go, reused).
+    Address, layout and every figure are torch's, cycle after cycle, and a free that
+    merges both ways (prev and next) hands out a consistent layout too."""
+    a, b = alloc.malloc(4 * KiB, s1), alloc.malloc(4 * KiB, s1)
+    rest_size = SMALL_BUFFER - 12 * KiB
+    c = alloc.malloc(4 * KiB, s1)
+    va = c.va
+    alloc.reset_peak_memory_stats()
+    for _ in range(5):
+        alloc.free(c)
+        c = alloc.malloc(3 * KiB, s1)        # rounds to 3 KiB: the rest moves by 1 KiB
+        assert c.va == va
+        alloc.free(c)
+        c = alloc.malloc(4 * KiB, s1)
+        assert c.va == va
+    stats = alloc.memory_stats()
+    assert stats["allocation.all.allocated"] == 3 + 10 and stats["allocation.all.freed"] == 10
+    assert stats["allocated_bytes.all.current"] == 12 * KiB
+    assert stats["inactive_split.all.current"] == 1
+    assert stats["inactive_split_bytes.all.current"] == rest_size
+    assert stats["inactive_split_bytes.all.peak"] == rest_size + 4 * KiB   # merged, between
+    assert stats["segment.all.current"] == 1 and backend.allocs == 1
+    [segment] = alloc.snapshot()
+    assert [(blk["address"] - BASE_VA, blk["size"], blk["state"]) for blk in segment["blocks"]] \
+        == [(0, 4 * KiB, "active_allocated"), (4 * KiB, 4 * KiB, "active_allocated"),
+            (8 * KiB, 4 * KiB, "active_allocated"), (12 * KiB, rest_size, "inactive")]
+    alloc.free(a)                            # a hole before b
+    alloc.free(c)                            # c merges with the rest
+    alloc.free(b)                            # b merges both ways: the segment is whole
+    d = alloc.malloc(8 * KiB, s1)
+    assert d.va == BASE_VA and d.prev is None and d.next is not None and d.next.prev is d
+    assert (d.next.va, d.next.size, d.next.next) == (BASE_VA + 8 * KiB, SMALL_BUFFER - 8 * KiB,
+                                                      None)
+    [segment] = alloc.snapshot()
+    assert [(blk["size"], blk["state"]) for blk in segment["blocks"]] == [
+        (8 * KiB, "active_allocated"), (SMALL_BUFFER - 8 * KiB, "inactive")]
+    assert stat(alloc, "inactive_split.all.current") == 1
+
+
 @pytest.mark.parametrize("size", [4 * KiB, 5 * MiB, 30 * MiB])
 def test_same_stream_reuses_at_once(alloc: CachingAllocator, backend: FakeBackend,
                                     size: int) -> None:

@@ -200,15 +200,46 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, AccelGuardImpl);
 
 // ------------------------------------------------------------------------ allocator
 // A storage's context: the block's device address and device (addresses of different
-// devices may coincide, so the address alone does not name the block).
+// devices may coincide, so the address alone does not name the block), and the runtime
+// array the hooks keep for it in ``blocks`` (a strong reference, dropped after ``free``),
+// so that a launch plan finds its buffers without a lookup (``_buffers``).
 struct Block {
   intptr_t va;
   DeviceIndex device;
+  PyObject* array;
 };
 
+// The storage hot path: every tensor's allocation and free call these two functions of
+// the hooks module, so they are looked up once (by _register) and called through CPython's
+// vectorcall with their two integers, not pybind11's per-call name lookup, argument tuple
+// and casts (docs/torch.md, "The small op's host path, third pass").
+PyObject* g_alloc_fn = nullptr;  // _hooks.alloc(nbytes, device) -> its runtime array
+PyObject* g_free_fn = nullptr;   // _hooks.free(device, va)
+PyObject* g_va = nullptr;        // "va", interned
+
+// f(a, b): a new reference, or nullptr with the Python error set. The GIL is held.
+PyObject* call_ints(PyObject* f, long long a, long long b) {
+  PyObject* args[2] = {PyLong_FromLongLong(a), PyLong_FromLongLong(b)};
+  PyObject* out = args[0] && args[1] ? PyObject_Vectorcall(f, args, 2, nullptr) : nullptr;
+  Py_XDECREF(args[0]);
+  Py_XDECREF(args[1]);
+  return out;
+}
+
+// A storage's deleter: a destructor's path, so an error is printed, never thrown, and a
+// Python exception pending meanwhile is set aside (call_quietly_with's rules).
 void free_block(void* ctx) {
   auto* b = static_cast<Block*>(ctx);
-  call_quietly("free", b->device, b->va);
+  if (g_free_fn != nullptr && python_alive()) {
+    py::gil_scoped_acquire gil;
+    py::error_scope pending;
+    if (PyObject* out = call_ints(g_free_fn, b->device, b->va))
+      Py_DECREF(out);
+    else
+      py::error_already_set().discard_as_unraisable("free");
+    Py_DECREF(b->array);  // the array's last reference, unless a forked child kept it
+    if (PyErr_Occurred()) py::error_already_set().discard_as_unraisable("free");
+  }
   delete b;
 }
 
@@ -222,8 +253,19 @@ struct AccelAllocator final : c10::DeviceAllocator {
       call<void>("checked", device);
       return c10::DataPtr(nullptr, accel(device));
     }
-    auto va = call<intptr_t>("alloc", nbytes, device);
-    auto* block = new Block{va, device};
+    TORCH_CHECK(g_alloc_fn != nullptr, "torch_accel is not initialised (import torch_accel)");
+    Block* block;
+    {
+      py::gil_scoped_acquire gil;
+      py::object array = py::reinterpret_steal<py::object>(
+          call_ints(g_alloc_fn, static_cast<long long>(nbytes), device));
+      if (!array) throw py::error_already_set();
+      auto va = py::reinterpret_steal<py::object>(PyObject_GetAttr(array.ptr(), g_va));
+      if (!va) throw py::error_already_set();
+      block = new Block{static_cast<intptr_t>(PyLong_AsSsize_t(va.ptr())), device,
+                        array.release().ptr()};
+    }
+    intptr_t va = block->va;
     return c10::DataPtr(reinterpret_cast<void*>(va), block, &free_block, accel(device));
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
@@ -618,6 +660,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_register", [](py::object hooks) {
     std::call_once(g_registered, [&] {
       g_hooks = new py::object(std::move(hooks));  // lives as long as the process
+      g_alloc_fn = py::object(g_hooks->attr("alloc")).release().ptr();
+      g_free_fn = py::object(g_hooks->attr("free")).release().ptr();
+      g_va = PyUnicode_InternFromString("va");
       c10::SetAllocator(kAccel, &g_allocator);
       at::RegisterPrivateUse1HooksInterface(new AccelHooks());
       torch::profiler::impl::registerPrivateUse1Methods(&g_profiler_stubs);
@@ -635,11 +680,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_block_tensor", [](DeviceIndex device, intptr_t va, size_t nbytes) {
     // a uint8 tensor over a block the hooks hold in `blocks` but the allocator did not hand
     // out (memory another process shared): its storage frees it through `free`, as theirs
-    c10::DataPtr p(reinterpret_cast<void*>(va), new Block{va, device}, &free_block, accel(device));
+    py::object array = g_hooks->attr("blocks")[py::make_tuple(device, va)];
+    c10::DataPtr p(reinterpret_cast<void*>(va), new Block{va, device, array.release().ptr()},
+                   &free_block, accel(device));
     c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(p), nullptr, false);
     auto t = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(accel(device)));
     return t.set_(storage, 0, {static_cast<int64_t>(nbytes)}, {1});
   }, "a uint8 tensor whose storage is the block at (device, va) of nbytes");
+  m.def("_buffers", [](const std::vector<at::Tensor>& tensors) -> py::object {
+    // per tensor, (its storage's runtime array, its first element's byte offset there): a
+    // launch plan's buffers in one call (ops/_plans.py); None if a storage is not an
+    // allocator block (a DLPack import, no bytes), which ops/_tensors.py resolves
+    py::list out(tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto& t = tensors[i];
+      const auto& p = t.storage().data_ptr();
+      auto* block = static_cast<Block*>(p.get_context());
+      if (p.get_deleter() != &free_block || block == nullptr) return py::none();
+      out[i] = py::make_tuple(py::reinterpret_borrow<py::object>(block->array),
+                              t.storage_offset() * static_cast<int64_t>(t.element_size()));
+    }
+    return std::move(out);
+  });
   m.def("_storage_block", [](const at::Tensor& t) {
     // (device, block address) of a tensor's storage: the runtime block it lives in
     const auto& p = t.storage().data_ptr();

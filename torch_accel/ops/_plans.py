@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 import runtime
-from torch_accel import _hooks
+from torch_accel import _C, _hooks
 from torch_accel.ops._tensors import block_of
 
 #: plans one device keeps; past this the table starts again (a program cycles through a
@@ -93,6 +93,7 @@ def run(plan: Plan, device: torch.device, operands: tuple[torch.Tensor, ...],
     if out is None:
         out = torch.empty_like(operands[0]) if plan.like else \
             torch.empty(plan.shape, dtype=plan.dtype, device=device)
-    buffers = [block_of(out if src == RESULT else operands[src]) for src in plan.sources]
+    tensors = [out if src == RESULT else operands[src] for src in plan.sources]
+    buffers = _C._buffers(tensors) or [block_of(t) for t in tensors]
     plan.launch(buffers, runtime.current_stream(device.index))
     return out
