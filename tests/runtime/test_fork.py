@@ -170,6 +170,8 @@ from runtime import kernel_lib
 ROOT = os.environ["ACCEL_EMU_ROOT"]
 BOOKS = ("contexts", "memory_used", "queues", "pinned_bytes")
 DATA = np.arange(1 << 16, dtype=np.int32)
+#: the longest a child may take to answer before it counts as hung (s)
+CHILD_S = 60
 
 
 def books():
@@ -222,6 +224,14 @@ def start(fs, case):
     return proc, parent_end
 
 
+def answer(conn):
+    """A child's answer; a child that gives none within CHILD_S is a hang, whatever the
+    machine's load (the run as a whole has no bound of its own but pytest's)."""
+    if not conn.poll(CHILD_S):
+        raise SystemExit(f"a child gave no answer within {CHILD_S} s")
+    return conn.recv()
+
+
 if __name__ == "__main__":
     fs = mp.get_context("forkserver")
     pattern = np.random.default_rng(1).integers(0, 255, 1 << 20, dtype=np.uint8)
@@ -247,7 +257,7 @@ if __name__ == "__main__":
             said, codes = [], []
             for _ in range(50):
                 pair = [start(fs, case) for _ in range(2)]
-                said += [conn.recv() for _, conn in pair]
+                said += [answer(conn) for _, conn in pair]
                 for proc, _ in pair:
                     proc.join(30)
                     codes.append(proc.exitcode)
@@ -255,7 +265,7 @@ if __name__ == "__main__":
                   wait_books(base), flush=True)
             continue
         proc, conn = start(fs, case)
-        got = conn.recv()
+        got = answer(conn)
         if case == "ipc":
             imported = runtime.open_ipc_handle(got)
             got = f"imported wrong {int((imported.copy_to_host() != DATA).sum())}"
@@ -300,8 +310,11 @@ def test_children_killed_mid_work_or_holding_leave_the_parent_and_the_books_inta
 
 def test_a_hundred_children_in_turn(daemon, tmp_path):
     """100 forkserver children of an initialised parent, two at a time, each initialising,
-    using the device and exiting: every one works and exits 0, and nothing piles up."""
-    assert run_matrix(daemon, tmp_path, "many", timeout=90) == ["many 100 100 wrong 0 idle"]
+    using the device and exiting: every one works and exits 0, and nothing piles up.
+
+    A hang is each child's bound (``answer``, ``join``), not the run's: the 100 took 20 s at
+    load 4 and over 90 s in a suite run at load 11, which is no defect of the driver."""
+    assert run_matrix(daemon, tmp_path, "many", timeout=280) == ["many 100 100 wrong 0 idle"]
 
 
 
