@@ -55,7 +55,7 @@ run: setup
 # cores of CI take about half the serial time. TEST_WORKERS=0 runs the suite serially.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest -q --durations=30 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 bench: setup
 	$(PY) -m bench
