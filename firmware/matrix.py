@@ -4,8 +4,9 @@
 (docs/kernels.md): once per block, ``c[row:row+tm, col:col+tn] = beta * c[...] + A @ B``
 with ``A = a[row:row+tm, k0:k0+tk]`` (``a[k0:k0+tk, row:row+tm].T`` when ``ta``) and ``B =
 b[k0:k0+tk, col:col+tn]`` (``b[col:col+tn, k0:k0+tk].T`` when ``tb``): BLAS's own
-``transa``/``transb``, so a transposed operand is read where it lies, not copied first. Real accelerators do this in a matrix engine (tensor cores,
-MFMA, XMX, an MME) fed straight from memory; the emulated one is the host's BLAS
+``transa``/``transb``, so a transposed operand is read where it lies, not copied first.
+Real accelerators do this in a matrix engine (tensor cores, MFMA, XMX, an MME) fed
+straight from memory; the emulated one is the host's BLAS
 ``sgemm``/``dgemm``, called as a native function pointer from the kernel's machine code
 (no GIL, no Python): the OpenBLAS that numpy already loads into the firmware process, in
 its ILP64 build (64-bit integer arguments, ``*64_`` symbols). Each engine thread calls it

@@ -4,8 +4,9 @@
 The reduced dimensions are moved last (a view), the tensor made contiguous as
 ``[rows, n]``, and the device's row reduction runs once (floats accumulate in float64,
 ints in int64); a reduction over a short run of leading dimensions of a contiguous tensor
-(a bias gradient's sum over the batch) reads its columns in place instead of copying. Reductions of nothing that torch refuses (a max of no elements) go to the
-CPU, which raises torch's own error.
+(a bias gradient's sum over the batch) reads its columns in place instead of copying.
+Reductions of nothing that torch refuses (a max of no elements) go to the CPU, which
+raises torch's own error.
 """
 
 from __future__ import annotations
