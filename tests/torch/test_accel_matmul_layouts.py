@@ -37,40 +37,53 @@ def test_products_of_transposed_and_strided_operands_match_cpu(torch_json):
             def strided(x):  # every other column of a wider matrix, on the device
                 s = torch.zeros(x.shape[0], 2 * x.shape[1], dtype=x.dtype, device="accel")
                 return s[:, ::2].copy_(x)
+            def sliced(x, first):  # columns first.. of a matrix 7 wider
+                s = torch.zeros(x.shape[0], x.shape[1] + 7, dtype=x.dtype, device="accel")
+                return s[:, first:first + x.shape[1]].copy_(x)
             layouts = {"plain": lambda x: x.to("accel"),
                        "transposed": lambda x: x.t().contiguous().t().to("accel"),
-                       "strided": strided}
-            for la, fa in layouts.items():
-                for lb, fb in layouts.items():
-                    a, b = fa(A), fb(B)
-                    for t, lay in ((a, la), (b, lb)):
-                        assert (t.is_contiguous(), t.t().is_contiguous()) == (
-                            lay == "plain", lay == "transposed"), (lay, t.stride())
-                    got = {}
-                    n = launches(lambda: got.update(
-                        mm=torch.mm(a, b), addmm=torch.addmm(bias.to("accel"), a, b, beta=0.5,
-                                                             alpha=2.0),
-                        matmul=a @ b, bmm=torch.bmm(a.unsqueeze(0).expand(2, -1, -1),
-                                                    b.unsqueeze(0).expand(2, -1, -1))))
-                    want = dict(mm=A @ B, addmm=torch.addmm(bias, A, B, beta=0.5, alpha=2.0),
-                                matmul=A @ B, bmm=torch.stack([A @ B] * 2))
-                    gap = max((got[k].cpu() - want[k]).abs().max().item() for k in want)
-                    results[f"{dtype} {la} {lb}"] = {
-                        "gap": gap, "copies": n.get("strided_copy", 0)}
+                       "strided": strided,
+                       # the storage holds the whole [rows, ld] window: read in place
+                       "sliced": lambda x: sliced(x, 0),
+                       "sliced transposed": lambda x: sliced(x.t(), 0).t(),
+                       # the window from column 3 runs past the storage: copied
+                       "sliced at 3": lambda x: sliced(x, 3)}
+            pairs = [(la, lb) for la in layouts for lb in layouts
+                     if lb == "plain" or not la.startswith(("strided", "sliced at"))
+                     and not lb.startswith(("strided", "sliced at"))]
+            for la, lb in pairs:
+                fa, fb = layouts[la], layouts[lb]
+                a, b = fa(A), fb(B)
+                for t, lay in ((a, la), (b, lb)):
+                    assert (t.is_contiguous(), t.t().is_contiguous()) == (
+                        lay == "plain", lay == "transposed"), (lay, t.stride())
+                got = {}
+                n = launches(lambda: got.update(
+                    mm=torch.mm(a, b), addmm=torch.addmm(bias.to("accel"), a, b, beta=0.5,
+                                                         alpha=2.0),
+                    matmul=a @ b, bmm=torch.bmm(a.unsqueeze(0).expand(2, -1, -1),
+                                                b.unsqueeze(0).expand(2, -1, -1))))
+                want = dict(mm=A @ B, addmm=torch.addmm(bias, A, B, beta=0.5, alpha=2.0),
+                            matmul=A @ B, bmm=torch.stack([A @ B] * 2))
+                gap = max((got[k].cpu() - want[k]).abs().max().item() for k in want)
+                results[f"{dtype} {la} {lb}"] = {
+                    "gap": gap, "copies": n.get("strided_copy", 0)}
         report(results=results, fallbacks=sum(torch_accel.fallback_counts.values()))
     """)
     assert r["fallbacks"] == 0
     for case, v in r["results"].items():
         assert v["gap"] < (1e-3 if "float32" in case else 1e-10), (case, v)
-    # mm, addmm and matmul copy nothing for a transposed operand: only addmm's bias
-    # broadcast into its output is a copy (bmm's expanded batch is copied whatever the
-    # layout: its batch stride is 0)
+    # mm, addmm and matmul copy nothing for a transposed or column-sliced operand (bmm's
+    # expanded batch is copied whatever the layout: its batch stride is 0); every other
+    # column, or a slice whose rows' window runs past its storage, is copied
+    in_place = ("plain", "transposed", "sliced", "sliced transposed")
     for dtype in ("torch.float32", "torch.float64"):
-        for la in ("plain", "transposed"):
-            for lb in ("plain", "transposed"):
-                plain = r["results"][f"{dtype} plain plain"]["copies"]
+        plain = r["results"][f"{dtype} plain plain"]["copies"]
+        for la in in_place:
+            for lb in in_place:
                 assert r["results"][f"{dtype} {la} {lb}"]["copies"] == plain, (la, lb, r)
-        assert r["results"][f"{dtype} strided plain"]["copies"] > plain
+        for copied in ("strided", "sliced at 3"):
+            assert r["results"][f"{dtype} {copied} plain"]["copies"] > plain, (copied, r)
 
 
 def test_linear_forward_and_backward_read_the_weight_in_place(torch_json):

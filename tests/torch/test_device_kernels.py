@@ -354,6 +354,11 @@ def test_matmul_random_sleep(daemon):
         o = runtime.empty((3, 5, 4), np.float32)
         K.bmm(o, dev(a), dev(b))
         check("bmm", host(o), a @ b, rtol=1e-4, atol=1e-5)
+        a = rng.standard_normal((65, 130)).astype(np.float32)  # rows of 130, a 100-deep product
+        b = rng.standard_normal((33, 100)).astype(np.float32)  # b [n, k] transposed
+        o = runtime.empty((65, 33), np.float32)
+        K.mm(o, dev(a), dev(b), tb=True, k=100)
+        check("mm of wide rows", host(o), a[:, :100] @ b.T, rtol=1e-4, atol=1e-4)
         try:  # a [5, 4] stored transposed is [4, 5]: no product into [5, 3]
             K.mm(runtime.empty((5, 3), np.float32), dev(np.ones((5, 4), np.float32)),
                  dev(np.ones((4, 3), np.float32)), ta=True)
@@ -414,7 +419,7 @@ def test_matmul_random_sleep(daemon):
         print("sleep queued, ran", queued, time.perf_counter() - t0)
     """, timeout=140)
     assert "int mm refused ok" in lines and "bernoulli ok" in lines, lines
-    assert "transposed shapes refused: mm shapes (5, 4).T @ (4, 3) -> (5, 3)" in lines, lines
+    assert "transposed shapes refused: mm shapes (5, 4).T @ (4, 3) -> (5, 3) (k 5)" in lines, lines
     queued, ran = map(float, lines[-1].split()[-2:])
     assert lines[-1].startswith("sleep queued, ran") and queued < ran, lines  # asynchronous
 

@@ -65,12 +65,17 @@ def _unused_bias(device: int, dtype: np.dtype) -> runtime.DeviceArray:
 
 
 def _mm(out: Array, a: Array, b: Array, beta: float, alpha: float, s: runtime.Stream,
-        ta: bool, tb: bool, bias: Array | None = None) -> None:
-    m, k = a.shape[::-1] if ta else a.shape
-    kb, n = b.shape[::-1] if tb else b.shape
-    if kb != k or tuple(out.shape) != (m, n):
-        raise ValueError(f"mm shapes {a.shape}{'.T' * ta} @ {b.shape}{'.T' * tb} -> "
-                         f"{out.shape}")
+        ta: bool, tb: bool, bias: Array | None = None, k: int | None = None) -> None:
+    m, n = out.shape
+    if k is None:
+        k = a.shape[0] if ta else a.shape[1]
+    # each operand's [rows, columns] as stored; its rows may be longer than the matrix's
+    # (a leading dimension: the unit reads only the tiles' columns)
+    want = {"a": (k, m) if ta else (m, k), "b": (n, k) if tb else (k, n)}
+    for name, x in (("a", a), ("b", b)):
+        if x.shape[0] != want[name][0] or x.shape[1] < want[name][1]:
+            raise ValueError(f"mm shapes {a.shape}{'.T' * ta} @ {b.shape}{'.T' * tb} -> "
+                             f"{out.shape} (k {k})")
     if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != out.dtype):
         raise ValueError(f"mm bias {bias.dtype}{tuple(bias.shape)} for a {out.dtype} "
                          f"{tuple(out.shape)} product: one element per column, its dtype")
@@ -92,14 +97,16 @@ def _mm(out: Array, a: Array, b: Array, beta: float, alpha: float, s: runtime.St
 
 def mm(out: Array, a: Array, b: Array, beta: float = 0.0, alpha: float = 1.0,
        stream: runtime.Stream | None = None, ta: bool = False, tb: bool = False,
-       bias: Array | None = None) -> None:
+       bias: Array | None = None, k: int | None = None) -> None:
     """``out = beta * out + alpha * A @ B`` for 2-D contiguous ``out [m, n]``, ``a`` and
     ``b``: ``A`` is ``a [m, k]``, or ``a [k, m]`` transposed when ``ta``; ``B`` is ``b [k,
     n]``, or ``b [n, k]`` transposed when ``tb`` (beta 0 ignores what ``out`` held, NaN
-    included). With ``bias`` (1-D ``[n]``, ``out``'s dtype), ``out`` first holds it on
-    every row: ``out = beta * bias + alpha * A @ B``."""
+    included). An operand's rows may be longer than its matrix's (BLAS's leading
+    dimension: a column slice of a wider matrix, given as the wider rows); then ``k``
+    says the product's depth. With ``bias`` (1-D ``[n]``, ``out``'s dtype), ``out``
+    first holds it on every row: ``out = beta * bias + alpha * A @ B``."""
     _check(out, a, b)
-    _mm(out, a, b, beta, alpha, shared.stream_of(out, stream), ta, tb, bias)
+    _mm(out, a, b, beta, alpha, shared.stream_of(out, stream), ta, tb, bias, k)
 
 
 def bmm(out: Array, a: Array, b: Array, stream: runtime.Stream | None = None,

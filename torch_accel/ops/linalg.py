@@ -1,8 +1,9 @@
 """Matrix products on the device's matrix unit: ``mm``, ``addmm``, ``bmm``, and ``mv``,
 ``addmv`` and ``dot`` as thin tiles (``linear`` and ``matmul`` decompose into them).
 float32 and float64; an operand stored transposed (``w.t()``, as ``linear`` and every
-backward pass hand them) is read in place by the unit (mma's ``ta``/``tb``), other
-non-contiguous operands are copied contiguous first; other dtypes run on the CPU."""
+backward pass hand them) is read in place by the unit (mma's ``ta``/``tb``), and so is a
+2-D column slice (BLAS's leading dimension); other non-contiguous operands are copied
+contiguous first; other dtypes run on the CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from torch_accel import kernels
 from torch_accel.ops import _operands as operands
 from torch_accel.ops._register import Unsupported, implements
-from torch_accel.ops._tensors import stream, view_of
+from torch_accel.ops._tensors import storage_of, stream, view_of
 from torch_accel.ops.copy import contiguous_on_device, strided_into
 
 _FLOAT = (torch.float32, torch.float64)
@@ -30,13 +31,33 @@ def _float(*ts: torch.Tensor) -> None:
 def _operand(t: torch.Tensor) -> tuple[Any, bool]:
     """``t`` (matrices in its last two dimensions) as the unit reads it, and whether it
     is stored transposed: itself when contiguous, its transpose's storage when that is
-    contiguous (no copy), else a contiguous copy."""
+    contiguous, a matrix's (or its transpose's) rows spaced further apart than its
+    columns (a column slice) as the wider rows, all without a copy; else a contiguous
+    copy."""
     if not t.is_contiguous():
         flipped = t.transpose(-2, -1)
         if flipped.is_contiguous():
             return _view(flipped), True
+        for x, transposed in ((t, False), (flipped, True)):
+            rows = _wide_rows(x) if x.dim() == 2 else None
+            if rows is not None:
+                return rows, transposed
         t = contiguous_on_device(t)
     return _view(t), False
+
+
+def _wide_rows(t: torch.Tensor) -> Any | None:
+    """A 2-D ``t`` of unit column stride whose rows are ``ld`` > its width apart, as the
+    ``[rows, ld]`` window of its storage from its first element (the unit reads only the
+    matrix's columns of it); None when the storage does not hold the whole window."""
+    rows, cols = t.shape
+    ld, unit = t.stride()
+    if unit != 1 or ld < cols or rows == 0:
+        return None
+    if t.storage_offset() + rows * ld > t.untyped_storage().nbytes() // t.element_size():
+        return None
+    storage = storage_of(t)
+    return storage.view(storage.dtype, (rows, ld), t.storage_offset() * t.element_size())
 
 
 def _view(t: torch.Tensor) -> Any:
@@ -67,7 +88,7 @@ def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
             strided_into(out, bias)
     (va, ta), (vb, tb) = _operand(a), _operand(b)
     kernels.mm(_view(out), va, vb, beta=beta, alpha=float(alpha),
-               stream=stream(a.device.index), ta=ta, tb=tb, bias=row)
+               stream=stream(a.device.index), ta=ta, tb=tb, bias=row, k=a.shape[1])
     return out
 
 
