@@ -830,12 +830,12 @@ class _Checker:
                              "of bools")
 
     def _mma(self, c: ast.Call, statement: bool) -> None:
-        """mma(c, a, b, row, col, k0, tm, tn, tk, beta): the operands must be 2-D float
+        """mma(c, a, b, row, col, k0, tm, tn, tk, beta[, ta[, tb]]): the operands must be 2-D float
         buffer parameters of one dtype (the matrix unit reads and writes global memory
         only, in float32 or float64). The scalar arguments are checked here as
         expressions; that they are uniform across the block needs the whole body's taint
         analysis, so :meth:`_check_collectives` does it."""
-        self._nargs(c, "mma", _MMA_NARGS)
+        self._nargs(c, "mma", _MMA_NARGS, kernel_lang.MMA_MAX_NARGS)
         if not statement:
             self.fail(c, "mma() returns nothing; call it as a statement")
         operands = c.args[:_MMA_OPERANDS]

@@ -103,10 +103,12 @@ BUILTINS: Final[dict[str, Builtin]] = {b.name: b for b in (
     Builtin("barrier", "statement", 0, collective=True, capability="shared_mem"),
     #: atomic_add(buf, index, value): buf a buffer parameter or a shared array
     Builtin("atomic_add", "statement", 3, capability="atomics"),
-    #: mma(c, a, b, row, col, k0, tm, tn, tk, beta): the matrix unit, once per block,
-    #: ``c[row:row+tm, col:col+tn] = beta * c[...] + a[row:row+tm, k0:k0+tk] @
-    #: b[k0:k0+tk, col:col+tn]``; the operands are 2-D buffer parameters of one dtype of
-    #: MMA_DTYPES, the rest uniform scalars
+    #: mma(c, a, b, row, col, k0, tm, tn, tk, beta[, ta[, tb]]): the matrix unit, once
+    #: per block, ``c[row:row+tm, col:col+tn] = beta * c[...] + a[row:row+tm, k0:k0+tk] @
+    #: b[k0:k0+tk, col:col+tn]``, where a nonzero ``ta`` (``tb``) reads ``a``'s (``b``'s)
+    #: tile transposed from ``a[k0:k0+tk, row:row+tm]`` (``b[col:col+tn, k0:k0+tk]``); the
+    #: operands are 2-D buffer parameters of one dtype of MMA_DTYPES, the rest uniform
+    #: scalars (at most MMA_MAX_NARGS arguments)
     Builtin("mma", "statement", 10, collective=True, capability="matrix"),
     #: shared_array(shape, dtype): static; its bytes count in the IR's ``shared_mem``
     Builtin("shared_array", "declaration", 2, capability="shared_mem"),
@@ -129,6 +131,8 @@ CAPABILITY_OF: Final[dict[str, str]] = {n: b.capability for n, b in BUILTINS.ite
 #: Names a kernel can never bind (``range`` is only legal as a for loop's iterable).
 RESERVED: Final = frozenset(BUILTINS) | {"range"}
 MMA_OPERANDS: Final = 3
+#: mma's arguments with both optional layout flags (``ta``, ``tb``) written
+MMA_MAX_NARGS: Final = 12
 MMA_DTYPES: Final = ("float32", "float64")
 #: What each flag of a kernel's IR says it needs of the device (MODULE_LOAD refuses a
 #: module the device cannot run with EOPNOTSUPP; the firmware reads the source as well,

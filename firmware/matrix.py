@@ -1,9 +1,12 @@
 """The compute engines' matrix unit: what a kernel's ``mma(...)`` runs on.
 
-``mma(c, a, b, row, col, k0, tm, tn, tk, beta)`` is block-collective (docs/kernels.md):
-once per block, ``c[row:row+tm, col:col+tn] = beta * c[...] + a[row:row+tm, k0:k0+tk] @
-b[k0:k0+tk, col:col+tn]``. Real accelerators do this in a matrix engine (tensor cores,
-MFMA, XMX, an MME) fed straight from memory; the emulated one is the host's BLAS
+``mma(c, a, b, row, col, k0, tm, tn, tk, beta[, ta, tb])`` is block-collective
+(docs/kernels.md): once per block, ``c[row:row+tm, col:col+tn] = beta * c[...] + A @ B``
+with ``A = a[row:row+tm, k0:k0+tk]`` (``a[k0:k0+tk, row:row+tm].T`` when ``ta``) and ``B =
+b[k0:k0+tk, col:col+tn]`` (``b[col:col+tn, k0:k0+tk].T`` when ``tb``): BLAS's own
+``transa``/``transb``, so a transposed operand is read where it lies, not copied first.
+Real accelerators do this in a matrix engine (tensor cores, MFMA, XMX, an MME) fed
+straight from memory; the emulated one is the host's BLAS
 ``sgemm``/``dgemm``, called as a native function pointer from the kernel's machine code
 (no GIL, no Python): the OpenBLAS that numpy already loads into the firmware process, in
 its ILP64 build (64-bit integer arguments, ``*64_`` symbols). Each engine thread calls it
@@ -96,20 +99,23 @@ def blas_pointers() -> np.ndarray:
 
 
 @intrinsic
-def _rt_gemm(typingctx: Any, fn: Any, m: Any, n: Any, k: Any, a: Any, a_off: Any, lda: Any,
-             b: Any, b_off: Any, ldb: Any, beta: Any, c: Any, c_off: Any, ldc: Any) -> Any:
-    """``cblas_?gemm(RowMajor, NoTrans, NoTrans, m, n, k, 1, a+a_off, lda, b+b_off, ldb,
-    beta, c+c_off, ldc)`` through the function pointer ``fn`` (ILP64: int64 sizes).
-    Offsets are in elements; the generated code has checked every range."""
+def _rt_gemm(typingctx: Any, fn: Any, transa: Any, transb: Any, m: Any, n: Any, k: Any,
+             a: Any, a_off: Any, lda: Any, b: Any, b_off: Any, ldb: Any, beta: Any, c: Any,
+             c_off: Any, ldc: Any) -> Any:
+    """``cblas_?gemm(RowMajor, transa, transb, m, n, k, 1, a+a_off, lda, b+b_off, ldb,
+    beta, c+c_off, ldc)`` through the function pointer ``fn`` (ILP64: int64 sizes;
+    ``transa``/``transb`` CBLAS's 111 NoTrans or 112 Trans). Offsets are in elements; the
+    generated code has checked every range."""
     arrays = (a, b, c)
     if not all(isinstance(x, types.Array) and x.dtype in (types.float32, types.float64)
                for x in arrays) or len({x.dtype for x in arrays}) != 1:
         return None
-    sig = types.none(fn, m, n, k, a, a_off, lda, b, b_off, ldb, beta, c, c_off, ldc)
+    sig = types.none(fn, transa, transb, m, n, k, a, a_off, lda, b, b_off, ldb, beta, c, c_off,
+                     ldc)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        (fnv, mv, nv, kv, av, ao, lda_v, bv, bo, ldb_v, beta_v, cv, co, ldc_v) = args
-        aty = signature.args[4]
+        (fnv, ta_v, tb_v, mv, nv, kv, av, ao, lda_v, bv, bo, ldb_v, beta_v, cv, co, ldc_v) = args
+        aty = signature.args[6]
         fty = ir.FloatType() if aty.dtype == types.float32 else ir.DoubleType()
         i32, i64 = ir.IntType(32), ir.IntType(64)
         ptr_t = fty.as_pointer()
@@ -123,15 +129,18 @@ def _rt_gemm(typingctx: Any, fn: Any, m: Any, n: Any, k: Any, a: Any, a_off: Any
         def i64v(v: Any, t: Any) -> Any:
             return context.cast(builder, v, t, types.int64)
 
+        def i32v(v: Any, t: Any) -> Any:
+            return context.cast(builder, v, t, types.int32)
+
         st = signature.args
         call = builder.inttoptr(i64v(fnv, st[0]), gemm_t.as_pointer())
-        row_major, no_trans = ir.Constant(i32, 101), ir.Constant(i32, 111)
-        builder.call(call, [row_major, no_trans, no_trans,
-                            i64v(mv, st[1]), i64v(nv, st[2]), i64v(kv, st[3]),
-                            ir.Constant(fty, 1.0), at(av, st[4], ao, st[5]), i64v(lda_v, st[6]),
-                            at(bv, st[7], bo, st[8]), i64v(ldb_v, st[9]),
-                            context.cast(builder, beta_v, st[10], aty.dtype),
-                            at(cv, st[11], co, st[12]), i64v(ldc_v, st[13])])
+        row_major = ir.Constant(i32, 101)
+        builder.call(call, [row_major, i32v(ta_v, st[1]), i32v(tb_v, st[2]),
+                            i64v(mv, st[3]), i64v(nv, st[4]), i64v(kv, st[5]),
+                            ir.Constant(fty, 1.0), at(av, st[6], ao, st[7]), i64v(lda_v, st[8]),
+                            at(bv, st[9], bo, st[10]), i64v(ldb_v, st[11]),
+                            context.cast(builder, beta_v, st[12], aty.dtype),
+                            at(cv, st[13], co, st[14]), i64v(ldc_v, st[15])])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -158,7 +167,7 @@ def _rt_span(typingctx: Any, ary: Any) -> Any:
 #: part of the generated source, so its hash is in the cache key). Returns 1 when the
 #: launch must stop (a bounds miss, recorded in ``fault``, or the abort word).
 #:
-#: The generated call passes the six integer arguments through ``_rt_index`` (int64; a
+#: The generated call passes the eight integer arguments through ``_rt_index`` (int64; a
 #: float is a compile error, a uint64 beyond int64 saturates), so the range checks below
 #: compare int64 values only, and none of their arithmetic can wrap: each subtraction is
 #: of two non-negative values, and the reported far corner saturates. Once a tile passes,
@@ -187,9 +196,13 @@ def _mma_tile_miss(fault, pos, rows, cols, r0, nr, c0, nc):
 
 
 @njit(**_NJI)
-def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, fn, abort, fault, pc, pa, pb):
-    for arr, pos, r0, nr, q0, nq in ((c, pc, row, tm, col, tn), (a, pa, row, tm, k0, tk),
-                                      (b, pb, k0, tk, col, tn)):
+def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, ta, tb, fn, abort, fault, pc, pa, pb):
+    trans_a, trans_b = ta != 0, tb != 0
+    # each operand's tile in its own storage: a transposed operand holds k along its rows
+    a_r0, a_nr, a_q0, a_nq = (k0, tk, row, tm) if trans_a else (row, tm, k0, tk)
+    b_r0, b_nr, b_q0, b_nq = (col, tn, k0, tk) if trans_b else (k0, tk, col, tn)
+    for arr, pos, r0, nr, q0, nq in ((c, pc, row, tm, col, tn), (a, pa, a_r0, a_nr, a_q0, a_nq),
+                                      (b, pb, b_r0, b_nr, b_q0, b_nq)):
         if _mma_tile_miss(fault, pos, arr.shape[0], arr.shape[1], r0, nr, q0, nq):
             return 1
     if tm == 0 or tn == 0:
@@ -198,13 +211,16 @@ def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, fn, abort, fault, pc, pa, pb):
     as_, ae = _rt_span(a)
     bs, be = _rt_span(b)
     if (as_ < ce and cs < ae) or (bs < ce and cs < be):  # aliasing c: read from copies
-        a = a[row:row + tm, k0:k0 + tk].copy()
-        b = b[k0:k0 + tk, col:col + tn].copy()
-        ar, ak, bk, bc = 0, 0, 0, 0
-    else:
-        ar, ak, bk, bc = row, k0, k0, col
-    # BLAS wants lda >= max(1, k) even when k is 0 (a has no columns): it then reads no a
-    lda, ldb, ldc = max(a.shape[1], 1), b.shape[1], c.shape[1]
+        a = a[a_r0:a_r0 + a_nr, a_q0:a_q0 + a_nq].copy()
+        b = b[b_r0:b_r0 + b_nr, b_q0:b_q0 + b_nq].copy()
+        a_r0, a_q0, b_r0, b_q0 = 0, 0, 0, 0
+    # the tiles' origins as (row of A, k) and (k, column of B)
+    ar, ak = (a_q0, a_r0) if trans_a else (a_r0, a_q0)
+    bk, bc = (b_q0, b_r0) if trans_b else (b_r0, b_q0)
+    # BLAS wants a leading dimension >= 1 even when the operand has no columns (k is 0)
+    lda, ldb, ldc = max(a.shape[1], 1), max(b.shape[1], 1), c.shape[1]
+    op_a = 112 if trans_a else 111  # CBLAS Trans / NoTrans
+    op_b = 112 if trans_b else 111
     for r in range(0, tm, @ROWS@):
         mr = min(@ROWS@, tm - r)
         for q0 in range(0, tn, @COLS@):
@@ -217,8 +233,9 @@ def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, fn, abort, fault, pc, pa, pb):
                 kr = min(@KS@, tk - kk)
                 bb = beta if kk == 0 else 1.0
                 if fn != 0:
-                    _rt_gemm(fn, mr, nq, kr, a, (ar + r) * lda + ak + kk, lda,
-                             b, (bk + kk) * ldb + bc + q0, ldb, bb,
+                    a_at = (ak + kk) * lda + ar + r if trans_a else (ar + r) * lda + ak + kk
+                    b_at = (bc + q0) * ldb + bk + kk if trans_b else (bk + kk) * ldb + bc + q0
+                    _rt_gemm(fn, op_a, op_b, mr, nq, kr, a, a_at, lda, b, b_at, ldb, bb,
                              c, (row + r) * ldc + col + q0, ldc)
                 else:
                     for i in range(mr):
@@ -226,9 +243,18 @@ def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, fn, abort, fault, pc, pa, pb):
                             cij = c[row + r + i, col + q0 + j]
                             c[row + r + i, col + q0 + j] = 0 if bb == 0 else cij * bb
                         for q in range(kr):
-                            av = a[ar + r + i, ak + kk + q]
-                            for j in range(nq):
-                                c[row + r + i, col + q0 + j] += av * b[bk + kk + q, bc + q0 + j]
+                            if trans_a:
+                                av = a[ak + kk + q, ar + r + i]
+                            else:
+                                av = a[ar + r + i, ak + kk + q]
+                            if trans_b:
+                                for j in range(nq):
+                                    bv = b[bc + q0 + j, bk + kk + q]
+                                    c[row + r + i, col + q0 + j] += av * bv
+                            else:
+                                for j in range(nq):
+                                    bv = b[bk + kk + q, bc + q0 + j]
+                                    c[row + r + i, col + q0 + j] += av * bv
                 kk += kr
                 if kk >= tk:
                     break

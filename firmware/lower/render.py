@@ -80,7 +80,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from abi import hazard
+from abi import hazard, kernel_lang
 from firmware import matrix
 from firmware.kernel_check import (DYNAMIC_SHAPE, buffer_dtype, buffer_ndim, calls_mma,
                                    const_int, is_mma, reject)
@@ -420,10 +420,10 @@ class Renderer:
         return out + [f"{ind}{tgt} = {conv}({values[0]} if {test} else {values[1]})"]
 
     def mma(self, call: ast.Call, ind: str, mode: Mode) -> list[str]:
-        """The matrix unit's call: operands, then the seven scalar arguments evaluated
-        (with thread 0's locals; the six integer ones as int64 through ``_rt_index``, which
-        firmware/matrix.py's range checks rely on), then the BLAS entry point for the
-        dtype."""
+        """The matrix unit's call: operands, then the scalar arguments evaluated (with
+        thread 0's locals; the integer ones as int64 through ``_rt_index``, which
+        firmware/matrix.py's range checks rely on; the layout flags ``ta``/``tb`` 0 when
+        not written), then the BLAS entry point for the dtype."""
         out: list[str] = []
         names = [a.id for a in call.args[:3]]  # type: ignore[attr-defined]
         values = []
@@ -432,6 +432,7 @@ class Renderer:
             if loads:
                 out += self.fault_check(ind, mode)
             values.append(text if i == 6 else f"_rt_index({text})")  # beta stays a number
+        values += ["np.int64(0)"] * (kernel_lang.MMA_MAX_NARGS - len(call.args))
         slot = matrix.SLOT[buffer_dtype(self.k, names[0])]
         args = ([user_name(n) for n in names] + values
                 + [f"_blas[{slot}]", "abort", "fault"] + [str(self.pos_of(n)) for n in names])

@@ -345,11 +345,33 @@ def test_matmul_random_sleep(daemon):
             check(f"mm {m}x{k}x{n}", host(dc), 0.5 * c + 2 * (a @ b), rtol=1e-4, atol=1e-4)
             K.mm(dc, dev(a), dev(b))
             check(f"mm beta0 {m}x{k}x{n}", host(dc), a @ b, rtol=1e-4, atol=1e-4)
+            for ta, tb in ((True, False), (False, True), (True, True)):  # stored transposed
+                K.mm(dc, dev(np.ascontiguousarray(a.T) if ta else a),
+                     dev(np.ascontiguousarray(b.T) if tb else b), ta=ta, tb=tb)
+                check(f"mm {ta=} {tb=} {m}x{k}x{n}", host(dc), a @ b, rtol=1e-4, atol=1e-4)
         a = rng.standard_normal((3, 5, 6)).astype(np.float32)
         b = rng.standard_normal((3, 6, 4)).astype(np.float32)
         o = runtime.empty((3, 5, 4), np.float32)
         K.bmm(o, dev(a), dev(b))
         check("bmm", host(o), a @ b, rtol=1e-4, atol=1e-5)
+        a = rng.standard_normal((65, 130)).astype(np.float32)  # rows of 130, a 100-deep product
+        b = rng.standard_normal((33, 100)).astype(np.float32)  # b [n, k] transposed
+        o = runtime.empty((65, 33), np.float32)
+        K.mm(o, dev(a), dev(b), tb=True, k=100)
+        check("mm of wide rows", host(o), a[:, :100] @ b.T, rtol=1e-4, atol=1e-4)
+        bias = rng.standard_normal(33).astype(np.float32)
+        K.mm(o, dev(a), dev(b), beta=0.5, alpha=2.0, tb=True, k=100, bias=dev(bias))
+        check("mm with a bias row", host(o), 0.5 * bias + 2 * (a[:, :100] @ b.T), rtol=1e-4,
+              atol=1e-4)
+        try:
+            K.mm(o, dev(a), dev(b), tb=True, k=100, bias=dev(bias[:5]))
+        except ValueError as exc:
+            print("short bias refused:", exc)
+        try:  # a [5, 4] stored transposed is [4, 5]: no product into [5, 3]
+            K.mm(runtime.empty((5, 3), np.float32), dev(np.ones((5, 4), np.float32)),
+                 dev(np.ones((4, 3), np.float32)), ta=True)
+        except ValueError as exc:
+            print("transposed shapes refused:", exc)
         try:
             K.mm(runtime.empty((2, 2), np.int64), dev(np.ones((2, 2), np.int64)),
                  dev(np.ones((2, 2), np.int64)))
@@ -405,6 +427,9 @@ def test_matmul_random_sleep(daemon):
         print("sleep queued, ran", queued, time.perf_counter() - t0)
     """, timeout=140)
     assert "int mm refused ok" in lines and "bernoulli ok" in lines, lines
+    assert "transposed shapes refused: mm shapes (5, 4).T @ (4, 3) -> (5, 3) (k 5)" in lines, lines
+    assert ("short bias refused: mm bias float32(5,) for a float32 (65, 33) product: one "
+            "element per column, its dtype") in lines, lines
     queued, ran = map(float, lines[-1].split()[-2:])
     assert lines[-1].startswith("sleep queued, ran") and queued < ran, lines  # asynchronous
 

@@ -260,11 +260,12 @@ def tile_types(int_type: str) -> tuple[str, ...]:
 @pytest.fixture(scope="module", params=["blas", "loops"])
 def tiles(request: pytest.FixtureRequest, cache: KernelCache,
           cache_root: Path) -> dict[str, Any]:
-    """The tile kernel with int64 and with uint64 arguments, on each matrix-unit path (the
-    second KernelCache loads the first one's machine code: the BLAS pointers are
-    arguments, not code)."""
+    """The tile kernel with int64 and with uint64 arguments, and with both operands stored
+    transposed ("transposed", int64), on each matrix-unit path (the second KernelCache
+    loads the first one's machine code: the BLAS pointers are arguments, not code)."""
     kc = cache if request.param == "blas" else KernelCache(cache_root, use_blas=False)
-    return {t: kc.get(TILE, tile_types(t), Options()) for t in ("int64", "uint64")}
+    return {**{t: kc.get(TILE, tile_types(t), Options()) for t in ("int64", "uint64")},
+            "transposed": kc.get(TILE_T, tile_types("int64"), Options())}
 
 
 def mma_operands() -> tuple[Guarded, np.ndarray]:
@@ -343,6 +344,46 @@ def test_mma_over_an_operand_with_no_columns_only_scales_c(tiles: dict[str, Any]
                        [a, b[:0], c, *map(np.int64, (0, 0, 0, 4, 5, 0)), np.float64(0.5)],
                        no_abort())
     np.testing.assert_array_equal(c, np.arange(20.0).reshape(4, 5) * 0.5)
+    assert g.intact()
+
+
+#: Both operands stored transposed (mma's layout flags): a is [k, m], b is [n, k].
+TILE_T = ir_of("""
+    def tile_t(a, b, c, row, col, k0, tm, tn, tk, beta):
+        mma(c, a, b, row, col, k0, tm, tn, tk, beta, 1, 1)
+""", {"a": 2, "b": 2, "c": 2})
+
+# The misses of MMA_MISSES through transposed operands: c's, and the saturated ones, are
+# the same; a's corners are indices of its [k=3, m=4] storage (rows k0.., columns row..).
+MMA_MISSES_T = [(args, want) for args, want in MMA_MISSES if want[0] == "c" or want[2]] + [
+    ((0, 0, 0, 4, 5, 4), ("a", 3 * 4 + 3, False)),            # k = 4 > stored a's 3 rows
+    ((0, 0, 1, 4, 5, 3), ("a", 3 * 4 + 3, False)),
+    ((0, 0, -(1 << 62), 4, 5, 3), ("a", INDEX_MIN, True)),    # row -(2**62) of 4 columns
+    ((0, 0, 0, 4, 5, 2), None),                               # inside: no miss
+]
+
+
+@pytest.mark.parametrize("args, want", MMA_MISSES_T, ids=[str(a) for a, _ in MMA_MISSES_T])
+def test_mma_transposed_tile_wrap_around_is_a_miss_and_c_is_untouched(
+        tiles: dict[str, Any], args: tuple[int, ...],
+        want: tuple[str, int, bool] | None) -> None:
+    """Transposed reads are range-checked as plain ones are (int64 arithmetic that cannot
+    wrap, the corner saturating), on both matrix-unit paths, the canaries around every
+    operand intact."""
+    k = tiles["transposed"]
+    g = Guarded((3, 4), (5, 3), (4, 5))
+    a_t, b_t, c = g.arrays
+    rng = np.random.default_rng(6)
+    a_t[...], b_t[...], c[...] = rng.random((3, 4)), rng.random((5, 3)), rng.random((4, 5))
+    c0 = c.copy()
+    if want is None:
+        k.run(0, 1, (1, 1, 1), (1, 1, 1), [*g.arrays, *map(np.int64, args), np.float64(1.0)],
+              no_abort())
+        np.testing.assert_allclose(c, c0 + a_t[:2].T @ b_t[:, :2].T, rtol=1e-12)
+    else:
+        f = run_fault(k, [*g.arrays, *map(np.int64, args), np.float64(1.0)])
+        assert (f.kind, f.param, f.index, f.saturated) == ("bounds", *want)
+        np.testing.assert_array_equal(c, c0)
     assert g.intact()
 
 

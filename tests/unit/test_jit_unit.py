@@ -821,7 +821,7 @@ def test_mma_sees_the_watchdog_between_chunks(cache_root: Path) -> None:
     ("def k(a, b, c):\n    mma(c, a, b, 0, 0, 0, 1, 1, 1, 0.0)\n",
      ("float32[2d]", "float64[2d]", "float32[2d]"), "float32 or all float64"),
     ("def k(a, b, c):\n    mma(c, a, b, 0, 0, 0, 1, 1, 1)\n", ("float32[2d]",) * 3,
-     r"takes 10 argument\(s\)"),
+     r"takes 10 to 12 argument\(s\), not 9"),
     ("def k(a, b, c):\n    if global_id(0) == 0:\n        mma(c, a, b, 0, 0, 0, 1, 1, 1, 0.0)\n",
      ("float32[2d]",) * 3, "under control flow that depends on the thread"),
     ("def k(a, b, c):\n    x = mma(c, a, b, 0, 0, 0, 1, 1, 1, 0.0)\n", ("float32[2d]",) * 3,
@@ -837,6 +837,122 @@ def test_mma_needs_2d_buffers(cache: KernelCache) -> None:
     ir = ir_of("def k(a, b, c):\n    mma(c, a, b, 0, 0, 0, 1, 1, 1, 0.0)\n")  # 1-D
     with pytest.raises(ValueError, match="the kernel indexes it with 2"):
         cache.get(ir, ("float32[1d]",) * 3, Options())
+
+
+#: The unit's transposed reads: a stored [k, m] (ta) and b stored [n, k] (tb), the flags and
+#: k launch parameters, 32x32 tiles of c.
+MMA_LAYOUTS = ir_of("""
+    def matmul_t(a, b, c, beta, ta, tb, k):
+        i = group_id(1) * 32
+        j = group_id(0) * 32
+        mma(c, a, b, i, j, 0, min(32, c.shape[0] - i), min(32, c.shape[1] - j), k, beta,
+            ta, tb)
+""", ndims={"a": 2, "b": 2, "c": 2})
+#: One block's whole tile with a's layout flag only (11 arguments: tb defaults to 0).
+TILE_TA = ir_of("""
+    def tile_ta(a, b, c, row, tm, tk):
+        mma(c, a, b, row, 0, 0, tm, c.shape[1], tk, 0.0, 1)
+""", ndims={"a": 2, "b": 2, "c": 2})
+
+
+def _layout_types(dtype: str) -> tuple[str, ...]:
+    return (f"{dtype}[2d]",) * 3 + (dtype, "int64", "int64", "int64")
+
+
+def _stored(x: np.ndarray, transposed: bool) -> np.ndarray:
+    """``x`` as the unit's operand: itself, or its transpose's C-order storage."""
+    return np.ascontiguousarray(x.T) if transposed else x
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("use_blas", [True, False], ids=["blas", "loops"])
+def test_mma_transposed_operands_match_numpy(cache_root: Path, dtype: str,
+                                             use_blas: bool) -> None:
+    """Every layout (a and/or b stored transposed) over edge tiles, on both paths, equals
+    numpy's product of the logical operands; beta scales c as without the flags."""
+    k = KernelCache(cache_root, use_blas=use_blas).get(MMA_LAYOUTS, _layout_types(dtype),
+                                                       Options())
+    rng = np.random.default_rng(5)
+    a, b, c0 = (rng.random(s).astype(dtype) for s in ((70, 45), (45, 37), (70, 37)))
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    grid = (2, 3, 1)
+    for ta in (0, 1):
+        for tb in (0, 1):
+            c = c0.copy()
+            args = [_stored(a, bool(ta)), _stored(b, bool(tb)), c, c.dtype.type(0.5),
+                    np.int64(ta), np.int64(tb), np.int64(45)]
+            assert k.run(0, nblocks(grid), grid, (4, 2, 1), args, no_abort()) == nblocks(grid)
+            np.testing.assert_allclose(c, 0.5 * c0 + a @ b, rtol=tol, err_msg=f"{ta=} {tb=}")
+
+
+@pytest.mark.parametrize("use_blas", [True, False], ids=["blas", "loops"])
+def test_mma_transposed_tiles_larger_than_a_chunk(cache_root: Path, use_blas: bool) -> None:
+    """Transposed reads past the unit's row, column and k chunks (firmware/matrix.py): each
+    chunk's offset into a stored-transposed operand is its own."""
+    from firmware import matrix
+
+    m, n, kk = matrix.ROW_CHUNK + 44, matrix.COL_CHUNK + 76, matrix.K_CHUNK + 88
+    k = KernelCache(cache_root, use_blas=use_blas).get(MMA_LAYOUTS, _layout_types("float64"),
+                                                       Options())
+    rng = np.random.default_rng(13)
+    a, b = rng.random((m, kk)), rng.random((kk, n))
+    c = np.full((m, n), np.nan)
+    grid = ((n + 31) // 32, (m + 31) // 32, 1)
+    k.run(0, nblocks(grid), grid, (1, 1, 1), [a.T.copy(), b.T.copy(), c, np.float64(0.0),
+                                               np.int64(1), np.int64(1), np.int64(kk)],
+          no_abort())
+    np.testing.assert_allclose(c, a @ b, rtol=1e-10)
+    whole = KernelCache(cache_root, use_blas=use_blas).get(TILE_TA, ("float64[2d]",) * 3
+                                                           + ("int64",) * 3, Options())
+    c = np.full((m, n), np.nan)  # one tile over every chunk, a transposed and b not
+    whole.run(0, 1, (1, 1, 1), (1, 1, 1), [a.T.copy(), b, c, np.int64(0), np.int64(m),
+                                           np.int64(kk)], no_abort())
+    np.testing.assert_allclose(c, a @ b, rtol=1e-10)
+
+
+def test_mma_transposed_bounds_miss_is_in_the_operands_own_storage(cache: KernelCache) -> None:
+    """A transposed operand's tile is checked where it is read: a's [k0, k0+tk) rows and
+    [row, row+tm) columns. The fault names the operand and the flat index of the corner
+    that misses in a's own [k, m] storage, and c is untouched -- as for plain tiles."""
+    k = cache.get(TILE_TA, ("float32[2d]",) * 3 + ("int64",) * 3, Options())
+    a_t, b = np.ones((4, 8), np.float32), np.ones((4, 5), np.float32)  # a is [k=4, m=8]
+    c = np.full((8, 5), -1.0, np.float32)
+    cases = [((0, 8, 5), "a", 4 * 8 + 7),     # k = 5 > a's 4 rows: the far corner (4, 7)
+             ((6, 4, 4), "c", 9 * 5 + 4),     # rows 6..9 of c (checked first)
+             ((-1, 2, 4), "c", -5),           # a negative row: c's tile start
+             ((0, 2, -1), "a", 0)]            # a negative extent: a's tile start (0, 0)
+    for (row, tm, tk), param, index in cases:
+        with pytest.raises(KernelFault) as ei:
+            k.run(0, 1, (1, 1, 1), (1, 1, 1),
+                  [a_t, b, c, np.int64(row), np.int64(tm), np.int64(tk)], no_abort())
+        assert (ei.value.kind, ei.value.param, ei.value.index) == ("bounds", param, index)
+        assert (c == -1.0).all()
+    a_narrow = np.ones((4, 6), np.float32)  # m = 8 columns of stored a needed, 6 there
+    with pytest.raises(KernelFault) as ei:
+        k.run(0, 1, (1, 1, 1), (1, 1, 1),
+              [a_narrow, b, c, np.int64(0), np.int64(8), np.int64(4)], no_abort())
+    assert (ei.value.param, ei.value.index) == ("a", 3 * 6 + 7)
+    assert (c == -1.0).all()
+    k_b = cache.get(MMA_LAYOUTS, _layout_types("float32"), Options())
+    b_t = np.ones((5, 3), np.float32)  # b stored [n=5, k]: k = 4 columns needed, 3 there
+    with pytest.raises(KernelFault) as ei:
+        k_b.run(0, 1, (1, 1, 1), (1, 1, 1), [np.ones((8, 4), np.float32), b_t, c,
+                                             np.float32(0), np.int64(0), np.int64(1),
+                                             np.int64(4)], no_abort())
+    assert (ei.value.kind, ei.value.param, ei.value.index) == ("bounds", "b", 4 * 3 + 3)
+    assert (c == -1.0).all()
+
+
+def test_mma_transposed_operand_that_aliases_c_reads_the_old_values(
+        cache: KernelCache) -> None:
+    """c and a stored transposed are one array: c = x.T @ b reads x's tile before writing."""
+    k = cache.get(TILE_TA, ("float64[2d]",) * 3 + ("int64",) * 3, Options())
+    rng = np.random.default_rng(4)
+    x, b = rng.random((40, 40)), rng.random((40, 40))
+    want = x.T @ b
+    k.run(0, 1, (1, 1, 1), (1, 1, 1), [x, b, x, np.int64(0), np.int64(40), np.int64(40)],
+          no_abort())
+    np.testing.assert_allclose(x, want, rtol=1e-12)
 
 
 UNIFORM_LOCALS = ir_of("""

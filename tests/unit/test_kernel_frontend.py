@@ -235,6 +235,9 @@ ACCEPTED_MMA = [
     "def k(c: 'float64', a: 'f64', s, n):\n    barrier()\n"
     "    mma(c, a, a, 0, 0, 0, n, n, n, 0.0)\n    i = global_id(0)\n"
     "    s[i] = c[i, 0]\n",
+    # the layout flags: one (ta) or both, constants or uniform scalar parameters
+    "def k(c, a, b):\n    mma(c, a, b, 0, 0, 0, 16, 16, 16, 0.0, 1)\n",
+    "def k(c, a, b, ta, tb):\n    mma(c, a, b, 0, 0, 0, 16, 16, 16, 1.0, ta, tb)\n",
     # a thread-dependent return after the last mma is fine
     "def k(c, a, b, n):\n    mma(c, a, b, 0, 0, 0, 16, 16, 16, 0.0)\n"
     "    if global_id(0) >= n:\n        return\n",
@@ -574,7 +577,16 @@ REJECTED_EXACT = [
      "built-ins (no globals, closures or host objects)"),
     # signature, statement-only, dtypes
     ("def k(c, a, b):\n    mma(c, a, b, 0, 0, 0, 16, 16, 16)\n", 2,
-     "mma() takes 10 argument(s), not 9"),
+     "mma() takes 10 to 12 argument(s), not 9"),
+    ("def k(c, a, b):\n    mma(c, a, b, 0, 0, 0, 16, 16, 16, 0.0, 1, 1, 0)\n", 2,
+     "mma() takes 10 to 12 argument(s), not 13"),
+    # the layout flags are uniform scalars like the rest
+    ("def k(c, a, b):\n    mma(c, a, b, 0, 0, 0, 16, 16, 16, 0.0, local_id(0), 0)\n", 2,
+     "mma() argument 11 (`local_id(0)`) differs between the threads of a block: "
+     "uses local_id()"),
+    ("def k(c, a, b, s):\n    mma(c, a, b, 0, 0, 0, 16, 16, 16, 0.0, 0, s[0])\n", 2,
+     "mma() argument 12 (`s[0]`) differs between the threads of a block: reads `s[...]` "
+     "(a loaded value)"),
     (f"def k(c, a, b):\n    y = {_MMA_CALL}\n", 2,
      "mma() returns nothing; call it as a statement"),
     (f"def k(c, a, b):\n    c[0, 0] = 1.0 + {_MMA_CALL}\n", 2,

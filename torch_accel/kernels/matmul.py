@@ -4,8 +4,10 @@ unit"): ``mm`` and ``bmm`` for float32 and float64. Each block hands one 256x256
 buffer, so edge tiles are just smaller tiles). 128x128 tiles made a 1024 mm 64 BLAS calls
 each repacking its operands: 1.77x torch's CPU mm against 1.2x with 256x256 (medians of
 six rounds, same run, loaded machine); 256 still gives a 512 x 512 product four blocks
-for the engines to share. Integer products are refused: the unit
-has no integer GEMM, and an MLP needs none.
+for the engines to share. An operand stored transposed (a ``.t()`` view, as ``linear``'s
+weight and every product of a backward pass) is read in place through mma's ``ta``/``tb``
+flags, not copied first. Integer products are refused: the unit has no integer GEMM, and
+an MLP needs none.
 """
 
 from __future__ import annotations
@@ -16,20 +18,28 @@ import runtime
 from torch_accel.kernels import _shared as shared
 from torch_accel.kernels._shared import Array
 from torch_accel.kernels.elementwise import Binary, binary, fill
+from torch_accel.kernels.layout import strided_copy
 
 TILE = 256
 
-# mma computes c = beta' * c + a @ b; out = beta * out + alpha * a @ b is that with
-# beta' = beta / alpha, then the tile scaled by alpha (alpha 0: only c *= beta)
-SOURCE = f"""def mm(c, a, b, beta, alpha):
+# mma computes c = beta' * c + A @ B; out = beta * out + alpha * A @ B is that with
+# beta' = beta / alpha, then the tile scaled by alpha (alpha 0: only c *= beta). ta/tb say
+# an operand is stored transposed (a [k, m], b [n, k]): the unit reads it where it lies.
+# has_bias first fills the block's tile with bias[n] broadcast over its rows (addmm's and
+# linear's bias: one launch less than a broadcast copy into out before the product).
+SOURCE = f"""def mm(c, a, b, beta, alpha, ta, tb, k, bias, has_bias):
     i = group_id(1) * {TILE}
     j = group_id(0) * {TILE}
     tm = min({TILE}, c.shape[0] - i)
     tn = min({TILE}, c.shape[1] - j)
+    if has_bias != 0:
+        for e in range(local_id(0), tm * tn, local_size(0)):
+            c[i + e // tn, j + e % tn] = bias[j + e % tn]
+        barrier()
     if alpha == 0.0:
-        mma(c, a, b, i, j, 0, tm, tn, 0, beta)
+        mma(c, a, b, i, j, 0, tm, tn, 0, beta, ta, tb)
     else:
-        mma(c, a, b, i, j, 0, tm, tn, a.shape[1], beta / alpha)
+        mma(c, a, b, i, j, 0, tm, tn, k, beta / alpha, ta, tb)
         barrier()
         if alpha != 1.0:
             for e in range(local_id(0), tm * tn, local_size(0)):
@@ -43,41 +53,75 @@ def _check(out: Array, a: Array, b: Array) -> None:
         raise TypeError(f"mm/bmm: float32 or float64 only (the matrix unit), got {out.dtype}")
 
 
-def _mm(out: Array, a: Array, b: Array, beta: float, alpha: float,
-        s: runtime.Stream) -> None:
-    m, k = a.shape
-    n = b.shape[1]
-    if b.shape[0] != k or tuple(out.shape) != (m, n):
-        raise ValueError(f"mm shapes {a.shape} @ {b.shape} -> {out.shape}")
+_no_bias: dict[tuple[int, str], runtime.DeviceArray] = {}
+
+
+def _unused_bias(device: int, dtype: np.dtype) -> runtime.DeviceArray:
+    """A one-element ``bias`` for launches without one (never read), per device and dtype."""
+    key = (device, dtype.str)
+    if key not in _no_bias:
+        _no_bias[key] = runtime.empty(1, dtype, device=device)
+    return _no_bias[key]
+
+
+def _mm(out: Array, a: Array, b: Array, beta: float, alpha: float, s: runtime.Stream,
+        ta: bool, tb: bool, bias: Array | None = None, k: int | None = None) -> None:
+    m, n = out.shape
+    if k is None:
+        k = a.shape[0] if ta else a.shape[1]
+    # each operand's [rows, columns] as stored; its rows may be longer than the matrix's
+    # (a leading dimension: the unit reads only the tiles' columns)
+    want = {"a": (k, m) if ta else (m, k), "b": (n, k) if tb else (k, n)}
+    for name, x in (("a", a), ("b", b)):
+        if x.shape[0] != want[name][0] or x.shape[1] < want[name][1]:
+            raise ValueError(f"mm shapes {a.shape}{'.T' * ta} @ {b.shape}{'.T' * tb} -> "
+                             f"{out.shape} (k {k})")
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != out.dtype):
+        raise ValueError(f"mm bias {bias.dtype}{tuple(bias.shape)} for a {out.dtype} "
+                         f"{tuple(out.shape)} product: one element per column, its dtype")
     if not (m and n):
         return
     if k == 0:  # an empty a or b is an empty allocation (va 0: the launch faults)
+        if bias is not None:
+            strided_copy(shared.flat(out), bias, (m, n), (0, 1), 0, (n, 1), 0, s)
         if beta == 0.0:
             fill(out, 0.0, s)
         else:
             binary(Binary.mul, out, out, beta, stream=s)
     else:
         shared.module("matmul", SOURCE, out.device).mm[(-(-n // TILE), -(-m // TILE)), 128](
-            out, a, b, np.float64(beta), np.float64(alpha), stream=s)
+            out, a, b, np.float64(beta), np.float64(alpha), np.int64(ta), np.int64(tb),
+            np.int64(k), _unused_bias(out.device, out.dtype) if bias is None else bias,
+            np.int64(bias is not None), stream=s)
 
 
 def mm(out: Array, a: Array, b: Array, beta: float = 0.0, alpha: float = 1.0,
-       stream: runtime.Stream | None = None) -> None:
-    """``out = beta * out + alpha * a @ b`` for 2-D contiguous ``a [m, k]``, ``b [k, n]``,
-    ``out [m, n]`` (beta 0 ignores what ``out`` held, NaN included)."""
+       stream: runtime.Stream | None = None, ta: bool = False, tb: bool = False,
+       bias: Array | None = None, k: int | None = None) -> None:
+    """``out = beta * out + alpha * A @ B`` for 2-D contiguous ``out [m, n]``, ``a`` and
+    ``b``: ``A`` is ``a [m, k]``, or ``a [k, m]`` transposed when ``ta``; ``B`` is ``b [k,
+    n]``, or ``b [n, k]`` transposed when ``tb`` (beta 0 ignores what ``out`` held, NaN
+    included). An operand's rows may be longer than its matrix's (BLAS's leading
+    dimension: a column slice of a wider matrix, given as the wider rows); then ``k``
+    says the product's depth. With ``bias`` (1-D ``[n]``, ``out``'s dtype), ``out``
+    first holds it on every row: ``out = beta * bias + alpha * A @ B``."""
     _check(out, a, b)
-    _mm(out, a, b, beta, alpha, shared.stream_of(out, stream))
+    _mm(out, a, b, beta, alpha, shared.stream_of(out, stream), ta, tb, bias, k)
 
 
-def bmm(out: Array, a: Array, b: Array, stream: runtime.Stream | None = None) -> None:
-    """``out[i] = a[i] @ b[i]`` over 3-D contiguous buffers: one ``mm`` launch per batch
-    entry on views (``mma`` takes 2-D operands and one ``k0`` for both, so a batch cannot
-    be folded into the rows of one launch)."""
+def bmm(out: Array, a: Array, b: Array, stream: runtime.Stream | None = None,
+        ta: bool = False, tb: bool = False) -> None:
+    """``out[i] = A[i] @ B[i]`` over 3-D contiguous buffers (``ta``/``tb`` as for
+    :func:`mm`, per batch entry): one ``mm`` launch per batch entry on views (``mma``
+    takes 2-D operands and one ``k0`` for both, so a batch cannot be folded into the rows
+    of one launch)."""
     _check(out, a, b)
-    batch, m, k = a.shape
-    n = b.shape[2]
+    batch, m, n = out.shape
     s = shared.stream_of(out, stream)
     it = a.dtype.itemsize
+    a_rows, a_cols = a.shape[1:]
+    b_rows, b_cols = b.shape[1:]
     for i in range(batch):
-        _mm(out.view(out.dtype, (m, n), i * m * n * it), a.view(a.dtype, (m, k), i * m * k * it),
-            b.view(b.dtype, (k, n), i * k * n * it), 0.0, 1.0, s)
+        _mm(out.view(out.dtype, (m, n), i * m * n * it),
+            a.view(a.dtype, (a_rows, a_cols), i * a_rows * a_cols * it),
+            b.view(b.dtype, (b_rows, b_cols), i * b_rows * b_cols * it), 0.0, 1.0, s, ta, tb)

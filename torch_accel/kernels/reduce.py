@@ -1,4 +1,5 @@
-"""Row reductions of a contiguous ``[rows, n]`` buffer: ``reduce_rows``.
+"""Row reductions of a contiguous ``[rows, n]`` buffer: ``reduce_rows`` (short columns of
+an ``[n, rows]`` one too).
 
 A row of at most :data:`SHORT` elements is reduced by one thread. A longer row is cut
 into chunks of :data:`CHUNK`; a block of 256 threads reduces each (a strided walk per
@@ -93,13 +94,13 @@ def _source() -> str:
         idx[r * nchunks + c] = ai
 """)
     parts.append(f"""def finish(out, val, idx, op: 'int64', fam: 'int64', rows: 'int64', nchunks: 'int64',
-           n: 'int64', init, use_idx: 'int64'):
+           n: 'int64', init, use_idx: 'int64', rs: 'int64', qs: 'int64'):
     r = global_id(0)
     if r < rows:
         acc = init
         ai = -1
         for q in range(nchunks):
-            v = val[r * nchunks + q]
+            v = val[r * rs + q * qs]
             k = q
             if use_idx != 0:
                 k = idx[r * nchunks + q]
@@ -127,10 +128,13 @@ def _init(fam: Reduce, floating: bool) -> float | int:
 
 
 def reduce_rows(op: Reduce | str, out: Array, x: Array, rows: int, n: int,
-                stream: runtime.Stream | None = None) -> None:
-    """``out[r] = OP(x[r, :])`` for each of ``rows`` rows of ``n`` contiguous elements.
-    ``out`` may have another dtype (int64 for argmax/argmin and for sums of ints, bool for
-    any/all). An empty row gives the op's identity (-inf for amax, index -1 for argmax)."""
+                stream: runtime.Stream | None = None, columns: bool = False) -> None:
+    """``out[r] = OP(x[r, :])`` for each of ``rows`` rows of ``n`` contiguous elements;
+    with ``columns``, of each of ``rows`` columns of a contiguous ``[n, rows]`` ``x`` (a
+    reduction over leading dimensions, as a bias gradient's sum, without transposing
+    ``x`` first; ``n`` at most :data:`SHORT`). ``out`` may have another dtype (int64 for
+    argmax/argmin and for sums of ints, bool for any/all). An empty row gives the op's
+    identity (-inf for amax, index -1 for argmax)."""
     if isinstance(op, str):
         op = ALIASES.get(op) or Reduce[op]
     op = Reduce(op)
@@ -149,10 +153,13 @@ def reduce_rows(op: Reduce | str, out: Array, x: Array, rows: int, n: int,
         return
     mod = shared.module("reduce", SOURCE, out.device)
     xf = shared.as_bytes_if_bool(shared.flat(x))
+    if columns and n > SHORT:
+        raise ValueError(f"reduce_rows(columns=True) walks at most {SHORT} elements, not {n}")
     if n <= SHORT:  # a thread per row, walking it: no block, barrier or partials
+        rs, qs = (1, rows) if columns else (n, 1)
         mod.finish[shared.grid(rows), shared.BLOCK](shared.flat(out), xf, _no_index(out.device),
                                                     int(op), int(fam), rows, n, n, init, 0,
-                                                    stream=s)
+                                                    rs, qs, stream=s)
         return
     nchunks = -(-n // CHUNK)
     val = runtime.empty(rows * nchunks, acc, device=out.device)
@@ -160,7 +167,7 @@ def reduce_rows(op: Reduce | str, out: Array, x: Array, rows: int, n: int,
     mod.get_kernel(f"stage_{'f' if floating else 'i'}")[(nchunks, rows), shared.BLOCK](
         val, idx, xf, int(fam), n, CHUNK, nchunks, init, stream=s)
     mod.finish[shared.grid(rows), shared.BLOCK](shared.flat(out), val, idx, int(op), int(fam),
-                                                rows, nchunks, n, init, 1, stream=s)
+                                                rows, nchunks, n, init, 1, nchunks, 1, stream=s)
 
 
 _dummies: dict[int, runtime.DeviceArray] = {}

@@ -1,7 +1,9 @@
 """Matrix products on the device's matrix unit: ``mm``, ``addmm``, ``bmm``, and ``mv``,
-``addmv`` and ``dot`` as thin tiles (``linear`` and ``matmul`` decompose into them). float32 and float64; operands are made contiguous first
-(a transposed weight is copied once per call, as the unit reads row-major tiles); other
-dtypes run on the CPU."""
+``addmv`` and ``dot`` as thin tiles (``linear`` and ``matmul`` decompose into them).
+float32 and float64; an operand stored transposed (``w.t()``, as ``linear`` and every
+backward pass hand them) is read in place by the unit (mma's ``ta``/``tb``), and so is a
+2-D column slice (BLAS's leading dimension); other non-contiguous operands are copied
+contiguous first; other dtypes run on the CPU."""
 
 from __future__ import annotations
 
@@ -12,18 +14,50 @@ import torch
 from torch_accel import kernels
 from torch_accel.ops import _operands as operands
 from torch_accel.ops._register import Unsupported, implements
-from torch_accel.ops._tensors import stream, view_of
+from torch_accel.ops._tensors import storage_of, stream, view_of
 from torch_accel.ops.copy import contiguous_on_device, strided_into
 
 _FLOAT = (torch.float32, torch.float64)
 
 
-def _matrices(*ts: torch.Tensor) -> list[torch.Tensor]:
+def _float(*ts: torch.Tensor) -> None:
+    """Refuse what the unit cannot take (float32/float64 of one dtype), to the CPU."""
     operands.device_of(*ts)  # refuses two devices, whatever the dtype
     dtype = ts[0].dtype
     if dtype not in _FLOAT or any(t.dtype != dtype for t in ts):
         raise Unsupported
-    return [contiguous_on_device(t) for t in ts]
+
+
+def _operand(t: torch.Tensor) -> tuple[Any, bool]:
+    """``t`` (matrices in its last two dimensions) as the unit reads it, and whether it
+    is stored transposed: itself when contiguous, its transpose's storage when that is
+    contiguous, a matrix's (or its transpose's) rows spaced further apart than its
+    columns (a column slice) as the wider rows, all without a copy; else a contiguous
+    copy."""
+    if not t.is_contiguous():
+        flipped = t.transpose(-2, -1)
+        if flipped.is_contiguous():
+            return _view(flipped), True
+        for x, transposed in ((t, False), (flipped, True)):
+            rows = _wide_rows(x) if x.dim() == 2 else None
+            if rows is not None:
+                return rows, transposed
+        t = contiguous_on_device(t)
+    return _view(t), False
+
+
+def _wide_rows(t: torch.Tensor) -> Any | None:
+    """A 2-D ``t`` of unit column stride whose rows are ``ld`` > its width apart, as the
+    ``[rows, ld]`` window of its storage from its first element (the unit reads only the
+    matrix's columns of it); None when the storage does not hold the whole window."""
+    rows, cols = t.shape
+    ld, unit = t.stride()
+    if unit != 1 or ld < cols or rows == 0:
+        return None
+    if t.storage_offset() + rows * ld > t.untyped_storage().nbytes() // t.element_size():
+        return None
+    storage = storage_of(t)
+    return storage.view(storage.dtype, (rows, ld), t.storage_offset() * t.element_size())
 
 
 def _view(t: torch.Tensor) -> Any:
@@ -40,13 +74,21 @@ def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     """``beta * bias + alpha * a @ b`` on the unit (``bias`` broadcast into the output
     first; beta 0 ignores it, NaN included)."""
     operands.device_of(bias, a, b)
-    a, b = _matrices(a, b)
+    _float(a, b)
     out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
     beta = float(beta) if bias is not None else 0.0
+    row = None  # a bias of one row, as linear's: the kernel fills out with it
     if beta != 0:
-        strided_into(out, bias.to(a.dtype))
-    kernels.mm(_view(out), _view(a), _view(b), beta=beta, alpha=float(alpha),
-               stream=stream(a.device.index))
+        bias = bias.to(a.dtype)
+        if bias.dim() == 2 and bias.shape[0] == 1:
+            bias = bias[0]
+        if bias.dim() == 1 and bias.shape[0] == out.shape[1] and bias.is_contiguous():
+            row = view_of(bias)
+        else:
+            strided_into(out, bias)
+    (va, ta), (vb, tb) = _operand(a), _operand(b)
+    kernels.mm(_view(out), va, vb, beta=beta, alpha=float(alpha),
+               stream=stream(a.device.index), ta=ta, tb=tb, bias=row, k=a.shape[1])
     return out
 
 
@@ -66,9 +108,10 @@ def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1
 @implements("bmm")
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _check(a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1])
-    a, b = _matrices(a, b)
+    _float(a, b)
     out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
-    kernels.bmm(_view(out), _view(a), _view(b), stream=stream(a.device.index))
+    (va, ta), (vb, tb) = _operand(a), _operand(b)
+    kernels.bmm(_view(out), va, vb, stream=stream(a.device.index), ta=ta, tb=tb)
     return out
 
 

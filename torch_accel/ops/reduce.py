@@ -3,8 +3,10 @@
 
 The reduced dimensions are moved last (a view), the tensor made contiguous as
 ``[rows, n]``, and the device's row reduction runs once (floats accumulate in float64,
-ints in int64). Reductions of nothing that torch refuses (a max of no elements) go to the
-CPU, which raises torch's own error.
+ints in int64); a reduction over a short run of leading dimensions of a contiguous tensor
+(a bias gradient's sum over the batch) reads its columns in place instead of copying.
+Reductions of nothing that torch refuses (a max of no elements) go to the CPU, which
+raises torch's own error.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from torch_accel import kernels
 from torch_accel.kernels import Reduce
+from torch_accel.kernels.reduce import SHORT
 from torch_accel.ops import _operands as operands
 from torch_accel.ops._register import Unsupported, implements
 from torch_accel.ops._tensors import stream, view_of
@@ -52,9 +55,15 @@ def reduce_op(op: Reduce, x: torch.Tensor, dim: int | Sequence[int] | None, keep
     if n == 0:  # nothing to read (an empty storage has no device address to launch on)
         res = torch.full(shape, _EMPTY_VALUE[op], dtype=out_dtype, device=x.device)
         return operands.into(out, res)
-    dense = contiguous_on_device(x.permute(*kept, *dims) if x.dim() else x, compute)
     flat = torch.empty(rows, dtype=out_dtype, device=x.device)
-    kernels.reduce_rows(op, view_of(flat), view_of(dense), rows, n, stream=stream(x.device.index))
+    # reduced dimensions leading a contiguous x (a bias gradient's sum over the batch):
+    # its columns, read in place, when they are short
+    moved = x.permute(*kept, *dims) if x.dim() else x
+    columns = (0 < len(dims) < x.dim() and dims == list(range(len(dims))) and n <= SHORT
+               and x.dtype == compute and x.is_contiguous() and not moved.is_contiguous())
+    dense = x if columns else contiguous_on_device(moved, compute)
+    kernels.reduce_rows(op, view_of(flat), view_of(dense), rows, n, stream=stream(x.device.index),
+                        columns=columns)
     res = flat.reshape(shape)
     return operands.into(out, res)
 
