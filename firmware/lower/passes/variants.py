@@ -12,7 +12,7 @@
   ``where``'s first compile (docs/kernels.md, "Compile time"). So is the one phase of a
   kernel without barriers whose loops are small (:data:`INLINE_LOOP_NODES`), have no
   vector form and hold no ``return`` (a ``continue`` there would continue the user's
-  loop): a user's small loop kernel compiles as one function.
+  loop): a user's small loop kernel compiles as ``_grid`` and its miss helper.
 
 A checked variant (``Options.sanitize``: ACCEL_SANITIZE's launches) keeps only the checked
 per-thread ``_ph``, whose every shared-memory access it tracks (firmware/hazards.py).
@@ -68,7 +68,7 @@ def _is_loop(n: ast.AST) -> bool:
 
 def _loops(stmts: list[ast.stmt]) -> list[ast.For | ast.While]:
     """Every loop in ``stmts``, at any depth."""
-    return [n for s in stmts for n in ast.walk(s) if isinstance(n, (ast.For, ast.While))]
+    return [n for s in stmts for n in ast.walk(s) if _is_loop(n)]  # type: ignore[misc]
 
 
 def range_conds(prog: Program, index: int) -> list[str]:
