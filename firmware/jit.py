@@ -69,7 +69,7 @@ from firmware.lower.abi import options_key
 #: The firmware's JIT compatibility boundary. Bump it whenever anything the generated code
 #: depends on outside itself changes meaning (firmware/intrinsics.py, the ``_grid`` calling
 #: convention, the fault-array layout): every cached entry then misses.
-FIRMWARE_JIT_ABI = 8
+FIRMWARE_JIT_ABI = 9
 DEFAULT_ISA = "aemu-isa 1.0"
 #: Entries the persistent cache keeps on disk (about 150 KB each), least recently used out.
 MAX_CACHE_ENTRIES = 2048

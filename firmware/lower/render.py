@@ -76,6 +76,7 @@ selects) and what stops the launch and ends a thread's phase -- in a phase funct
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -563,7 +564,8 @@ class Renderer:
         return [f"{ind}for _l2 in range(_ls2):",
                 f"{ind}    for _l1 in range(_ls1):",
                 f"{ind}        for _l0 in range(_ls0):",
-                f"{inner}_t = (_l2 * _ls1 + _l1) * _ls0 + _l0",
+                *([f"{inner}_t = (_l2 * _ls1 + _l1) * _ls0 + _l0"]
+                  if skip or _uses(body, "_t") else []),
                 *skip, *body]
 
     def phase_args(self) -> str:
@@ -688,8 +690,9 @@ class Renderer:
                "abort", "fault", "_blas", "_dyn"] + [user_name(p) for p in k.params] \
             + [a for p in prog.managed for a in page_map(prog, p)] \
             + (["_hz"] if self.sanitize else [])
-        lines += ["", "@njit(**_NJ)", f"def _grid({', '.join(sig)}):",
-                  "    _nt = _ls0 * _ls1 * _ls2",
+        # _grid is called from Python only (its CPython wrapper): no C wrapper either
+        lines += ["", "@njit(**_NJ, no_cfunc_wrapper=True)", f"def _grid({', '.join(sig)}):",
+                  *(["    _nt = _ls0 * _ls1 * _ls2"] if prog.returns or prog.per_thread else []),
                   # which threads returned: only a kernel with a return needs it (an
                   # allocation's numba implementation costs ~0.4 s of a first compile)
                   *(["    _done = np.zeros(max(_nt, 1), np.uint8)"] if prog.returns else []),
@@ -704,8 +707,10 @@ class Renderer:
                   "        if _rt_abort_word(abort) != 0:",
                   "            return _blk",
                   "        _g0 = _blk % _ng0",
-                  "        _g1 = (_blk // _ng0) % _ng1",
-                  "        _g2 = _blk // (_ng0 * _ng1)",
+                  # block ids the code does not use are not computed: numba types and
+                  # lowers every statement before LLVM drops the dead ones
+                  *(["        _g1 = (_blk // _ng0) % _ng1"] if _uses(block_code, "_g1") else []),
+                  *(["        _g2 = _blk // (_ng0 * _ng1)"] if _uses(block_code, "_g2") else []),
                   *(["        _hzep += 1"] if self.sanitize else [])]
         if prog.returns and len(prog.phases) > 1:
             lines.append("        _done[:] = 0")
@@ -790,6 +795,11 @@ def _mark_box(pm, po, isz, shape, lo, n):
             q //= n[d]
         pm[(po + flat * isz) >> 16:((po + (flat + n[last]) * isz - 1) >> 16) + 1] = 1
 """
+
+
+def _uses(code: list[str], name: str) -> bool:
+    """Whether generated ``code`` mentions the variable ``name``."""
+    return re.search(rf"\b{name}\b", "\n".join(code)) is not None
 
 
 def _miss_helper(ndim: int) -> list[str]:

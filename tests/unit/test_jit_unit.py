@@ -339,6 +339,71 @@ def test_a_large_phase_stays_a_function_with_both_variants(cache: KernelCache) -
     assert "else:" not in jit.lower(SAXPY, SAXPY_T, Options(boundscheck=False))
 
 
+POLY = ir_of("""
+    def poly(out, x, a):
+        i = global_id(0)
+        if i < out.shape[0]:
+            acc = 0.0
+            for j in range(8):
+                acc = acc * x[i] + a * j
+            out[i] = acc
+""")
+POLY_T = ("float32[1d]", "float32[1d]", "float32")
+
+
+def test_a_small_loop_kernel_compiles_as_one_function(cache: KernelCache) -> None:
+    """A one-phase kernel with a small loop (INLINE_LOOP_NODES, passes/variants.py) is
+    written into ``_grid``'s thread loops, both variants, as a loop-free one is (a first
+    compile's cost grows with its functions): its range-checked loop has no per-access
+    check, its checked loop faults with the buffer, index and block, and values match."""
+    k = cache.get(POLY, POLY_T, Options())
+    assert "def _ph" not in k.source
+    fast, checked = _fast_and_checked(k.source)
+    assert "for u_j in range(" in fast and "_miss1(" not in fast
+    assert "_miss1(fault, np.int64(1)," in checked
+    x = np.linspace(0, 1, 299, dtype=np.float32)
+
+    def expected(n: int) -> np.ndarray:
+        acc = np.zeros(n, np.float32)
+        for j in range(8):
+            acc = acc * x[:n] + np.float32(0.5) * np.float32(j)
+        return acc
+
+    out = np.zeros(299, np.float32)
+    grid, block = grid1(299, 64)
+    assert k.run(0, nblocks(grid), grid, block, [out, x, np.float32(0.5)], no_abort()) == 5
+    np.testing.assert_allclose(out, expected(299), rtol=1e-6)
+    out = np.zeros(299, np.float32)  # x shorter than out: thread 290 (block 4) misses
+    with pytest.raises(KernelFault) as ei:
+        k.run(0, nblocks(grid), grid, block, [out, x[:290], np.float32(0.5)], no_abort())
+    assert (ei.value.kind, ei.value.param, ei.value.index, ei.value.block) == \
+        ("bounds", "x", 290, 4)
+    np.testing.assert_allclose(out[:290], expected(290), rtol=1e-6)
+    assert (out[290:] == 0).all()
+
+
+def test_a_loop_with_a_return_stays_a_function(cache: KernelCache) -> None:
+    """Written into the thread loop a thread's ``return`` is a ``continue``, which inside
+    a user loop would continue that loop: such a phase stays a function, where the
+    ``return`` ends the thread."""
+    ir = ir_of("""
+        def first_neg(x, out):
+            i = global_id(0)
+            out[i] = -1
+            for j in range(x.shape[0]):
+                if x[j] < 0:
+                    out[i] = j + i
+                    return
+                out[i] = -2
+    """)
+    k = cache.get(ir, ("float32[1d]", "int64[1d]"), Options())
+    assert "def _ph0(" in k.source
+    x = np.array([1, 2, -3, 4, -5], np.float32)
+    out = np.zeros(4, np.int64)
+    assert k.run(0, 1, (1, 1, 1), (4, 1, 1), [x, out], no_abort()) == 1
+    np.testing.assert_array_equal(out, [2, 3, 4, 5])
+
+
 def test_affine_miss_in_one_block_still_faults_with_the_index(cache: KernelCache) -> None:
     k = cache.get(SHIFT, SHIFT_T, Options())
     x = np.arange(300, dtype=np.float32)

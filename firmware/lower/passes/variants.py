@@ -9,7 +9,10 @@
   thread's ``return`` is a ``continue``) instead of a function of its own: numba compiles
   each ``@njit`` function on its own (typing, lowering, wrappers, an LLVM module,
   re-optimised in every caller), and one function fewer per phase variant halved
-  ``where``'s first compile (docs/kernels.md, "Compile time").
+  ``where``'s first compile (docs/kernels.md, "Compile time"). So is the one phase of a
+  kernel without barriers whose loops are small (:data:`INLINE_LOOP_NODES`), have no
+  vector form and hold no ``return`` (a ``continue`` there would continue the user's
+  loop): a user's small loop kernel compiles as ``_grid`` and its miss helper.
 
 A checked variant (``Options.sanitize``: ACCEL_SANITIZE's launches) keeps only the checked
 per-thread ``_ph``, whose every shared-memory access it tracks (firmware/hazards.py).
@@ -34,6 +37,14 @@ from firmware.lower.syntax import node_count
 #: loops worse (bench ``kernels``, old and new lowering in consecutive runs: softmax
 #: rows 1.73x -> 3.15x numpy, tiled gemm 30x -> 117x).
 INLINE_NODES = 250
+#: Largest phase with loops written into the thread loops, in a kernel of one phase (no
+#: barriers) when it has no vector form: below the loop kernels measured slower inlined
+#: (softmax rows: 137 nodes; the tiled gemm's loop phase has a vector form), so of the
+#: library's kernels only ``sleep`` changes. A user's small loop kernel (bench
+#: ``first_use``'s ``user_poly``, 63 nodes) was four compile units (``_grid``, ``_ph0``,
+#: ``_phf0``, ``_miss1``) and is two, and its launches ran no slower inlined
+#: (docs/kernels.md, "Compile time", has the figures).
+INLINE_LOOP_NODES = 96
 
 
 def run(prog: Program) -> None:
@@ -42,9 +53,22 @@ def run(prog: Program) -> None:
             continue
         checks = bool(range_conds(prog, phase.index))
         per_thread_loop = phase.vector is None or checks
-        phase.inline = per_thread_loop and node_count(phase.stmts) <= INLINE_NODES \
-            and not contains(phase.stmts, lambda n: isinstance(n, (ast.For, ast.While)))
+        size = node_count(phase.stmts)
+        phase.inline = per_thread_loop and (
+            (size <= INLINE_NODES and not contains(phase.stmts, _is_loop))
+            or (size <= INLINE_LOOP_NODES and len(prog.phases) == 1 and phase.vector is None
+                and not any(contains(loop.body, lambda n: isinstance(n, ast.Return))
+                            for loop in _loops(phase.stmts))))
         phase.fast = phase.vector is None and checks
+
+
+def _is_loop(n: ast.AST) -> bool:
+    return isinstance(n, (ast.For, ast.While))
+
+
+def _loops(stmts: list[ast.stmt]) -> list[ast.For | ast.While]:
+    """Every loop in ``stmts``, at any depth."""
+    return [n for s in stmts for n in ast.walk(s) if _is_loop(n)]  # type: ignore[misc]
 
 
 def range_conds(prog: Program, index: int) -> list[str]:
