@@ -183,6 +183,56 @@ def test_16_bit_floats_round_and_compute_as_torchs_casts(torch_json):
 
 
 @pytest.mark.timeout(500)
+def test_matrix_products_lower_without_layout_copies(torch_json):
+    """Products lower with contiguous operands made by generated kernels and ``addmm``'s
+    bias as a generated epilogue (torch_accel/inductor/matmul.py): a linear layer with ReLU,
+    ``addmm`` with ``beta``/``alpha``, with ``beta=0`` over a NaN bias (ignored, as torch
+    does), a 2-D bias, transposed operands of ``mm`` and ``bmm``, and float64, each equal
+    to eager. The generated code calls no ``addmm``, the device runs no ``strided_copy``,
+    and the wide weight of ``x @ w.t()`` is not copied: the product is computed transposed
+    (``w @ x.t()``), copying the smaller ``x``, and the ReLU kernel reads it in place."""
+    r = torch_json("""
+        import runtime
+        import torch.nn.functional as F
+        from torch._inductor.utils import run_and_get_code
+        torch.manual_seed(0)
+        dev = lambda *s, dt=torch.float32: torch.randn(*s, dtype=dt).to("accel")
+        x, w, b, m = dev(8, 96), dev(32, 96), dev(32), dev(8, 32)
+        nan = torch.full((32,), float("nan"), device="accel")
+        cases = {
+            "linear_relu": (lambda x, w, b: F.linear(x, w, b).relu(), (x, w, b)),
+            "addmm_scaled": (lambda m, x, w: torch.addmm(m, x, w.t(), beta=0.5, alpha=2.0),
+                             (m, x, w)),
+            "addmm_beta0_nan": (lambda n, x, w: torch.addmm(n, x, w.t(), beta=0), (nan, x, w)),
+            "mm_transposed": (lambda a, b: a.t() @ b.t(), (dev(12, 8), dev(20, 12))),
+            "bmm_transposed": (lambda a, b: torch.bmm(a.transpose(1, 2), b),
+                               (dev(3, 6, 5), dev(3, 6, 4))),
+            "linear_float64": (lambda x, w, b: F.linear(x, w, b).relu(),
+                               (dev(8, 96, dt=torch.float64), dev(32, 96, dt=torch.float64),
+                                dev(32, dt=torch.float64))),
+        }
+        out = {}
+        for name, (fn, args) in cases.items():
+            compiled = torch.compile(fn)
+            got, code = run_and_get_code(compiled, *args)
+            with runtime.profile() as p:
+                compiled(*args)
+                torch.accel.synchronize()
+            kernels = [e.name for e in p.device_events]
+            out[name] = dict(same=bool(torch.allclose(got.cpu(), fn(*args).cpu(), rtol=1e-5,
+                                                      atol=1e-5)),
+                             addmm="addmm(" in code[0].split("def call(")[1],
+                             strided_copy=kernels.count("strided_copy"))
+        code = code[0].split("def call(")[1]
+        report(out=out, weight_copied="3072" in code, x_copied="768" in code)
+    """, timeout=480)
+    bad = {k: v for k, v in r["out"].items()
+           if v != {"same": True, "addmm": False, "strided_copy": 0}}
+    assert not bad, bad
+    assert not r["weight_copied"] and r["x_copied"], r
+
+
+@pytest.mark.timeout(500)
 def test_mlp_training_compiled_matches_eager(torch_json):
     """The MLP of the eager issue (784-256-10, cross entropy, SGD): three steps of a
     compiled model (AOTAutograd: a compiled forward and a compiled backward) give eager's

@@ -116,6 +116,51 @@ def test_out_arguments_into_strided_slices(torch_run):
     assert lines == ["True True ", "True True True True True"]
 
 
+def test_matrix_product_out_arguments(torch_run):
+    """``mm``/``addmm`` with ``out=`` (how a compiled graph calls every product) write the
+    product straight into a contiguous ``out``; a bias of the result's shape is added, not
+    taken for ``out``; an ``out`` an operand reads (``addmm_``'s own bias, ``out=a``), a
+    transposed or wrong-size ``out`` still get the CPU's result, and a wrong dtype is
+    torch's error, leaving ``out`` as it was."""
+    lines = torch_run("""
+        torch.manual_seed(0)
+        a, b, bias = torch.randn(5, 5), torch.randn(5, 5), torch.randn(5)
+        aa, ba, biasa = a.accel(), b.accel(), bias.accel()
+        o = torch.empty(5, 5, device="accel")
+        ret = torch.mm(aa, ba, out=o)
+        print(ret is o, torch.allclose(o.cpu(), a @ b, atol=1e-5), end=" ")
+        ret = torch.addmm(biasa, aa, ba, beta=0.5, alpha=2.0, out=o)
+        print(ret is o, torch.allclose(o.cpu(), torch.addmm(bias, a, b, beta=0.5, alpha=2.0),
+                                       atol=1e-5), end=" ")
+        c = torch.randn(5, 5)
+        ca = c.accel()
+        print(torch.allclose(torch.addmm(ca, aa, ba).cpu(), torch.addmm(c, a, b), atol=1e-5),
+              end=" ")
+        ca.addmm_(aa, ba)
+        print(torch.allclose(ca.cpu(), c.addmm(a, b), atol=1e-5), end=" ")
+        x = aa.clone()
+        torch.mm(x, ba, out=x)
+        print(torch.allclose(x.cpu(), a @ b, atol=1e-5), end=" ")
+        t = torch.empty(5, 5, device="accel").t()
+        torch.mm(aa, ba, out=t)
+        print(torch.allclose(t.cpu(), a @ b, atol=1e-5), end=" ")
+        r = torch.empty(2, device="accel")
+        torch.addmm(biasa, aa, ba, out=r)
+        print(tuple(r.shape), torch.allclose(r.cpu(), torch.addmm(bias, a, b), atol=1e-5))
+        d = torch.zeros(5, 5, dtype=torch.float64, device="accel")
+        try:
+            torch.mm(aa, ba, out=d)
+        except RuntimeError as e:
+            print(str(e).splitlines()[0], d.cpu().eq(0).all().item())
+        try:
+            torch.mm(a, b, out=torch.zeros(5, 5, dtype=torch.float64))
+        except RuntimeError as e:
+            print(str(e).splitlines()[0])
+    """)
+    assert lines[0] == "True True True True True True True True (5, 5) True"
+    assert lines[1].rsplit(" ", 1) == [lines[2], "True"]
+
+
 def test_fallback_takes_scalars_tensors_and_tensor_lists(torch_run):
     lines = torch_run("""
         print(torch.triu_indices(3, 3, device="accel").cpu().tolist())

@@ -1,9 +1,9 @@
 """torch.compile's default backend (Inductor) on accel: kernels in the device's language.
 
 Registered when Inductor's code generators load (torch_accel/_dynamo_hook.py), never by
-``import torch``: Inductor takes seconds to import. ``codegen`` writes the kernels and
-``launcher`` runs them; docs/torch.md ("torch.compile") says what lowers and what falls
-back to the eager operators.
+``import torch``: Inductor takes seconds to import. ``codegen`` writes the kernels,
+``launcher`` runs them and ``matmul`` lowers the matrix products; docs/torch.md
+("torch.compile") says what lowers and what falls back to the eager operators.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def register() -> None:
 
     from torch._inductor.custom_graph_pass import CustomGraphModulePass
 
-    from torch_accel.inductor import codegen, fallbacks
+    from torch_accel.inductor import codegen, fallbacks, matmul
 
     class CodegenIdentity(CustomGraphModulePass):
         """A post-grad pass that changes nothing: Inductor puts a device's custom pass's
@@ -50,4 +50,5 @@ def register() -> None:
     register_backend_for_device(DEVICE_TYPE, codegen.AccelScheduling, codegen.AccelWrapper,
                                 device_custom_pass=CodegenIdentity())
     register_device_op_overrides(DEVICE_TYPE, codegen.AccelDeviceOpOverrides())
+    matmul.install()
     fallbacks.install()

@@ -69,40 +69,68 @@ def _check(ok: bool) -> None:
         raise Unsupported  # the CPU raises torch's own shape error
 
 
+def _shares_storage(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+
+
+def _direct_out(out: torch.Tensor | None, shape: tuple[int, int], a: torch.Tensor,
+                b: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the unit can write the product straight into ``out``: contiguous, the
+    result's shape and device, and read by no operand (``bias`` may be ``out``
+    itself, as ``addmm_`` passes it). Otherwise the product is made apart and copied in."""
+    if out is None or not out.is_contiguous() or tuple(out.shape) != shape \
+            or out.device != a.device:
+        return False
+    if _shares_storage(out, a) or _shares_storage(out, b):
+        return False
+    return bias is None or not _shares_storage(out, bias) or _same_view(out, bias)
+
+
+def _same_view(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``x`` and ``y`` are the same elements of one storage, laid out alike."""
+    return _shares_storage(x, y) and x.shape == y.shape and x.stride() == y.stride() \
+        and x.storage_offset() == y.storage_offset() and x.dtype == y.dtype
+
+
 def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-             beta: Any = 0, alpha: Any = 1) -> torch.Tensor:
+             beta: Any = 0, alpha: Any = 1, out: torch.Tensor | None = None) -> torch.Tensor:
     """``beta * bias + alpha * a @ b`` on the unit (``bias`` broadcast into the output
-    first; beta 0 ignores it, NaN included)."""
+    first; beta 0 ignores it, NaN included), into ``out`` if given. A compiled graph calls
+    every product with ``out=``: writing it there directly saves a device copy per
+    product."""
     operands.device_of(bias, a, b)
     _float(a, b)
-    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    _check(out is None or out.dtype == a.dtype)  # torch's "Expected out tensor to have dtype"
+    shape = (a.shape[0], b.shape[1])
+    direct = _direct_out(out, shape, a, b, bias)
+    res = out if direct else torch.empty(shape, dtype=a.dtype, device=a.device)
     beta = float(beta) if bias is not None else 0.0
-    row = None  # a bias of one row, as linear's: the kernel fills out with it
-    if beta != 0:
+    row = None  # a bias of one row, as linear's: the kernel fills res with it
+    if beta != 0 and not _same_view(res, bias):
         bias = bias.to(a.dtype)
         if bias.dim() == 2 and bias.shape[0] == 1:
             bias = bias[0]
-        if bias.dim() == 1 and bias.shape[0] == out.shape[1] and bias.is_contiguous():
+        if bias.dim() == 1 and bias.shape[0] == shape[1] and bias.is_contiguous():
             row = view_of(bias)
         else:
-            strided_into(out, bias)
+            strided_into(res, bias)
     (va, ta), (vb, tb) = _operand(a), _operand(b)
-    kernels.mm(_view(out), va, vb, beta=beta, alpha=float(alpha),
+    kernels.mm(_view(res), va, vb, beta=beta, alpha=float(alpha),
                stream=stream(a.device.index), ta=ta, tb=tb, bias=row, k=a.shape[1])
-    return out
+    return res if direct else operands.into(out, res)
 
 
-@implements("mm")
-def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+@implements("mm", "mm.out")
+def mm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     _check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0])
-    return _product(a, b)
+    return _product(a, b, out=out)
 
 
-@implements("addmm")
+@implements("addmm", "addmm.out")
 def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1,
-          alpha: Any = 1) -> torch.Tensor:
+          alpha: Any = 1, out: torch.Tensor | None = None) -> torch.Tensor:
     _check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0] and bias.dim() <= 2)
-    return _product(a, b, bias, beta, alpha)
+    return _product(a, b, bias, beta, alpha, out)
 
 
 @implements("bmm")
@@ -141,5 +169,5 @@ def _out_form(fn: Any) -> Any:
     return lambda *args, out, **kwargs: operands.into(out, fn(*args, **kwargs))
 
 
-for _name_, _fn in (("mm", mm), ("addmm", addmm), ("bmm", bmm), ("addmv", addmv)):
+for _name_, _fn in (("bmm", bmm), ("addmv", addmv)):
     implements(f"{_name_}.out")(_out_form(_fn))
