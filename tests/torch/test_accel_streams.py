@@ -159,8 +159,12 @@ def test_sleep_time_is_proportional_to_its_cycles(torch_json):
     """``torch.accel._sleep(cycles)`` keeps the stream busy in proportion to ``cycles``, as
     torch.cuda._sleep spins for a count of clock cycles: doubling them about doubles the
     time between events around it. Measured side by side, alternating; the device is
-    emulated on the host's CPUs, which other work takes turns on, so each size's fastest
-    run is the one compared (a run is only ever slowed down), with generous bounds."""
+    emulated on the host's CPUs, which other work takes turns on, so each size's median
+    run is the one compared, with generous bounds. (Not the fastest: the chance that a
+    run is never preempted falls with its length, so under load the shorter size's
+    fastest run was an unpreempted one and the longer's never was: 3.3 ms against
+    12.4 ms, a ratio of 3.7, in a suite run beside other jobs; the medians of that run,
+    about 7.5 and 16.3 ms, keep the proportion.)"""
     r = torch_json("""
         torch.accel._sleep(1); torch.accel.synchronize()      # the sleep kernel compiled
         def busy_ms(cycles):
@@ -171,7 +175,7 @@ def test_sleep_time_is_proportional_to_its_cycles(torch_json):
         for _ in range(7):
             for k in (1, 2):
                 times[k].append(busy_ms(k * 10**7))
-        report(ms={k: min(v) for k, v in times.items()}, all=times)
+        report(ms={k: sorted(v)[len(v) // 2] for k, v in times.items()}, all=times)
     """)
     ratio = r["ms"]["2"] / r["ms"]["1"]
     assert 1.3 < ratio < 3.5, r
