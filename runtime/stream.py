@@ -404,13 +404,15 @@ class Stream:
         """Write ``value`` as the 32-bit word at byte ``offset`` of ``buf`` (pinned memory,
         as ``wait_value32``'s) once the work queued before it on this stream is done: the
         host sees the stream reach this point by reading it, without a system call."""
-        self.submit([userq.WriteValue(self._memop_va(buf, offset, 4, value), value, 4)],
-                    (buf,))
+        self._write_value(buf, offset, value, 4)
 
     def write_value64(self, buf: Any, offset: int, value: int) -> None:
         """``write_value32`` of a 64-bit word."""
-        self.submit([userq.WriteValue(self._memop_va(buf, offset, 8, value), value, 8)],
-                    (buf,))
+        self._write_value(buf, offset, value, 8)
+
+    def _write_value(self, buf: Any, offset: int, value: int, width: int) -> None:
+        va = self._memop_va(buf, offset, width, value)
+        self.submit([userq.WriteValue(va, value, width)], (buf,))
 
     def _wait_value(self, buf: Any, offset: int, value: int, width: int, cmp: str,
                     timeout: float | None) -> None:
