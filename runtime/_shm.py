@@ -23,9 +23,11 @@ clears it (the runtime sets it again in the new program).
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
+import time
 
 from abi import uapi
 
@@ -58,14 +60,44 @@ def sealed_memfd(name: str, size: int, data: bytes | None = None) -> int:
     fd = os.memfd_create(f"accel-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
-        if data is not None:
+        if data is None:
+            fcntl.fcntl(fd, uapi.F_ADD_SEALS, uapi.ACCEL_SEALS_PINNED)
+        else:
             os.pwrite(fd, data, 0)
-        fcntl.fcntl(fd, uapi.F_ADD_SEALS,
-                    uapi.ACCEL_SEALS_PINNED if data is None else uapi.ACCEL_SEALS_IMMUTABLE)
+            seal_against_writing(fd)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+#: How long :func:`seal_against_writing` retries a seal the kernel refused as busy
+SEAL_BUSY_RETRY_S = 2.0
+
+
+def seal_against_writing(fd: int) -> None:
+    """Add ``ACCEL_SEALS_IMMUTABLE`` to ``fd``, retrying while the kernel answers EBUSY.
+
+    F_SEAL_WRITE is the one seal that waits for the file's pages to lose their transient
+    references (mm/memfd.c ``memfd_wait_for_pins``): it gives up with EBUSY after about
+    150 ms if some page is still held. No one of ours holds them (the file was never
+    mapped); the kernel can, for a moment: memory reclaim and DAMON's ``pageout`` scheme
+    isolate pages to inspect them, and under load that moment can outlast the kernel's wait
+    (one fresh-clone test run saw EBUSY loading a 1 MiB module image, just after a test
+    had filled the device with 63 MiB of modules; the driver has no EBUSY on the path of
+    MODULE_LOAD and MODULE_UNLOAD, the seal does). The busy answer is therefore
+    transient by construction, and is retried for ``SEAL_BUSY_RETRY_S`` before it is raised."""
+    deadline = time.monotonic() + SEAL_BUSY_RETRY_S
+    pause = 0.005
+    while True:
+        try:
+            fcntl.fcntl(fd, uapi.F_ADD_SEALS, uapi.ACCEL_SEALS_IMMUTABLE)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
 
 
 def map_memfd(fd: int, size: int) -> mmap.mmap:
