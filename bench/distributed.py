@@ -32,7 +32,7 @@ def distributed(env: Env) -> list[Row]:
                           env=dict(os.environ, ACCEL_EMU_ROOT=str(env.accel.root),
                                    PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
     if proc.returncode != 0:
-        raise RuntimeError(f"distributed ranks failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError("distributed ranks failed:\n" + _rank_tails(proc.stderr))
     rows = []
     for size, cases in json.loads(out.read_text()).items():
         accl, gloo = (_samples(name, cases[name]) for name in ("accl", "gloo"))
@@ -41,6 +41,16 @@ def distributed(env: Env) -> list[Row]:
                               accl, f"gloo all_reduce {label}, CPU tensors", gloo,
                               goal=2.0 if int(size) < 1 << 20 else 1.5))
     return rows
+
+
+def _rank_tails(stderr: str, chars: int = 2500) -> str:
+    """The end of each rank's own lines (torchrun prefixes them ``[rankN]:``): the rank
+    that failed first is seldom the one whose traceback comes last."""
+    tails = []
+    for rank in (0, 1):
+        mine = "\n".join(line for line in stderr.splitlines() if line.startswith(f"[rank{rank}]"))
+        tails.append(mine[-chars:] or f"[rank{rank}]: (no output)")
+    return "\n".join(tails) + "\n" + stderr[-1500:]
 
 
 def _samples(name: str, blocks: list[list[int]]) -> Samples:
