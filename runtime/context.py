@@ -173,6 +173,10 @@ class Context:
         self._imports: dict[tuple[str, int], int] = {}
         #: this context's streams (synchronize() covers them), and its last no-op fence
         self.streams: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: streams closed (or dropped) with work still queued: that work runs on
+        #: (Stream.close), and synchronize() waits for it as cudaDeviceSynchronize waits for
+        #: a destroyed stream's; kept here until seen done, so their rings stay mapped
+        self.retiring: list[Any] = []
         self._last_fence: Fence | None = None
         Context.live.add(self)
 
@@ -286,12 +290,13 @@ class Context:
         self.check_live(f"{self!r}: synchronize")
         deadline = None if timeout is None else time.monotonic() + timeout
         first: errors.DeviceFaultError | None = None
-        for s in list(self.streams):
+        for s in list(self.streams) + self.retiring:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 s.synchronize(left)
             except errors.DeviceFaultError as exc:
                 first = first or exc
+        self.retiring = [s for s in self.retiring if s.completed < s.last_seqno]
         if self._last_fence is not None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._last_fence.wait(left)
@@ -314,6 +319,7 @@ class Context:
         Context.live.discard(self)
         for stream in list(self.streams):
             stream.context_closed()
+        self.retiring.clear()
         if os.getpid() == self.channel.pid:
             if self._bell >= 0:
                 os.close(self._bell)

@@ -560,7 +560,8 @@ class Stream:
 
     def close(self) -> None:
         """Give the queue back; work already queued still runs to completion (and its
-        events stay waitable: the ring is this process's memory)."""
+        events stay waitable: the ring is this process's memory), and a device or context
+        synchronize still waits for it, as for a destroyed CUDA stream's work."""
         if self._closed:
             return
         self._closed = True
@@ -569,7 +570,11 @@ class Stream:
                 self.ctx.channel.call(uapi.ACCEL_CMD_QUEUE_DESTROY, uapi.accel_queue_destroy(
                     ctx_id=self.ctx.id, queue_id=self.queue_id))
             except errors.AccelError:
-                pass
+                return
+            retiring = [s for s in self.ctx.retiring if s.completed < s.last_seqno]
+            if self.completed < self.last_seqno:
+                retiring.append(self)  # from __del__ too: kept until its work is seen done
+            self.ctx.retiring = retiring
 
 
 def fault_error(stream: Stream, seqno: int, code: int, opcode: int,

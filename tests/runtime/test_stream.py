@@ -140,6 +140,38 @@ def test_destroying_a_stream_with_work_in_flight(daemon):
     assert r == {"read_back": [3]}, r
 
 
+def test_synchronize_waits_for_the_work_of_a_stream_already_dropped(daemon):
+    """A stream closed or dropped with work queued: that work still runs, and a device or
+    context synchronize waits for it, as cudaDeviceSynchronize waits for a destroyed
+    stream's work. Found as a flaky launch-plan test (a plan launched on
+    ``runtime.Stream()`` made inline, then ``runtime.synchronize()``, then a copy on the
+    default stream that ran before the launch: 1 run in 4). Here the firmware is held
+    while the dropped stream's memset is queued and let go 0.3 s later, so a synchronize
+    that forgot the stream returns at once and reads the old bytes."""
+    r = run_json(daemon, PRELUDE, """
+        import gc, threading
+        x = runtime.empty(1 << 16, np.uint8)
+        x.memset(1)
+        runtime.synchronize()
+        for close in (True, False):
+            hold(True)
+            s = runtime.Stream()
+            x.memset(7 if close else 9, stream=s)
+            if close:
+                s.close()
+            del s
+            gc.collect()
+            threading.Timer(0.3, hold, (False,)).start()
+            t0 = time.monotonic()
+            runtime.synchronize(timeout=60)
+            report(**{f"{'closed' if close else 'dropped'}": {
+                "waited": time.monotonic() - t0 >= 0.25,
+                "bytes": np.unique(x.copy_to_host()).tolist()}})
+    """)
+    assert r == {"closed": {"waited": True, "bytes": [7]},
+                 "dropped": {"waited": True, "bytes": [9]}}, r
+
+
 def test_process_exiting_with_work_queued_leaves_nothing(daemon):
     daemon.wait_attrs(0, {"contexts": "0", "memory_used": "0"})
     run(daemon, """
