@@ -37,6 +37,11 @@ VALUE_LIMIT = 1 << 40
 #: Per-thread work at or above this is unbounded too (it is far past any inline budget).
 WORK_LIMIT = 1 << 40
 
+#: Kernels of more syntax-tree nodes than this are not bounded (their launches go to an
+#: engine): evaluating a plan costs the control loop ~50 us per 1,000 nodes on a launch
+#: whose shape and scalars it has not seen, which a tenant can vary at will (the torch
+#: backend's looping kernels have at most ~650).
+MAX_KERNEL_NODES = 1024
 #: launch shapes and scalars a kernel's bound remembers (LoopWork._seen) before it starts over
 SEEN_LIMIT = 64
 
@@ -64,9 +69,14 @@ class LoopWork:
     @classmethod
     def of(cls, k: Kernel) -> LoopWork | None:
         """The kernel's bound, or None when no launch of it can be bounded (a ``while``
-        loop, ``mma``, a ``range`` whose arguments or step no launch's values bound)."""
+        loop, ``mma``, a ``range`` whose arguments or step no launch's values bound, more
+        than ``MAX_KERNEL_NODES`` nodes)."""
         stores: dict[str, int] = {}
+        nodes = 0
         for n in ast.walk(k.fn):
+            nodes += 1
+            if nodes > MAX_KERNEL_NODES:
+                return None
             if isinstance(n, ast.While) or (isinstance(n, ast.stmt) and is_mma(n)):
                 return None
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):

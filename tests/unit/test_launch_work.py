@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from firmware import jit, launches
-from firmware.launch_work import VALUE_LIMIT, LoopWork
+from firmware.launch_work import MAX_KERNEL_NODES, VALUE_LIMIT, LoopWork
 from runtime.kernels import compile_module
 from torch_accel.kernels import nn, reduce
 
@@ -126,6 +126,17 @@ def product(x, n: 'int64', m: 'int64'):
     assert lw is not None
     assert per_thread(lw, 1000, 1000) is not None
     assert per_thread(lw, 1 << 31, 1 << 31) is None
+
+
+def test_a_kernel_past_the_node_limit_is_not_bounded() -> None:
+    """Evaluating a plan costs the control loop time per node on every new launch shape:
+    past MAX_KERNEL_NODES a kernel's launches go to an engine."""
+    def loops(count: int) -> str:
+        return "def many(x, n: 'int64'):\n" + "".join(
+            f"    for j{q} in range(n):\n        x[j{q}] = {q}.0\n" for q in range(count))
+    small, big = (work_of(loops(c), ("float32[1d]", "int64")) for c in (10, 120))
+    assert small is not None and big is None
+    assert MAX_KERNEL_NODES < 120 * 10
 
 
 def test_a_launch_shape_is_bounded_once_then_remembered() -> None:
