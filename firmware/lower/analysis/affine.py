@@ -67,10 +67,14 @@ class Affine:
         last: list[str] = []
         if self.thread is not None:
             kind, d = self.thread
-            times = f" * {self.scale}" if self.scale is not None else ""
-            if kind == "g":
-                base.append(f"_g{d} * _ls{d}{times}")
-            last.append(f"(_ls{d} - 1){times}")
+            if self.scale is None:  # (unscaled: the text as it always was, a cache key)
+                if kind == "g":
+                    base.append(f"_g{d} * _ls{d}")
+                last.append(f"_ls{d} - 1")
+            else:
+                if kind == "g":
+                    base.append(f"_g{d} * _ls{d} * {self.scale}")
+                last.append(f"(_ls{d} - 1) * {self.scale}")
         first = base + [f"({loops[v][0]})" for v in self.loops]
         last = base + last + [f"({loops[v][1]})" for v in self.loops]
         return " + ".join(first) or "0", " + ".join(last) or "0"
