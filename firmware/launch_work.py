@@ -11,13 +11,14 @@ runs the launch inline when it is within the inline budget (firmware/launches.py
 an engine as before.
 
 The bound is an upper bound whatever the kernel does: every statement counts its
-syntax-tree nodes once per trip of each enclosing loop, an ``if`` counts its test and
-the larger of its arms, a ``break`` or ``return`` only makes the real work smaller. A ``range`` argument is bounded
-by interval arithmetic over the launch's integer scalars, the ids (``local_id(d)`` in
-``[0, block[d] - 1]``...), constants and locals assigned once (in scope, before the loop),
-using ``+ - *``, ``//`` by a positive constant, unary minus, ``min`` and ``max``. Anything
-else -- a ``while`` loop, ``mma``, a step that is not a positive constant, a bound read
-from memory, a float, an unsigned scalar, a value of magnitude ``VALUE_LIMIT`` or more --
+syntax-tree nodes once per trip of each enclosing loop, an ``if`` counts its test and the
+larger of its arms, a ``break`` or ``return`` only makes the real work smaller. A ``range``
+argument is bounded by interval arithmetic over the launch's signed integer scalars, the
+ids (``local_id(d)`` in ``[0, block[d] - 1]``...), constants and locals assigned once (in
+scope, before the loop), using ``+ - *``, ``//`` by a known positive value, unary minus,
+``min`` and ``max``. Anything else -- a ``while`` loop, ``mma``, a step that is not a
+known positive value, a bound read from memory, a float, an unsigned scalar, a value of
+magnitude ``VALUE_LIMIT`` or more, a kernel of more than ``MAX_KERNEL_NODES`` nodes --
 leaves the work unbounded (None): the launch goes to an engine. The magnitude limit means
 that none of the int64 arithmetic the kernel does on those values can wrap, so the
 kernel's trips are those the intervals bound.
@@ -48,8 +49,6 @@ SEEN_LIMIT = 64
 _SIGNED = frozenset({"int8", "int16", "int32", "int64"})
 
 Interval = tuple[int, int]
-
-
 Fn = Callable[[dict], "Interval | None"]
 
 
