@@ -61,6 +61,7 @@ from numba import types
 from firmware import matrix
 from firmware.kernel_check import (SHARED_LIMIT, ArgType, Kernel, KernelCompileError,
                                    bounded_work, calls_mma, capabilities_used, validate)
+from firmware.launch_work import LoopWork
 from firmware.lower import (ABORT_KILL, ABORT_PREEMPT, ABORT_WATCHDOG, FAULT_ABORT, FAULT_BOUNDS,
                             FAULT_INDEX, FAULT_NDIM, FAULT_SHAPE, FAULT_WORDS,
                             MAX_BLOCK_THREADS, MAX_DIM, Options, lower, lower_kernel)
@@ -179,7 +180,7 @@ class CompiledKernel:
                  shared: list[str], dispatcher: Any, signature: tuple[Any, ...],
                  source: str, module_path: Path, blas: np.ndarray, uses_mma: bool,
                  work_per_thread: int | None, capabilities: frozenset[str],
-                 sanitize: bool = False) -> None:
+                 sanitize: bool = False, loop_work: LoopWork | None = None) -> None:
         self.key = key
         self.name = name
         self.params = params
@@ -200,6 +201,10 @@ class CompiledKernel:
         #: it on its control thread, which must do bounded work per pass (a kernel with a
         #: loop could hold it until the watchdog).
         self.work_per_thread = work_per_thread
+        #: For a kernel with loops (``work_per_thread`` None): its work per thread as the
+        #: launch's values bound it (firmware/launch_work.py), or None when no launch's can
+        #: (a ``while`` loop, ``mma``): a launch whose bound is small runs inline too.
+        self.loop_work = loop_work
         #: The device capabilities its source uses (kernel_check.capabilities_used): the
         #: scheduler refuses a launch on a device that lacks one, whatever the IR claimed.
         self.capabilities = capabilities
@@ -652,9 +657,11 @@ class KernelCache:
             raise KernelCompileError(f"kernel {k.fn.name!r} does not compile: "
                                      f"{_reason(exc)}") from exc
         compiled = 1 if sum(disp.stats.cache_misses.values()) else 0
+        work = bounded_work(k)
         ck = CompiledKernel(key, k.fn.name, k.params, k.arg_types, list(k.shared), disp, sig,
                             source, path, self.blas, calls_mma(k.fn.body),
-                            bounded_work(k), capabilities_used(k), options.sanitize)
+                            work, capabilities_used(k), options.sanitize,
+                            LoopWork.of(k) if work is None else None)
         return ck, compiled
 
 

@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 #: engines costs (an engine starts ~0.25 ms after dispatch on this 2-CPU machine, and
 #: two engines over one memory-bound loop were no faster than one: docs/kernels.md)...
 INLINE_WORK = 1 << 25
+#: A looping kernel's node counts weigh this much more: they are upper bounds of nodes
+#: run one after another in a loop, not of a straight body's mostly untaken branches
+#: (calibrated in docs/launch.md, "Looping kernels inline").
+LOOP_WORK_WEIGHT = 10
 #: ...and at most this many threads (a launch of many near-empty threads still costs per
 #: thread).
 INLINE_THREADS = 1 << 20
@@ -204,15 +208,16 @@ class Kernels:
         kernel = self._compiled(mod, index, kir, types, options)
         nblocks = grid[0] * grid[1] * grid[2]
         total = nblocks * threads
-        if kernel is not None and kernel.inline_ok and total <= INLINE_THREADS \
-                and total * kernel.work_per_thread <= INLINE_WORK \
+        work = None if kernel is None or total > INLINE_THREADS \
+            else _inline_work(kernel, grid, block, values, total)
+        if work is not None and work <= INLINE_WORK \
                 and (pages is None or managed.inline_ok(pages)):
             # small, compiled and statically bounded: no engine hand-off (no GIL ping-pong)
             if not kernel.capabilities <= self.capabilities:
                 raise memory.Fault(0, errno.EOPNOTSUPP)
             bound = Bound(generation, name,
                           kernel.bind(grid, block, values, self._inline_abort, dynamic),
-                          buffers, values, total * kernel.work_per_thread)
+                          buffers, values, work)
             try:
                 self._run_inline(bound)
             finally:
@@ -301,6 +306,19 @@ class Bound(NamedTuple):
     buffers: list[tuple[str, int, int]]
     values: list
     work: int  # threads x work per thread (INLINE_WORK)
+
+
+def _inline_work(kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int],
+                 values: list, threads: int) -> int | None:
+    """A launch's work in ``INLINE_WORK``'s units, or None when it is not bounded: a
+    loop-free kernel's threads times its static work per thread; a looping kernel's as its
+    launch's values bound it (firmware/launch_work.py), weighted ``LOOP_WORK_WEIGHT``."""
+    if kernel.work_per_thread is not None:
+        return threads * kernel.work_per_thread
+    if kernel.loop_work is None:
+        return None
+    per_thread = kernel.loop_work.per_thread(grid, block, values)
+    return None if per_thread is None else threads * per_thread * LOOP_WORK_WEIGHT
 
 
 def _parse(mod: FwModule) -> None:

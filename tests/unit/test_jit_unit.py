@@ -425,6 +425,51 @@ def test_affine_miss_in_one_block_still_faults_with_the_index(cache: KernelCache
     np.testing.assert_array_equal(out[:256], x[44:300])
 
 
+STRIDED = ir_of("""
+    def strided(out, x, sx, n):
+        i = global_id(0)
+        if i < n:
+            out[i] = x[i * sx] + x[3 * i]
+""")
+STRIDED_T = ("float32[1d]", "float32[1d]", "int64", "int64")
+
+
+def test_a_strided_access_is_range_checked_per_block(cache: KernelCache) -> None:
+    """``x[i * sx]`` (a thread index times a constant or an integer scalar) is checked
+    once per block over its first and last thread's indices, under a block-level check
+    that the scale is in ``[0, SCALE_LIMIT)``: a negative stride, one past the limit or a
+    block whose last index misses runs the checked loop, which faults exactly."""
+    from firmware.lower.analysis.affine import SCALE_LIMIT
+
+    k = cache.get(STRIDED, STRIDED_T, Options())
+    fast, checked = _fast_and_checked(k.source)
+    assert "_miss1(" not in fast and "_miss1(fault, np.int64(1)," in checked
+    assert f"0 <= u_sx < {SCALE_LIMIT}" in k.source
+    x = np.arange(1024, dtype=np.float32)
+    grid, block = grid1(256, 64)
+
+    def run(sx: int, n: int = 256, xs: np.ndarray = x) -> np.ndarray:
+        out = np.zeros(256, np.float32)
+        assert k.run(0, nblocks(grid), grid, block, [out, xs, np.int64(sx), np.int64(n)],
+                     no_abort()) == nblocks(grid)
+        return out
+
+    i = np.arange(256)
+    for sx in (0, 1, 4):  # in range everywhere: the fast path, the same values
+        np.testing.assert_array_equal(run(sx), x[i * sx] + x[3 * i])
+    np.testing.assert_array_equal(run(-1, n=1), [x[0] + x[0]] + [0] * 255)  # the checked loop
+    for sx, index in ((-1, -1), (5, 1025), (SCALE_LIMIT, SCALE_LIMIT)):
+        out = np.zeros(256, np.float32)
+        with pytest.raises(KernelFault) as ei:  # negative, past x, past the scale's limit
+            k.run(0, nblocks(grid), grid, block, [out, x, np.int64(sx), np.int64(256)],
+                  no_abort())
+        assert (ei.value.kind, ei.value.param, ei.value.index) == ("bounds", "x", index)
+        assert ei.value.block == index // sx // 64 if sx > 0 else ei.value.block == 0
+    with pytest.raises(KernelFault) as ei:  # the constant scale's miss: x[3 * 255]
+        run(1, xs=x[:700])
+    assert (ei.value.param, ei.value.index, ei.value.block) == ("x", 3 * 234, 3)
+
+
 def test_bounds_miss_on_shared_array_and_negative_index(cache: KernelCache) -> None:
     ir = ir_of("""
         def neg(x, out):

@@ -721,6 +721,77 @@ def test_a_loop_free_launch_runs_inline_within_the_work_budget(device, ctx, monk
     assert all(c.status == 0 for c in device.ended(q).values())
 
 
+LOOPING = '''
+def sums(x, n: 'int64'):
+    i = global_id(0)
+    s = 0.0
+    for j in range(n):
+        s += 1.0
+        x[i * n + j] = s
+'''
+
+
+@pytest.mark.timeout(240)
+def test_a_looping_launch_runs_inline_within_its_launch_bound(device, ctx, monkeypatch):
+    """A kernel with a ``range`` loop runs inline when its launch's values bound its work
+    within INLINE_WORK (firmware/launch_work.py), else on an engine; a value no bound
+    covers (a trip count past launch_work.VALUE_LIMIT) goes to an engine whatever the
+    budget; a bounds miss in the loop, run inline, faults at the exact address and the
+    ring's later launch still runs."""
+    from firmware import launches
+    from runtime.kernels import canonical_json, compile_module
+
+    q = ctx.queue(1)
+    device.sched.kernels.load_module(ctx.ctx, 9, canonical_json(compile_module(LOOPING)))
+    x_va, threads = VA + MiB, 64
+    x = ctx.mem[MiB : MiB + 4 * threads * 16].view(np.float32)
+    f32, i64 = kernel_lang.DTYPE_CODES["float32"], kernel_lang.DTYPE_CODES["int64"]
+
+    def launch(n: int, elements: int, at: int) -> int:
+        args = (userq.ARG_RECORD.pack(userq.ARG_BUFFER, f32, x_va, 4 * elements)
+                + userq.ARG_RECORD.pack(userq.ARG_SHAPE, 1, elements, 0)
+                + userq.ARG_RECORD.pack(userq.ARG_SCALAR, i64, n & (1 << 64) - 1, 0))
+        ctx.mem[at : at + len(args)] = np.frombuffer(args, np.uint8)
+        return q.submit(packet(Op.LAUNCH, 9 << 16, userq.pack_dims((1, 1, 1)),
+                               userq.pack_dims((threads, 1, 1)), 0, VA + at, len(args)))
+
+    first = launch(4, threads * 4, 0)  # compiles on an engine
+    device.run_until(lambda: q.ring.fence == first, timeout=200)
+    first = launch(4, threads * 4, 0)  # finds it compiled (the module keeps it)
+    device.run_until(lambda: q.ring.fence == first)
+    kernel = next(iter(ctx.ctx.modules[9].compiled.values()))
+    per_thread = kernel.loop_work.per_thread((1, 1, 1), (threads, 1, 1),
+                                             [x, np.int64(8)])
+    monkeypatch.setattr(launches, "INLINE_WORK",
+                        threads * per_thread * launches.LOOP_WORK_WEIGHT)
+    x[:] = 0
+    seqno = launch(8, threads * 8, 256)  # exactly the budget: inline, within one pass
+    device.step()
+    assert q.ring.fence == seqno and seqno not in device.engine_done(q)
+    assert (x[: threads * 8].reshape(threads, 8) == np.arange(1, 9)).all()
+    seqno = launch(9, threads * 9, 512)  # a trip more: on an engine
+    device.run_until(lambda: q.ring.fence == seqno)
+    assert seqno in device.engine_done(q)
+    assert (x[: threads * 9].reshape(threads, 9) == np.arange(1, 10)).all()
+
+    monkeypatch.setattr(launches, "INLINE_WORK", 1 << 62)
+    seqno = launch(-(1 << 62), threads, 768)  # no trip, but past any bound: an engine
+    device.run_until(lambda: q.ring.fence == seqno)
+    assert seqno in device.engine_done(q) and device.ended(q)[seqno].status == 0
+
+    x[:] = 0
+    before = device.counters.snapshot()
+    bad = launch(8, threads * 8 - 1, 1024)  # the last thread's last store misses
+    good = launch(2, threads * 2, 1280)
+    device.run_until(lambda: q.ring.fence == good)
+    assert bad not in device.engine_done(q)  # the miss was inline
+    c = device.ended(q)[bad]
+    assert c.fault == (bad, errno.EFAULT, Op.LAUNCH, x_va + 4 * (threads * 8 - 1))
+    assert q.prod.read_fault() == c.fault
+    assert device.ended(q)[good].status == errno.ECANCELED  # the faulted ring cancels
+    assert moved(device, before) == {"packets": 2, "faults": 1}
+
+
 @pytest.mark.timeout(240)
 def test_a_launchs_blocks_go_to_whichever_engine_gets_to_them(device, ctx, monkeypatch):
     """An engine launch's blocks are claimed in chunks (Launch.claim), not cut in one half

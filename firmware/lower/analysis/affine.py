@@ -8,7 +8,8 @@ runs the per-element checked loop, which faults exactly as without this.
 
 No range arithmetic can wrap: an index adds at most :data:`MAX_OFFSETS` offsets below
 2**40 to ``group * local_size`` with every grid and block dimension at most MAX_DIM, so
-the checks stay below 2**46."""
+the checks stay below 2**46; a thread index's scale below :data:`SCALE_LIMIT` (2**20,
+and not negative: both checked at block level) keeps them below 2**59."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from firmware.lower.syntax import call_indices, indices, user_name
 
 #: Offsets per index (expression length).
 MAX_OFFSETS = 16
+#: A thread index's scale (``i * sa``) is range-checked per block only below this: the
+#: thread index's bound (2**38) times it stays far below RANGE_LIMIT.
+SCALE_LIMIT = 1 << 20
 
 #: A uniform loop's variable -> (first, last, guards): its range's block-level texts and
 #: the conditions under which they are exact.
@@ -31,37 +35,46 @@ Loops = dict[str, tuple[str, str, tuple[str, ...]]]
 
 @dataclass(frozen=True)
 class Affine:
-    """An index as (at most one) thread index ``("g"|"l", d)``, variables of uniform loops
-    (each at most once) and block-uniform offset texts; ``bound`` bounds the magnitude of
-    every partial sum of its range (static, or guarded at block level)."""
+    """An index as (at most one) thread index ``("g"|"l", d)``, times ``scale`` when it
+    has one (the block-level text of a non-negative uniform factor: ``i * sa``),
+    variables of uniform loops (each at most once) and block-uniform offset texts;
+    ``bound`` bounds the magnitude of every partial sum of its range (static, or guarded
+    at block level)."""
 
     thread: tuple[str, int] | None
     loops: tuple[str, ...]
     offs: tuple[str, ...]
     bound: int
+    scale: str | None = None
 
     def plus(self, o: "Affine") -> "Affine | None":
         if (self.thread and o.thread) or set(self.loops) & set(o.loops) \
                 or len(self.offs) + len(o.offs) > MAX_OFFSETS:
             return None
         return Affine(self.thread or o.thread, self.loops + o.loops, self.offs + o.offs,
-                      self.bound + o.bound)
+                      self.bound + o.bound, self.scale or o.scale)
 
     def minus(self, o: "Affine") -> "Affine | None":
         if o.thread or o.loops or len(self.offs) + len(o.offs) > MAX_OFFSETS:
             return None
         return Affine(self.thread, self.loops, self.offs + tuple(f"-({x})" for x in o.offs),
-                      self.bound + o.bound)
+                      self.bound + o.bound, self.scale)
 
     def span(self, loops: Loops) -> tuple[str, str]:
-        """Block-level texts of the first and last index the block's threads can use."""
+        """Block-level texts of the first and last index the block's threads can use (a
+        scale is never negative: the first thread's index is the smallest)."""
         base = list(self.offs)
         last: list[str] = []
         if self.thread is not None:
             kind, d = self.thread
-            if kind == "g":
-                base.append(f"_g{d} * _ls{d}")
-            last.append(f"_ls{d} - 1")
+            if self.scale is None:  # (unscaled: the text as it always was, a cache key)
+                if kind == "g":
+                    base.append(f"_g{d} * _ls{d}")
+                last.append(f"_ls{d} - 1")
+            else:
+                if kind == "g":
+                    base.append(f"_g{d} * _ls{d} * {self.scale}")
+                last.append(f"(_ls{d} - 1) * {self.scale}")
         first = base + [f"({loops[v][0]})" for v in self.loops]
         last = base + last + [f"({loops[v][1]})" for v in self.loops]
         return " + ".join(first) or "0", " + ".join(last) or "0"
@@ -156,6 +169,8 @@ class AffineAnalysis:
             for g in self.def_guards.get(e.id, ()):
                 guards[g] = None
             return defs[e.id]
+        if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Mult):
+            return self.scaled(uni, e, defs, guards, loops, allow_vars)
         if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.Add, ast.Sub)):
             left = self.affine(uni, e.left, defs, guards, loops, allow_vars)
             right = self.affine(uni, e.right, defs, guards, loops, allow_vars) if left else None
@@ -164,6 +179,35 @@ class AffineAnalysis:
             return left.plus(right) if isinstance(e.op, ast.Add) else left.minus(right)
         term = uni.term(e, guards, allow_vars)
         return Affine(None, (), (term[0],), term[1]) if term else None
+
+    def scaled(self, uni: Uniformity, e: ast.BinOp, defs: dict[str, Affine],
+               guards: dict[str, None], loops: Loops, allow_vars: bool) -> Affine | None:
+        """``thread index * scale`` (either order; the thread index alone, directly or
+        through a local), the scale an int constant or an integer scalar parameter in
+        ``[0, SCALE_LIMIT)`` (checked at block level): a strided operand's ``x[i * sx]``.
+        Any other product is a uniform term or not affine."""
+        for index, factor in ((e.left, e.right), (e.right, e.left)):
+            own: dict[str, None] = {}
+            a = self.affine(uni, index, defs, own, loops, allow_vars)
+            if a is None or a.thread is None or a.loops or a.offs or a.scale is not None:
+                continue
+            scale = self._scale(factor, own)
+            if scale is not None:
+                guards.update(own)
+                return Affine(a.thread, (), (), a.bound * SCALE_LIMIT, scale)
+        term = uni.term(e, guards, allow_vars)
+        return Affine(None, (), (term[0],), term[1]) if term else None
+
+    def _scale(self, e: ast.AST, guards: dict[str, None]) -> str | None:
+        c = const_int(e)
+        if c is not None:
+            return str(c) if 0 <= c < SCALE_LIMIT else None
+        k = self.k
+        if isinstance(e, ast.Name) and e.id in k.scalars and not self.prog.stores.get(e.id):
+            if k.arg_types[k.params.index(e.id)].dtype in ("int8", "int16", "int32", "int64"):
+                guards[f"0 <= {user_name(e.id)} < {SCALE_LIMIT}"] = None
+                return user_name(e.id)
+        return None
 
     def mark(self, uni: Uniformity, s: ast.stmt, defs: dict[str, Affine], loops: Loops,
              conds: dict[str, None]) -> None:
@@ -191,6 +235,9 @@ class AffineAnalysis:
             ranges = [self.affine(uni, i, defs, guards, loops) for i in idx]
             if any(r is None or r.bound >= RANGE_LIMIT for r in ranges):
                 continue
+            if name in k.buffers and k.arg_types[k.buffers[name]].managed \
+                    and any(r.scale not in (None, "0", "1") for r in ranges):  # type: ignore[union-attr]
+                continue  # its box would mark pages between the strided elements
             spans = [r.span(loops) for r in ranges]  # type: ignore[union-attr]
             for c in list(guards) + _access_conds(name, spans):
                 conds[c] = None
@@ -235,7 +282,7 @@ class AffineAnalysis:
                 return None
             op, right = self._FLIP[op], left
         moving = {user_name(v) for v in uni.uniform}  # block-level loops: a tile's position
-        if a.thread is None or a.bound >= RANGE_LIMIT or not (
+        if a.thread is None or a.scale is not None or a.bound >= RANGE_LIMIT or not (
                 a.thread[0] == "g" or any("_g" in o or set(re.findall(r"\w+", o)) & moving
                                           for o in a.offs)):
             return None

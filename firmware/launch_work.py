@@ -1,0 +1,307 @@
+"""A looping kernel's work per thread, bounded at launch from the launch's own values.
+
+A kernel with ``for`` loops has no static bound on its work (``kernel_check.bounded_work``
+says None), so every launch of it went to a compute engine: ~0.1 ms of hand-off (an
+engine's wake-up, its completion, the control loop's wake-up) for a softmax over 64 rows
+of 10 that computes for a few microseconds. But most such loops are ``range`` loops whose
+bounds are the launch's scalars, ids and constants (``for j in range(n)``, ``for r in
+range(local_id(0), rows, 256)``): once the launch's values are known, so is an upper bound
+of the trips, and with it of the work. :class:`LoopWork` computes that bound; the firmware
+runs the launch inline when it is within the inline budget (firmware/launches.py), else on
+an engine as before.
+
+The bound is an upper bound whatever the kernel does: every statement counts its
+syntax-tree nodes once per trip of each enclosing loop, an ``if`` counts its test and the
+larger of its arms, a ``break`` or ``return`` only makes the real work smaller. A ``range``
+argument is bounded by interval arithmetic over the launch's signed integer scalars, the
+ids (``local_id(d)`` in ``[0, block[d] - 1]``...), constants and locals assigned once (in
+scope, before the loop), using ``+ - *``, ``//`` by a known positive value, unary minus,
+``min`` and ``max``. Anything else -- a ``while`` loop, ``mma``, a step that is not a
+known positive value, a bound read from memory, a float, an unsigned scalar, a value of
+magnitude ``VALUE_LIMIT`` or more, a kernel of more than ``MAX_KERNEL_NODES`` nodes --
+leaves the work unbounded (None): the launch goes to an engine. The magnitude limit means
+that none of the int64 arithmetic the kernel does on those values can wrap, so the
+kernel's trips are those the intervals bound.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from firmware.kernel_check import Kernel, is_mma
+
+#: Values of a range bound's arithmetic at or above this magnitude leave the work
+#: unbounded (the kernel's int64 arithmetic on them could wrap: the intervals would lie).
+VALUE_LIMIT = 1 << 40
+#: Per-thread work at or above this is unbounded too (it is far past any inline budget).
+WORK_LIMIT = 1 << 40
+
+#: Kernels of more syntax-tree nodes than this are not bounded (their launches go to an
+#: engine): evaluating a plan costs the control loop ~50 us per 1,000 nodes on a launch
+#: whose shape and scalars it has not seen, which a tenant can vary at will (the torch
+#: backend's looping kernels have at most ~650).
+MAX_KERNEL_NODES = 1024
+#: launch shapes and scalars a kernel's bound remembers (LoopWork._seen) before it starts over
+SEEN_LIMIT = 64
+
+_SIGNED = frozenset({"int8", "int16", "int32", "int64"})
+
+Interval = tuple[int, int]
+Fn = Callable[[dict], "Interval | None"]
+
+
+class LoopWork:
+    """The work per thread of one kernel's launches: :meth:`per_thread`. The body is
+    compiled once into a plan (node counts, the range bounds as closures), so that a
+    launch evaluates only the loops' bounds."""
+
+    def __init__(self, plan: list, scalars: dict[str, int]) -> None:
+        self._plan = plan
+        #: signed integer scalar parameter never assigned -> its position in the values
+        self._scalars = scalars
+        #: (grid, block, those scalars) -> the bound: a launch that goes to an engine is
+        #: bounded again every time (~8 us), and a program repeats its few shapes
+        self._seen: dict[tuple, int | None] = {}
+
+    @classmethod
+    def of(cls, k: Kernel) -> LoopWork | None:
+        """The kernel's bound, or None when no launch of it can be bounded (a ``while``
+        loop, ``mma``, a ``range`` whose arguments or step no launch's values bound, more
+        than ``MAX_KERNEL_NODES`` nodes)."""
+        stores: dict[str, int] = {}
+        nodes = 0
+        for n in ast.walk(k.fn):
+            nodes += 1
+            if nodes > MAX_KERNEL_NODES:
+                return None
+            if isinstance(n, ast.While) or (isinstance(n, ast.stmt) and is_mma(n)):
+                return None
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                stores[n.id] = stores.get(n.id, 0) + 1
+        scalars = {p: i for i, (p, t) in enumerate(zip(k.params, k.arg_types))
+                   if p in k.scalars and t.dtype in _SIGNED and not stores.get(p)}
+        plan = _Compiler(stores, set(scalars)).stmts(k.fn.body)
+        return None if plan is None else cls(plan, scalars)
+
+    def per_thread(self, grid: Sequence[int], block: Sequence[int],
+                   values: Sequence[Any]) -> int | None:
+        """An upper bound of the syntax-tree nodes one thread of this launch evaluates,
+        or None when the launch's values do not bound it."""
+        key = (*grid, *block, *(int(values[i]) for i in self._scalars.values()))
+        if key in self._seen:
+            return self._seen[key]
+        if len(self._seen) >= SEEN_LIMIT:
+            self._seen.clear()
+        work = self._seen[key] = self._evaluate(grid, block, values)
+        return work
+
+    def _evaluate(self, grid: Sequence[int], block: Sequence[int],
+                  values: Sequence[Any]) -> int | None:
+        env: dict = {}
+        for d in range(3):
+            g, b = grid[d], block[d]
+            env["local_id", d] = (0, b - 1)
+            env["group_id", d] = (0, g - 1)
+            env["global_id", d] = (0, g * b - 1)
+            env["local_size", d] = (b, b)
+            env["num_groups", d] = (g, g)
+        for name, i in self._scalars.items():
+            v = int(values[i])
+            if abs(v) < VALUE_LIMIT:  # else unknown: a range bound using it is unbounded
+                env[name] = (v, v)
+        return _run(self._plan, env)
+
+
+# A plan is a list of steps: an int (nodes evaluated once), ("let", name, fn),
+# ("if", nodes, body, orelse), ("for", nodes, var, start, stop, step, body, orelse).
+
+
+def _run(plan: list, env: dict) -> int | None:
+    env = dict(env)  # a body's assignments are not seen outside it
+    total = 0
+    for step in plan:
+        if type(step) is int:
+            total += step
+            continue
+        kind = step[0]
+        if kind == "let":
+            r = step[2](env)
+            if r is not None:
+                env[step[1]] = r
+        elif kind == "if":
+            body, orelse = _run(step[2], env), _run(step[3], env)
+            if body is None or orelse is None:
+                return None
+            total += step[1] + max(body, orelse)  # one arm runs
+        else:
+            _, nodes, var, start_fn, stop_fn, step_fn, body_plan, orelse_plan = step
+            start, stop = start_fn(env), stop_fn(env)
+            stride = step_fn(env)
+            if start is None or stop is None or stride is None \
+                    or stride[0] != stride[1] or stride[0] < 1:
+                return None  # unknown, or a step that is not a known positive value
+            trips = max(0, -(-(stop[1] - start[0]) // stride[0]))
+            inner = dict(env)
+            if var is not None and trips:
+                inner[var] = (start[0], stop[1] - 1)
+            else:
+                inner.pop(var, None)
+            body, orelse = _run(body_plan, inner), _run(orelse_plan, env)
+            if body is None or orelse is None:
+                return None
+            total += nodes + trips * (body + 1) + orelse
+        if total >= WORK_LIMIT:
+            return None
+    return total
+
+
+class _Compiler:
+    """The body as a plan: node counts, and closures for what a launch must evaluate."""
+
+    def __init__(self, stores: dict[str, int], scalars: set[str]) -> None:
+        self.stores = stores
+        self.scalars = scalars
+
+    def stmts(self, body: list[ast.stmt]) -> list | None:
+        plan: list = []
+        for s in body:
+            if isinstance(s, ast.For):
+                step = self.loop(s)
+                if step is None:
+                    return None
+                plan.append(step)
+            elif isinstance(s, ast.If):
+                then, orelse = self.stmts(s.body), self.stmts(s.orelse)
+                if then is None or orelse is None:
+                    return None
+                plan.append(("if", _nodes(s.test) + 1, then, orelse))
+            else:
+                if isinstance(s, ast.Assign) and len(s.targets) == 1 \
+                        and isinstance(s.targets[0], ast.Name) \
+                        and self.stores.get(s.targets[0].id) == 1:
+                    fn = self.expr(s.value)
+                    if fn is not None:
+                        plan.append(("let", s.targets[0].id, fn))
+                if plan and type(plan[-1]) is int:
+                    plan[-1] += _nodes(s)
+                else:
+                    plan.append(_nodes(s))
+        return plan
+
+    def loop(self, s: ast.For) -> tuple | None:
+        it = s.iter
+        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name)
+                and it.func.id == "range" and 1 <= len(it.args) <= 3
+                and isinstance(s.target, ast.Name)):
+            return None
+        args = [self.expr(a) for a in it.args]
+        if any(a is None for a in args):
+            return None
+        zero, one = _const(0), _const(1)
+        start, stop, step = ((zero, args[0], one) if len(args) == 1 else
+                             (args[0], args[1], one) if len(args) == 2 else tuple(args))
+        body, orelse = self.stmts(s.body), self.stmts(s.orelse)
+        if body is None or orelse is None:
+            return None
+        var = s.target.id if self.stores.get(s.target.id) == 1 else None
+        return ("for", _nodes(it) + 1, var, start, stop, step, body, orelse)
+
+    def expr(self, e: ast.AST) -> Fn | None:
+        """``e``'s interval as a function of the launch's environment, or None when no
+        launch bounds it."""
+        if isinstance(e, ast.Constant):
+            return _const(e.value) if type(e.value) is int and abs(e.value) < VALUE_LIMIT \
+                else None
+        if isinstance(e, ast.Name):
+            if e.id in self.scalars or self.stores.get(e.id) == 1:
+                name = e.id
+                return lambda env: env.get(name)
+            return None
+        if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
+            f = self.expr(e.operand)
+            return None if f is None else _lift1(f, lambda r: (-r[1], -r[0]))
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and not e.keywords:
+            return self.call(e)
+        if isinstance(e, ast.BinOp):
+            a, b = self.expr(e.left), self.expr(e.right)
+            if a is None or b is None:
+                return None
+            if isinstance(e.op, ast.Add):
+                return _lift2(a, b, lambda x, y: (x[0] + y[0], x[1] + y[1]))
+            if isinstance(e.op, ast.Sub):
+                return _lift2(a, b, lambda x, y: (x[0] - y[1], x[1] - y[0]))
+            if isinstance(e.op, ast.Mult):
+                return _lift2(a, b, _times)
+            if isinstance(e.op, ast.FloorDiv):
+                return _lift2(a, b, _floordiv)
+        return None
+
+    def call(self, e: ast.Call) -> Fn | None:
+        name = e.func.id  # type: ignore[attr-defined]
+        if name in _IDS:
+            d = e.args[0] if len(e.args) == 1 else None
+            if isinstance(d, ast.Constant) and type(d.value) is int and 0 <= d.value <= 2:
+                key = (name, d.value)
+                return lambda env: env[key]
+            return None
+        if name in ("min", "max") and len(e.args) >= 2:
+            parts = [self.expr(a) for a in e.args]
+            if any(p is None for p in parts):
+                return None
+            pick = min if name == "min" else max
+
+            def fn(env: dict) -> Interval | None:
+                rs = [p(env) for p in parts]  # type: ignore[misc]
+                if any(r is None for r in rs):
+                    return None
+                return pick(r[0] for r in rs), pick(r[1] for r in rs)  # type: ignore[index]
+            return fn
+        return None
+
+
+_IDS = ("local_id", "group_id", "global_id", "local_size", "num_groups")
+
+
+def _const(v: int) -> Fn:
+    r = (v, v)
+    return lambda env: r
+
+
+def _bounded(r: Interval | None) -> Interval | None:
+    return None if r is None or max(-r[0], r[1]) >= VALUE_LIMIT else r
+
+
+def _lift1(f: Fn, op: Callable[[Interval], Interval]) -> Fn:
+    def fn(env: dict) -> Interval | None:
+        r = f(env)
+        return None if r is None else _bounded(op(r))
+    return fn
+
+
+def _lift2(f: Fn, g: Fn, op: Callable[[Interval, Interval], Interval | None]) -> Fn:
+    def fn(env: dict) -> Interval | None:
+        a = f(env)
+        if a is None:
+            return None
+        b = g(env)
+        return None if b is None else _bounded(op(a, b))
+    return fn
+
+
+def _times(a: Interval, b: Interval) -> Interval:
+    products = (a[0] * b[0], a[0] * b[1], a[1] * b[0], a[1] * b[1])
+    return min(products), max(products)
+
+
+def _floordiv(a: Interval, b: Interval) -> Interval | None:
+    """Division by a known positive value only (floor division is then monotonic)."""
+    if b[0] != b[1] or b[0] < 1:
+        return None
+    return a[0] // b[0], a[1] // b[0]
+
+
+def _nodes(node: ast.AST) -> int:
+    """Syntax-tree nodes of a simple statement or an expression."""
+    return sum(1 for _ in ast.walk(node))

@@ -1,0 +1,185 @@
+"""A looping kernel's work per thread, bounded at launch (firmware/launch_work.py): the
+bound grows with the loops' trips, is an upper bound of what runs, and is None -- the
+launch then goes to an engine, as every looping launch did before -- for any loop or value
+it cannot bound (a ``while``, a bound read from memory, a step that is not a known
+positive value, a value whose int64 arithmetic could wrap)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from firmware import jit, launches
+from firmware.launch_work import MAX_KERNEL_NODES, VALUE_LIMIT, LoopWork
+from runtime.kernels import compile_module
+from torch_accel.kernels import nn, reduce
+
+pytestmark = pytest.mark.timeout(60)
+
+ONE = (1, 1, 1)
+
+
+def work_of(source: str, types: tuple[str, ...]) -> LoopWork | None:
+    ir = next(iter(compile_module(source)["kernels"].values()))
+    return LoopWork.of(jit.validate(ir, types))
+
+
+def per_thread(lw: LoopWork, *scalars: int, grid: tuple[int, int, int] = ONE,
+               block: tuple[int, int, int] = (64, 1, 1)) -> int | None:
+    """The bound for a kernel whose first parameter is a buffer and the rest scalars."""
+    return lw.per_thread(grid, block, [None, *(np.int64(s) for s in scalars)])
+
+
+ROW_SUM = """
+def row_sum(x, n: 'int64'):
+    i = global_id(0)
+    s = 0.0
+    for j in range(n):
+        s += x[i * n + j]
+    x[i * n] = s
+"""
+
+
+def test_the_bound_grows_with_the_trips_of_a_loop() -> None:
+    lw = work_of(ROW_SUM, ("float32[1d]", "int64"))
+    assert lw is not None
+    w0, w10, w20 = (per_thread(lw, n) for n in (0, 10, 20))
+    assert w0 is not None and w10 is not None and w20 is not None
+    assert 0 < w0 < w10 < w20 and w20 - w10 == w10 - w0  # linear in the trips
+    assert per_thread(lw, -5) == w0  # a negative bound runs no trip
+
+
+def test_nested_loops_and_thread_strided_loops_are_bounded() -> None:
+    nested = work_of("""
+def tri(x, n: 'int64'):
+    for i in range(n):
+        for j in range(i):
+            x[j] = x[j] + 1.0
+""", ("float32[1d]", "int64"))
+    assert nested is not None
+    w = [per_thread(nested, n) for n in (4, 8, 16)]
+    assert w[0] < w[1] < w[2] and w[2] - w[1] > 2 * (w[1] - w[0])  # grows as n * n
+    strided = work_of("""
+def count(x, rows: 'int64'):
+    t = local_id(0)
+    lo = group_id(0) * 4
+    for r in range(lo + t, min(rows, lo + 1024), 256):
+        x[r] = 1.0
+""", ("float32[1d]", "int64"))
+    assert strided is not None
+    # at most ceil(min(rows, 1024 + 4 * (groups - 1)) / 256) trips for any thread
+    one = per_thread(strided, 256, block=(256, 1, 1))
+    four = per_thread(strided, 1024, block=(256, 1, 1))
+    huge = per_thread(strided, 1 << 30, block=(256, 1, 1))
+    assert one is not None and four is not None and one < four == huge
+
+
+@pytest.mark.parametrize("source, types", [
+    ("def spin(x, n: 'int64'):\n    i = 0\n    while i < n:\n        i += 1\n    x[0] = i\n",
+     ("float32[1d]", "int64")),
+    ("def loaded(x, n: 'int64'):\n    for j in range(x[0]):\n        x[j] = 0\n",
+     ("int64[1d]", "int64")),
+    ("def twice(x, n: 'int64'):\n    m = n\n    m = m + 1\n    for j in range(m):\n"
+     "        x[j] = 0.0\n", ("float32[1d]", "int64")),
+    ("def unsigned(x, n):\n    for j in range(n):\n        x[j] = 0.0\n",
+     ("float32[1d]", "uint64")),
+    ("def tile(a, b, c):\n    mma(c, a, b, 0, 0, 0, 4, 4, 4, 0.0)\n    for j in range(4):\n"
+     "        c[0, 0] = 0.0\n", ("float32[2d]",) * 3),
+])
+def test_loops_no_launch_can_bound_leave_the_kernel_unbounded(source: str,
+                                                             types: tuple[str, ...]) -> None:
+    """A ``while``, a bound loaded from memory, a local assigned twice, an unsigned
+    scalar, ``mma``: no launch of such a kernel runs inline."""
+    assert work_of(source, types) is None
+
+
+STEPPED = """
+def stepped(x, n: 'int64', s: 'int64'):
+    for j in range(0, n, s):
+        x[j] = 0.0
+"""
+
+
+@pytest.mark.parametrize("scalars, bounded", [
+    ((100, 1), True), ((100, 7), True),
+    ((100, 0), False), ((100, -1), False),             # no positive step: unbounded
+    ((VALUE_LIMIT, 1), False), ((1 << 62, 1), False),  # past what cannot wrap
+    ((-(1 << 62), 1), False),
+])
+def test_launch_values_it_cannot_bound_leave_the_launch_unbounded(scalars: tuple[int, int],
+                                                                  bounded: bool) -> None:
+    lw = work_of(STEPPED, ("float32[1d]", "int64", "int64"))
+    assert lw is not None
+    assert (per_thread(lw, *scalars) is not None) is bounded
+
+
+def test_arithmetic_that_could_wrap_an_int64_is_not_bounded() -> None:
+    """Each operand is small, the product is not: the kernel's int64 product could wrap
+    to a small trip count the intervals would not see, so the bound says None."""
+    lw = work_of("""
+def product(x, n: 'int64', m: 'int64'):
+    for j in range(n * m):
+        x[0] = 0.0
+""", ("float32[1d]", "int64", "int64"))
+    assert lw is not None
+    assert per_thread(lw, 1000, 1000) is not None
+    assert per_thread(lw, 1 << 31, 1 << 31) is None
+
+
+def test_a_kernel_past_the_node_limit_is_not_bounded() -> None:
+    """Evaluating a plan costs the control loop time per node on every new launch shape:
+    past MAX_KERNEL_NODES a kernel's launches go to an engine."""
+    def loops(count: int) -> str:
+        return "def many(x, n: 'int64'):\n" + "".join(
+            f"    for j{q} in range(n):\n        x[j{q}] = {q}.0\n" for q in range(count))
+    small, big = (work_of(loops(c), ("float32[1d]", "int64")) for c in (10, 120))
+    assert small is not None and big is None
+    assert MAX_KERNEL_NODES < 120 * 10
+
+
+def test_a_launch_shape_is_bounded_once_then_remembered() -> None:
+    lw = work_of(ROW_SUM, ("float32[1d]", "int64"))
+    assert lw is not None
+    first = per_thread(lw, 10)
+    assert per_thread(lw, 10) == first and len(lw._seen) == 1
+    assert per_thread(lw, 10, block=(32, 1, 1)) == first and len(lw._seen) == 2
+
+
+def _inline_work(source: str, name: str, types: tuple[str, ...], grid: tuple[int, int, int],
+                 block: tuple[int, int, int], values: list[Any]) -> int | None:
+    ir = compile_module(source)["kernels"][name]
+    lw = LoopWork.of(jit.validate(ir, types))
+    assert lw is not None, name
+    per = lw.per_thread(grid, block, values)
+    threads = grid[0] * grid[1] * grid[2] * block[0] * block[1] * block[2]
+    return None if per is None else per * threads * launches.LOOP_WORK_WEIGHT
+
+
+@pytest.mark.parametrize("name, source, types, block, values", [
+    # a classifier's softmax over 64 rows of 10 classes, and its backward
+    ("softmax_short", nn.SOURCE, ("float32[1d]",) * 2 + ("int64",) * 3, (64, 1, 1),
+     [None, None, np.int64(64), np.int64(10), np.int64(0)]),
+    ("softmax_backward_short", nn.SOURCE, ("float32[1d]",) * 3 + ("int64",) * 3, (64, 1, 1),
+     [None, None, None, np.int64(64), np.int64(10), np.int64(0)]),
+    # cross-entropy's loss over a batch of 64, and its backward
+    ("nll_loss", nn.SOURCE, ("float32[1d]", "float32[1d]", "float32[2d]", "int64[1d]")
+     + ("int64",) * 3, (256, 1, 1), [None] * 4 + [np.int64(64), np.int64(1), np.int64(-100)]),
+    ("nll_loss_backward", nn.SOURCE, ("float32[2d]", "float32[1d]", "int64[1d]")
+     + ("int64",) * 3, (256, 1, 1), [None] * 3 + [np.int64(64), np.int64(1), np.int64(-100)]),
+    # a bias gradient: 256 columns of a batch of 64
+    ("finish", reduce.SOURCE, ("float32[1d]", "float32[1d]", "int64[1d]", "int64", "int64",
+                               "int64", "int64", "int64", "float64", "int64", "int64", "int64"),
+     (256, 1, 1), [None] * 3 + [np.int64(v) for v in (0, 0, 256, 64, 64)] + [np.float64(0)]
+     + [np.int64(v) for v in (0, 1, 256)]),
+])
+def test_a_training_steps_small_looping_kernels_run_inline(name: str, source: str,
+                                                           types: tuple[str, ...],
+                                                           block: tuple[int, int, int],
+                                                           values: list[Any]) -> None:
+    """The MLP step's looping launches fit the inline budget (each went to an engine, a
+    hand-off of ~0.1 ms): a change that takes one past it fails here, not as a slowdown
+    nobody sees (docs/launch.md, "Looping kernels inline")."""
+    work = _inline_work(source, name, types, ONE, block, values)
+    assert work is not None and work <= launches.INLINE_WORK, (name, work)
