@@ -182,6 +182,43 @@ def test_16_bit_floats_round_and_compute_as_torchs_casts(torch_json):
                  "torch.bfloat16": [True, True, "torch.bfloat16", True]}, r
 
 
+@pytest.mark.timeout(400)
+def test_short_sums_are_one_block_per_row(torch_json):
+    """A sum over a static range of at most 256 elements (an MLP's bias gradient: a sum
+    over the batch) is one block per output row, one thread per element adding into
+    block-shared memory (codegen.py, ``should_use_persistent_reduction``): no loop, so the
+    firmware runs it inline. Over either dimension, a mean with work after it, int64, fed
+    by fused pointwise work, over ``cat``'s masked loads: each equals eager. A longer sum
+    and a max keep the loop."""
+    r = torch_json("""
+        from torch._inductor.utils import run_and_get_code
+        torch.manual_seed(0)
+        a, g = torch.randn(64, 256, device="accel"), torch.randn(64, 256, device="accel")
+        cases = {
+            "sum0": (lambda a: a.sum(0), (a,)),
+            "mean1_plus": (lambda a: a.mean(1) + 1, (a,)),
+            "int64": (lambda a: (a * 10).long().sum(1), (a,)),
+            "relu_grad_sum": (lambda r, g: torch.where(r <= 0, 0.0, g).sum(0), (a, g)),
+            "cat_sum": (lambda a, b: torch.cat([a, b], 1).sum(1), (a[:, :100], g[:, :50])),
+            "long_sum": (lambda a: a.sum(1), (torch.randn(8, 1000, device="accel"),)),
+            "amax": (lambda a: a.amax(0), (a,)),
+        }
+        out = {}
+        for name, (fn, args) in cases.items():
+            got, code = run_and_get_code(torch.compile(fn), *args)
+            want = fn(*args)
+            kernels = code[0].split("def call(")[0]
+            out[name] = [bool(torch.allclose(got.cpu().double(), want.cpu().double(),
+                                             rtol=1e-5, atol=1e-4)),
+                         "block=" in kernels, "for r0_index" in kernels]
+        report(out=out)
+    """, timeout=380)
+    want = {name: [True, True, False]
+            for name in ("sum0", "mean1_plus", "int64", "relu_grad_sum", "cat_sum")}
+    want |= {"long_sum": [True, False, True], "amax": [True, False, True]}
+    assert r["out"] == want, r["out"]
+
+
 @pytest.mark.timeout(500)
 def test_matrix_products_lower_without_layout_copies(torch_json):
     """Products hand the eager operators their operands in the layouts the matrix unit reads

@@ -4,7 +4,8 @@ and launched on the current accel stream, as every eager operator's kernel is.
 The wrapper (Python, written by Inductor) defines each kernel once, ``k = Generated(name,
 source)``, and calls ``k(buf0, arg0_1, ..., ks0, numel)``: the kernel's buffers (torch
 tensors on one accel device), its size variables (ints) and last the number of threads
-(one per output element or row). Nothing here knows Inductor: the source is already our
+(one per output element or row), or of blocks for a block reduction (``Generated(name,
+source, block=n)``: a block of ``n`` threads per output row, codegen.py). Nothing here knows Inductor: the source is already our
 kernel language (torch_accel/inductor/codegen.py writes it), and the launch is the
 runtime's (``runtime.compile``, ``Kernel.plan``), so a compiled model's kernels go through
 the same module load, JIT, launch packet, fault and profiler paths as eager ones.
@@ -56,9 +57,11 @@ class Generated:
     every compatibility input, not on the name), launched through a checked plan per kind
     of call."""
 
-    def __init__(self, name: str, source: str) -> None:
+    def __init__(self, name: str, source: str, block: int | None = None) -> None:
         self.name = name
         self.source = source
+        #: threads per block of a block reduction (then ``numel`` counts blocks)
+        self.block = block
         #: the module's name in the device's parts: the source's hash, so two graphs that
         #: generate one kernel share its module
         self._key = "inductor/" + hashlib.sha256(source.encode()).hexdigest()[:24]
@@ -101,4 +104,6 @@ class Generated:
             else:
                 values.append(a if isinstance(a, float) else int(a))
         values.append(numel)
+        if self.block is not None:
+            return self._kernel(device).plan(numel, self.block, values)
         return self._kernel(device).plan(shared.grid(numel, BLOCK), BLOCK, values)
