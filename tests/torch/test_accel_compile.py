@@ -225,9 +225,11 @@ def test_matrix_products_lower_without_layout_copies(torch_json):
     in place (torch_accel/inductor/matmul.py), so the device runs no ``strided_copy``:
     transposed graph inputs, a slice at an offset and a transposed value the graph computes
     launch no copy at all; an expanded operand, strided columns and a column slice get one
-    generated (loop-free) copy kernel. ``addmm`` with a row bias (a linear layer) or
-    ``beta=0`` over a NaN bias (ignored, as torch does) is the eager ``addmm``; with a 2-D
-    bias it is ``mm`` plus a generated epilogue. Each case equals eager; float64 too."""
+    generated (loop-free) copy kernel. Products are ``launcher.product`` calls (the
+    unit's kernel through a launch plan), never ``extern_kernels.mm``/``addmm``; with a
+    row bias (a linear layer) or ``beta=0`` over a NaN bias (ignored, as torch does) the
+    kernel takes the bias; a 2-D bias is a generated epilogue. Each case equals eager;
+    float64 too."""
     r = torch_json("""
         import runtime
         import torch.nn.functional as F
@@ -259,18 +261,22 @@ def test_matrix_products_lower_without_layout_copies(torch_json):
         for name, (fn, args) in cases.items():
             compiled = torch.compile(fn)
             got, code = run_and_get_code(compiled, *args)
+            call = code[0].split("def call(")[1]
             with runtime.profile() as p:
                 compiled(*args)
                 torch.accel.synchronize()
             kernels = [e.name for e in p.device_events if e.cat == "kernel"]
             out[name] = dict(same=bool(torch.allclose(got.cpu(), fn(*args).cpu(), rtol=1e-5,
                                                       atol=1e-5)),
-                             addmm="addmm(" in code[0].split("def call(")[1],
+                             bias_in_product=any("accel_product(" in line and "beta=" in line
+                                                 for line in call.splitlines()),
+                             eager_call="extern_kernels.mm(" in call
+                             or "extern_kernels.addmm(" in call,
                              strided_copy=kernels.count("strided_copy"),
                              generated=sum(k.startswith("accel_fused") for k in kernels))
         report(out=out)
     """, timeout=480)
-    # (eager addmm called, generated kernels launched) per case
+    # (the bias filled by the product's kernel, generated kernels launched) per case
     want = {"linear_relu": (True, 1), "addmm_scaled": (False, 1), "addmm_beta0_nan": (True, 0),
             "mm_transposed": (False, 0), "bmm_transposed": (False, 0),
             "linear_float64": (True, 1), "offset_rows": (False, 0),
@@ -278,8 +284,8 @@ def test_matrix_products_lower_without_layout_copies(torch_json):
             "strided_columns": (False, 1), "column_slice": (False, 1),
             "strided_input": (False, 1), "offset_input": (False, 0)}
     got = {k: v for k, v in r["out"].items()
-           if v != {"same": True, "addmm": want[k][0], "strided_copy": 0,
-                    "generated": want[k][1]}}
+           if v != {"same": True, "bias_in_product": want[k][0], "eager_call": False,
+                    "strided_copy": 0, "generated": want[k][1]}}
     assert not got, got
 
 

@@ -603,7 +603,8 @@ class AccelWrapper(PythonWrapperCodegen):
 
     def write_header(self) -> None:
         super().write_header()
-        self.imports.writeline("from torch_accel.inductor.launcher import Generated")
+        self.imports.writeline("from torch_accel.inductor.launcher import Generated, "
+                               "product as accel_product")
 
     def make_allocation(self, name: str, device: torch.device, dtype: torch.dtype,
                         shape: Any, stride: Any, allocation_shape: Any = None,

@@ -1,11 +1,15 @@
-"""Matrix products in a compiled graph on accel: operands handed to the eager products in
-the layouts the matrix unit reads in place, copied by a generated kernel otherwise, and
-``addmm``'s bias inside the product where the eager kernel takes it.
+"""Matrix products in a compiled graph on accel: the matrix unit's kernel called from the
+wrapper through a launch plan (``launcher.product``), its operands in the layouts the unit
+reads in place, copied by a generated kernel otherwise, and ``addmm``'s bias inside the
+product where the kernel takes it.
 
-Inductor calls products as extern kernels, the eager operators (torch_accel/ops/linalg.py),
-which read a row-major operand and one stored transposed (``w.t()``, every backward's
-operands) in place: mma's ``ta``/``tb`` (docs/kernels.md "The matrix unit"). Any other
-layout they copy with ``strided_copy``, a looping kernel and so a firmware engine launch
+Inductor calls products as extern kernels, by default the eager operators
+(torch_accel/ops/linalg.py) through torch's dispatch, ~100 us of host time a product here;
+``launcher.product`` launches the same kernel through a plan checked once (~10 us) and
+falls back to the eager operator for what the plan does not take. The unit reads a
+row-major operand and one stored transposed (``w.t()``, every backward's operands) in
+place: mma's ``ta``/``tb`` (docs/kernels.md "The matrix unit"). The eager operators copy
+any other layout with ``strided_copy``, a looping kernel and so a firmware engine launch
 (~0.2-1 ms on two CPUs, docs/torch.md "Where a compiled MLP training step's time goes").
 Here, lowered on accel:
 
@@ -16,13 +20,13 @@ Here, lowered on accel:
   strided columns, a column slice) is made contiguous by a generated copy, which has no
   loop and so runs inline on the firmware's scheduler (``firmware/kernel_check.py``,
   ``bounded_work``) rather than as an engine's ``strided_copy``;
-* ``addmm`` with a bias of one row (``nn.Linear``'s) or ``beta=0`` is the eager ``addmm``,
-  whose kernel fills the output with the bias before the product: one launch. Another
-  bias (a full matrix, a column) would be a broadcast ``strided_copy`` there, so it is
-  ``mm`` followed by ``beta * bias + alpha * product`` as loops, which fuse with what
-  follows.
+* ``addmm`` with a bias of one row (``nn.Linear``'s) or ``beta=0`` is one launch, whose
+  kernel fills the output with the bias before the product. Another bias (a full matrix,
+  a column) would be a broadcast ``strided_copy`` in the eager ``addmm``, so it is ``mm``
+  followed by ``beta * bias + alpha * product`` as loops, which fuse with what follows.
 
-Other devices keep Inductor's own lowerings.
+``bmm`` keeps Inductor's lowering (the eager ``bmm``) with operands as above; other devices
+keep Inductor's own lowerings.
 """
 
 from __future__ import annotations
@@ -80,6 +84,19 @@ def _operand(node: Any) -> Any:
     return ir.ExternKernel.require_contiguous(node)
 
 
+def _product(mat1: Any, mat2: Any, bias: Any = None, alpha: Any = 1, beta: Any = 1) -> Any:
+    """``beta * bias + alpha * mat1 @ mat2`` (``mat1 @ mat2`` without a bias) as a call of
+    ``launcher.product`` (the wrapper imports it as ``accel_product``): the eager
+    products' kernel through a launch plan, not torch's dispatch."""
+    mat1, mat2 = _operand(mat1), _operand(mat2)
+    inputs = [mat1, mat2] if bias is None else [mat1, mat2, ir.ExternKernel.realize_input(bias)]
+    layout = ir.FixedLayout(mat1.get_device(), mat1.get_dtype(),
+                            [mat1.get_size()[0], mat2.get_size()[1]])
+    kwargs = {} if bias is None else {"alpha": alpha, "beta": beta}
+    return ir.TensorBox.create(ir.ExternKernelOut(layout, inputs, kwargs=kwargs,
+                                                  python_kernel_name="accel_product"))
+
+
 def _row_bias(inp: Any, n: sympy.Expr) -> bool:
     """Whether ``addmm``'s bias is one row of the output's width (``[n]`` or ``[1, n]``),
     which the eager kernel broadcasts itself."""
@@ -101,9 +118,9 @@ def install() -> None:
     add, mul = lowerings[aten.add.Tensor], lowerings[aten.mul.Tensor]
 
     def mm(mat1: Any, mat2: Any, *args: Any, **kwargs: Any) -> Any:
-        if _on_accel(mat1, mat2):
-            mat1, mat2 = _operand(mat1), _operand(mat2)
-        return mm_lowering(mat1, mat2, *args, **kwargs)
+        if args or kwargs or not _on_accel(mat1, mat2):
+            return mm_lowering(mat1, mat2, *args, **kwargs)
+        return _product(mat1, mat2)
 
     def bmm(mat1: Any, mat2: Any, *args: Any, **kwargs: Any) -> Any:
         if _on_accel(mat1, mat2):
@@ -115,11 +132,10 @@ def install() -> None:
         if layout is not None or not _on_accel(inp, mat1, mat2):
             return addmm_lowering(inp, mat1, mat2, alpha=alpha, beta=beta, layout=layout)
         if beta == 0 or _row_bias(inp, mat2.get_size()[1]):
-            # the eager addmm: the kernel fills the rows with the bias (beta 0 ignores it,
-            # NaN included, as torch does)
+            # the kernel fills the rows with the bias (beta 0 ignores it, NaN included,
+            # as torch does)
             bias = ir.ExternKernel.require_contiguous(inp) if beta != 0 else inp
-            return addmm_lowering(bias, _operand(mat1), _operand(mat2), alpha=alpha,
-                                  beta=beta)
+            return _product(mat1, mat2, bias, alpha, beta)
         product = mm(mat1, mat2)
         if alpha != 1:
             product = mul(product, alpha)
