@@ -268,8 +268,8 @@ def test_matrix_products_lower_without_layout_copies(torch_json):
             kernels = [e.name for e in p.device_events if e.cat == "kernel"]
             out[name] = dict(same=bool(torch.allclose(got.cpu(), fn(*args).cpu(), rtol=1e-5,
                                                       atol=1e-5)),
-                             bias_in_product=any("accel_product(" in line and "beta=" in line
-                                                 for line in call.splitlines()),
+                             bias_in_product=any("accel_product(" in ln and "beta=" in ln
+                                                 for ln in call.splitlines()),
                              eager_call="extern_kernels.mm(" in call
                              or "extern_kernels.addmm(" in call,
                              strided_copy=kernels.count("strided_copy"),
@@ -277,7 +277,8 @@ def test_matrix_products_lower_without_layout_copies(torch_json):
         report(out=out)
     """, timeout=480)
     # (the bias filled by the product's kernel, generated kernels launched) per case
-    want = {"linear_relu": (True, 1), "addmm_scaled": (False, 1), "addmm_beta0_nan": (True, 0),
+    want = {"linear_relu": (True, 1), "addmm_scaled": (False, 1),
+            "addmm_beta0_nan": (True, 0),
             "mm_transposed": (False, 0), "bmm_transposed": (False, 0),
             "linear_float64": (True, 1), "offset_rows": (False, 0),
             "computed_transposed": (False, 1), "expanded": (False, 1),

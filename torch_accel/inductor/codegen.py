@@ -7,11 +7,12 @@ language (docs/kernels.md): one thread per element of the pointwise range ``x``;
 reduction is a loop over its range ``r0_`` inside that thread (one thread per output row),
 so pointwise work before and after it fuses into the same kernel; a sum over a short
 static range is instead a block per output row, a thread per element (no loop: the
-firmware runs such a kernel inline, ``should_use_persistent_reduction``). Index expressions are
-Inductor's sympy indexing printed as Python integer arithmetic (``//``, ``%``, ``min``),
-every buffer is passed flat from its first element, and the firmware bounds-checks every
-access (an index past a buffer is a device fault, as in eager). The wrapper Inductor writes
-is its Python wrapper; each kernel there is a ``torch_accel.inductor.launcher.Generated``.
+firmware runs such a kernel inline, ``should_use_persistent_reduction``). Index
+expressions are Inductor's sympy indexing printed as Python integer arithmetic (``//``,
+``%``, ``min``), every buffer is passed flat from its first element, and the firmware
+bounds-checks every access (an index past a buffer is a device fault, as in eager). The
+wrapper Inductor writes is its Python wrapper; each kernel there is a
+``torch_accel.inductor.launcher.Generated``.
 
 Why not OpenReg's way (Inductor's C++ scheduling on host memory): the kernels would run on
 the host, outside the device's launch, memory, fault and profiler paths.
@@ -375,7 +376,9 @@ class AccelKernel(SIMDKernel):
         if mode is not None:
             raise NotImplementedError(f"accel: store mode {mode} on {V.graph.get_dtype(name)}")
         lines = self._store_lines(name, index, value)
-        self.stores.writelines(lines if self.inside_reduction else self._by_one_thread(lines))
+        if not self.inside_reduction:  # a value of the row, after the reduction
+            lines = self._by_one_thread(lines)
+        self.stores.writelines(lines)
 
     def store_reduction(self, name: str, index: sympy.Expr, value: CSEVariable) -> None:
         self.suffix.writelines(self._by_one_thread(self._store_lines(name, index, value)))

@@ -5,8 +5,9 @@ The wrapper (Python, written by Inductor) defines each kernel once, ``k = Genera
 source)``, and calls ``k(buf0, arg0_1, ..., ks0, numel)``: the kernel's buffers (torch
 tensors on one accel device), its size variables (ints) and last the number of threads
 (one per output element or row), or of blocks for a block reduction (``Generated(name,
-source, block=n)``: a block of ``n`` threads per output row, codegen.py). Nothing here knows Inductor: the source is already our
-kernel language (torch_accel/inductor/codegen.py writes it), and the launch is the
+source, block=n)``: a block of ``n`` threads per output row, codegen.py); the products are
+``product(a, b, bias, out=...)`` calls. Nothing here knows Inductor: the source is already
+our kernel language (torch_accel/inductor/codegen.py writes it), and the launch is the
 runtime's (``runtime.compile``, ``Kernel.plan``), so a compiled model's kernels go through
 the same module load, JIT, launch packet, fault and profiler paths as eager ones.
 """
@@ -128,7 +129,8 @@ def _stored(t: torch.Tensor) -> tuple[tuple[int, int], bool] | None:
 
 
 def _product_plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor, alpha: float, beta: float) -> runtime.LaunchPlan | None:
+                  out: torch.Tensor, alpha: float, beta: float
+                  ) -> runtime.LaunchPlan | None:
     """The eager product's ``mm`` kernel launch checked once for this kind of call, or
     None where the eager operator has more to do (another dtype or device, an empty
     product, a layout or bias it copies first, an ``out`` it must not write directly)."""

@@ -66,8 +66,8 @@ def _dense(size: Sequence[sympy.Expr], stride: Sequence[sympy.Expr]) -> bool:
 
 
 def _read_in_place(size: Sequence[sympy.Expr], stride: Sequence[sympy.Expr]) -> bool:
-    """Whether the eager product reads an operand of this layout without a copy: row-major,
-    or row-major once its last two dimensions are swapped (then the unit's ``ta``/``tb``)."""
+    """Whether the unit reads an operand of this layout without a copy: row-major, or
+    row-major once its last two dimensions are swapped (then mma's ``ta``/``tb``)."""
     swapped = [*size[:-2], size[-1], size[-2]], [*stride[:-2], stride[-1], stride[-2]]
     return _dense(size, stride) or _dense(*swapped)
 
@@ -89,7 +89,9 @@ def _product(mat1: Any, mat2: Any, bias: Any = None, alpha: Any = 1, beta: Any =
     ``launcher.product`` (the wrapper imports it as ``accel_product``): the eager
     products' kernel through a launch plan, not torch's dispatch."""
     mat1, mat2 = _operand(mat1), _operand(mat2)
-    inputs = [mat1, mat2] if bias is None else [mat1, mat2, ir.ExternKernel.realize_input(bias)]
+    inputs = [mat1, mat2]
+    if bias is not None:
+        inputs.append(ir.ExternKernel.realize_input(bias))
     layout = ir.FixedLayout(mat1.get_device(), mat1.get_dtype(),
                             [mat1.get_size()[0], mat2.get_size()[1]])
     kwargs = {} if bias is None else {"alpha": alpha, "beta": beta}
@@ -102,7 +104,8 @@ def _row_bias(inp: Any, n: sympy.Expr) -> bool:
     which the eager kernel broadcasts itself."""
     size = inp.get_size()
     known = V.graph.sizevars.statically_known_equals
-    return len(size) in (1, 2) and known(size[-1], n) and (len(size) == 1 or known(size[0], 1))
+    return len(size) in (1, 2) and known(size[-1], n) \
+        and (len(size) == 1 or known(size[0], 1))
 
 
 def install() -> None:
