@@ -182,22 +182,61 @@ def test_16_bit_floats_round_and_compute_as_torchs_casts(torch_json):
                  "torch.bfloat16": [True, True, "torch.bfloat16", True]}, r
 
 
+@pytest.mark.timeout(400)
+def test_short_sums_are_one_block_per_row(torch_json):
+    """A sum over a static range of at most 256 elements (an MLP's bias gradient: a sum
+    over the batch) is one block per output row, one thread per element adding into
+    block-shared memory (codegen.py, ``should_use_persistent_reduction``): no loop, so the
+    firmware runs it inline. Over either dimension, a mean with work after it, int64, fed
+    by fused pointwise work, over ``cat``'s masked loads: each equals eager. A longer sum
+    and a max keep the loop."""
+    r = torch_json("""
+        from torch._inductor.utils import run_and_get_code
+        torch.manual_seed(0)
+        a, g = torch.randn(64, 256, device="accel"), torch.randn(64, 256, device="accel")
+        cases = {
+            "sum0": (lambda a: a.sum(0), (a,)),
+            "mean1_plus": (lambda a: a.mean(1) + 1, (a,)),
+            "int64": (lambda a: (a * 10).long().sum(1), (a,)),
+            "relu_grad_sum": (lambda r, g: torch.where(r <= 0, 0.0, g).sum(0), (a, g)),
+            "cat_sum": (lambda a, b: torch.cat([a, b], 1).sum(1), (a[:, :100], g[:, :50])),
+            "long_sum": (lambda a: a.sum(1), (torch.randn(8, 1000, device="accel"),)),
+            "amax": (lambda a: a.amax(0), (a,)),
+        }
+        out = {}
+        for name, (fn, args) in cases.items():
+            got, code = run_and_get_code(torch.compile(fn), *args)
+            want = fn(*args)
+            kernels = code[0].split("def call(")[0]
+            out[name] = [bool(torch.allclose(got.cpu().double(), want.cpu().double(),
+                                             rtol=1e-5, atol=1e-4)),
+                         "block=" in kernels, "for r0_index" in kernels]
+        report(out=out)
+    """, timeout=380)
+    want = {name: [True, True, False]
+            for name in ("sum0", "mean1_plus", "int64", "relu_grad_sum", "cat_sum")}
+    want |= {"long_sum": [True, False, True], "amax": [True, False, True]}
+    assert r["out"] == want, r["out"]
+
+
 @pytest.mark.timeout(500)
 def test_matrix_products_lower_without_layout_copies(torch_json):
-    """Products lower with contiguous operands made by generated kernels and ``addmm``'s
-    bias as a generated epilogue (torch_accel/inductor/matmul.py): a linear layer with ReLU,
-    ``addmm`` with ``beta``/``alpha``, with ``beta=0`` over a NaN bias (ignored, as torch
-    does), a 2-D bias, transposed operands of ``mm`` and ``bmm``, and float64, each equal
-    to eager. The generated code calls no ``addmm``, the device runs no ``strided_copy``,
-    and the wide weight of ``x @ w.t()`` is not copied: the product is computed transposed
-    (``w @ x.t()``), copying the smaller ``x``, and the ReLU kernel reads it in place."""
+    """Products hand the eager operators their operands in the layouts the matrix unit reads
+    in place (torch_accel/inductor/matmul.py), so the device runs no ``strided_copy``:
+    transposed graph inputs, a slice at an offset and a transposed value the graph computes
+    launch no copy at all; an expanded operand, strided columns and a column slice get one
+    generated (loop-free) copy kernel. Products are ``launcher.product`` calls (the
+    unit's kernel through a launch plan), never ``extern_kernels.mm``/``addmm``; with a
+    row bias (a linear layer) or ``beta=0`` over a NaN bias (ignored, as torch does) the
+    kernel takes the bias; a 2-D bias is a generated epilogue. Each case equals eager;
+    float64 too."""
     r = torch_json("""
         import runtime
         import torch.nn.functional as F
         from torch._inductor.utils import run_and_get_code
         torch.manual_seed(0)
         dev = lambda *s, dt=torch.float32: torch.randn(*s, dtype=dt).to("accel")
-        x, w, b, m = dev(8, 96), dev(32, 96), dev(32), dev(8, 32)
+        x, w, b, m, v = dev(8, 96), dev(32, 96), dev(32), dev(8, 32), dev(48, 32)
         nan = torch.full((32,), float("nan"), device="accel")
         cases = {
             "linear_relu": (lambda x, w, b: F.linear(x, w, b).relu(), (x, w, b)),
@@ -210,26 +249,45 @@ def test_matrix_products_lower_without_layout_copies(torch_json):
             "linear_float64": (lambda x, w, b: F.linear(x, w, b).relu(),
                                (dev(8, 96, dt=torch.float64), dev(32, 96, dt=torch.float64),
                                 dev(32, dt=torch.float64))),
+            "offset_rows": (lambda x, w: x[2:] @ w.t(), (x, w)),
+            "computed_transposed": (lambda a, b: (a * 2).t() @ b, (dev(16, 8), dev(16, 4))),
+            "expanded": (lambda v, w: v.expand(8, 96) @ w.t(), (dev(1, 96), w)),
+            "strided_columns": (lambda x, v: x[:, ::2] @ v, (x, v)),
+            "column_slice": (lambda x, v: x[:, :48] @ v, (x, v)),
+            "strided_input": (lambda a, v: a @ v, (x[:, 1::2], v)),
+            "offset_input": (lambda a, w: a @ w.t(), (x[3:], w)),
         }
         out = {}
         for name, (fn, args) in cases.items():
             compiled = torch.compile(fn)
             got, code = run_and_get_code(compiled, *args)
+            call = code[0].split("def call(")[1]
             with runtime.profile() as p:
                 compiled(*args)
                 torch.accel.synchronize()
-            kernels = [e.name for e in p.device_events]
+            kernels = [e.name for e in p.device_events if e.cat == "kernel"]
             out[name] = dict(same=bool(torch.allclose(got.cpu(), fn(*args).cpu(), rtol=1e-5,
                                                       atol=1e-5)),
-                             addmm="addmm(" in code[0].split("def call(")[1],
-                             strided_copy=kernels.count("strided_copy"))
-        code = code[0].split("def call(")[1]
-        report(out=out, weight_copied="3072" in code, x_copied="768" in code)
+                             bias_in_product=any("accel_product(" in ln and "beta=" in ln
+                                                 for ln in call.splitlines()),
+                             eager_call="extern_kernels.mm(" in call
+                             or "extern_kernels.addmm(" in call,
+                             strided_copy=kernels.count("strided_copy"),
+                             generated=sum(k.startswith("accel_fused") for k in kernels))
+        report(out=out)
     """, timeout=480)
-    bad = {k: v for k, v in r["out"].items()
-           if v != {"same": True, "addmm": False, "strided_copy": 0}}
-    assert not bad, bad
-    assert not r["weight_copied"] and r["x_copied"], r
+    # (the bias filled by the product's kernel, generated kernels launched) per case
+    want = {"linear_relu": (True, 1), "addmm_scaled": (False, 1),
+            "addmm_beta0_nan": (True, 0),
+            "mm_transposed": (False, 0), "bmm_transposed": (False, 0),
+            "linear_float64": (True, 1), "offset_rows": (False, 0),
+            "computed_transposed": (False, 1), "expanded": (False, 1),
+            "strided_columns": (False, 1), "column_slice": (False, 1),
+            "strided_input": (False, 1), "offset_input": (False, 0)}
+    got = {k: v for k, v in r["out"].items()
+           if v != {"same": True, "bias_in_product": want[k][0], "eager_call": False,
+                    "strided_copy": 0, "generated": want[k][1]}}
+    assert not got, got
 
 
 @pytest.mark.timeout(500)

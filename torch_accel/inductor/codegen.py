@@ -5,11 +5,14 @@ device's *scheduling* to write each fused group as one kernel. This one is a
 ``SIMDScheduling`` (the family of Triton's and Metal's) whose kernel writes our kernel
 language (docs/kernels.md): one thread per element of the pointwise range ``x``; a
 reduction is a loop over its range ``r0_`` inside that thread (one thread per output row),
-so pointwise work before and after it fuses into the same kernel. Index expressions are
-Inductor's sympy indexing printed as Python integer arithmetic (``//``, ``%``, ``min``),
-every buffer is passed flat from its first element, and the firmware bounds-checks every
-access (an index past a buffer is a device fault, as in eager). The wrapper Inductor writes
-is its Python wrapper; each kernel there is a ``torch_accel.inductor.launcher.Generated``.
+so pointwise work before and after it fuses into the same kernel; a sum over a short
+static range is instead a block per output row, a thread per element (no loop: the
+firmware runs such a kernel inline, ``should_use_persistent_reduction``). Index
+expressions are Inductor's sympy indexing printed as Python integer arithmetic (``//``,
+``%``, ``min``), every buffer is passed flat from its first element, and the firmware
+bounds-checks every access (an index past a buffer is a device fault, as in eager). The
+wrapper Inductor writes is its Python wrapper; each kernel there is a
+``torch_accel.inductor.launcher.Generated``.
 
 Why not OpenReg's way (Inductor's C++ scheduling on host memory): the kernels would run on
 the host, outside the device's launch, memory, fault and profiler paths.
@@ -46,6 +49,8 @@ from torch_accel.inductor import halfbits
 DEVICE_TYPE = "accel"
 #: the kernel language's longest name (abi/kernel_lang.py)
 NAME_MAX = 63
+#: the longest reduced range summed by a block (one thread per element) rather than a loop
+BLOCK_REDUCTION_MAX = 256
 #: float64 magnitude at and above which every double is an integer (floor is the value)
 _BIG = "4503599627370496.0"
 _INF = "(1e308 * 10.0)"
@@ -283,7 +288,8 @@ def _iinfo(dtype: torch.dtype) -> tuple[int, int]:
 class AccelKernel(SIMDKernel):
     """One fused kernel: a function of the kernel language, one thread per ``x`` index,
     looping over the reduction range ``r0_`` (``for r0_index in range(r0_numel)``) where
-    there is one."""
+    there is one; or, for a short sum, one block per ``x`` index and one thread per
+    ``r0_`` index (a block reduction)."""
 
     overrides = AccelOverrides  # type: ignore[assignment]
     kexpr = PythonPrinter().doprint
@@ -304,7 +310,24 @@ class AccelKernel(SIMDKernel):
         return str(dtype).removeprefix("torch.")
 
     def should_use_persistent_reduction(self) -> bool:
-        return False  # a reduction is always a loop of its thread
+        """Whether the reduction is a *block* one (Triton's persistent reduction): one block
+        per output row, one thread per reduced element, no loop. Only sums over a static
+        range of at most ``BLOCK_REDUCTION_MAX``: each thread adds its value into a
+        block-shared accumulator (``atomic_add``), which needs no loop and few syntax
+        nodes, so the kernel is bounded work and the firmware runs it inline on its
+        scheduler instead of handing a looping kernel to an engine (an MLP's bias
+        gradients: a sum over the batch). Other reductions loop in one thread."""
+        rnumel = self.numels.get("r0_")
+        if not self.features.is_reduction() or not isinstance(rnumel, sympy.Integer) \
+                or not 2 <= int(rnumel) <= BLOCK_REDUCTION_MAX:
+            return False
+        return all(n.node.get_reduction_type() == "sum"
+                   for n in self.features.reduction_nodes())
+
+    def block_size(self) -> int | None:
+        """Threads per block of a block reduction (the reduced range), else None (one
+        thread per ``x`` index, ``launcher.BLOCK`` of them a block)."""
+        return int(self.numels["r0_"]) if self.persistent_reduction else None
 
     def index_to_str(self, index: sympy.Expr) -> str:  # type: ignore[override]
         return self.kexpr(self.rename_indexing(index))
@@ -335,6 +358,15 @@ class AccelKernel(SIMDKernel):
         return [*halfbits.encode(str(value), str(bits), fmt, str(bits)),
                 DeferredLine(name, f"{target} = {bits}")]
 
+    def _by_one_thread(self, lines: list[Any]) -> list[Any]:
+        """In a block reduction, a store of a value of the row (not of one reduced element)
+        by the row's first thread only (its other threads hold the same value): the store,
+        dropped with its buffer, is a one-line ``if``."""
+        if not self.persistent_reduction:
+            return lines
+        *rest, store = lines
+        return [*rest, DeferredLine(store.name, f"if r0_index == 0: {store.line}")]
+
     def store(self, name: str, index: sympy.Expr, value: CSEVariable, mode: Any = None) -> None:
         if mode == "atomic_add" and V.graph.get_dtype(name) not in halfbits.FORMATS:
             var = self.args.output(name)
@@ -343,10 +375,13 @@ class AccelKernel(SIMDKernel):
             return
         if mode is not None:
             raise NotImplementedError(f"accel: store mode {mode} on {V.graph.get_dtype(name)}")
-        self.stores.writelines(self._store_lines(name, index, value))
+        lines = self._store_lines(name, index, value)
+        if not self.inside_reduction:  # a value of the row, after the reduction
+            lines = self._by_one_thread(lines)
+        self.stores.writelines(lines)
 
     def store_reduction(self, name: str, index: sympy.Expr, value: CSEVariable) -> None:
-        self.suffix.writelines(self._store_lines(name, index, value))
+        self.suffix.writelines(self._by_one_thread(self._store_lines(name, index, value)))
 
     def check_bounds(self, expr: sympy.Expr, size: sympy.Expr, lower: bool, upper: bool
                      ) -> None:
@@ -374,6 +409,8 @@ class AccelKernel(SIMDKernel):
         assert self.inside_reduction
         floating = src_dtype.is_floating_point
         out = self.compute
+        if self.persistent_reduction:
+            return self._block_sum(dtype, floating, kind, value)
         if kind in ("sum", "prod", "any", "xor_sum"):
             init = _INIT[kind][0 if floating else 1]
             if init is None:
@@ -425,6 +462,22 @@ class AccelKernel(SIMDKernel):
                 f"{weight} = {total}"])
             return mean, m2, weight
         raise NotImplementedError(f"accel: reduction {kind}")
+
+    def _block_sum(self, dtype: torch.dtype, floating: bool, kind: str, value: Any) -> Any:
+        """A block reduction's sum: the row's first thread zeroes a block-shared
+        accumulator before any element is computed (``self.body`` precedes the loads),
+        every thread adds its element, and after a barrier each thread reads the total.
+        The accumulator is float64 (int64), as the looping reduction's is."""
+        if kind != "sum":  # should_use_persistent_reduction admits only sums
+            raise NotImplementedError(f"accel: block reduction {kind}")
+        part, acc = self.cse.newvar(dtype=dtype), self.cse.newvar(dtype=dtype)
+        self.body.writelines([
+            f"{part} = shared_array(1, {'float64' if floating else 'int64'!r})",
+            f"if r0_index == 0: {part}[0] = {_INIT[kind][0 if floating else 1]}",
+            "barrier()"])
+        self.compute.writelines([f"atomic_add({part}, 0, {value})", "barrier()",
+                                 f"{acc} = {part}[0]"])
+        return acc
 
     # ------------------------------------------------------------------ indexing
     def codegen_iteration_ranges_entry(self, entry: IterationRangesEntry) -> None:
@@ -478,7 +531,10 @@ class AccelKernel(SIMDKernel):
         code = IndentedBuffer()
         code.writeline(f"def KERNEL_NAME({', '.join([*params, 'xnumel: ' + repr('int64')])}):")
         with code.indent():
-            code.writeline("xindex = global_id(0)")
+            if self.persistent_reduction:  # a block per row: its threads return together
+                code.writelines(["xindex = group_id(0)", "r0_index = local_id(0)"])
+            else:
+                code.writeline("xindex = global_id(0)")
             code.writeline("if xindex >= xnumel:")
             with code.indent():
                 code.writeline("return")
@@ -519,9 +575,10 @@ class AccelScheduling(SIMDScheduling):
         wrapper.src_to_kernel[src_code] = name
         source = src_code.replace("KERNEL_NAME", name)
         origins, detailed = get_kernel_metadata(node_schedule, wrapper)
+        block = kernel.block_size()
         wrapper.header.writeline(f"{name} = Generated({name!r}, '''")
         wrapper.header.writelines(source.rstrip("\n").split("\n"))
-        wrapper.header.writeline("''')")
+        wrapper.header.writeline("''')" if block is None else f"''', block={block})")
         return name
 
     def benchmark_fused_nodes(self, nodes: Any) -> Any:  # no autotuning on accel
@@ -549,7 +606,8 @@ class AccelWrapper(PythonWrapperCodegen):
 
     def write_header(self) -> None:
         super().write_header()
-        self.imports.writeline("from torch_accel.inductor.launcher import Generated")
+        self.imports.writeline("from torch_accel.inductor.launcher import Generated, "
+                               "product as accel_product")
 
     def make_allocation(self, name: str, device: torch.device, dtype: torch.dtype,
                         shape: Any, stride: Any, allocation_shape: Any = None,
