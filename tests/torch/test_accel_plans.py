@@ -115,6 +115,74 @@ def test_a_plan_is_made_once_per_key_and_every_variation_matches_the_cpu(torch_j
     assert all(list(got) == list(want) for got, want in r["strides"].values()), r
 
 
+PRODUCTS = PLAN_HELPERS + """
+import torch.nn.functional as F
+from torch_accel.ops import linalg
+def close(name, got, want):
+    # the unit and the CPU sum in other orders: close, not equal
+    try:
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    except AssertionError:
+        bad.append(name)
+torch.manual_seed(0)
+x, w, bias = torch.randn(64, 96), torch.randn(48, 96), torch.randn(48)
+dx, dw, db = x.to("accel"), w.to("accel"), bias.to("accel")
+def product_plans():
+    return [v for k, v in plans().items() if k[0] is linalg._planned]
+cases = {
+    # linear's products: the weight read transposed in place, a row bias, none
+    "addmm": (lambda: torch.addmm(db, dx, dw.t()), lambda: torch.addmm(bias, x, w.t())),
+    "linear": (lambda: F.linear(dx, dw, db), lambda: F.linear(x, w, bias)),
+    "mm, both transposed": (lambda: dw.t().t().mm(dx.t()), lambda: w.mm(x.t())),
+    "mm, weight gradient": (lambda: dx.t().mm(dx), lambda: x.t().mm(x)),
+    "beta, alpha, [1, n] bias": (
+        lambda: torch.addmm(db[None], dx, dw.t(), beta=0.5, alpha=2.0),
+        lambda: torch.addmm(bias[None], x, w.t(), beta=0.5, alpha=2.0)),
+    "beta 0 ignores a NaN bias": (
+        lambda: torch.addmm(torch.full_like(db, float("nan")), dx, dw.t(), beta=0),
+        lambda: torch.addmm(torch.full_like(bias, float("nan")), x, w.t(), beta=0)),
+    # not planned: the full path decides, with the same results
+    "full bias": (lambda: torch.addmm(dx @ dw.t(), dx, dw.t()),
+                  lambda: torch.addmm(x @ w.t(), x, w.t())),
+    "column slice": (lambda: dx[:, :50].mm(dw[:, :50].t()), lambda: x[:, :50].mm(w[:, :50].t())),
+    "float64": (lambda: dx.double().mm(dw.double().t()), lambda: x.double().mm(w.double().t())),
+    "empty": (lambda: dx[:0].mm(dw.t()), lambda: x[:0].mm(w.t())),
+}
+made = {}
+for name, (dev, cpu) in cases.items():
+    before = len(product_plans())
+    for i in range(3):  # the first call makes the plan, the others run it on new results
+        close(f"{name} {i}", dev(), cpu())
+    made[name] = [p is not None for p in product_plans()[before:]]
+# out=, and the in-place form whose bias is its output (never planned: it reads what it
+# writes)
+o = torch.empty(64, 48, device="accel")
+torch.addmm(db, dx, dw.t(), out=o)
+close("out=", o, torch.addmm(bias, x, w.t()))
+acc, cpu_acc = (x @ w.t()).to("accel"), x @ w.t()
+for i in range(2):
+    acc.addmm_(dx, dw.t())
+    cpu_acc.addmm_(x, w.t())
+close("addmm_", acc, cpu_acc)
+report(made=made, bad=bad)
+"""
+
+
+def test_the_training_loops_products_are_planned_and_match_the_cpu(torch_json):
+    """An eager product (``mm``, ``addmm``, ``linear``'s) of operands the unit reads as
+    stored goes through a launch plan (~100 us of host time checked, ~40 us planned on a
+    quiet machine); the rest takes the checked path; both match the CPU."""
+    r = torch_json(PRODUCTS)
+    assert r["bad"] == [], r
+    made = r["made"]
+    for name in ("addmm", "mm, both transposed", "mm, weight gradient",
+                 "beta, alpha, [1, n] bias", "beta 0 ignores a NaN bias"):
+        assert made[name] == [True], (name, r)
+    assert made["linear"] in ([], [True]), r  # linear is addmm's key when it decomposes so
+    for name in ("full bias", "column slice", "empty"):
+        assert True not in made[name], (name, r)
+
+
 FORK = PLAN_HELPERS + """
 a, b = torch.randn(256), torch.randn(256)
 da, db = a.to("accel"), b.to("accel")

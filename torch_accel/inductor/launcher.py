@@ -23,7 +23,8 @@ import torch
 
 import runtime
 from torch_accel.kernels import _shared as shared
-from torch_accel.kernels import matmul
+from torch_accel.ops import linalg
+from torch_accel.ops._register import Unsupported
 from torch_accel.ops._tensors import NUMPY, block_of
 
 #: threads per block: one thread per element (pointwise) or per output row (reductions)
@@ -37,12 +38,6 @@ BUFFER_DTYPES = {**NUMPY, torch.float16: np.dtype(np.uint16), torch.bfloat16: np
 
 #: generated kernels launched in this process, by kernel name (tests read it)
 launches: dict[str, int] = {}
-#: threads per block of the matrix unit's ``mm`` kernel, as the eager product launches it
-#: (torch_accel/kernels/matmul.py: one ``TILE`` x ``TILE`` tile of the output per block)
-PRODUCT_THREADS = 128
-#: the products' launch plans, per kind of call (dtype, shapes, strides, alpha, beta), or
-#: None for a call the plan does not take (the eager operator runs it)
-_products: dict[Hashable, runtime.LaunchPlan | None] = {}
 
 
 def get_raw_stream(device: int) -> int:
@@ -117,74 +112,21 @@ class Generated:
         return self._kernel(device).plan(shared.grid(numel, BLOCK), BLOCK, values)
 
 
-def _stored(t: torch.Tensor) -> tuple[tuple[int, int], bool] | None:
-    """A 2-D operand's ``[rows, columns]`` as stored and whether that is its transpose
-    (mma's ``ta``/``tb``), or None unless it is dense one way or the other."""
-    rows, cols = t.shape
-    if t.is_contiguous():
-        return (rows, cols), False
-    if t.t().is_contiguous():
-        return (cols, rows), True
-    return None
-
-
-def _product_plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                  out: torch.Tensor, alpha: float, beta: float
-                  ) -> runtime.LaunchPlan | None:
-    """The eager product's ``mm`` kernel launch checked once for this kind of call, or
-    None where the eager operator has more to do (another dtype or device, an empty
-    product, a layout or bias it copies first, an ``out`` it must not write directly)."""
-    dtype = out.dtype
-    if dtype not in (torch.float32, torch.float64) or a.dim() != 2 or b.dim() != 2 \
-            or {a.dtype, b.dtype} != {dtype} or not a.device == b.device == out.device:
-        return None
-    (m, k), n = a.shape, b.shape[1]
-    if not (m and n and k) or tuple(out.shape) != (m, n) or not out.is_contiguous():
-        return None
-    has_bias = bias is not None and beta != 0
-    if has_bias and (bias.dtype != dtype or bias.numel() != n or not bias.is_contiguous()
-                     or bias.device != out.device):
-        return None
-    va, vb = _stored(a), _stored(b)
-    if va is None or vb is None:
-        return None
-    device, np_dtype = out.device.index, BUFFER_DTYPES[dtype]
-    views = [block_of(t)[0].view(np_dtype, shape, block_of(t)[1])
-             for t, shape in ((out, (m, n)), (a, va[0]), (b, vb[0]),
-                              (bias if has_bias else out, (n,)))]
-    kernel = shared.module("matmul", matmul.SOURCE, device).mm
-    grid = (-(-n // matmul.TILE), -(-m // matmul.TILE))
-    return kernel.plan(grid, PRODUCT_THREADS, [
-        *views[:3], np.float64(beta if has_bias else 0.0), np.float64(alpha),
-        np.int64(va[1]), np.int64(vb[1]), np.int64(k), views[3], np.int64(has_bias)])
-
-
 def product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
             out: torch.Tensor, alpha: float = 1, beta: float = 1) -> None:
     """``out = beta * bias + alpha * a @ b`` (``a @ b`` without a bias), the products of a
     compiled graph (torch_accel/inductor/matmul.py lowers ``mm`` and ``addmm`` to it): the
-    matrix unit's kernel, as the eager ``mm``/``addmm`` launch it, through a launch plan
-    checked once per kind of call, as ``Generated`` launches its kernels. Through torch's
-    dispatch to the eager operator a product cost ~100 us of host time, planned ~10 us
-    (measured side by side, docs/torch.md "Where a compiled MLP training step's time
-    goes"). What the plan does not take runs as the eager operator."""
-    key = (out.device.index, out.dtype, a.dtype, b.dtype, tuple(a.shape), a.stride(),
-           tuple(b.shape), b.stride(), tuple(out.shape), out.stride(),
-           None if bias is None else (bias.dtype, tuple(bias.shape), bias.stride()),
-           alpha, beta)
-    if key not in _products:
-        if len(_products) >= MAX_PLANS:
-            _products.clear()
-        _products[key] = _product_plan(a, b, bias, out, alpha, beta)
-    plan = _products[key]
-    has_bias = bias is not None and beta != 0
-    operands = (a, b, bias) if has_bias else (a, b)
-    written = out.untyped_storage().data_ptr()
-    if plan is None or any(t.untyped_storage().data_ptr() == written for t in operands):
+    eager operator's own code called directly, whose launch plan (ops/linalg.py) takes the
+    training loop's products; through torch's dispatch a product cost ~100 us of host
+    time, planned ~10 us (measured side by side, docs/torch.md "Where a compiled MLP
+    training step's time goes"). What the device does not take runs through torch."""
+    try:
         if bias is None:  # an alpha comes only with a bias (matmul.py)
+            linalg.mm(a, b, out=out)
+        else:
+            linalg.addmm(bias, a, b, alpha=alpha, beta=beta, out=out)
+    except Unsupported:
+        if bias is None:
             torch.mm(a, b, out=out)
         else:
             torch.addmm(bias, a, b, alpha=alpha, beta=beta, out=out)
-        return
-    plan([block_of(t) for t in (out, a, b, bias if has_bias else out)],
-         runtime.current_stream(out.device.index))

@@ -25,7 +25,7 @@ from torch_accel.kernels.elementwise import (
     where,
 )
 from torch_accel.kernels.layout import strided_copy
-from torch_accel.kernels.matmul import bmm, mm
+from torch_accel.kernels.matmul import bmm, mm, mm_plan
 from torch_accel.kernels.nn import (
     Backward,
     Reduction,
@@ -60,7 +60,7 @@ __all__ = [
     "adaptive_max_pool2d", "arange", "avg_pool2d", "avg_pool2d_backward",
     "bernoulli_mask", "binary", "binary_launch", "bmm", "compare", "counters", "fill", "fold",
     "gelu_backward", "index_add_rows", "index_rows", "max_pool2d", "max_pool2d_backward",
-    "mm", "nll_loss_backward_rows", "nll_loss_rows", "normal", "predicate", "reduce_rows",
+    "mm", "mm_plan", "nll_loss_backward_rows", "nll_loss_rows", "normal", "predicate", "reduce_rows",
     "sigmoid_backward", "sleep", "softmax_backward_rows", "softmax_rows", "strided_copy",
     "swap01", "tanh_backward", "threshold_backward", "unary", "unary_launch", "unfold", "uniform",
     "var_rows", "where",

@@ -21,6 +21,8 @@ from torch_accel.kernels.elementwise import Binary, binary, fill
 from torch_accel.kernels.layout import strided_copy
 
 TILE = 256
+#: threads per block of an ``mm`` launch
+THREADS = 128
 
 # mma computes c = beta' * c + A @ B; out = beta * out + alpha * A @ B is that with
 # beta' = beta / alpha, then the tile scaled by alpha (alpha 0: only c *= beta). ta/tb say
@@ -89,10 +91,41 @@ def _mm(out: Array, a: Array, b: Array, beta: float, alpha: float, s: runtime.St
         else:
             binary(Binary.mul, out, out, beta, stream=s)
     else:
-        shared.module("matmul", SOURCE, out.device).mm[(-(-n // TILE), -(-m // TILE)), 128](
-            out, a, b, np.float64(beta), np.float64(alpha), np.int64(ta), np.int64(tb),
+        shared.module("matmul", SOURCE, out.device).mm[_config(m, n)](
+            *_mm_args(out, a, b, beta, alpha, ta, tb, k, bias), stream=s)
+
+
+def _config(m: int, n: int) -> tuple[tuple[int, int], int]:
+    """The grid (one block per ``TILE`` x ``TILE`` tile of the ``[m, n]`` output) and the
+    block of an ``mm`` launch."""
+    return (-(-n // TILE), -(-m // TILE)), THREADS
+
+
+def _mm_args(out: Array, a: Array, b: Array, beta: float, alpha: float, ta: bool, tb: bool,
+             k: int, bias: Array | None) -> list[object]:
+    """The ``mm`` kernel's arguments, in SOURCE's order."""
+    return [out, a, b, np.float64(beta), np.float64(alpha), np.int64(ta), np.int64(tb),
             np.int64(k), _unused_bias(out.device, out.dtype) if bias is None else bias,
-            np.int64(bias is not None), stream=s)
+            np.int64(bias is not None)]
+
+
+def mm_plan(out: Array, a: Array, b: Array, beta: float, alpha: float, ta: bool, tb: bool,
+            bias: Array | None = None) -> runtime.LaunchPlan:
+    """The launch :func:`mm` makes for these operands (non-empty, as stored, ``bias`` a
+    row or None), checked once to run again on other buffers of the same shapes
+    (``runtime.LaunchPlan``: torch_accel's eager products and a compiled graph's launch
+    a product so, at a tenth of the host time of the checked call). Its buffers are
+    ``out``, ``a``, ``b`` and ``bias`` (``out`` again when there is none: never read)."""
+    _check(out, a, b)
+    m, n = out.shape
+    k = a.shape[0] if ta else a.shape[1]
+    if not (m and n and k):
+        raise ValueError(f"mm plan of an empty product {tuple(out.shape)} (k {k})")
+    kernel = shared.module("matmul", SOURCE, out.device).mm
+    args = _mm_args(out, a, b, beta, alpha, ta, tb, k, bias)
+    if bias is None:
+        args[8] = out.view(out.dtype, (n,))  # a stand-in: the plan's fourth buffer is out's
+    return kernel.plan(*_config(m, n), args)
 
 
 def mm(out: Array, a: Array, b: Array, beta: float = 0.0, alpha: float = 1.0,

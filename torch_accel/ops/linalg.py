@@ -13,6 +13,7 @@ import torch
 
 from torch_accel import kernels
 from torch_accel.ops import _operands as operands
+from torch_accel.ops import _plans
 from torch_accel.ops._register import Unsupported, implements
 from torch_accel.ops._tensors import storage_of, stream, view_of
 from torch_accel.ops.copy import contiguous_on_device, strided_into
@@ -34,16 +35,14 @@ def _operand(t: torch.Tensor) -> tuple[Any, bool]:
     contiguous, a matrix's (or its transpose's) rows spaced further apart than its
     columns (a column slice) as the wider rows, all without a copy; else a contiguous
     copy."""
-    if not t.is_contiguous():
-        flipped = t.transpose(-2, -1)
-        if flipped.is_contiguous():
-            return _view(flipped), True
-        for x, transposed in ((t, False), (flipped, True)):
-            rows = _wide_rows(x) if x.dim() == 2 else None
-            if rows is not None:
-                return rows, transposed
-        t = contiguous_on_device(t)
-    return _view(t), False
+    stored = _stored(t)
+    if stored is not None:
+        return stored
+    for x, transposed in ((t, False), (t.transpose(-2, -1), True)):
+        rows = _wide_rows(x) if x.dim() == 2 else None
+        if rows is not None:
+            return rows, transposed
+    return _view(contiguous_on_device(t)), False
 
 
 def _wide_rows(t: torch.Tensor) -> Any | None:
@@ -105,6 +104,8 @@ def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     direct = _direct_out(out, shape, a, b, bias)
     res = out if direct else torch.empty(shape, dtype=a.dtype, device=a.device)
     beta = float(beta) if bias is not None else 0.0
+    if _planned(a, b, bias, beta, alpha, res):
+        return res if direct else operands.into(out, res)
     row = None  # a bias of one row, as linear's: the kernel fills res with it
     if beta != 0 and not _same_view(res, bias):
         bias = bias.to(a.dtype)
@@ -118,6 +119,59 @@ def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     kernels.mm(_view(res), va, vb, beta=beta, alpha=float(alpha),
                stream=stream(a.device.index), ta=ta, tb=tb, bias=row, k=a.shape[1])
     return res if direct else operands.into(out, res)
+
+
+def _planned(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, beta: float,
+             alpha: Any, res: torch.Tensor) -> bool:
+    """``res = beta * bias + alpha * a @ b`` through its launch plan (ops/_plans.py), the
+    training loop's case: operands read as stored (contiguous or transposed), a bias of one
+    row (``linear``'s) or none, nothing empty, ``res`` new or written directly. A product
+    through the checked path below cost ~100 us of host time, planned ~10 us (docs/torch.md,
+    "Where a compiled MLP training step's time goes"). False: the call has no plan, and
+    the path below decides."""
+    if type(alpha) not in (int, float) or alpha != alpha or beta != beta or (
+            bias is not None and beta != 0 and (
+            bias.dtype != a.dtype or _shares_storage(bias, res))):
+        return False
+    device = a.device
+    key = (_planned, a.dtype, a.shape, a.stride(), b.shape, b.stride(), res.stride(), beta,
+           alpha, None if bias is None or beta == 0 else (bias.shape, bias.stride()))
+    plan = _plans.find(device.index, key, lambda: _product_plan(a, b, bias, beta, alpha, res))
+    if plan is None:
+        return False
+    _plans.run(plan, device, (a, b, bias), res)
+    return True
+
+
+def _product_plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, beta: float,
+                  alpha: Any, res: torch.Tensor) -> _plans.Plan | None:
+    """The unit's launch for this kind of call (see :func:`_planned`), or None."""
+    shape = tuple(res.shape)
+    if 0 in shape or a.shape[1] == 0 or not res.is_contiguous():
+        return None
+    has_bias = bias is not None and beta != 0
+    if has_bias and not (bias.dim() in (1, 2) and bias.shape[-1] == shape[1]
+                         and bias.numel() == shape[1] and bias.is_contiguous()):
+        return None
+    stored = [_stored(t) for t in (a, b)]
+    if None in stored:
+        return None
+    (va, ta), (vb, tb) = stored
+    launch = kernels.mm_plan(_view(res), va, vb, beta, float(alpha), ta, tb,
+                             view_of(bias).view(view_of(bias).dtype, (shape[1],))
+                             if has_bias else None)
+    return _plans.Plan(launch, res.shape, res.dtype,
+                       (_plans.RESULT, 0, 1, 2 if has_bias else _plans.RESULT))
+
+
+def _stored(t: torch.Tensor) -> tuple[Any, bool] | None:
+    """A matrix as the unit reads it without a copy, and whether that is its transpose
+    (mma's ``ta``/``tb``): contiguous one way or the other; None otherwise (the checked
+    path copies it, or reads a column slice)."""
+    if t.is_contiguous():
+        return _view(t), False
+    flipped = t.transpose(-2, -1)
+    return (_view(flipped), True) if flipped.is_contiguous() else None
 
 
 @implements("mm", "mm.out")
