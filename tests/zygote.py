@@ -107,7 +107,9 @@ def serve(path: str) -> None:
             return
         if listener in ready:
             conn, _ = listener.accept()
-            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            msg, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+            while chunk := conn.recv(1 << 16):  # the rest of the request, to the client's EOF
+                msg += chunk
             request = json.loads(msg)
             sys.stdout.flush()
             sys.stderr.flush()
@@ -172,7 +174,9 @@ class Zygote:
                 socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(self.path)
             request = json.dumps({"code": code, "env": want, "cwd": self.cwd}).encode()
-            socket.send_fds(conn, [request], [stdin.fileno(), out.fileno(), err.fileno()])
+            socket.send_fds(conn, [request[:1 << 16]], [stdin.fileno(), out.fileno(), err.fileno()])
+            conn.sendall(request[1 << 16:])
+            conn.shutdown(socket.SHUT_WR)  # the request's end
             pid, _ = _STATUS.unpack(_recv(conn, _STATUS.size, time.monotonic() + 30))
             try:
                 _, status = _STATUS.unpack(_recv(conn, _STATUS.size,

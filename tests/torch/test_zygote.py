@@ -75,3 +75,11 @@ def test_an_environment_of_its_own_runs_in_a_fresh_interpreter(torch_runner):
     own = torch_runner.run_py(code, TORCH_ACCEL_FALLBACK_WARN="1")
     assert forked.stdout == f"{torch_runner.proc.pid} None\n", forked
     assert own.stdout == f"{os.getpid()} 1\n", own
+
+
+def test_a_snippet_longer_than_one_read_arrives_whole(torch_runner):
+    """The request is read to the client's end of it: a snippet of 300 KB (the opinfo
+    script is 8 KB) runs as written."""
+    code = "x = 0\n" + "x += 1\n" * 50_000 + "print(x)\n"
+    assert len(code) > 300_000
+    assert torch_runner.run_py(code).stdout == "50000\n"
