@@ -1,7 +1,7 @@
 """Snippets run in forks of one interpreter that has imported torch: the torch tests' fresh
 processes without a torch import each.
 
-Importing torch (which autoloads torch_accel) takes 3-4 s of a 2-core machine's CPU, and
+Importing torch (which autoloads torch_accel) takes 3-4 s of a 2-core machine at load 3, and
 the torch tests run a hundred-odd snippets, each in a process of its own (torch_accel's
 state, like the runtime's, is per process). ``Zygote`` starts one interpreter that imports
 torch, torch_accel and the runtime -- imports only: nothing initialises the runtime, opens
@@ -9,15 +9,16 @@ a device or runs an operator -- and forks it for each snippet. A fork of a proce
 never initialised is a process the runtime and torch_accel see as fresh: their fork rule
 refuses a child only after the parent's initialisation (runtime/devices.py,
 torch_accel/_hooks.py; tests/runtime/test_fork.py proves "before init, the child may
-initialise"), and torch's own fork handlers reset its thread pools.
+initialise"), and a child's torch has a fresh one's thread counts (no parallel region ran
+in the zygote).
 
 The child runs the snippet as ``python -c`` would: as ``__main__``, with the snippet's
 stdin, stdout and stderr (files the caller passes over the socket), its exit status that of
 ``SystemExit`` or 1 after an uncaught exception's traceback, then non-daemon threads
 joined and ``atexit`` handlers run. A snippet whose environment differs from the one the
 zygote started with runs in a fresh interpreter instead (``Daemon.run_py``): what the
-difference changes may have been read at import (``TORCH_ACCEL_FALLBACK_WARN``,
-``ACCEL_SANITIZE``).
+difference changes may have been read at import (torch_accel/ops/fallback.py reads
+``TORCH_ACCEL_FALLBACK_WARN`` so).
 
 ``python tests/zygote.py SOCKET`` is the server (started by ``Zygote``); the rest is its
 client, with ``Daemon.run_py``'s signature.
