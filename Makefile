@@ -71,9 +71,11 @@ bench-compare: setup
 	$(PY) -m bench.compare $(BASE) $(COMPARE_ARGS)
 
 # The adversarial suite, long (stress/__main__.py): every attacker against its own daemon.
-# STRESS_ARGS="--only uapi_fuzz --scale 0.1 --seed 2" picks, shortens, reseeds.
+# STRESS_ARGS="--only uapi_fuzz --scale 0.1 --seed 2" picks, shortens, reseeds. Then the
+# tests CI runs short (marked long_form, tests/scale.py), at their long counts.
 stress: setup
 	$(PY) -m stress $(STRESS_ARGS)
+	ACCEL_TESTS_LONG=1 $(PY) -m pytest -q -m long_form
 
 # Rebuild the shipped firmware image after changing firmware/image.py's defaults.
 firmware: setup

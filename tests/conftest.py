@@ -23,6 +23,9 @@ this file (rawdev.py, refusals.py, scenario.py) and every layer imports them by 
 name: tests/ is put on ``sys.path`` below (pytest's default "prepend" import mode does it
 for this conftest's directory too; saying so keeps it true whatever the mode). Test file
 names are unique across the tree, as that mode needs.
+
+With ``--durations`` (``make test`` asks for the 30 slowest tests) the summary also lists
+the slowest files, setup and teardown included.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import shutil
 import sys
 import tempfile
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +50,29 @@ from testkit.tenants import OtherUser, user_environment
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
+
+
+#: files in the summary of the slowest that ``--durations`` adds (``make test`` asks for it)
+SLOWEST_FILES = 15
+#: seconds each test file took, setup and teardown included (its daemons, its fixtures)
+_file_seconds: Counter[str] = Counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _file_seconds[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config
+                            ) -> None:
+    """With ``--durations``' slowest tests, the slowest files: where a run's time goes
+    includes what no one test shows (a daemon per test, a process per snippet)."""
+    if config.getoption("durations", None) is None or not _file_seconds:
+        return
+    terminalreporter.write_sep("=", f"slowest {SLOWEST_FILES} files (setup, call, teardown)")
+    total = sum(_file_seconds.values())
+    for path, seconds in _file_seconds.most_common(SLOWEST_FILES):
+        terminalreporter.write_line(f"{seconds:8.2f}s {path}")
+    terminalreporter.write_line(f"{total:8.2f}s in all {len(_file_seconds)} files")
 
 
 def _new_daemon(tmp: Path, devices: int, firmware_dir: Path | None, extra: list[str],

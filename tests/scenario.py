@@ -10,10 +10,17 @@ printed verdicts said only ``'True False' != 'True True'``.
 from __future__ import annotations
 
 import json
+import subprocess
 import textwrap
-from typing import Any
+from typing import Any, Protocol
 
-from testkit.daemon import Daemon
+
+class Runner(Protocol):
+    """What runs a snippet in a fresh process against a daemon: ``Daemon`` (a new
+    interpreter) or ``zygote.Zygote`` (a fork of one that has imported torch)."""
+
+    def run_py(self, code: str, *, timeout: float = 60, **env: str
+               ) -> subprocess.CompletedProcess[str]: ...
 
 #: A kernel that writes out of bounds, once, on device 0: the exception it raises at
 #: ``synchronize`` is left as ``exc`` (fault-record scenarios continue from there).
@@ -138,13 +145,13 @@ def reports(lines: list[str]) -> dict[str, Any]:
     return values
 
 
-def run_json(d: Daemon, prelude: str, body: str, **kw) -> dict[str, Any]:
+def run_json(d: Runner, prelude: str, body: str, **kw) -> dict[str, Any]:
     """``run_scenario`` with ``report`` defined after ``prelude``: what the child
     reported."""
     return reports(run_scenario(d, prelude + REPORT, body, **kw))
 
 
-def run_scenario(d: Daemon, prelude: str, body: str, **kw) -> list[str]:
+def run_scenario(d: Runner, prelude: str, body: str, **kw) -> list[str]:
     """Run ``prelude`` + the dedented ``body`` (``timeout`` and environment variables as
     for ``Daemon.run_py``); it must exit 0. Its stdout lines."""
     out = d.run_py(prelude + textwrap.dedent(body), **kw)

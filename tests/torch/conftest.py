@@ -1,5 +1,8 @@
-"""The PyTorch backend's tests: snippets in fresh interpreters (torch_accel's state, like
-the runtime's, is per process) against the session's 2-device daemon.
+"""The PyTorch backend's tests: snippets in fresh processes (torch_accel's state, like the
+runtime's, is per process) against the session's 2-device daemon. The processes are forks
+of one interpreter that has imported torch and torch_accel and initialised nothing
+(``torch_runner``, tests/zygote.py says why that is a fresh process to them): a torch
+import is 3-4 s of CPU, a fork a fraction of one.
 
 ``torch_run(body)`` runs ``TORCH_PRELUDE`` + ``body`` and returns its printed lines;
 ``torch_json(body)`` runs it with ``report(**values)`` defined and returns what it
@@ -10,12 +13,12 @@ registered, so a test never passes against the CPU by mistake.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-
 import pytest
-from scenario import run_json, run_scenario
+from scenario import Runner, run_json, run_scenario
+from zygote import Zygote
 
 TORCH_PRELUDE = """
 import os, sys, io, time, numpy as np, torch, torch_accel, runtime
@@ -28,15 +31,27 @@ assert torch.accel is torch_accel.accel and torch._C._get_privateuse1_backend_na
 SNIPPET_TIMEOUT = 200
 
 
+@pytest.fixture(scope="session")
+def torch_runner(daemon) -> Iterator[Runner]:
+    """What runs the snippets: the forking interpreter for the session's daemon (a file
+    that overrides ``daemon`` with a private one overrides this with that daemon: its
+    snippets run in new interpreters)."""
+    zygote = Zygote(daemon)
+    try:
+        yield zygote
+    finally:
+        zygote.close()
+
+
 @pytest.fixture
-def torch_run(daemon) -> Callable[..., list[str]]:
+def torch_run(torch_runner) -> Callable[..., list[str]]:
     def run(body: str, timeout: float = SNIPPET_TIMEOUT, **kw) -> list[str]:
-        return run_scenario(daemon, TORCH_PRELUDE, body, timeout=timeout, **kw)
+        return run_scenario(torch_runner, TORCH_PRELUDE, body, timeout=timeout, **kw)
     return run
 
 
 @pytest.fixture
-def torch_json(daemon) -> Callable[..., dict[str, Any]]:
+def torch_json(torch_runner) -> Callable[..., dict[str, Any]]:
     def run(body: str, timeout: float = SNIPPET_TIMEOUT, **kw) -> dict[str, Any]:
-        return run_json(daemon, TORCH_PRELUDE, body, timeout=timeout, **kw)
+        return run_json(torch_runner, TORCH_PRELUDE, body, timeout=timeout, **kw)
     return run

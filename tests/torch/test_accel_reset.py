@@ -172,3 +172,10 @@ def test_a_device_reset_drops_the_plans_with_the_context(make_daemon, torch_json
 def daemon(make_daemon):
     """A private daemon for each test (overrides the session's): these reset device 0."""
     return make_daemon(devices=2)
+
+
+@pytest.fixture
+def torch_runner(daemon):
+    """The private daemon runs the snippets in new interpreters (the session's zygote
+    serves the session's daemon)."""
+    return daemon

@@ -1,7 +1,8 @@
 """torch_accel.kernels against numpy, end to end on the session daemon.
 
-Each test is one scenario in a fresh process (the runtime's state is per process) that
-checks many functions and prints ``name ok`` lines. A kernel's first launch with new
+Each test is one scenario in a fresh process (the runtime's state is per process: a fork
+of the torch tests' zygote, ``torch_runner`` of tests/torch/conftest.py) that checks many
+functions and prints ``name ok`` lines. A kernel's first launch with new
 argument dtypes is a numba compile of seconds in the firmware, cached by the session
 daemon, so the tests use few dtypes (float32 mostly, the same ones across tests).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from scenario import Runner
 
 PRELUDE = """
 import math, numpy as np, runtime
@@ -29,15 +31,15 @@ def check(name, got, want, **tol):
 """
 
 
-def run(daemon, body: str, timeout: float) -> list[str]:
-    out = daemon.run_py(PRELUDE + textwrap.dedent(body), timeout=timeout)
+def run(runner: Runner, body: str, timeout: float) -> list[str]:
+    out = runner.run_py(PRELUDE + textwrap.dedent(body), timeout=timeout)
     assert out.returncode == 0, out.stderr + out.stdout
     return out.stdout.split("\n")[:-1]
 
 
 @pytest.mark.timeout(200)
-def test_elementwise_float32(daemon):
-    lines = run(daemon, """
+def test_elementwise_float32(torch_runner):
+    lines = run(torch_runner, """
         for n in (0, 1, 257, 1000):
             a = (rng.standard_normal(n) * 4).astype(np.float32)
             b = (rng.standard_normal(n) * 4).astype(np.float32)
@@ -100,8 +102,8 @@ def test_elementwise_float32(daemon):
 
 
 @pytest.mark.timeout(200)
-def test_elementwise_int_and_bool(daemon):
-    lines = run(daemon, """
+def test_elementwise_int_and_bool(torch_runner):
+    lines = run(torch_runner, """
         a = np.array([7, -7, 7, -7, 0, 5, -1, 2**40], np.int64)
         b = np.array([2, 2, -2, -2, 3, -3, 3, 5], np.int64)
         da, db, out = dev(a), dev(b), runtime.empty(a.size, np.int64)
@@ -140,8 +142,8 @@ def test_elementwise_int_and_bool(daemon):
 
 
 @pytest.mark.timeout(150)
-def test_strided_copy(daemon):
-    lines = run(daemon, """
+def test_strided_copy(torch_runner):
+    lines = run(torch_runner, """
         x = (rng.standard_normal((3, 4, 5)) * 5).astype(np.float32)
         x[0, 0, 0] = np.nan
         dx, out = dev(x), runtime.empty(60, np.float32)
@@ -180,8 +182,8 @@ def test_strided_copy(daemon):
 
 
 @pytest.mark.timeout(300)
-def test_reduce_rows(daemon):
-    lines = run(daemon, """
+def test_reduce_rows(torch_runner):
+    lines = run(torch_runner, """
         for rows, n in ((1, 1), (37, 300), (5, 1000)):  # short rows; a long one below
             x = rng.standard_normal((rows, n)).astype(np.float32)
             if n > 10:
@@ -229,8 +231,8 @@ def test_reduce_rows(daemon):
 
 
 @pytest.mark.timeout(300)
-def test_nn_kernels(daemon):
-    lines = run(daemon, """
+def test_nn_kernels(torch_runner):
+    lines = run(torch_runner, """
         for rows, n in ((70, 10), (3, 64)):  # rows of a thread each (nn.SHORT_ROW), 3 blocks
             x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
             dx, y = dev(x), runtime.empty((rows, n), np.float32)
@@ -334,8 +336,8 @@ def test_nn_kernels(daemon):
 
 
 @pytest.mark.timeout(150)
-def test_matmul_random_sleep(daemon):
-    lines = run(daemon, """
+def test_matmul_random_sleep(torch_runner):
+    lines = run(torch_runner, """
         for m, k, n in ((1, 1, 1), (65, 130, 33), (129, 7, 257), (300, 40, 520), (4, 0, 3)):
             a = rng.standard_normal((m, k)).astype(np.float32)
             b = rng.standard_normal((k, n)).astype(np.float32)
@@ -436,11 +438,11 @@ def test_matmul_random_sleep(daemon):
 
 
 @pytest.mark.timeout(200)
-def test_unfold_fold_swap01(daemon):
+def test_unfold_fold_swap01(torch_runner):
     """im2col against loops over numpy, also grouped and transposed; col2im as its adjoint
     (``<unfold x, c> == <x, fold c>``), which is what the input gradient of a convolution
     needs; the leading-dimension transpose with and without a bias."""
-    lines = run(daemon, """
+    lines = run(torch_runner, """
         def unfold_ref(x, kernel, stride, padding, dilation):
             n, c, *sp = x.shape
             out_sp = [(s + 2 * p - d * (k - 1) - 1) // st + 1
