@@ -80,10 +80,10 @@ class Boost:
 
     A saturated loop (work in every pass: another tenant's launch flood) is a busy thread
     to the host, which gives it a fair share of a CPU in slices of a tick (4 ms here):
-    with the host's other threads busy it ran a third to a half of the time, and a
-    bystander's packet waited out the others' slices (a median of ~2 ms against ~40 us
-    quiet: docs/containment.md, "Worst-case delay"). Fair turns inside the loop cannot
-    help when the loop itself does not run. So once it has had work in every pass for
+    with the host's other threads busy it ran 40-50% of the time, and a bystander's
+    launch waited out the others' slices (a median of 2.2 ms against 20-50 us quiet:
+    docs/containment.md, "Worst-case delay"). Fair turns inside the loop cannot help
+    when the loop itself does not run. So once it has had work in every pass for
     ``BOOST_AFTER_S`` the loop turns ``SCHED_FIFO`` (the lowest real-time priority, its
     threads started meanwhile ordinary ones): it runs whenever it has work, and rests
     ``BOOST_REST_S`` after each ``BOOST_RUN_S``, so a saturated device takes at most five
