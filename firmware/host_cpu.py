@@ -78,18 +78,20 @@ def _setattr(attr: _SchedAttr) -> bool:
 class Boost:
     """The control loop's scheduling class: real-time while the device is saturated.
 
-    A saturated loop (work in every pass: another tenant's launch flood) is a busy thread
-    to the host, which gives it a fair share of a CPU in slices of a tick (4 ms here):
-    with the host's other threads busy it ran 40-50% of the time, and a bystander's
-    launch waited out the others' slices (a median of 2.2 ms against 20-50 us quiet:
-    docs/containment.md, "Worst-case delay"). Fair turns inside the loop cannot help
-    when the loop itself does not run. So once it has had work in every pass for
+    A loop saturated by another tenant's launch flood (work in every pass) is a busy
+    thread to the host, which gives it a fair share of a CPU in slices of a tick (4 ms
+    here): with the host's other threads busy it ran 40-50% of the time, and a
+    bystander's launch waited out the others' slices (a median of 2.2 ms against 20-50 us
+    quiet: docs/containment.md, "Worst-case delay"). Fair turns inside the loop cannot
+    help when the loop itself does not run. So once it has had work in every pass for
     ``BOOST_AFTER_S`` the loop turns ``SCHED_FIFO`` (the lowest real-time priority, its
     threads started meanwhile ordinary ones): it runs whenever it has work, and rests
     ``BOOST_REST_S`` after each ``BOOST_RUN_S``, so a saturated device takes at most five
     sixths of one CPU from the host. The first pass without work puts it back (fair
-    share, short slice). Best effort: without the privilege (CAP_SYS_NICE) it stays as it
-    was, as the engines' nice does."""
+    share, short slice). One tenant's back-to-back round trips while an engine runs count
+    too: the loop naps between passes then, each nap ends at the next doorbell, and it
+    wakes real-time (measured faster: same place). Best effort: without the privilege
+    (CAP_SYS_NICE) it stays as it was, as the engines' nice does."""
 
     def __init__(self) -> None:
         self.allowed = True  # False once the kernel refused
