@@ -36,10 +36,11 @@ _SCHED_FLAG_RESET_ON_FORK = 0x01
 #: The control loop turns real-time once it has had work in every pass for this long
 #: (seconds): a flood, not one tenant's round trip...
 BOOST_AFTER_S = 500e-6
-#: ...and, real-time, it rests this long (a plain sleep) after each stretch of this long,
-#: so a saturated device leaves the rest of its CPU to the host's threads (its tenants'
-#: and its own engines): at most a sixth of the loop's time, and of a bystander's packet's
-#: wait
+#: ...and, real-time, it rests this long (a plain sleep) after each this long of its own
+#: CPU time, so a saturated device leaves the rest of its CPU to the host's threads (its
+#: tenants' and its own engines): at most a sixth of the loop's time, and of a bystander's
+#: packet's wait. CPU time, not time: a loop that naps between passes (an engine runs)
+#: rests in its naps, and a rest taken by the clock made one packet in six wait for it
 BOOST_RUN_S = 1e-3
 BOOST_REST_S = 200e-6
 
@@ -86,8 +87,8 @@ class Boost:
     help when the loop itself does not run. So once it has had work in every pass for
     ``BOOST_AFTER_S`` the loop turns ``SCHED_FIFO`` (the lowest real-time priority, its
     threads started meanwhile ordinary ones): it runs whenever it has work, and rests
-    ``BOOST_REST_S`` after each ``BOOST_RUN_S``, so a saturated device takes at most five
-    sixths of one CPU from the host. The first pass without work puts it back (fair
+    ``BOOST_REST_S`` after each ``BOOST_RUN_S`` of its CPU time, so a saturated device
+    takes at most five sixths of one CPU from the host. The first pass without work puts it back (fair
     share, short slice). One tenant's back-to-back round trips while an engine runs count
     too: the loop naps between passes then, each nap ends at the next doorbell, and it
     wakes real-time (measured faster: same place). Best effort: without the privilege
@@ -97,7 +98,7 @@ class Boost:
         self.allowed = True  # False once the kernel refused
         self.boosted = False
         self._busy_since = 0.0  # since when every pass had work (0: the last had none)
-        self._run_since = 0.0  # the current stretch between rests began
+        self._ran_at_rest = 0.0  # the thread's CPU time (time.thread_time) at its last rest
 
     def working(self, now: float) -> None:
         """A pass of the loop had work (``now``: time.monotonic())."""
@@ -108,10 +109,10 @@ class Boost:
                 self.boosted = self.allowed = _setattr(_SchedAttr(
                     size=ctypes.sizeof(_SchedAttr), sched_policy=os.SCHED_FIFO,
                     sched_flags=_SCHED_FLAG_RESET_ON_FORK, sched_priority=1))
-                self._run_since = now
-        elif now - self._run_since >= BOOST_RUN_S:
+                self._ran_at_rest = time.thread_time()
+        elif time.thread_time() - self._ran_at_rest >= BOOST_RUN_S:
             time.sleep(BOOST_REST_S)
-            self._run_since = time.monotonic()
+            self._ran_at_rest = time.thread_time()
 
     def idle(self) -> None:
         """A pass of the loop had no work: back to the host's fair share."""

@@ -57,21 +57,27 @@ def test_a_saturated_loop_runs_real_time_until_a_pass_without_work() -> None:
 
 
 @needs_privilege
-def test_the_real_time_loop_rests_after_each_stretch() -> None:
-    def body() -> tuple[float, float]:
+def test_the_real_time_loop_rests_after_each_stretch_of_its_cpu_time() -> None:
+    def body() -> tuple[float, float, float]:
         boost, t0 = Boost(), time.monotonic()
         boost.working(t0 - 2 * BOOST_AFTER_S)
-        boost.working(t0)  # boosted: its stretch begins at t0
+        boost.working(t0)  # real-time from here
+        time.sleep(4 * BOOST_RUN_S)  # time passes, but no CPU time: no rest owed
         a = time.monotonic()
-        boost.working(a)  # within the stretch: no rest
+        boost.working(a)
         b = time.monotonic()
-        boost.working(t0 + 2 * BOOST_RUN_S)  # the stretch is over: a rest
+        spin_until = time.thread_time() + 2 * BOOST_RUN_S
+        while time.thread_time() < spin_until:  # a stretch of CPU time
+            pass
         c = time.monotonic()
+        boost.working(c)  # the stretch is over: a rest
+        d = time.monotonic()
         boost.idle()
-        return b - a, c - b
+        return b - a, d - c, policy()
 
-    within, after = in_thread(body)  # type: ignore[misc]
-    assert within < BOOST_REST_S <= after
+    napped, rested, after = in_thread(body)  # type: ignore[misc]
+    assert napped < BOOST_REST_S <= rested
+    assert after == os.SCHED_OTHER
 
 
 def test_a_refused_class_is_not_asked_for_again(monkeypatch: pytest.MonkeyPatch) -> None:
