@@ -174,10 +174,11 @@ def launch_round_trips(root: Path, flood_body: str, flood_on: str, bystander_on:
 LAUNCH_FLOOD = """
     mod = runtime.compile("def inc(x):\\n    x[global_id(0)] = x[global_id(0)] + 1.0\\n")
     x = runtime.empty(256, np.float32)
-    go, idle = threading.Event(), threading.Semaphore(0)
+    go, idle, warm = threading.Event(), threading.Semaphore(0), threading.Semaphore(0)
     def pump():
         s = runtime.Stream()
         mod.inc[1, 256](x, stream=s); s.synchronize()
+        warm.release()
         while True:
             go.wait()
             while go.is_set():
@@ -186,6 +187,8 @@ LAUNCH_FLOOD = """
             idle.release()
     for _ in range(4):
         threading.Thread(target=pump, daemon=True).start()
+    for _ in range(4):  # every pump past its first launch (a cold JIT compiles it) before
+        warm.acquire()  # "on": one still in it missed on and off, and off waited forever
     def on(): go.set(); time.sleep(0.2)
     def off():
         go.clear()

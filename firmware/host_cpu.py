@@ -10,10 +10,12 @@ device from delaying a tenant's packets by a host time slice:
   which EEVDF takes as the thread's slice from Linux 6.12 on). A thread that wakes with a
   shorter slice than the running one preempts it at once (the scheduler's PREEMPT_SHORT);
   otherwise a nice-10 engine keeps the CPU until its own slice (about 0.75 ms) is up, and
-  the doorbell that woke the loop waits that long.
+  the doorbell that woke the loop waits that long;
+* a saturated control loop runs real-time (:class:`Boost`).
 
-Both are best effort: an older kernel refuses the slice (EINVAL) and the loop runs with
-the default one, which only costs latency.
+All are best effort: an older kernel refuses the slice (EINVAL), an unprivileged daemon
+the real-time class (EPERM), and the loop runs as an ordinary thread, which only costs
+latency.
 """
 
 from __future__ import annotations
@@ -21,12 +23,26 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 
 #: The engine threads' nice value.
 ENGINE_NICE = 10
 #: The control loop's time slice (ns): Linux's shortest (0.1 ms).
 CONTROL_SLICE_NS = 100_000
 _SYS_SCHED_SETATTR = 314  # x86_64
+#: ``sched_attr.sched_flags``: threads the boosted loop starts are ordinary threads
+_SCHED_FLAG_RESET_ON_FORK = 0x01
+
+#: The control loop turns real-time once it has had work in every pass for this long
+#: (seconds): a flood, not one tenant's round trip...
+BOOST_AFTER_S = 500e-6
+#: ...and, real-time, it rests this long (a plain sleep) after each this long of its own
+#: CPU time, so a saturated device leaves the rest of its CPU to the host's threads (its
+#: tenants' and its own engines): at most a sixth of the loop's time, and of a bystander's
+#: packet's wait. CPU time, not time: a loop that naps between passes (an engine runs)
+#: rests in its naps, and a rest taken by the clock made one packet in six wait for it
+BOOST_RUN_S = 1e-3
+BOOST_REST_S = 200e-6
 
 
 class _SchedAttr(ctypes.Structure):
@@ -49,7 +65,58 @@ def lower_engine_priority() -> None:
 
 def short_slice() -> None:
     """The calling thread (the control loop) preempts an engine when it wakes."""
-    attr = _SchedAttr(size=ctypes.sizeof(_SchedAttr), sched_policy=os.SCHED_OTHER,
-                      sched_nice=os.getpriority(os.PRIO_PROCESS, 0),
-                      sched_runtime=CONTROL_SLICE_NS)
-    ctypes.CDLL(None, use_errno=True).syscall(_SYS_SCHED_SETATTR, 0, ctypes.byref(attr), 0)
+    _setattr(_SchedAttr(size=ctypes.sizeof(_SchedAttr), sched_policy=os.SCHED_OTHER,
+                        sched_nice=os.getpriority(os.PRIO_PROCESS, 0),
+                        sched_runtime=CONTROL_SLICE_NS))
+
+
+def _setattr(attr: _SchedAttr) -> bool:
+    """``sched_setattr`` of the calling thread; False when the kernel refused it."""
+    return ctypes.CDLL(None, use_errno=True).syscall(
+        _SYS_SCHED_SETATTR, 0, ctypes.byref(attr), 0) == 0
+
+
+class Boost:
+    """The control loop's scheduling class: real-time while the device is saturated.
+
+    A loop saturated by another tenant's launch flood (work in every pass) is a busy
+    thread to the host, which gives it a fair share of a CPU in slices of a tick (4 ms
+    here): with the host's other threads busy it ran 40-50% of the time, and a
+    bystander's launch waited out the others' slices (a median of 2.2 ms against 20-50 us
+    quiet: docs/containment.md, "Worst-case delay"). Fair turns inside the loop cannot
+    help when the loop itself does not run. So once it has had work in every pass for
+    ``BOOST_AFTER_S`` the loop turns ``SCHED_FIFO`` (the lowest real-time priority, its
+    threads started meanwhile ordinary ones): it runs whenever it has work, and rests
+    ``BOOST_REST_S`` after each ``BOOST_RUN_S`` of its CPU time, so a saturated device
+    takes at most five sixths of one CPU from the host. The first pass without work puts it back (fair
+    share, short slice). One tenant's back-to-back round trips while an engine runs count
+    too: the loop naps between passes then, each nap ends at the next doorbell, and it
+    wakes real-time (measured faster: same place). Best effort: without the privilege
+    (CAP_SYS_NICE) it stays as it was, as the engines' nice does."""
+
+    def __init__(self) -> None:
+        self.allowed = True  # False once the kernel refused
+        self.boosted = False
+        self._busy_since = 0.0  # since when every pass had work (0: the last had none)
+        self._ran_at_rest = 0.0  # the thread's CPU time (time.thread_time) at its last rest
+
+    def working(self, now: float) -> None:
+        """A pass of the loop had work (``now``: time.monotonic())."""
+        if not self._busy_since:
+            self._busy_since = now
+        if not self.boosted:
+            if self.allowed and now - self._busy_since >= BOOST_AFTER_S:
+                self.boosted = self.allowed = _setattr(_SchedAttr(
+                    size=ctypes.sizeof(_SchedAttr), sched_policy=os.SCHED_FIFO,
+                    sched_flags=_SCHED_FLAG_RESET_ON_FORK, sched_priority=1))
+                self._ran_at_rest = time.thread_time()
+        elif time.thread_time() - self._ran_at_rest >= BOOST_RUN_S:
+            time.sleep(BOOST_REST_S)
+            self._ran_at_rest = time.thread_time()
+
+    def idle(self) -> None:
+        """A pass of the loop had no work: back to the host's fair share."""
+        self._busy_since = 0.0
+        if self.boosted:
+            self.boosted = False
+            short_slice()

@@ -45,7 +45,14 @@ from firmware.scheduler import Scheduler
 from firmware.telemetry import Counters, log_unexpected
 
 #: Keep polling this long after the last work before sleeping (back-to-back work then
-#: costs no wake-up)
+#: costs no wake-up), yielding the CPU between polls that found nothing. Never after a
+#: pass that had work: under EEVDF a yield forfeits the rest of the caller's slice, and a
+#: loop saturated by one tenant's launches, yielding after every pass, ran about one pass
+#: per tick (4 ms) whenever a busy thread shared its CPU, and so did another tenant's
+#: packet (docs/containment.md, "Worst-case delay"). Idle, the yield stays: the thread it
+#: hands the CPU to is then mostly the waiter it serves, itself yielding, and a quiet
+#: round trip measured slower both napping in poll(2) and polling without yielding (same
+#: place).
 SPIN_AFTER_ACTIVITY_S = 500e-6
 #: ...but while a compute engine runs, nap this long between polls instead of yielding:
 #: the engines are threads on the host's CPUs, at a lower priority, and a spinning loop
@@ -469,6 +476,7 @@ class Firmware:
     def run(self) -> int:
         assert self.sched is not None
         host_cpu.short_slice()
+        boost = host_cpu.Boost()
         last_beat = time.monotonic()
         last_work = 0.0
         while True:
@@ -480,6 +488,9 @@ class Firmware:
             now = time.monotonic()
             if work:
                 last_work = now
+                boost.working(now)
+            else:
+                boost.idle()
             if not self.hung and now - last_beat >= self.heartbeat_s:
                 self.mbx.beat(time.monotonic_ns())
                 self._publish_stats()
@@ -488,8 +499,8 @@ class Firmware:
                 if self.sched.compute.busy():  # lend the CPU, and wake for a doorbell
                     self._sleep(ENGINES_BUSY_NAP_S, stats=False)
                     continue
-                else:
-                    os.sched_yield()  # on a shared core, let others run, but stay awake
+                if not work:  # idle: let others run, but stay awake (SPIN_AFTER_ACTIVITY_S)
+                    os.sched_yield()
                 self._poll_doorbell()
                 continue
             self._sleep(max(0.0, self.heartbeat_s - (now - last_beat)))
