@@ -1,6 +1,6 @@
 """accl's all_reduce on accel tensors against gloo's on CPU tensors of the same bytes.
 
-Two ranks under ``torchrun --standalone`` on the shared 2-device daemon, one per device,
+Two ranks under ``torchrun --standalone`` on a 2-device daemon of their own, one per device,
 run this file: each round times a block of accl all_reduces (accel tensors, then a
 synchronize, so the results are on the device) and a block of gloo all_reduces on a
 separate gloo group (CPU tensors), in alternating order, after a barrier so both ranks
@@ -28,8 +28,13 @@ def distributed(env: Env) -> list[Row]:
     out = env.workdir / "distributed.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=2", __file__, str(out), "quick" if env.quick else "full"]
+    # a daemon of its own: the shared one's devices hold what earlier groups' processes
+    # keep (the bench process's torch caching allocator reserves device memory), and two
+    # 64 MiB tensors plus their staging did not fit beside it (OutOfMemoryError)
+    d = env.new_accel(2)
+    d.start()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
-                          env=dict(os.environ, ACCEL_EMU_ROOT=str(env.accel.root),
+                          env=dict(os.environ, ACCEL_EMU_ROOT=str(d.root),
                                    PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
     if proc.returncode != 0:
         raise RuntimeError("distributed ranks failed:\n" + _rank_tails(proc.stderr))
