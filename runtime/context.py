@@ -296,12 +296,20 @@ class Context:
                 s.synchronize(left)
             except errors.DeviceFaultError as exc:
                 first = first or exc
-        self.retiring = [s for s in self.retiring if s.completed < s.last_seqno]
+        self.retire()
         if self._last_fence is not None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._last_fence.wait(left)
         if first is not None:
             raise first
+
+    def retire(self, stream: Any = None) -> None:
+        """Keep ``stream`` (closed with its queue destroyed) in ``retiring`` while work it
+        queued has not completed; drop the retiring streams seen done."""
+        pending = [s for s in self.retiring if s.completed < s.last_seqno]
+        if stream is not None and stream.completed < stream.last_seqno:
+            pending.append(stream)  # from Stream.__del__ too: kept until its work is done
+        self.retiring = pending
 
     def import_queue(self, stream: Any) -> int:
         """The local name of another device's stream, for device-side waits (cached)."""

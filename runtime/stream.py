@@ -571,10 +571,7 @@ class Stream:
                     ctx_id=self.ctx.id, queue_id=self.queue_id))
             except errors.AccelError:
                 return
-            retiring = [s for s in self.ctx.retiring if s.completed < s.last_seqno]
-            if self.completed < self.last_seqno:
-                retiring.append(self)  # from __del__ too: kept until its work is seen done
-            self.ctx.retiring = retiring
+            self.ctx.retire(self)
 
 
 def fault_error(stream: Stream, seqno: int, code: int, opcode: int,
