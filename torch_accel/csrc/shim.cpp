@@ -41,10 +41,14 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <pthread.h>
 #include <limits>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace py = pybind11;
@@ -58,11 +62,45 @@ constexpr DeviceType kAccel = DeviceType::PrivateUse1;
 // The Python module whose functions decide everything (set once by _register).
 py::object* g_hooks = nullptr;
 
-bool python_alive() { return Py_IsInitialized() && !_Py_IsFinalizing(); }
+// Entering Python from a thread of torch's (an autograd device thread freeing a backward's
+// tensors, say) while the interpreter exits is a crash: once Python has begun to finalise,
+// a thread that waits for the GIL is ended with pthread_exit, whose unwinding through a
+// destructor (a storage's deleter) is std::terminate, "terminate called without an active
+// exception". So every entry is counted, and an atexit handler (quiesce, registered by
+// _register; atexit runs before finalisation begins) closes the gate and, the GIL released,
+// waits for the calls inside to return. After it, entries are refused: a deleter skips its
+// Python part (the process is ending; its fds return everything), a call raises.
+std::atomic<int> g_entries{0};
+std::atomic<bool> g_exiting{false};
+
+// One entry into Python: admitted unless the gate is closed. Sequentially consistent
+// atomics: either quiesce sees this entry counted, or this entry sees the gate closed.
+class Entry {
+ public:
+  Entry() : admitted_((g_entries.fetch_add(1), !g_exiting.load() && Py_IsInitialized())) {}
+  ~Entry() { g_entries.fetch_sub(1); }
+  Entry(const Entry&) = delete;
+  Entry& operator=(const Entry&) = delete;
+  explicit operator bool() const { return admitted_; }
+
+ private:
+  bool admitted_;
+};
+
+// The atexit handler: close the gate, then let the calls already inside finish (bounded:
+// a call that never returns must not hold the exit).
+void quiesce() {
+  g_exiting.store(true);
+  py::gil_scoped_release released;
+  for (int waited_ms = 0; g_entries.load() > 0 && waited_ms < 2000; ++waited_ms)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
 
 template <typename R = py::object, typename... Args>
 R call(const char* name, Args&&... args) {
   TORCH_CHECK(g_hooks != nullptr, "torch_accel is not initialised (import torch_accel)");
+  Entry entry;
+  TORCH_CHECK(entry, "torch_accel: the interpreter is exiting (", name, " refused)");
   py::gil_scoped_acquire gil;
   py::object out = g_hooks->attr(name)(std::forward<Args>(args)...);
   if constexpr (std::is_same_v<R, py::object>) {
@@ -83,7 +121,9 @@ R call(const char* name, Args&&... args) {
 // exception set".
 template <typename Use, typename... Args>
 void call_quietly_with(const char* name, Use&& use, Args&&... args) noexcept {
-  if (g_hooks == nullptr || !python_alive()) return;
+  if (g_hooks == nullptr) return;
+  Entry entry;
+  if (!entry) return;
   py::gil_scoped_acquire gil;
   py::error_scope pending;
   try {
@@ -230,7 +270,8 @@ PyObject* call_ints(PyObject* f, long long a, long long b) {
 // Python exception pending meanwhile is set aside (call_quietly_with's rules).
 void free_block(void* ctx) {
   auto* b = static_cast<Block*>(ctx);
-  if (g_free_fn != nullptr && python_alive()) {
+  Entry entry;
+  if (g_free_fn != nullptr && entry) {
     py::gil_scoped_acquire gil;
     py::error_scope pending;
     if (PyObject* out = call_ints(g_free_fn, b->device, b->va))
@@ -256,6 +297,8 @@ struct AccelAllocator final : c10::DeviceAllocator {
     TORCH_CHECK(g_alloc_fn != nullptr, "torch_accel is not initialised (import torch_accel)");
     Block* block;
     {
+      Entry entry;
+      TORCH_CHECK(entry, "torch_accel: the interpreter is exiting (alloc refused)");
       py::gil_scoped_acquire gil;
       py::object array = py::reinterpret_steal<py::object>(
           call_ints(g_alloc_fn, static_cast<long long>(nbytes), device));
@@ -666,6 +709,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       c10::SetAllocator(kAccel, &g_allocator);
       at::RegisterPrivateUse1HooksInterface(new AccelHooks());
       torch::profiler::impl::registerPrivateUse1Methods(&g_profiler_stubs);
+      py::module_::import("atexit").attr("register")(py::cpp_function(&quiesce));
+      // a forked child has only the forking thread: no call of another is inside
+      pthread_atfork(nullptr, nullptr, [] { g_entries.store(0); });
     });
   });
   m.def("_philox_take", [](const at::Generator& gen, uint64_t increment) {
