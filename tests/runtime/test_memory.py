@@ -16,6 +16,7 @@ import time
 
 import pytest
 from scenario import IDLE
+from testkit.contained import shm_names
 from scenario import MEMORY_PRELUDE as PRELUDE
 from scenario import run_json, run_scenario
 
@@ -41,7 +42,7 @@ def test_device_local_memory_is_never_mapped_into_the_process(daemon):
 def test_pinned_memory_is_the_process_own_sealed_memfd(daemon):
     """Pinned memory is a memfd of the process (no path anyone else could open), sealed so
     that nobody can shrink it under the device; the daemon creates no file for it."""
-    before = set(os.listdir("/dev/shm"))
+    before = shm_names()
     lines = run(daemon, """
         import errno
         p = runtime.pinned_empty(1000, np.uint8)
@@ -54,7 +55,7 @@ def test_pinned_memory_is_the_process_own_sealed_memfd(daemon):
     """)
     assert lines[0].startswith("/memfd:accel-host_pinned")
     assert lines[1] == "EPERM"  # sealed: not even the owner shrinks it
-    assert set(os.listdir("/dev/shm")) == before
+    assert shm_names() == before
 
 
 def test_copies_h2d_d2h_d2d_memset_ordered_on_one_stream(daemon):
@@ -472,12 +473,12 @@ import time; time.sleep(60)
 def test_daemon_creates_no_shared_files(make_daemon):
     """Everything shared with a process is the process's own memfd or pipe: the driver
     puts nothing in /dev/shm (where another process of the user could open it by name)."""
-    before = set(os.listdir("/dev/shm"))
+    before = shm_names()
     d = make_daemon()
     out = d.run_py(PRELUDE + """
 s = runtime.Stream(); p = runtime.pinned_empty(1 << 20, np.uint8); m = runtime.managed_empty(4096)
 a = runtime.to_device(np.ones(1000, np.float32)); s.synchronize()
-print(sorted(os.listdir("/dev/shm")))
+print(sorted(n for n in os.listdir("/dev/shm") if not n.startswith("sem.mp-")))
 """)
     assert out.returncode == 0, out.stderr
     assert set(eval(out.stdout)) == before
