@@ -33,6 +33,7 @@ import mmap
 import os
 import select
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -293,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", action="store_true",
                    help="also the hand-off of a launch the engines run")
     args = p.parse_args(argv)
+    sys.setswitchinterval(0.0002)  # as the firmware's process runs (firmware/main.py)
     with tempfile.TemporaryDirectory(prefix="profile-launch-") as jit_dir:
         b = Bench(jit_dir)
         pkt = add_launch(b)
