@@ -238,7 +238,7 @@ def stages(b: Bench, pkt: bytes, launches: int) -> list[tuple[str, float]]:
     stubs: list[tuple[str, object, str, Callable[..., object]]] = [
         ("doorbell scan, publish, the pass's frame (turn choice, counters' merge)",
          sched, "_poll_ring", took),
-        ("the ring's turn: take, its deadline, watchdog entry removal, busy time",
+        ("the ring's turn: take, its deadline, the watchdog's disarming, busy time",
          sched, "_start", lambda *_: True),
         ("packet start and decode, the completion (timestamp, fence, waiter, counters)",
          kernels, "launch", lambda *_: None),
@@ -257,7 +257,7 @@ def stages(b: Bench, pkt: bytes, launches: int) -> list[tuple[str, float]]:
     rows = [(stubs[0][0], passes[0])]
     rows += [(stubs[i][0], passes[i] - passes[i - 1]) for i in range(1, len(stubs))]
     kernel_us = _per_call(bound.run, 2000, 5)
-    rows.append(("the inline run's frame: watchdog entry, call, fault check",
+    rows.append(("the inline run's frame: the watchdog's arming, call, fault check",
                  whole_us - passes[-2] - kernel_us))
     rows.append(("the kernel: the bound compiled grid, 4 Ki threads (alone, best loop)",
                  kernel_us))
