@@ -13,4 +13,6 @@ Layout:
 * ``bench.procs``: starting and stopping ``accel-emud`` and the echo filesystem.
 * ``bench.echo_fs``: the minimal pyfuse3 filesystem that is the FUSE round-trip floor.
 * ``bench.profile_driver``: where a DEVICE_QUERY spends its time inside the driver.
+* ``bench.profile_launch``: where the firmware's CPU goes per launch (its scheduler in
+  this process).
 """

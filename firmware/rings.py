@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 _SCAN_IN_PYTHON = 16
 #: ring words of the queue's argument arena (Ring.args_slot)
 _ARGS_VA, _ARGS_SLOTS = userq.RING_ARGS_VA >> 3, userq.RING_ARGS_SLOTS >> 3
+#: ring words every packet's path writes or reads (Ring.take, complete, irq_due: word
+#: stores of their own, not RingView's calls, on the path of every packet)
+_RPTR, _COMPLETED = userq.RING_RPTR >> 3, userq.RING_COMPLETED >> 3
+_TIMESTAMPS, _IRQ_SEQNO = userq.RING_TIMESTAMPS >> 3, userq.RING_IRQ_SEQNO >> 3
 
 
 @dataclass(slots=True)
@@ -139,7 +143,7 @@ class Ring(userq.RingView):
         seqno = self.taken + 1
         words = self.read_packet(seqno)
         self.taken = seqno
-        self.set(userq.RING_RPTR, seqno)
+        self.words[_RPTR] = seqno
         return seqno, words
 
     def take_through(self, wptr: int) -> None:
@@ -151,21 +155,22 @@ class Ring(userq.RingView):
     def complete(self, seqno: int, c: Completion) -> int:
         """Publish that the packets up to ``seqno`` ended as ``c`` says: timestamp, first
         fault, then the fence (in that order); returns how many packets the fence passed."""
+        words = self.words
         if c.end_ns:
-            self.stamp(seqno, c.end_ns)
+            words[_TIMESTAMPS + (seqno - 1) % userq.RING_SLOTS] = c.end_ns
         if c.fault is not None and not self.faulted:
             self.write_fault(*c.fault)
             self.faulted = True
         passed = seqno - self.fence
         if passed > 0:
             self.fence = seqno
-            self.set(userq.RING_COMPLETED, seqno)
+            words[_COMPLETED] = seqno
         return passed
 
     def irq_due(self) -> bool:
         """Whether the fence passed the seqno a waiter armed (once per arming)."""
-        armed = self.get(userq.RING_IRQ_SEQNO)
-        done = self.completed
+        armed = self.words[_IRQ_SEQNO]
+        done = self.fence if not self.fence_only else self.completed
         if armed and done >= armed and armed > self.last_irq:
             self.last_irq = done
             return True

@@ -425,13 +425,17 @@ class Scheduler:
         free the ring of its engine, count them, and signal a waiter whose armed seqno the
         fence passed (and the scheduler, for the ring's next packet). Called on an engine
         (``from_engine``) or else on the control loop, which counts into its tally."""
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not ``with``: twice the cost, on every packet's path
+        try:
             first_fault = c.fault is not None and not ring.faulted
             passed = ring.complete(seqno, c)
             if from_engine:
                 ring.on_engine(False)
             userq.full_barrier()  # store the fence, then load what waiters armed (they mirror)
             irq = ring.irq_due()
+        finally:
+            lock.release()
         adversary = ring.ctx.adversary
         if adversary is not None and adversary.record:  # where a fault now would hit
             adversary.completed(ring, seqno)

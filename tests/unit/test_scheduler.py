@@ -28,7 +28,7 @@ from abi import kernel_lang, mailbox, schedule, uapi, userq
 from abi.userq import Op
 from firmware import copies, image, memory
 from firmware.adversary import Adversary
-from firmware.engines import EnginePool, Job
+from firmware.engines import Deadlines, EnginePool, Job
 from firmware.rings import Completion, FwContext, Ring
 from firmware.scheduler import Scheduler
 from firmware.telemetry import Counters, EngineTime, Tally
@@ -627,10 +627,11 @@ def test_a_kernel_launches_on_an_engine_then_inline_and_faults_out_of_bounds(dev
 
 
 @pytest.mark.timeout(240)
-def test_a_rings_inline_launches_share_one_watchdog_entry_per_turn(device, ctx, monkeypatch):
-    """One watchdog entry covers a ring's turn of inline launches (Kernels.end_turn), none
-    is left once the turn ended, and after a launch the watchdog stopped (its ring
-    faults) the next ring's launch runs under a fresh entry, not stopped by the old word."""
+def test_a_rings_inline_launches_share_one_watchdog_arming_per_turn(device, ctx, monkeypatch):
+    """One arming of the inline watchdog covers a ring's turn of inline launches
+    (Kernels.end_turn), disarmed once the turn ended, and after a launch the watchdog
+    stopped (its ring faults) the next ring's launch runs under a fresh arming, not
+    stopped by the old word."""
     from firmware import scheduler
     from runtime.kernels import canonical_json, compile_module
 
@@ -647,22 +648,22 @@ def test_a_rings_inline_launches_share_one_watchdog_entry_per_turn(device, ctx, 
     w = q1.submit(fill)
     device.run_until(lambda: q1.ring.fence == w, timeout=200)  # compiled (on an engine)
     deadlines = kernels.deadlines
-    real_add, adds = deadlines.add, []
+    real_arm, arms = deadlines.arm_inline, []
 
-    def add(abort, watchdog_s, quantum_s):  # noqa: ANN001, ANN202
-        adds.append(watchdog_s)
-        return real_add(abort, watchdog_s, quantum_s)
-    monkeypatch.setattr(deadlines, "add", add)
+    def arm(abort, watchdog_s):  # noqa: ANN001, ANN202
+        arms.append(watchdog_s)
+        real_arm(abort, watchdog_s)
+    monkeypatch.setattr(deadlines, "arm_inline", arm)
     w = q1.submit(*[fill] * 10)
     device.step()
-    assert q1.ring.fence == w and len(adds) == 1 and deadlines._entries == {}
+    assert q1.ring.fence == w and len(arms) == 1 and deadlines._inline is None
+    assert deadlines._entries == {}
 
-    def expired(abort, watchdog_s, quantum_s):  # noqa: ANN001, ANN202 - fires at once
-        token = add(abort, watchdog_s, quantum_s)
+    def expired(abort, watchdog_s):  # noqa: ANN001, ANN202 - fires at once
+        arm(abort, watchdog_s)
         abort[0] = deadlines.watchdog
-        monkeypatch.setattr(deadlines, "add", add)
-        return token
-    monkeypatch.setattr(deadlines, "add", expired)
+        monkeypatch.setattr(deadlines, "arm_inline", arm)
+    monkeypatch.setattr(deadlines, "arm_inline", expired)
     x[:] = 0
     w1, w2 = q1.submit(fill), q2.submit(fill)
     device.step()
@@ -670,7 +671,27 @@ def test_a_rings_inline_launches_share_one_watchdog_entry_per_turn(device, ctx, 
     # is stopped, the other runs under an entry of its own
     assert device.ended(q2)[w2].status == errno.ETIMEDOUT
     assert device.ended(q1)[w1].status == 0 and (x == 1.5).all()
-    assert len(adds) == 3 and deadlines._entries == {}
+    assert len(arms) == 3 and deadlines._inline is None and deadlines._entries == {}
+
+
+@pytest.mark.timeout(60)
+def test_the_inline_watchdog_fires_past_its_arming_and_not_after_its_turn():
+    """The timer thread stops an inline launch still running past the turn's arming
+    (``Deadlines.arm_inline``) by its abort word; a turn disarmed in time is never
+    stopped, and a new arming clears a word an old one set."""
+    deadlines = Deadlines(preempt=1, watchdog=2)
+    abort = np.zeros(1, np.int64)
+    deadlines.arm_inline(abort, 0.05)
+    wait_until(lambda: abort[0] == 2, 10, "the armed watchdog fired")
+    deadlines.arm_inline(abort, 0.5)
+    assert abort[0] == 0  # cleared by the arming, under the timer's lock
+    deadlines.disarm_inline()
+    time.sleep(1.0)  # past the disarmed turn's deadline
+    assert abort[0] == 0
+    deadlines.arm_inline(abort, 60)  # a later deadline than the timer's next wake-up
+    deadlines.arm_inline(abort, 0.05)  # an earlier one wakes it
+    wait_until(lambda: abort[0] == 2, 10, "the earlier arming fired")
+
 
 def _compiled_fill(device: Device, ctx: Context, module: int, n: int, v: float
                    ) -> tuple[Queue, np.ndarray, Callable[[int], int]]:
