@@ -33,8 +33,6 @@ from runtime.stream import LONG_ARGS, ArgLaunch, Stream, current_stream
 CONFIGS = 64
 _FLOAT64_CODE = kernel_lang.DTYPE_CODES["float64"]
 _BUFFER_RECORD = userq.ARG_RECORD.pack
-#: the byte offset of a record's value (a buffer's address) in ``ARG_RECORD``
-_RECORD_VALUE_AT = struct.calcsize("<II")
 
 
 def _dims(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
@@ -304,7 +302,7 @@ class LaunchPlan:
         #: them: ``_block.pack(*_pieces)`` with each address (odd places) filled in, one C
         #: call instead of a record packed and two concatenations per buffer
         pieces: list[Any] = []
-        fmt, piece = "<", b""
+        piece, at = b"", userq.ARG_RECORD_VALUE_AT
         for i, (p, v) in enumerate(zip(kernel._layout, args)):
             if not p.buffer:
                 piece += kernel._scalar_arg(p, v)
@@ -312,15 +310,12 @@ class LaunchPlan:
             shape = tuple(v.shape)
             _, code, nbytes, tail = _buffer_tail(v.dtype, shape)
             self._buffers.append((i, v.dtype, shape, nbytes))
-            record = _BUFFER_RECORD(userq.ARG_BUFFER, code, 0, nbytes)  # the address at 8
-            piece += record[:_RECORD_VALUE_AT]
-            fmt += f"{len(piece)}sQ"
-            pieces += (piece, 0)
-            piece = record[_RECORD_VALUE_AT + 8:] + tail
-        fmt += f"{len(piece)}s"
+            record = _BUFFER_RECORD(userq.ARG_BUFFER, code, 0, nbytes)
+            pieces += (piece + record[:at], 0)
+            piece = record[at + 8:] + tail
         pieces.append(piece)
         self._pieces = pieces
-        self._block = struct.Struct(fmt)
+        self._block = userq.arg_block_struct([len(run) for run in pieces[::2]])
         assert self._block.size == len(raw)
         self._packet = kernel._packet(*kernel._config(grid, block), 0, len(raw))
 
