@@ -227,6 +227,16 @@ def unpack_dims(word: int) -> tuple[int, int, int]:
 #: Argument records of a launch's argument block (docs/kernels.md "Launch ABI").
 ARG_SCALAR, ARG_BUFFER, ARG_SHAPE = 0, 1, 2
 ARG_RECORD = struct.Struct("<IIQQ")
+#: the byte offset of a record's value (a buffer record's device address) in ARG_RECORD
+ARG_RECORD_VALUE_AT: Final = 8
+
+
+def arg_block_struct(runs: Sequence[int]) -> struct.Struct:
+    """An argument block as constant bytes around its buffers' addresses, for a launch
+    repeated with only those new (a launch plan): ``runs`` are the lengths of the byte
+    runs before each address and after the last; ``pack(run0, va0, run1, ..., runN)``
+    gives the block, each address a u64 (a buffer record's value)."""
+    return struct.Struct("<" + "sQ".join(str(n) for n in runs) + "s")
 #: A scalar record with its value packed in its dtype's own format, low bytes first: the
 #: same bytes as ARG_RECORD holding the value's bits, and packing a numpy scalar this way
 #: costs a sixth of converting it to those bits. Launch-ABI dtype code -> its Struct.

@@ -283,8 +283,8 @@ class LaunchPlan:
     stream take ``Kernel.launch`` on views of the same windows instead, which decides.
     A plan belongs to its kernel's module: after a reset it fails as the module does."""
 
-    __slots__ = ("kernel", "grid", "block", "device", "_args", "_buffers", "_consts",
-                 "_packet")
+    __slots__ = ("kernel", "grid", "block", "device", "_args", "_buffers", "_pieces",
+                 "_block", "_packet")
 
     def __init__(self, kernel: Kernel, grid: Any, block: Any, args: Sequence[Any]) -> None:
         if not (_plain(grid) and _plain(block)):
@@ -296,21 +296,27 @@ class LaunchPlan:
         #: the scalars; a buffer's place is None (holding the first call's arrays would
         #: keep their memory from the allocator for as long as the plan lives)
         self._args = [None if p.buffer else v for p, v in zip(kernel._layout, args)]
-        #: per buffer parameter: (its position in args, dtype, shape, dtype code, bytes)
-        self._buffers: list[tuple[int, np.dtype, tuple[int, ...], int, int]] = []
-        #: the block's bytes around the buffers' address records: len(_buffers) + 1 pieces
-        self._consts: list[bytes] = []
-        piece = b""
+        #: per buffer parameter: (its position in args, dtype, shape, bytes)
+        self._buffers: list[tuple[int, np.dtype, tuple[int, ...], int]] = []
+        #: the block is the bytes around the buffers' addresses, the addresses between
+        #: them: ``_block.pack(*_pieces)`` with each address (odd places) filled in, one C
+        #: call instead of a record packed and two concatenations per buffer
+        pieces: list[Any] = []
+        piece, at = b"", userq.ARG_RECORD_VALUE_AT
         for i, (p, v) in enumerate(zip(kernel._layout, args)):
             if not p.buffer:
                 piece += kernel._scalar_arg(p, v)
                 continue
             shape = tuple(v.shape)
             _, code, nbytes, tail = _buffer_tail(v.dtype, shape)
-            self._buffers.append((i, v.dtype, shape, code, nbytes))
-            self._consts.append(piece)
-            piece = tail
-        self._consts.append(piece)
+            self._buffers.append((i, v.dtype, shape, nbytes))
+            record = _BUFFER_RECORD(userq.ARG_BUFFER, code, 0, nbytes)
+            pieces += (piece + record[:at], 0)
+            piece = record[at + 8:] + tail
+        pieces.append(piece)
+        self._pieces = pieces
+        self._block = userq.arg_block_struct([len(run) for run in pieces[::2]])
+        assert self._block.size == len(raw)
         self._packet = kernel._packet(*kernel._config(grid, block), 0, len(raw))
 
     def __call__(self, buffers: Sequence[tuple[DeviceArray, int]],
@@ -318,19 +324,21 @@ class LaunchPlan:
         """Queue the launch with ``buffers`` (``(array, byte offset)`` per buffer
         parameter); return its seqno on the stream."""
         device = self.device
-        consts = self._consts
-        raw = consts[0]
-        for j, ((base, off), (_, _, _, code, nbytes)) in enumerate(zip(buffers, self._buffers)):
+        planned = self._buffers
+        if len(buffers) != len(planned):
+            return self._checked(buffers, stream)
+        pieces = self._pieces.copy()
+        j = 1
+        for (base, off), (_, _, _, nbytes) in zip(buffers, planned):
             if type(base) is not DeviceArray or base.device != device \
                     or base._allocator.closed is not None or not 0 <= off <= base.nbytes - nbytes:
                 return self._checked(buffers, stream)
-            raw += _BUFFER_RECORD(userq.ARG_BUFFER, code, base.va + off, nbytes) + consts[j + 1]
-        if len(buffers) != len(self._buffers):
-            return self._checked(buffers, stream)
+            pieces[j] = base.va + off
+            j += 2
         s = current_stream(device) if stream is None else stream
         if s.device != device or s.capturing is not None or _trace.active is not None:
             return self._checked(buffers, stream)
-        return s._write_launch(self._packet, raw)
+        return s._write_launch(self._packet, self._block.pack(*pieces))
 
     def _checked(self, buffers: Sequence[tuple[Any, int]], stream: Stream | None) -> int:
         """The launch through ``Kernel.launch`` on views of the buffers' windows: it checks
@@ -339,7 +347,7 @@ class LaunchPlan:
             raise errors.InvalidValueError(f"{self.kernel.name}: its plan takes "
                                            f"{len(self._buffers)} buffers, got {len(buffers)}")
         args = list(self._args)
-        for (base, off), (i, dtype, shape, _, _) in zip(buffers, self._buffers):
+        for (base, off), (i, dtype, shape, _) in zip(buffers, self._buffers):
             if not isinstance(base, DeviceArray):
                 raise errors.InvalidValueError(f"{self.kernel.name}: a plan's buffer must be "
                                                f"a device array, got {type(base).__name__}")

@@ -34,7 +34,7 @@ _PRIORITIES = (0, -1)  # runtime.Stream.priority_range(): low, high
 _lock = threading.Lock()
 _init_pid: int | None = None
 #: this process's pid, refreshed in a forked child: the fork checks on the hot paths
-#: (every allocation and free) compare it without a system call, as the runtime's do
+#: (every allocation) compare it without a system call, as the runtime's do
 _pid = os.getpid()
 #: the visible devices, as initialisation counted them (0 before)
 _count = 0
@@ -270,14 +270,15 @@ def profiler_elapsed_us(start: int, end: int) -> float:
 
 
 # ------------------------------------------------------------------ device storage
-#: (device, block address) -> the runtime array a storage lives in
+#: (device, block address) -> the runtime array a storage lives in; a storage's free takes
+#: its entry out (the shim's ``free_block``, except in a child forked after the allocation)
 blocks: dict[tuple[int, int], runtime.DeviceArray] = {}
 _BYTES = np.dtype(np.uint8)
 
 
 def alloc(nbytes: int, device: int) -> runtime.DeviceArray:
     """A block of ``nbytes`` on ``device`` (the shim's allocator, for a storage, which keeps
-    the array and frees it with ``free``); an index out of range is torch's RuntimeError,
+    the array and, freed, drops it and its entry in ``blocks``); an index out of range is torch's RuntimeError,
     as the device guard around the allocation said before the shim allocated on the named
     device directly."""
     if _init_pid != _pid or not 0 <= device < _count:
@@ -288,13 +289,6 @@ def alloc(nbytes: int, device: int) -> runtime.DeviceArray:
         raise torch.OutOfMemoryError(str(exc)) from None
     blocks[(device, arr.va)] = arr
     return arr
-
-
-def free(device: int, va: int) -> None:
-    # a forked child's copy of the table frees nothing (in_bad_fork, inlined: every
-    # tensor's free comes here)
-    if _init_pid is None or _init_pid == _pid:
-        blocks.pop((device, va), None)
 
 
 def block_holding(device: int, ptr: int) -> tuple[runtime.DeviceArray, int]:

@@ -77,7 +77,7 @@ def test_one_arena_class_and_it_alone_writes_argument_blocks() -> None:
 
 def test_every_launch_packet_is_built_naming_no_address_and_written_by_the_stream() -> None:
     """A LAUNCH packet is built in one place (``Kernel._packet``), with args_va 0;
-    only the arena's answer fills the address in (``_with_args_va``, for a long block);
+    only the arena's answer fills the address in (``_name_args``, for a long block);
     and a launch reaches the ring only through ``Stream._write_launch`` (from
     ``Kernel.launch``, a ``LaunchPlan`` and the generated launchers) or a graph's
     ``ArgLaunch``."""
@@ -91,7 +91,7 @@ def test_every_launch_packet_is_built_naming_no_address_and_written_by_the_strea
     addressed = _scopes(trees, lambda n: (isinstance(n, ast.keyword) and n.arg == "args_va")
                         or (isinstance(n, ast.Name) and n.id == "_ARGS_VA_AT"
                             and isinstance(n.ctx, ast.Load)))
-    assert addressed == {("runtime/stream.py", "_with_args_va")}
+    assert addressed == {("runtime/stream.py", "_name_args")}
     writers = _scopes(trees, lambda n: _attr(n, "_write_launch"))
     assert writers == {("runtime/launch.py", "launch"), ("runtime/launch.py", "__call__")}
     generated = (REPO / "runtime" / "arg_packer.py").read_text()

@@ -21,6 +21,8 @@
 //   * record_stream and CPU/accel shallow copies (``x.data = y``), which need the block or
 //     the dispatch keys; autocast's fallthrough and casting lists.
 //   * the attention backend choice F.scaled_dot_product_attention asks a DispatchStub for.
+//   * for speed only, the launch plans' helpers (a key, a result, the buffers: plain CPython
+//     functions, every planned operator calls them; they decide nothing).
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
@@ -37,6 +39,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <c10/util/ApproximateClock.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/profiler/stubs/base.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
@@ -45,6 +48,7 @@
 #include <chrono>
 #include <cstring>
 #include <pthread.h>
+#include <unistd.h>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -247,14 +251,21 @@ struct Block {
   intptr_t va;
   DeviceIndex device;
   PyObject* array;
+  pid_t pid;  // the process that allocated it: a forked child's copy frees nothing
 };
 
-// The storage hot path: every tensor's allocation and free call these two functions of
-// the hooks module, so they are looked up once (by _register) and called through CPython's
-// vectorcall with their two integers, not pybind11's per-call name lookup, argument tuple
-// and casts (docs/torch.md, "The small op's host path, third pass").
+// This process's pid, refreshed in a forked child (pthread_atfork): the free path compares
+// it with a block's without a system call.
+pid_t g_pid = getpid();
+
+// The storage hot path: every tensor's allocation calls this function of the hooks module,
+// so it is looked up once (by _register) and called through CPython's vectorcall with its
+// two integers, not pybind11's per-call name lookup, argument tuple and casts
+// (docs/torch.md, "The small op's host path, third pass"). A free needs no Python function
+// of its own: it takes the block's entry out of the hooks' ``blocks`` table here and drops
+// the array's reference, whose finaliser gives the block back to the caching allocator.
 PyObject* g_alloc_fn = nullptr;  // _hooks.alloc(nbytes, device) -> its runtime array
-PyObject* g_free_fn = nullptr;   // _hooks.free(device, va)
+PyObject* g_blocks = nullptr;    // _hooks.blocks: (device, va) -> runtime array
 PyObject* g_va = nullptr;        // "va", interned
 
 // f(a, b): a new reference, or nullptr with the Python error set. The GIL is held.
@@ -267,17 +278,24 @@ PyObject* call_ints(PyObject* f, long long a, long long b) {
 }
 
 // A storage's deleter: a destructor's path, so an error is printed, never thrown, and a
-// Python exception pending meanwhile is set aside (call_quietly_with's rules).
+// Python exception pending meanwhile is set aside (call_quietly_with's rules). In a child
+// forked after the block was allocated the table keeps its entry, so the array is never
+// freed there (its memory is the parent's).
 void free_block(void* ctx) {
   auto* b = static_cast<Block*>(ctx);
   Entry entry;
-  if (g_free_fn != nullptr && entry) {
+  if (g_blocks != nullptr && entry) {
     py::gil_scoped_acquire gil;
     py::error_scope pending;
-    if (PyObject* out = call_ints(g_free_fn, b->device, b->va))
-      Py_DECREF(out);
-    else
-      py::error_already_set().discard_as_unraisable("free");
+    if (b->pid == g_pid) {
+      PyObject* key = Py_BuildValue("(in)", static_cast<int>(b->device),
+                                    static_cast<Py_ssize_t>(b->va));
+      if (key == nullptr || (PyDict_DelItem(g_blocks, key) < 0 &&
+                             !PyErr_ExceptionMatches(PyExc_KeyError)))
+        py::error_already_set().discard_as_unraisable("free");
+      PyErr_Clear();  // a KeyError: the entry went already (as ``blocks.pop(key, None)``)
+      Py_XDECREF(key);
+    }
     Py_DECREF(b->array);  // the array's last reference, unless a forked child kept it
     if (PyErr_Occurred()) py::error_already_set().discard_as_unraisable("free");
   }
@@ -306,7 +324,7 @@ struct AccelAllocator final : c10::DeviceAllocator {
       auto va = py::reinterpret_steal<py::object>(PyObject_GetAttr(array.ptr(), g_va));
       if (!va) throw py::error_already_set();
       block = new Block{static_cast<intptr_t>(PyLong_AsSsize_t(va.ptr())), device,
-                        array.release().ptr()};
+                        array.release().ptr(), g_pid};
     }
     intptr_t va = block->va;
     return c10::DataPtr(reinterpret_cast<void*>(va), block, &free_block, accel(device));
@@ -690,6 +708,114 @@ struct AccelProfilerStubs final : torch::profiler::impl::ProfilerStubs {
 
 AccelProfilerStubs g_profiler_stubs;
 
+// ------------------------------------------------------------ launch plans' helpers
+// Called on every planned operator (ops/_plans.py), so plain CPython functions: pybind11's
+// overload dispatch and casts cost more than their work (docs/torch.md, "Where an eager
+// op's time goes").
+
+// _signature(*tensors): bytes naming each tensor's device, dtype, sizes and strides, a
+// launch plan's key; None if an argument is not a tensor (a subclass included: it takes
+// the checked path) or has no strides.
+PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  std::string key;
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!THPVariable_CheckExact(args[i])) Py_RETURN_NONE;
+      const at::Tensor& t = THPVariable_Unpack(args[i]);
+      if (t.layout() != c10::kStrided) Py_RETURN_NONE;
+      auto sizes = t.sizes();
+      auto strides = t.strides();
+      int64_t head[3] = {static_cast<int64_t>(t.device().type()), t.device().index(),
+                         static_cast<int64_t>(t.scalar_type()) << 32 | t.dim()};
+      key.append(reinterpret_cast<const char*>(head), sizeof head);
+      key.append(reinterpret_cast<const char*>(sizes.data()), sizes.size() * sizeof(int64_t));
+      key.append(reinterpret_cast<const char*>(strides.data()),
+                 strides.size() * sizeof(int64_t));
+    }
+  } catch (const c10::Error&) {
+    Py_RETURN_NONE;  // symbolic sizes, say: no plan
+  }
+  return PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size()));
+}
+
+// _buffers(tensors): per tensor, (its storage's runtime array, its first element's byte
+// offset there): a launch plan's buffers in one call; None if a storage is not an
+// allocator block (a DLPack import, no bytes), which ops/_tensors.py resolves.
+PyObject* buffers(PyObject*, PyObject* seq) {
+  PyObject* fast = PySequence_Fast(seq, "_buffers takes a sequence of tensors");
+  if (fast == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  PyObject* out = PyTuple_New(n);
+  try {
+    for (Py_ssize_t i = 0; out != nullptr && i < n; ++i) {
+      int is_tensor = THPVariable_CheckExact(items[i]) ? 1
+          : THPVariableClass ? PyObject_IsInstance(items[i], THPVariableClass) : 0;
+      if (is_tensor <= 0) {
+        if (is_tensor == 0) PyErr_SetString(PyExc_TypeError, "_buffers takes tensors");
+        Py_CLEAR(out);
+        break;
+      }
+      const at::Tensor& t = THPVariable_Unpack(items[i]);
+      const auto& p = t.storage().data_ptr();
+      auto* block = static_cast<Block*>(p.get_context());
+      if (p.get_deleter() != &free_block || block == nullptr) {
+        Py_DECREF(out);
+        Py_DECREF(fast);
+        Py_RETURN_NONE;
+      }
+      PyObject* offset =
+          PyLong_FromLongLong(t.storage_offset() * static_cast<int64_t>(t.element_size()));
+      PyObject* pair = offset ? PyTuple_Pack(2, block->array, offset) : nullptr;
+      Py_XDECREF(offset);
+      if (pair == nullptr) {
+        Py_CLEAR(out);
+        break;
+      }
+      PyTuple_SET_ITEM(out, i, pair);
+    }
+  } catch (const c10::Error& e) {  // a tensor without storage
+    Py_XDECREF(out);
+    Py_DECREF(fast);
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    return nullptr;
+  }
+  Py_DECREF(fast);
+  return out;
+}
+
+// _empty_like(t): a new tensor of an accel tensor's sizes and dtype on its device, laid
+// out contiguous: what ``torch.empty_like`` of a contiguous ``t`` makes, through the same
+// kernel (``empty.memory_format`` below) without the dispatcher's two passes (empty_like,
+// then empty) and its argument parsing.
+PyObject* empty_like(PyObject*, PyObject* arg) {
+  if (!THPVariable_CheckExact(arg)) {
+    PyErr_SetString(PyExc_TypeError, "_empty_like takes a tensor");
+    return nullptr;
+  }
+  const at::Tensor& t = THPVariable_Unpack(arg);
+  try {
+    TORCH_CHECK(t.device().type() == kAccel, "_empty_like: a tensor on ", t.device());
+    return THPVariable_Wrap(empty_memory_format(t.sizes(), t.scalar_type(), std::nullopt,
+                                                t.device(), std::nullopt,
+                                                c10::MemoryFormat::Contiguous));
+  } catch (py::error_already_set& e) {  // the allocation's own error (OutOfMemoryError)
+    e.restore();
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef g_plan_methods[] = {
+    {"_signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&signature)),
+     METH_FASTCALL, "a launch plan's key of tensors: device, dtype, sizes, strides"},
+    {"_buffers", &buffers, METH_O, "per tensor (its storage's runtime array, byte offset)"},
+    {"_empty_like", &empty_like, METH_O, "torch.empty_like of a contiguous accel tensor"},
+    {nullptr, nullptr, 0, nullptr}};
+
 std::once_flag g_registered;
 
 }  // namespace
@@ -704,14 +830,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     std::call_once(g_registered, [&] {
       g_hooks = new py::object(std::move(hooks));  // lives as long as the process
       g_alloc_fn = py::object(g_hooks->attr("alloc")).release().ptr();
-      g_free_fn = py::object(g_hooks->attr("free")).release().ptr();
+      g_blocks = py::object(g_hooks->attr("blocks")).release().ptr();
       g_va = PyUnicode_InternFromString("va");
       c10::SetAllocator(kAccel, &g_allocator);
       at::RegisterPrivateUse1HooksInterface(new AccelHooks());
       torch::profiler::impl::registerPrivateUse1Methods(&g_profiler_stubs);
       py::module_::import("atexit").attr("register")(py::cpp_function(&quiesce));
       // a forked child has only the forking thread: no call of another is inside
-      pthread_atfork(nullptr, nullptr, [] { g_entries.store(0); });
+      pthread_atfork(nullptr, nullptr, [] {
+        g_entries.store(0);
+        g_pid = getpid();
+      });
     });
   });
   m.def("_philox_take", [](const at::Generator& gen, uint64_t increment) {
@@ -727,27 +856,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     // a uint8 tensor over a block the hooks hold in `blocks` but the allocator did not hand
     // out (memory another process shared): its storage frees it through `free`, as theirs
     py::object array = g_hooks->attr("blocks")[py::make_tuple(device, va)];
-    c10::DataPtr p(reinterpret_cast<void*>(va), new Block{va, device, array.release().ptr()},
+    c10::DataPtr p(reinterpret_cast<void*>(va), new Block{va, device, array.release().ptr(), g_pid},
                    &free_block, accel(device));
     c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(p), nullptr, false);
     auto t = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(accel(device)));
     return t.set_(storage, 0, {static_cast<int64_t>(nbytes)}, {1});
   }, "a uint8 tensor whose storage is the block at (device, va) of nbytes");
-  m.def("_buffers", [](const std::vector<at::Tensor>& tensors) -> py::object {
-    // per tensor, (its storage's runtime array, its first element's byte offset there): a
-    // launch plan's buffers in one call (ops/_plans.py); None if a storage is not an
-    // allocator block (a DLPack import, no bytes), which ops/_tensors.py resolves
-    py::list out(tensors.size());
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const auto& t = tensors[i];
-      const auto& p = t.storage().data_ptr();
-      auto* block = static_cast<Block*>(p.get_context());
-      if (p.get_deleter() != &free_block || block == nullptr) return py::none();
-      out[i] = py::make_tuple(py::reinterpret_borrow<py::object>(block->array),
-                              t.storage_offset() * static_cast<int64_t>(t.element_size()));
-    }
-    return std::move(out);
-  });
+  PyModule_AddFunctions(m.ptr(), g_plan_methods);
   m.def("_storage_block", [](const at::Tensor& t) {
     // (device, block address) of a tensor's storage: the runtime block it lives in
     const auto& p = t.storage().data_ptr();

@@ -19,8 +19,9 @@ the module its launch names.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-from typing import NamedTuple
+import operator
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -33,22 +34,33 @@ from torch_accel.ops._tensors import block_of
 MAX_PLANS = 1024
 #: where a plan's buffer comes from: the call's new result (else an operand's index)
 RESULT = -1
+#: the table's name among the runtime ``Device``'s parts
+_PART = ("torch_accel", "plans")
+#: a key's first call: no plan made yet (None is "this kind of call has none")
+_UNSEEN = object()
 
 
-class Plan(NamedTuple):
+class Plan:
     """A kind of call, planned: its launch and where each of its buffers comes from."""
 
-    launch: runtime.LaunchPlan
-    #: a new result's shape and dtype (a call with an ``out`` given allocates nothing)
-    shape: torch.Size
-    dtype: torch.dtype
-    #: per buffer parameter of the kernel: RESULT, or the index of the operand it reads
-    sources: tuple[int, ...]
-    #: a new result is ``torch.empty_like(operands[0])``: that operand has the result's
-    #: shape and dtype, laid out with the standard contiguous strides (``like``), which
-    #: empty_like keeps. torch parses ``torch.empty(shape, dtype=, device=)``'s arguments
-    #: ~1 us longer, a twentieth of a small operator's host time.
-    like: bool = False
+    __slots__ = ("launch", "shape", "dtype", "like", "pick")
+
+    def __init__(self, launch: runtime.LaunchPlan, shape: torch.Size, dtype: torch.dtype,
+                 sources: Sequence[int], like: bool = False) -> None:
+        """``sources``: per buffer parameter of the kernel, RESULT or the index of the
+        operand it reads. ``shape`` and ``dtype``: a new result's (a call with an ``out``
+        given allocates nothing). ``like``: a new result is
+        ``torch.empty_like(operands[0])``: that operand has the result's shape and dtype,
+        laid out with the standard contiguous strides (:func:`like`), which empty_like
+        keeps; the shim makes it without the dispatcher (``_C._empty_like``), where
+        ``torch.empty(shape, dtype=, device=)`` parses its arguments and dispatches."""
+        self.launch, self.shape, self.dtype, self.like = launch, shape, dtype, like
+        #: the buffers from ``(result, *operands)``, in one C call (a comprehension is a
+        #: frame of its own)
+        places = [src + 1 for src in sources]
+        self.pick: Callable[[tuple[torch.Tensor, ...]], Sequence[torch.Tensor]] = \
+            operator.itemgetter(*places) if len(places) > 1 else \
+            (lambda tensors: (tensors[places[0]],))
 
 
 def like(t: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> bool:
@@ -69,31 +81,31 @@ def table(device: int) -> dict[Hashable, Plan | None]:
     """``device``'s plans by key (None: that kind of call has no plan). In a child forked
     after initialisation this raises torch's "Cannot re-initialize" as any use does."""
     _hooks.lazy_init()
-    return runtime.devices.get(device).part(("torch_accel", "plans"), dict)
+    return runtime.devices.get(device).part(_PART, dict)
 
 
-def find(device: int, key: Hashable, make: Callable[[], Plan | None]) -> Plan | None:
-    """The plan of ``key`` on ``device``, made by ``make()`` on the key's first call."""
-    plans = table(device)
-    try:
-        return plans[key]
-    except KeyError:
-        pass
-    plan = make()
-    if len(plans) >= MAX_PLANS:
-        plans.clear()
-    plans[key] = plan
-    return plan
-
-
-def run(plan: Plan, device: torch.device, operands: tuple[torch.Tensor, ...],
-        out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch ``plan`` on ``operands`` (on ``device``'s current stream) into ``out``, or a
-    new result; return the result."""
+def call(device: int, key: Hashable, make: Callable[..., Plan | None],
+         make_args: tuple[Any, ...], operands: tuple[Any, ...],
+         out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Run the plan of ``key`` on accel device ``device`` (made by ``make(*make_args)`` on
+    the key's first call) on ``operands``, on the device's current stream, into ``out`` or
+    a new result, which is on ``operands[0]``'s device; return the result, or None if that
+    kind of call has no plan. One frame for the lookup and the launch: this is every
+    planned operator's host path (docs/torch.md, "Where an eager op's time goes")."""
+    if _hooks._init_pid != _hooks._pid:
+        _hooks.lazy_init()  # a child forked after initialisation: torch's fork error
+    plans = runtime.devices.get(device).part(_PART, dict)
+    plan = plans.get(key, _UNSEEN)
+    if plan is _UNSEEN:
+        plan = make(*make_args)
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plans[key] = plan
+    if plan is None:
+        return None
     if out is None:
-        out = torch.empty_like(operands[0]) if plan.like else \
-            torch.empty(plan.shape, dtype=plan.dtype, device=device)
-    tensors = [out if src == RESULT else operands[src] for src in plan.sources]
-    buffers = _C._buffers(tensors) or [block_of(t) for t in tensors]
-    plan.launch(buffers, runtime.current_stream(device.index))
+        out = _C._empty_like(operands[0]) if plan.like else \
+            torch.empty(plan.shape, dtype=plan.dtype, device=operands[0].device)
+    tensors = plan.pick((out, *operands))
+    plan.launch(_C._buffers(tensors) or [block_of(t) for t in tensors])
     return out

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torch_accel import kernels
+from torch_accel import _C, kernels
 from torch_accel.kernels import Binary, Compare, Predicate, Unary
 from torch_accel.kernels.elementwise import FLOAT_ONLY, INT_ONLY_BINARY
 from torch_accel.ops import _operands as operands
@@ -86,31 +86,39 @@ def _binary_plan(op: Binary, a: torch.Tensor, b: Any, alpha: Any, in_place: bool
 
 def _binary_planned(op: Binary, a: Any, b: Any, alpha: Any,
                     out: torch.Tensor | None) -> torch.Tensor | None:
-    """``a OP b`` through its launch plan (ops/_plans.py); None when the call has none."""
-    if not isinstance(a, torch.Tensor) or (out is not None and out is not a):
+    """``a OP b`` through its launch plan (ops/_plans.py); None when the call has none. The
+    key's tensors part is one call (``_C._signature``: devices, dtypes, sizes, strides)."""
+    if out is not None and out is not a:
         return None
     b_tensor = isinstance(b, torch.Tensor)
     if b_tensor:
-        b_key: tuple[Any, ...] = (b.dtype, b.shape, b.stride(), b.device)
+        tensors = _C._signature(a, b)
     elif type(b) in _NUMBERS and b == b:  # (a NaN is never equal to its key)
-        b_key = (type(b), b)
+        tensors = _C._signature(a)
     else:
         return None
-    device = a.device
-    if device.type != "accel" or type(alpha) not in _NUMBERS:
+    if tensors is None or type(alpha) not in _NUMBERS:
+        return None  # not plain tensors (a subclass), or an alpha that is not a number
+    device = a.get_device()  # (-1 off accel: a CPU 0-d tensor's ``a``)
+    if device < 0:
         return None
     in_place = out is not None
-    key = (Binary, op, type(alpha), alpha, in_place, a.dtype, a.shape, a.stride(), b_key)
-    plan = _plans.find(device.index, key, lambda: _binary_plan(op, a, b, alpha, in_place))
-    if plan is None:
-        return None
-    return _plans.run(plan, device, (a, b) if b_tensor else (a,), out)
+    key = (Binary, op, type(alpha), alpha, in_place, tensors) if b_tensor else \
+        (Binary, op, type(alpha), alpha, in_place, tensors, type(b), b)
+    return _plans.call(device, key, _binary_plan, (op, a, b, alpha, in_place),
+                       (a, b) if b_tensor else (a,), out)
 
 
 def binary_op(op: Binary, a: Any, b: Any, alpha: Any = 1,
               out: torch.Tensor | None = None) -> torch.Tensor:
     if (planned := _binary_planned(op, a, b, alpha, out)) is not None:
         return planned
+    return _binary_checked(op, a, b, alpha, out)
+
+
+def _binary_checked(op: Binary, a: Any, b: Any, alpha: Any,
+                    out: torch.Tensor | None) -> torch.Tensor:
+    """``a OP b`` through torch's rules and the kernel's checked launch (no plan)."""
     p = _Pair(a, b)
     compute = _binary_compute(op, p.result)
     operands.check_cast(compute, out)
@@ -126,7 +134,10 @@ def _binary_family(name: str, op: Binary) -> None:
         if hasattr(torch.ops.aten, f"{name}_") else set()
 
     def functional(a: Any, b: Any, *, alpha: Any = 1) -> torch.Tensor:
-        return binary_op(op, a, b, alpha)
+        # binary_op without its frame: this is every eager ``a + b``
+        if (planned := _binary_planned(op, a, b, alpha, None)) is not None:
+            return planned
+        return _binary_checked(op, a, b, alpha, None)
 
     def in_place(a: torch.Tensor, b: Any, *, alpha: Any = 1) -> torch.Tensor:
         return binary_op(op, a, b, alpha, out=a)
@@ -278,13 +289,13 @@ def _unary_planned(op: Unary, x: Any, p0: Any, p1: Any,
     if not isinstance(x, torch.Tensor) or (out is not None and out is not x) \
             or type(p0) not in _NUMBERS or type(p1) not in _NUMBERS or p0 != p0 or p1 != p1:
         return None
-    device = x.device
-    if device.type != "accel":
+    tensors = _C._signature(x)
+    device = x.get_device()  # (-1 off accel)
+    if tensors is None or device < 0:
         return None
     in_place = out is not None
-    key = (Unary, op, type(p0), p0, type(p1), p1, in_place, x.dtype, x.shape, x.stride())
-    plan = _plans.find(device.index, key, lambda: _unary_plan(op, x, p0, p1, in_place))
-    return None if plan is None else _plans.run(plan, device, (x,), out)
+    key = (Unary, op, type(p0), p0, type(p1), p1, in_place, tensors)
+    return _plans.call(device, key, _unary_plan, (op, x, p0, p1, in_place), (x,), out)
 
 
 def unary_op(op: Unary, x: torch.Tensor, p0: float = 0.0, p1: float = 0.0,

@@ -133,14 +133,10 @@ def _planned(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, beta: 
             bias is not None and beta != 0 and (
             bias.dtype != a.dtype or _shares_storage(bias, res))):
         return False
-    device = a.device
     key = (_planned, a.dtype, a.shape, a.stride(), b.shape, b.stride(), res.stride(), beta,
            alpha, None if bias is None or beta == 0 else (bias.shape, bias.stride()))
-    plan = _plans.find(device.index, key, lambda: _product_plan(a, b, bias, beta, alpha, res))
-    if plan is None:
-        return False
-    _plans.run(plan, device, (a, b, bias), res)
-    return True
+    return _plans.call(a.device.index, key, _product_plan, (a, b, bias, beta, alpha, res),
+                       (a, b, bias), res) is not None
 
 
 def _product_plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, beta: float,
