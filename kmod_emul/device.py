@@ -184,6 +184,10 @@ class AccelDevice:
     def fw_stats(self) -> dict[str, int]:
         return self.fw.mbx.stats() if self.fw is not None else {}
 
+    def fw_stat(self, name: str) -> int:
+        """One of the firmware's counters (``mailbox.STAT_NAMES``); 0 while none runs."""
+        return self.fw.mbx.stat(name) if self.fw is not None else 0
+
     def fw_send(self, ctx_id: int, payload: Struct, fds: list[int] | None = None) -> None:
         """Send a control message to the running firmware, handing it ``fds`` (owned by
         the call: closed once sent). Dropped, descriptors closed, when no firmware runs:
@@ -208,13 +212,10 @@ class AccelDevice:
         self.fw_send(0, mailbox.fw_set_budget(device_bytes=vram.used + vram.reserved))
 
     # --- what it is ------------------------------------------------------------------------
-    def describe(self) -> uapi.accel_device_info:
-        """DEVICE_QUERY's answer; sysfs renders the same. The static part is built once per
-        boot, since the query is a hot path (bench: device-query round trip)."""
-        info = uapi.accel_device_info.from_buffer_copy(self.static_description())
-        info.state = self.state
-        info.memory_used = self.memory_used
-        return info
+    def describe(self) -> bytes:
+        """DEVICE_QUERY's answer, the reply's bytes; sysfs renders the same. The query is a
+        hot path (bench: device-query round trip): the static part is built once per boot."""
+        return uapi.device_info_now(self.static_description(), self.state, self.memory_used)
 
     def static_description(self) -> bytes:
         """The description's fields that change only on boot, as the struct's bytes."""
