@@ -126,6 +126,8 @@ class AccelDevice:
         self.up: bringup.Bringup[boot.Boot] | None = None
         #: DEVICE_QUERY's fields that change only on boot, as bytes (built on first query)
         self.static_info: bytes | None = None
+        #: the last DEVICE_QUERY answer, with the (static part, state, memory used) of it
+        self._described: tuple[tuple[bytes, int, int], bytes] = ((b"", 0, 0), b"")
 
         # --- knobs: what the driver does when a running firmware dies or hangs ("auto"
         # resets at once as amdgpu's gpu_recovery, "manual" leaves it failed: --recovery),
@@ -214,8 +216,12 @@ class AccelDevice:
     # --- what it is ------------------------------------------------------------------------
     def describe(self) -> bytes:
         """DEVICE_QUERY's answer, the reply's bytes; sysfs renders the same. The query is a
-        hot path (bench: device-query round trip): the static part is built once per boot."""
-        return uapi.device_info_now(self.static_description(), self.state, self.memory_used)
+        hot path (bench: device-query round trip): the static part is built once per boot,
+        and the answer is built again only when it, the state or the memory in use moved."""
+        now = (self.static_description(), self.state, self.memory_used)
+        if now != self._described[0]:
+            self._described = (now, uapi.device_info_now(*now))
+        return self._described[1]
 
     def static_description(self) -> bytes:
         """The description's fields that change only on boot, as the struct's bytes."""
