@@ -29,6 +29,7 @@ import errno
 import os
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Final
 
 from abi._struct import Struct
@@ -591,9 +592,16 @@ class Command:
     code: int
     struct: type[Struct]
 
-    @property
+    # computed once: the driver asks on every command (cached_property writes the
+    # instance's __dict__, which a frozen dataclass allows)
+    @cached_property
     def has_reply(self) -> bool:
         return bool(ioc_dir(self.code) & IOC_READ)
+
+    @cached_property
+    def size(self) -> int:
+        """The struct's size in bytes."""
+        return ctypes.sizeof(self.struct)
 
 
 def _cmd(name: str, direction: int, nr: int, struct: type[Struct]) -> Command:

@@ -279,7 +279,7 @@ def _decode(raw: bytes) -> tuple[uapi.Command, int, Any]:
         raise DriverError(errno.EINVAL, f"header flags {flags:#x} must be 0")
     if tag >= uapi.ACCEL_TAG_LIMIT:
         raise DriverError(errno.EINVAL, f"tag {tag:#x} not below {uapi.ACCEL_TAG_LIMIT:#x}")
-    want = _HDR + ctypes.sizeof(cmd.struct)
+    want = _HDR + cmd.size
     if len(raw) != want:
         raise DriverError(errno.EINVAL, f"{cmd.name}: {len(raw)} bytes written, expected {want}")
     if not cmd.struct.reserved_clear(raw, _HDR):
@@ -296,15 +296,14 @@ async def execute(info: DriverInfo, f: OpenFile, raw: bytes) -> None:
         f.device.check_present()
         cmd, tag, arg = _decode(raw)
         name = cmd.name
-        has_reply = cmd.has_reply
-        if has_reply:
+        if cmd.has_reply:
             if tag in f.replies:
                 raise DriverError(errno.EEXIST, f"the reply for tag {tag} is still unread")
             if len(f.replies) >= uapi.ACCEL_MAX_PENDING_REPLIES:
                 raise DriverError(errno.EBUSY,
                                   f"{len(f.replies)} replies unread; read them first")
         out = await TABLE[cmd.code](info, f, arg)
-        if has_reply:
+        if cmd.has_reply:
             f.replies[tag] = bytes(out)
     except DriverError as exc:
         f.last_error = (f"{name} {errno.errorcode.get(exc.errno, exc.errno)}: "
