@@ -371,7 +371,8 @@ class AccelFS(pyfuse3.Operations):
         handle = self._handles[fh]
         try:
             if isinstance(handle, OpenFile):  # a command's reply: the hot path, tested first
-                await self.turns.take(handle.pid)
+                if not self.turns.start_now(handle.pid):
+                    await self.turns.take(handle.pid)
                 return drv.read(handle, off, size)
             if isinstance(handle, AttrHandle):
                 return handle.content[off : off + size]
@@ -383,7 +384,8 @@ class AccelFS(pyfuse3.Operations):
         handle = self._handles[fh]
         try:
             if isinstance(handle, OpenFile):  # a command: the hot path, tested first
-                await self.turns.take(handle.pid)
+                if not self.turns.start_now(handle.pid):
+                    await self.turns.take(handle.pid)
                 await drv.execute(self.info, handle, buf)
             elif isinstance(handle, AttrHandle):
                 assert handle.node.attr is not None
