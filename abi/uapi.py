@@ -29,6 +29,7 @@ import errno
 import os
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Final
 
 from abi._struct import Struct
@@ -101,7 +102,7 @@ class accel_cmd_hdr(Struct):
     ]
 
 
-#: The header as the runtime packs it in one call: cmd, flags, tag.
+#: The header as the runtime packs it and the driver reads it, in one call: cmd, flags, tag.
 CMD_HDR = struct.Struct("<IIQ")
 assert CMD_HDR.size == ctypes.sizeof(accel_cmd_hdr)
 #: Tags must stay below this so that ``pread(fd, n, tag)`` is a valid offset.
@@ -216,6 +217,21 @@ class accel_device_info(Struct):
         ("max_queue_depth", ctypes.c_uint32),
         ("reserved", ctypes.c_uint64 * 7),
     ]
+
+
+_INFO_STATE, _INFO_STATE_OFF = struct.Struct("<I"), accel_device_info.state.offset
+_INFO_MEMORY_USED = struct.Struct("<Q")
+_INFO_MEMORY_USED_OFF = accel_device_info.memory_used.offset
+
+
+def device_info_now(static: bytes, state: int, memory_used: int) -> bytes:
+    """``static`` (an ``accel_device_info``'s bytes) with the two fields that change after
+    boot set: the driver's DEVICE_QUERY answer, written into a copy of the bytes (building
+    the struct per query cost 2.5 us, an eighth of the driver's part of the round trip)."""
+    info = bytearray(static)
+    _INFO_STATE.pack_into(info, _INFO_STATE_OFF, state)
+    _INFO_MEMORY_USED.pack_into(info, _INFO_MEMORY_USED_OFF, memory_used)
+    return bytes(info)
 
 
 # --- contexts -------------------------------------------------------------------------
@@ -576,9 +592,16 @@ class Command:
     code: int
     struct: type[Struct]
 
-    @property
+    # computed once: the driver asks on every command (cached_property writes the
+    # instance's __dict__, which a frozen dataclass allows)
+    @cached_property
     def has_reply(self) -> bool:
         return bool(ioc_dir(self.code) & IOC_READ)
+
+    @cached_property
+    def size(self) -> int:
+        """The struct's size in bytes."""
+        return ctypes.sizeof(self.struct)
 
 
 def _cmd(name: str, direction: int, nr: int, struct: type[Struct]) -> Command:

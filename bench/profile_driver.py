@@ -78,8 +78,7 @@ def in_process(number: int = 20000, repeat: int = 5) -> list[tuple[str, float]]:
         return [
             ("drv.execute + drv.take_reply (whole DEVICE_QUERY)", us(execute_and_take)),
             ("  drv._decode (header + struct + reserved check)", us(lambda: drv._decode(raw))),
-            ("    accel_cmd_hdr.from_buffer_copy", us(
-                lambda: uapi.accel_cmd_hdr.from_buffer_copy(raw))),
+            ("    CMD_HDR.unpack_from", us(lambda: uapi.CMD_HDR.unpack_from(raw))),
             ("    accel_device_info.from_buffer_copy", us(
                 lambda: uapi.accel_device_info.from_buffer_copy(raw, uapi.CMD_HDR.size))),
             ("    reserved_clear()", us(lambda: uapi.accel_device_info.reserved_clear(raw, uapi.CMD_HDR.size))),

@@ -33,8 +33,8 @@ _SYS_SCHED_SETATTR = 314  # x86_64
 #: ``sched_attr.sched_flags``: threads the boosted loop starts are ordinary threads
 _SCHED_FLAG_RESET_ON_FORK = 0x01
 
-#: The control loop turns real-time once it has had work in every pass for this long
-#: (seconds): a flood, not one tenant's round trip...
+#: The control loop turns real-time once every pass has taken packets from the processes'
+#: own rings for this long (seconds): a flood, not one tenant's round trip...
 BOOST_AFTER_S = 500e-6
 #: ...and, real-time, it rests this long (a plain sleep) after each this long of its own
 #: CPU time, so a saturated device leaves the rest of its CPU to the host's threads (its
@@ -84,15 +84,19 @@ class Boost:
     here): with the host's other threads busy it ran 40-50% of the time, and a
     bystander's launch waited out the others' slices (a median of 2.2 ms against 20-50 us
     quiet: docs/containment.md, "Worst-case delay"). Fair turns inside the loop cannot
-    help when the loop itself does not run. So once it has had work in every pass for
-    ``BOOST_AFTER_S`` the loop turns ``SCHED_FIFO`` (the lowest real-time priority, its
-    threads started meanwhile ordinary ones): it runs whenever it has work, and rests
-    ``BOOST_REST_S`` after each ``BOOST_RUN_S`` of its CPU time, so a saturated device
-    takes at most five sixths of one CPU from the host. The first pass without work puts it back (fair
-    share, short slice). One tenant's back-to-back round trips while an engine runs count
-    too: the loop naps between passes then, each nap ends at the next doorbell, and it
-    wakes real-time (measured faster: same place). Best effort: without the privilege
-    (CAP_SYS_NICE) it stays as it was, as the engines' nice does."""
+    help when the loop itself does not run. So once every pass has taken packets from
+    the processes' own rings for ``BOOST_AFTER_S`` the loop turns ``SCHED_FIFO`` (the
+    lowest real-time priority, its threads started meanwhile ordinary ones): it runs
+    whenever it has work, and rests ``BOOST_REST_S`` after each ``BOOST_RUN_S`` of its CPU
+    time, so a saturated device takes at most five sixths of one CPU from the host. The
+    first pass without such packets puts it back (fair share, short slice). One tenant's
+    back-to-back round trips while an engine runs count too: the loop naps between passes
+    then, each nap ends at the next doorbell, and it wakes real-time (measured faster:
+    same place). Work the driver brought (its SUBMIT_NOOP packets on the default queues,
+    control messages) does not count: each such packet is a FUSE round trip through the
+    daemon, whose CPU, not the loop's, bounds that flood, and a real-time loop took it
+    from the daemon and the bystanders (docs/containment.md). Best effort: without the
+    privilege (CAP_SYS_NICE) it stays as it was, as the engines' nice does."""
 
     def __init__(self) -> None:
         self.allowed = True  # False once the kernel refused
@@ -101,7 +105,8 @@ class Boost:
         self._ran_at_rest = 0.0  # the thread's CPU time (time.thread_time) at its last rest
 
     def working(self, now: float) -> None:
-        """A pass of the loop had work (``now``: time.monotonic())."""
+        """A pass of the loop took packets from a process's own ring (``now``:
+        time.monotonic())."""
         if not self._busy_since:
             self._busy_since = now
         if not self.boosted:
@@ -115,7 +120,7 @@ class Boost:
             self._ran_at_rest = time.thread_time()
 
     def idle(self) -> None:
-        """A pass of the loop had no work: back to the host's fair share."""
+        """A pass of the loop took none: back to the host's fair share."""
         self._busy_since = 0.0
         if self.boosted:
             self.boosted = False

@@ -488,6 +488,7 @@ class Firmware:
             now = time.monotonic()
             if work:
                 last_work = now
+            if self.sched.user_taken:
                 boost.working(now)
             else:
                 boost.idle()

@@ -99,6 +99,10 @@ class Scheduler:
         #: devices whose memory is out of reach over the link (Op.LINK): copies touching
         #: it fail with ENOLINK
         self.links_down: set[int] = set()
+        #: packets the last pass took from the processes' own rings, not the driver's
+        #: default queues (SUBMIT_NOOP): what can saturate the control loop
+        #: (host_cpu.Boost)
+        self.user_taken = 0
 
     # --- wake-ups --------------------------------------------------------------------------
     @property
@@ -217,7 +221,7 @@ class Scheduler:
         driver clears the context's live-table entry before the process can learn of the
         loss (the doorbell page's "lost" word, ENODEV), so packets rung after it never
         start, even while the loss's message waits behind others on the mailbox."""
-        done = 0
+        done = self.user_taken = 0
         if not (self.hung or self.held):
             for ring in [r for r in self.active if r.ctx.dropped()]:
                 self.active.pop(ring, None)
@@ -237,6 +241,8 @@ class Scheduler:
                 ring.vtime += spent_ns
                 ring.ctx.vtime += spent_ns
                 done += took
+                if ring.slot != userq.ACCEL_DB_DEFAULT_SLOT:
+                    self.user_taken += took
                 # a turn that took nothing, or ran out of the pass's budget, was the last
                 budget[ring] = (left - took if took and not self.kernels.turn_spent() else 0,
                                 self.kernels.inline_work)

@@ -126,6 +126,8 @@ class AccelDevice:
         self.up: bringup.Bringup[boot.Boot] | None = None
         #: DEVICE_QUERY's fields that change only on boot, as bytes (built on first query)
         self.static_info: bytes | None = None
+        #: the last DEVICE_QUERY answer, with the (static part, state, memory used) of it
+        self._described: tuple[tuple[bytes, int, int], bytes] = ((b"", 0, 0), b"")
 
         # --- knobs: what the driver does when a running firmware dies or hangs ("auto"
         # resets at once as amdgpu's gpu_recovery, "manual" leaves it failed: --recovery),
@@ -184,6 +186,10 @@ class AccelDevice:
     def fw_stats(self) -> dict[str, int]:
         return self.fw.mbx.stats() if self.fw is not None else {}
 
+    def fw_stat(self, name: str) -> int:
+        """One of the firmware's counters (``mailbox.STAT_NAMES``); 0 while none runs."""
+        return self.fw.mbx.stat(name) if self.fw is not None else 0
+
     def fw_send(self, ctx_id: int, payload: Struct, fds: list[int] | None = None) -> None:
         """Send a control message to the running firmware, handing it ``fds`` (owned by
         the call: closed once sent). Dropped, descriptors closed, when no firmware runs:
@@ -208,13 +214,14 @@ class AccelDevice:
         self.fw_send(0, mailbox.fw_set_budget(device_bytes=vram.used + vram.reserved))
 
     # --- what it is ------------------------------------------------------------------------
-    def describe(self) -> uapi.accel_device_info:
-        """DEVICE_QUERY's answer; sysfs renders the same. The static part is built once per
-        boot, since the query is a hot path (bench: device-query round trip)."""
-        info = uapi.accel_device_info.from_buffer_copy(self.static_description())
-        info.state = self.state
-        info.memory_used = self.memory_used
-        return info
+    def describe(self) -> bytes:
+        """DEVICE_QUERY's answer, the reply's bytes; sysfs renders the same. The query is a
+        hot path (bench: device-query round trip): the static part is built once per boot,
+        and the answer is built again only when it, the state or the memory in use moved."""
+        now = (self.static_description(), self.state, self.memory_used)
+        if now != self._described[0]:
+            self._described = (now, uapi.device_info_now(*now))
+        return self._described[1]
 
     def static_description(self) -> bytes:
         """The description's fields that change only on boot, as the struct's bytes."""

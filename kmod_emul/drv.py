@@ -160,7 +160,7 @@ async def mem_info(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_info) -> A
     arg.context_bytes = mem.context_bytes(ctx)
     arg.process_bytes = mem.process_bytes(f.pid)
     arg.process_limit = mem.process_limit
-    arg.managed_resident = f.device.fw_stats().get("managed_resident", 0)
+    arg.managed_resident = f.device.fw_stat("managed_resident")
     arg.pending_free = mem.pending_free(f.pid)
     arg.pinned_bytes = mem.pinned_bytes(f.pid)
     return arg
@@ -264,27 +264,27 @@ assert TABLE.keys() == uapi.COMMANDS.keys(), "every uAPI command needs a handler
 def _decode(raw: bytes) -> tuple[uapi.Command, int, Any]:
     if len(raw) < _HDR:
         raise DriverError(errno.EINVAL, f"short write: {len(raw)} bytes, header is {_HDR}")
-    hdr = uapi.accel_cmd_hdr.from_buffer_copy(raw)
-    cmd = uapi.COMMANDS.get(hdr.cmd)
+    code, flags, tag = uapi.CMD_HDR.unpack_from(raw)
+    cmd = uapi.COMMANDS.get(code)
     if cmd is None:
-        known = uapi.COMMANDS_BY_NR.get(uapi.ioc_nr(hdr.cmd))
-        if known is not None and uapi.ioc_type(hdr.cmd) == uapi.ACCEL_IOCTL_BASE:
+        known = uapi.COMMANDS_BY_NR.get(uapi.ioc_nr(code))
+        if known is not None and uapi.ioc_type(code) == uapi.ACCEL_IOCTL_BASE:
             raise DriverError(
                 errno.EINVAL,
-                f"{known.name} with size {uapi.ioc_size(hdr.cmd)} / direction "
-                f"{uapi.ioc_dir(hdr.cmd)}; this driver's is size {ctypes.sizeof(known.struct)}",
+                f"{known.name} with size {uapi.ioc_size(code)} / direction "
+                f"{uapi.ioc_dir(code)}; this driver's is size {ctypes.sizeof(known.struct)}",
             )
-        raise DriverError(errno.ENOTTY, f"unknown command {hdr.cmd:#010x}")
-    if hdr.flags:
-        raise DriverError(errno.EINVAL, f"header flags {hdr.flags:#x} must be 0")
-    if hdr.tag >= uapi.ACCEL_TAG_LIMIT:
-        raise DriverError(errno.EINVAL, f"tag {hdr.tag:#x} not below {uapi.ACCEL_TAG_LIMIT:#x}")
-    want = _HDR + ctypes.sizeof(cmd.struct)
+        raise DriverError(errno.ENOTTY, f"unknown command {code:#010x}")
+    if flags:
+        raise DriverError(errno.EINVAL, f"header flags {flags:#x} must be 0")
+    if tag >= uapi.ACCEL_TAG_LIMIT:
+        raise DriverError(errno.EINVAL, f"tag {tag:#x} not below {uapi.ACCEL_TAG_LIMIT:#x}")
+    want = _HDR + cmd.size
     if len(raw) != want:
         raise DriverError(errno.EINVAL, f"{cmd.name}: {len(raw)} bytes written, expected {want}")
     if not cmd.struct.reserved_clear(raw, _HDR):
         raise DriverError(errno.EINVAL, f"{cmd.name}: reserved or padding fields must be 0")
-    return cmd, hdr.tag, cmd.struct.from_buffer_copy(raw, _HDR)
+    return cmd, tag, cmd.struct.from_buffer_copy(raw, _HDR)
 
 
 async def execute(info: DriverInfo, f: OpenFile, raw: bytes) -> None:
@@ -296,22 +296,19 @@ async def execute(info: DriverInfo, f: OpenFile, raw: bytes) -> None:
         f.device.check_present()
         cmd, tag, arg = _decode(raw)
         name = cmd.name
-        await _run(info, f, cmd, tag, arg)
+        if cmd.has_reply:
+            if tag in f.replies:
+                raise DriverError(errno.EEXIST, f"the reply for tag {tag} is still unread")
+            if len(f.replies) >= uapi.ACCEL_MAX_PENDING_REPLIES:
+                raise DriverError(errno.EBUSY,
+                                  f"{len(f.replies)} replies unread; read them first")
+        out = await TABLE[cmd.code](info, f, arg)
+        if cmd.has_reply:
+            f.replies[tag] = bytes(out)
     except DriverError as exc:
         f.last_error = (f"{name} {errno.errorcode.get(exc.errno, exc.errno)}: "
                         f"{exc.message}")[:uapi.ACCEL_LAST_ERROR_MAX - 1] + "\n"
         raise
-
-
-async def _run(info: DriverInfo, f: OpenFile, cmd: uapi.Command, tag: int, arg: Any) -> None:
-    if cmd.has_reply:
-        if tag in f.replies:
-            raise DriverError(errno.EEXIST, f"the reply for tag {tag} is still unread")
-        if len(f.replies) >= uapi.ACCEL_MAX_PENDING_REPLIES:
-            raise DriverError(errno.EBUSY, f"{len(f.replies)} replies unread; read them first")
-    out = await TABLE[cmd.code](info, f, arg)
-    if cmd.has_reply:
-        f.replies[tag] = bytes(out)
 
 
 def read(f: OpenFile, off: int, size: int) -> bytes:

@@ -369,29 +369,31 @@ class AccelFS(pyfuse3.Operations):
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         handle = self._handles[fh]
-        if isinstance(handle, AttrHandle):
-            return handle.content[off : off + size]
         try:
-            if isinstance(handle, Watcher):
-                return await handle.read(size)
-            await self.turns.take(handle.pid)
-            return drv.read(handle, off, size)
+            if isinstance(handle, OpenFile):  # a command's reply: the hot path, tested first
+                if not self.turns.start_now(handle.pid):
+                    await self.turns.take(handle.pid)
+                return drv.read(handle, off, size)
+            if isinstance(handle, AttrHandle):
+                return handle.content[off : off + size]
+            return await handle.read(size)  # a Watcher's event
         except Exception as exc:  # noqa: BLE001 - see _fuse_error
             raise _fuse_error(exc) from None
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self._handles[fh]
         try:
-            if isinstance(handle, AttrHandle):
+            if isinstance(handle, OpenFile):  # a command: the hot path, tested first
+                if not self.turns.start_now(handle.pid):
+                    await self.turns.take(handle.pid)
+                await drv.execute(self.info, handle, buf)
+            elif isinstance(handle, AttrHandle):
                 assert handle.node.attr is not None
                 pending = handle.node.attr.store(buf, handle.writer)
                 if pending is not None:  # a change that takes a while (a partition mode)
                     await pending
-            elif isinstance(handle, Watcher):
-                handle.configure(buf.decode(errors="replace"))
             else:
-                await self.turns.take(handle.pid)
-                await drv.execute(self.info, handle, buf)
+                handle.configure(buf.decode(errors="replace"))  # a Watcher's
         except Exception as exc:  # noqa: BLE001 - see _fuse_error
             raise _fuse_error(exc) from None
         return len(buf)

@@ -486,4 +486,4 @@ class DeviceMemory:
         """Bytes an allocation may still get: not held, not retired (``vram.reserved``),
         not resident managed memory."""
         return max(0, self.device.memory_total - self.vram.used - self.vram.reserved
-                   - self.device.fw_stats().get("managed_resident", 0))
+                   - self.device.fw_stat("managed_resident"))

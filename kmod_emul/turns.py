@@ -95,15 +95,30 @@ class Turns:
         poller.register(fuse_fd, select.POLLIN)
         self._unread = lambda: bool(poller.poll(0))
 
+    def start_now(self, pid: int) -> bool:
+        """The quiet path of :meth:`take`, without a coroutine (the daemon calls it on every
+        device-node request, and ``await take`` only when it says False): start process
+        ``pid``'s request, just read, if nothing waits or was let go, and no unread request
+        could come before it (one poll(2) of /dev/fuse when its tag is ahead of ``V``).
+        False, changing nothing, when it must wait its turn."""
+        if self._waiting or self._woken is not None:
+            return False
+        vtime = self._vtime
+        start = self._finish.get(pid, 0)
+        if start > vtime and self._unread():
+            return False
+        start = max(start, vtime)
+        self._finish[pid] = start + 1
+        self._idle_rounds = 0
+        self._start(pid, start)
+        return True
+
     async def take(self, pid: int) -> None:
-        """Return when it is the turn of process ``pid``'s request, just read."""
+        """Return when it is the turn of process ``pid``'s request, just read (after
+        :meth:`start_now` said False; alone it starts the same requests, a little slower)."""
         start = max(self._vtime, self._finish.get(pid, 0))
         self._finish[pid] = start + 1
         self._idle_rounds = 0
-        if not self._waiting and self._woken is None:  # the quiet path: one poll(2)
-            if start <= self._vtime or not self._unread():
-                self._start(pid, start)
-                return
         me = _Waiting(start, start - self._vtime, next(self._seq), pid,
                       trio.lowlevel.current_task())
         if self._first(me):

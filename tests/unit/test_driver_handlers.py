@@ -124,6 +124,18 @@ def test_get_version_and_device_query_come_from_the_booted_image(driver, dev):
     assert info.capabilities == uapi.names_to_caps(d.fw_image.config["capabilities"])
     assert info.max_queues_per_context == d.limits.max_queues_per_context
     assert uapi.cstr(info.firmware_version) == str(d.fw_image.manifest["version"])
+    # the static part is built once per boot; the state and memory in use are now's
+    d.state = uapi.DeviceState.IN_RESET
+    try:
+        assert dev.query().state == uapi.DeviceState.IN_RESET
+    finally:
+        d.state = uapi.DeviceState.OPERATIONAL
+    held = d.memory.vram.used
+    d.memory.vram.used = held + (4 << 20)
+    try:
+        assert dev.query().memory_used == 4 << 20
+    finally:
+        d.memory.vram.used = held
     skewed = OfflineDriver(IMAGE_DIR, info=DriverInfo(abi_major=1, abi_minor=4))
     with skewed, OfflineDev(skewed) as old:  # accel-emud --driver-abi 1.4
         v = old.call(uapi.ACCEL_CMD_GET_VERSION, uapi.accel_version())

@@ -46,6 +46,16 @@ def test_a_full_ring_refuses_a_message_and_keeps_the_rest():
     assert ring.pop()[2] == 0
 
 
+@pytest.mark.timeout(30)
+def test_one_counter_reads_as_the_whole_block_says():
+    """The driver's DEVICE_QUERY reads one counter (``stat``), not the dict of all."""
+    mbx = mailbox.Mailbox(memoryview(bytearray(mailbox.MAILBOX_SIZE)))
+    mbx.set_stats({name: 1000 + i for i, name in enumerate(mailbox.STAT_NAMES)})
+    assert {name: mbx.stat(name) for name in mailbox.STAT_NAMES} == mbx.stats()
+    with pytest.raises(KeyError):
+        mbx.stat("no_such_counter")
+
+
 def _payload(msg: ctypes.Structure, extra: bytes = b"") -> bytes:
     body = bytes(msg) + extra
     return body + bytes(mailbox.PAYLOAD_SIZE - len(body))

@@ -503,6 +503,24 @@ def test_contexts_take_turns_on_the_control_loop(device, ctx, monkeypatch):
 
 
 @pytest.mark.timeout(60)
+def test_a_pass_counts_the_processes_own_packets_apart_from_the_drivers(device, ctx):
+    """What boosts the control loop (firmware/host_cpu.py, Boost) is work from the
+    processes' own rings: the driver's default queue (SUBMIT_NOOP, slot 0) is fed one
+    packet per FUSE round trip through the daemon, which a boosted loop would only take
+    CPU from. A pass that took only driver packets counts none; a mixed one, the ring's."""
+    driver, own = ctx.queue(userq.ACCEL_DB_DEFAULT_SLOT), ctx.queue(1)
+    driver.submit(packet(Op.NOP), packet(Op.NOP))
+    device.step()
+    assert (driver.prod.completed, device.sched.user_taken) == (2, 0)
+    driver.submit(packet(Op.NOP))
+    own.submit(packet(Op.NOP), packet(Op.NOP), packet(Op.NOP))
+    device.step()
+    assert (driver.prod.completed, own.prod.completed, device.sched.user_taken) == (3, 3, 3)
+    device.step()  # nothing new: a pass without work
+    assert device.sched.user_taken == 0
+
+
+@pytest.mark.timeout(60)
 def test_a_wait_completes_once_the_other_fence_passes(device, ctx):
     a, b = ctx.queue(1), ctx.queue(2)
     a.submit(packet(Op.NOP))

@@ -35,7 +35,8 @@ def _serve(queued: list[int]) -> list[int]:
                 await trio.lowlevel.checkpoint()  # a round: the loop polls /dev/fuse
                 os.read(fuse_r, 1)
                 pid = unread.pop(0)
-            await turns.take(pid)
+            if not turns.start_now(pid):  # as the daemon's AccelFS.read/write do
+                await turns.take(pid)
             started.append(pid)
 
         try:
@@ -117,3 +118,22 @@ def test_a_waiting_request_cancelled_leaves_the_line():
 
     trio.run(main)
     assert started == ["first", "second", "last"]
+
+
+def test_the_quiet_path_starts_at_once_and_changes_nothing_when_it_cannot():
+    """``start_now``, the daemon's call before ``take``: with nothing unread one process's
+    requests start without a scheduler round; with another request unread a tag ahead of
+    ``V`` must wait (False, nothing started), one not ahead of it still starts."""
+    fuse_r, fuse_w = os.pipe()
+    try:
+        turns = Turns()
+        turns.watch(fuse_r)
+        assert turns.start_now(1) and turns.start_now(1)
+        os.write(fuse_w, b"\0")  # another process's request, queued and not read yet
+        assert not turns.start_now(1)
+        assert turns.render() == "1 1\n2 1"
+        assert turns.start_now(2)
+        assert turns.render() == "1 1\n2 1\n3 2"
+    finally:
+        os.close(fuse_r)
+        os.close(fuse_w)
