@@ -391,8 +391,9 @@ def test_foreach_is_horizontal_kernels_within_the_inline_bound(torch_json):
     the concatenated ranges. As many subkernels share one kernel as the firmware still
     runs inline (its bound counts every branch's syntax nodes for every thread, at most
     256 of them): three small tensors are one launch, eight are fewer launches than
-    tensors, and so is a large tensor with small ones, each within the bound. Each equals eager, float64 and int64 too; under dynamic shapes each tensor
-    is a kernel of its own; the bound mirrors the firmware's."""
+    tensors, and so is a large tensor with small ones, each within the bound. Each equals
+    eager, float64 and int64 too; under dynamic shapes each tensor is a kernel of its own;
+    the bound mirrors the firmware's."""
     r = torch_json("""
         import re
         from firmware import kernel_check, launches as fw_launches
