@@ -340,6 +340,114 @@ def test_mlp_training_compiled_matches_eager(torch_json):
 
 
 @pytest.mark.timeout(500)
+def test_mlp_whole_training_step_compiled_matches_eager(torch_json):
+    """The bench's step compiled whole, as a training loop compiles it (``zero_grad``,
+    forward, cross entropy, ``backward()``, ``opt.step()`` in one compiled function):
+    three steps give eager's losses and weights, and a step launches fewer kernels than
+    eager's 19 (the loss and its backward fused into the graphs, SGD's update of the four
+    parameters one foreach: two horizontal kernels)."""
+    r = torch_json("""
+        from torch import nn
+        def make():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10)).to("accel")
+        x = torch.randn(64, 784, device="accel")
+        y = torch.randint(0, 10, (64,), device="accel")
+        out = {}
+        for mode in ("eager", "compiled"):
+            m = make()
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            def step():
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(m(x), y)
+                loss.backward()
+                opt.step()
+                return loss
+            run = torch.compile(step) if mode == "compiled" else step
+            losses = [run().item() for _ in range(3)]
+            with runtime.profile() as p:
+                run()
+                torch.accel.synchronize()
+            kernels = [e.name for e in p.device_events if e.cat == "kernel"]
+            out[mode] = dict(losses=losses, params=[t.detach().cpu() for t in m.parameters()],
+                             launches=len(kernels),
+                             foreach=sum("foreach" in k for k in kernels))
+        diff = max((a - b).abs().max().item() for a, b in
+                   zip(out["eager"]["params"], out["compiled"]["params"]))
+        report(diff=diff, **{mode: {k: v for k, v in o.items() if k != "params"}
+                             for mode, o in out.items()})
+    """, timeout=480)
+    for a, b in zip(r["eager"]["losses"], r["compiled"]["losses"]):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), r
+    assert r["diff"] <= 1e-5, r
+    assert r["eager"]["launches"] == 19 and r["compiled"]["launches"] == 15, r
+    assert r["compiled"]["foreach"] == 2, r
+
+
+@pytest.mark.timeout(400)
+def test_foreach_is_horizontal_kernels_within_the_inline_bound(torch_json):
+    """A foreach over static sizes (an optimizer's update) is written as horizontal
+    kernels (codegen.py ``codegen_combo_kernel``): thread ``i`` updates element ``i`` of
+    the concatenated ranges. As many subkernels share one kernel as the firmware still
+    runs inline (its bound counts every branch's syntax nodes for every thread, at most
+    256 of them): three small tensors are one launch, eight are fewer launches than
+    tensors, and so is a large tensor with small ones, each within the bound. Each equals
+    eager, float64 and int64 too; under dynamic shapes each tensor is a kernel of its own;
+    the bound mirrors the firmware's."""
+    r = torch_json("""
+        import re
+        from firmware import kernel_check, launches as fw_launches
+        from torch_accel.inductor import codegen
+        from torch._inductor.utils import run_and_get_code
+        torch.manual_seed(0)
+        def update(ps, gs):
+            torch._foreach_add_(ps, gs, alpha=-3)
+            return ps
+        cases = {
+            "three": ([(7,), (3, 5), (300,)], torch.float32, False),
+            "eight": ([(7,), (3, 5), (300,), (2, 2, 2), (1,), (4,), (5,), (6,)], torch.float32,
+                      False),
+            "mlp": ([(256, 784), (256,), (10, 256), (10,)], torch.float32, False),
+            "float64": ([(5,), (6, 7)], torch.float64, False),
+            "int64": ([(5,), (6, 7)], torch.int64, False),
+            "dynamic": ([(5,), (6, 7), (9,)], torch.float32, True),
+        }
+        quote = "'" * 3
+        out = {}
+        for name, (shapes, dt, dynamic) in cases.items():
+            ps = [(torch.randn(*s) * 10).to(dt).to("accel") for s in shapes]
+            gs = [(torch.randn(*s) * 10).to(dt).to("accel") for s in shapes]
+            want = [p.cpu() - 3 * g.cpu() for p, g in zip(ps, gs)]
+            compiled = torch.compile(update, dynamic=dynamic)
+            _, code = run_and_get_code(compiled, [p.clone() for p in ps], gs)
+            mine = [p.clone() for p in ps]
+            with runtime.profile() as prof:
+                compiled(mine, gs)
+                torch.accel.synchronize()
+            kernels = [e.name for e in prof.device_events if e.cat == "kernel"]
+            inline = []
+            for kname, body in re.findall(rf"(\\w+) = Generated\\('\\w+', {quote}(.*?){quote}",
+                                          code[0], re.S):
+                for numel in re.findall(rf"\\b{kname}\\(.*, (\\d+)\\)", code[0]):
+                    inline.append(codegen._runs_inline(body, int(numel)))
+            out[name] = dict(same=all(torch.allclose(m.cpu().double(), w.double(), rtol=1e-6,
+                                                     atol=1e-5) for m, w in zip(mine, want)),
+                             launches=len(kernels), inline=inline)
+        report(out=out, bounds=[codegen.INLINE_NODES == kernel_check.INLINE_MAX_NODES,
+                                codegen.INLINE_WORK == fw_launches.INLINE_WORK,
+                                codegen.INLINE_THREADS == fw_launches.INLINE_THREADS])
+    """, timeout=380)
+    assert r["bounds"] == [True, True, True], r
+    out = r["out"]
+    assert all(o["same"] for o in out.values()), out
+    assert all(out[k]["inline"] and all(out[k]["inline"])
+               for k in ("three", "eight", "mlp", "float64", "int64")), out
+    assert [out[k]["launches"] for k in ("three", "float64", "int64", "dynamic")] \
+        == [1, 1, 1, 3], out
+    assert 1 < out["eight"]["launches"] < 8 and 1 < out["mlp"]["launches"] < 4, out
+
+
+@pytest.mark.timeout(500)
 def test_cnn_training_compiled_matches_eager_and_cpu(torch_json):
     """The CNN of the eager issue (LeNet size: conv, batch norm, ReLU, max pooling, twice,
     then a linear layer; 1x28x28 inputs, batch 8), compiled and trained three SGD steps

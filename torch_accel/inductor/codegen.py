@@ -7,7 +7,10 @@ language (docs/kernels.md): one thread per element of the pointwise range ``x``;
 reduction is a loop over its range ``r0_`` inside that thread (one thread per output row),
 so pointwise work before and after it fuses into the same kernel; a sum over a short
 static range is instead a block per output row, a thread per element (no loop: the
-firmware runs such a kernel inline, ``should_use_persistent_reduction``). Index
+firmware runs such a kernel inline, ``should_use_persistent_reduction``). A foreach (an
+optimizer's update of every parameter) is *horizontal* kernels: thread ``i`` runs the
+subkernel whose range holds ``i``, as many subkernels a kernel as the firmware still runs
+inline (``AccelScheduling.codegen_combo_kernel``). Index
 expressions are Inductor's sympy indexing printed as Python integer arithmetic (``//``,
 ``%``, ``min``), every buffer is passed flat from its first element, and the firmware
 bounds-checks every access (an index past a buffer is a device fault, as in eager). The
@@ -25,6 +28,7 @@ precision, not bit for bit).
 
 from __future__ import annotations
 
+import ast
 import math
 from typing import Any
 
@@ -32,6 +36,7 @@ import sympy
 import torch
 from torch._inductor import config
 from torch._inductor.codegen.common import (
+    BackendFeature,
     CSEVariable,
     DeferredLine,
     DeviceOpOverrides,
@@ -39,18 +44,31 @@ from torch._inductor.codegen.common import (
     OpOverrides,
 )
 from torch._inductor.codegen.simd import IterationRangesEntry, SIMDKernel, SIMDScheduling
+from torch._inductor.codegen.simd_kernel_features import SIMDKernelFeatures
 from torch._inductor.codegen.wrapper import PythonWrapperCodegen, pexpr
 from torch._inductor.utils import get_bounds_index_expr, get_fused_kernel_name, get_kernel_metadata
 from torch._inductor.virtualized import V, ops
+from torch.utils._ordered_set import OrderedSet
 from torch.utils._sympy.printers import PythonPrinter
 
 from torch_accel.inductor import halfbits
+from torch_accel.inductor.launcher import BLOCK
 
 DEVICE_TYPE = "accel"
 #: the kernel language's longest name (abi/kernel_lang.py)
 NAME_MAX = 63
 #: the longest reduced range summed by a block (one thread per element) rather than a loop
 BLOCK_REDUCTION_MAX = 256
+#: What the firmware runs inline on its scheduler rather than hand to an engine (~0.2-1 ms
+#: a hand-off on two CPUs, far more for a large launch): a loop-free kernel of at most
+#: ``INLINE_NODES`` syntax-tree nodes (``firmware/kernel_check.py``, ``bounded_work``)
+#: whose threads times nodes is at most ``INLINE_WORK`` and whose threads are at most
+#: ``INLINE_THREADS`` (``firmware/launches.py``; docs/launch.md). A horizontal kernel
+#: (``AccelScheduling._codegen_horizontal``) counts every branch's nodes for every thread,
+#: so its subkernels are grouped to stay within these.
+INLINE_NODES = 256
+INLINE_WORK = 1 << 25
+INLINE_THREADS = 1 << 20
 #: float64 magnitude at and above which every double is an integer (floor is the value)
 _BIG = "4503599627370496.0"
 _INF = "(1e308 * 10.0)"
@@ -517,19 +535,25 @@ class AccelKernel(SIMDKernel):
         for buf in (self.indexing_code, self.loads, self.compute, self.stores, self.suffix):
             buf.clear()
 
-    def codegen_kernel(self, name: str | None = None) -> str:
-        """The kernel's source; its name is ``KERNEL_NAME`` until the scheduling names
-        it."""
-        self.codegen_body()
+    def signature(self, removed: set[str] | frozenset[str] = frozenset()) -> str:
+        """``def KERNEL_NAME(...):`` over this kernel's buffers and scalars (and those of
+        the subkernels sharing its ``args``, a horizontal kernel's), ``xnumel`` last."""
         argdefs, _, _, _ = self.args.python_argdefs()
-        params = [a.name for a in argdefs if a.name not in self.removed_buffers]
+        dropped = self.removed_buffers | removed
+        params = [a.name for a in argdefs if a.name not in dropped]
         scalars = dict.fromkeys(self.args.sizevars.values(), "int64")
         scalars.update({inner: "float64" if V.graph.get_dtype(outer).is_floating_point
                         else "int64" for outer, inner in self.args.input_buffers.items()
                         if V.graph.is_unspec_arg(outer)})
         params = [f"{p}: {scalars[p]!r}" if p in scalars else p for p in params]
+        return f"def KERNEL_NAME({', '.join([*params, 'xnumel: ' + repr('int64')])}):"
+
+    def codegen_kernel(self, name: str | None = None) -> str:
+        """The kernel's source; its name is ``KERNEL_NAME`` until the scheduling names
+        it."""
+        self.codegen_body()
         code = IndentedBuffer()
-        code.writeline(f"def KERNEL_NAME({', '.join([*params, 'xnumel: ' + repr('int64')])}):")
+        code.writeline(self.signature())
         with code.indent():
             if self.persistent_reduction:  # a block per row: its threads return together
                 code.writelines(["xindex = group_id(0)", "r0_index = local_id(0)"])
@@ -542,14 +566,54 @@ class AccelKernel(SIMDKernel):
             code.splice(self.body)
         return code.getvalue()
 
-    def call_kernel(self, name: str, node: Any = None, deallocate_ws: bool = True) -> None:
+    def call_kernel(self, name: str, node: Any = None, deallocate_ws: bool = True,
+                    numel: sympy.Expr | None = None) -> None:
+        """The wrapper's call: the buffers and scalars, then ``numel`` threads (by default
+        the ``x`` range's)."""
         wrapper = V.graph.wrapper_code
         _, call_args, _, _ = self.args.python_argdefs()
         for v in self.args.sizevars:
             wrapper.ensure_size_computed(v)
-        xtree = next(t for t in self.range_trees if t.prefix == "x")
-        numel = pexpr(xtree.numel)
-        wrapper.writeline(wrapper.wrap_kernel_call(name, [*map(str, call_args), numel]))
+        if numel is None:
+            numel = next(t for t in self.range_trees if t.prefix == "x").numel
+        wrapper.writeline(wrapper.wrap_kernel_call(name, [*map(str, call_args), pexpr(numel)]))
+
+
+def _body_text(kernel: AccelKernel) -> str:
+    """A pointwise kernel's statements, one thread's (what follows its ``xindex``)."""
+    kernel.codegen_body()
+    return kernel.indexing_code.getvalue() + kernel.body.getvalue()
+
+
+def _horizontal_source(signature: str, branches: list[tuple[str, int]]) -> str:
+    """A horizontal kernel: thread ``i`` runs the branch whose range holds ``i``, as
+    index ``i`` less the ranges before it (``branches``: each one's statements and
+    threads)."""
+    code = IndentedBuffer()
+    code.writeline(signature)
+    with code.indent():
+        code.writelines(["xindex = global_id(0)", "if xindex >= xnumel:", "    return"])
+        start = 0
+        for body, numel in branches:
+            code.writeline(f"{'if' if start == 0 else 'elif'} xindex < {start + numel}:")
+            with code.indent():
+                if start:
+                    code.writeline(f"xindex = xindex - {start}")
+                code.splice(body)
+            start += numel
+    return code.getvalue()
+
+
+def _runs_inline(source: str, numel: int) -> bool:
+    """Whether the firmware runs a launch of this loop-free kernel over ``numel``
+    elements (``launcher.BLOCK`` threads a block) inline: ``INLINE_NODES``,
+    ``INLINE_WORK``, its nodes counted as ``kernel_check.bounded_work`` counts them."""
+    fn = ast.parse(source).body[0]
+    assert isinstance(fn, ast.FunctionDef)
+    nodes = sum(1 for stmt in fn.body for _ in ast.walk(stmt))
+    threads = -(-numel // BLOCK) * BLOCK
+    return nodes <= INLINE_NODES and threads <= INLINE_THREADS \
+        and threads * nodes <= INLINE_WORK
 
 
 class AccelScheduling(SIMDScheduling):
@@ -580,6 +644,92 @@ class AccelScheduling(SIMDScheduling):
         wrapper.header.writelines(source.rstrip("\n").split("\n"))
         wrapper.header.writeline("''')" if block is None else f"''', block={block})")
         return name
+
+    def get_backend_features(self, device: torch.device) -> OrderedSet[BackendFeature]:
+        """``FOREACH``: a foreach op (SGD's update of every parameter) reaches the
+        scheduling as one combo node, written as one kernel (``codegen_combo_kernel``)
+        rather than a launch per tensor."""
+        return OrderedSet([BackendFeature.FOREACH])
+
+    def codegen_combo_kernel(self, combo_kernel_node: Any) -> None:
+        """A foreach's subkernels: the pointwise ones of static size as few horizontal
+        kernels as the firmware still runs inline (``_codegen_horizontal``), any other (a
+        reduction, a dynamic size) as its own kernel."""
+        pointwise: list[tuple[list[Any], int]] = []
+        for sub in combo_kernel_node.get_subkernel_nodes():
+            nodes = [n for n in sub.get_nodes() if n.get_name() not in self.scheduler.removed_ops]
+            if not nodes:
+                continue
+            _, (numel, rnumel) = max(nodes, key=lambda n: int(n.is_reduction())).group
+            if rnumel == 1 and isinstance(numel, sympy.Integer):
+                pointwise.append((nodes, int(numel)))
+            else:
+                self._codegen_alone(nodes)
+        groups: list[list[tuple[list[Any], int]]] = []
+        branches: list[tuple[str, int]] = []
+        for item in pointwise:
+            # the subkernel's body written once to count its nodes (written again in its
+            # group: the probe's names are its own)
+            probe = self._pointwise_kernel(*item)
+            self.codegen_node_schedule_with_kernel(probe.features.node_schedule, probe)
+            branch = (_body_text(probe), item[1])
+            candidate = [*branches, branch]
+            if groups and _runs_inline(_horizontal_source("def k(xnumel):", candidate),
+                                       sum(numel for _, numel in candidate)):
+                groups[-1].append(item)
+                branches.append(branch)
+            else:
+                groups.append([item])
+                branches = [branch]
+        for group in groups:
+            if len(group) == 1:
+                self._codegen_alone(group[0][0])
+            else:
+                self._codegen_horizontal(group)
+        self.free_buffers_in_scheduler()
+
+    def _codegen_alone(self, nodes: list[Any]) -> None:
+        """One subkernel of a foreach as a kernel of its own. Not ``codegen_node``, which
+        frees the buffers whose last reader the combo node is once its first subkernel
+        is written, before the others read them."""
+        _, (numel, rnumel) = max(nodes, key=lambda n: int(n.is_reduction())).group
+        schedule = self.generate_node_schedule(nodes, numel, rnumel)
+        tiling, _ = self.get_tiling_and_scores(schedule, numel, rnumel)
+        kernel = self.kernel_type(tiling, features=SIMDKernelFeatures(schedule, numel, rnumel))
+        self.process_kernel(kernel, schedule)
+        with V.set_kernel_handler(kernel):
+            source = kernel.codegen_kernel()
+        name = self.define_kernel(source, schedule, kernel)
+        self.codegen_comment(nodes, name)
+        kernel.call_kernel(name)
+
+    def _pointwise_kernel(self, nodes: list[Any], numel: int) -> AccelKernel:
+        schedule = self.generate_node_schedule(nodes, sympy.Integer(numel), sympy.S.One)
+        return self.kernel_type(self.create_tiling([sympy.Integer(numel)], [sympy.S.One]),
+                                features=SIMDKernelFeatures(schedule, sympy.Integer(numel),
+                                                            sympy.S.One))
+
+    def _codegen_horizontal(self, group: list[tuple[list[Any], int]]) -> None:
+        """One kernel for independent pointwise subkernels (``_horizontal_source``). The
+        subkernels share one ``args`` (so their buffers have distinct names) and one
+        counter of temporaries."""
+        kernels: list[AccelKernel] = []
+        for nodes, numel in group:
+            kernel = self._pointwise_kernel(nodes, numel)
+            if kernels:
+                kernel.args = kernels[0].args
+                kernel.iter_vars_count = kernels[0].iter_vars_count
+                kernel.cse.iter_buffer_ids = kernels[0].cse.iter_buffer_ids
+            self.process_kernel(kernel, kernel.features.node_schedule)
+            kernels.append(kernel)
+        first = kernels[0]
+        signature = first.signature(set().union(*(k.removed_buffers for k in kernels)))
+        source = _horizontal_source(signature, [(_body_text(k), numel)
+                                                for k, (_, numel) in zip(kernels, group)])
+        nodes = [n for sub_nodes, _ in group for n in sub_nodes]
+        name = self.define_kernel(source, nodes, first)
+        self.codegen_comment(nodes, name)
+        first.call_kernel(name, numel=sympy.Integer(sum(numel for _, numel in group)))
 
     def benchmark_fused_nodes(self, nodes: Any) -> Any:  # no autotuning on accel
         raise NotImplementedError("accel: no benchmarking")
