@@ -384,6 +384,36 @@ def _replay(seed: int, settle: bool) -> tuple[CountingAllocator, list[int]]:
     return alloc, vas
 
 
+@pytest.mark.parametrize("bump_large", [False, True])
+def test_a_peak_the_free_would_raise_takes_the_slow_path(backend: FakeBackend,
+                                                         bump_large: bool) -> None:
+    """Freeing a result merges it with the rest of its segment, which raises the free split
+    bytes for a moment; at their peak the fast path must leave the malloc to the slow path,
+    which raises the peak as torch's does (the pool's alone, when the sum over both pools
+    had a higher peak from the large pool), and take over from the next cycle on."""
+    alloc = CountingAllocator(backend)
+    a, b, c = (alloc.malloc(4 * KiB, s1) for _ in range(3))
+    rest = SMALL_BUFFER - 12 * KiB
+    alloc.reset_peak_memory_stats()
+    alloc.reset_accumulated_memory_stats()
+    if bump_large:                           # the sum's peak: 15 MiB of free large split
+        alloc.free(alloc.malloc(5 * MiB, s1))
+        alloc.memory_stats()                 # puts it back: the next free is the one queued
+    va = c.va
+    for _ in range(4):
+        alloc.free(c)
+        c = alloc.malloc(4 * KiB, s1)
+        assert c.va == va
+    assert alloc.reused == 3                 # all but the first cycle
+    stats = alloc.memory_stats()
+    assert stats["inactive_split_bytes.small_pool.peak"] == rest + 4 * KiB
+    assert stats["inactive_split_bytes.all.peak"] == (
+        rest + 15 * MiB if bump_large else rest + 4 * KiB)
+    assert stats["inactive_split_bytes.small_pool.allocated"] == 4 * 4 * KiB
+    assert stats["allocation.small_pool.allocated"] == 4
+    assert stats["allocation.small_pool.current"] == 3
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_reusing_the_freed_block_at_once_is_the_slow_paths_result(seed: int) -> None:
     """The fast path is taken only where it hands out what the slow path (the block put
