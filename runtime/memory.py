@@ -37,7 +37,8 @@ from runtime import sanitizer as _sanitizer
 from runtime._shm import map_memfd, sealed_memfd
 from runtime.allocator import CachingAllocator
 from runtime.context import Context
-from runtime.stream import Stream, current_stream
+from runtime import stream as _stream
+from runtime.stream import Stream, current_stream, default_stream
 
 STAGING_CHUNK = 8 << 20
 #: How long an allocation that found the device full waits for memory this process freed
@@ -131,6 +132,20 @@ def _allocator(device: _device.DeviceLike = None) -> CachingAllocator:
     return _device.get(idx).part("allocator", lambda: CachingAllocator(_backend(idx)))
 
 
+#: Per device index: (pid, its caching allocator, its default stream) as its Device's
+#: parts were when last looked up. Every array's making needs both, and the two part
+#: lookups were a third of a small array's making and dropping; an entry holds while its
+#: allocator is open (a lost or dropped device closes it, and its parts are made anew) and
+#: in the process that made it (a forked child takes the lookups, which refuse it).
+_hot_parts: dict[int, tuple[int, CachingAllocator, Stream]] = {}
+
+
+def _hot(idx: int) -> tuple[int, CachingAllocator, Stream]:
+    """Device ``idx``'s entry in ``_hot_parts``, looked up anew."""
+    entry = _hot_parts[idx] = (_device._pid, _allocator(idx), default_stream(idx))
+    return entry
+
+
 def _refuse_in_capture(s: Stream, what: str) -> None:
     if s.capturing is not None:
         raise errors.InvalidValueError(f"{what} cannot be captured into a graph ({s!r} is capturing)")
@@ -170,8 +185,11 @@ class DeviceArray:
             self.nbytes = math.prod(self.shape) * dt.itemsize
         self.device = idx = device if type(device) is int else \
             _device.current_device() if device is None else _device._index(device)
-        self._allocator = allocator = _allocator(idx)
-        s = stream or current_stream(idx)
+        entry = _hot_parts.get(idx)
+        if entry is None or entry[1].closed is not None or entry[0] != _device._pid:
+            entry = _hot(idx)
+        self._allocator = allocator = entry[1]
+        s = stream or _stream._tls.streams.get(idx) or entry[2]
         if s.capturing is None:
             self._block = block = allocator.malloc(self.nbytes, s)
         else:  # the graph's own pool, for the graph's lifetime

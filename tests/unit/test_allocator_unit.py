@@ -315,6 +315,122 @@ def test_record_stream_delays_reuse_until_the_event(alloc: CachingAllocator) -> 
     assert a_stream.events[0].syncs == 0         # found by query, never waited for
 
 
+def test_a_freed_block_waiting_for_events_is_not_reused_at_once(alloc: CachingAllocator) -> None:
+    """The fast path that hands the one just-freed block out again (``_reuse_freed``) must
+    not skip record_stream: the other stream's event must complete first."""
+    own, other = FakeStream("own"), FakeStream("other")
+    a = alloc.malloc(4 * KiB, own)
+    va = a.va
+    alloc.record_stream(a, other)
+    alloc.free(a)                                 # nothing between the free and the malloc
+    b = alloc.malloc(4 * KiB, own)
+    assert b.va != va and len(other.events) == 1
+    other.finish()
+    assert alloc.malloc(4 * KiB, own).va == va
+    assert other.events[0].syncs == 0
+
+
+class CountingAllocator(CachingAllocator):
+    """Counts the mallocs the fast path served (to prove the comparison below covers it)."""
+
+    reused = 0
+
+    def _reuse_freed(self, size: int, requested: int, stream: FakeStream) -> Block | None:
+        block = super()._reuse_freed(size, requested, stream)
+        self.reused += block is not None
+        return block
+
+
+def _replay(seed: int, settle: bool) -> tuple[CountingAllocator, list[int]]:
+    """A random sequence weighted like eager code (results of a few sizes freed and made
+    again, two streams, some record_stream, peaks reset now and then); ``settle`` reads the
+    statistics after every free, which puts the freed block back at once and so never lets
+    ``malloc`` take the fast path. Returns the allocator and every address handed out."""
+    import random
+    rng = random.Random(seed)
+    streams = [FakeStream("x"), FakeStream("y")]
+    alloc = CountingAllocator(FakeBackend(capacity=64 * MiB))
+    live: list[Block] = []
+    vas = []
+    last: tuple[int, FakeStream] | None = None   # the last free's size and stream
+    for _ in range(600):
+        r = rng.random()
+        if r < 0.45 or not live:
+            if last is not None and rng.random() < 0.5:
+                size, stream = last              # the next result like the one freed
+            else:
+                size = rng.choice([4 * KiB, 16 * KiB, 3 * KiB + 1, 512, 1 * MiB,
+                                   2 * MiB, 5 * MiB, 19 * MiB + 1])
+                stream = rng.choice(streams)
+            try:
+                live.append(alloc.malloc(size, stream))
+            except OutOfMemoryError:
+                continue
+            vas.append(live[-1].va)
+        elif r < 0.85:
+            block = live.pop(-rng.choice([1, 2, 2, 3]) if len(live) >= 3 else 0)
+            last = block.requested_size, block.stream
+            alloc.free(block)
+            if settle:
+                alloc.memory_stats()
+        elif r < 0.9:
+            alloc.record_stream(rng.choice(live), rng.choice(streams))
+        elif r < 0.95:
+            rng.choice(streams).finish()
+        elif r < 0.97:
+            alloc.reset_peak_memory_stats()
+        else:
+            alloc.empty_cache()
+    return alloc, vas
+
+
+@pytest.mark.parametrize("bump_large", [False, True])
+def test_a_peak_the_free_would_raise_takes_the_slow_path(backend: FakeBackend,
+                                                         bump_large: bool) -> None:
+    """Freeing a result merges it with the rest of its segment, which raises the free split
+    bytes for a moment; at their peak the fast path must leave the malloc to the slow path,
+    which raises the peak as torch's does (the pool's alone, when the sum over both pools
+    had a higher peak from the large pool), and take over from the next cycle on."""
+    alloc = CountingAllocator(backend)
+    a, b, c = (alloc.malloc(4 * KiB, s1) for _ in range(3))
+    rest = SMALL_BUFFER - 12 * KiB
+    alloc.reset_peak_memory_stats()
+    alloc.reset_accumulated_memory_stats()
+    if bump_large:                           # the sum's peak: 15 MiB of free large split
+        alloc.free(alloc.malloc(5 * MiB, s1))
+        alloc.memory_stats()                 # puts it back: the next free is the one queued
+    va = c.va
+    for _ in range(4):
+        alloc.free(c)
+        c = alloc.malloc(4 * KiB, s1)
+        assert c.va == va
+    assert alloc.reused == 3                 # all but the first cycle
+    stats = alloc.memory_stats()
+    assert stats["inactive_split_bytes.small_pool.peak"] == rest + 4 * KiB
+    assert stats["inactive_split_bytes.all.peak"] == (
+        rest + 15 * MiB if bump_large else rest + 4 * KiB)
+    assert stats["inactive_split_bytes.small_pool.allocated"] == 4 * 4 * KiB
+    assert stats["allocation.small_pool.allocated"] == 4
+    assert stats["allocation.small_pool.current"] == 3
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_reusing_the_freed_block_at_once_is_the_slow_paths_result(seed: int) -> None:
+    """The fast path is taken only where it hands out what the slow path (the block put
+    back, merged, then best fit and split) would: the same addresses, the same statistics
+    (peaks included), the same segments and blocks."""
+    fast, fast_vas = _replay(seed, settle=False)
+    slow, slow_vas = _replay(seed, settle=True)
+    assert fast.reused > 0 and slow.reused == 0
+    assert fast_vas == slow_vas
+    assert fast.memory_stats() == slow.memory_stats()
+
+    def layout(alloc: CachingAllocator) -> list[tuple]:
+        return [(g["address"], g["stream"].name, [tuple(b.values()) for b in g["blocks"]])
+                for g in alloc.snapshot()]
+    assert layout(fast) == layout(slow)
+
+
 # -- empty_cache -------------------------------------------------------------------------------
 
 def test_empty_cache_releases_only_wholly_free_segments(alloc: CachingAllocator,
