@@ -290,6 +290,18 @@ def test_matrix_products_lower_without_layout_copies(torch_json):
     assert not got, got
 
 
+#: the eager issue's MLP (784-256-10) on accel, ``make()`` seeded, and a batch ``x``, ``y``
+#: (indented as the snippets it begins, which run dedented)
+MLP = """
+        from torch import nn
+        def make():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10)).to("accel")
+        x = torch.randn(64, 784, device="accel")
+        y = torch.randint(0, 10, (64,), device="accel")
+"""
+
+
 @pytest.mark.timeout(500)
 def test_mlp_training_compiled_matches_eager(torch_json):
     """The MLP of the eager issue (784-256-10, cross entropy, SGD): three steps of a
@@ -297,14 +309,8 @@ def test_mlp_training_compiled_matches_eager(torch_json):
     losses and weights, and a step with ``loss.backward()`` inside the compiled function
     (a graph break; the eager backward runs our operators, which Dynamo must not trace)
     gives eager's gradients."""
-    r = torch_json("""
-        from torch import nn
+    r = torch_json(MLP + """
         from torch_accel.inductor import launcher
-        def make():
-            torch.manual_seed(0)
-            return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10)).to("accel")
-        x = torch.randn(64, 784, device="accel")
-        y = torch.randint(0, 10, (64,), device="accel")
         losses = {}
         models = {}
         for mode in ("eager", "compiled"):
@@ -346,13 +352,7 @@ def test_mlp_whole_training_step_compiled_matches_eager(torch_json):
     three steps give eager's losses and weights, and a step launches fewer kernels than
     eager's 19 (the loss and its backward fused into the graphs, SGD's update of the four
     parameters one foreach: two horizontal kernels)."""
-    r = torch_json("""
-        from torch import nn
-        def make():
-            torch.manual_seed(0)
-            return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10)).to("accel")
-        x = torch.randn(64, 784, device="accel")
-        y = torch.randint(0, 10, (64,), device="accel")
+    r = torch_json(MLP + """
         out = {}
         for mode in ("eager", "compiled"):
             m = make()
