@@ -474,6 +474,40 @@ def test_contexts_of_one_priority_take_turns():
     assert log == ["holder", "a1", "b1", "c1", "a2", "c2", "a3", "a4"]
 
 
+def _engine_cpu_s(threads: list[threading.Thread]) -> float:
+    """The CPU time ``threads`` have used so far (seconds)."""
+    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads)
+
+
+@pytest.mark.timeout(60)
+def test_parked_engines_take_no_cpu_and_every_job_wakes_one():
+    """An engine with nothing to do sleeps on its own wake-up lock: idle, the pool's
+    engines use no CPU; every job submitted runs, whether an engine was parked, about to
+    park or busy (a lost wake-up would leave a job queued with both engines asleep)."""
+    before = set(threading.enumerate())
+    pool = EnginePool("compute", 2, Counters(mailbox.STAT_NAMES))
+    engines = [t for t in threading.enumerate() if t not in before]
+    assert len(engines) == 2
+    log: list[str] = []
+    for i in range(200):  # one at a time, each waited for: a parked engine's hand-off
+        job = _Gate(f"one{i}", log)
+        pool.submit(0, job)
+        assert job.started.wait(30)
+    # from several threads at once, engines parked, parking and busy
+    submitters = [threading.Thread(target=lambda k=k: [pool.submit(0, _Gate(f"{k}.{j}", log))
+                                                       for j in range(100)]) for k in range(4)]
+    for t in submitters:
+        t.start()
+    for t in submitters:
+        t.join(30)
+    wait_until(lambda: len(log), 30, "every job to run", ok=lambda n: n == 600,
+               interval=0.001)
+    wait_until(lambda: not pool.busy(), 30, "the engines to park", interval=0.001)
+    idle_from = _engine_cpu_s(engines)
+    time.sleep(0.3)
+    assert _engine_cpu_s(engines) - idle_from < 0.005  # asleep, not polling
+
+
 @pytest.mark.timeout(60)
 def test_contexts_take_turns_on_the_control_loop(device, ctx, monkeypatch):
     """A context with four rings of packets queued first gets one turn, then a bystander
