@@ -919,6 +919,46 @@ def test_a_rings_turn_ends_after_its_inline_works_worth(device, ctx, monkeypatch
 
 
 @pytest.mark.timeout(240)
+def test_a_repeated_engine_launch_is_bound_once_while_the_memory_stays(device, ctx,
+                                                                       monkeypatch):
+    """A launch for the engines is kept checked and bound (firmware/launches.py
+    ``EngineBound``) as an inline one is: the same launch again binds nothing, and runs;
+    once the context's mappings changed it is bound again, against memory as it is now."""
+    from firmware import launches
+
+    n = 64 * 64
+    q, x, launch = _compiled_fill(device, ctx, 11, n, 7.5)
+    monkeypatch.setattr(launches, "INLINE_THREADS", 64)  # the whole grid on the engines
+    binds: list[int] = []
+    real_bind = launches.bind_args
+
+    def bind_args(space, steps):  # noqa: ANN001, ANN202 - the wrapped function's own
+        binds.append(space.generation)
+        return real_bind(space, steps)
+    monkeypatch.setattr(launches, "bind_args", bind_args)
+
+    for i in range(3):
+        x[:] = 0
+        seqno = launch(n)
+        device.run_until(lambda: q.ring.fence == seqno)
+        assert seqno in device.engine_done(q) and device.ended(q)[seqno].status == 0
+        assert (x == 7.5).all()
+    assert len(binds) == 1  # bound by the first, reused by the other two
+    bound = [b for b in ctx.ctx.modules[11].bound.values()
+             if type(b) is launches.EngineBound]
+    assert len(bound) == 1 and bound[0].nblocks == n // 64
+
+    other_va = VA + SIZE  # a mapping added: every binding of the context is stale
+    ctx.ctx.space.add(memory.Mapping(other_va, MiB, uapi.MemKind.HOST_PINNED, 0,
+                                     np.frombuffer(mmap.mmap(-1, MiB), np.uint8)))
+    x[:] = 0
+    seqno = launch(n)
+    device.run_until(lambda: q.ring.fence == seqno)
+    assert device.ended(q)[seqno].status == 0 and (x == 7.5).all()
+    assert len(binds) == 2 and binds[1] != binds[0]  # bound again, at the new generation
+
+
+@pytest.mark.timeout(240)
 def test_a_repeated_inline_launch_reads_its_block_and_memory_as_they_are_now(device, ctx):
     """An inline launch bound once runs again unbound (firmware/launches.py ``Bound``),
     but only while its argument block says the same and the context's mappings did not
