@@ -47,8 +47,9 @@ MiB = 1 << 20
 VA = 0x1000_0000
 SIZE = 32 * MiB
 N = 4096
-#: the control loop's nap while an engine runs (firmware/main.py ``ENGINES_BUSY_NAP_S``)
-ENGINES_BUSY_NAP_S = 50e-6
+#: the control loop's nap while an engine runs, at most (firmware/main.py: the rest of
+#: ``SPIN_AFTER_ACTIVITY_S``; the engine's completion ends it, through the wake-up pipe)
+ENGINES_BUSY_NAP_S = 500e-6
 #: a kernel the engines run whatever its size (a ``while`` is never bounded), doing
 #: almost nothing: what a launch pays for the hand-off alone
 ENGINE_SOURCE = """

@@ -103,7 +103,11 @@ class EnginePool:
     def __init__(self, name: str, count: int, counters: Counters) -> None:
         self._heap: list[_Queued] = []
         self._turns = _Turns()
-        self._cond = threading.Condition()
+        #: the heap's and the parked list's lock
+        self._lock = threading.Lock()
+        #: the wake-up locks of the engines parked for want of a job, held while they
+        #: sleep (:meth:`_next`)
+        self._parked: list[threading.Lock] = []
         self._arrivals = itertools.count()
         self._counters = counters
         self.name = name  # an engine kind, abi.mailbox.ENGINE_KINDS
@@ -115,9 +119,18 @@ class EnginePool:
             threading.Thread(target=self._engine, name=f"{name}{i}", daemon=True).start()
 
     def submit(self, priority: int, job: Job) -> None:
-        with self._cond:
+        lock = self._lock
+        lock.acquire()  # not ``with``: twice the cost, on every engine launch's path
+        try:
             self._queue(-priority, job)
-            self._cond.notify()
+            self._unpark()
+        finally:
+            lock.release()
+
+    def _unpark(self) -> None:
+        """Wake one parked engine, if any (the caller holds the lock)."""
+        if self._parked:
+            self._parked.pop().release()
 
     def _queue(self, rank: int, job: Job) -> None:
         """In line at its context's next turn (the caller holds the lock)."""
@@ -139,25 +152,42 @@ class EnginePool:
 
     def higher_waiting(self, priority: int) -> bool:
         """Is a job of higher priority than ``priority`` waiting? (checked between chunks)"""
-        with self._cond:
+        with self._lock:
             return bool(self._heap) and -self._heap[0].rank[0] > priority
 
     def waiting(self, priority: int) -> bool:
         """Is a job of at least ``priority`` waiting? (checked when a slice is up)"""
-        with self._cond:
+        with self._lock:
             return bool(self._heap) and -self._heap[0].rank[0] >= priority
+
+    def _next(self, wake: threading.Lock) -> _Queued:
+        """The next job, parking this engine until there is one. An engine with nothing
+        to do sleeps on its own wake-up lock, held, which :meth:`submit` releases: one
+        futex wake per hand-off, where a ``Condition`` made a lock and queued it per wait
+        and took its own lock again on waking (Python code, on the GIL, both sides)."""
+        lock = self._lock
+        lock.acquire()
+        while not self._heap:
+            self._parked.append(wake)
+            lock.release()
+            wake.acquire()  # sleeps, taking no CPU, until submit releases it
+            lock.acquire()
+        try:
+            item = heapq.heappop(self._heap)
+            self._turns.serving = max(self._turns.serving, item.rank[1])
+            self._busy += 1
+            if self._peak_stat:
+                self._counters.peak(self._peak_stat, self._busy)
+        finally:
+            lock.release()
+        return item
 
     def _engine(self) -> None:
         host_cpu.lower_engine_priority()
+        wake = threading.Lock()
+        wake.acquire()  # held: the engine's acquire sleeps until submit releases it
         while True:
-            with self._cond:
-                while not self._heap:
-                    self._cond.wait()
-                item = heapq.heappop(self._heap)
-                self._turns.serving = max(self._turns.serving, item.rank[1])
-                self._busy += 1
-                if self._peak_stat:
-                    self._counters.peak(self._peak_stat, self._busy)
+            item = self._next(wake)
             start = time.perf_counter_ns()
             item.job.charged_ns = 0
             try:
@@ -168,12 +198,12 @@ class EnginePool:
             busy = time.perf_counter_ns() - start - item.job.charged_ns
             self._counters.add(self._busy_stat, busy)
             item.job.ring.ctx.engine_time.add(self.name, busy)
-            with self._cond:
+            with self._lock:
                 self._busy -= 1
                 if not done:  # gave way: back in line behind the work it yields to
                     self._counters.add("preemptions")
                     self._queue(item.rank[0], item.job)
-                    self._cond.notify()
+                    self._unpark()
             # a finished job holds its packet's memory (a mapping and its descriptor):
             # let it go now, not when the next job comes
             del item

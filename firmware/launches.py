@@ -187,6 +187,8 @@ class Kernels:
             raw = None  # raised below, after the checks that come first
         bound = None if raw is None else mod.bound.get((index, raw, grid_w, block_w, dynamic))
         if bound is not None and bound.generation == space.generation:
+            if type(bound) is EngineBound:
+                return self._to_engines(sched, ring, seqno, bound, None, start_ns)
             self._run_inline(bound)
             sched.tally.add("launches")
             return None
@@ -224,19 +226,35 @@ class Kernels:
                 if pages is not None:  # what it touched, up to where it stopped
                     managed.migrate(sched.residency, pages)
             if pages is None:  # managed pages migrate per launch: those bind every time
-                if len(mod.bound) >= PLAN_CACHE:
-                    mod.bound.clear()
-                mod.bound[index, raw, grid_w, block_w, dynamic] = bound
+                self._remember(mod, (index, raw, grid_w, block_w, dynamic), bound)
             sched.tally.add("launches")
             return None
-        parts = max(1, min(self.compute_engines, nblocks))
-        launch = Launch(ring, seqno, name, kir, types, values, buffers, grid, block, dynamic,
-                        kernel, pages=pages, nblocks=nblocks, engines=parts, remaining=parts,
-                        options=options)
+        engine = EngineBound(generation, name, kir, types, values, buffers, grid, block,
+                             dynamic, kernel, options, nblocks)
+        if pages is None and kernel is not None:  # compiled: it goes to the engines again
+            self._remember(mod, (index, raw, grid_w, block_w, dynamic), engine)
+        return self._to_engines(sched, ring, seqno, engine, pages, start_ns)
+
+    @staticmethod
+    def _remember(mod: FwModule, key: tuple[int, bytes, int, int, int],
+                  bound: Bound | EngineBound) -> None:
+        """Keep a launch checked and bound for its next time (PLAN_CACHE per module)."""
+        if len(mod.bound) >= PLAN_CACHE:
+            mod.bound.clear()
+        mod.bound[key] = bound
+
+    def _to_engines(self, sched: Scheduler, ring: Ring, seqno: int, b: EngineBound,
+                    pages: list[managed.PageMap] | None, start_ns: int) -> BlockJob:
+        """A launch's engine jobs, one per engine its blocks can keep busy: the first is
+        returned (the scheduler submits it, marking the ring busy), the others submitted."""
+        parts = max(1, min(self.compute_engines, b.nblocks))
+        launch = Launch(ring, seqno, b.name, b.kernel_ir, b.arg_types, b.values, b.buffers,
+                        b.grid, b.block, b.dynamic_shared, b.compiled, pages=pages,
+                        nblocks=b.nblocks, engines=parts, remaining=parts, options=b.options)
         jobs = [BlockJob(sched, launch, start_ns) for _ in range(parts)]
         for job in jobs[1:]:
             sched.compute.submit(ring.priority, job)
-        return jobs[0]  # the scheduler submits the first, marking the ring busy
+        return jobs[0]
 
     def _plan(self, mod: FwModule, index: int, kir: dict, raw: bytes) -> list[Step]:
         """The argument block's plan (:func:`plan_args`), kept by its module: a framework
@@ -306,6 +324,26 @@ class Bound(NamedTuple):
     buffers: list[tuple[str, int, int]]
     values: list
     work: int  # threads x work per thread (INLINE_WORK)
+
+
+class EngineBound(NamedTuple):
+    """A launch for the engines checked and bound against its context's memory, as
+    :class:`Bound` is for an inline one: the same kernel, argument block and shape go to
+    the engines again without planning, binding or looking the kernel up (~13 us of the
+    control loop per launch before; an MLP step's every product is one)."""
+
+    generation: int
+    name: str
+    kernel_ir: dict
+    arg_types: tuple[str, ...]
+    values: list
+    buffers: list[tuple[str, int, int]]
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    dynamic_shared: int
+    compiled: Any  # the compiled kernel (None: the engine asks the JIT; then not kept)
+    options: Any
+    nblocks: int
 
 
 def _inline_work(kernel: Any, grid: tuple[int, int, int], block: tuple[int, int, int],

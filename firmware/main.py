@@ -54,13 +54,13 @@ from firmware.telemetry import Counters, log_unexpected
 #: round trip measured slower both napping in poll(2) and polling without yielding (same
 #: place).
 SPIN_AFTER_ACTIVITY_S = 500e-6
-#: ...but while a compute engine runs, nap this long between polls instead of yielding:
-#: the engines are threads on the host's CPUs, at a lower priority, and a spinning loop
-#: kept a launch's second engine from starting until the first was nearly done. The nap
-#: is a sleep in poll(2) with the contexts marked sleeping, so a doorbell ends it at once:
-#: a plain sleep made every tenant's packet wait out the nap (and the timer slack) while
-#: another tenant's grid ran.
-ENGINES_BUSY_NAP_S = 50e-6
+#: ...but while a compute engine runs, the loop naps for the rest of that while instead
+#: of yielding: the engines are threads on the host's CPUs, at a lower priority, and a
+#: spinning loop kept a launch's second engine from starting until the first was nearly
+#: done. The nap is a sleep in poll(2) with the contexts marked sleeping, so a doorbell
+#: ends it at once (a plain sleep made every tenant's packet wait out the nap while
+#: another tenant's grid ran), and so does the engine's completion (its wake-up pipe).
+#: Naps of a fixed 50 us cost a pass and a poll each, two or three per engine launch.
 #: Control messages handled per pass of the loop.
 MAILBOX_BATCH = 256
 _POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR
@@ -497,8 +497,8 @@ class Firmware:
                 self._publish_stats()
                 last_beat = now
             if now - last_work < SPIN_AFTER_ACTIVITY_S and not self.hung:
-                if self.sched.compute.busy():  # lend the CPU, and wake for a doorbell
-                    self._sleep(ENGINES_BUSY_NAP_S, stats=False)
+                if self.sched.compute.busy():  # lend the CPU; wake for a doorbell or its end
+                    self._sleep(SPIN_AFTER_ACTIVITY_S - (now - last_work), stats=False)
                     continue
                 if not work:  # idle: let others run, but stay awake (SPIN_AFTER_ACTIVITY_S)
                     os.sched_yield()

@@ -190,9 +190,9 @@ class FwModule:
     compiled: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict)
     #: (kernel index, argument block bytes) -> its argument plan (firmware/launches.py)
     plans: dict[tuple[int, bytes], list] = field(default_factory=dict)
-    #: (kernel index, argument block bytes, grid, block, dynamic shared) -> the inline
-    #: launch it checked and bound, while the context's mappings did not change
-    #: (firmware/launches.py ``Bound``)
+    #: (kernel index, argument block bytes, grid, block, dynamic shared) -> the launch
+    #: it checked and bound, inline or for the engines, while the context's mappings did
+    #: not change (firmware/launches.py ``Bound``, ``EngineBound``)
     bound: dict[tuple[int, bytes, int, int, int], Any] = field(default_factory=dict)
 
 

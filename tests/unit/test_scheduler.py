@@ -474,6 +474,40 @@ def test_contexts_of_one_priority_take_turns():
     assert log == ["holder", "a1", "b1", "c1", "a2", "c2", "a3", "a4"]
 
 
+def _engine_cpu_s(threads: list[threading.Thread]) -> float:
+    """The CPU time ``threads`` have used so far (seconds)."""
+    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads)
+
+
+@pytest.mark.timeout(60)
+def test_parked_engines_take_no_cpu_and_every_job_wakes_one():
+    """An engine with nothing to do sleeps on its own wake-up lock: idle, the pool's
+    engines use no CPU; every job submitted runs, whether an engine was parked, about to
+    park or busy (a lost wake-up would leave a job queued with both engines asleep)."""
+    before = set(threading.enumerate())
+    pool = EnginePool("compute", 2, Counters(mailbox.STAT_NAMES))
+    engines = [t for t in threading.enumerate() if t not in before]
+    assert len(engines) == 2
+    log: list[str] = []
+    for i in range(200):  # one at a time, each waited for: a parked engine's hand-off
+        job = _Gate(f"one{i}", log)
+        pool.submit(0, job)
+        assert job.started.wait(30)
+    # from several threads at once, engines parked, parking and busy
+    submitters = [threading.Thread(target=lambda k=k: [pool.submit(0, _Gate(f"{k}.{j}", log))
+                                                       for j in range(100)]) for k in range(4)]
+    for t in submitters:
+        t.start()
+    for t in submitters:
+        t.join(30)
+    wait_until(lambda: len(log), 30, "every job to run", ok=lambda n: n == 600,
+               interval=0.001)
+    wait_until(lambda: not pool.busy(), 30, "the engines to park", interval=0.001)
+    idle_from = _engine_cpu_s(engines)
+    time.sleep(0.3)
+    assert _engine_cpu_s(engines) - idle_from < 0.005  # asleep, not polling
+
+
 @pytest.mark.timeout(60)
 def test_contexts_take_turns_on_the_control_loop(device, ctx, monkeypatch):
     """A context with four rings of packets queued first gets one turn, then a bystander
@@ -900,6 +934,46 @@ def test_a_rings_turn_ends_after_its_inline_works_worth(device, ctx, monkeypatch
     assert device.ended(small)[last].start_ns < ran[2].start_ns  # not after the batch
     assert not device.engine_done(big)  # all three inline, one turn each
     assert all(c.status == 0 for q in (big, small) for c in device.ended(q).values())
+
+
+@pytest.mark.timeout(240)
+def test_a_repeated_engine_launch_is_bound_once_while_the_memory_stays(device, ctx,
+                                                                       monkeypatch):
+    """A launch for the engines is kept checked and bound (firmware/launches.py
+    ``EngineBound``) as an inline one is: the same launch again binds nothing, and runs;
+    once the context's mappings changed it is bound again, against memory as it is now."""
+    from firmware import launches
+
+    n = 64 * 64
+    q, x, launch = _compiled_fill(device, ctx, 11, n, 7.5)
+    monkeypatch.setattr(launches, "INLINE_THREADS", 64)  # the whole grid on the engines
+    binds: list[int] = []
+    real_bind = launches.bind_args
+
+    def bind_args(space, steps):  # noqa: ANN001, ANN202 - the wrapped function's own
+        binds.append(space.generation)
+        return real_bind(space, steps)
+    monkeypatch.setattr(launches, "bind_args", bind_args)
+
+    for i in range(3):
+        x[:] = 0
+        seqno = launch(n)
+        device.run_until(lambda: q.ring.fence == seqno)
+        assert seqno in device.engine_done(q) and device.ended(q)[seqno].status == 0
+        assert (x == 7.5).all()
+    assert len(binds) == 1  # bound by the first, reused by the other two
+    bound = [b for b in ctx.ctx.modules[11].bound.values()
+             if type(b) is launches.EngineBound]
+    assert len(bound) == 1 and bound[0].nblocks == n // 64
+
+    other_va = VA + SIZE  # a mapping added: every binding of the context is stale
+    ctx.ctx.space.add(memory.Mapping(other_va, MiB, uapi.MemKind.HOST_PINNED, 0,
+                                     np.frombuffer(mmap.mmap(-1, MiB), np.uint8)))
+    x[:] = 0
+    seqno = launch(n)
+    device.run_until(lambda: q.ring.fence == seqno)
+    assert device.ended(q)[seqno].status == 0 and (x == 7.5).all()
+    assert len(binds) == 2 and binds[1] != binds[0]  # bound again, at the new generation
 
 
 @pytest.mark.timeout(240)
