@@ -132,18 +132,29 @@ def _allocator(device: _device.DeviceLike = None) -> CachingAllocator:
     return _device.get(idx).part("allocator", lambda: CachingAllocator(_backend(idx)))
 
 
-#: Per device index: (pid, its caching allocator, its default stream) as its Device's
-#: parts were when last looked up. Every array's making needs both, and the two part
-#: lookups were a third of a small array's making and dropping; an entry holds while its
-#: allocator is open (a lost or dropped device closes it, and its parts are made anew) and
-#: in the process that made it (a forked child takes the lookups, which refuse it).
-_hot_parts: dict[int, tuple[int, CachingAllocator, Stream]] = {}
+#: Per device index: (pid, its caching allocator, its default stream or None) as its
+#: Device's parts were when last looked up. Every array's making needs the allocator and
+#: a stream, and the two part lookups were a third of a small array's making and
+#: dropping; an entry holds while its allocator is open (a lost or dropped device closes
+#: it, and its parts are made anew) and in the process that made it (a forked child takes
+#: the lookups, which refuse it). The default stream is a queue of the device: it is
+#: looked up (made) only for an array that names no stream (``_hot_default``), never for
+#: one that does -- a context whose queues are all in use still makes arrays on them.
+_hot_parts: dict[int, tuple[int, CachingAllocator, Stream | None]] = {}
 
 
-def _hot(idx: int) -> tuple[int, CachingAllocator, Stream]:
-    """Device ``idx``'s entry in ``_hot_parts``, looked up anew."""
-    entry = _hot_parts[idx] = (_device._pid, _allocator(idx), default_stream(idx))
+def _hot(idx: int) -> tuple[int, CachingAllocator, Stream | None]:
+    """Device ``idx``'s entry in ``_hot_parts``, looked up anew (no default stream yet)."""
+    entry = _hot_parts[idx] = (_device._pid, _allocator(idx), None)
     return entry
+
+
+def _hot_default(idx: int) -> Stream:
+    """Device ``idx``'s default stream, made if need be, kept in its fresh ``_hot`` entry."""
+    s = default_stream(idx)
+    pid, allocator, _ = _hot_parts[idx]
+    _hot_parts[idx] = (pid, allocator, s)
+    return s
 
 
 def _refuse_in_capture(s: Stream, what: str) -> None:
@@ -189,7 +200,7 @@ class DeviceArray:
         if entry is None or entry[1].closed is not None or entry[0] != _device._pid:
             entry = _hot(idx)
         self._allocator = allocator = entry[1]
-        s = stream or _stream._tls.streams.get(idx) or entry[2]
+        s = stream or _stream._tls.streams.get(idx) or entry[2] or _hot_default(idx)
         if s.capturing is None:
             self._block = block = allocator.malloc(self.nbytes, s)
         else:  # the graph's own pool, for the graph's lifetime
