@@ -86,8 +86,12 @@ def test_replaying_a_failing_recording_fails_every_time(daemon, tmp_path):
         codes.append(r.returncode)
         assert "wrong" in r.stdout, r.stderr
     assert codes == [1] * 5
-    # the replay applied exactly the recorded decisions, and recorded them again
-    assert decisions(again) == decisions(path)
+    # the replay applied exactly the recorded decisions, and recorded them again; the
+    # file lists them as the firmware made them, and a packet's delay is decided when the
+    # host has published it, so only their interleaving may differ between runs
+    assert sorted(decisions(again)) == sorted(decisions(path))
+    starts = [d for d in decisions(path) if d[2] == "order"]
+    assert [d for d in decisions(again) if d[2] == "order"] == starts  # in start order
     with open(again) as f:
         assert json.load(f)["schedule"] == "replay"
 
