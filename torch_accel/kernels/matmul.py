@@ -4,10 +4,10 @@ to the unit over the whole of ``k`` (the unit checks every tile against its buff
 edge tiles are just smaller tiles). The unit calls BLAS single-threaded, so a launch's
 blocks are the only way its product uses more than one of the device's compute engines:
 ``_config`` cuts ``out`` into near-equal tiles of at most 256 x 256 and, for a product
-worth sharing, into a multiple of the engines' number (an MLP's 64 x 256 product was one
-block, run by one engine while the other idled). Larger tiles do not pay: a 1024 mm in
-512 x 512 tiles ran no faster than in 256 x 256 ones (docs/torch.md), and 128 x 128 tiles
-made it 64 BLAS calls each repacking its operands. An operand stored transposed (a
+large enough to pay for a second engine's job, into a multiple of the engines' number
+(docs/torch.md, "Products on both engines": an MLP's products are below that). Larger
+tiles did not pay: a 1024 mm in 512 x 512 tiles ran no faster than in 256 x 256 ones,
+and 128 x 128 tiles made it 64 BLAS calls each repacking its operands. An operand stored transposed (a
 ``.t()`` view, as ``linear``'s weight and every product of a backward pass) is read in
 place through mma's ``ta``/``tb`` flags, not copied first. Integer products are refused:
 the unit has no integer GEMM, and an MLP needs none.
@@ -25,14 +25,19 @@ from torch_accel.kernels._shared import Array
 from torch_accel.kernels.elementwise import Binary, binary, fill
 from torch_accel.kernels.layout import strided_copy
 
-#: a tile's rows and columns at most
-MAX_TILE = 256
+#: a tile's rows and columns at most: the matrix unit's own chunk (one BLAS call per 512
+#: of k, docs/kernels.md "The matrix unit"), so a tile is as few calls as the unit makes
+#: and a block runs no longer than two 256 x 256 tiles did
+MAX_ROWS, MAX_COLS = 256, 512
 #: tiles' rows and columns are multiples of this (64 bytes of float32: a tile's first
 #: column starts on a cache line of a row that does)
 ALIGN = 16
-#: a product of at least this many multiply-adds is cut into tiles enough for every
-#: compute engine to have its share (``_config``)
-SPLIT_WORK = 1 << 22
+#: a product is cut into tiles enough for every compute engine to have its share
+#: (``_config``) when each share would be at least this many multiply-adds (~0.35 ms of
+#: one core's sgemm here): a second engine's job costs CPU time of its own, and on a host
+#: with no CPU to spare for it, cutting one 256 x 256 tile over k 784 in two took 15%
+#: longer (docs/torch.md, "Products on both engines")
+SHARE_WORK = 1 << 24
 #: ...which is a multiple of the engines' number, or at least this many tiles per engine
 #: (then the last round of claims leaves an engine idle for at most a fifth of the time)
 ROUNDS = 4
@@ -127,16 +132,16 @@ def _tile(extent: int, parts: int) -> int:
 
 
 def _config(m: int, n: int, k: int, engines: int) -> Config:
-    """The tiles of an ``[m, n]`` product over ``k``: at most ``MAX_TILE`` x ``MAX_TILE``
-    each, near-equal rather than full tiles and a ragged edge. A product of at least
-    ``SPLIT_WORK`` has the longer tile side cut again until every engine gets an equal
-    share of tiles (their count a multiple of ``engines``, or ``ROUNDS`` per engine) or
-    no side can be cut: the blocks of a launch are its engines' only parallelism (the
-    unit calls BLAS single-threaded), and an MLP's ``64 x 256`` product over ``k`` 784 was
-    one tile, which one engine ran while the other idled."""
-    gm, gn = -(-m // MAX_TILE), -(-n // MAX_TILE)
+    """The tiles of an ``[m, n]`` product over ``k``: at most ``MAX_ROWS`` x ``MAX_COLS``
+    each, near-equal rather than full tiles and a ragged edge (``256 x 784`` is four tiles
+    of 208 or fewer columns, not three of 256 and one of 16 that leave an engine idle for
+    most of a tile). A product worth ``SHARE_WORK`` per engine has the longer tile side
+    cut again until every engine gets an equal share of tiles (their count a multiple of
+    ``engines``, or ``ROUNDS`` per engine) or no side can be cut: the blocks of a launch
+    are its engines' only parallelism (the unit calls BLAS single-threaded)."""
+    gm, gn = -(-m // MAX_ROWS), -(-n // MAX_COLS)
     tm, tn = _tile(m, gm), _tile(n, gn)
-    if m * n * k >= SPLIT_WORK:
+    if m * n * k >= SHARE_WORK * engines:
         while (tiles := -(-m // tm) * -(-n // tn)) % engines and tiles < ROUNDS * engines:
             if tm >= tn and tm > ALIGN:
                 gm += 1
