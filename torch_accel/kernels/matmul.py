@@ -1,16 +1,17 @@
 """Matrix products on the device's matrix unit (``mma``, docs/kernels.md "The matrix
 unit"): ``mm`` and ``bmm`` for float32 and float64. Each block hands one tile of ``out``
 to the unit over the whole of ``k`` (the unit checks every tile against its buffer, so
-edge tiles are just smaller tiles). The unit calls BLAS single-threaded, so a launch's
-blocks are the only way its product uses more than one of the device's compute engines:
-``_config`` cuts ``out`` into near-equal tiles of at most 256 x 256 and, for a product
-large enough to pay for a second engine's job, into a multiple of the engines' number
-(docs/torch.md, "Products on both engines": an MLP's products are below that). Larger
-tiles did not pay: a 1024 mm in 512 x 512 tiles ran no faster than in 256 x 256 ones,
-and 128 x 128 tiles made it 64 BLAS calls each repacking its operands. An operand stored transposed (a
-``.t()`` view, as ``linear``'s weight and every product of a backward pass) is read in
-place through mma's ``ta``/``tb`` flags, not copied first. Integer products are refused:
-the unit has no integer GEMM, and an MLP needs none.
+edge tiles are just smaller tiles). ``_config`` cuts ``out`` into near-equal tiles of at
+most 256 x 512, the unit's own chunk: a 1024 mm is 8 blocks of 2 BLAS calls, where
+256 x 256 tiles made it 16 blocks of 2 calls (0.86x the wall time and 0.95x the firmware
+CPU now, same process) and 128 x 128 tiles 64 calls each repacking its operands. The
+unit calls BLAS single-threaded, so a launch's blocks are the only way its product uses
+more than one compute engine; a product is cut into tiles for every engine only when
+each engine's share pays for its job (docs/torch.md, "Products on both engines": an
+MLP's products do not). An operand stored transposed (a ``.t()`` view, as ``linear``'s
+weight and every product of a backward pass) is read in place through mma's ``ta``/``tb``
+flags, not copied first. Integer products are refused: the unit has no integer GEMM, and
+an MLP needs none.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ ALIGN = 16
 #: a product is cut into tiles enough for every compute engine to have its share
 #: (``_config``) when each share would be at least this many multiply-adds (~0.35 ms of
 #: one core's sgemm here): a second engine's job costs CPU time of its own, and on a host
-#: with no CPU to spare for it, cutting one 256 x 256 tile over k 784 in two took 15%
-#: longer (docs/torch.md, "Products on both engines")
+#: with no CPU to spare for it, cutting one 256 x 256 tile over k 1024 in two took 1.21x
+#: the firmware CPU and was no faster (docs/torch.md, "Products on both engines")
 SHARE_WORK = 1 << 24
 #: ...which is a multiple of the engines' number, or at least this many tiles per engine
 #: (then the last round of claims leaves an engine idle for at most a fifth of the time)
@@ -133,12 +134,12 @@ def _tile(extent: int, parts: int) -> int:
 
 def _config(m: int, n: int, k: int, engines: int) -> Config:
     """The tiles of an ``[m, n]`` product over ``k``: at most ``MAX_ROWS`` x ``MAX_COLS``
-    each, near-equal rather than full tiles and a ragged edge (``256 x 784`` is four tiles
-    of 208 or fewer columns, not three of 256 and one of 16 that leave an engine idle for
-    most of a tile). A product worth ``SHARE_WORK`` per engine has the longer tile side
-    cut again until every engine gets an equal share of tiles (their count a multiple of
-    ``engines``, or ``ROUNDS`` per engine) or no side can be cut: the blocks of a launch
-    are its engines' only parallelism (the unit calls BLAS single-threaded)."""
+    each, near-equal rather than full tiles and a ragged edge (``256 x 784`` is tiles of
+    400 and 384 columns, not 512 and 272 that leave an engine idle for half a tile). A
+    product worth ``SHARE_WORK`` per engine has the longer tile side cut again until
+    every engine gets an equal share of tiles (their count a multiple of ``engines``, or
+    ``ROUNDS`` per engine) or no side can be cut: the blocks of a launch are its
+    engines' only parallelism (the unit calls BLAS single-threaded)."""
     gm, gn = -(-m // MAX_ROWS), -(-n // MAX_COLS)
     tm, tn = _tile(m, gm), _tile(n, gn)
     if m * n * k >= SHARE_WORK * engines:
