@@ -338,7 +338,10 @@ def test_nn_kernels(torch_runner):
 @pytest.mark.timeout(150)
 def test_matmul_random_sleep(torch_runner):
     lines = run(torch_runner, """
-        for m, k, n in ((1, 1, 1), (65, 130, 33), (129, 7, 257), (300, 40, 520), (4, 0, 3)):
+        # then near-equal ragged tiles (matmul._config: an MLP's weight gradient in 400 and
+        # 384 columns, 70 x 600 in 304 and 296) and a product cut in halves for two engines
+        for m, k, n in ((1, 1, 1), (65, 130, 33), (129, 7, 257), (300, 40, 520), (4, 0, 3),
+                        (256, 64, 784), (70, 300, 600), (256, 1030, 200)):
             a = rng.standard_normal((m, k)).astype(np.float32)
             b = rng.standard_normal((k, n)).astype(np.float32)
             c = rng.standard_normal((m, n)).astype(np.float32)
@@ -369,6 +372,13 @@ def test_matmul_random_sleep(torch_runner):
             K.mm(o, dev(a), dev(b), tb=True, k=100, bias=dev(bias[:5]))
         except ValueError as exc:
             print("short bias refused:", exc)
+        a = rng.standard_normal((256, 1030)).astype(np.float32)  # cut in halves, b as [n, k]
+        b = rng.standard_normal((200, 1030)).astype(np.float32)
+        bias = rng.standard_normal(200).astype(np.float32)
+        o = runtime.empty((256, 200), np.float32)
+        K.mm(o, dev(a), dev(b), beta=0.5, alpha=2.0, tb=True, bias=dev(bias))
+        check("mm of tiles for each engine with a bias row", host(o), 0.5 * bias + 2 * (a @ b.T),
+              rtol=1e-4, atol=1e-3)
         try:  # a [5, 4] stored transposed is [4, 5]: no product into [5, 3]
             K.mm(runtime.empty((5, 3), np.float32), dev(np.ones((5, 4), np.float32)),
                  dev(np.ones((4, 3), np.float32)), ta=True)

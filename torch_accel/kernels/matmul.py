@@ -1,16 +1,22 @@
 """Matrix products on the device's matrix unit (``mma``, docs/kernels.md "The matrix
-unit"): ``mm`` and ``bmm`` for float32 and float64. Each block hands one 256x256 tile of
-``out`` to the unit over the whole of ``k`` (the unit checks every tile against its
-buffer, so edge tiles are just smaller tiles). 128x128 tiles made a 1024 mm 64 BLAS calls
-each repacking its operands: 1.77x torch's CPU mm against 1.2x with 256x256 (medians of
-six rounds, same run, loaded machine); 256 still gives a 512 x 512 product four blocks
-for the engines to share. An operand stored transposed (a ``.t()`` view, as ``linear``'s
+unit"): ``mm`` and ``bmm`` for float32 and float64. Each block hands one tile of ``out``
+to the unit over the whole of ``k`` (the unit checks every tile against its buffer, so
+edge tiles are just smaller tiles). ``_config`` cuts ``out`` into near-equal tiles of at
+most 256 x 512, the unit's own chunk: a 1024 mm is 8 blocks of 2 BLAS calls, where
+256 x 256 tiles made it 16 blocks of 2 calls (0.86x the wall time and 0.95x the firmware
+CPU now, same process) and 128 x 128 tiles 64 calls each repacking its operands. The
+unit calls BLAS single-threaded, so a launch's blocks are the only way its product uses
+more than one compute engine; a product is cut into tiles for every engine only when
+each engine's share pays for its job (docs/torch.md, "Products on both engines": an
+MLP's products do not). An operand stored transposed (a ``.t()`` view, as ``linear``'s
 weight and every product of a backward pass) is read in place through mma's ``ta``/``tb``
 flags, not copied first. Integer products are refused: the unit has no integer GEMM, and
 an MLP needs none.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,7 +26,22 @@ from torch_accel.kernels._shared import Array
 from torch_accel.kernels.elementwise import Binary, binary, fill
 from torch_accel.kernels.layout import strided_copy
 
-TILE = 256
+#: a tile's rows and columns at most: the matrix unit's own chunk (one BLAS call per 512
+#: of k, docs/kernels.md "The matrix unit"), so a tile is as few calls as the unit makes
+#: and a block runs no longer than two 256 x 256 tiles did
+MAX_ROWS, MAX_COLS = 256, 512
+#: tiles' rows and columns are multiples of this (64 bytes of float32: a tile's first
+#: column starts on a cache line of a row that does)
+ALIGN = 16
+#: a product is cut into tiles enough for every compute engine to have its share
+#: (``_config``) when each share would be at least this many multiply-adds (~0.35 ms of
+#: one core's sgemm here): a second engine's job costs CPU time of its own, and on a host
+#: with no CPU to spare for it, cutting one 256 x 256 tile over k 1024 in two took 1.21x
+#: the firmware CPU and was no faster (docs/torch.md, "Products on both engines")
+SHARE_WORK = 1 << 24
+#: ...which is a multiple of the engines' number, or at least this many tiles per engine
+#: (then the last round of claims leaves an engine idle for at most a fifth of the time)
+ROUNDS = 4
 #: threads per block of an ``mm`` launch
 THREADS = 128
 
@@ -29,11 +50,11 @@ THREADS = 128
 # an operand is stored transposed (a [k, m], b [n, k]): the unit reads it where it lies.
 # has_bias first fills the block's tile with bias[n] broadcast over its rows (addmm's and
 # linear's bias: one launch less than a broadcast copy into out before the product).
-SOURCE = f"""def mm(c, a, b, beta, alpha, ta, tb, k, bias, has_bias):
-    i = group_id(1) * {TILE}
-    j = group_id(0) * {TILE}
-    tm = min({TILE}, c.shape[0] - i)
-    tn = min({TILE}, c.shape[1] - j)
+SOURCE = """def mm(c, a, b, beta, alpha, ta, tb, k, bias, has_bias, tile_m, tile_n):
+    i = group_id(1) * tile_m
+    j = group_id(0) * tile_n
+    tm = min(tile_m, c.shape[0] - i)
+    tn = min(tile_n, c.shape[1] - j)
     if has_bias != 0:
         for e in range(local_id(0), tm * tn, local_size(0)):
             c[i + e // tn, j + e % tn] = bias[j + e % tn]
@@ -91,22 +112,63 @@ def _mm(out: Array, a: Array, b: Array, beta: float, alpha: float, s: runtime.St
         else:
             binary(Binary.mul, out, out, beta, stream=s)
     else:
-        shared.module("matmul", SOURCE, out.device).mm[_config(m, n)](
-            *_mm_args(out, a, b, beta, alpha, ta, tb, k, bias), stream=s)
+        config = _config(m, n, k, _engines(out.device))
+        shared.module("matmul", SOURCE, out.device).mm[config.grid, config.threads](
+            *_mm_args(out, a, b, beta, alpha, ta, tb, k, bias, config), stream=s)
 
 
-def _config(m: int, n: int) -> tuple[tuple[int, int], int]:
-    """The grid (one block per ``TILE`` x ``TILE`` tile of the ``[m, n]`` output) and the
-    block of an ``mm`` launch."""
-    return (-(-n // TILE), -(-m // TILE)), THREADS
+class Config(NamedTuple):
+    """An ``mm`` launch's shape: its grid, its block and the tile each block computes."""
+
+    grid: tuple[int, int]
+    threads: int
+    tile_m: int
+    tile_n: int
+
+
+def _tile(extent: int, parts: int) -> int:
+    """The tile length that cuts ``extent`` into at most ``parts`` near-equal pieces, a
+    multiple of ``ALIGN`` unless it is all of ``extent``."""
+    return min(extent, -(-(-(-extent // parts)) // ALIGN) * ALIGN)
+
+
+def _config(m: int, n: int, k: int, engines: int) -> Config:
+    """The tiles of an ``[m, n]`` product over ``k``: at most ``MAX_ROWS`` x ``MAX_COLS``
+    each, near-equal rather than full tiles and a ragged edge (``256 x 784`` is tiles of
+    400 and 384 columns, not 512 and 272 that leave an engine idle for half a tile). A
+    product worth ``SHARE_WORK`` per engine has the longer tile side cut again until
+    every engine gets an equal share of tiles (their count a multiple of ``engines``, or
+    ``ROUNDS`` per engine) or no side can be cut: the blocks of a launch are its
+    engines' only parallelism (the unit calls BLAS single-threaded)."""
+    gm, gn = -(-m // MAX_ROWS), -(-n // MAX_COLS)
+    tm, tn = _tile(m, gm), _tile(n, gn)
+    if m * n * k >= SHARE_WORK * engines:
+        while (tiles := -(-m // tm) * -(-n // tn)) % engines and tiles < ROUNDS * engines:
+            if tm >= tn and tm > ALIGN:
+                gm += 1
+                tm = _tile(m, gm)
+            elif tn > ALIGN:
+                gn += 1
+                tn = _tile(n, gn)
+            else:
+                break
+    return Config((-(-n // tn), -(-m // tm)), THREADS, tm, tn)
+
+
+def _engines(device: int) -> int:
+    """The device's compute engines (its properties: a partition may have fewer), asked
+    once per device."""
+    return runtime.devices.get(device).part(
+        ("torch_accel", "compute_engines"),
+        lambda: runtime.get_device_properties(device).compute_engines)
 
 
 def _mm_args(out: Array, a: Array, b: Array, beta: float, alpha: float, ta: bool, tb: bool,
-             k: int, bias: Array | None) -> list[object]:
+             k: int, bias: Array | None, config: Config) -> list[object]:
     """The ``mm`` kernel's arguments, in SOURCE's order."""
     return [out, a, b, np.float64(beta), np.float64(alpha), np.int64(ta), np.int64(tb),
             np.int64(k), _unused_bias(out.device, out.dtype) if bias is None else bias,
-            np.int64(bias is not None)]
+            np.int64(bias is not None), np.int64(config.tile_m), np.int64(config.tile_n)]
 
 
 def mm_plan(out: Array, a: Array, b: Array, beta: float, alpha: float, ta: bool, tb: bool,
@@ -122,10 +184,11 @@ def mm_plan(out: Array, a: Array, b: Array, beta: float, alpha: float, ta: bool,
     if not (m and n and k):
         raise ValueError(f"mm plan of an empty product {tuple(out.shape)} (k {k})")
     kernel = shared.module("matmul", SOURCE, out.device).mm
-    args = _mm_args(out, a, b, beta, alpha, ta, tb, k, bias)
+    config = _config(m, n, k, _engines(out.device))
+    args = _mm_args(out, a, b, beta, alpha, ta, tb, k, bias, config)
     if bias is None:
         args[8] = out.view(out.dtype, (n,))  # a stand-in: the plan's fourth buffer is out's
-    return kernel.plan(*_config(m, n), args)
+    return kernel.plan(config.grid, config.threads, args)
 
 
 def mm(out: Array, a: Array, b: Array, beta: float = 0.0, alpha: float = 1.0,
