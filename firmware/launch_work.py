@@ -15,13 +15,18 @@ syntax-tree nodes once per trip of each enclosing loop, an ``if`` counts its tes
 larger of its arms, a ``break`` or ``return`` only makes the real work smaller. A ``range``
 argument is bounded by interval arithmetic over the launch's signed integer scalars, the
 ids (``local_id(d)`` in ``[0, block[d] - 1]``...), constants and locals assigned once (in
-scope, before the loop), using ``+ - *``, ``//`` by a known positive value, unary minus,
-``min`` and ``max``. Anything else -- a ``while`` loop, ``mma``, a step that is not a
-known positive value, a bound read from memory, a float, an unsigned scalar, a value of
-magnitude ``VALUE_LIMIT`` or more, a kernel of more than ``MAX_KERNEL_NODES`` nodes --
-leaves the work unbounded (None): the launch goes to an engine. The magnitude limit means
-that none of the int64 arithmetic the kernel does on those values can wrap, so the
-kernel's trips are those the intervals bound.
+scope, before the loop) and a buffer's ``shape[d]`` (the launch's own), using ``+ - *``,
+``//`` by a known positive value, unary minus, ``min`` and ``max``. An ``mma`` counts its
+tile's multiply-adds (``MMA_NODES_PER_MAC`` each, and ``MMA_CALL_NODES`` for the call),
+shared among the block's threads since the block issues it once: the small products of a
+training step (an MLP's 256-10 layer: 164 K multiply-adds, ~10 us of BLAS) then run
+inline instead of paying an engine's hand-off (0.14-0.31 ms each, docs/launch.md).
+Anything else -- a ``while`` loop, an ``mma`` whose tile sizes no launch's values bound, a
+step that is not a known positive value, a bound read from memory, a float, an unsigned
+scalar, a value of magnitude ``VALUE_LIMIT`` or more, a kernel of more than
+``MAX_KERNEL_NODES`` nodes -- leaves the work unbounded (None): the launch goes to an
+engine. The magnitude limit means that none of the int64 arithmetic the kernel does on
+those values can wrap, so the kernel's trips are those the intervals bound.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from firmware.kernel_check import Kernel, is_mma
+
+MMA_PARAMS = ("c", "a", "b", "row", "col", "k0", "tm", "tn", "tk")
 
 #: Values of a range bound's arithmetic at or above this magnitude leave the work
 #: unbounded (the kernel's int64 arithmetic on them could wrap: the intervals would lie).
@@ -45,6 +52,13 @@ WORK_LIMIT = 1 << 40
 MAX_KERNEL_NODES = 1024
 #: launch shapes and scalars a kernel's bound remembers (LoopWork._seen) before it starts over
 SEEN_LIMIT = 64
+#: An ``mma``'s work in bounded nodes: per multiply-add of its tile, and per call. One
+#: core's sgemm runs a multiply-add in 16-50 ps (a 1024 product to a 64 x 10 x 256 one),
+#: a bounded node 100-170 ps (docs/launch.md, "Looping kernels inline"), so one node per
+#: multiply-add overestimates by 2-10x: the budget then admits products up to ~3 M
+#: multiply-adds (0.05-0.15 ms of BLAS); the call's checks and BLAS's own set-up ~1-2 us.
+MMA_NODES_PER_MAC = 1
+MMA_CALL_NODES = 10_000
 
 _SIGNED = frozenset({"int8", "int16", "int32", "int64"})
 
@@ -57,10 +71,13 @@ class LoopWork:
     compiled once into a plan (node counts, the range bounds as closures), so that a
     launch evaluates only the loops' bounds."""
 
-    def __init__(self, plan: list, scalars: dict[str, int]) -> None:
+    def __init__(self, plan: list, scalars: dict[str, int],
+                 shapes: dict[str, int] | None = None) -> None:
         self._plan = plan
         #: signed integer scalar parameter never assigned -> its position in the values
         self._scalars = scalars
+        #: buffer parameter whose ``shape`` the body reads -> its position in the values
+        self._shapes = shapes or {}
         #: (grid, block, those scalars) -> the bound: a launch that goes to an engine is
         #: bounded again every time (~8 us), and a program repeats its few shapes
         self._seen: dict[tuple, int | None] = {}
@@ -76,20 +93,25 @@ class LoopWork:
             nodes += 1
             if nodes > MAX_KERNEL_NODES:
                 return None
-            if isinstance(n, ast.While) or (isinstance(n, ast.stmt) and is_mma(n)):
+            if isinstance(n, ast.While):
                 return None
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                 stores[n.id] = stores.get(n.id, 0) + 1
         scalars = {p: i for i, (p, t) in enumerate(zip(k.params, k.arg_types))
                    if p in k.scalars and t.dtype in _SIGNED and not stores.get(p)}
-        plan = _Compiler(stores, set(scalars)).stmts(k.fn.body)
-        return None if plan is None else cls(plan, scalars)
+        buffers = {p: i for p, i in k.buffers.items() if not stores.get(p)}
+        compiler = _Compiler(stores, set(scalars), set(buffers))
+        plan = compiler.stmts(k.fn.body)
+        if plan is None:
+            return None
+        return cls(plan, scalars, {p: buffers[p] for p in sorted(compiler.shapes_read)})
 
     def per_thread(self, grid: Sequence[int], block: Sequence[int],
                    values: Sequence[Any]) -> int | None:
         """An upper bound of the syntax-tree nodes one thread of this launch evaluates,
         or None when the launch's values do not bound it."""
-        key = (*grid, *block, *(int(values[i]) for i in self._scalars.values()))
+        key = (*grid, *block, *(int(values[i]) for i in self._scalars.values()),
+               *(values[i].shape for i in self._shapes.values()))
         if key in self._seen:
             return self._seen[key]
         if len(self._seen) >= SEEN_LIMIT:
@@ -107,6 +129,10 @@ class LoopWork:
             env["global_id", d] = (0, g * b - 1)
             env["local_size", d] = (b, b)
             env["num_groups", d] = (g, g)
+        env["threads"] = block[0] * block[1] * block[2]
+        for name, i in self._shapes.items():
+            for d, extent in enumerate(values[i].shape):
+                env["shape", name, d] = (extent, extent)
         for name, i in self._scalars.items():
             v = int(values[i])
             if abs(v) < VALUE_LIMIT:  # else unknown: a range bound using it is unbounded
@@ -115,7 +141,8 @@ class LoopWork:
 
 
 # A plan is a list of steps: an int (nodes evaluated once), ("let", name, fn),
-# ("if", nodes, body, orelse), ("for", nodes, var, start, stop, step, body, orelse).
+# ("if", nodes, body, orelse), ("for", nodes, var, start, stop, step, body, orelse),
+# ("mma", nodes, tm, tn, tk).
 
 
 def _run(plan: list, env: dict) -> int | None:
@@ -126,7 +153,16 @@ def _run(plan: list, env: dict) -> int | None:
             total += step
             continue
         kind = step[0]
-        if kind == "let":
+        if kind == "mma":
+            sizes = [f(env) for f in step[2:]]
+            if any(r is None for r in sizes):
+                return None
+            macs = 1
+            for r in sizes:
+                macs *= max(0, r[1])  # type: ignore[index]
+            block_work = macs * MMA_NODES_PER_MAC + MMA_CALL_NODES
+            total += step[1] + -(-block_work // env["threads"])  # the block issues it once
+        elif kind == "let":
             r = step[2](env)
             if r is not None:
                 env[step[1]] = r
@@ -160,15 +196,23 @@ def _run(plan: list, env: dict) -> int | None:
 class _Compiler:
     """The body as a plan: node counts, and closures for what a launch must evaluate."""
 
-    def __init__(self, stores: dict[str, int], scalars: set[str]) -> None:
+    def __init__(self, stores: dict[str, int], scalars: set[str],
+                 buffers: set[str]) -> None:
         self.stores = stores
         self.scalars = scalars
+        self.buffers = buffers  # never assigned: their shapes are the launch's
+        self.shapes_read: set[str] = set()
 
     def stmts(self, body: list[ast.stmt]) -> list | None:
         plan: list = []
         for s in body:
             if isinstance(s, ast.For):
                 step = self.loop(s)
+                if step is None:
+                    return None
+                plan.append(step)
+            elif is_mma(s):
+                step = self.mma(s)
                 if step is None:
                     return None
                 plan.append(step)
@@ -208,6 +252,17 @@ class _Compiler:
         var = s.target.id if self.stores.get(s.target.id) == 1 else None
         return ("for", _nodes(it) + 1, var, start, stop, step, body, orelse)
 
+    def mma(self, s: ast.stmt) -> tuple | None:
+        """An ``mma`` statement: its tile's sizes (positional, as kernel_check requires)."""
+        call = s.value  # type: ignore[attr-defined]
+        at = [MMA_PARAMS.index(p) for p in ("tm", "tn", "tk")]
+        if call.keywords or len(call.args) <= max(at):
+            return None
+        sizes = [self.expr(call.args[i]) for i in at]
+        if any(f is None for f in sizes):
+            return None
+        return ("mma", _nodes(s), *sizes)
+
     def expr(self, e: ast.AST) -> Fn | None:
         """``e``'s interval as a function of the launch's environment, or None when no
         launch bounds it."""
@@ -224,6 +279,8 @@ class _Compiler:
             return None if f is None else _lift1(f, lambda r: (-r[1], -r[0]))
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and not e.keywords:
             return self.call(e)
+        if isinstance(e, ast.Subscript):
+            return self.shape(e)
         if isinstance(e, ast.BinOp):
             a, b = self.expr(e.left), self.expr(e.right)
             if a is None or b is None:
@@ -237,6 +294,17 @@ class _Compiler:
             if isinstance(e.op, ast.FloorDiv):
                 return _lift2(a, b, _floordiv)
         return None
+
+    def shape(self, e: ast.Subscript) -> Fn | None:
+        """``buf.shape[d]`` of a buffer parameter: the launch's extent."""
+        v, d = e.value, e.slice
+        if not (isinstance(v, ast.Attribute) and v.attr == "shape"
+                and isinstance(v.value, ast.Name) and v.value.id in self.buffers
+                and isinstance(d, ast.Constant) and type(d.value) is int and d.value >= 0):
+            return None
+        name, key = v.value.id, ("shape", v.value.id, d.value)
+        self.shapes_read.add(name)
+        return lambda env: env.get(key)
 
     def call(self, e: ast.Call) -> Fn | None:
         name = e.func.id  # type: ignore[attr-defined]

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from firmware import jit, launches
-from firmware.launch_work import MAX_KERNEL_NODES, VALUE_LIMIT, LoopWork
+from firmware.launch_work import (MAX_KERNEL_NODES, MMA_CALL_NODES, MMA_NODES_PER_MAC,
+                                   VALUE_LIMIT, LoopWork)
 from runtime.kernels import compile_module
-from torch_accel.kernels import nn, reduce
+from torch_accel.kernels import matmul, nn, reduce
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,13 +86,14 @@ def count(x, rows: 'int64'):
      "        x[j] = 0.0\n", ("float32[1d]", "int64")),
     ("def unsigned(x, n):\n    for j in range(n):\n        x[j] = 0.0\n",
      ("float32[1d]", "uint64")),
-    ("def tile(a, b, c):\n    mma(c, a, b, 0, 0, 0, 4, 4, 4, 0.0)\n    for j in range(4):\n"
-     "        c[0, 0] = 0.0\n", ("float32[2d]",) * 3),
+    ("def tile(a, b, c):\n    m = 4\n    m = m + 1\n    mma(c, a, b, 0, 0, 0, m, 4, 4, 0.0)\n",
+     ("float32[2d]",) * 3),
 ])
 def test_loops_no_launch_can_bound_leave_the_kernel_unbounded(source: str,
                                                              types: tuple[str, ...]) -> None:
     """A ``while``, a bound loaded from memory, a local assigned twice, an unsigned
-    scalar, ``mma``: no launch of such a kernel runs inline."""
+    scalar, an ``mma`` whose tile no launch's values bound: no launch of such a kernel
+    runs inline."""
     assert work_of(source, types) is None
 
 
@@ -183,3 +185,60 @@ def test_a_training_steps_small_looping_kernels_run_inline(name: str, source: st
     nobody sees (docs/launch.md, "Looping kernels inline")."""
     work = _inline_work(source, name, types, ONE, block, values)
     assert work is not None and work <= launches.INLINE_WORK, (name, work)
+
+
+TILE = """
+def tile(c, a, b, n: 'int64'):
+    mma(c, a, b, 0, 0, 0, min(n, c.shape[0]), c.shape[1], n, 0.0)
+"""
+
+
+def test_an_mma_counts_its_tiles_multiply_adds_once_per_block() -> None:
+    """The block issues an mma once: its multiply-adds (the tile's sizes as the launch's
+    scalars and buffer shapes bound them) are shared among the block's threads."""
+    lw = work_of(TILE, ("float32[2d]",) * 3 + ("int64",))
+    assert lw is not None
+    c = np.empty((8, 16), np.float32)
+
+    def block_work(n: int, threads: int) -> int:
+        per = lw.per_thread(ONE, (threads, 1, 1), [c, None, None, np.int64(n)])
+        assert per is not None
+        return per * threads
+
+    macs = 8 * 16 * 32  # min(n, 8) rows, 16 columns, k = n
+    assert block_work(32, 1) >= macs * MMA_NODES_PER_MAC + MMA_CALL_NODES
+    assert block_work(32, 1) - block_work(32, 64) < 64 * 8  # shared, not per thread
+    assert block_work(64, 1) - block_work(32, 1) == 8 * 16 * 32 * MMA_NODES_PER_MAC
+    wider = np.empty((8, 32), np.float32)  # another shape: bounded again, not remembered
+    assert lw.per_thread(ONE, (1, 1, 1), [wider, None, None, np.int64(32)]) \
+        == block_work(32, 1) + macs * MMA_NODES_PER_MAC
+
+
+def _mm_inline_work(m: int, n: int, k: int) -> int | None:
+    """torch_accel's ``mm`` launch of an [m, n] product over k, as matmul.py makes it."""
+    config = matmul._config(m, n, k, 2)
+    values = [np.empty((m, n), np.float32), np.empty((m, k), np.float32),
+              np.empty((k, n), np.float32), np.float64(0), np.float64(1), np.int64(0),
+              np.int64(0), np.int64(k), np.empty(n, np.float32), np.int64(1),
+              np.int64(config.tile_m), np.int64(config.tile_n)]
+    types = ("float32[2d]",) * 3 + ("float64",) * 2 + ("int64",) * 3 + ("float32[1d]",) \
+        + ("int64",) * 3
+    return _inline_work(matmul.SOURCE, "mm", types, (*config.grid, 1),
+                        (config.threads, 1, 1), values)
+
+
+@pytest.mark.parametrize("m, n, k, inline", [
+    (64, 10, 256, True),    # an MLP's 256-10 layer: forward,
+    (64, 256, 10, True),    # the input's gradient
+    (10, 256, 64, True),    # and the weight's
+    (64, 256, 784, False),  # the 784-256 layer's products: 12.8 M multiply-adds each
+    (256, 784, 64, False),
+    (1024, 1024, 1024, False),
+])
+def test_small_products_run_inline_and_large_ones_on_an_engine(m: int, n: int, k: int,
+                                                              inline: bool) -> None:
+    """A product of ~10 us of BLAS no longer pays an engine's hand-off (0.14-0.31 ms);
+    one of 12.8 M multiply-adds still goes to an engine, off the control loop."""
+    work = _mm_inline_work(m, n, k)
+    assert work is not None
+    assert (work <= launches.INLINE_WORK) is inline, (m, n, k, work)
