@@ -69,6 +69,9 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 class _Timespec(ctypes.Structure):
+    """futex(2)'s relative timeout (the kernel's struct timespec): a sleeping rank still
+    wakes for the fault check every ``FAULT_POLL_S``."""
+
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
