@@ -49,8 +49,9 @@ from torch._C import _distributed_c10d as c10d
 from torch.futures import Future
 
 import runtime
-from torch_accel import funcol
+from torch_accel import _hooks, funcol
 from torch_accel.intrahost import IntraHost
+from torch_accel.ops._tensors import block_of
 
 #: the backend's name, as ``init_process_group`` and ``dist.get_backend`` spell it
 NAME = "accl"
@@ -65,46 +66,84 @@ _ABANDONED: list[dist.ProcessGroupGloo] = []
 
 
 class _PinnedPool:
-    """Pinned host buffers by size, reused across collectives: pinning is a sealed memfd
-    the copy engines map (3.3 ms for 4 KiB on this machine, against 1 us pageable), which
-    would be most of a small collective's time. A few free buffers of each size are kept.
+    """Pinned host buffers by device and size, reused across collectives: pinning is a
+    sealed memfd the copy engines map (3.3 ms for 4 KiB on this machine, against 1 us
+    pageable), which would be most of a small collective's time. A few free buffers of
+    each size are kept.
 
-    A buffer may come back while a copy out of it is still queued (``give(..., after)``:
-    the synchronous path does not wait for its copy back to the device). It is handed out
-    again at once to work on that same stream, which runs after that copy, and to work on
-    any other stream only once the copy is done."""
+    A buffer may come back while a copy out of it is still queued (``give(..., stream,
+    seqno)``: the synchronous path does not wait for its copy back to the device). It is
+    handed out again at once to work on that same stream, which runs after that copy, and
+    to work on any other stream only once the stream's fence passed the copy (no event per
+    call: recording one is one more packet for the device to run)."""
 
     KEEP = 4
 
     def __init__(self) -> None:
-        self._free: dict[int, list[tuple[torch.Tensor, torch.Event | None,
-                                         torch.Stream | None]]] = {}
+        #: (device index, bytes) -> free buffers, each with the runtime stream and seqno
+        #: of the last copy out of it still possibly queued (None, 0: none)
+        self._free: dict[tuple[int, int],
+                         list[tuple[torch.Tensor, runtime.Stream | None, int]]] = {}
         self._lock = threading.Lock()
 
-    def take(self, like: torch.Tensor, stream: torch.Stream | None = None) -> torch.Tensor:
-        """A contiguous pinned CPU tensor of ``like``'s shape and dtype, free for work
-        queued on ``stream`` from now on."""
+    def take(self, like: torch.Tensor, dev: torch.device,
+             stream: runtime.Stream | None = None) -> torch.Tensor:
+        """A contiguous pinned CPU tensor of ``like``'s shape and dtype, pinned for device
+        ``dev`` (a pinned allocation is mapped into its device's context only) and free
+        for work queued on ``stream`` from now on."""
         nbytes = like.numel() * like.element_size()
         raw = None
         with self._lock:
-            free = self._free.get(nbytes, [])
-            for i, (buf, after, on) in enumerate(free):
-                if after is None or on == stream or after.query():
+            free = self._free.get((dev.index, nbytes), [])
+            for i, (buf, on, seqno) in enumerate(free):
+                if on is None or on is stream or on.completed >= seqno:
                     raw = free.pop(i)[0]
                     break
         if raw is None:
-            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0)
+            with torch.accel.device(dev):
+                raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=nbytes > 0)
         return raw.view(like.dtype).view(like.shape)
 
-    def give(self, bufs: Sequence[torch.Tensor], after: torch.Event | None = None,
-             stream: torch.Stream | None = None) -> None:
-        """``bufs`` back, free once ``after`` (recorded on ``stream``) is done."""
+    def give(self, dev: torch.device, bufs: Sequence[torch.Tensor],
+             stream: runtime.Stream | None = None, seqno: int = 0) -> None:
+        """``bufs`` (pinned for ``dev``) back, free once ``stream`` completed ``seqno``."""
         with self._lock:
             for b in bufs:
                 raw = b.view(-1).view(torch.uint8)
-                free = self._free.setdefault(raw.numel(), [])
+                free = self._free.setdefault((dev.index, raw.numel()), [])
                 if raw.numel() and len(free) < self.KEEP:
-                    free.append((raw, after, stream))
+                    free.append((raw, stream, seqno))
+
+
+def _byte_views(t: torch.Tensor, h: torch.Tensor) -> tuple[Any, Any] | None:
+    """An accel tensor's bytes and its pinned host buffer ``h``'s, as runtime arrays, for
+    a staging copy straight through the runtime: torch's ``copy_`` dispatch costs several
+    times the transfer's own submission, and on a loaded machine a small collective's time
+    is its CPU time (docs/distributed.md, "Cost"). None when ``t`` is not contiguous (or
+    holds nothing): then torch's copy, on the current stream."""
+    nbytes = t.numel() * t.element_size()
+    if not nbytes or not t.is_contiguous() or (pinned := _hooks.pinned_at(h.data_ptr())) is None:
+        return None
+    block, offset = block_of(t)
+    return block.view(np.uint8, nbytes, offset), pinned[:nbytes]
+
+
+def _stage_out(t: torch.Tensor, h: torch.Tensor, stream: runtime.Stream) -> None:
+    """Queue the copy of accel tensor ``t`` into its pinned buffer ``h`` on ``stream``
+    (torch's current one)."""
+    if (views := _byte_views(t, h)) is None:
+        h.copy_(t, non_blocking=True)
+    else:
+        views[0].copy_to_host(out=views[1], stream=stream)
+
+
+def _stage_in(t: torch.Tensor, h: torch.Tensor, stream: runtime.Stream) -> None:
+    """Queue the copy of pinned buffer ``h`` back into accel tensor ``t`` on ``stream``
+    (torch's current one)."""
+    if (views := _byte_views(t, h)) is None:
+        t.copy_(h, non_blocking=True)
+    else:
+        views[0].copy_from_host(views[1], stream=stream)
 
 
 def _record_text(rec: dict[str, Any]) -> str:
@@ -318,12 +357,8 @@ class AcclProcessGroup(dist.ProcessGroup):
             with torch.accel.device(dev):
                 comm.wait_stream(torch.accel.current_stream())
                 with torch.accel.stream(comm):
-                    host: dict[int, torch.Tensor] = {}
+                    host = self._stage(dev, inputs, outputs, comm)
                     for t in tensors:
-                        if id(t) not in host:
-                            host[id(t)] = self._pool.take(t)
-                            if any(t is i for i in inputs):
-                                host[id(t)].copy_(t, non_blocking=True)
                         t.record_stream(comm)
                     staged = torch.Event(device=dev)
                     staged.record(comm)
@@ -333,7 +368,7 @@ class AcclProcessGroup(dist.ProcessGroup):
                                                      timeout=self._release_timeout_s)
                     lane.issued = ticket
                     for t in outputs:
-                        t.copy_(host[id(t)], non_blocking=True)
+                        _stage_in(t, host[id(t)], comm.runtime_stream)
                     landed = torch.Event(device=dev)
                     landed.record(comm)
         except runtime.AccelError as exc:
@@ -345,6 +380,20 @@ class AcclProcessGroup(dist.ProcessGroup):
                  (lambda: finish(h_out)) if finish else None, buffers=list(host.values()),
                  lane=lane, ticket=ticket, landed=landed)
         return self._queue(op)
+
+    def _stage(self, dev: torch.device, inputs: Sequence[torch.Tensor],
+               outputs: Sequence[torch.Tensor], stream: torch.Stream) -> dict[int, torch.Tensor]:
+        """A pinned buffer of the pool for each distinct tensor (by id), free for
+        ``stream``'s work, with the copies of the inputs into theirs queued on ``stream``
+        (the current stream of ``dev``)."""
+        rs = stream.runtime_stream
+        host: dict[int, torch.Tensor] = {}
+        for t in (*inputs, *outputs):
+            if id(t) not in host:
+                host[id(t)] = h = self._pool.take(t, dev, rs)
+                if any(t is i for i in inputs):
+                    _stage_out(t, h, rs)
+        return host
 
     def _inline(self, dev: torch.device, inputs: Sequence[torch.Tensor],
                 outputs: Sequence[torch.Tensor],
@@ -358,16 +407,10 @@ class AcclProcessGroup(dist.ProcessGroup):
         the device here, but a synchronous caller waits anyway; what this saves is three
         thread hand-offs and the communication stream's waits (docs/distributed.md,
         "Cost")."""
+        stream = torch.accel.current_stream(dev)
         try:
-            with torch.accel.device(dev):
-                stream = torch.accel.current_stream()
-                host: dict[int, torch.Tensor] = {}
-                for t in [*inputs, *outputs]:
-                    if id(t) not in host:
-                        host[id(t)] = self._pool.take(t, stream)
-                        if any(t is i for i in inputs):
-                            host[id(t)].copy_(t, non_blocking=True)
-                stream.synchronize()
+            host = self._stage(dev, inputs, outputs, stream)
+            stream.synchronize()
         except runtime.AccelError as exc:
             raise self._local_fault(dev, exc) from exc
         h_out = [host[id(t)] for t in outputs]
@@ -376,15 +419,13 @@ class AcclProcessGroup(dist.ProcessGroup):
             self._wait_gloo(work)
         if finish is not None:
             finish(h_out)
+        rs = stream.runtime_stream
         try:
-            with torch.accel.device(dev):
-                for t, h in zip(outputs, h_out):
-                    t.copy_(h, non_blocking=True)
-                landed = torch.Event(device=dev)
-                landed.record(stream)
+            for t, h in zip(outputs, h_out):
+                _stage_in(t, h, rs)
         except runtime.AccelError as exc:
             raise self._local_fault(dev, exc) from exc
-        self._pool.give(list(host.values()), landed, stream)
+        self._pool.give(dev, list(host.values()), rs, rs.last_seqno)
         op = _Op(dev, lambda: None, list(value if value is not None else outputs), None, [])
         op.future.set_result(op.value)
         return AcclWork(op)
@@ -446,7 +487,8 @@ class AcclProcessGroup(dist.ProcessGroup):
                 self._release(op)
                 op.future.set_exception(self._failure(op, exc))
                 continue
-            self._pool.give(op.buffers)
+            if op.device is not None:
+                self._pool.give(op.device, op.buffers)
             op.keep.clear()
             op.future.set_result(op.value)
 

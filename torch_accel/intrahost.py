@@ -12,14 +12,16 @@ same bits (gloo's results are identical across ranks too). A rank writes a slot 
 steps later, which it reaches only after every rank published the next step, that is,
 finished reading this one: one wait per step is the whole protocol.
 
-A rank waiting for the others yields the CPU for ``SPIN_S``, then naps ``NAP_S`` at a
-time; every ``FAULT_POLL_S`` it runs the group's fault check (another rank's lost device,
-published in the store) and looks whether a late rank's process exited (through a pidfd
-of each, opened when the group was made; gloo would see its socket close), and it gives
-up at the group's timeout. The ranks join when the group is made (``join``): all of them,
-or none, use this transport, decided from what every rank published in the store. A rank
-started with ``ACCL_SHM_DISABLE=1`` (NCCL's ``NCCL_SHM_DISABLE``) publishes that it cannot,
-so the whole group stays with gloo.
+A rank waiting for the others yields the CPU for ``SPIN_S``, then sleeps in the kernel on
+a late rank's step word (a futex: every rank wakes its word's sleepers when it publishes a
+step), leaving the CPUs to the late rank and the devices' control loops instead of polling
+(docs/distributed.md, "Cost"). Every ``FAULT_POLL_S`` it runs the group's fault check
+(another rank's lost device, published in the store) and looks whether a late rank's
+process exited (through a pidfd of each, opened when the group was made; gloo would see
+its socket close), and it gives up at the group's timeout. The ranks join when the group
+is made (``join``): all of them, or none, use this transport, decided from what every rank
+published in the store. A rank started with ``ACCL_SHM_DISABLE=1`` (NCCL's
+``NCCL_SHM_DISABLE``) publishes that it cannot, so the whole group stays with gloo.
 
 Stores are published after the data they cover with a full barrier between (x86's order:
 a store is not reordered with an earlier store, nor a load with a later load).
@@ -27,6 +29,7 @@ a store is not reordered with an earlier store, nor a load with a later load).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -46,9 +49,9 @@ from abi.userq import full_barrier
 SLOT_BYTES = 4 << 20
 #: the header: the step counter, then each slot's byte count (u64 words), a cache line
 _HEADER = 64
-#: how long a waiting rank only yields the CPU between looks, and then how long it naps
-SPIN_S = 2e-3
-NAP_S = 50e-6
+#: how long a waiting rank only yields the CPU between looks before it sleeps in the kernel
+#: until the late rank publishes (a futex on the late rank's step word)
+SPIN_S = 50e-6
 #: how often a waiting rank runs the group's fault check and looks for the others' exit
 FAULT_POLL_S = 0.2
 _DIR = "/dev/shm"
@@ -59,6 +62,32 @@ _OPS: dict[Any, Callable[..., torch.Tensor]] = {
     dist.ReduceOp.BAND: torch.bitwise_and, dist.ReduceOp.BOR: torch.bitwise_or,
     dist.ReduceOp.BXOR: torch.bitwise_xor}
 _BITWISE = {dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR}
+#: futex(2) on x86-64, whose store order the protocol already relies on (module docstring)
+_SYS_FUTEX = 202
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Timespec(ctypes.Structure):
+    """futex(2)'s relative timeout (the kernel's struct timespec): a sleeping rank still
+    wakes for the fault check every ``FAULT_POLL_S``."""
+
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_wait(addr: int, seen: int, timeout_s: float) -> None:
+    """Sleep until the u32 at ``addr`` (the low half of a step word) is woken, changes from
+    ``seen`` or ``timeout_s`` passes; an early return is harmless, the caller looks again."""
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT,
+                  ctypes.c_uint32(seen & 0xFFFFFFFF), ctypes.byref(ts), None, 0)
+
+
+def _futex_wake(addr: int) -> None:
+    """Wake every rank sleeping on the u32 at ``addr`` (none is cheap: one system call)."""
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
 _DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
            torch.int8, torch.int16, torch.int32, torch.int64}
 
@@ -82,6 +111,8 @@ class IntraHost:
         #: the other ranks' processes (pidfds: readable once one exited, zombie or reaped)
         self._pidfds = pidfds
         self._words = [np.frombuffer(m, dtype=np.uint64, count=3) for m in maps]
+        #: each rank's step word's address, the futex its waiters sleep on
+        self._addrs = [int(w.ctypes.data) for w in self._words]
         self._slots = [[torch.frombuffer(m, dtype=torch.uint8, count=SLOT_BYTES,
                                          offset=_HEADER + s * SLOT_BYTES) for s in (0, 1)]
                        for m in maps]
@@ -165,6 +196,7 @@ class IntraHost:
         words[1 + s] = nbytes
         full_barrier()
         words[0] = step
+        _futex_wake(self._addrs[self.rank])
         self._wait(step, check)
         full_barrier()
         for r, w in enumerate(self._words):
@@ -182,11 +214,16 @@ class IntraHost:
             return
         start = now = time.monotonic()
         next_check = start + FAULT_POLL_S
-        while not all(int(w[0]) >= step for w in self._words):
+        while True:
+            # a late rank and the step it had: the futex sleeps only while it still has it
+            late = next(((r, seen) for r, w in enumerate(self._words)
+                         if (seen := int(w[0])) < step), None)
+            if late is None:
+                return
             if now - start < SPIN_S:
                 os.sched_yield()
             else:
-                time.sleep(NAP_S)
+                _futex_wait(self._addrs[late[0]], late[1], max(next_check - now, 0.0))
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + FAULT_POLL_S

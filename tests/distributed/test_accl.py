@@ -416,6 +416,32 @@ def test_async_wait_does_not_block_the_host_and_orders_the_current_stream(daemon
         assert lines[rank][1] == "three in a row [8.0, 8.0]", lines
 
 
+TWO_DEVICES = """
+dist.init_process_group("accl")
+r = dist.get_rank()
+got = []
+for d in (r, 1 - r, r):  # each rank's collectives on one device, then the other, then back
+    x = torch.full((1024,), float(r + 1), device=f"accel:{d}")
+    dist.all_reduce(x)
+    y = torch.full((1024,), float(10 * (r + 1)), device=f"accel:{d}")
+    dist.all_reduce(y, async_op=True).wait()
+    got.append((x.cpu().unique().tolist(), y.cpu().unique().tolist()))
+say(f"devices {got}")
+dist.destroy_process_group()
+"""
+
+
+def test_one_group_on_two_devices_stages_each_through_its_own_pinned_buffers(daemon,
+                                                                             tmp_path):
+    """A rank whose collectives use one device, then another, then the first again: a
+    pinned buffer is mapped into its own device's context only, so one kept for the first
+    device must not stage the second's copies (it faulted, EFAULT, before the group kept
+    its buffers per device), and each device's results are right, synchronous or not."""
+    lines = torchrun(daemon, tmp_path, TWO_DEVICES)
+    for rank in (0, 1):
+        assert lines[rank] == ["devices " + str([([3.0], [30.0])] * 3)], lines
+
+
 def test_all_reduce_of_ranks_on_one_host_goes_through_shared_memory(daemon, tmp_path):
     """Ranks on one host all-reduce through shared memory (torch_accel/intrahost.py): a
     tensor of three of its steps, MAX on float64 asynchronously, BXOR on int32 give the

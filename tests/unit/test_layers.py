@@ -67,11 +67,11 @@ MAY_START: dict[str, set[str]] = {
 #: question. Their helper modules (tests/rawdev.py...) are first-party all the same: a
 #: layer importing one is importing from "tests", which no entry allows.
 NOT_LAYERS = {"tests"}
-#: Layouts that are not ours: statfs(2)'s and sched_setattr(2)'s structs, and the bare
-#: shared-memory ping-pong the benchmarks measure the user-mode queue against (no contract
-#: of the device).
+#: Layouts that are not ours: statfs(2)'s and sched_setattr(2)'s structs, futex(2)'s
+#: timeout (a timespec), and the bare shared-memory ping-pong the benchmarks measure the
+#: user-mode queue against (no contract of the device).
 FOREIGN_LAYOUTS = {("kmod_emul/userfd.py", "_Statfs"), ("firmware/host_cpu.py", "_SchedAttr"),
-                   ("bench/floors.py", "_U64")}
+                   ("torch_accel/intrahost.py", "_Timespec"), ("bench/floors.py", "_U64")}
 #: Calls whose first argument is a snippet run in a fresh interpreter (the test kit's
 #: ``Daemon.run_py`` / ``popen_py`` and the tests' ``run_py`` fixture)
 SNIPPET_RUNNERS = {"run_py", "popen_py"}
