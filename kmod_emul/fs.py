@@ -387,7 +387,9 @@ class AccelFS(pyfuse3.Operations):
             if isinstance(handle, OpenFile):  # a command: the hot path, tested first
                 if not self.turns.start_now(handle.pid):
                     await self.turns.take(handle.pid)
-                await drv.execute(self.info, handle, buf)
+                pending = drv.execute(self.info, handle, buf)
+                if pending is not None:  # MODULE_LOAD: its checks run in a thread
+                    await pending
             elif isinstance(handle, AttrHandle):
                 assert handle.node.attr is not None
                 pending = handle.node.attr.store(buf, handle.writer)
