@@ -123,9 +123,8 @@ class Turns:
         """The quiet path of :meth:`take`, without a coroutine (the daemon calls it on every
         device-node request, and ``await take`` only when it says False): start process
         ``pid``'s request, just read, if nothing waits or was let go, and no unread request
-        could come before it (``_unread`` when its tag is ahead of ``V``, inlined: this is
-        half the driver's own cost of a quiet command). False, changing nothing, when it
-        must wait its turn."""
+        could come before it (``_unread`` when its tag is ahead of ``V``, inlined: it runs
+        on every request). False, changing nothing, when it must wait its turn."""
         if self._waiting or self._woken is not None:
             return False
         start = self._finish.get(pid, 0)
