@@ -21,7 +21,7 @@ class Struct(ctypes.LittleEndianStructure):
     def reserved_clear(cls, raw: bytes | memoryview, base: int = 0) -> bool:
         """True when every reserved byte of the struct at ``raw[base:]`` is zero (on every
         command the driver takes: a slice compared with zeros, 2x faster than any())."""
-        for lo, hi, zeros in _reserved(cls):
+        for lo, hi, zeros in _RESERVED.get(cls) or _reserved(cls):
             if raw[base + lo : base + hi] != zeros:
                 return False
         return True

@@ -2,8 +2,10 @@
 
 ``python -m bench.profile_driver`` times the driver's pieces in this process, on a device
 set up as after a boot (firmware image loaded) that runs no firmware and mounts nothing
-(``kmod_emul.offline``, which the driver's unit tests use too): the header/struct decode, ``AccelDevice.describe``, the whole ``drv.execute``,
-``take_reply``, and the same for a sysfs ``state`` attribute render.
+(``kmod_emul.offline``, which the driver's unit tests use too): the daemon's handlers of a
+command's write and its reply's read (``AccelFS.write``/``read``, their turns included), their
+pieces (``Turns.start_now``, ``drv.execute`` + ``drv.read``, the struct's checks and copy,
+``AccelDevice.describe``), and a sysfs attribute's render.
 
 ``python -m bench.profile_driver --daemon [N]`` also runs a real daemon under cProfile
 (``python -m cProfile -o`` on ``accel-emud --foreground``), sends N device queries and
@@ -24,8 +26,9 @@ import sys
 import tempfile
 import time
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from bench.procs import REPO, lazy_unmount, mounts_under
 
@@ -33,59 +36,56 @@ def _us(fn: Callable[[], object], number: int = 20000, repeat: int = 5) -> float
     return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
 
 
-def _run_sync(coro_fn: Callable[[], object]) -> Callable[[], object]:
-    """Drive a coroutine that never suspends (the DEVICE_QUERY path) without an event loop."""
-
-    def run() -> object:
-        coro = coro_fn()
-        try:
-            coro.send(None)  # type: ignore[attr-defined]
-        except StopIteration as stop:
-            return stop.value
-        raise RuntimeError("the handler suspended")
-
-    return run
-
-
 def in_process(number: int = 20000, repeat: int = 5) -> list[tuple[str, float]]:
     """Each piece's cost per call (best of ``repeat`` runs of ``number`` calls), in us."""
     from abi import uapi
     from firmware.image import IMAGE_DIR
     from kmod_emul import drv
+    from kmod_emul.fs import AccelFS, Tree
     from kmod_emul.offline import OfflineDriver
     from kmod_emul.sysfs import device_attrs
 
     def us(fn: Callable[[], object], n: int = number) -> float:
         return _us(fn, number=n, repeat=repeat)
 
+    def done(coro: Coroutine[Any, Any, object]) -> None:
+        """Run a handler that does not suspend (a command's) without an event loop."""
+        try:
+            coro.send(None)
+        except StopIteration:
+            return
+        raise RuntimeError("the handler suspended")
+
     with OfflineDriver(IMAGE_DIR) as driver:  # a booted device, no firmware, no mount
         dev, info = driver.devices[0], driver.info
         f = driver.open(0)
+        fs = AccelFS(Tree(), info)
+        fs._handles[1] = f  # an open file of this process, as AccelFS.open leaves it
+        fs.turns.opened(f.pid)
         cmd = uapi.ACCEL_CMD_DEVICE_QUERY
-        payload = bytes(uapi.accel_device_info())
-        raw = uapi.CMD_HDR.pack(cmd.code, 0, 1) + payload
+        raw = uapi.CMD_HDR.pack(cmd.code, 0, 1) + bytes(uapi.accel_device_info())
         size = ctypes.sizeof(uapi.accel_device_info)
-        arg = uapi.accel_device_info()
-        execute = _run_sync(lambda: drv.execute(info, f, raw))
 
-        def execute_and_take() -> None:
-            execute()
-            drv.take_reply(f, 1, size)
+        def handlers() -> None:
+            done(fs.write(1, 0, raw))
+            done(fs.read(1, 1, size))
+
+        def execute_and_read() -> None:
+            drv.execute(info, f, raw)
+            drv.read(f, 1, size)
 
         state_attr = device_attrs(dev)["state"]
         uuid_attr = device_attrs(dev)["uuid"]
         attr_n = max(1, number // 10)
         return [
-            ("drv.execute + drv.take_reply (whole DEVICE_QUERY)", us(execute_and_take)),
-            ("  drv._decode (header + struct + reserved check)", us(lambda: drv._decode(raw))),
-            ("    CMD_HDR.unpack_from", us(lambda: uapi.CMD_HDR.unpack_from(raw))),
+            ("AccelFS.write + AccelFS.read (whole DEVICE_QUERY)", us(handlers)),
+            ("  Turns.start_now (one process alone: no poll)", us(lambda: fs.turns.start_now(1))),
+            ("  drv.execute + drv.read", us(execute_and_read)),
+            ("    accel_device_info.reserved_clear", us(
+                lambda: uapi.accel_device_info.reserved_clear(raw, uapi.CMD_HDR.size))),
             ("    accel_device_info.from_buffer_copy", us(
                 lambda: uapi.accel_device_info.from_buffer_copy(raw, uapi.CMD_HDR.size))),
-            ("    reserved_clear()", us(lambda: uapi.accel_device_info.reserved_clear(raw, uapi.CMD_HDR.size))),
-            ("  AccelDevice.describe", us(dev.describe)),
-            ("    dev.config (json.loads of the image payload)", us(lambda: dev.config)),
-            ("    uapi.names_to_caps", us(lambda: uapi.names_to_caps(dev.config["capabilities"]))),
-            ("  bytes(reply struct)", us(lambda: bytes(arg))),
+            ("    AccelDevice.describe", us(dev.describe)),
             ("sysfs state attribute render (Attr.read)", us(state_attr.read, attr_n)),
             ("sysfs uuid attribute render (Attr.read)", us(uuid_attr.read, attr_n)),
         ]

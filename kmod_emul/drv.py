@@ -7,13 +7,19 @@ caller's ``OpenFile``; the table pairs commands (from :mod:`abi.uapi`) with them
 
 No handler waits for the device: the kernel holds the device node's lock for every
 tenant while a write runs (FUSE direct I/O), so a handler that slept would stall them all.
-Waiting happens in the caller (docs/containment.md).
+Waiting happens in the caller (docs/containment.md). So the handlers are plain functions
+and ``execute`` runs a command to its stored reply without a coroutine (two coroutines per
+command were a tenth of the driver's share of a DEVICE_QUERY round trip); the one
+exception is MODULE_LOAD, whose checks of the module run in a thread
+(:mod:`kmod_emul.modules`): its handler is a coroutine, which ``execute`` hands back for
+the daemon to await.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +42,9 @@ class DriverInfo:
     version: str = DRIVER_VERSION
 
 
-Handler = Callable[[DriverInfo, OpenFile, Any], Awaitable[Any]]
+#: a command's handler: its reply (a struct or its bytes), or None for a command without
+#: one; MODULE_LOAD's is a coroutine function (see the module doc)
+Handler = Callable[[DriverInfo, OpenFile, Any], Any]
 
 
 def _no_flags(arg: Any, mask: int = 0) -> None:
@@ -44,17 +52,17 @@ def _no_flags(arg: Any, mask: int = 0) -> None:
         raise DriverError(errno.EINVAL, f"unknown flags {arg.flags & ~mask:#x}")
 
 
-async def get_version(info: DriverInfo, f: OpenFile, arg: uapi.accel_version) -> Any:
+def get_version(info: DriverInfo, f: OpenFile, arg: uapi.accel_version) -> Any:
     arg.abi_major, arg.abi_minor = info.abi_major, info.abi_minor
     arg.driver_version = info.version.encode()
     return arg
 
 
-async def device_query(info: DriverInfo, f: OpenFile, arg: uapi.accel_device_info) -> Any:
+def device_query(info: DriverInfo, f: OpenFile, arg: uapi.accel_device_info) -> Any:
     return f.device.describe()
 
 
-async def ctx_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_create) -> Any:
+def ctx_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_create) -> Any:
     _no_flags(arg, uapi.ACCEL_CTX_FLAGS_MASK)
     if arg.abi_major != info.abi_major or arg.abi_minor > info.abi_minor:
         raise DriverError(
@@ -80,14 +88,14 @@ async def ctx_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_create) 
     return arg
 
 
-async def ctx_destroy(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_destroy) -> None:
+def ctx_destroy(info: DriverInfo, f: OpenFile, arg: uapi.accel_ctx_destroy) -> None:
     _no_flags(arg)
     if f.ctx is None or f.ctx.id != arg.ctx_id:
         raise f.foreign_context(arg.ctx_id)
     f.device.tenants.destroy_context(f.ctx)
 
 
-async def submit_noop(info: DriverInfo, f: OpenFile, arg: uapi.accel_submit_noop) -> Any:
+def submit_noop(info: DriverInfo, f: OpenFile, arg: uapi.accel_submit_noop) -> Any:
     _no_flags(arg)
     ctx = f.context(arg.ctx_id)
     f.device.check_usable()
@@ -95,7 +103,7 @@ async def submit_noop(info: DriverInfo, f: OpenFile, arg: uapi.accel_submit_noop
     return arg
 
 
-async def wait(info: DriverInfo, f: OpenFile, arg: uapi.accel_wait) -> Any:
+def wait(info: DriverInfo, f: OpenFile, arg: uapi.accel_wait) -> Any:
     """Never blocks (see the module doc): complete, or ETIME with the interrupt armed."""
     _no_flags(arg)
     q = f.context(arg.ctx_id).default_queue
@@ -115,7 +123,7 @@ async def wait(info: DriverInfo, f: OpenFile, arg: uapi.accel_wait) -> Any:
     return arg
 
 
-async def mem_alloc(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_alloc) -> Any:
+def mem_alloc(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_alloc) -> Any:
     _no_flags(arg)
     ctx = f.context(arg.ctx_id)
     f.device.check_usable()
@@ -128,7 +136,7 @@ async def mem_alloc(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_alloc) ->
     return arg
 
 
-async def mem_free(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_free) -> None:
+def mem_free(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_free) -> None:
     """Drop the handle now; the bytes come back once the device is done with them (work
     queued before the free still uses them), with a byte on the process's event pipe.
     MEM_INFO's ``pending_free`` says how much is still on its way back, so an allocator
@@ -137,14 +145,14 @@ async def mem_free(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_free) -> N
     f.device.memory.free(ctx, ctx.allocation(arg.handle))
 
 
-async def mem_export(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_export) -> Any:
+def mem_export(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_export) -> Any:
     ctx = f.context(arg.ctx_id)
     alloc = ctx.allocation(arg.handle)
     arg.token, arg.export_id = f.device.memory.export(alloc), alloc.backing.id
     return arg
 
 
-async def mem_import(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_import) -> Any:
+def mem_import(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_import) -> Any:
     ctx = f.context(arg.ctx_id)
     f.device.check_usable()
     alloc = f.device.memory.import_(ctx, arg.export_handle, arg.token)
@@ -153,7 +161,7 @@ async def mem_import(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_import) 
     return arg
 
 
-async def mem_info(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_info) -> Any:
+def mem_info(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_info) -> Any:
     ctx = f.context(arg.ctx_id)
     mem = f.device.memory
     arg.free, arg.total = mem.free_bytes(), f.device.memory_total
@@ -166,13 +174,13 @@ async def mem_info(info: DriverInfo, f: OpenFile, arg: uapi.accel_mem_info) -> A
     return arg
 
 
-async def peer_enable(info: DriverInfo, f: OpenFile, arg: uapi.accel_peer_enable) -> None:
+def peer_enable(info: DriverInfo, f: OpenFile, arg: uapi.accel_peer_enable) -> None:
     _no_flags(arg)
     ctx = f.context(arg.ctx_id)
     f.device.tenants.enable_peer(ctx, arg.peer_index)
 
 
-async def queue_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_create) -> Any:
+def queue_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_create) -> Any:
     _no_flags(arg)
     ctx = f.context(arg.ctx_id)
     f.device.check_usable()
@@ -183,14 +191,14 @@ async def queue_create(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_crea
     return arg
 
 
-async def queue_destroy(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_destroy) -> None:
+def queue_destroy(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_destroy) -> None:
     ctx = f.context(arg.ctx_id)
     if arg.queue_id == 0:
         raise DriverError(errno.EINVAL, "the context's default queue lives as long as it does")
     f.device.tenants.destroy_queue(ctx, ctx.queue(arg.queue_id))
 
 
-async def queue_import(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_import) -> Any:
+def queue_import(info: DriverInfo, f: OpenFile, arg: uapi.accel_queue_import) -> Any:
     ctx = f.context(arg.ctx_id)
     arg.queue_id = f.device.tenants.import_queue(ctx, arg.peer_index, arg.peer_queue_id).id
     return arg
@@ -205,11 +213,11 @@ async def module_load(info: DriverInfo, f: OpenFile, arg: uapi.accel_module_load
     return arg
 
 
-async def module_unload(info: DriverInfo, f: OpenFile, arg: uapi.accel_module_unload) -> None:
+def module_unload(info: DriverInfo, f: OpenFile, arg: uapi.accel_module_unload) -> None:
     modules.unload(f.device, f.context(arg.ctx_id), arg.module_id)
 
 
-async def kernel_get(info: DriverInfo, f: OpenFile, arg: uapi.accel_kernel_get) -> Any:
+def kernel_get(info: DriverInfo, f: OpenFile, arg: uapi.accel_kernel_get) -> Any:
     ctx = f.context(arg.ctx_id)
     try:
         name = arg.name.decode()
@@ -219,7 +227,7 @@ async def kernel_get(info: DriverInfo, f: OpenFile, arg: uapi.accel_kernel_get) 
     return arg
 
 
-async def device_reset(info: DriverInfo, f: OpenFile, arg: uapi.accel_device_reset) -> None:
+def device_reset(info: DriverInfo, f: OpenFile, arg: uapi.accel_device_reset) -> None:
     """Only the exclusive owner may reset: a reset destroys every context on the device,
     and while a context holds it exclusively no other process can have it open (open and
     CTX_CREATE answer EBUSY), so what is lost is the caller's own process's. That one
@@ -259,72 +267,98 @@ TABLE: dict[int, Handler] = {
     uapi.ACCEL_CMD_DEVICE_RESET.code: device_reset,
 }
 assert TABLE.keys() == uapi.COMMANDS.keys(), "every uAPI command needs a handler"
+#: the commands whose handler waits (a coroutine function): MODULE_LOAD's checks
+_WAITING = frozenset(code for code, handler in TABLE.items()
+                     if inspect.iscoroutinefunction(handler))
+
+_unpack_hdr = uapi.CMD_HDR.unpack_from
+_COMMANDS = uapi.COMMANDS
 
 
-def _decode(raw: bytes) -> tuple[uapi.Command, int, Any]:
-    if len(raw) < _HDR:
-        raise DriverError(errno.EINVAL, f"short write: {len(raw)} bytes, header is {_HDR}")
-    code, flags, tag = uapi.CMD_HDR.unpack_from(raw)
-    cmd = uapi.COMMANDS.get(code)
-    if cmd is None:
-        known = uapi.COMMANDS_BY_NR.get(uapi.ioc_nr(code))
-        if known is not None and uapi.ioc_type(code) == uapi.ACCEL_IOCTL_BASE:
-            raise DriverError(
-                errno.EINVAL,
-                f"{known.name} with size {uapi.ioc_size(code)} / direction "
-                f"{uapi.ioc_dir(code)}; this driver's is size {ctypes.sizeof(known.struct)}",
-            )
-        raise DriverError(errno.ENOTTY, f"unknown command {code:#010x}")
-    if flags:
-        raise DriverError(errno.EINVAL, f"header flags {flags:#x} must be 0")
-    if tag >= uapi.ACCEL_TAG_LIMIT:
-        raise DriverError(errno.EINVAL, f"tag {tag:#x} not below {uapi.ACCEL_TAG_LIMIT:#x}")
-    want = _HDR + cmd.size
-    if len(raw) != want:
-        raise DriverError(errno.EINVAL, f"{cmd.name}: {len(raw)} bytes written, expected {want}")
-    if not cmd.struct.reserved_clear(raw, _HDR):
-        raise DriverError(errno.EINVAL, f"{cmd.name}: reserved or padding fields must be 0")
-    return cmd, tag, cmd.struct.from_buffer_copy(raw, _HDR)
+def _unknown(code: int) -> DriverError:
+    """The refusal of a command number this driver does not know."""
+    known = uapi.COMMANDS_BY_NR.get(uapi.ioc_nr(code))
+    if known is not None and uapi.ioc_type(code) == uapi.ACCEL_IOCTL_BASE:
+        return DriverError(
+            errno.EINVAL,
+            f"{known.name} with size {uapi.ioc_size(code)} / direction "
+            f"{uapi.ioc_dir(code)}; this driver's is size {ctypes.sizeof(known.struct)}",
+        )
+    return DriverError(errno.ENOTTY, f"unknown command {code:#010x}")
 
 
-async def execute(info: DriverInfo, f: OpenFile, raw: bytes) -> None:
-    """Run one command transaction; store its reply under its tag. Raises DriverError:
-    ENODEV for every one once the device was removed, whoever opened it when. A refusal's
-    reason is kept as the file's ``last_error`` (``uapi.ACCEL_LAST_ERROR_OFFSET``)."""
+def execute(info: DriverInfo, f: OpenFile, raw: bytes) -> Awaitable[None] | None:
+    """Run one command transaction: decode and check the header and struct, run the
+    handler, store its reply under the tag. None once done; for a command whose handler
+    waits (``_WAITING``: MODULE_LOAD), the awaitable that runs it. Raises DriverError (the
+    awaitable too): ENODEV for every one once the device was removed, whoever opened it
+    when. A refusal's reason is kept as the file's ``last_error``
+    (``uapi.ACCEL_LAST_ERROR_OFFSET``)."""
     name = "write"
     try:
         f.device.check_present()
-        cmd, tag, arg = _decode(raw)
-        name = cmd.name
+        if len(raw) < _HDR:
+            raise DriverError(errno.EINVAL, f"short write: {len(raw)} bytes, header is {_HDR}")
+        code, flags, tag = _unpack_hdr(raw)
+        cmd = _COMMANDS.get(code)
+        if cmd is None:
+            raise _unknown(code)
+        if flags:
+            raise DriverError(errno.EINVAL, f"header flags {flags:#x} must be 0")
+        if tag >= uapi.ACCEL_TAG_LIMIT:
+            raise DriverError(errno.EINVAL, f"tag {tag:#x} not below {uapi.ACCEL_TAG_LIMIT:#x}")
+        if len(raw) != _HDR + cmd.size:
+            raise DriverError(errno.EINVAL, f"{cmd.name}: {len(raw)} bytes written, expected "
+                                            f"{_HDR + cmd.size}")
+        struct = cmd.struct
+        if not struct.reserved_clear(raw, _HDR):
+            raise DriverError(errno.EINVAL, f"{cmd.name}: reserved or padding fields must be 0")
+        arg = struct.from_buffer_copy(raw, _HDR)
+        name = cmd.name  # a refusal from here on names the command
         if cmd.has_reply:
             if tag in f.replies:
                 raise DriverError(errno.EEXIST, f"the reply for tag {tag} is still unread")
             if len(f.replies) >= uapi.ACCEL_MAX_PENDING_REPLIES:
                 raise DriverError(errno.EBUSY,
                                   f"{len(f.replies)} replies unread; read them first")
-        out = await TABLE[cmd.code](info, f, arg)
+        if code in _WAITING:
+            return _execute_waiting(info, f, cmd, tag, arg)
+        out = TABLE[code](info, f, arg)
         if cmd.has_reply:
             f.replies[tag] = bytes(out)
     except DriverError as exc:
-        f.last_error = (f"{name} {errno.errorcode.get(exc.errno, exc.errno)}: "
-                        f"{exc.message}")[:uapi.ACCEL_LAST_ERROR_MAX - 1] + "\n"
+        _refused(f, name, exc)
         raise
+    return None
+
+
+async def _execute_waiting(info: DriverInfo, f: OpenFile, cmd: uapi.Command, tag: int,
+                           arg: Any) -> None:
+    """The rest of ``execute`` for a command whose handler waits."""
+    try:
+        out = await TABLE[cmd.code](info, f, arg)
+    except DriverError as exc:
+        _refused(f, cmd.name, exc)
+        raise
+    if cmd.has_reply:
+        f.replies[tag] = bytes(out)
+
+
+def _refused(f: OpenFile, name: str, exc: DriverError) -> None:
+    f.last_error = (f"{name} {errno.errorcode.get(exc.errno, exc.errno)}: "
+                    f"{exc.message}")[:uapi.ACCEL_LAST_ERROR_MAX - 1] + "\n"
 
 
 def read(f: OpenFile, off: int, size: int) -> bytes:
-    """A read at offset ``off``: the reply stored under tag ``off``, or at
-    ``uapi.ACCEL_LAST_ERROR_OFFSET`` the reason of the file's last refused command."""
-    if off == uapi.ACCEL_LAST_ERROR_OFFSET:
-        return f.last_error.encode()[:size]
-    return take_reply(f, off, size)
-
-
-def take_reply(f: OpenFile, tag: int, size: int) -> bytes:
-    """The reply stored under ``tag`` (a read at offset ``tag``), removed once read whole."""
-    reply = f.replies.get(tag)
+    """A read at offset ``off``: the reply stored under tag ``off``, removed once read
+    whole, or at ``uapi.ACCEL_LAST_ERROR_OFFSET`` (no tag's) the reason of the file's last
+    refused command."""
+    reply = f.replies.pop(off, None)
     if reply is None:
-        raise DriverError(errno.ENOMSG, f"no reply pending for tag {tag}")
+        if off == uapi.ACCEL_LAST_ERROR_OFFSET:
+            return f.last_error.encode()[:size]
+        raise DriverError(errno.ENOMSG, f"no reply pending for tag {off}")
     if size < len(reply):
+        f.replies[off] = reply  # a short read takes nothing
         raise DriverError(errno.EINVAL, f"read of {size} bytes; the reply has {len(reply)}")
-    del f.replies[tag]
     return reply

@@ -334,10 +334,11 @@ class AccelFS(pyfuse3.Operations):
         node = self._node(inode)
         if node.device is not None:
             try:
-                handle: OpenFile | AttrHandle | Watcher = node.device.tenants.open(
-                    ctx.pid, ctx.uid, ctx.gid)
+                opened = node.device.tenants.open(ctx.pid, ctx.uid, ctx.gid)
             except Exception as exc:  # noqa: BLE001 - see _fuse_error
                 raise _fuse_error(exc) from None
+            self.turns.opened(opened.pid)
+            handle: OpenFile | AttrHandle | Watcher = opened
         elif node.events is not None:
             try:
                 handle = node.events.watch(ctx.uid, tgid_of(ctx.pid), bool(flags & os.O_NONBLOCK))
@@ -386,7 +387,9 @@ class AccelFS(pyfuse3.Operations):
             if isinstance(handle, OpenFile):  # a command: the hot path, tested first
                 if not self.turns.start_now(handle.pid):
                     await self.turns.take(handle.pid)
-                await drv.execute(self.info, handle, buf)
+                pending = drv.execute(self.info, handle, buf)
+                if pending is not None:  # MODULE_LOAD: its checks run in a thread
+                    await pending
             elif isinstance(handle, AttrHandle):
                 assert handle.node.attr is not None
                 pending = handle.node.attr.store(buf, handle.writer)
@@ -414,6 +417,7 @@ class AccelFS(pyfuse3.Operations):
         if isinstance(handle, Watcher):
             handle.close()
         if isinstance(handle, OpenFile):
+            self.turns.closed(handle.pid)
             try:
                 handle.device.tenants.release(handle)
             except Exception as exc:  # noqa: BLE001 - see _fuse_error

@@ -19,6 +19,7 @@ exception is a driver bug and propagates with its traceback (the daemon answers 
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,9 @@ class OfflineDriver:
         if not raw:
             return 0  # the VFS answers a zero-length write itself
         try:
-            trio.run(drv.execute, self.info, f, bytes(raw))
+            pending = drv.execute(self.info, f, bytes(raw))
+            if pending is not None:  # a handler that waits (MODULE_LOAD)
+                trio.run(lambda: pending)
         except DriverError as exc:
             raise _oserror(exc) from None
         return len(raw)
@@ -101,7 +104,8 @@ class OfflineDriver:
     def handler(self, f: OpenFile, cmd: uapi.Command, arg: Any) -> Any:
         """Run ``cmd``'s handler (``drv.TABLE``) on ``arg`` as decoded; its return value."""
         try:
-            return trio.run(drv.TABLE[cmd.code], self.info, f, arg)
+            out = drv.TABLE[cmd.code](self.info, f, arg)
+            return trio.run(lambda: out) if inspect.iscoroutine(out) else out
         except DriverError as exc:
             raise _oserror(exc) from None
 

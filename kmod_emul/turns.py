@@ -30,7 +30,11 @@ read one request), or ``PARKED_MAX`` waiting requests (pyfuse3 runs at most
 ``kmod_emul.daemon.MAX_TASKS`` request tasks: some must stay free to read), end the wait.
 A request that
 nobody waits before and that no unread request could precede starts at once, without a
-round: the quiet path costs one poll(2).
+round. Only another process's device-node request can precede one, and a process sends
+those only through a device node it opened, which the daemon has seen (its OPEN was
+answered first): while one process alone has device nodes open (``opened``/``closed``),
+nothing unread can come first and the quiet path makes no system call; with others it
+costs one poll(2).
 
 A turn orders the starts of requests only: the next request is let go as the previous one
 starts, and runs once that one yields, which for a driver command is after its reply (no
@@ -83,7 +87,10 @@ class Turns:
         self._seq = itertools.count()
         self._woken: _Waiting | None = None  # told to go (or to look again), not yet running
         self._idle_rounds = 0
-        self._unread: Callable[[], bool] = lambda: False
+        #: poll(2) of /dev/fuse with a timeout: a non-empty list while requests are unread
+        self._poll: Callable[[int], list[tuple[int, int]]] = lambda timeout: []
+        #: process -> its open files of device nodes (``opened``, ``closed``)
+        self._openers: dict[int, int] = {}
         #: the pid of each request started, oldest first (the last ``SERVED_KEPT``)
         self.served: deque[int] = deque(maxlen=SERVED_KEPT)
         self._started = 0
@@ -93,23 +100,39 @@ class Turns:
         every request is taken as the last one queued."""
         poller = select.poll()
         poller.register(fuse_fd, select.POLLIN)
-        self._unread = lambda: bool(poller.poll(0))
+        self._poll = poller.poll
+
+    def opened(self, pid: int) -> None:
+        """Process ``pid`` opened a device node (before it can send a request on it)."""
+        self._openers[pid] = self._openers.get(pid, 0) + 1
+
+    def closed(self, pid: int) -> None:
+        """One of process ``pid``'s open device nodes was released."""
+        left = self._openers[pid] - 1
+        if left:
+            self._openers[pid] = left
+        else:
+            del self._openers[pid]
+
+    def _unread(self) -> bool:
+        """Whether the kernel may hold another process's device-node request not read yet:
+        never while one process alone has device nodes open, else one poll(2)."""
+        return len(self._openers) > 1 and bool(self._poll(0))
 
     def start_now(self, pid: int) -> bool:
         """The quiet path of :meth:`take`, without a coroutine (the daemon calls it on every
         device-node request, and ``await take`` only when it says False): start process
         ``pid``'s request, just read, if nothing waits or was let go, and no unread request
-        could come before it (one poll(2) of /dev/fuse when its tag is ahead of ``V``).
-        False, changing nothing, when it must wait its turn."""
+        could come before it (``_unread`` when its tag is ahead of ``V``, inlined: it runs
+        on every request). False, changing nothing, when it must wait its turn."""
         if self._waiting or self._woken is not None:
             return False
-        vtime = self._vtime
         start = self._finish.get(pid, 0)
-        if start > vtime and self._unread():
+        if start <= self._vtime:
+            start = self._vtime
+        elif len(self._openers) > 1 and self._poll(0):
             return False
-        start = max(start, vtime)
-        self._finish[pid] = start + 1
-        self._idle_rounds = 0
+        self._finish[pid] = start + 1  # (``_idle_rounds`` counts while requests wait: none do)
         self._start(pid, start)
         return True
 
@@ -167,7 +190,7 @@ class Turns:
         self.served.append(pid)
         if len(self._finish) > PARKED_MAX:  # processes caught up need no entry
             self._finish = {p: f for p, f in self._finish.items() if f > self._vtime}
-        if self._waiting:
+        if self._waiting:  # never on the quiet path (start_now)
             self._wake_next()
 
     def _wake_next(self) -> None:

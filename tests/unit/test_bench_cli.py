@@ -51,7 +51,7 @@ def test_profile_driver_in_process_times_every_piece():
     from bench import profile_driver
 
     rows = profile_driver.in_process(number=3, repeat=1)
-    assert len(rows) == 11 and rows[0][0].startswith("drv.execute + drv.take_reply")
+    assert len(rows) == 8 and rows[0][0].startswith("AccelFS.write + AccelFS.read")
     assert all(us > 0 for _, us in rows), rows
 
 

@@ -2,7 +2,8 @@
 
 A pipe stands for /dev/fuse (one byte per request the kernel queued and the daemon has not
 read) and a reader task takes one request per scheduler round, as pyfuse3's loop does; each
-request is a task that takes its turn and records its start. The same order on a real mount,
+request is a task that takes its turn and records its start. Every process that sends one
+has opened a device node first (``Turns.opened``), as on a mount. The same order on a real mount,
 under another user's threads: tests/contain/test_contain_qos.py.
 """
 
@@ -28,6 +29,8 @@ def _serve(queued: list[int]) -> list[int]:
         reading = trio.Lock()
         turns = Turns()
         turns.watch(fuse_r)
+        for pid in set(queued):
+            turns.opened(pid)
 
         async def worker() -> None:
             """One of pyfuse3's tasks: a request read, then handled in the same step."""
@@ -97,6 +100,8 @@ def test_a_waiting_request_cancelled_leaves_the_line():
             os.write(fuse_w, b"\0")  # a request never read: the later ones wait a while
             turns = Turns()
             turns.watch(fuse_r)
+            turns.opened(1)
+            turns.opened(2)  # the unread request's
             async with trio.open_nursery() as nursery:
                 for name in ("first", "second"):
                     nursery.start_soon(request, turns, name)
@@ -128,12 +133,38 @@ def test_the_quiet_path_starts_at_once_and_changes_nothing_when_it_cannot():
     try:
         turns = Turns()
         turns.watch(fuse_r)
+        turns.opened(1)
+        turns.opened(2)
         assert turns.start_now(1) and turns.start_now(1)
         os.write(fuse_w, b"\0")  # another process's request, queued and not read yet
         assert not turns.start_now(1)
         assert turns.render() == "1 1\n2 1"
         assert turns.start_now(2)
         assert turns.render() == "1 1\n2 1\n3 2"
+    finally:
+        os.close(fuse_r)
+        os.close(fuse_w)
+
+
+def test_one_process_alone_never_waits_for_what_is_unread():
+    """While one process alone has device nodes open nothing unread can come before its
+    requests (another process's would need an open of its own, which the daemon has
+    answered): ``start_now`` starts them without looking; once a second process opens,
+    an unread request makes them wait again, and once it closed they no longer do."""
+    fuse_r, fuse_w = os.pipe()
+    try:
+        turns = Turns()
+        turns.watch(fuse_r)
+        turns.opened(1)
+        turns.opened(1)
+        os.write(fuse_w, b"\0")  # unread: one of process 1's own, or no device node's
+        assert turns.start_now(1) and turns.start_now(1)
+        turns.opened(2)
+        assert not turns.start_now(1)
+        turns.closed(2)
+        turns.closed(1)
+        assert turns.start_now(1)
+        assert turns.render() == "1 1\n2 1\n3 1"
     finally:
         os.close(fuse_r)
         os.close(fuse_w)
