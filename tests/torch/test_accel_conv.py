@@ -1,8 +1,9 @@
 """Convolutions on the device (im2col + the matrix unit, col2im for the input gradient):
 forward and every gradient match the CPU over a grid of 1-D/2-D/3-D shapes, groups,
-strides, padding, dilation and bias; max, average and adaptive pooling (on the device)
-match the CPU; a small CNN trains three
-SGD steps to the CPU's weights from the same initialisation."""
+strides, padding, dilation and bias; the forward's columns, kept for the weight gradient,
+live no longer than they may and are not used for an input written since; max, average
+and adaptive pooling (on the device) match the CPU; a small CNN trains three SGD steps to
+the CPU's weights from the same initialisation."""
 
 from __future__ import annotations
 
@@ -78,6 +79,62 @@ def test_convolution_grid_matches_cpu_forward_and_backward(torch_json):
     # only float16 (no kernel type) went to the CPU's convolution; transposed ones ran here
     assert r["fallback"].get("aten::convolution") == 1, r["fallback"]
     assert r["fallback"].get("aten::convolution_backward") == 1, r["fallback"]
+
+
+def test_kept_columns_live_from_forward_to_backward_and_follow_writes(torch_json):
+    r = torch_json("""
+        import torch.nn.functional as F
+        from torch_accel.ops import conv as ops_conv
+        torch.manual_seed(0)
+        w = torch.randn(8, 3, 3, 3, device="accel", requires_grad=True)
+        x = torch.randn(16, 3, 30, 30, device="accel")
+        kept = lambda: len(ops_conv._saved._by_input)
+        sync, mem = torch.accel.synchronize, torch.accel.memory_allocated
+        with torch.no_grad():
+            F.conv2d(x, w)  # the backend's one-time buffers made before counting
+        sync()
+        base = mem()
+        with torch.no_grad():
+            F.conv2d(x, w)
+        frozen = F.conv2d(x, w.detach())
+        no_grad = (kept(), mem() - base - frozen.nbytes)
+        del frozen
+        out = F.conv2d(x, w)
+        # the columns: 3 * 9 rows of 16 * 28 * 28, float32
+        held = (kept(), mem() - base - out.nbytes)
+        out.backward(torch.ones_like(out))
+        after_backward = kept()
+        del out
+        w.grad = None
+        del x
+        sync()
+        base = mem()
+        x = torch.randn(16, 3, 30, 30, device="accel")
+        out = F.conv2d(x, w)
+        del out, x  # the graph and the input gone without a backward
+        sync()
+        after_input_died = (kept(), mem() - base)
+
+        # an input written after its forward: the backward unfolds it again
+        x = torch.randn(4, 3, 9, 9)
+        dx, wc = x.to("accel"), w.detach().cpu()
+        args = ([1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+        out = torch.ops.aten.convolution_overrideable(dx, w, None, *args)
+        dx.mul_(-2.0)
+        g = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+        gw = torch.ops.aten.convolution_backward_overrideable(
+            g.to("accel"), dx, w, *args, [False, True, False])[1]
+        want = torch.ops.aten.convolution_backward(g, x * -2.0, wc, None, *args,
+                                                   [False, True, False])[1]
+        report(no_grad=no_grad, held=held, after_backward=after_backward,
+               after_input_died=after_input_died, written_gap=(gw.cpu() - want).abs().max().item(),
+               fallback=dict(torch_accel.fallback_counts))
+    """, timeout=300)
+    assert r["no_grad"] == [0, 0], r  # no gradient wanted, nothing kept
+    assert r["held"] == [1, 3 * 9 * 16 * 28 * 28 * 4], r
+    assert r["after_backward"] == 0 and r["after_input_died"] == [0, 0], r
+    assert r["written_gap"] < 1e-4, r
+    assert r["fallback"] == {}, r
 
 
 def test_pooling_matches_cpu(torch_json):
