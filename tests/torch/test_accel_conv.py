@@ -150,18 +150,32 @@ def test_pooling_matches_cpu(torch_json):
             F.adaptive_avg_pool2d(xs, (4, 3)).flatten(), F.adaptive_max_pool2d(xs, 2).flatten(),
             F.adaptive_avg_pool2d(xs, (5, 11)).flatten(), F.adaptive_max_pool2d(xs, (3, 5)).flatten(),
             F.adaptive_max_pool2d(xs, (10, 3)).flatten(), F.adaptive_avg_pool2d(xs, (1, 2)).flatten(),
-            F.adaptive_avg_pool2d(xs[0], 3).flatten()])
+            F.adaptive_avg_pool2d(xs[0], 3).flatten(),
+            # LeNet's 2x2 at stride 2 (the input's last row and column in no window), and
+            # its partial last windows; windows sharing no row, with padding and with rows
+            # between them, whose backwards write the gradient whole
+            F.max_pool2d(xs, 2).flatten(), F.max_pool2d(xs, 2, ceil_mode=True).flatten(),
+            F.max_pool2d(xs, (3, 2), stride=(3, 2), padding=1).flatten(),
+            F.max_pool2d(xs, 2, stride=3).flatten()])
         gaps = compare(pools, x)
         gaps64 = compare(lambda xs: F.max_pool2d(xs, 2) + F.avg_pool2d(xs, 2)
                          + F.adaptive_avg_pool2d(xs, 4) + F.adaptive_max_pool2d(xs, 4), x.double())
         idx = [F.max_pool2d(x.to(d), 3, 2, 1, return_indices=True)[1].cpu() for d in ("cpu", "accel")]
+        # ties keep the first maximum, a NaN wins (the later of two): as the CPU
+        xt = torch.randn(1, 2, 6, 8)
+        xt[0, 0, :2, :2] = 1.0
+        xt[0, 0, 2, 2:4] = float("nan")
+        xt[0, 1, 3, 5] = float("nan")
+        tidx = [F.max_pool2d(xt.to(d), 2, return_indices=True) for d in ("cpu", "accel")]
+        same_2x2 = bool((tidx[0][1] == tidx[1][1].cpu()).all()) and bool(
+            torch.equal(tidx[0][0].isnan(), tidx[1][0].cpu().isnan()))
         aidx = [F.adaptive_max_pool2d(x.to(d), (4, 3), return_indices=True)[1].cpu()
                 for d in ("cpu", "accel")]
         report(gaps=gaps, gaps64=gaps64, same_indices=bool((idx[0] == idx[1]).all()),
-               same_adaptive_indices=bool((aidx[0] == aidx[1]).all()),
+               same_adaptive_indices=bool((aidx[0] == aidx[1]).all()), same_2x2=same_2x2,
                fallback=dict(torch_accel.fallback_counts))
     """), timeout=500)
-    assert r["same_indices"] and r["same_adaptive_indices"]
+    assert r["same_indices"] and r["same_adaptive_indices"] and r["same_2x2"], r
     for label, gap in {**r["gaps"], **r["gaps64"]}.items():
         assert gap < 1e-6, (label, gap)
     # max, average and adaptive pooling all ran on the device
