@@ -14,8 +14,8 @@ Two kernels serve the max pooling of nearly every small CNN (LeNet's: 2x2 window
   rows (a row stride at least the window's height), gives each output row's thread the
   input rows from its window's top to the next window's: it zeroes them and adds its
   row's gradients at their indices, so neither a memset of the input gradient nor
-  atomics are needed. The indices must be those the forward gave (as torch's CPU and
-  CUDA kernels assume too).
+  atomics are needed. The indices must be those the forward gave (what autograd
+  passes).
 
 An adaptive window is torch's: output row ``p`` of ``oh`` covers input rows
 ``floor(p * h / oh)`` to ``ceil((p + 1) * h / oh)`` (columns alike), without padding.
