@@ -122,11 +122,12 @@ def max_back_rows(gx, g, idx, total: 'int64', h: 'int64', w: 'int64', oh: 'int64
                   ow: 'int64', sh: 'int64', ph: 'int64'):
     i = global_id(0)
     if i < total:
-        p = i % oh
-        plane = (i - p) * h * w // oh
         # rows from this window's top to the next one's, the first from row 0 and the
-        # last to row h ((p + 1) // oh is 1 for it alone); each bound assigned once, so
-        # that the firmware bounds a launch's work and runs a small one inline
+        # last to row h ((p + 1) // oh is 1 for it alone); p without %, and each bound
+        # assigned once, so that the firmware can bound a launch's work from its
+        # arguments and run a small one inline (firmware/launch_work.py)
+        p = i - i // oh * oh
+        plane = (i - p) * h * w // oh
         y0 = max(p * sh - ph, 0)
         y1 = min((p + 1) * sh - ph + (p + 1) // oh * h, h)
         for e in range(y0 * w, y1 * w):
