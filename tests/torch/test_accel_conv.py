@@ -1,8 +1,9 @@
 """Convolutions on the device (im2col + the matrix unit, col2im for the input gradient):
 forward and every gradient match the CPU over a grid of 1-D/2-D/3-D shapes, groups,
-strides, padding, dilation and bias; max, average and adaptive pooling (on the device)
-match the CPU; a small CNN trains three
-SGD steps to the CPU's weights from the same initialisation."""
+strides, padding, dilation and bias; the forward's columns, kept for the weight gradient,
+live no longer than they may and are not used for an input written since; max, average
+and adaptive pooling (on the device) match the CPU; a small CNN trains three SGD steps to
+the CPU's weights from the same initialisation."""
 
 from __future__ import annotations
 
@@ -80,6 +81,62 @@ def test_convolution_grid_matches_cpu_forward_and_backward(torch_json):
     assert r["fallback"].get("aten::convolution_backward") == 1, r["fallback"]
 
 
+def test_kept_columns_live_from_forward_to_backward_and_follow_writes(torch_json):
+    r = torch_json("""
+        import torch.nn.functional as F
+        from torch_accel.ops import conv as ops_conv
+        torch.manual_seed(0)
+        w = torch.randn(8, 3, 3, 3, device="accel", requires_grad=True)
+        x = torch.randn(16, 3, 30, 30, device="accel")
+        kept = lambda: len(ops_conv._saved._by_input)
+        sync, mem = torch.accel.synchronize, torch.accel.memory_allocated
+        with torch.no_grad():
+            F.conv2d(x, w)  # the backend's one-time buffers made before counting
+        sync()
+        base = mem()
+        with torch.no_grad():
+            F.conv2d(x, w)
+        frozen = F.conv2d(x, w.detach())
+        no_grad = (kept(), mem() - base - frozen.nbytes)
+        del frozen
+        out = F.conv2d(x, w)
+        # the columns: 3 * 9 rows of 16 * 28 * 28, float32
+        held = (kept(), mem() - base - out.nbytes)
+        out.backward(torch.ones_like(out))
+        after_backward = kept()
+        del out
+        w.grad = None
+        del x
+        sync()
+        base = mem()
+        x = torch.randn(16, 3, 30, 30, device="accel")
+        out = F.conv2d(x, w)
+        del out, x  # the graph and the input gone without a backward
+        sync()
+        after_input_died = (kept(), mem() - base)
+
+        # an input written after its forward: the backward unfolds it again
+        x = torch.randn(4, 3, 9, 9)
+        dx, wc = x.to("accel"), w.detach().cpu()
+        args = ([1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+        out = torch.ops.aten.convolution_overrideable(dx, w, None, *args)
+        dx.mul_(-2.0)
+        g = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+        gw = torch.ops.aten.convolution_backward_overrideable(
+            g.to("accel"), dx, w, *args, [False, True, False])[1]
+        want = torch.ops.aten.convolution_backward(g, x * -2.0, wc, None, *args,
+                                                   [False, True, False])[1]
+        report(no_grad=no_grad, held=held, after_backward=after_backward,
+               after_input_died=after_input_died, written_gap=(gw.cpu() - want).abs().max().item(),
+               fallback=dict(torch_accel.fallback_counts))
+    """, timeout=300)
+    assert r["no_grad"] == [0, 0], r  # no gradient wanted, nothing kept
+    assert r["held"] == [1, 3 * 9 * 16 * 28 * 28 * 4], r
+    assert r["after_backward"] == 0 and r["after_input_died"] == [0, 0], r
+    assert r["written_gap"] < 1e-4, r
+    assert r["fallback"] == {}, r
+
+
 def test_pooling_matches_cpu(torch_json):
     r = torch_json(with_compare("""
         x = torch.randn(2, 3, 9, 8)
@@ -93,18 +150,32 @@ def test_pooling_matches_cpu(torch_json):
             F.adaptive_avg_pool2d(xs, (4, 3)).flatten(), F.adaptive_max_pool2d(xs, 2).flatten(),
             F.adaptive_avg_pool2d(xs, (5, 11)).flatten(), F.adaptive_max_pool2d(xs, (3, 5)).flatten(),
             F.adaptive_max_pool2d(xs, (10, 3)).flatten(), F.adaptive_avg_pool2d(xs, (1, 2)).flatten(),
-            F.adaptive_avg_pool2d(xs[0], 3).flatten()])
+            F.adaptive_avg_pool2d(xs[0], 3).flatten(),
+            # LeNet's 2x2 at stride 2 (the input's last row and column in no window), and
+            # its partial last windows; windows sharing no row, with padding and with rows
+            # between them, whose backwards write the gradient whole
+            F.max_pool2d(xs, 2).flatten(), F.max_pool2d(xs, 2, ceil_mode=True).flatten(),
+            F.max_pool2d(xs, (3, 2), stride=(3, 2), padding=1).flatten(),
+            F.max_pool2d(xs, 2, stride=3).flatten()])
         gaps = compare(pools, x)
         gaps64 = compare(lambda xs: F.max_pool2d(xs, 2) + F.avg_pool2d(xs, 2)
                          + F.adaptive_avg_pool2d(xs, 4) + F.adaptive_max_pool2d(xs, 4), x.double())
         idx = [F.max_pool2d(x.to(d), 3, 2, 1, return_indices=True)[1].cpu() for d in ("cpu", "accel")]
+        # ties keep the first maximum, a NaN wins (the later of two): as the CPU
+        xt = torch.randn(1, 2, 6, 8)
+        xt[0, 0, :2, :2] = 1.0
+        xt[0, 0, 2, 2:4] = float("nan")
+        xt[0, 1, 3, 5] = float("nan")
+        tidx = [F.max_pool2d(xt.to(d), 2, return_indices=True) for d in ("cpu", "accel")]
+        same_2x2 = bool((tidx[0][1] == tidx[1][1].cpu()).all()) and bool(
+            torch.equal(tidx[0][0].isnan(), tidx[1][0].cpu().isnan()))
         aidx = [F.adaptive_max_pool2d(x.to(d), (4, 3), return_indices=True)[1].cpu()
                 for d in ("cpu", "accel")]
         report(gaps=gaps, gaps64=gaps64, same_indices=bool((idx[0] == idx[1]).all()),
-               same_adaptive_indices=bool((aidx[0] == aidx[1]).all()),
+               same_adaptive_indices=bool((aidx[0] == aidx[1]).all()), same_2x2=same_2x2,
                fallback=dict(torch_accel.fallback_counts))
     """), timeout=500)
-    assert r["same_indices"] and r["same_adaptive_indices"]
+    assert r["same_indices"] and r["same_adaptive_indices"] and r["same_2x2"], r
     for label, gap in {**r["gaps"], **r["gaps64"]}.items():
         assert gap < 1e-6, (label, gap)
     # max, average and adaptive pooling all ran on the device

@@ -493,3 +493,54 @@ def test_unfold_fold_swap01(torch_runner):
         check("swap01", host(out), src.transpose(1, 0, 2))
     """, timeout=180)
     assert sum(line.endswith(" ok") for line in lines) == 11
+
+
+@pytest.mark.timeout(200)
+def test_max_pool_2x2_and_the_backward_that_writes_its_rows(torch_runner):
+    """``max2x2`` (2x2 windows at stride 2, read straight) against numpy, ties to the
+    first maximum and NaN winning, an odd input's last row and column in no window; and
+    ``max_backward`` with ``rows`` writes the whole input gradient (over NaN garbage, no
+    zeroing first) for windows that share no row, rows between windows and padding
+    included, as the zeroed-and-atomic path does."""
+    lines = run(torch_runner, """
+        def max_ref(x, k, s, p):
+            planes, h, w = x.shape
+            oh, ow = (h + 2 * p[0] - k[0]) // s[0] + 1, (w + 2 * p[1] - k[1]) // s[1] + 1
+            out, idx = np.empty((planes, oh, ow), x.dtype), np.empty((planes, oh, ow), np.int64)
+            for pl, r, q in np.ndindex(planes, oh, ow):
+                best, at = None, -1
+                for a, b in np.ndindex(*k):
+                    y, c = r * s[0] - p[0] + a, q * s[1] - p[1] + b
+                    if 0 <= y < h and 0 <= c < w:
+                        v = x[pl, y, c]
+                        if at < 0 or v > best or v != v:
+                            best, at = v, y * w + c
+                out[pl, r, q], idx[pl, r, q] = best, at
+            return out, idx
+        x = rng.standard_normal((3, 7, 9)).astype(np.float32)
+        x[0, :2, :2] = 1.0                 # a tie: the first wins
+        x[1, 2, 2:4] = np.nan              # two NaNs in one window: the later wins
+        want, want_idx = max_ref(x, (2, 2), (2, 2), (0, 0))
+        out, idx = runtime.empty(want.shape, np.float32), runtime.empty(want.shape, np.int64)
+        K.max_pool2d(out, idx, dev(x), 3, (7, 9), (3, 4), (2, 2), (2, 2), (0, 0), (1, 1))
+        check("max2x2", host(out), want)
+        check("max2x2 indices", host(idx), want_idx)
+        for k, s, p in (((2, 2), (2, 2), (0, 0)), ((2, 3), (3, 2), (0, 1)),
+                        ((3, 2), (3, 1), (1, 0))):
+            assert K.disjoint_rows(k, s, (1, 1))
+            want, want_idx = max_ref(x, k, s, p)
+            g = rng.standard_normal(want.shape).astype(np.float32)
+            zeroed = dev(np.zeros(x.shape, np.float32))
+            K.max_pool2d_backward(zeroed, dev(g), dev(want_idx), 3, (7, 9), want.shape[1:])
+            garbage = dev(np.full(x.shape, np.nan, np.float32))
+            K.max_pool2d_backward(garbage, dev(g), dev(want_idx), 3, (7, 9), want.shape[1:],
+                                  rows=(s[0], p[0]))
+            ref = np.zeros((3, 63), np.float32)
+            for pl in range(3):
+                np.add.at(ref[pl], want_idx[pl].ravel(), g[pl].ravel())
+            check(f"max backward {k} {s} {p} atomic", host(zeroed), ref.reshape(x.shape))
+            check(f"max backward {k} {s} {p} rows", host(garbage), ref.reshape(x.shape))
+        assert not K.disjoint_rows((3, 3), (2, 2), (1, 1))
+        assert not K.disjoint_rows((2, 2), (2, 2), (2, 1))
+    """, timeout=180)
+    assert sum(line.endswith(" ok") for line in lines) == 8

@@ -47,6 +47,7 @@ from torch_accel.kernels.pool import (
     adaptive_max_pool2d,
     avg_pool2d,
     avg_pool2d_backward,
+    disjoint_rows,
     max_pool2d,
     max_pool2d_backward,
 )
@@ -58,7 +59,8 @@ __all__ = [
     "Backward", "Binary", "Compare", "Predicate", "Reduce", "Reduction", "Unary",
     "activation_backward", "adaptive_avg_pool2d", "adaptive_avg_pool2d_backward",
     "adaptive_max_pool2d", "arange", "avg_pool2d", "avg_pool2d_backward",
-    "bernoulli_mask", "binary", "binary_launch", "bmm", "compare", "counters", "fill", "fold",
+    "bernoulli_mask", "binary", "binary_launch", "bmm", "compare", "counters", "disjoint_rows",
+    "fill", "fold",
     "gelu_backward", "index_add_rows", "index_rows", "max_pool2d", "max_pool2d_backward",
     "mm", "mm_plan", "nll_loss_backward_rows", "nll_loss_rows", "normal", "predicate", "reduce_rows",
     "sigmoid_backward", "sleep", "softmax_backward_rows", "softmax_rows", "strided_copy",

@@ -59,12 +59,27 @@ def max_pool2d_with_indices_backward(grad: torch.Tensor, x: torch.Tensor,
                                      kernel_size: Sequence[int], stride: Sequence[int],
                                      padding: Sequence[int], dilation: Sequence[int],
                                      ceil_mode: bool, indices: torch.Tensor) -> torch.Tensor:
+    kernel = _pair(kernel_size, ())
+    stride, dilation = _pair(stride, kernel), _pair(dilation, ())
+    disjoint = kernels.disjoint_rows(kernel, stride, dilation)
+    return _max_backward(grad, x, indices,
+                         (stride[0], _pair(padding, ())[0]) if disjoint else None)
+
+
+def _max_backward(grad: torch.Tensor, x: torch.Tensor, indices: torch.Tensor,
+                  rows: tuple[int, int] | None) -> torch.Tensor:
+    """The input gradient of a max pooling from its indices; ``rows`` (row stride, row
+    padding) for windows that share no input row, which the kernel writes whole."""
     if grad.dtype != x.dtype:
         raise Unsupported
     x, grad, indices = _input(x), _input(grad), contiguous_on_device(indices)
-    grad_x = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    if grad.numel() == 0:
+        rows = None  # nothing to place: the whole gradient is zero
+    grad_x = (torch.zeros if rows is None else torch.empty)(x.shape, dtype=x.dtype,
+                                                            device=x.device)
     kernels.max_pool2d_backward(view_of(grad_x), view_of(grad), view_of(indices), _planes(x),
-                                x.shape[-2:], grad.shape[-2:], stream=stream(x.device.index))
+                                x.shape[-2:], grad.shape[-2:], rows=rows,
+                                stream=stream(x.device.index))
     return grad_x
 
 
@@ -115,7 +130,7 @@ def adaptive_max_pool2d(x: torch.Tensor, output_size: Sequence[int]
 @implements("adaptive_max_pool2d_backward")
 def adaptive_max_pool2d_backward(grad: torch.Tensor, x: torch.Tensor,
                                  indices: torch.Tensor) -> torch.Tensor:
-    return max_pool2d_with_indices_backward(grad, x, (1,), (1,), (0,), (1,), False, indices)
+    return _max_backward(grad, x, indices, None)  # adaptive windows may share rows
 
 
 @implements("_adaptive_avg_pool2d")
