@@ -8,6 +8,15 @@ with blocks of the same with the flooding process quiet. Goal: the flooded figur
 2x the quiet one (3x for driver commands under a command flood, and for a kernel launch
 under a launch flood). The flood is another process (another context: another tenant), told
 "on"/"off" through its stdin and answering once the flood is (or is no longer) running.
+
+Placement: each round pins the bystander's thread to one CPU and the firmware's control
+loop (each firmware process's main thread) to the other, the next round the other way
+round. Unpinned, the host scheduler puts the two on one CPU or on two at random and keeps
+that for many blocks; on one CPU every no-op round trip is two context switches (26 us
+against 9 us on two, one daemon, nothing else running: docs/containment.md, "Worst-case
+delay"), so a block's median said which placement it drew, not what the flood did.
+Unpinned, the scheduler separates two busy threads within ~15 ms; the pinning starts
+every block there.
 """
 
 from __future__ import annotations
@@ -197,6 +206,57 @@ LAUNCH_FLOOD = """
 """
 
 
+def firmware_pids(daemon_pid: int) -> list[int]:
+    """The daemon's firmware processes (their main thread is the control loop)."""
+    pids = []
+    try:
+        tasks = os.listdir(f"/proc/{daemon_pid}/task")
+    except OSError:
+        return []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{daemon_pid}/task/{tid}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        for child in children:
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"firmware" in argv[:3]:
+                pids.append(child)
+    return pids
+
+
+class _Apart:
+    """Per round, this thread on one CPU and the control loops on another; restores."""
+
+    def __init__(self, loops: list[int]) -> None:
+        self.cpus = sorted(os.sched_getaffinity(0))
+        self.saved = {tid: os.sched_getaffinity(tid) for tid in [0, *loops]}
+        self.loops = loops
+
+    def round(self, r: int) -> None:
+        if len(self.cpus) < 2:
+            return
+        mine = self.cpus[r % len(self.cpus)]
+        os.sched_setaffinity(0, {mine})
+        for tid in self.loops:
+            try:
+                os.sched_setaffinity(tid, set(self.cpus) - {mine})
+            except OSError:
+                pass  # gone: nothing to place
+
+    def restore(self) -> None:
+        for tid, cpus in self.saved.items():
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:
+                pass
+
+
 def bystander_under_floods(env: Env) -> list[Row]:
     """A bystander's no-op and driver round trips with another tenant quiet vs flooding
     (64 waiting threads, 1,000 queues, a giant grid, a command flood); goal: at most 2x
@@ -218,11 +278,13 @@ def bystander_under_floods(env: Env) -> list[Row]:
             stream.wait_seqno(stream.submit_nop())
 
         rows = []
+        apart = _Apart(firmware_pids(env.accel.pid) if env.pin and env.accel.pid else [])
         for name, body in _FLOODS.items():
             flood = Flood(env.accel.root, body)
             got = {k: Samples(k) for k in ("nop quiet", "nop flood", "drv quiet", "drv flood")}
             try:
                 for r in range(rounds):
+                    apart.round(r)
                     for state in ("off", "on") if r % 2 == 0 else ("on", "off"):
                         flood.switch(state)
                         label = "flood" if state == "on" else "quiet"
@@ -237,6 +299,7 @@ def bystander_under_floods(env: Env) -> list[Row]:
                             got[key].block_medians.append(statistics.median(times))
                 flood.switch("off")
             finally:
+                apart.restore()
                 flood.close()
             for kind, what in (("nop", "no-op round trip on its own queue"),
                                ("drv", "driver round trip (DEVICE_QUERY)")):
