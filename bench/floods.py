@@ -231,23 +231,26 @@ def firmware_pids(daemon_pid: int) -> list[int]:
 
 
 class _Apart:
-    """Per round, this thread on one CPU and the control loops on another; restores."""
+    """Per round, this thread and the daemon's FUSE thread on one CPU (a cross-CPU FUSE
+    round trip costs 30-45 us more: bench/core.py ``interleave``), the control loops on
+    the other; restores."""
 
-    def __init__(self, loops: list[int]) -> None:
+    def __init__(self, mine: list[int], loops: list[int]) -> None:
         self.cpus = sorted(os.sched_getaffinity(0))
-        self.saved = {tid: os.sched_getaffinity(tid) for tid in [0, *loops]}
+        self.saved = {tid: os.sched_getaffinity(tid) for tid in [0, *mine, *loops]}
+        self.mine = [0, *mine]
         self.loops = loops
 
     def round(self, r: int) -> None:
         if len(self.cpus) < 2:
             return
         mine = self.cpus[r % len(self.cpus)]
-        os.sched_setaffinity(0, {mine})
-        for tid in self.loops:
-            try:
-                os.sched_setaffinity(tid, set(self.cpus) - {mine})
-            except OSError:
-                pass  # gone: nothing to place
+        for tids, cpus in ((self.mine, {mine}), (self.loops, set(self.cpus) - {mine})):
+            for tid in tids:
+                try:
+                    os.sched_setaffinity(tid, cpus)
+                except OSError:
+                    pass  # gone: nothing to place
 
     def restore(self) -> None:
         for tid, cpus in self.saved.items():
@@ -278,7 +281,8 @@ def bystander_under_floods(env: Env) -> list[Row]:
             stream.wait_seqno(stream.submit_nop())
 
         rows = []
-        apart = _Apart(firmware_pids(env.accel.pid) if env.pin and env.accel.pid else [])
+        daemon = env.accel.pid if env.pin else None
+        apart = _Apart([daemon] if daemon else [], firmware_pids(daemon) if daemon else [])
         for name, body in _FLOODS.items():
             flood = Flood(env.accel.root, body)
             got = {k: Samples(k) for k in ("nop quiet", "nop flood", "drv quiet", "drv flood")}
