@@ -10,6 +10,7 @@ under another user's threads: tests/contain/test_contain_qos.py.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import trio
@@ -125,46 +126,50 @@ def test_a_waiting_request_cancelled_leaves_the_line():
     assert started == ["first", "second", "last"]
 
 
-def test_the_quiet_path_starts_at_once_and_changes_nothing_when_it_cannot():
-    """``start_now``, the daemon's call before ``take``: with nothing unread one process's
-    requests start without a scheduler round; with another request unread a tag ahead of
-    ``V`` must wait (False, nothing started), one not ahead of it still starts."""
+@pytest.fixture
+def watched() -> Iterator[tuple[Turns, int]]:
+    """Turns watching a pipe that stands for /dev/fuse, and the pipe's write end: a byte
+    written there is a request queued and not read yet."""
     fuse_r, fuse_w = os.pipe()
+    turns = Turns()
+    turns.watch(fuse_r)
     try:
-        turns = Turns()
-        turns.watch(fuse_r)
-        turns.opened(1)
-        turns.opened(2)
-        assert turns.start_now(1) and turns.start_now(1)
-        os.write(fuse_w, b"\0")  # another process's request, queued and not read yet
-        assert not turns.start_now(1)
-        assert turns.render() == "1 1\n2 1"
-        assert turns.start_now(2)
-        assert turns.render() == "1 1\n2 1\n3 2"
+        yield turns, fuse_w
     finally:
         os.close(fuse_r)
         os.close(fuse_w)
 
 
-def test_one_process_alone_never_waits_for_what_is_unread():
+def test_the_quiet_path_starts_at_once_and_changes_nothing_when_it_cannot(
+        watched: tuple[Turns, int]) -> None:
+    """``start_now``, the daemon's call before ``take``: with nothing unread one process's
+    requests start without a scheduler round; with another request unread a tag ahead of
+    ``V`` must wait (False, nothing started), one not ahead of it still starts."""
+    turns, fuse_w = watched
+    turns.opened(1)
+    turns.opened(2)
+    assert turns.start_now(1) and turns.start_now(1)
+    os.write(fuse_w, b"\0")  # another process's request, queued and not read yet
+    assert not turns.start_now(1)
+    assert turns.render() == "1 1\n2 1"
+    assert turns.start_now(2)
+    assert turns.render() == "1 1\n2 1\n3 2"
+
+
+def test_one_process_alone_never_waits_for_what_is_unread(
+        watched: tuple[Turns, int]) -> None:
     """While one process alone has device nodes open nothing unread can come before its
     requests (another process's would need an open of its own, which the daemon has
     answered): ``start_now`` starts them without looking; once a second process opens,
     an unread request makes them wait again, and once it closed they no longer do."""
-    fuse_r, fuse_w = os.pipe()
-    try:
-        turns = Turns()
-        turns.watch(fuse_r)
-        turns.opened(1)
-        turns.opened(1)
-        os.write(fuse_w, b"\0")  # unread: one of process 1's own, or no device node's
-        assert turns.start_now(1) and turns.start_now(1)
-        turns.opened(2)
-        assert not turns.start_now(1)
-        turns.closed(2)
-        turns.closed(1)
-        assert turns.start_now(1)
-        assert turns.render() == "1 1\n2 1\n3 1"
-    finally:
-        os.close(fuse_r)
-        os.close(fuse_w)
+    turns, fuse_w = watched
+    turns.opened(1)
+    turns.opened(1)
+    os.write(fuse_w, b"\0")  # unread: one of process 1's own, or no device node's
+    assert turns.start_now(1) and turns.start_now(1)
+    turns.opened(2)
+    assert not turns.start_now(1)
+    turns.closed(2)
+    turns.closed(1)
+    assert turns.start_now(1)
+    assert turns.render() == "1 1\n2 1\n3 1"
