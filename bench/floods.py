@@ -146,10 +146,13 @@ for line in sys.stdin:
 
 
 def launch_round_trips(root: Path, flood_body: str, flood_on: str, bystander_on: str,
-                       samples: int, rounds: int) -> tuple[Samples, Samples]:
+                       samples: int, rounds: int,
+                       daemon_pid: int | None = None) -> tuple[Samples, Samples]:
     """(flooded, quiet) kernel launch round trips of a bystander process on device
     ``bystander_on`` (an ACCEL_VISIBLE_DEVICES entry) while a tenant on ``flood_on`` runs
-    ``flood_body``, in alternating blocks."""
+    ``flood_body``, in alternating blocks. With ``daemon_pid``, each round places the
+    bystander and the daemon's FUSE thread on one CPU and the control loops on the other
+    (``_Apart``, the module's docstring)."""
     flood = Flood(root, flood_body, visible=flood_on)
     bystander = subprocess.Popen(
         [sys.executable, "-c", _BYSTANDER], cwd=REPO, text=True, stdin=subprocess.PIPE,
@@ -158,10 +161,15 @@ def launch_round_trips(root: Path, flood_body: str, flood_on: str, bystander_on:
              "PYTHONPATH": str(REPO)})
     assert bystander.stdin is not None and bystander.stdout is not None
     got = {k: Samples(k) for k in ("quiet", "flood")}
+    apart = None
     try:
         if bystander.stdout.readline().strip() != "ready":
             raise RuntimeError("the bystander did not start")
+        if daemon_pid is not None:
+            apart = _Apart([bystander.pid, daemon_pid], firmware_pids(daemon_pid))
         for r in range(rounds):
+            if apart is not None:
+                apart.round(r)
             for state in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 flood.switch(state)
                 bystander.stdin.write(f"{samples}\n")
@@ -172,6 +180,8 @@ def launch_round_trips(root: Path, flood_body: str, flood_on: str, bystander_on:
                 got[key].block_medians.append(statistics.median(times))
         flood.switch("off")
     finally:
+        if apart is not None:
+            apart.restore()
         flood.close()
         bystander.stdin.close()
         bystander.wait(timeout=60)
@@ -231,9 +241,9 @@ def firmware_pids(daemon_pid: int) -> list[int]:
 
 
 class _Apart:
-    """Per round, this thread and the daemon's FUSE thread on one CPU (a cross-CPU FUSE
-    round trip costs 30-45 us more: bench/core.py ``interleave``), the control loops on
-    the other; restores."""
+    """Per round, this thread, the bystander's (``mine``: a bystander process, the daemon's
+    FUSE thread: a cross-CPU FUSE round trip costs 30-45 us more, bench/core.py
+    ``interleave``) on one CPU, the control loops on the other; restores."""
 
     def __init__(self, mine: list[int], loops: list[int]) -> None:
         self.cpus = sorted(os.sched_getaffinity(0))
@@ -325,7 +335,8 @@ def bystander_launches_under_floods(env: Env) -> list[Row]:
     rows = []
     for name, body, goal in (("4 threads launching back to back", LAUNCH_FLOOD, 3.0),
                              ("a giant grid on both compute engines", GIANT_GRID, 2.0)):
-        flooded, quiet = launch_round_trips(env.accel.root, body, "0", "0", samples, rounds)
+        flooded, quiet = launch_round_trips(env.accel.root, body, "0", "0", samples, rounds,
+                                            env.accel.pid if env.pin else None)
         rows.append(timed_row(
             f"bystander kernel launch round trip, another tenant: {name}", flooded,
             "same, that tenant quiet", quiet, goal=goal,
