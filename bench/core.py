@@ -119,7 +119,7 @@ def interleave(cases: dict[str, Callable[[], object]], *, block: int, rounds: in
             fn()
     order = list(cases)
     clock = time.perf_counter_ns
-    placement = _Placement(pin) if pin is not None else None
+    placement = Placement(pin) if pin is not None else None
     gc.collect()
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -144,13 +144,16 @@ def interleave(cases: dict[str, Callable[[], object]], *, block: int, rounds: in
     return samples
 
 
-class _Placement:
-    """Pins this process and some server threads to one CPU per round; restores after."""
+class Placement:
+    """Pins this process and some server threads to one CPU per round, and ``apart``
+    threads (bench/floods.py: the firmware's control loops) to the other CPUs; restores
+    after."""
 
-    def __init__(self, tids: list[int]) -> None:
+    def __init__(self, tids: list[int], apart: list[int] | None = None) -> None:
         self.cpus = sorted(os.sched_getaffinity(0))
+        self.apart = set(apart or [])
         self.saved: dict[int, set[int]] = {}
-        for tid in [0, *tids]:
+        for tid in [0, *tids, *self.apart]:
             try:
                 self.saved[tid] = os.sched_getaffinity(tid)
             except OSError:
@@ -158,9 +161,10 @@ class _Placement:
 
     def pin_round(self, r: int) -> None:
         cpu = {self.cpus[r % len(self.cpus)]}
+        others = set(self.cpus) - cpu or cpu
         for tid in self.saved:
             with contextlib.suppress(OSError):
-                os.sched_setaffinity(tid, cpu)
+                os.sched_setaffinity(tid, others if tid in self.apart else cpu)
 
     def restore(self) -> None:
         for tid, cpus in self.saved.items():

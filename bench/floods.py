@@ -30,7 +30,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from bench.core import Env, Row, Samples, round_ratios, timed_row
+from bench.core import Env, Placement, Row, Samples, round_ratios, timed_row
 from bench.procs import REPO
 
 #: A giant grid on the compute engines (bench/partitions.py floods a partition with it).
@@ -152,7 +152,7 @@ def launch_round_trips(root: Path, flood_body: str, flood_on: str, bystander_on:
     ``bystander_on`` (an ACCEL_VISIBLE_DEVICES entry) while a tenant on ``flood_on`` runs
     ``flood_body``, in alternating blocks. With ``daemon_pid``, each round places the
     bystander and the daemon's FUSE thread on one CPU and the control loops on the other
-    (``_Apart``, the module's docstring)."""
+    (``bench.core.Placement``, the module's docstring)."""
     flood = Flood(root, flood_body, visible=flood_on)
     bystander = subprocess.Popen(
         [sys.executable, "-c", _BYSTANDER], cwd=REPO, text=True, stdin=subprocess.PIPE,
@@ -166,10 +166,10 @@ def launch_round_trips(root: Path, flood_body: str, flood_on: str, bystander_on:
         if bystander.stdout.readline().strip() != "ready":
             raise RuntimeError("the bystander did not start")
         if daemon_pid is not None:
-            apart = _Apart([bystander.pid, daemon_pid], firmware_pids(daemon_pid))
+            apart = Placement([bystander.pid, daemon_pid], apart=firmware_pids(daemon_pid))
         for r in range(rounds):
             if apart is not None:
-                apart.round(r)
+                apart.pin_round(r)
             for state in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 flood.switch(state)
                 bystander.stdin.write(f"{samples}\n")
@@ -240,36 +240,6 @@ def firmware_pids(daemon_pid: int) -> list[int]:
     return pids
 
 
-class _Apart:
-    """Per round, this thread, the bystander's (``mine``: a bystander process, the daemon's
-    FUSE thread: a cross-CPU FUSE round trip costs 30-45 us more, bench/core.py
-    ``interleave``) on one CPU, the control loops on the other; restores."""
-
-    def __init__(self, mine: list[int], loops: list[int]) -> None:
-        self.cpus = sorted(os.sched_getaffinity(0))
-        self.saved = {tid: os.sched_getaffinity(tid) for tid in [0, *mine, *loops]}
-        self.mine = [0, *mine]
-        self.loops = loops
-
-    def round(self, r: int) -> None:
-        if len(self.cpus) < 2:
-            return
-        mine = self.cpus[r % len(self.cpus)]
-        for tids, cpus in ((self.mine, {mine}), (self.loops, set(self.cpus) - {mine})):
-            for tid in tids:
-                try:
-                    os.sched_setaffinity(tid, cpus)
-                except OSError:
-                    pass  # gone: nothing to place
-
-    def restore(self) -> None:
-        for tid, cpus in self.saved.items():
-            try:
-                os.sched_setaffinity(tid, cpus)
-            except OSError:
-                pass
-
-
 def bystander_under_floods(env: Env) -> list[Row]:
     """A bystander's no-op and driver round trips with another tenant quiet vs flooding
     (64 waiting threads, 1,000 queues, a giant grid, a command flood); goal: at most 2x
@@ -292,13 +262,14 @@ def bystander_under_floods(env: Env) -> list[Row]:
 
         rows = []
         daemon = env.accel.pid if env.pin else None
-        apart = _Apart([daemon] if daemon else [], firmware_pids(daemon) if daemon else [])
+        apart = Placement([daemon] if daemon else [],
+                          apart=firmware_pids(daemon) if daemon else [])
         for name, body in _FLOODS.items():
             flood = Flood(env.accel.root, body)
             got = {k: Samples(k) for k in ("nop quiet", "nop flood", "drv quiet", "drv flood")}
             try:
                 for r in range(rounds):
-                    apart.round(r)
+                    apart.pin_round(r)
                     for state in ("off", "on") if r % 2 == 0 else ("on", "off"):
                         flood.switch(state)
                         label = "flood" if state == "on" else "quiet"
