@@ -133,6 +133,8 @@ RESERVED: Final = frozenset(BUILTINS) | {"range"}
 MMA_OPERANDS: Final = 3
 #: mma's arguments with both optional layout flags (``ta``, ``tb``) written
 MMA_MAX_NARGS: Final = 12
+#: mma's tile sizes (tm, tn, tk) by argument position: what bounds its work
+MMA_TILE_SIZES: Final = (6, 7, 8)
 MMA_DTYPES: Final = ("float32", "float64")
 #: What each flag of a kernel's IR says it needs of the device (MODULE_LOAD refuses a
 #: module the device cannot run with EOPNOTSUPP; the firmware reads the source as well,

@@ -35,9 +35,8 @@ import ast
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from abi.kernel_lang import MMA_TILE_SIZES
 from firmware.kernel_check import Kernel, is_mma
-
-MMA_PARAMS = ("c", "a", "b", "row", "col", "k0", "tm", "tn", "tk")
 
 #: Values of a range bound's arithmetic at or above this magnitude leave the work
 #: unbounded (the kernel's int64 arithmetic on them could wrap: the intervals would lie).
@@ -255,10 +254,9 @@ class _Compiler:
     def mma(self, s: ast.stmt) -> tuple | None:
         """An ``mma`` statement: its tile's sizes (positional, as kernel_check requires)."""
         call = s.value  # type: ignore[attr-defined]
-        at = [MMA_PARAMS.index(p) for p in ("tm", "tn", "tk")]
-        if call.keywords or len(call.args) <= max(at):
+        if call.keywords or len(call.args) <= max(MMA_TILE_SIZES):
             return None
-        sizes = [self.expr(call.args[i]) for i in at]
+        sizes = [self.expr(call.args[i]) for i in MMA_TILE_SIZES]
         if any(f is None for f in sizes):
             return None
         return ("mma", _nodes(s), *sizes)
