@@ -12,9 +12,10 @@ Nothing a process writes is trusted (docs/containment.md): ring words, packets, 
 blocks and modules are checked in Python integers before anything runs, and any exception
 while decoding them faults the packet's own queue. The control thread does bounded work per
 pass, whatever a process writes: it looks only at rings whose doorbell slot moved (or that
-have work it can take: a ring whose packet runs on an engine is set aside until the job
-ends, so sixty-four rings waiting on copies cost a pass nothing), takes at most ``BATCH`` packets from a ring per pass, and faults a
-ring whose write pointer jumps (so a +2**63 jump costs one step, not 2**63).
+have packets it can take: a ring whose packet runs on an engine is set aside until the job
+ends, so sixty-four rings waiting on copies cost a pass nothing), takes at most ``BATCH``
+packets from a ring per pass, and faults a ring whose write pointer jumps (so a +2**63
+jump costs one step, not 2**63).
 
 A packet is validated against its context's address space when it runs; a bad one faults
 *its own queue*: the ring records the first fault (seqno, errno, opcode, address), later
