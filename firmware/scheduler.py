@@ -175,7 +175,8 @@ class Scheduler:
         """Activate the rings whose doorbell slots moved (one word per context, and the
         slots only of contexts whose sequence word moved) and those whose engine job
         ended."""
-        self._readmit()
+        if self._off_engine:  # read unlocked: one appended meanwhile is seen next pass
+            self._readmit()
         for ctx in self.contexts.values():
             for slot in ctx.moved_slots():
                 self._activate(ctx.slots[slot])
@@ -183,8 +184,6 @@ class Scheduler:
     def _readmit(self) -> None:
         """The rings whose engine job ended rejoin the scan, unless removed meanwhile (a
         queue destroyed once its job ended)."""
-        if not self._off_engine:
-            return
         with self._lock:
             back, self._off_engine = self._off_engine, []
         for ring in back:
