@@ -268,6 +268,12 @@ class FwContext:
     def went_idle(self, ring: Ring) -> None:
         self.consumed[ring.slot] = ring.taken
 
+    def in_flight(self, ring: Ring) -> None:
+        """``ring``'s packet went to an engine and the ring out of the scan: what its slot
+        holds now is no news (the job's end brings the ring back, which then reads its
+        write pointer afresh), so other rings' knocks do not bring it back before."""
+        self.consumed[ring.slot] = self.db.words[(userq.DB_SLOTS >> 3) + ring.slot]
+
     def drop_bindings(self) -> None:
         """Forget every module's bound launches (a mapping went away): their views would
         keep its memory, and a host mapping's descriptor, alive until the kernel's next

@@ -12,8 +12,10 @@ Nothing a process writes is trusted (docs/containment.md): ring words, packets, 
 blocks and modules are checked in Python integers before anything runs, and any exception
 while decoding them faults the packet's own queue. The control thread does bounded work per
 pass, whatever a process writes: it looks only at rings whose doorbell slot moved (or that
-have work in flight), takes at most ``BATCH`` packets from a ring per pass, and faults a
-ring whose write pointer jumps (so a +2**63 jump costs one step, not 2**63).
+have packets it can take: a ring whose packet runs on an engine is set aside until the job
+ends, so sixty-four rings waiting on copies cost a pass nothing), takes at most ``BATCH``
+packets from a ring per pass, and faults a ring whose write pointer jumps (so a +2**63
+jump costs one step, not 2**63).
 
 A packet is validated against its context's address space when it runs; a bad one faults
 *its own queue*: the ring records the first fault (seqno, errno, opcode, address), later
@@ -80,8 +82,12 @@ class Scheduler:
         self.kernels = Kernels(config, jit_cache_dir, counters, self.wake)
         self.residency = residency
         self.rings: list[Ring] = []  # every ring with a doorbell slot
-        #: rings that may have work: their doorbell slot moved, or they have work in flight
+        #: rings that may have work: their doorbell slot moved, or their engine job ended,
+        #: or they have packets left
         self.active: dict[Ring, None] = {}
+        #: rings whose engine job ended since the loop last looked: back on ``active`` at
+        #: its next pass (``_readmit``); the engines append, holding ``_lock``
+        self._off_engine: list[Ring] = []
         #: the virtual time of the last turn begun (start-time fair queueing between
         #: contexts): a context or ring that becomes active starts no earlier, so time
         #: spent idle is not banked
@@ -166,11 +172,23 @@ class Scheduler:
 
     # --- the scheduler's loop body -----------------------------------------------------
     def scan_doorbells(self) -> None:
-        """Activate the rings whose doorbell slots moved: one word per context, and the
-        slots only of contexts whose sequence word moved."""
+        """Activate the rings whose doorbell slots moved (one word per context, and the
+        slots only of contexts whose sequence word moved) and those whose engine job
+        ended."""
+        if self._off_engine:  # read unlocked: one appended meanwhile is seen next pass
+            self._readmit()
         for ctx in self.contexts.values():
             for slot in ctx.moved_slots():
                 self._activate(ctx.slots[slot])
+
+    def _readmit(self) -> None:
+        """The rings whose engine job ended rejoin the scan, unless removed meanwhile (a
+        queue destroyed once its job ended)."""
+        with self._lock:
+            back, self._off_engine = self._off_engine, []
+        for ring in back:
+            if ring.ctx.slots.get(ring.slot) is ring:
+                self._activate(ring)
 
     def publish(self) -> None:
         """Note each active ring's write pointer now, as what poll() may take. Called
@@ -225,8 +243,8 @@ class Scheduler:
         if not (self.hung or self.held):
             for ring in [r for r in self.active if r.ctx.dropped()]:
                 self.active.pop(ring, None)
-            for ring in [r for r in self.active if r.idle() and not r.closing]:
-                self._went_idle(ring)  # nothing to take: not looked at this pass
+            for ring in [r for r in self.active if self._nothing_to_take(r)]:
+                self._set_aside(ring)  # not looked at this pass
             #: what each ring that had a turn may still take this pass: packets, work done
             budget: dict[Ring, tuple[int, int]] = {}
             while (ring := self._next_turn(budget)) is not None:
@@ -246,16 +264,29 @@ class Scheduler:
                 # a turn that took nothing, or ran out of the pass's budget, was the last
                 budget[ring] = (left - took if took and not self.kernels.turn_spent() else 0,
                                 self.kernels.inline_work)
-                if ring.idle() and not ring.closing:
-                    self._went_idle(ring)
+                if self._nothing_to_take(ring):
+                    self._set_aside(ring)
                 if interrupted():
                     break
         self.tally.flush(self.counters)
         return done
 
-    def _went_idle(self, ring: Ring) -> None:
+    @staticmethod
+    def _nothing_to_take(ring: Ring) -> bool:
+        """Idle (and not draining to close), or waiting for its engine job."""
+        return ring.busy or (ring.idle() and not ring.closing)
+
+    def _set_aside(self, ring: Ring) -> None:
+        """Out of the scan until there is news: an idle ring until its doorbell slot
+        moves, a ring on an engine until its job ends (``complete``, ``_readmit``). Left
+        on ``active``, every ring waiting for a copy cost every pass of the loop a look,
+        so another tenant's 64 waiting threads took a bystander's no-op from 10 us to
+        24 us (docs/containment.md, "Figures")."""
         self.active.pop(ring, None)
-        ring.ctx.went_idle(ring)
+        if ring.busy:
+            ring.ctx.in_flight(ring)
+        else:
+            ring.ctx.went_idle(ring)
 
     def _next_turn(self, budget: dict[Ring, tuple[int, int]]) -> Ring | None:
         """The ring whose turn is next: of those that may take a packet and have budget
@@ -438,6 +469,7 @@ class Scheduler:
             passed = ring.complete(seqno, c)
             if from_engine:
                 ring.on_engine(False)
+                self._off_engine.append(ring)
             userq.full_barrier()  # store the fence, then load what waiters armed (they mirror)
             irq = ring.irq_due()
         finally:

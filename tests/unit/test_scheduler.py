@@ -274,6 +274,40 @@ def test_a_ring_says_while_an_engine_runs_its_packet(device, ctx):
     device.step()
     assert q.ring.fence == w and q.prod.get(userq.RING_ON_ENGINE) == 0
 
+
+@pytest.mark.timeout(60)
+def test_rings_waiting_on_engines_cost_the_loop_no_look_and_come_back_when_done(device, ctx):
+    """A ring whose packet an engine runs leaves the loop's scan until its job ends: left
+    in it, 64 rings waiting on copies cost every pass of the loop a look at each, and
+    another tenant's no-op took 2.4 times as long (docs/containment.md, "Figures").
+    Another ring's knocks do not bring it back early; its job's end does, and then the
+    packets written behind the job run."""
+    waiting = [ctx.queue(qid) for qid in range(1, 9)]
+    bystander = ctx.queue(9)
+    gate, log = threading.Event(), []
+    for i in range(image.DEFAULT_PAYLOAD["copy_engines"]):  # every copy engine held
+        device.sched.copy.submit(0, _Gate(f"holder{i}", log, gate, ctx=ctx.ctx.id))
+    try:
+        for q in waiting:
+            q.submit(packet(Op.MEMSET, VA, copies.INLINE_BYTES + 1, 5))
+        device.step()
+        assert all(q.ring.busy for q in waiting)
+        assert not any(q.ring in device.sched.active for q in waiting)
+        for q in waiting:  # written behind the job: news only once the job ends
+            q.submit(packet(Op.NOP))
+        for _ in range(3):
+            w = bystander.submit(packet(Op.NOP))
+            device.step()
+            assert bystander.ring.fence == w
+            assert not any(q.ring in device.sched.active for q in waiting)
+    finally:
+        gate.set()
+    device.run_until(lambda: all(q.ring.fence == 2 for q in waiting))
+    assert all(device.engine_done(q) == {1} for q in waiting)
+    assert not any(q.ring.busy for q in waiting)
+    device.step()
+    assert not any(q.ring in device.sched.active for q in waiting)  # idle: out again
+
 BAD_PACKETS = {
     # name: (packet, errno, faulting address in the record)
     "copy past the mapping": (packet(Op.COPY, VA + SIZE - 8, VA, 16), errno.EFAULT, VA + SIZE),
