@@ -39,11 +39,15 @@ _THREADS_SYMBOLS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threa
 #: Index of each dtype's entry point in the pointer array the kernels receive.
 SLOT = {"float32": 0, "float64": 1}
 #: Work per BLAS call: tiles are cut into row, column and k chunks of these sizes so that
-#: the watchdog and a kill are seen between chunks (a full chunk is 67 M multiply-adds, a
-#: small fraction of the watchdog's period; a 128x128 tile over k=1024 is two calls).
-ROW_CHUNK = 256
+#: the watchdog and a kill are seen between chunks (a full chunk is 512 M multiply-adds,
+#: ~7 ms of one core, a small fraction of the watchdog's period). Rows are the long side:
+#: OpenBLAS packs each panel of the right operand once per call and streams every row of
+#: the call past it, so the fewer rows a call has, the more of its time is packing (one
+#: core, a 1024 product as calls of 256 x 512 x 512: 1.3-1.4x the CPU of one call; of
+#: 1024 x 512 x 1024: 1.01x; docs/kernels.md, "The matrix unit").
+ROW_CHUNK = 1024
 COL_CHUNK = 512
-K_CHUNK = 512
+K_CHUNK = 1024
 
 _lock = threading.Lock()
 _pointers: np.ndarray | None = None

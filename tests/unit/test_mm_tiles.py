@@ -38,11 +38,13 @@ def test_tiles_cover_the_output_exactly_and_share_it_between_the_engines(m, n, k
 
 
 def test_large_products_are_shared_and_small_ones_keep_their_tiles():
-    # mm 1024: eight tiles of the unit's own 256 x 512 chunk, four per engine of two
-    for engines in (1, 2, 4):
+    # mm 1024: two tiles of the unit's own 1024 x 512 chunk, one per engine of two (every
+    # row in each: BLAS packs the right operand once per call, for all of the call's rows)
+    for engines in (1, 2):
         assert _config(1024, 1024, 1024, engines) == matmul.Config(
-            (2, 4), matmul.THREADS, 256, 512)
-    assert _config(1024, 1024, 1024, 3).grid == (3, 4)  # twelve: four per engine
+            (2, 1), matmul.THREADS, 1024, 512)
+    assert _config(1024, 1024, 1024, 4) == matmul.Config((2, 2), matmul.THREADS, 512, 512)
+    assert _config(1024, 1024, 1024, 3).grid == (2, 3)  # six: two per engine
     # an MLP's weight gradient g.T @ x (256 x 784 over 64): two near-equal tiles, not a
     # full one and one of 272 columns
     assert _config(256, 784, 64, 2) == matmul.Config((2, 1), matmul.THREADS, 256, 400)

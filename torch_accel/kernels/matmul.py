@@ -2,11 +2,11 @@
 unit"): ``mm`` and ``bmm`` for float32 and float64. Each block hands one tile of ``out``
 to the unit over the whole of ``k`` (the unit checks every tile against its buffer, so
 edge tiles are just smaller tiles). ``_config`` cuts ``out`` into near-equal tiles of at
-most 256 x 512, the unit's own chunk: a 1024 mm is 8 blocks of 2 BLAS calls, where
-256 x 256 tiles made it 16 blocks of 2 calls (0.86x the wall time and 0.95x the firmware
-CPU now, same process) and 128 x 128 tiles 64 calls each repacking its operands. The
-unit calls BLAS single-threaded, so a launch's blocks are the only way its product uses
-more than one compute engine; a product is cut into tiles for every engine only when
+most 1024 x 512, the unit's own chunk: a 1024 mm is 2 blocks of one BLAS call each;
+tiles of 256 x 512 (8 blocks of 2 calls) took 1.3-1.4x its BLAS time, each call packing
+the right operand again for a quarter of the rows (docs/kernels.md, "The matrix unit").
+The unit calls BLAS single-threaded, so a launch's blocks are the only way its product
+uses more than one compute engine; a product is cut into tiles for every engine only when
 each engine's share pays for its job (docs/torch.md, "Products on both engines": an
 MLP's products do not). An operand stored transposed (a ``.t()`` view, as ``linear``'s
 weight and every product of a backward pass) is read in place through mma's ``ta``/``tb``
@@ -26,10 +26,10 @@ from torch_accel.kernels._shared import Array
 from torch_accel.kernels.elementwise import Binary, binary, fill
 from torch_accel.kernels.layout import strided_copy
 
-#: a tile's rows and columns at most: the matrix unit's own chunk (one BLAS call per 512
-#: of k, docs/kernels.md "The matrix unit"), so a tile is as few calls as the unit makes
-#: and a block runs no longer than two 256 x 256 tiles did
-MAX_ROWS, MAX_COLS = 256, 512
+#: a tile's rows and columns at most: the matrix unit's own chunk (one BLAS call per 1024
+#: of k, docs/kernels.md "The matrix unit"), so a tile is as few calls as the unit makes,
+#: each over as many rows as it can have (BLAS packs the right operand once per call)
+MAX_ROWS, MAX_COLS = 1024, 512
 #: tiles' rows and columns are multiples of this (64 bytes of float32: a tile's first
 #: column starts on a cache line of a row that does)
 ALIGN = 16
