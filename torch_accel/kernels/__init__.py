@@ -8,7 +8,8 @@ process, on first use; each (kernel, argument dtypes) is a numba compile in the 
 on its first launch, so most kernels choose their operation by an op code (the enums).
 """
 
-from torch_accel.kernels.conv import fold, swap01, unfold
+from torch_accel.kernels.conv import (conv_direct, fold, fold_rows, plane_tile, swap01, unfold,
+                                      unfold_rows)
 from torch_accel.kernels.elementwise import (
     Binary,
     Compare,
