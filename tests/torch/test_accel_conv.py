@@ -211,13 +211,15 @@ def test_pooling_matches_cpu(torch_json):
             # between them, whose backwards write the gradient whole
             F.max_pool2d(xs, 2).flatten(), F.max_pool2d(xs, 2, ceil_mode=True).flatten(),
             F.max_pool2d(xs, (3, 2), stride=(3, 2), padding=1).flatten(),
-            F.max_pool2d(xs, 2, stride=3).flatten()])
+            F.max_pool2d(xs, 2, stride=3).flatten(),
+            # 2x2 windows tiling the input: the plane kernels both ways
+            F.max_pool2d(xs[:, :, 1:, :], 2).flatten()])
         gaps = compare(pools, x)
         gaps64 = compare(lambda xs: F.max_pool2d(xs, 2) + F.avg_pool2d(xs, 2)
                          + F.adaptive_avg_pool2d(xs, 4) + F.adaptive_max_pool2d(xs, 4), x.double())
         idx = [F.max_pool2d(x.to(d), 3, 2, 1, return_indices=True)[1].cpu() for d in ("cpu", "accel")]
         # ties keep the first maximum, a NaN wins (the later of two): as the CPU
-        xt = torch.randn(1, 2, 6, 8)
+        xt = torch.randn(1, 4, 6, 8)  # 4 planes of 3 x 4 outputs: the plane kernel's
         xt[0, 0, :2, :2] = 1.0
         xt[0, 0, 2, 2:4] = float("nan")
         xt[0, 1, 3, 5] = float("nan")
@@ -226,11 +228,18 @@ def test_pooling_matches_cpu(torch_json):
             torch.equal(tidx[0][0].isnan(), tidx[1][0].cpu().isnan()))
         aidx = [F.adaptive_max_pool2d(x.to(d), (4, 3), return_indices=True)[1].cpu()
                 for d in ("cpu", "accel")]
-        report(gaps=gaps, gaps64=gaps64, same_indices=bool((idx[0] == idx[1]).all()),
+        import runtime
+        with runtime.profile() as p:
+            x8 = x[:, :, 1:, :].to("accel").requires_grad_()
+            F.max_pool2d(x8, 2).sum().backward()
+            torch.accel.synchronize()
+        plane = sorted(r.name for r in p.key_averages() if "max" in r.name)
+        report(plane=plane, gaps=gaps, gaps64=gaps64, same_indices=bool((idx[0] == idx[1]).all()),
                same_adaptive_indices=bool((aidx[0] == aidx[1]).all()), same_2x2=same_2x2,
                fallback=dict(torch_accel.fallback_counts))
     """), timeout=500)
     assert r["same_indices"] and r["same_adaptive_indices"] and r["same_2x2"], r
+    assert r["plane"] == ["max2x2_back_plane", "max2x2_plane"], r["plane"]
     for label, gap in {**r["gaps"], **r["gaps64"]}.items():
         assert gap < 1e-6, (label, gap)
     # max, average and adaptive pooling all ran on the device

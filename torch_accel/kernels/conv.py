@@ -26,11 +26,6 @@ import runtime
 from torch_accel.kernels import _shared as shared
 from torch_accel.kernels._shared import Array
 
-#: the most threads of a plane kernel's block (a tile of whole output rows)
-PLANE_BLOCK = 1024
-#: the fewest threads worth a plane kernel's block
-PLANE_MIN = 32
-
 _GEOMETRY = """nb: 'int64', ch: 'int64',
            d0: 'int64', d1: 'int64', d2: 'int64', o0: 'int64', o1: 'int64', o2: 'int64',
            k0: 'int64', k1: 'int64', k2: 'int64', s0: 'int64', s1: 'int64', s2: 'int64',
@@ -241,44 +236,6 @@ def fold(x: Array, cols: Array, batch: int, channels: int, spatial: Sequence[int
         *_geometry(batch, channels, spatial, out_spatial, kernel, stride, padding, dilation),
         stream=shared.stream_of(x, stream))
 
-def plane_tile(batch: int, out_spatial: Sequence[int],
-               device: int) -> tuple[int, int, int] | None:
-    """The block (x, y, z threads: output columns, rows, batch elements) of the plane
-    kernels for a 2-D output plane, or None where they do not serve. Whole rows, as many
-    as divide the plane's height and fit :data:`PLANE_BLOCK` threads (or the device's
-    limit, if lower), then as many batch
-    elements as divide the batch and fit, so the blocks tile the output exactly (a block
-    reaching past it would fail its range check and run the slow checked loop) and each
-    phase of a block runs as many threads as it can (a phase costs a range check and a
-    call besides its threads: LeNet's second layer, 10 x 10 outputs, unfolded in 0.55
-    against 0.67 ms with 8 batch elements a block instead of 1). None for a row wider
-    than a block, or a tile under :data:`PLANE_MIN` threads, whose blocks would cost more
-    than their work."""
-    oh, ow = out_spatial
-    limit = min(PLANE_BLOCK, shared.module("conv", SOURCE, device).properties
-                .max_threads_per_block)
-    if not 0 < ow <= limit or oh <= 0:
-        return None
-    rows = _largest_divisor(oh, limit // ow)
-    per_batch = _largest_divisor(batch, limit // (ow * rows))
-    return (ow, rows, per_batch) if ow * rows * per_batch >= PLANE_MIN else None
-
-
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
-
-
-def _plane_grid(batch: int, out_spatial: Sequence[int],
-                tile: tuple[int, int, int]) -> tuple[int, int, int]:
-    return (out_spatial[1] // tile[0], out_spatial[0] // tile[1], batch // tile[2])
-
-
-def _shaped(arr: Array, shape: Sequence[int]) -> runtime.DeviceView:
-    """``arr``'s first elements as a C-order array of ``shape``: the plane kernels index
-    each dimension on its own, which keeps every index affine in the thread ids."""
-    return arr.view(arr.dtype, tuple(shape), 0)
-
-
 def unfold_rows(cols: Array, xp: Array, batch: int, channels: int, kernel: Sequence[int],
                 out_spatial: Sequence[int], tile: tuple[int, int, int],
                 stream: runtime.Stream | None = None) -> None:
@@ -289,9 +246,9 @@ def unfold_rows(cols: Array, xp: Array, batch: int, channels: int, kernel: Seque
     shared.check_same(cols, xp)
     (kh, kw), (oh, ow) = kernel, out_spatial
     shared.module("conv", SOURCE, cols.device).unfold_rows[
-        _plane_grid(batch, out_spatial, tile), tile](
-        _shaped(cols, (channels, kh, kw, batch, oh, ow)),
-        _shaped(xp, (batch, channels, oh + kh - 1, ow + kw - 1)), channels, kh, kw,
+        shared.plane_grid(batch, out_spatial, tile), tile](
+        shared.shaped(cols, (channels, kh, kw, batch, oh, ow)),
+        shared.shaped(xp, (batch, channels, oh + kh - 1, ow + kw - 1)), channels, kh, kw,
         stream=shared.stream_of(cols, stream))
 
 
@@ -306,8 +263,8 @@ def fold_rows(gxp: Array, cols: Array, batch: int, channels: int, kernel: Sequen
     (kh, kw), (oh, ow) = kernel, out_spatial
     assert tile[:2] == (ow, oh), "fold_rows needs whole planes in a block"
     shared.module("conv", SOURCE, cols.device).fold_rows[(1, 1, batch // tile[2]), tile](
-        _shaped(gxp, (batch, channels, oh + kh - 1, ow + kw - 1)),
-        _shaped(cols, (channels, kh, kw, batch, oh, ow)), channels, kh, kw,
+        shared.shaped(gxp, (batch, channels, oh + kh - 1, ow + kw - 1)),
+        shared.shaped(cols, (channels, kh, kw, batch, oh, ow)), channels, kh, kw,
         stream=shared.stream_of(gxp, stream))
 
 
@@ -327,11 +284,11 @@ def conv_direct(out: Array, xp: Array, weight: Array, bias: Array | None, batch:
     oh, ow = out_spatial
     og = o // groups
     shared.module("conv", SOURCE, out.device).conv_direct[
-        _plane_grid(batch, out_spatial, tile), tile](
-        _shaped(out, (batch, groups, og, oh, ow)),
-        _shaped(xp, (batch, groups, cg, oh + kh - 1, ow + kw - 1)),
-        _shaped(weight, (groups, og, cg, kh, kw)),
-        _shaped(bias if bias is not None else weight, (groups, og)), int(bias is not None),
+        shared.plane_grid(batch, out_spatial, tile), tile](
+        shared.shaped(out, (batch, groups, og, oh, ow)),
+        shared.shaped(xp, (batch, groups, cg, oh + kh - 1, ow + kw - 1)),
+        shared.shaped(weight, (groups, og, cg, kh, kw)),
+        shared.shaped(bias if bias is not None else weight, (groups, og)), int(bias is not None),
         groups, og, cg, kh, kw, stream=shared.stream_of(out, stream))
 
 
