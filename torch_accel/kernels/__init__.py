@@ -67,6 +67,6 @@ __all__ = [
     "mm", "mm_plan", "nll_loss_backward_rows", "nll_loss_rows", "normal", "plane_tile",
     "predicate", "reduce_rows",
     "sigmoid_backward", "sleep", "softmax_backward_rows", "softmax_rows", "strided_copy",
-    "swap01", "tanh_backward", "threshold_backward", "unary", "unary_launch", "unfold", "unfold_rows",
-    "uniform", "var_rows", "where",
+    "swap01", "tanh_backward", "threshold_backward", "unary", "unary_launch", "unfold",
+    "unfold_rows", "uniform", "var_rows", "where",
 ]

@@ -15,6 +15,14 @@ never an integer division per element: the firmware runs a thread's loops as com
 code, and the divisions that place a thread cost more than a short row of element copies
 (a thread per output row and atomics for the fold made LeNet's step spend 42 of its 90 ms
 of device time here).
+
+The *plane kernels* (``unfold_rows``, ``fold_rows``, ``conv_direct``) serve 2-D
+convolutions at unit stride and dilation from the input padded first: a thread per output
+position of a tile of whole rows (``_shared.plane_tile``), every buffer indexed dimension
+by dimension so that each index is affine in the thread ids. The firmware range-checks
+such a block once and runs its threads as one vectorised loop per statement; the loops
+over channels and kernel offsets are block-level loops around a ``barrier()``, as a phase
+storing inside a loop would not be vectorised (docs/kernels.md, "Vectorised phases").
 """
 
 from __future__ import annotations
@@ -236,6 +244,7 @@ def fold(x: Array, cols: Array, batch: int, channels: int, spatial: Sequence[int
         *_geometry(batch, channels, spatial, out_spatial, kernel, stride, padding, dilation),
         stream=shared.stream_of(x, stream))
 
+
 def unfold_rows(cols: Array, xp: Array, batch: int, channels: int, kernel: Sequence[int],
                 out_spatial: Sequence[int], tile: tuple[int, int, int],
                 stream: runtime.Stream | None = None) -> None:
@@ -257,12 +266,14 @@ def fold_rows(gxp: Array, cols: Array, batch: int, channels: int, kernel: Sequen
               stream: runtime.Stream | None = None) -> None:
     """:func:`fold` of :func:`unfold_rows`' columns, added into ``gxp`` (the padded
     input's shape, zeroed by the caller): each block holds whole output planes
-    (``tile``, from :func:`plane_tile`, must cover the plane), so the windows that
+    (``tile``, from ``_shared.plane_tile``, must cover the plane), so the windows that
     overlap are added in order by one block, phase after phase, without atomics."""
     shared.check_same(cols, gxp)
     (kh, kw), (oh, ow) = kernel, out_spatial
-    assert tile[:2] == (ow, oh), "fold_rows needs whole planes in a block"
-    shared.module("conv", SOURCE, cols.device).fold_rows[(1, 1, batch // tile[2]), tile](
+    if tile[:2] != (ow, oh):
+        raise ValueError(f"fold_rows needs whole {oh} x {ow} planes in a block, not {tile}")
+    shared.module("conv", SOURCE, cols.device).fold_rows[
+        shared.plane_grid(batch, out_spatial, tile), tile](
         shared.shaped(gxp, (batch, channels, oh + kh - 1, ow + kw - 1)),
         shared.shaped(cols, (channels, kh, kw, batch, oh, ow)), channels, kh, kw,
         stream=shared.stream_of(gxp, stream))
@@ -272,13 +283,12 @@ def conv_direct(out: Array, xp: Array, weight: Array, bias: Array | None, batch:
                 groups: int, weight_shape: Sequence[int], out_spatial: Sequence[int],
                 tile: tuple[int, int, int], stream: runtime.Stream | None = None) -> None:
     """A 2-D convolution at unit stride and dilation, straight from its padded input
-    ``xp`` (``[N, C, OH + KH - 1, OW + KW - 1]``) and ``weight`` (``weight_shape``: ``[O, C / groups,
-    KH, KW]``) into ``out`` (``[N, O, OH, OW]``), plus
-    ``bias[O]``: a thread per output position accumulates every channel and kernel
-    offset of one output channel (a phase per output channel), the firmware running a
-    block's threads as one vector loop per offset. For thin products (few channels times
-    kernel offsets), where unfolding costs more than the multiply-adds
-    (docs/torch.md, "Convolution")."""
+    ``xp`` (``[N, C, OH + KH - 1, OW + KW - 1]``) and ``weight`` (``weight_shape``,
+    ``[O, C / groups, KH, KW]``) into ``out`` (``[N, O, OH, OW]``), plus ``bias[O]``: a
+    thread per output position accumulates every channel and kernel offset of one output
+    channel (a phase per output channel), the firmware running a block's threads as one
+    vector loop per offset. For thin products (few channels times kernel offsets), where
+    the unfold, the product and the transpose cost more than the multiply-adds."""
     shared.check_same(out, xp, weight, *([bias] if bias is not None else []))
     o, cg, kh, kw = weight_shape
     oh, ow = out_spatial
@@ -288,8 +298,8 @@ def conv_direct(out: Array, xp: Array, weight: Array, bias: Array | None, batch:
         shared.shaped(out, (batch, groups, og, oh, ow)),
         shared.shaped(xp, (batch, groups, cg, oh + kh - 1, ow + kw - 1)),
         shared.shaped(weight, (groups, og, cg, kh, kw)),
-        shared.shaped(bias if bias is not None else weight, (groups, og)), int(bias is not None),
-        groups, og, cg, kh, kw, stream=shared.stream_of(out, stream))
+        shared.shaped(bias if bias is not None else weight, (groups, og)),
+        int(bias is not None), groups, og, cg, kh, kw, stream=shared.stream_of(out, stream))
 
 
 def swap01(out: Array, src: Array, a: int, b: int, n: int, bias: Array | None = None,
