@@ -1,6 +1,8 @@
 """Convolutions on the device (im2col + the matrix unit, col2im for the input gradient):
 forward and every gradient match the CPU over a grid of 1-D/2-D/3-D shapes, groups,
-strides, padding, dilation and bias; the forward's columns, kept for the weight gradient,
+strides, padding, dilation and bias; the plane kernels (unit stride and dilation: thin
+convolutions direct, a block per tile of output rows) match it too and serve the cases
+they should; the forward's columns, kept for the weight gradient,
 live no longer than they may and are not used for an input written since; max, average
 and adaptive pooling (on the device) match the CPU; a small CNN trains three SGD steps to
 the CPU's weights from the same initialisation."""
@@ -81,13 +83,66 @@ def test_convolution_grid_matches_cpu_forward_and_backward(torch_json):
     assert r["fallback"].get("aten::convolution_backward") == 1, r["fallback"]
 
 
+def test_plane_kernels_match_cpu_and_serve_the_convolutions_they_should(torch_json):
+    """Unit stride and dilation in 2-D (1-D as 2-D): a thin convolution computed directly,
+    the others unfolded by a block per tile of output rows and folded by a block per
+    whole planes; each case checked against the CPU, and by the kernels that ran."""
+    r = torch_json(with_compare("""
+        import runtime
+        r = lambda *s, dt=torch.float32: torch.randn(*s, dtype=dt)
+        cases = {
+            # 9 rows: direct; 13 x 11 outputs, 6 batch elements a block; input gradient
+            # folded with the padding cut off, weight gradient from unfolded columns
+            "thin pad bias": (F.conv2d, r(6, 1, 13, 11), r(5, 1, 3, 3), r(5), dict(padding=1)),
+            "thin groups even kernel": (F.conv2d, r(3, 4, 9, 10), r(6, 2, 2, 3), None,
+                                        dict(groups=2, padding=(1, 0))),
+            "thin odd batch, LeNet's first": (F.conv2d, r(7, 1, 28, 28), r(6, 1, 5, 5), r(6),
+                                             dict(padding=2)),
+            "thin 1d": (F.conv1d, r(3, 2, 50), r(4, 2, 5), r(4), dict(padding=2)),
+            # 36 rows: a product; 40 x 40 outputs in two tiles of 20 rows, folded as before
+            "product two row tiles": (F.conv2d, r(2, 4, 40, 40), r(4, 4, 3, 3), r(4),
+                                      dict(padding=1)),
+            "product LeNet's second": (F.conv2d, r(8, 6, 14, 14), r(16, 6, 5, 5), r(16), {}),
+            "product float64 groups": (F.conv2d, r(4, 6, 7, 9, dt=torch.float64),
+                                       r(4, 3, 5, 3, dt=torch.float64),
+                                       r(4, dt=torch.float64), dict(groups=2, padding=(2, 0))),
+            "product 1d": (F.conv1d, r(2, 8, 40), r(3, 8, 5), None, {}),
+            "transposed": (F.conv_transpose2d, r(2, 4, 6, 6), r(4, 3, 3, 3), r(3), {}),
+            "stride 2 (not theirs)": (F.conv2d, r(2, 3, 12, 12), r(4, 3, 3, 3), r(4),
+                                      dict(stride=2, padding=1)),
+        }
+        names = {"conv_direct", "unfold_rows", "fold_rows", "unfold", "unfold_t", "fold"}
+        gaps, ran = {}, {}
+        for name, (fn, x, w, b, kw) in cases.items():
+            with runtime.profile() as p:
+                gaps[name] = compare(fn, x, w, b, **kw)
+                torch.accel.synchronize()
+            ran[name] = sorted({row.name for row in p.key_averages()} & names)
+        report(gaps=gaps, ran=ran, fallback=dict(torch_accel.fallback_counts))
+    """), timeout=500)
+    for name, gaps in r["gaps"].items():
+        for label, gap in gaps.items():
+            assert gap < 1e-5, (name, label, gap)
+    ran = r["ran"]
+    for name in ("thin pad bias", "thin groups even kernel", "thin odd batch, LeNet's first",
+                 "thin 1d"):
+        assert ran[name] == ["conv_direct", "fold_rows", "unfold_rows"], (name, ran[name])
+    assert ran["product two row tiles"] == ["fold", "unfold_rows"], ran
+    for name in ("product LeNet's second", "product float64 groups", "product 1d"):
+        assert ran[name] == ["fold_rows", "unfold_rows"], (name, ran[name])
+    assert ran["transposed"] == ["conv_direct", "fold_rows", "unfold_rows"], ran
+    assert ran["stride 2 (not theirs)"] == ["fold", "unfold"], ran  # columns kept
+    assert r["fallback"] == {}, r["fallback"]
+
+
 def test_kept_columns_live_from_forward_to_backward_and_follow_writes(torch_json):
     r = torch_json("""
         import torch.nn.functional as F
         from torch_accel.ops import conv as ops_conv
         torch.manual_seed(0)
-        w = torch.randn(8, 3, 3, 3, device="accel", requires_grad=True)
-        x = torch.randn(16, 3, 30, 30, device="accel")
+        # 4 * 9 rows per group: a product (a thinner one is computed directly, unkept)
+        w = torch.randn(8, 4, 3, 3, device="accel", requires_grad=True)
+        x = torch.randn(16, 4, 30, 30, device="accel")
         kept = lambda: len(ops_conv._saved._by_input)
         sync, mem = torch.accel.synchronize, torch.accel.memory_allocated
         with torch.no_grad():
@@ -100,7 +155,7 @@ def test_kept_columns_live_from_forward_to_backward_and_follow_writes(torch_json
         no_grad = (kept(), mem() - base - frozen.nbytes)
         del frozen
         out = F.conv2d(x, w)
-        # the columns: 3 * 9 rows of 16 * 28 * 28, float32
+        # the columns: 4 * 9 rows of 16 * 28 * 28, float32
         held = (kept(), mem() - base - out.nbytes)
         out.backward(torch.ones_like(out))
         after_backward = kept()
@@ -109,14 +164,14 @@ def test_kept_columns_live_from_forward_to_backward_and_follow_writes(torch_json
         del x
         sync()
         base = mem()
-        x = torch.randn(16, 3, 30, 30, device="accel")
+        x = torch.randn(16, 4, 30, 30, device="accel")
         out = F.conv2d(x, w)
         del out, x  # the graph and the input gone without a backward
         sync()
         after_input_died = (kept(), mem() - base)
 
         # an input written after its forward: the backward unfolds it again
-        x = torch.randn(4, 3, 9, 9)
+        x = torch.randn(4, 4, 9, 9)
         dx, wc = x.to("accel"), w.detach().cpu()
         args = ([1, 1], [1, 1], [1, 1], False, [0, 0], 1)
         out = torch.ops.aten.convolution_overrideable(dx, w, None, *args)
@@ -131,7 +186,7 @@ def test_kept_columns_live_from_forward_to_backward_and_follow_writes(torch_json
                fallback=dict(torch_accel.fallback_counts))
     """, timeout=300)
     assert r["no_grad"] == [0, 0], r  # no gradient wanted, nothing kept
-    assert r["held"] == [1, 3 * 9 * 16 * 28 * 28 * 4], r
+    assert r["held"] == [1, 4 * 9 * 16 * 28 * 28 * 4], r
     assert r["after_backward"] == 0 and r["after_input_died"] == [0, 0], r
     assert r["written_gap"] < 1e-4, r
     assert r["fallback"] == {}, r
@@ -156,13 +211,15 @@ def test_pooling_matches_cpu(torch_json):
             # between them, whose backwards write the gradient whole
             F.max_pool2d(xs, 2).flatten(), F.max_pool2d(xs, 2, ceil_mode=True).flatten(),
             F.max_pool2d(xs, (3, 2), stride=(3, 2), padding=1).flatten(),
-            F.max_pool2d(xs, 2, stride=3).flatten()])
+            F.max_pool2d(xs, 2, stride=3).flatten(),
+            # 2x2 windows tiling the input: the plane kernels both ways
+            F.max_pool2d(xs[:, :, 1:, :], 2).flatten()])
         gaps = compare(pools, x)
         gaps64 = compare(lambda xs: F.max_pool2d(xs, 2) + F.avg_pool2d(xs, 2)
                          + F.adaptive_avg_pool2d(xs, 4) + F.adaptive_max_pool2d(xs, 4), x.double())
         idx = [F.max_pool2d(x.to(d), 3, 2, 1, return_indices=True)[1].cpu() for d in ("cpu", "accel")]
         # ties keep the first maximum, a NaN wins (the later of two): as the CPU
-        xt = torch.randn(1, 2, 6, 8)
+        xt = torch.randn(1, 4, 6, 8)  # 4 planes of 3 x 4 outputs: the plane kernel's
         xt[0, 0, :2, :2] = 1.0
         xt[0, 0, 2, 2:4] = float("nan")
         xt[0, 1, 3, 5] = float("nan")
@@ -171,11 +228,18 @@ def test_pooling_matches_cpu(torch_json):
             torch.equal(tidx[0][0].isnan(), tidx[1][0].cpu().isnan()))
         aidx = [F.adaptive_max_pool2d(x.to(d), (4, 3), return_indices=True)[1].cpu()
                 for d in ("cpu", "accel")]
-        report(gaps=gaps, gaps64=gaps64, same_indices=bool((idx[0] == idx[1]).all()),
+        import runtime
+        with runtime.profile() as p:
+            x8 = x[:, :, 1:, :].to("accel").requires_grad_()
+            F.max_pool2d(x8, 2).sum().backward()
+            torch.accel.synchronize()
+        plane = sorted(r.name for r in p.key_averages() if "max" in r.name)
+        report(plane=plane, gaps=gaps, gaps64=gaps64, same_indices=bool((idx[0] == idx[1]).all()),
                same_adaptive_indices=bool((aidx[0] == aidx[1]).all()), same_2x2=same_2x2,
                fallback=dict(torch_accel.fallback_counts))
     """), timeout=500)
     assert r["same_indices"] and r["same_adaptive_indices"] and r["same_2x2"], r
+    assert r["plane"] == ["max2x2_back_plane", "max2x2_plane"], r["plane"]
     for label, gap in {**r["gaps"], **r["gaps64"]}.items():
         assert gap < 1e-6, (label, gap)
     # max, average and adaptive pooling all ran on the device

@@ -8,7 +8,8 @@ process, on first use; each (kernel, argument dtypes) is a numba compile in the 
 on its first launch, so most kernels choose their operation by an op code (the enums).
 """
 
-from torch_accel.kernels.conv import fold, swap01, unfold
+from torch_accel.kernels._shared import plane_tile
+from torch_accel.kernels.conv import conv_direct, fold, fold_rows, swap01, unfold, unfold_rows
 from torch_accel.kernels.elementwise import (
     Binary,
     Compare,
@@ -48,6 +49,7 @@ from torch_accel.kernels.pool import (
     avg_pool2d,
     avg_pool2d_backward,
     disjoint_rows,
+    halves,
     max_pool2d,
     max_pool2d_backward,
 )
@@ -59,11 +61,12 @@ __all__ = [
     "Backward", "Binary", "Compare", "Predicate", "Reduce", "Reduction", "Unary",
     "activation_backward", "adaptive_avg_pool2d", "adaptive_avg_pool2d_backward",
     "adaptive_max_pool2d", "arange", "avg_pool2d", "avg_pool2d_backward",
-    "bernoulli_mask", "binary", "binary_launch", "bmm", "compare", "counters", "disjoint_rows",
-    "fill", "fold",
+    "bernoulli_mask", "binary", "binary_launch", "bmm", "compare", "conv_direct", "counters",
+    "disjoint_rows", "fill", "fold", "fold_rows", "halves",
     "gelu_backward", "index_add_rows", "index_rows", "max_pool2d", "max_pool2d_backward",
-    "mm", "mm_plan", "nll_loss_backward_rows", "nll_loss_rows", "normal", "predicate", "reduce_rows",
+    "mm", "mm_plan", "nll_loss_backward_rows", "nll_loss_rows", "normal", "plane_tile",
+    "predicate", "reduce_rows",
     "sigmoid_backward", "sleep", "softmax_backward_rows", "softmax_rows", "strided_copy",
-    "swap01", "tanh_backward", "threshold_backward", "unary", "unary_launch", "unfold", "uniform",
-    "var_rows", "where",
+    "swap01", "tanh_backward", "threshold_backward", "unary", "unary_launch", "unfold",
+    "unfold_rows", "uniform", "var_rows", "where",
 ]

@@ -15,6 +15,14 @@ never an integer division per element: the firmware runs a thread's loops as com
 code, and the divisions that place a thread cost more than a short row of element copies
 (a thread per output row and atomics for the fold made LeNet's step spend 42 of its 90 ms
 of device time here).
+
+The *plane kernels* (``unfold_rows``, ``fold_rows``, ``conv_direct``) serve 2-D
+convolutions at unit stride and dilation from the input padded first: a thread per output
+position of a tile of whole rows (``_shared.plane_tile``), every buffer indexed dimension
+by dimension so that each index is affine in the thread ids. The firmware range-checks
+such a block once and runs its threads as one vectorised loop per statement; the loops
+over channels and kernel offsets are block-level loops around a ``barrier()``, as a phase
+storing inside a loop would not be vectorised (docs/kernels.md, "Vectorised phases").
 """
 
 from __future__ import annotations
@@ -119,6 +127,46 @@ def fold(x, cols, total: 'int64', {_GEOMETRY}):
                             at += o2
 
 
+def unfold_rows(cols, xp, ch: 'int64', kh: 'int64', kw: 'int64'):
+    lx = global_id(0)
+    ly = global_id(1)
+    n = global_id(2)
+    for c in range(ch):
+        for ky in range(kh):
+            for kx in range(kw):
+                cols[c, ky, kx, n, ly, lx] = xp[n, c, ly + ky, lx + kx]
+                barrier()
+
+
+def fold_rows(gxp, cols, ch: 'int64', kh: 'int64', kw: 'int64'):
+    lx = local_id(0)
+    ly = local_id(1)
+    n = global_id(2)
+    for c in range(ch):
+        for ky in range(kh):
+            for kx in range(kw):
+                gxp[n, c, ly + ky, lx + kx] += cols[c, ky, kx, n, ly, lx]
+                barrier()
+
+
+def conv_direct(out, xp, w, bias, has_bias: 'int64', groups: 'int64', og: 'int64',
+                cg: 'int64', kh: 'int64', kw: 'int64'):
+    lx = global_id(0)
+    ly = global_id(1)
+    n = global_id(2)
+    for g in range(groups):
+        for o in range(og):
+            acc = 0.0
+            if has_bias != 0:
+                acc = bias[g, o]
+            for c in range(cg):
+                for ky in range(kh):
+                    for kx in range(kw):
+                        acc += w[g, o, c, ky, kx] * xp[n, g, c, ly + ky, lx + kx]
+            out[n, g, o, ly, lx] = acc
+            barrier()
+
+
 def swap01(out, src, bias, has_bias: 'int64', total: 'int64', a: 'int64', b: 'int64',
            n: 'int64'):
     i = global_id(0)
@@ -195,6 +243,64 @@ def fold(x: Array, cols: Array, batch: int, channels: int, spatial: Sequence[int
         shared.flat(x), shared.flat(cols), total,
         *_geometry(batch, channels, spatial, out_spatial, kernel, stride, padding, dilation),
         stream=shared.stream_of(x, stream))
+
+
+def unfold_rows(cols: Array, xp: Array, batch: int, channels: int, kernel: Sequence[int],
+                out_spatial: Sequence[int], tile: tuple[int, int, int],
+                stream: runtime.Stream | None = None) -> None:
+    """:func:`unfold` of a 2-D convolution at unit stride and dilation from its input
+    padded already (``xp``, ``[N, C, OH + KH - 1, OW + KW - 1]``): each block's thread
+    copies its output position's element for every channel and kernel offset in turn (a
+    phase each, between barriers), so a phase is one contiguous copy per tile row."""
+    shared.check_same(cols, xp)
+    (kh, kw), (oh, ow) = kernel, out_spatial
+    shared.module("conv", SOURCE, cols.device).unfold_rows[
+        shared.plane_grid(batch, out_spatial, tile), tile](
+        shared.shaped(cols, (channels, kh, kw, batch, oh, ow)),
+        shared.shaped(xp, (batch, channels, oh + kh - 1, ow + kw - 1)), channels, kh, kw,
+        stream=shared.stream_of(cols, stream))
+
+
+def fold_rows(gxp: Array, cols: Array, batch: int, channels: int, kernel: Sequence[int],
+              out_spatial: Sequence[int], tile: tuple[int, int, int],
+              stream: runtime.Stream | None = None) -> None:
+    """:func:`fold` of :func:`unfold_rows`' columns, added into ``gxp`` (the padded
+    input's shape, zeroed by the caller): each block holds whole output planes
+    (``tile``, from ``_shared.plane_tile``, must cover the plane), so the windows that
+    overlap are added in order by one block, phase after phase, without atomics."""
+    shared.check_same(cols, gxp)
+    (kh, kw), (oh, ow) = kernel, out_spatial
+    if tile[:2] != (ow, oh):
+        raise ValueError(f"fold_rows needs whole {oh} x {ow} planes in a block, not {tile}")
+    shared.module("conv", SOURCE, cols.device).fold_rows[
+        shared.plane_grid(batch, out_spatial, tile), tile](
+        shared.shaped(gxp, (batch, channels, oh + kh - 1, ow + kw - 1)),
+        shared.shaped(cols, (channels, kh, kw, batch, oh, ow)), channels, kh, kw,
+        stream=shared.stream_of(gxp, stream))
+
+
+def conv_direct(out: Array, xp: Array, weight: Array, bias: Array | None, batch: int,
+                groups: int, weight_shape: Sequence[int], out_spatial: Sequence[int],
+                tile: tuple[int, int, int], stream: runtime.Stream | None = None) -> None:
+    """A 2-D convolution at unit stride and dilation, straight from its padded input
+    ``xp`` (``[N, C, OH + KH - 1, OW + KW - 1]``) and ``weight`` (``weight_shape``,
+    ``[O, C / groups, KH, KW]``) into ``out`` (``[N, O, OH, OW]``), plus ``bias[O]``: a
+    thread per output position accumulates every channel and kernel offset of one output
+    channel (a phase per output channel), the firmware running a block's threads as one
+    vector loop per offset. For thin products (few channels times kernel offsets), where
+    the unfold, the product and the transpose cost more than the multiply-adds."""
+    shared.check_same(out, xp, weight, *([bias] if bias is not None else []))
+    o, cg, kh, kw = weight_shape
+    oh, ow = out_spatial
+    og = o // groups
+    shared.module("conv", SOURCE, out.device).conv_direct[
+        shared.plane_grid(batch, out_spatial, tile), tile](
+        shared.shaped(out, (batch, groups, og, oh, ow)),
+        shared.shaped(xp, (batch, groups, cg, oh + kh - 1, ow + kw - 1)),
+        shared.shaped(weight, (groups, og, cg, kh, kw)),
+        shared.shaped(bias if bias is not None else weight, (groups, og)),
+        int(bias is not None), groups, og, cg, kh, kw, stream=shared.stream_of(out, stream))
+
 
 def swap01(out: Array, src: Array, a: int, b: int, n: int, bias: Array | None = None,
            stream: runtime.Stream | None = None) -> None:

@@ -15,6 +15,12 @@ A training step's forward keeps its input's columns for the weight gradient
 (:class:`_SavedColumns`), so the backward multiplies by them read transposed in place
 instead of unfolding the input a second time.
 
+2-D convolutions at unit stride and dilation run on the *plane kernels* (kernels/conv.py:
+a thread per output position of a tile of whole output rows, the input padded first):
+the unfold and the fold by them, and a thin convolution (at most :data:`DIRECT_ROWS` rows
+per group) computed directly into its output, bias included (:func:`_direct`), whose
+backward unfolds its input for the weight gradient (it kept no columns).
+
 float32 and float64 only (the unit's types); other dtypes run torch's CPU convolution
 through the counted fallback, since the CPU has no ``convolution_overrideable`` of its own
 to fall back to.
@@ -36,6 +42,11 @@ from torch_accel.ops._register import implements
 from torch_accel.ops.fallback import cpu_fallback
 
 _FLOAT = (torch.float32, torch.float64)
+#: the most rows per group (channels per group times kernel offsets) of a convolution the
+#: plane kernel computes directly (:func:`_direct`) rather than as a product: LeNet's first
+#: layer (25 rows) took 1.2-1.6 ms so against 4.5 ms by unfold, product and transpose, its
+#: second (150 rows) 3.9-4.5 ms against 2.2-3.0 ms (docs/torch.md, "Operators")
+DIRECT_ROWS = 32
 
 
 class _Geometry:
@@ -55,6 +66,10 @@ class _Geometry:
         self.groups = groups
         self.rows = self.channels // groups * math.prod(self.kernel)  # per group
         self.cols = self.batch * math.prod(self.out_spatial)
+        #: the plane kernels' block (kernels/conv.py), for a 2-D convolution (1-D arrives
+        #: as 2-D) at unit stride and dilation whose plane they tile; else None
+        self.tile = (kernels.plane_tile(self.batch, self.out_spatial, weight.device.index)
+                     if nd == 2 and set(self.stride + self.dilation) == {1} else None)
 
     def args(self) -> tuple[Any, ...]:
         return (self.batch, self.channels, self.spatial, self.out_spatial, self.kernel,
@@ -116,13 +131,27 @@ def _transposed_geometry(x: torch.Tensor, weight: torch.Tensor, stride: Sequence
     return _Geometry(out, weight, stride, padding, dilation, groups)
 
 
+def _padded(x: torch.Tensor, g: _Geometry) -> torch.Tensor:
+    """``x`` contiguous with its padding written out as zeros, what the plane kernels
+    read (their every index then stays inside the input)."""
+    x = contiguous_on_device(x)
+    if not any(g.padding):
+        return x
+    (ph, pw) = g.padding
+    return torch.constant_pad_nd(x, (pw, pw, ph, ph))
+
+
 def _columns(x: torch.Tensor, g: _Geometry, transposed: bool = False) -> torch.Tensor:
     """``x`` unfolded, as ``[groups, rows per group, N * L]`` (or, ``transposed``, each
-    group's matrix transposed)."""
+    group's matrix transposed); by the plane kernel where it serves (untransposed)."""
     shape = (g.groups, g.cols, g.rows) if transposed else (g.groups, g.rows, g.cols)
     cols = torch.empty(shape, dtype=x.dtype, device=x.device)
-    kernels.unfold(view_of(cols), view_of(x), *g.args(), transposed=transposed,
-                   stream=stream(x.device.index))
+    if g.tile is not None and not transposed:
+        kernels.unfold_rows(view_of(cols), view_of(_padded(x, g)), g.batch, g.channels,
+                            g.kernel, g.out_spatial, g.tile, stream=stream(x.device.index))
+        return cols
+    kernels.unfold(view_of(cols), view_of(contiguous_on_device(x)), *g.args(),
+                   transposed=transposed, stream=stream(x.device.index))
     return cols
 
 
@@ -142,12 +171,28 @@ def _grouped(weight: torch.Tensor, g: _Geometry) -> torch.Tensor:
     return contiguous_on_device(weight).reshape(g.groups, -1, g.rows)
 
 
+def _direct(x: torch.Tensor, weight: torch.Tensor, g: _Geometry,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    """The convolution by ``kernels.conv_direct``, from the padded input into the
+    output's own layout, bias included: no columns, product or transpose."""
+    out = torch.empty((g.batch, weight.shape[0], *g.out_spatial), dtype=x.dtype,
+                      device=x.device)
+    b = view_of(contiguous_on_device(bias, x.dtype)) if bias is not None else None
+    kernels.conv_direct(view_of(out), view_of(_padded(x, g)),
+                        view_of(contiguous_on_device(weight)), b, g.batch, g.groups,
+                        weight.shape, g.out_spatial, g.tile, stream=stream(x.device.index))
+    return out
+
+
 def _forward(x: torch.Tensor, weight: torch.Tensor, g: _Geometry,
              bias: torch.Tensor | None, keep: bool = False) -> torch.Tensor:
     """``out[n, o] = bias[o] + sum over the group's channels and the kernel``, as
-    ``weight [groups, O/groups, rows] @ columns [groups, rows, N * L]``; ``keep``: a
+    ``weight [groups, O/groups, rows] @ columns [groups, rows, N * L]``, or directly
+    (:func:`_direct`) for a thin product the plane kernels serve; ``keep``: a
     convolution's own forward, whose columns its backward may want."""
-    cols = _columns(contiguous_on_device(x), g)
+    if g.tile is not None and g.rows <= DIRECT_ROWS:
+        return _direct(x, weight, g, bias)
+    cols = _columns(x, g)
     if keep:
         _saved.keep(x, weight, g, cols)
     out = torch.bmm(_grouped(weight, g), cols)
@@ -166,19 +211,34 @@ def _input_grad(per_group: torch.Tensor, weight: torch.Tensor, g: _Geometry,
                 shape: Sequence[int]) -> torch.Tensor:
     """``weight^T @ grad`` folded back onto the forward input's elements (``shape``)."""
     grad_cols = torch.bmm(_grouped(weight, g).transpose(1, 2), per_group)
+    if g.tile is not None and g.tile[:2] == tuple(reversed(g.out_spatial)):  # whole planes
+        return _fold_rows(grad_cols, g, shape)
     grad_x = torch.empty(shape, dtype=per_group.dtype, device=per_group.device)
     kernels.fold(view_of(grad_x), view_of(grad_cols), *g.args(),
                  stream=stream(per_group.device.index))
     return grad_x
 
 
+def _fold_rows(grad_cols: torch.Tensor, g: _Geometry, shape: Sequence[int]) -> torch.Tensor:
+    """The fold by ``kernels.fold_rows``: into the padded input's shape, zeroed, then
+    the padding cut off."""
+    (ph, pw), (h, w) = g.padding, g.spatial
+    grad_xp = torch.zeros((g.batch, g.channels, h + 2 * ph, w + 2 * pw),
+                          dtype=grad_cols.dtype, device=grad_cols.device)
+    kernels.fold_rows(view_of(grad_xp), view_of(grad_cols), g.batch, g.channels, g.kernel,
+                      g.out_spatial, g.tile, stream=stream(grad_cols.device.index))
+    return contiguous_on_device(grad_xp[:, :, ph:ph + h, pw:pw + w]).reshape(shape)
+
+
 def _weight_grad(per_group: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                  g: _Geometry, saved: torch.Tensor | None = None) -> torch.Tensor:
     """``grad @ columns^T``: the forward's output gradient times its input unfolded,
-    ``saved`` (the forward's columns, read transposed in place by the unit) or unfolded
-    transposed here."""
-    cols = (saved.transpose(1, 2) if saved is not None
-            else _columns(contiguous_on_device(x), g, transposed=True))
+    ``saved`` (the forward's columns) or unfolded here: by the plane kernel, both read
+    transposed in place by the unit, or else unfolded transposed."""
+    if saved is None and g.tile is None:
+        cols = _columns(x, g, transposed=True)
+    else:  # read transposed in place: the kept columns, or the plane kernel's
+        cols = (saved if saved is not None else _columns(x, g)).transpose(1, 2)
     return torch.bmm(per_group, cols).reshape(weight.shape)
 
 

@@ -60,16 +60,18 @@ def max_pool2d_with_indices_backward(grad: torch.Tensor, x: torch.Tensor,
                                      padding: Sequence[int], dilation: Sequence[int],
                                      ceil_mode: bool, indices: torch.Tensor) -> torch.Tensor:
     kernel = _pair(kernel_size, ())
-    stride, dilation = _pair(stride, kernel), _pair(dilation, ())
+    stride, dilation, padding = _pair(stride, kernel), _pair(dilation, ()), _pair(padding, ())
     disjoint = kernels.disjoint_rows(kernel, stride, dilation)
-    return _max_backward(grad, x, indices,
-                         (stride[0], _pair(padding, ())[0]) if disjoint else None)
+    return _max_backward(grad, x, indices, (stride[0], padding[0]) if disjoint else None,
+                         kernels.halves(kernel, stride, padding, dilation, x.shape[-2:],
+                                        grad.shape[-2:]))
 
 
 def _max_backward(grad: torch.Tensor, x: torch.Tensor, indices: torch.Tensor,
-                  rows: tuple[int, int] | None) -> torch.Tensor:
+                  rows: tuple[int, int] | None, halves: bool = False) -> torch.Tensor:
     """The input gradient of a max pooling from its indices; ``rows`` (row stride, row
-    padding) for windows that share no input row, which the kernel writes whole."""
+    padding) for windows that share no input row, which the kernel writes whole, as it
+    does for 2x2 windows tiling the input (``halves``)."""
     if grad.dtype != x.dtype:
         raise Unsupported
     x, grad, indices = _input(x), _input(grad), contiguous_on_device(indices)
@@ -78,7 +80,7 @@ def _max_backward(grad: torch.Tensor, x: torch.Tensor, indices: torch.Tensor,
     grad_x = (torch.zeros if rows is None else torch.empty)(x.shape, dtype=x.dtype,
                                                             device=x.device)
     kernels.max_pool2d_backward(view_of(grad_x), view_of(grad), view_of(indices), _planes(x),
-                                x.shape[-2:], grad.shape[-2:], rows=rows,
+                                x.shape[-2:], grad.shape[-2:], rows=rows, halves=halves,
                                 stream=stream(x.device.index))
     return grad_x
 
