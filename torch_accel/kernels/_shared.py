@@ -12,7 +12,7 @@ int scalar (``op``) that is uniform across the launch; :func:`dispatch` writes t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Union
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 
@@ -22,6 +22,24 @@ Array = Union[runtime.DeviceArray, runtime.DeviceView]
 
 #: threads per block of the one-thread-per-element kernels and of the block reductions
 BLOCK = 256
+
+
+class Launch(NamedTuple):
+    """A kernel launch as its arguments, before it is queued: what a kernel function
+    launches (``binary``, ``softmax_rows``, ...), and what the torch backend's launch plans
+    are made from (ops/_plans.py), so the two cannot differ."""
+
+    kernel: runtime.Kernel
+    grid: Any
+    block: Any
+    args: tuple[Any, ...]
+
+    def __call__(self, stream: runtime.Stream | None) -> None:
+        self.kernel[self.grid, self.block](*self.args, stream=stream)
+
+    def plan(self) -> runtime.LaunchPlan:
+        return self.kernel.plan(self.grid, self.block, self.args)
+
 
 def module(name: str, source: str, device: int) -> runtime.Module:
     """The module ``name`` compiled from ``source``, loaded once on ``device``: a part of
