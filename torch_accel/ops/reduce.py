@@ -42,11 +42,12 @@ def _dims(x: torch.Tensor, dim: int | Sequence[int] | None) -> list[int]:
     return sorted({d % x.dim() for d in dims})
 
 
-def _short_plan(op: Reduce, x: torch.Tensor, dims: list[int], keepdim: bool
+def _short_plan(op: Reduce, x: torch.Tensor, dim: int | Sequence[int] | None, keepdim: bool
                 ) -> _plans.Plan | None:
-    """The plan of a float ``op`` (sum, mean) over ``dims`` of a contiguous ``x`` in its
-    own dtype when they lead (columns, a bias gradient's) or trail (rows) it and span at
-    most :data:`SHORT` elements: one launch, a thread per row or column."""
+    """The plan of a float ``op`` (sum, mean) over ``dim`` of a contiguous ``x`` in its
+    own dtype when those dimensions lead (columns, a bias gradient's) or trail (rows) it
+    and span at most :data:`SHORT` elements: one launch, a thread per row or column."""
+    dims = _dims(x, dim)
     if not (x.is_contiguous() and x.dtype in (torch.float32, torch.float64) and x.numel()
             and 0 < len(dims) < x.dim()):
         return None
@@ -67,14 +68,16 @@ def _short_plan(op: Reduce, x: torch.Tensor, dims: list[int], keepdim: bool
     return _plans.Plan(launch.plan(), shape, x.dtype, (_plans.RESULT, 0, _plans.RESULT))
 
 
-def _short_planned(op: Reduce, x: torch.Tensor, dims: list[int], keepdim: bool
-                   ) -> torch.Tensor | None:
+def _short_planned(op: Reduce, x: torch.Tensor, dim: int | Sequence[int] | None,
+                   keepdim: bool) -> torch.Tensor | None:
+    """``op(x, dim, keepdim)`` in ``x``'s dtype through its plan (:func:`_short_plan`),
+    keyed on the arguments as given; None when it has none."""
     sig = _C._signature(x)
     device = x.get_device()
-    if sig is None or device < 0:
+    if sig is None or device < 0 or not isinstance(keepdim, bool):
         return None
-    return _plans.call(device, (_short_plan, op, tuple(dims), keepdim, sig), _short_plan,
-                       (op, x, dims, keepdim), (x,))
+    key = (_short_plan, op, tuple(dim) if isinstance(dim, list) else dim, keepdim, sig)
+    return _plans.call(device, key, _short_plan, (op, x, dim, keepdim), (x,))
 
 
 def reduce_op(op: Reduce, x: torch.Tensor, dim: int | Sequence[int] | None, keepdim: bool,
@@ -83,9 +86,6 @@ def reduce_op(op: Reduce, x: torch.Tensor, dim: int | Sequence[int] | None, keep
     if not operands.supported(compute, out_dtype):
         raise Unsupported
     dims = _dims(x, dim)
-    if out is None and op in (Reduce.sum, Reduce.mean) and compute == out_dtype == x.dtype \
-            and (planned := _short_planned(op, x, dims, keepdim)) is not None:
-        return planned
     kept = [d for d in range(x.dim()) if d not in dims]
     rows = math.prod(x.shape[d] for d in kept)
     n = math.prod(x.shape[d] for d in dims)
@@ -124,6 +124,8 @@ def sum_(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
 @implements("sum.dim_IntList")
 def sum_dim(x: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *,
             dtype: torch.dtype | None = None) -> torch.Tensor:
+    if dtype is None and (planned := _short_planned(Reduce.sum, x, dim, keepdim)) is not None:
+        return planned
     d = _sum_dtype(x, dtype)
     return reduce_op(Reduce.sum, x, dim, keepdim, d if d.is_floating_point else torch.int64, d)
 
@@ -152,6 +154,8 @@ def mean(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
 @implements("mean.dim")
 def mean_dim(x: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *,
              dtype: torch.dtype | None = None) -> torch.Tensor:
+    if dtype is None and (planned := _short_planned(Reduce.mean, x, dim, keepdim)) is not None:
+        return planned
     d = _mean_dtype(x, dtype)
     return reduce_op(Reduce.mean, x, dim, keepdim, d, d)
 
