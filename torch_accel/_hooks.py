@@ -196,8 +196,11 @@ def new_stream(device: int, priority: int) -> int:
 
 
 def exchange_stream(device: int, sid: int) -> int:
+    """torch's stream guards: the autograd engine's, twice per backward function, almost
+    always with the stream already current (then nothing is set)."""
     prev = current_stream(device)
-    runtime.set_stream(stream_of(device, sid))
+    if sid != prev:
+        runtime.set_stream(stream_of(device, sid))
     return prev
 
 

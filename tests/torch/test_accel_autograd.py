@@ -83,3 +83,38 @@ def torch_close(a, b) -> bool:
     if isinstance(a, list):
         return len(a) == len(b) and all(torch_close(x, y) for x, y in zip(a, b))
     return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
+
+
+@pytest.mark.timeout(200)
+def test_an_mlp_training_step_makes_one_launch_per_operator(torch_json):
+    """An SGD step of an MLP (784-256-10, batch 64) queues 18 kernels: two products and
+    relu forward, log_softmax and nll_loss; the gradient's seed (``ones_like``), the loss's
+    backward in one launch (its rows zeroed by the kernel that writes them, not by a fill
+    before it), log_softmax's and relu's backwards, three products and two bias sums; one
+    add per parameter. A launch more (a fill, a copy) is a regression of the step's device
+    and host time (docs/torch.md, "An MLP step, third pass")."""
+    r = torch_json("""
+        import collections
+        import torch.nn.functional as F
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(),
+                                    torch.nn.Linear(256, 10)).to("accel")
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, y = torch.randn(64, 784, device="accel"), torch.randint(0, 10, (64,)).to("accel")
+        def step():
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        step()
+        torch.accel.synchronize()
+        with runtime.profile() as p:
+            step()
+            torch.accel.synchronize()
+        report(kernels=collections.Counter(e.name for e in p.device_events),
+               fallbacks=dict(torch_accel.fallback_counts))
+    """)
+    assert r["kernels"] == {"mm": 5, "arith_f": 4, "finish": 2, "unary_hot_f": 1,
+                            "softmax_short": 1, "nll_loss": 1, "arange": 1,
+                            "nll_loss_backward": 1, "softmax_backward_short": 1,
+                            "activation_backward_hot": 1}, r
+    assert r["fallbacks"] == {}, r

@@ -208,3 +208,120 @@ def test_a_forked_child_never_launches_its_parents_plans(torch_json):
     r = torch_json(FORK)
     assert r["child"] == "Cannot re-initialize accel in forked subprocess", r
     assert r["bad"] == [], r
+
+
+TRAINING_STEP_OPS = PLAN_HELPERS + """
+import torch.nn.functional as F
+A = torch.ops.aten
+def close(name, got, want):
+    # exp and log, and sums in another order: close to the CPU's, not equal
+    try:
+        if isinstance(want, (tuple, list)):
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g.cpu(), w, equal_nan=True)
+        else:
+            torch.testing.assert_close(got.cpu(), want, equal_nan=True)
+    except AssertionError:
+        bad.append(name)
+torch.manual_seed(0)
+z, z64, wide = torch.randn(64, 10), torch.randn(33, 7).double(), torch.randn(5, 100)
+z3, g3 = torch.randn(3, 7, 5), torch.randn(3, 7, 5)
+g = torch.randn(64, 10)
+y = torch.randint(0, 10, (64,))
+y_ign = y.clone(); y_ign[::3] = -100
+h, gh = torch.randn(64, 256), torch.randn(64, 256)
+lp = torch.log_softmax(z, 1)
+sm = torch.softmax(z, 1)
+D = {name: t.to("accel") for name, t in dict(z=z, z64=z64, wide=wide, z3=z3, g3=g3, g=g, y=y,
+                                               y_ign=y_ign, h=h, gh=gh, lp=lp, sm=sm).items()}
+def both(f):
+    # f(tensors) on accel and on the CPU
+    return (lambda: f(D), lambda: f(dict(z=z, z64=z64, wide=wide, z3=z3, g3=g3, g=g, y=y,
+                                        y_ign=y_ign, h=h, gh=gh, lp=lp, sm=sm)))
+def loss_and_total(t, target, red, ignore=-100, dtype=None):
+    logp = t["lp"] if dtype is None else t["lp"].to(dtype)
+    return A.nll_loss_forward(logp, t[target], None, red, ignore)
+def loss_grad(t, target, red):
+    logp = t["lp"]
+    loss, total = A.nll_loss_forward(logp, t[target], None, red, -100)
+    return A.nll_loss_backward(torch.ones_like(loss) * 0.5, logp, t[target], None, red, -100,
+                               total)
+cases = {
+    # planned: a training step's calls, and their shapes and dtypes
+    "log_softmax": both(lambda t: A._log_softmax(t["z"], 1, False)),
+    "softmax dim -1": both(lambda t: A._softmax(t["z"], -1, False)),
+    "log_softmax float64": both(lambda t: A._log_softmax(t["z64"], 1, False)),
+    "log_softmax 3-d": both(lambda t: A._log_softmax(t["z3"], 2, False)),
+    "softmax wide rows": both(lambda t: A._softmax(t["wide"], 1, False)),
+    "log_softmax backward": both(lambda t: A._log_softmax_backward_data(t["g"], t["lp"], 1,
+                                                                        torch.float32)),
+    "softmax backward": both(lambda t: A._softmax_backward_data(t["g"], t["sm"], 1,
+                                                                torch.float32)),
+    "log_softmax backward 3-d": both(lambda t: A._log_softmax_backward_data(
+        t["g3"], torch.log_softmax(t["z3"], -1), -1, torch.float32)),
+    "threshold_backward": both(lambda t: A.threshold_backward(t["gh"], t["h"], 0)),
+    "threshold_backward 0.5": both(lambda t: A.threshold_backward(t["gh"], t["h"], 0.5)),
+    "nll mean": both(lambda t: loss_and_total(t, "y", 1)),
+    "nll sum": both(lambda t: loss_and_total(t, "y", 2)),
+    "nll none": both(lambda t: loss_and_total(t, "y", 0)),
+    "nll ignored": both(lambda t: loss_and_total(t, "y_ign", 1)),
+    "nll float64": both(lambda t: loss_and_total(t, "y", 1, dtype=torch.float64)),
+    "nll backward mean": both(lambda t: loss_grad(t, "y", 1)),
+    "nll backward sum": both(lambda t: loss_grad(t, "y", 2)),
+    "nll backward none": both(lambda t: loss_grad(t, "y", 0)),
+    "nll backward ignored": both(lambda t: loss_grad(t, "y_ign", 1)),
+    "bias gradient": both(lambda t: t["g"].sum(0, keepdim=True)),
+    "bias gradient 256": both(lambda t: t["gh"].sum(0)),
+    "mean of columns": both(lambda t: t["gh"].mean(0)),
+    "sum of rows": both(lambda t: t["z64"].sum(1)),
+    "sum of two leading dims": both(lambda t: t["z3"].sum((0, 1))),
+    "ones_like": both(lambda t: torch.ones_like(t["g"])),
+    "fill_ int": both(lambda t: t["y"].clone().fill_(3)),
+    # not planned: the full path decides, with the same results
+    "log_softmax dim 0": both(lambda t: A._log_softmax(t["z"], 0, False)),
+    "log_softmax transposed": both(lambda t: A._log_softmax(t["z"].t(), 1, False)),
+    "threshold_backward transposed": both(lambda t: A.threshold_backward(t["gh"].t(), t["h"].t(), 0)),
+    "nll one sample": both(lambda t: A.nll_loss_forward(t["lp"][0], t["y"][0], None, 1, -100)),
+    "sum of a middle dim": both(lambda t: t["z3"].sum(1)),
+    "int sum": both(lambda t: t["y"].sum(0)),
+}
+# which calls ran a plan: every planned operator's host path is _plans.call, which answers
+# None when the call has no plan
+ran = []
+planned_call = _plans.call
+def counted(*args, **kwargs):
+    result = planned_call(*args, **kwargs)
+    ran.append(result is not None)
+    return result
+_plans.call = counted
+made = {}
+for name, (dev, cpu) in cases.items():
+    for i in range(3):  # the first call makes the plan, the others reuse it
+        ran.clear()
+        close(f"{name} {i}", dev(), cpu())
+    made[name] = ran[:]
+# an SGD step's _foreach_add_: each pair in place, a pair the plans do not take included
+ps = [torch.randn(256, 78), torch.randn(256), torch.randn(10, 256).t(), torch.randn(7).double()]
+gs = [torch.randn(256, 78), torch.randn(256), torch.randn(256, 10), torch.randn(7).double()]
+dps, dgs = [p.to("accel") for p in ps], [q.to("accel") for q in gs]
+for i in range(3):
+    torch._foreach_add_(ps, gs, alpha=-0.1)
+    torch._foreach_add_(dps, dgs, alpha=-0.1)
+    for j, (dp, p) in enumerate(zip(dps, ps)):
+        close(f"foreach {i} {j}", dp, p)  # float64's a + alpha * b may be fused on the CPU
+report(made=made, bad=bad, fallbacks=dict(torch_accel.fallback_counts))
+"""
+
+
+def test_a_training_steps_row_ops_are_planned_and_match_the_cpu(torch_json):
+    """softmax, log_softmax and their backwards, relu's backward, nll_loss and its
+    backward, a bias gradient's sum, the gradient's seed (``ones_like``) and SGD's
+    ``_foreach_add_``, as a training step calls them: planned, one launch each, and equal to
+    the CPU on the call that makes each plan and on those that reuse it; other layouts take
+    the checked path, with the same results."""
+    r = torch_json(TRAINING_STEP_OPS)
+    assert r["bad"] == [], r
+    assert r["fallbacks"] == {}, r
+    made = r["made"]  # per case, whether each call of its third round ran a plan
+    planned = [name for name, got in made.items() if True in got]
+    assert planned == list(made)[:26], r

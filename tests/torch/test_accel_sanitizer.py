@@ -123,13 +123,14 @@ def test_torch_corpus(torch_json):
                                                 f"<string>:{r['lines']['second']}"), second
 
     # a realistic one: the optimizer's next step writes the parameters a side stream is
-    # still cloning (each parameter's race is reported: weight and bias)
+    # still cloning (each parameter's race is reported: weight and bias; SGD's step is one
+    # _foreach_add_, whose pairs' adds it makes)
     r = results["snapshot_without_wait_back"]
     assert r["raised"] and r["n"] == 2, r
     first, second = r["report"]["first"], r["report"]["second"]
     assert (first["aten"], first["mode"], first["site"]) == \
         ("aten::_copy_from", "read", f"<string>:{r['lines']['first']}"), first
-    assert (second["aten"], second["mode"]) == ("aten::add_.Tensor", "write"), second
+    assert (second["aten"], second["mode"]) == ("aten::_foreach_add_.List", "write"), second
     assert second["site"].endswith("torch/optim/sgd.py:" + second["site"].split(":")[-1])
 
     assert results["peer_copy_then_free"]["lines"]["reused"]

@@ -12,7 +12,7 @@ int scalar (``op``) that is uniform across the launch; :func:`dispatch` writes t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Union
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 
@@ -26,6 +26,24 @@ BLOCK = 256
 PLANE_BLOCK = 1024
 #: the fewest threads worth a plane kernel's block
 PLANE_MIN = 32
+
+
+class Launch(NamedTuple):
+    """A kernel launch as its arguments, before it is queued: what a kernel function
+    launches (``binary``, ``softmax_rows``, ...), and what the torch backend's launch plans
+    are made from (ops/_plans.py), so the two cannot differ."""
+
+    kernel: runtime.Kernel
+    grid: Any
+    block: Any
+    args: tuple[Any, ...]
+
+    def __call__(self, stream: runtime.Stream | None) -> None:
+        self.kernel[self.grid, self.block](*self.args, stream=stream)
+
+    def plan(self) -> runtime.LaunchPlan:
+        return self.kernel.plan(self.grid, self.block, self.args)
+
 
 def module(name: str, source: str, device: int) -> runtime.Module:
     """The module ``name`` compiled from ``source``, loaded once on ``device``: a part of

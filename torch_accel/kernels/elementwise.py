@@ -16,13 +16,12 @@ buffer is allocated for it.
 from __future__ import annotations
 
 import enum
-from typing import Any, NamedTuple
 
 import numpy as np
 
 import runtime
 from torch_accel.kernels import _shared as shared
-from torch_accel.kernels._shared import Array
+from torch_accel.kernels._shared import Array, Launch
 
 
 class Binary(enum.IntEnum):
@@ -307,22 +306,6 @@ def _operand_b(b: Array | float | int | bool, a: Array, b_stride: int
     return shared.as_bytes_if_bool(shared.flat(b)), shared.scalar(0, a.dtype), b_stride
 
 
-class Launch(NamedTuple):
-    """A kernel launch as its arguments, before it is queued: what ``binary`` and ``unary``
-    launch, and what the torch backend's launch plans are made from (ops/_plans.py)."""
-
-    kernel: runtime.Kernel
-    grid: int
-    block: int
-    args: tuple[Any, ...]
-
-    def __call__(self, stream: runtime.Stream | None) -> None:
-        self.kernel[self.grid, self.block](*self.args, stream=stream)
-
-    def plan(self) -> runtime.LaunchPlan:
-        return self.kernel.plan(self.grid, self.block, self.args)
-
-
 def binary_launch(op: Binary | str, out: Array, a: Array, b: Array | float | int | bool,
                   alpha: float | int = 1, a_stride: int = 1, b_stride: int = 1
                   ) -> Launch | None:
@@ -436,16 +419,28 @@ def where(out: Array, cond: Array, a: Array, b: Array, cond_stride: int = 1,
         cond_stride, a_stride, b_stride, stream=shared.stream_of(out, stream))
 
 
+def arange_launch(out: Array, start: float | int, step: float | int) -> Launch | None:
+    """The launch of :func:`arange` (None: no elements)."""
+    n = shared.size(out)
+    if n == 0:
+        return None
+    dt = out.dtype
+    return Launch(_mod(out.device).arange, shared.grid(n), shared.BLOCK, (
+        shared.as_bytes_if_bool(shared.flat(out)), shared.scalar(start, dt),
+        shared.scalar(step, dt), n))
+
+
 def arange(out: Array, start: float | int, step: float | int,
            stream: runtime.Stream | None = None) -> None:
     """``out[i] = start + i * step`` (computed in float64 or int64, then stored)."""
-    n = shared.size(out)
-    if n == 0:
-        return
-    dt = out.dtype
-    _mod(out.device).arange[shared.grid(n), shared.BLOCK](
-        shared.as_bytes_if_bool(shared.flat(out)), shared.scalar(start, dt),
-        shared.scalar(step, dt), n, stream=shared.stream_of(out, stream))
+    launch = arange_launch(out, start, step)
+    if launch is not None:
+        launch(shared.stream_of(out, stream))
+
+
+def fill_launch(out: Array, value: float | int | bool) -> Launch | None:
+    """The launch of :func:`fill` (None: no elements)."""
+    return arange_launch(out, value, 0)
 
 
 def fill(out: Array, value: float | int | bool, stream: runtime.Stream | None = None) -> None:

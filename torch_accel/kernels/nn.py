@@ -15,7 +15,7 @@ import numpy as np
 
 import runtime
 from torch_accel.kernels import _shared as shared
-from torch_accel.kernels._shared import Array
+from torch_accel.kernels._shared import Array, Launch
 from torch_accel.kernels.elementwise import erf_source, fill
 
 
@@ -197,7 +197,8 @@ def nll_loss(out, total, logp, target, rows: 'int64', reduction: 'int64', ignore
             out[0] = part[0]
 
 
-def nll_loss_backward(grad, gout, target, rows: 'int64', reduction: 'int64', ignore: 'int64'):
+def nll_loss_backward(grad, gout, target, rows: 'int64', n: 'int64', reduction: 'int64',
+                      ignore: 'int64'):
     cnt = shared_array(256, "float64")
     t = local_id(0)
     c = 0.0
@@ -208,6 +209,8 @@ def nll_loss_backward(grad, gout, target, rows: 'int64', reduction: 'int64', ign
 {shared.block_tree("cnt", "{a} + {b}")}
     for r in range(t, rows, 256):
         tg = target[r]
+        for j in range(n):
+            grad[r, j] = 0.0
         if tg != ignore:
             if reduction == 0:
                 grad[r, tg] = -gout[r]
@@ -231,19 +234,28 @@ def _mod(device: int) -> runtime.Module:
     return shared.module("nn", SOURCE, device)
 
 
-def activation_backward(op: Backward | str, out: Array, grad: Array, x: Array,
-                        p0: float = 0.0, stream: runtime.Stream | None = None) -> None:
-    """``out = grad * d OP / dx`` elementwise (float buffers of one dtype)."""
+def activation_backward_launch(op: Backward | str, out: Array, grad: Array, x: Array,
+                               p0: float = 0.0) -> Launch | None:
+    """The launch of :func:`activation_backward` (None: no elements)."""
     op = Backward[op] if isinstance(op, str) else Backward(op)
     shared.check_same(out, grad, x)
     n = shared.size(out)
-    if n:
-        module = _mod(out.device)
-        kernel = module.activation_backward_hot if op in HOT_BACKWARD else \
-            module.activation_backward
-        kernel[shared.grid(n), shared.BLOCK](
-            shared.flat(out), shared.flat(grad), shared.flat(x), int(op),
-            shared.scalar(p0, x.dtype), n, stream=shared.stream_of(out, stream))
+    if not n:
+        return None
+    module = _mod(out.device)
+    kernel = module.activation_backward_hot if op in HOT_BACKWARD else \
+        module.activation_backward
+    return Launch(kernel, shared.grid(n), shared.BLOCK, (
+        shared.flat(out), shared.flat(grad), shared.flat(x), int(op),
+        shared.scalar(p0, x.dtype), n))
+
+
+def activation_backward(op: Backward | str, out: Array, grad: Array, x: Array,
+                        p0: float = 0.0, stream: runtime.Stream | None = None) -> None:
+    """``out = grad * d OP / dx`` elementwise (float buffers of one dtype)."""
+    launch = activation_backward_launch(op, out, grad, x, p0)
+    if launch is not None:
+        launch(shared.stream_of(out, stream))
 
 
 def threshold_backward(out: Array, grad: Array, x: Array, threshold: float,
@@ -271,35 +283,48 @@ def tanh_backward(out: Array, grad: Array, y: Array,
     activation_backward(Backward.tanh, out, grad, y, 0.0, stream)
 
 
+def _rows_launch(name: str, buffers: tuple[Array, ...], rows: int, n: int,
+                 log: bool) -> Launch | None:
+    """A softmax kernel over ``rows`` rows of ``n``: ``<name>_short`` a thread per row for
+    rows of at most :data:`SHORT_ROW` elements, else ``<name>`` a block per row."""
+    if not (rows and n):
+        return None
+    module = _mod(buffers[0].device)
+    flat = tuple(shared.flat(b) for b in buffers)
+    if n <= SHORT_ROW:
+        return Launch(module.get_kernel(f"{name}_short"), shared.grid(rows, SHORT_BLOCK),
+                      SHORT_BLOCK, (*flat, rows, n, int(log)))
+    return Launch(module.get_kernel(name), rows, shared.BLOCK, (*flat, n, int(log)))
+
+
+def softmax_rows_launch(out: Array, x: Array, rows: int, n: int,
+                        log: bool = False) -> Launch | None:
+    """The launch of :func:`softmax_rows` (None: no elements)."""
+    return _rows_launch("softmax", (out, x), rows, n, log)
+
+
 def softmax_rows(out: Array, x: Array, rows: int, n: int, log: bool = False,
                  stream: runtime.Stream | None = None) -> None:
     """Softmax (or log_softmax) of each row of a contiguous ``[rows, n]`` buffer: a block
     per row, or a thread per row for rows of at most :data:`SHORT_ROW` elements."""
-    if not (rows and n):
-        return
-    s = shared.stream_of(out, stream)
-    if n <= SHORT_ROW:
-        _mod(out.device).softmax_short[shared.grid(rows, SHORT_BLOCK), SHORT_BLOCK](
-            shared.flat(out), shared.flat(x), rows, n, int(log), stream=s)
-    else:
-        _mod(out.device).softmax[rows, shared.BLOCK](shared.flat(out), shared.flat(x), n,
-                                                     int(log), stream=s)
+    launch = softmax_rows_launch(out, x, rows, n, log)
+    if launch is not None:
+        launch(shared.stream_of(out, stream))
+
+
+def softmax_backward_rows_launch(grad_in: Array, grad_out: Array, y: Array, rows: int,
+                                 n: int, log: bool = False) -> Launch | None:
+    """The launch of :func:`softmax_backward_rows` (None: no elements)."""
+    return _rows_launch("softmax_backward", (grad_in, grad_out, y), rows, n, log)
 
 
 def softmax_backward_rows(grad_in: Array, grad_out: Array, y: Array, rows: int, n: int,
                           log: bool = False, stream: runtime.Stream | None = None) -> None:
     """From the forward's output ``y``: ``y * (g - sum(g * y))``, or for log_softmax
     ``g - exp(y) * sum(g)``, per row."""
-    if not (rows and n):
-        return
-    s = shared.stream_of(grad_in, stream)
-    args = (shared.flat(grad_in), shared.flat(grad_out), shared.flat(y))
-    if n <= SHORT_ROW:
-        _mod(grad_in.device).softmax_backward_short[shared.grid(rows, SHORT_BLOCK),
-                                                    SHORT_BLOCK](*args, rows, n, int(log),
-                                                                 stream=s)
-    else:
-        _mod(grad_in.device).softmax_backward[rows, shared.BLOCK](*args, n, int(log), stream=s)
+    launch = softmax_backward_rows_launch(grad_in, grad_out, y, rows, n, log)
+    if launch is not None:
+        launch(shared.stream_of(grad_in, stream))
 
 
 def _rows_of(arr: Array, cols: int) -> int:
@@ -350,9 +375,15 @@ def nll_loss_rows(out_loss: Array, logp: Array, target: Array, rows: int, n: int
         return
     if total is None:
         total = runtime.empty(1, out_loss.dtype, device=out_loss.device, stream=s)
-    _mod(out_loss.device).nll_loss[1, shared.BLOCK](
+    nll_loss_launch(out_loss, total, logp, target, rows, n, red, ignore_index)(s)
+
+
+def nll_loss_launch(out_loss: Array, total: Array, logp: Array, target: Array, rows: int,
+                    n: int, reduction: Reduction, ignore_index: int) -> Launch:
+    """The launch of :func:`nll_loss_rows` for a batch of ``rows`` > 0, ``total`` given."""
+    return Launch(_mod(out_loss.device).nll_loss, 1, shared.BLOCK, (
         shared.flat(out_loss), shared.flat(total), shared.matrix(logp, rows, n),
-        shared.flat(target), rows, int(red), ignore_index, stream=s)
+        shared.flat(target), rows, int(reduction), ignore_index))
 
 
 def nll_loss_backward_rows(grad_logp: Array, grad_out: Array, target: Array, rows: int,
@@ -360,12 +391,22 @@ def nll_loss_backward_rows(grad_logp: Array, grad_out: Array, target: Array, row
                            ignore_index: int = -100,
                            stream: runtime.Stream | None = None) -> None:
     """``grad_logp`` (``[rows, n]``) zeroed, then ``-grad_out`` (per row for none, else
-    ``grad_out[0]``, divided by the non-ignored count for mean) at each target."""
+    ``grad_out[0]``, divided by the non-ignored count for mean) at each target; one
+    launch, whose threads zero the rows they write (a fill before it was a launch of its
+    own, a training step's cross-entropy backward had four)."""
+    launch = nll_loss_backward_launch(grad_logp, grad_out, target, rows, n, reduction,
+                                      ignore_index)
+    if launch is not None:
+        launch(shared.stream_of(grad_logp, stream))
+
+
+def nll_loss_backward_launch(grad_logp: Array, grad_out: Array, target: Array, rows: int,
+                             n: int, reduction: Reduction | str = Reduction.mean,
+                             ignore_index: int = -100) -> Launch | None:
+    """The launch of :func:`nll_loss_backward_rows` (None: an empty batch)."""
     red = Reduction[reduction] if isinstance(reduction, str) else Reduction(reduction)
-    s = shared.stream_of(grad_logp, stream)
-    fill(grad_logp, 0, s)
     if rows == 0:
-        return
-    _mod(grad_logp.device).nll_loss_backward[1, shared.BLOCK](
+        return None
+    return Launch(_mod(grad_logp.device).nll_loss_backward, 1, shared.BLOCK, (
         shared.matrix(grad_logp, rows, n), shared.flat(grad_out), shared.flat(target), rows,
-        int(red), ignore_index, stream=s)
+        n, int(red), ignore_index))

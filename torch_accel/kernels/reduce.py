@@ -20,7 +20,7 @@ import numpy as np
 
 import runtime
 from torch_accel.kernels import _shared as shared
-from torch_accel.kernels._shared import Array
+from torch_accel.kernels._shared import Array, Launch
 from torch_accel.kernels.elementwise import Binary, Unary, binary, fill, unary
 from torch_accel.kernels.layout import strided_copy
 
@@ -156,10 +156,7 @@ def reduce_rows(op: Reduce | str, out: Array, x: Array, rows: int, n: int,
     if columns and n > SHORT:
         raise ValueError(f"reduce_rows(columns=True) walks at most {SHORT} elements, not {n}")
     if n <= SHORT:  # a thread per row, walking it: no block, barrier or partials
-        rs, qs = (1, rows) if columns else (n, 1)
-        mod.finish[shared.grid(rows), shared.BLOCK](shared.flat(out), xf, _no_index(out.device),
-                                                    int(op), int(fam), rows, n, n, init, 0,
-                                                    rs, qs, stream=s)
+        short_launch(op, out, x, rows, n, columns)(s)
         return
     nchunks = -(-n // CHUNK)
     val = runtime.empty(rows * nchunks, acc, device=out.device)
@@ -168,6 +165,25 @@ def reduce_rows(op: Reduce | str, out: Array, x: Array, rows: int, n: int,
         val, idx, xf, int(fam), n, CHUNK, nchunks, init, stream=s)
     mod.finish[shared.grid(rows), shared.BLOCK](shared.flat(out), val, idx, int(op), int(fam),
                                                 rows, nchunks, n, init, 1, nchunks, 1, stream=s)
+
+
+def short_launch(op: Reduce, out: Array, x: Array, rows: int, n: int, columns: bool,
+                 index: Array | None = None) -> Launch:
+    """The launch of :func:`reduce_rows` for rows of 0 < ``n`` <= :data:`SHORT`: a thread
+    per row (or column) walking it. ``index`` is ``finish``'s int64 index buffer, which
+    it reads only after a staged pass, never here: any one int64 element (default a
+    buffer of the device's own; a launch plan names one of its call's, so as not to hold
+    a buffer of its own)."""
+    floating = x.dtype.kind == "f"
+    fam = _FAMILY[op]
+    rs, qs = (1, rows) if columns else (n, 1)
+    return Launch(shared.module("reduce", SOURCE, out.device).finish, shared.grid(rows),
+                  shared.BLOCK, (
+                      shared.flat(out), shared.as_bytes_if_bool(shared.flat(x)),
+                      _no_index(out.device) if index is None else index, int(op), int(fam),
+                      rows, n, n, shared.scalar(_init(fam, floating),
+                                                np.float64 if floating else np.int64),
+                      0, rs, qs))
 
 
 _dummies: dict[int, runtime.DeviceArray] = {}

@@ -32,7 +32,8 @@ from torch_accel.ops._tensors import block_of
 #: plans one device keeps; past this the table starts again (a program cycles through a
 #: few hundred kinds of calls at most; a key that keeps changing must not grow it)
 MAX_PLANS = 1024
-#: where a plan's buffer comes from: the call's new result (else an operand's index)
+#: where a plan's buffer comes from: the call's new result (else an operand's index;
+#: ``RESULT - k`` is the k-th of a plan's ``more`` results)
 RESULT = -1
 #: the table's name among the runtime ``Device``'s parts
 _PART = ("torch_accel", "plans")
@@ -43,21 +44,25 @@ _UNSEEN = object()
 class Plan:
     """A kind of call, planned: its launch and where each of its buffers comes from."""
 
-    __slots__ = ("launch", "shape", "dtype", "like", "pick")
+    __slots__ = ("launch", "shape", "dtype", "like", "more", "pick")
 
     def __init__(self, launch: runtime.LaunchPlan, shape: torch.Size, dtype: torch.dtype,
-                 sources: Sequence[int], like: bool = False) -> None:
+                 sources: Sequence[int], like: bool = False,
+                 more: Sequence[tuple[tuple[int, ...], torch.dtype]] = ()) -> None:
         """``sources``: per buffer parameter of the kernel, RESULT or the index of the
         operand it reads. ``shape`` and ``dtype``: a new result's (a call with an ``out``
         given allocates nothing). ``like``: a new result is
         ``torch.empty_like(operands[0])``: that operand has the result's shape and dtype,
         laid out with the standard contiguous strides (:func:`like`), which empty_like
         keeps; the shim makes it without the dispatcher (``_C._empty_like``), where
-        ``torch.empty(shape, dtype=, device=)`` parses its arguments and dispatches."""
+        ``torch.empty(shape, dtype=, device=)`` parses its arguments and dispatches.
+        ``more``: (shape, dtype) of each further new result (``nll_loss_forward``'s total
+        weight), contiguous; the call then returns the results as a tuple."""
         self.launch, self.shape, self.dtype, self.like = launch, shape, dtype, like
-        #: the buffers from ``(result, *operands)``, in one C call (a comprehension is a
-        #: frame of its own)
-        places = [src + 1 for src in sources]
+        self.more = tuple(more)
+        #: the buffers from ``(*reversed(more results), result, *operands)``, in one C
+        #: call (a comprehension is a frame of its own)
+        places = [src + 1 + len(self.more) for src in sources]
         self.pick: Callable[[tuple[torch.Tensor, ...]], Sequence[torch.Tensor]] = \
             operator.itemgetter(*places) if len(places) > 1 else \
             (lambda tensors: (tensors[places[0]],))
@@ -86,12 +91,13 @@ def table(device: int) -> dict[Hashable, Plan | None]:
 
 def call(device: int, key: Hashable, make: Callable[..., Plan | None],
          make_args: tuple[Any, ...], operands: tuple[Any, ...],
-         out: torch.Tensor | None = None) -> torch.Tensor | None:
+         out: torch.Tensor | None = None) -> Any:
     """Run the plan of ``key`` on accel device ``device`` (made by ``make(*make_args)`` on
     the key's first call) on ``operands``, on the device's current stream, into ``out`` or
-    a new result, which is on ``operands[0]``'s device; return the result, or None if that
-    kind of call has no plan. One frame for the lookup and the launch: this is every
-    planned operator's host path (docs/torch.md, "Where an eager op's time goes")."""
+    a new result, which is on ``operands[0]``'s device; return the result (a tuple with
+    the plan's ``more`` results), or None if that kind of call has no plan. One frame for
+    the lookup and the launch: this is every planned operator's host path (docs/torch.md,
+    "Where an eager op's time goes")."""
     if _hooks._init_pid != _hooks._pid:
         _hooks.lazy_init()  # a child forked after initialisation: torch's fork error
     plans = runtime.devices.get(device).part(_PART, dict)
@@ -106,6 +112,11 @@ def call(device: int, key: Hashable, make: Callable[..., Plan | None],
     if out is None:
         out = _C._empty_like(operands[0]) if plan.like else \
             torch.empty(plan.shape, dtype=plan.dtype, device=operands[0].device)
+    if plan.more:
+        more = [torch.empty(shape, dtype=dtype, device=out.device) for shape, dtype in plan.more]
+        tensors = plan.pick((*reversed(more), out, *operands))
+        plan.launch(_C._buffers(tensors) or [block_of(t) for t in tensors])
+        return (out, *more)
     tensors = plan.pick((out, *operands))
     plan.launch(_C._buffers(tensors) or [block_of(t) for t in tensors])
     return out

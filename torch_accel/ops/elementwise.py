@@ -164,6 +164,20 @@ for _name_, _op in (("add", Binary.add), ("sub", Binary.sub), ("mul", Binary.mul
     _binary_family(_name_, _op)
 
 
+@implements("_foreach_add_.List")
+def foreach_add_(selves: list[torch.Tensor], others: list[torch.Tensor], *,
+                 alpha: Any = 1) -> None:
+    """``selves[i] += alpha * others[i]`` (an SGD step: ``_foreach_add_(params, grads,
+    alpha=-lr)``): each pair's planned in-place add, in one call from the dispatcher where
+    torch's default made one dispatch of ``add_`` per pair; a pair without a plan
+    dispatches its ``add_`` as that default does."""
+    if len(selves) != len(others):
+        raise Unsupported  # the CPU raises torch's error
+    for a, b in zip(selves, others):
+        if _binary_planned(Binary.add, a, b, alpha, a) is None:
+            torch.ops.aten.add_.Tensor(a, b, alpha=alpha)
+
+
 @implements("div.Tensor_mode", "div.Scalar_mode")
 def div_mode(a: Any, b: Any, *, rounding_mode: str | None = None) -> torch.Tensor:
     if rounding_mode is None:
@@ -404,14 +418,28 @@ def where(cond: torch.Tensor, a: Any, b: Any) -> torch.Tensor:
         o, cb, ab, bb, cond_stride=sc, a_stride=sa, b_stride=sb, stream=stream(device.index)))
 
 
+def _fill_plan(x: torch.Tensor, value: Any) -> _plans.Plan | None:
+    """The plan of ``x.fill_(value)``: the fill kernel on a contiguous non-empty ``x``."""
+    if x.numel() == 0 or not x.is_contiguous() or not operands.supported(x.dtype):
+        return None
+    launch = kernels.fill_launch(view_of(x), value)
+    return _plans.Plan(launch.plan(), x.shape, x.dtype, (0,))
+
+
 @implements("fill_.Scalar")
 def fill_(x: torch.Tensor, value: Any) -> torch.Tensor:
     """A fill with zero bits is a memset packet (the copy engine's, as cudaMemset);
-    anything else the fill kernel."""
+    anything else the fill kernel (planned for a Python number: ``ones_like``'s, as the
+    gradient ``backward()`` seeds)."""
     if x.is_contiguous() and not isinstance(value, complex) and value == 0 \
             and math.copysign(1.0, value) > 0:
         if x.numel():
             view_of(x).memset(0, stream=stream(x.device.index))
+        return x
+    if type(value) in _NUMBERS and value == value and (sig := _C._signature(x)) is not None \
+            and (device := x.get_device()) >= 0 and _plans.call(
+                device, (_fill_plan, type(value), value, sig), _fill_plan, (x, value), (x,),
+                x) is not None:
         return x
     if not operands.supported(x.dtype):
         raise Unsupported

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from torch_accel import kernels
+from torch_accel import _C, kernels
 from torch_accel.ops import _operands as operands
 from torch_accel.ops import _plans
 from torch_accel.ops._register import Unsupported, implements
@@ -97,6 +97,8 @@ def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     first; beta 0 ignores it, NaN included), into ``out`` if given. A compiled graph calls
     every product with ``out=``: writing it there directly saves a device copy per
     product."""
+    if (planned := _planned(a, b, bias, beta, alpha, out)) is not None:
+        return planned
     operands.device_of(bias, a, b)
     _float(a, b)
     _check(out is None or out.dtype == a.dtype)  # torch's "Expected out tensor to have dtype"
@@ -104,8 +106,6 @@ def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     direct = _direct_out(out, shape, a, b, bias)
     res = out if direct else torch.empty(shape, dtype=a.dtype, device=a.device)
     beta = float(beta) if bias is not None else 0.0
-    if _planned(a, b, bias, beta, alpha, res):
-        return res if direct else operands.into(out, res)
     row = None  # a bias of one row, as linear's: the kernel fills res with it
     if beta != 0 and not _same_view(res, bias):
         bias = bias.to(a.dtype)
@@ -121,43 +121,59 @@ def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     return res if direct else operands.into(out, res)
 
 
-def _planned(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, beta: float,
-             alpha: Any, res: torch.Tensor) -> bool:
-    """``res = beta * bias + alpha * a @ b`` through its launch plan (ops/_plans.py), the
-    training loop's case: operands read as stored (contiguous or transposed), a bias of one
-    row (``linear``'s) or none, nothing empty, ``res`` new or written directly. A product
-    through the checked path below cost ~100 us of host time, planned ~10 us (docs/torch.md,
-    "Where a compiled MLP training step's time goes"). False: the call has no plan, and
-    the path below decides."""
-    if type(alpha) not in (int, float) or alpha != alpha or beta != beta or (
-            bias is not None and beta != 0 and (
-            bias.dtype != a.dtype or _shares_storage(bias, res))):
-        return False
-    key = (_planned, a.dtype, a.shape, a.stride(), b.shape, b.stride(), res.stride(), beta,
-           alpha, None if bias is None or beta == 0 else (bias.shape, bias.stride()))
-    return _plans.call(a.device.index, key, _product_plan, (a, b, bias, beta, alpha, res),
-                       (a, b, bias), res) is not None
+def _planned(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, beta: Any,
+             alpha: Any, out: torch.Tensor | None) -> torch.Tensor | None:
+    """``beta * bias + alpha * a @ b`` through its launch plan (ops/_plans.py), the training
+    loop's case: operands read as stored (contiguous or transposed), a bias of one row
+    (``linear``'s) or none, nothing empty, into a new result or straight into ``out``. Its
+    key is the operands' signature (``_C._signature``), so a call costs no more Python
+    than an elementwise one: through the checked path below a product cost ~100 us of
+    host time, planned ~10 us (docs/torch.md, "Where an eager op's time goes"). None: the
+    call has no plan, and the path below decides."""
+    if type(alpha) not in (int, float) or alpha != alpha:
+        return None
+    if bias is not None and type(beta) in (int, float) and beta == 0 \
+            and bias.device == a.device:
+        bias = None  # beta 0 ignores the bias, NaN included
+    if bias is None:
+        sig, tensors, beta = _C._signature(a, b), (a, b), 0.0
+    elif type(beta) in (int, float) and beta == beta:
+        sig, tensors, beta = _C._signature(a, b, bias), (a, b, bias), float(beta)
+    else:
+        return None
+    device = a.get_device()
+    if sig is None or device < 0 or (out is not None and not (
+            out.dtype == a.dtype and _direct_out(out, (a.shape[0], b.shape[1]), a, b, bias)
+            and (bias is None or not _shares_storage(bias, out)))):
+        return None
+    return _plans.call(device, (_planned, sig, beta, type(alpha), alpha), _product_plan,
+                       (a, b, bias, beta, alpha), tensors, out)
 
 
 def _product_plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, beta: float,
-                  alpha: Any, res: torch.Tensor) -> _plans.Plan | None:
+                  alpha: Any) -> _plans.Plan | None:
     """The unit's launch for this kind of call (see :func:`_planned`), or None."""
-    shape = tuple(res.shape)
-    if 0 in shape or a.shape[1] == 0 or not res.is_contiguous():
+    dtype = a.dtype
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or dtype not in _FLOAT \
+            or b.dtype != dtype or b.device != a.device:
         return None
-    has_bias = bias is not None and beta != 0
-    if has_bias and not (bias.dim() in (1, 2) and bias.shape[-1] == shape[1]
-                         and bias.numel() == shape[1] and bias.is_contiguous()):
+    shape = (a.shape[0], b.shape[1])
+    if 0 in shape or a.shape[1] == 0:
+        return None
+    if bias is not None and not (bias.dim() in (1, 2) and bias.shape[-1] == shape[1]
+                                 and bias.numel() == shape[1] and bias.is_contiguous()
+                                 and bias.dtype == dtype and bias.device == a.device):
         return None
     stored = [_stored(t) for t in (a, b)]
     if None in stored:
         return None
     (va, ta), (vb, tb) = stored
-    launch = kernels.mm_plan(_view(res), va, vb, beta, float(alpha), ta, tb,
+    stand_in = torch.empty(shape, dtype=dtype, device=a.device)  # the result's shape
+    launch = kernels.mm_plan(_view(stand_in), va, vb, beta, float(alpha), ta, tb,
                              view_of(bias).view(view_of(bias).dtype, (shape[1],))
-                             if has_bias else None)
-    return _plans.Plan(launch, res.shape, res.dtype,
-                       (_plans.RESULT, 0, 1, 2 if has_bias else _plans.RESULT))
+                             if bias is not None else None)
+    return _plans.Plan(launch, shape, dtype,
+                       (_plans.RESULT, 0, 1, 2 if bias is not None else _plans.RESULT))
 
 
 def _stored(t: torch.Tensor) -> tuple[Any, bool] | None:

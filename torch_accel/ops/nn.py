@@ -1,17 +1,25 @@
 """Neural-network operators and their backwards: softmax and log_softmax, activation
 backwards, ``nll_loss`` (so ``cross_entropy``), ``mse_loss``, ``embedding`` (``index_select`` on rows)
 and its dense backward. Each reduces over rows of a contiguous ``[rows, n]`` layout, with
-the softmax dimension moved last first."""
+the softmax dimension moved last first.
+
+A training step's calls of these (contiguous float tensors, the softmax dimension last, no
+class weights) are one launch each, planned (ops/_plans.py): their checked path below
+cost 50-100 us of host time a call (views, argument checks, ``torch.empty``), their plan
+~15 us (docs/torch.md, "An MLP step, third pass")."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from torch_accel import kernels
+from torch_accel import _C, kernels
 from torch_accel.kernels import Backward, Binary, Reduction
 from torch_accel.ops import _operands as operands
+from torch_accel.ops import _plans
 from torch_accel.ops._register import Unsupported, implements
 from torch_accel.ops._tensors import stream, view_of
 from torch_accel.ops.copy import contiguous_on_device
@@ -35,7 +43,51 @@ def _back(y: torch.Tensor, inverse: list[int], shape: torch.Size) -> torch.Tenso
     return y.permute(inverse) if inverse else y.reshape(shape)
 
 
+def _planned(make: Callable[..., _plans.Plan | None], key: tuple[Any, ...],
+             tensors: tuple[torch.Tensor, ...], make_args: tuple[Any, ...]) -> Any:
+    """The call through its launch plan (ops/_plans.py) on ``tensors``, the kernel's
+    operands; None when it has none. ``key`` is the call's other arguments."""
+    sig = _C._signature(*tensors)
+    device = tensors[0].get_device()
+    if sig is None or device < 0:
+        return None  # a tensor subclass, or an operand off the device
+    return _plans.call(device, (make, *key, sig), make, make_args, tensors)
+
+
+def _dense(*ts: torch.Tensor) -> bool:
+    """Whether ``ts`` are non-empty contiguous float tensors of one dtype and shape: a
+    plan's operands, read as flat rows."""
+    t0 = ts[0]
+    return t0.dtype in _FLOAT and t0.numel() > 0 and all(
+        t.is_contiguous() and t.dtype == t0.dtype and t.shape == t0.shape for t in ts)
+
+
+def _last_dim(x: torch.Tensor, dim: int) -> bool:
+    return x.dim() > 0 and dim % x.dim() == x.dim() - 1
+
+
+def _rows_plan(launch: Callable[..., Any], log: bool, *ts: torch.Tensor
+               ) -> _plans.Plan | None:
+    """The plan of a softmax kernel (``launch``: its launch maker) over the rows of the
+    last dimension of ``ts``, contiguous, result like ``ts[0]``."""
+    x = ts[-1]
+    n = x.shape[-1]
+    views = [view_of(t) for t in ts]
+    made = launch(views[-1], *views, x.numel() // n, n, log)
+    return _plans.Plan(made.plan(), x.shape, x.dtype, range(-1, len(ts)),
+                       _plans.like(ts[0], x.shape, x.dtype))
+
+
+def _softmax_plan(x: torch.Tensor, dim: int, log: bool) -> _plans.Plan | None:
+    if not (_dense(x) and _last_dim(x, dim)):
+        return None
+    return _rows_plan(kernels.softmax_rows_launch, log, x)
+
+
 def _softmax(x: torch.Tensor, dim: int, half_to_float: bool, log: bool) -> torch.Tensor:
+    if not half_to_float and (planned := _planned(
+            _softmax_plan, (dim, log), (x,), (x, dim, log))) is not None:
+        return planned
     if x.dtype not in _FLOAT or half_to_float:
         raise Unsupported
     dense, inverse = _last(x, dim)
@@ -51,10 +103,20 @@ implements("_softmax")(lambda x, dim, half_to_float: _softmax(x, dim, half_to_fl
 implements("_log_softmax")(lambda x, dim, half_to_float: _softmax(x, dim, half_to_float, True))
 
 
+def _softmax_backward_plan(grad: torch.Tensor, y: torch.Tensor, dim: int,
+                           log: bool) -> _plans.Plan | None:
+    if not (_dense(grad, y) and _last_dim(y, dim)):
+        return None
+    return _rows_plan(kernels.softmax_backward_rows_launch, log, grad, y)
+
+
 def _softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int, input_dtype: torch.dtype,
                       log: bool) -> torch.Tensor:
     if y.dtype not in _FLOAT or grad.dtype != y.dtype or input_dtype != y.dtype:
         raise Unsupported
+    if (planned := _planned(_softmax_backward_plan, (dim, log), (grad, y),
+                            (grad, y, dim, log))) is not None:
+        return planned
     g, inverse = _last(grad, dim)
     yd, _ = _last(y, dim)
     n = yd.shape[-1] if yd.dim() else 1
@@ -71,10 +133,23 @@ implements("_log_softmax_backward_data")(
     lambda grad, y, dim, input_dtype: _softmax_backward(grad, y, dim, input_dtype, True))
 
 
+def _activation_backward_plan(op: Backward, grad: torch.Tensor, x: torch.Tensor,
+                              p0: float) -> _plans.Plan | None:
+    if not _dense(grad, x):
+        return None
+    vx = view_of(x)
+    launch = kernels.activation_backward_launch(op, vx, view_of(grad), vx, p0)
+    return _plans.Plan(launch.plan(), x.shape, x.dtype, (_plans.RESULT, 0, 1),
+                       _plans.like(grad, x.shape, x.dtype))
+
+
 def _activation_backward(op: Backward, grad: torch.Tensor, x: torch.Tensor,
                          p0: float = 0.0) -> torch.Tensor:
     if x.dtype not in _FLOAT or grad.dtype != x.dtype:
         raise Unsupported
+    if p0 == p0 and (planned := _planned(_activation_backward_plan, (op, p0), (grad, x),
+                                         (op, grad, x, p0))) is not None:
+        return planned
     shape = operands.broadcast(grad, x)
     g, _ = operands.operand(grad, x.dtype, shape, x.device)
     v, _ = operands.operand(x, x.dtype, shape, x.device)
@@ -101,9 +176,37 @@ def _nll_args(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | N
     return lp, contiguous_on_device(target.reshape(-1)), lp.shape[0], lp.shape[1]
 
 
+def _nll_plannable(logp: torch.Tensor, target: torch.Tensor, reduction: int) -> bool:
+    """A batch's loss as a plan takes it: ``[rows, n]`` contiguous float log-probabilities,
+    ``rows`` > 0 contiguous int64 targets, a reduction torch has."""
+    return logp.dim() == 2 and _dense(logp) and target.dtype == torch.int64 \
+        and target.shape == logp.shape[:1] and target.is_contiguous() \
+        and reduction in tuple(Reduction)
+
+
+def _nll_loss_plan(logp: torch.Tensor, target: torch.Tensor, reduction: int,
+                   ignore_index: int) -> _plans.Plan | None:
+    """The loss (``[rows]`` for reduction none, else 0-d) and its total weight, 0-d, both
+    new results of one launch."""
+    if not _nll_plannable(logp, target, reduction):
+        return None
+    rows, n = logp.shape
+    shape = (rows,) if reduction == Reduction.none else ()
+    loss, total = (torch.empty(s, dtype=logp.dtype, device=logp.device) for s in (shape, ()))
+    launch = kernels.nll_loss_launch(view_of(loss), view_of(total), view_of(logp),
+                                     view_of(target), rows, n, Reduction(reduction),
+                                     ignore_index)
+    return _plans.Plan(launch.plan(), shape, logp.dtype,
+                       (_plans.RESULT, _plans.RESULT - 1, 0, 1), more=(((), logp.dtype),))
+
+
 @implements("nll_loss_forward")
 def nll_loss_forward(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
                      reduction: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if weight is None and (planned := _planned(
+            _nll_loss_plan, (reduction, ignore_index), (logp, target),
+            (logp, target, reduction, ignore_index))) is not None:
+        return planned
     lp, tg, rows, n = _nll_args(logp, target, weight)
     out = torch.empty(rows if reduction == 0 and logp.dim() == 2 else (), dtype=logp.dtype,
                       device=logp.device)
@@ -117,10 +220,30 @@ def nll_loss_forward(logp: torch.Tensor, target: torch.Tensor, weight: torch.Ten
     return out, total
 
 
+def _nll_loss_backward_plan(logp: torch.Tensor, grad: torch.Tensor, target: torch.Tensor,
+                            reduction: int, ignore_index: int) -> _plans.Plan | None:
+    """The gradient, like ``logp`` (an operand for its shape, not read), from one launch
+    on ``grad`` and ``target``."""
+    if not (_nll_plannable(logp, target, reduction) and grad.is_contiguous()
+            and grad.dtype == logp.dtype
+            and grad.numel() == (logp.shape[0] if reduction == Reduction.none else 1)):
+        return None
+    rows, n = logp.shape
+    vlp = view_of(logp)  # the result's stand-in: same shape and dtype
+    launch = kernels.nll_loss_backward_launch(vlp, view_of(grad), view_of(target), rows, n,
+                                              reduction, ignore_index)
+    return _plans.Plan(launch.plan(), logp.shape, logp.dtype, (_plans.RESULT, 1, 2),
+                       _plans.like(logp, logp.shape, logp.dtype))
+
+
 @implements("nll_loss_backward")
 def nll_loss_backward(grad: torch.Tensor, logp: torch.Tensor, target: torch.Tensor,
                       weight: torch.Tensor | None, reduction: int, ignore_index: int,
                       total_weight: torch.Tensor) -> torch.Tensor:
+    if weight is None and (planned := _planned(
+            _nll_loss_backward_plan, (reduction, ignore_index), (logp, grad, target),
+            (logp, grad, target, reduction, ignore_index))) is not None:
+        return planned
     lp, tg, rows, n = _nll_args(logp, target, weight)
     out = torch.empty_like(lp)
     kernels.nll_loss_backward_rows(view_of(out), view_of(contiguous_on_device(grad.reshape(-1))),

@@ -6,7 +6,8 @@ The reduced dimensions are moved last (a view), the tensor made contiguous as
 ints in int64); a reduction over a short run of leading dimensions of a contiguous tensor
 (a bias gradient's sum over the batch) reads its columns in place instead of copying.
 Reductions of nothing that torch refuses (a max of no elements) go to the CPU, which
-raises torch's own error.
+raises torch's own error. A float ``sum`` or ``mean`` of short rows or columns of a
+contiguous tensor (a bias gradient's) is one launch, planned (ops/_plans.py).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from torch_accel import kernels
+from torch_accel import _C, kernels
 from torch_accel.kernels import Reduce
-from torch_accel.kernels.reduce import SHORT
+from torch_accel.kernels.reduce import SHORT, short_launch
 from torch_accel.ops import _operands as operands
+from torch_accel.ops import _plans
 from torch_accel.ops._register import Unsupported, implements
 from torch_accel.ops._tensors import stream, view_of
 from torch_accel.ops.copy import contiguous_on_device
@@ -37,6 +40,44 @@ def _dims(x: torch.Tensor, dim: int | Sequence[int] | None) -> list[int]:
         return list(range(x.dim()))
     dims = [dim] if isinstance(dim, int) else list(dim)
     return sorted({d % x.dim() for d in dims})
+
+
+def _short_plan(op: Reduce, x: torch.Tensor, dim: int | Sequence[int] | None, keepdim: bool
+                ) -> _plans.Plan | None:
+    """The plan of a float ``op`` (sum, mean) over ``dim`` of a contiguous ``x`` in its
+    own dtype when those dimensions lead (columns, a bias gradient's) or trail (rows) it
+    and span at most :data:`SHORT` elements: one launch, a thread per row or column."""
+    dims = _dims(x, dim)
+    if not (x.is_contiguous() and x.dtype in (torch.float32, torch.float64) and x.numel()
+            and 0 < len(dims) < x.dim()):
+        return None
+    lead = list(range(len(dims)))
+    if dims != lead and dims != list(range(x.dim() - len(dims), x.dim())):
+        return None
+    kept = [d for d in range(x.dim()) if d not in dims]
+    rows, n = math.prod(x.shape[d] for d in kept), math.prod(x.shape[d] for d in dims)
+    shape = tuple(1 if d in dims else x.shape[d] for d in range(x.dim())) if keepdim \
+        else tuple(x.shape[d] for d in kept)
+    if n > SHORT or rows * x.element_size() < 8:
+        return None
+    # a stand-in for the result, whose first 8 bytes are also finish's unread index
+    stand_in = torch.empty(rows, dtype=x.dtype, device=x.device)
+    res = view_of(stand_in)
+    launch = short_launch(op, res, view_of(x), rows, n, dims == lead,
+                          index=res.view(np.int64, (1,), 0))
+    return _plans.Plan(launch.plan(), shape, x.dtype, (_plans.RESULT, 0, _plans.RESULT))
+
+
+def _short_planned(op: Reduce, x: torch.Tensor, dim: int | Sequence[int] | None,
+                   keepdim: bool) -> torch.Tensor | None:
+    """``op(x, dim, keepdim)`` in ``x``'s dtype through its plan (:func:`_short_plan`),
+    keyed on the arguments as given; None when it has none."""
+    sig = _C._signature(x)
+    device = x.get_device()
+    if sig is None or device < 0 or not isinstance(keepdim, bool):
+        return None
+    key = (_short_plan, op, tuple(dim) if isinstance(dim, list) else dim, keepdim, sig)
+    return _plans.call(device, key, _short_plan, (op, x, dim, keepdim), (x,))
 
 
 def reduce_op(op: Reduce, x: torch.Tensor, dim: int | Sequence[int] | None, keepdim: bool,
@@ -83,6 +124,8 @@ def sum_(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
 @implements("sum.dim_IntList")
 def sum_dim(x: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *,
             dtype: torch.dtype | None = None) -> torch.Tensor:
+    if dtype is None and (planned := _short_planned(Reduce.sum, x, dim, keepdim)) is not None:
+        return planned
     d = _sum_dtype(x, dtype)
     return reduce_op(Reduce.sum, x, dim, keepdim, d if d.is_floating_point else torch.int64, d)
 
@@ -111,6 +154,8 @@ def mean(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
 @implements("mean.dim")
 def mean_dim(x: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *,
              dtype: torch.dtype | None = None) -> torch.Tensor:
+    if dtype is None and (planned := _short_planned(Reduce.mean, x, dim, keepdim)) is not None:
+        return planned
     d = _mean_dtype(x, dtype)
     return reduce_op(Reduce.mean, x, dim, keepdim, d, d)
 
