@@ -169,7 +169,8 @@ def _inline_work(source: str, name: str, types: tuple[str, ...], grid: tuple[int
     ("nll_loss", nn.SOURCE, ("float32[1d]", "float32[1d]", "float32[2d]", "int64[1d]")
      + ("int64",) * 3, (256, 1, 1), [None] * 4 + [np.int64(64), np.int64(1), np.int64(-100)]),
     ("nll_loss_backward", nn.SOURCE, ("float32[2d]", "float32[1d]", "int64[1d]")
-     + ("int64",) * 3, (256, 1, 1), [None] * 3 + [np.int64(64), np.int64(1), np.int64(-100)]),
+     + ("int64",) * 4, (256, 1, 1),
+     [None] * 3 + [np.int64(64), np.int64(10), np.int64(1), np.int64(-100)]),
     # a bias gradient: 256 columns of a batch of 64
     ("finish", reduce.SOURCE, ("float32[1d]", "float32[1d]", "int64[1d]", "int64", "int64",
                                "int64", "int64", "int64", "float64", "int64", "int64", "int64"),
