@@ -120,3 +120,16 @@ def call(device: int, key: Hashable, make: Callable[..., Plan | None],
     tensors = plan.pick((out, *operands))
     plan.launch(_C._buffers(tensors) or [block_of(t) for t in tensors])
     return out
+
+
+def planned(make: Callable[..., Plan | None], key: tuple[Any, ...],
+            tensors: tuple[torch.Tensor, ...], make_args: tuple[Any, ...]) -> Any:
+    """:func:`call` on ``tensors``, the kernel's operands, keyed on ``(make, *key)`` and
+    their signature (``_C._signature``: devices, dtypes, sizes, strides); ``key`` is the
+    call's other arguments. None when the call has no plan, or a tensor is a subclass or
+    off the device."""
+    sig = _C._signature(*tensors)
+    device = tensors[0].get_device()
+    if sig is None or device < 0:
+        return None
+    return call(device, (make, *key, sig), make, make_args, tensors)

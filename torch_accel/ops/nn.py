@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torch_accel import _C, kernels
+from torch_accel import kernels
 from torch_accel.kernels import Backward, Binary, Reduction
 from torch_accel.ops import _operands as operands
 from torch_accel.ops import _plans
@@ -41,17 +41,6 @@ def _last(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, list[int]]:
 
 def _back(y: torch.Tensor, inverse: list[int], shape: torch.Size) -> torch.Tensor:
     return y.permute(inverse) if inverse else y.reshape(shape)
-
-
-def _planned(make: Callable[..., _plans.Plan | None], key: tuple[Any, ...],
-             tensors: tuple[torch.Tensor, ...], make_args: tuple[Any, ...]) -> Any:
-    """The call through its launch plan (ops/_plans.py) on ``tensors``, the kernel's
-    operands; None when it has none. ``key`` is the call's other arguments."""
-    sig = _C._signature(*tensors)
-    device = tensors[0].get_device()
-    if sig is None or device < 0:
-        return None  # a tensor subclass, or an operand off the device
-    return _plans.call(device, (make, *key, sig), make, make_args, tensors)
 
 
 def _dense(*ts: torch.Tensor) -> bool:
@@ -85,7 +74,7 @@ def _softmax_plan(x: torch.Tensor, dim: int, log: bool) -> _plans.Plan | None:
 
 
 def _softmax(x: torch.Tensor, dim: int, half_to_float: bool, log: bool) -> torch.Tensor:
-    if not half_to_float and (planned := _planned(
+    if not half_to_float and (planned := _plans.planned(
             _softmax_plan, (dim, log), (x,), (x, dim, log))) is not None:
         return planned
     if x.dtype not in _FLOAT or half_to_float:
@@ -114,8 +103,8 @@ def _softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int, input_dtype
                       log: bool) -> torch.Tensor:
     if y.dtype not in _FLOAT or grad.dtype != y.dtype or input_dtype != y.dtype:
         raise Unsupported
-    if (planned := _planned(_softmax_backward_plan, (dim, log), (grad, y),
-                            (grad, y, dim, log))) is not None:
+    if (planned := _plans.planned(_softmax_backward_plan, (dim, log), (grad, y),
+                                  (grad, y, dim, log))) is not None:
         return planned
     g, inverse = _last(grad, dim)
     yd, _ = _last(y, dim)
@@ -147,8 +136,8 @@ def _activation_backward(op: Backward, grad: torch.Tensor, x: torch.Tensor,
                          p0: float = 0.0) -> torch.Tensor:
     if x.dtype not in _FLOAT or grad.dtype != x.dtype:
         raise Unsupported
-    if p0 == p0 and (planned := _planned(_activation_backward_plan, (op, p0), (grad, x),
-                                         (op, grad, x, p0))) is not None:
+    if p0 == p0 and (planned := _plans.planned(
+            _activation_backward_plan, (op, p0), (grad, x), (op, grad, x, p0))) is not None:
         return planned
     shape = operands.broadcast(grad, x)
     g, _ = operands.operand(grad, x.dtype, shape, x.device)
@@ -203,7 +192,7 @@ def _nll_loss_plan(logp: torch.Tensor, target: torch.Tensor, reduction: int,
 @implements("nll_loss_forward")
 def nll_loss_forward(logp: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
                      reduction: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if weight is None and (planned := _planned(
+    if weight is None and (planned := _plans.planned(
             _nll_loss_plan, (reduction, ignore_index), (logp, target),
             (logp, target, reduction, ignore_index))) is not None:
         return planned
@@ -240,7 +229,7 @@ def _nll_loss_backward_plan(logp: torch.Tensor, grad: torch.Tensor, target: torc
 def nll_loss_backward(grad: torch.Tensor, logp: torch.Tensor, target: torch.Tensor,
                       weight: torch.Tensor | None, reduction: int, ignore_index: int,
                       total_weight: torch.Tensor) -> torch.Tensor:
-    if weight is None and (planned := _planned(
+    if weight is None and (planned := _plans.planned(
             _nll_loss_backward_plan, (reduction, ignore_index), (logp, grad, target),
             (logp, grad, target, reduction, ignore_index))) is not None:
         return planned

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from torch_accel import _C, kernels
+from torch_accel import kernels
 from torch_accel.kernels import Reduce
 from torch_accel.kernels.reduce import SHORT, short_launch
 from torch_accel.ops import _operands as operands
@@ -72,12 +72,10 @@ def _short_planned(op: Reduce, x: torch.Tensor, dim: int | Sequence[int] | None,
                    keepdim: bool) -> torch.Tensor | None:
     """``op(x, dim, keepdim)`` in ``x``'s dtype through its plan (:func:`_short_plan`),
     keyed on the arguments as given; None when it has none."""
-    sig = _C._signature(x)
-    device = x.get_device()
-    if sig is None or device < 0 or not isinstance(keepdim, bool):
+    if not isinstance(keepdim, bool):
         return None
-    key = (_short_plan, op, tuple(dim) if isinstance(dim, list) else dim, keepdim, sig)
-    return _plans.call(device, key, _short_plan, (op, x, dim, keepdim), (x,))
+    key = (op, tuple(dim) if isinstance(dim, list) else dim, keepdim)
+    return _plans.planned(_short_plan, key, (x,), (op, x, dim, keepdim))
 
 
 def reduce_op(op: Reduce, x: torch.Tensor, dim: int | Sequence[int] | None, keepdim: bool,
