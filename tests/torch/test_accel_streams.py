@@ -87,18 +87,26 @@ def test_query_synchronize_wait_event_and_wait_stream_order_work(torch_run):
         torch.accel._sleep(1); torch.accel.synchronize()  # the sleep kernel compiled
         s1, s2 = torch.accel.Stream(), torch.accel.Stream()
         print(s1.query(), s2.query())
+        # while held the device takes nothing, so the work below cannot end before this
+        # process looks (a sleep alone ended first when the host kept this process
+        # waiting for a CPU longer than the sleep)
+        hold = f"{{os.environ['ACCEL_EMU_ROOT']}}/sys/kernel/debug/accel/accel0/sched_hold"
+        open(hold, "w").write("1")
         with torch.accel.stream(s1):
             torch.accel._sleep({BUSY})
         e = s1.record_event()
         s2.wait_event(e)
         after = s2.record_event()                  # behind s1's sleep, through the wait
         print(s1.query(), e.query(), after.query())
+        open(hold, "w").write("0")
         s2.synchronize()
         print(s1.query(), e.query(), after.query())
+        open(hold, "w").write("1")
         with torch.accel.stream(s1):
             torch.accel._sleep({BUSY})
         s2.wait_stream(s1)
         print(s2.record_event().query())
+        open(hold, "w").write("0")
         torch.accelerator.synchronize()
         print(s1.query(), s2.query())
         torch.Stream(device="accel:1").wait_stream(torch.Stream(device="accel:0"))  # across devices
