@@ -39,10 +39,14 @@ def test_query_and_synchronize_follow_the_streams_work(torch_run):
     lines = torch_run("""
         torch.accel._sleep(1); torch.accel.synchronize()
         s1, s2, s3 = (torch.Stream(device="accel:0") for _ in range(3))
+        # held, the device takes nothing: the sleep cannot end before this process looks
+        hold = f"{os.environ['ACCEL_EMU_ROOT']}/sys/kernel/debug/accel/accel0/sched_hold"
+        open(hold, "w").write("1")
         with s1:
             torch.accel._sleep(10**8)
         e = s1.record_event()
         print(e.query())
+        open(hold, "w").write("0")
         s2.wait_event(e)
         s3.wait_event(e)                           # two streams waiting on one event
         x = torch.arange(6.0, device="accel")
