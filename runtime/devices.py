@@ -20,6 +20,7 @@ them all, so a rebuilt device never mixes old and new state.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -142,6 +143,20 @@ class _ThreadState(threading.local):
 
 
 _tls = _ThreadState()
+
+#: Bumped at every change of a thread's current device or current stream (set_device, the
+#: ``device`` and ``stream`` context managers, ``set_stream``): a framework that keeps a
+#: copy of the current device and stream outside Python (torch_accel's C++ device guard,
+#: asked ~100 times a training step) reads this word at its address
+#: (``ctypes.addressof(current_epoch)``), without the interpreter's lock, to know its copy
+#: is still the runtime's. Any thread's change bumps it, so a copy is never stale, at worst
+#: refreshed needlessly.
+current_epoch = ctypes.c_uint64(0)
+
+
+def current_changed() -> None:
+    """Note a change of this thread's current device or stream (:data:`current_epoch`)."""
+    current_epoch.value += 1
 
 
 #: This process's pid, refreshed in a forked child: comparing it costs no syscall, and the
@@ -266,6 +281,7 @@ def set_device(index: int) -> None:
         init_state()
     _physical(index)
     _tls.device = index
+    current_changed()
 
 
 class device:
@@ -283,6 +299,7 @@ class device:
     def __exit__(self, *exc: object) -> None:
         assert self._prev is not None
         _tls.device = self._prev
+        current_changed()
 
 
 @dataclass(frozen=True)

@@ -685,6 +685,7 @@ def current_stream(device: _device.DeviceLike = None) -> Stream:
 
 def set_stream(stream: Stream) -> None:
     _tls.streams[stream.device] = stream
+    _device.current_changed()
 
 
 @contextmanager
@@ -703,3 +704,4 @@ def stream(s: Stream | None) -> Iterator[Stream | None]:
                 _tls.streams.pop(s.device, None)
             else:
                 _tls.streams[s.device] = prev
+            _device.current_changed()

@@ -113,7 +113,7 @@ def test_an_mlp_training_step_makes_one_launch_per_operator(torch_json):
         report(kernels=collections.Counter(e.name for e in p.device_events),
                fallbacks=dict(torch_accel.fallback_counts))
     """)
-    assert r["kernels"] == {"mm": 5, "arith_f": 4, "finish": 2, "unary_hot_f": 1,
+    assert r["kernels"] == {"mm": 5, "axpy_f": 4, "finish": 2, "unary_hot_f": 1,
                             "softmax_short": 1, "nll_loss": 1, "arange": 1,
                             "nll_loss_backward": 1, "softmax_backward_short": 1,
                             "activation_backward_hot": 1}, r

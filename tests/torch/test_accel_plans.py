@@ -325,3 +325,61 @@ def test_a_training_steps_row_ops_are_planned_and_match_the_cpu(torch_json):
     made = r["made"]  # per case, whether each call of its third round ran a plan
     planned = [name for name, got in made.items() if True in got]
     assert planned == list(made)[:26], r
+
+
+AXPY = PLAN_HELPERS + """
+torch.manual_seed(0)
+def kernels(fn):
+    with runtime.profile() as p:
+        got = fn()
+        torch.accel.synchronize()
+    return got, sorted({e.name for e in p.device_events if not e.name.startswith("compile ")})
+cases = {}
+# sizes on both sides of where the firmware stops running arith_f inline (~178 K
+# elements) and where it stops running axpy_f inline (~860 K), odd so the last block is
+# partial; float32 and float64; functional and in place; add and sub with an alpha
+for n, dtype in ((1, torch.float32), (4097, torch.float64), (200_003, torch.float32),
+                 (900_001, torch.float32)):
+    a, b = torch.randn(n, dtype=dtype), torch.randn(n, dtype=dtype)
+    da, db = a.to("accel"), b.to("accel")
+    for i in range(2):  # the first call plans, the second reuses the plan
+        got, names = kernels(lambda: torch.sub(da, db, alpha=0.25))
+        check(f"sub {n} {dtype} {i}", got, torch.sub(a, b, alpha=0.25))
+        cases[f"sub {n} {dtype}"] = names
+        x, dx = a.clone(), da.clone()
+        got, names = kernels(lambda: dx.add_(db, alpha=-0.01))
+        x.add_(b, alpha=-0.01)
+        try:  # torch's CPU rounds alpha * b to float32 first; the kernel rounds once
+            torch.testing.assert_close(dx.cpu(), x)
+        except AssertionError:
+            bad.append(f"add_ {n} {dtype} {i}")
+        cases[f"add_ {n} {dtype}"] = names
+# what keeps arith_f: a device 0-d operand (read at stride 0), a number, an integer
+# dtype, mul
+m, z = torch.randn(300, 200), torch.tensor(2.5)
+dm, dz = m.to("accel"), z.to("accel")
+for name, dev, cpu in (("0-d", lambda: dm - dz, lambda: m - z),
+                       ("number", lambda: dm - 1.5, lambda: m - 1.5),
+                       ("int64", lambda: dm.long() + dm.long(), lambda: m.long() + m.long()),
+                       ("mul", lambda: dm * dm, lambda: m * m)):
+    got, names = kernels(dev)
+    check(name, got, cpu())
+    cases[name] = names
+report(cases=cases, bad=bad)
+"""
+
+
+def test_contiguous_add_and_sub_take_the_lean_kernel_and_match_the_cpu(torch_json):
+    """Contiguous float ``add``/``sub`` (an optimiser's update) run ``axpy_f``, whose few
+    nodes keep a large launch inline (torch_accel/kernels/elementwise.py), with the CPU's
+    results on both sides of the firmware's inline limits; other shapes of call keep
+    ``arith_f``."""
+    r = torch_json(AXPY)
+    assert r["bad"] == [], r
+    for name, kernels in r["cases"].items():
+        if name.startswith(("sub", "add_")):
+            assert kernels == ["axpy_f"], (name, r)
+    assert r["cases"]["0-d"] == ["arith_f"], r
+    assert r["cases"]["number"] == ["arith_f"], r
+    assert r["cases"]["int64"] == ["arith_i", "strided_copy"], r
+    assert r["cases"]["mul"] == ["arith_f"], r

@@ -187,3 +187,75 @@ def test_sleep_time_is_proportional_to_its_cycles(torch_json):
     """)
     ratio = r["ms"]["2"] / r["ms"]["1"]
     assert 1.3 < ratio < 3.5, r
+
+
+def test_the_guards_copy_of_the_current_stream_and_device_follows_the_runtime(torch_json):
+    """The shim answers the device guard's current device and stream from a per-thread
+    copy (torch_accel/csrc/shim.cpp, CurrentCache) while the runtime's epoch word is
+    unchanged: a change made behind torch's back (runtime.set_stream, runtime.set_device,
+    their context managers) must show at once in torch's answers and in where work goes,
+    and a training step's guards must not enter Python at all once warm."""
+    r = torch_json("""
+        import collections
+        import torch.nn.functional as F
+        from torch_accel import _hooks
+        acc = torch.accelerator
+        key = lambda st: [st.device_index, st.stream_id]
+        seen = {"before": key(acc.current_stream())}          # the copy is filled
+        side = runtime.Stream(0)
+        runtime.set_stream(side)                                # behind torch's back
+        seen["set_stream"] = key(acc.current_stream())
+        seen["torch.accel"] = key(torch.accel.current_stream())
+        runtime.set_stream(runtime.default_stream(0))
+        seen["back"] = key(acc.current_stream())
+        with runtime.stream(side):
+            seen["in_context"] = key(acc.current_stream())
+        seen["after_context"] = key(acc.current_stream())
+        runtime.set_device(1)
+        seen["set_device"] = [acc.current_device_index(), torch.empty(2, device="accel").device.index]
+        with runtime.device(0):
+            seen["in_device"] = [acc.current_device_index(), torch.empty(2, device="accel").device.index]
+        seen["after_device"] = acc.current_device_index()
+        runtime.set_device(0)
+        # work queued by torch goes to the stream the runtime says is current
+        x = torch.ones(4096, device="accel")
+        torch.accel.synchronize()
+        queued = [side.last_seqno, runtime.default_stream(0).last_seqno]
+        with runtime.stream(side):
+            y = x + x
+        seen["queued"] = [side.last_seqno - queued[0],
+                          runtime.default_stream(0).last_seqno - queued[1]]
+        side.synchronize()
+        seen["y"] = y.sum().item()
+        # a warm training step asks Python for none of its guards' answers
+        model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 4)).to("accel")
+        data, target = torch.randn(8, 32, device="accel"), torch.randint(0, 4, (8,)).to("accel")
+        def step():
+            model.zero_grad()
+            F.cross_entropy(model(data), target).backward()
+        step()
+        step()  # (the second step's gradient accumulation asks for streams the first's did not)
+        counts = collections.Counter()
+        names = ("current_device", "exchange_device", "set_device", "current_stream",
+                 "exchange_stream")
+        for name in names:
+            def counted(*args, _f=getattr(_hooks, name), _n=name):
+                counts[_n] += 1
+                return _f(*args)
+            setattr(_hooks, name, counted)
+        step()
+        seen["warm_step"] = dict(counts)
+        # ... and a change between steps reaches it: the backward on a side stream
+        with torch.accel.stream(torch.accel.Stream()):
+            step()
+        seen["side_step"] = sum(counts.values()) > 0
+        report(**seen)
+    """)
+    assert r["before"] == [0, 0] and r["back"] == [0, 0] and r["after_context"] == [0, 0], r
+    assert r["set_stream"][1] != 0 and r["set_stream"] == r["torch.accel"], r
+    assert r["in_context"] == r["set_stream"], r
+    assert r["set_device"] == [1, 1] and r["in_device"] == [0, 0] and r["after_device"] == 1, r
+    assert r["queued"] == [1, 0] and r["y"] == 8192.0, r
+    assert r["warm_step"] == {}, r
+    assert r["side_step"] is True, r

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from firmware import jit, kernel_check
+from firmware import jit, kernel_check, launches
 from runtime.kernels import compile_module
 from torch_accel.kernels import elementwise, nn
 
@@ -19,6 +19,7 @@ HOT = {
     "arith_f": (elementwise.SOURCE, ("float32[1d]",) * 3
                 + ("float64", "int64", "float64", "int64", "int64", "int64")),
     "arith_i": (elementwise.SOURCE, ("int64[1d]",) * 3 + ("int64",) * 6),
+    "axpy_f": (elementwise.SOURCE, ("float32[1d]",) * 3 + ("float64", "int64")),
     "unary_hot_f": (elementwise.SOURCE, ("float32[1d]",) * 2
                     + ("int64", "float64", "float64", "int64")),
     "activation_backward_hot": (nn.SOURCE, ("float32[1d]",) * 3 + ("int64", "float64", "int64")),
@@ -37,3 +38,16 @@ def test_the_full_binary_kernel_is_not_bounded_work() -> None:
     """What the split is for: the full kernel exceeds the bound (else it is not needed)."""
     ir = compile_module(elementwise.SOURCE)["kernels"]["binary_f"]
     assert kernel_check.bounded_work(jit.validate(ir, HOT["arith_f"][1])) is None
+
+
+def test_an_optimisers_update_of_half_a_million_parameters_is_inline_with_axpy_only() -> None:
+    """``axpy_f`` exists for its size: contiguous ``a + alpha * b`` (an optimiser's update)
+    of 512 Ki float32 bounds within the firmware's inline budget with it (threads times
+    nodes), and not with ``arith_f`` (an engine's hand-off and per-block cost instead)."""
+    threads = 512 * 1024
+    work = {}
+    for name in ("axpy_f", "arith_f"):
+        source, types = HOT[name]
+        ir = compile_module(source)["kernels"][name]
+        work[name] = threads * kernel_check.bounded_work(jit.validate(ir, types))
+    assert work["axpy_f"] <= launches.INLINE_WORK < work["arith_f"], work

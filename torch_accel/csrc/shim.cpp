@@ -44,7 +44,9 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+#include <iterator>
 #include <chrono>
 #include <cstring>
 #include <pthread.h>
@@ -145,19 +147,90 @@ void call_quietly(const char* name, Args&&... args) noexcept {
 
 c10::Device accel(DeviceIndex index) { return c10::Device(kAccel, index); }
 
+// ------------------------------------------------------- current device and streams
+// The autograd engine asks the guard for the current device and stream, and exchanges
+// them, around every backward function (~100 calls a training step of a small MLP, each
+// an entry into Python: ~5% of the step's host CPU). The answers are the runtime's
+// per-thread state, which changes only by this thread's own calls (set_device,
+// set_stream and their context managers), and each such change bumps the runtime's
+// epoch word (runtime.devices.current_epoch). So each thread keeps the answers it got
+// from Python with the epoch they were read at, and answers from them while the word
+// still reads that epoch, without the GIL. A change behind torch's back (a program's
+// runtime.set_stream) bumps the word, and the next call asks Python again. A forked
+// child's calls always reach Python, whose fork check raises there (g_fork_gen).
+const uint64_t* g_epoch = nullptr;  // the runtime's word (set once by _register)
+std::atomic<uint64_t> g_fork_gen{0};
+
+constexpr int kCachedDevices = 64;
+
+struct CurrentCache {
+  uint64_t epoch = 0;
+  uint64_t fork_gen = ~uint64_t{0};  // never a real generation: the first use refreshes
+  int device = -1;                   // -1: not known
+  int64_t stream[kCachedDevices];    // per device, the current stream's id; -1: not known
+
+  // Forget the entries if the runtime's state may have changed since they were read;
+  // returns whether the word can be read at all (before _register: no caching).
+  bool refresh() {
+    if (g_epoch == nullptr) return false;
+    uint64_t now = __atomic_load_n(g_epoch, __ATOMIC_ACQUIRE);
+    uint64_t gen = g_fork_gen.load(std::memory_order_relaxed);
+    if (now != epoch || gen != fork_gen) {
+      epoch = now;
+      fork_gen = gen;
+      device = -1;
+      std::fill(std::begin(stream), std::end(stream), int64_t{-1});
+    }
+    return true;
+  }
+  static bool cacheable(DeviceIndex d) { return d >= 0 && d < kCachedDevices; }
+};
+
+thread_local CurrentCache t_current;
+
+void learn_device(DeviceIndex index) {
+  if (t_current.refresh()) t_current.device = index;
+}
+
+void learn_stream(DeviceIndex device, int64_t id) {
+  if (t_current.refresh() && CurrentCache::cacheable(device)) t_current.stream[device] = id;
+}
+
+// The guard's getDevice, and the device a plain allocation lands on.
+DeviceIndex current_device_index() {
+  if (t_current.refresh() && t_current.device >= 0) return t_current.device;
+  auto index = call<DeviceIndex>("current_device");
+  learn_device(index);
+  return index;
+}
+
 // --------------------------------------------------------------------- device guard
 struct AccelGuardImpl final : c10::impl::DeviceGuardImplInterface {
   static constexpr DeviceType static_type = kAccel;
 
   DeviceType type() const override { return kAccel; }
 
+  // The device and stream answers go through t_current (see CurrentCache): a call whose
+  // answer is known returns it; any other asks Python, then records what it learnt, at
+  // the epoch read after the call (the call's own change bumped it).
   c10::Device exchangeDevice(c10::Device d) const override {
-    return accel(call<DeviceIndex>("exchange_device", d.index()));
+    if (t_current.refresh() && t_current.device >= 0 && t_current.device == d.index())
+      return d;
+    auto prev = call<DeviceIndex>("exchange_device", d.index());
+    learn_device(d.index() >= 0 ? d.index() : prev);
+    return accel(prev);
   }
-  c10::Device getDevice() const override { return accel(call<DeviceIndex>("current_device")); }
-  void setDevice(c10::Device d) const override { call<void>("set_device", d.index()); }
+  c10::Device getDevice() const override { return accel(current_device_index()); }
+  void setDevice(c10::Device d) const override {
+    if (t_current.refresh() && t_current.device >= 0 && t_current.device == d.index()) return;
+    call<void>("set_device", d.index());
+    if (d.index() >= 0) learn_device(d.index());
+  }
   void uncheckedSetDevice(c10::Device d) const noexcept override {
-    call_quietly("set_device", d.index());
+    if (t_current.refresh() && t_current.device >= 0 && t_current.device == d.index()) return;
+    call_quietly_with("set_device", [&](const py::object&) {
+      if (d.index() >= 0) learn_device(d.index());
+    }, d.index());
   }
 
   // torch passes "accel" without an index for the current device
@@ -166,7 +239,12 @@ struct AccelGuardImpl final : c10::impl::DeviceGuardImplInterface {
     return c10::Stream(c10::Stream::UNSAFE, resolved(d), id);
   }
   c10::Stream getStream(c10::Device d) const override {
-    return stream_of(d, call<int64_t>("current_stream", resolved(d).index()));
+    auto index = resolved(d).index();
+    if (t_current.refresh() && CurrentCache::cacheable(index) && t_current.stream[index] >= 0)
+      return stream_of(d, t_current.stream[index]);
+    auto id = call<int64_t>("current_stream", index);
+    learn_stream(index, id);
+    return stream_of(d, id);
   }
   c10::Stream getDefaultStream(c10::Device d) const override { return stream_of(d, 0); }
   c10::Stream getNewStream(c10::Device d, int priority) const override {
@@ -181,9 +259,15 @@ struct AccelGuardImpl final : c10::impl::DeviceGuardImplInterface {
   // printed, and the guard is told the default stream was current. The device's next
   // use raises the loss where it can be caught.
   c10::Stream exchangeStream(c10::Stream s) const override {
+    auto index = s.device_index();
+    if (t_current.refresh() && CurrentCache::cacheable(index) && t_current.stream[index] >= 0
+        && t_current.stream[index] == s.id())
+      return s;  // already current: nothing to set, and it was the previous one
     int64_t prev = 0;
-    call_quietly_with("exchange_stream", [&](const py::object& out) { prev = out.cast<int64_t>(); },
-                      s.device_index(), s.id());
+    call_quietly_with("exchange_stream", [&](const py::object& out) {
+      prev = out.cast<int64_t>();
+      learn_stream(index, s.id());
+    }, index, s.id());
     return stream_of(s.device(), prev);
   }
   bool queryStream(const c10::Stream& s) const override {
@@ -304,7 +388,7 @@ void free_block(void* ctx) {
 
 struct AccelAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t nbytes) override {
-    return allocate_on(nbytes, call<DeviceIndex>("current_device"));
+    return allocate_on(nbytes, current_device_index());
   }
   // A block of ``device`` (checked: an index out of range is torch's RuntimeError).
   c10::DataPtr allocate_on(size_t nbytes, DeviceIndex device) const {
@@ -837,9 +921,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       torch::profiler::impl::registerPrivateUse1Methods(&g_profiler_stubs);
       py::module_::import("atexit").attr("register")(py::cpp_function(&quiesce));
       // a forked child has only the forking thread: no call of another is inside
+      g_epoch = reinterpret_cast<const uint64_t*>(
+          py::module_::import("ctypes").attr("addressof")(
+              py::module_::import("runtime.devices").attr("current_epoch")).cast<uintptr_t>());
       pthread_atfork(nullptr, nullptr, [] {
         g_entries.store(0);
         g_pid = getpid();
+        g_fork_gen.fetch_add(1);
       });
     });
   });

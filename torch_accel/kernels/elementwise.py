@@ -238,6 +238,23 @@ ARITH = frozenset({Binary.add, Binary.sub, Binary.mul, Binary.div, Binary.maximu
 HOT_UNARY = frozenset({Unary.neg, Unary.abs, Unary.relu, Unary.exp, Unary.log, Unary.sqrt,
                        Unary.rsqrt, Unary.reciprocal, Unary.sigmoid, Unary.tanh, Unary.silu})
 
+#: ``a + alpha * b`` (``sub``: ``-alpha``) on float operands read element by element,
+#: the commonest arithmetic of a training step (an optimiser's update, a gradient's
+#: accumulation, a residual), in a kernel of its own without ``arith_f``'s op chain and
+#: stride branches: 39 syntax-tree nodes against 188. The firmware bounds a loop-free
+#: launch's work as its threads times its nodes (every branch counted) and runs it inline
+#: up to ``INLINE_WORK`` (firmware/launches.py, 2**25), so ``arith_f`` went to an engine
+#: past ~178 K elements, this kernel past ~860 K: an MLP's 784 x 256 weight update paid
+#: the engine hand-off and the engines' per-block cost (docs/torch.md, "An MLP step,
+#: fourth pass"). Same arithmetic as ``arith_f``: float64 (``alpha`` is a float64
+#: scalar), rounded once when stored; ``x + (-alpha) * y`` is exactly ``x - alpha * y``.
+_AXPY_OPS = frozenset({Binary.add, Binary.sub})
+_AXPY = """def axpy_f(out, a, b, alpha, n: 'int64'):
+    i = global_id(0)
+    if i < n:
+        out[i] = a[i] + alpha * b[i]
+"""
+
 
 def _source() -> str:
     ind = " " * 8
@@ -252,6 +269,7 @@ def _source() -> str:
              f"sb: 'int64'):\n{_OPERANDS}{arith_f}\n",
              f"def arith_i(out, a, b, bs, op: 'int64', alpha, n: 'int64', sa: 'int64', "
              f"sb: 'int64'):\n{_OPERANDS}{arith_i}\n",
+             _AXPY,
              f"def unary_hot_f(out, x, op: 'int64', p0, p1, n: 'int64'):\n"
              f"    i = global_id(0)\n    if i < n:\n        v = x[i]\n"
              f"{shared.dispatch_store(hot_f, ind, '0.0')}\n"]
@@ -324,6 +342,12 @@ def binary_launch(op: Binary | str, out: Array, a: Array, b: Array | float | int
         raise TypeError(f"{op.name} needs integer operands")
     elif dt.kind != "f" and op == Binary.div:
         raise TypeError("div of integers: convert the operands to float first")
+    if op in _AXPY_OPS and dt.kind == "f" and a_stride == 1 and b_stride == 1 \
+            and not isinstance(b, (int, float, bool, np.generic)):
+        k = _mod(out.device).get_kernel("axpy_f")
+        return Launch(k, shared.grid(n), shared.BLOCK, (
+            shared.flat(out), shared.flat(a), shared.flat(b),
+            shared.scalar(alpha if op == Binary.add else -alpha, dt), n))
     bb, bs, sb = _operand_b(b, a, b_stride)
     k = _mod(out.device).get_kernel(
         f"{'arith' if op in ARITH else 'binary'}_{shared.kind(dt)}")
