@@ -25,10 +25,10 @@ Which BLAS: two, in ILP64 builds (64-bit integer arguments).
   done (:func:`serve_request`); later calls use MKL. MKL's thread count is a per-thread
   setting, so every MKL call first sets its thread's to one (a few nanoseconds).
 
-Without torch (or when its library fails to load) the unit stays on OpenBLAS; without
-OpenBLAS either (another numpy build) the pointers are 0 and the generated code runs the
-same contraction as plain loops (correct, much slower). Tests run every path
-(:func:`blas_pointers`'s kinds).
+Without torch (or when its library fails to load) the unit stays on OpenBLAS. Without
+OpenBLAS (another numpy build) the firmware's pointers are 0 and stay so (only a BLAS
+call asks for MKL): the generated code runs the same contraction as plain loops (correct,
+much slower). Tests run every path (:func:`blas_pointers`'s kinds).
 
 Why pointers are arguments, not constants: numba's on-disk cache would bake a constant
 address from the compiling process into machine code that another process loads. The
