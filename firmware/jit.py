@@ -70,7 +70,7 @@ from firmware.lower.abi import options_key
 #: The firmware's JIT compatibility boundary. Bump it whenever anything the generated code
 #: depends on outside itself changes meaning (firmware/intrinsics.py, the ``_grid`` calling
 #: convention, the fault-array layout): every cached entry then misses.
-FIRMWARE_JIT_ABI = 9
+FIRMWARE_JIT_ABI = 10
 DEFAULT_ISA = "aemu-isa 1.0"
 #: Entries the persistent cache keeps on disk (about 150 KB each), least recently used out.
 MAX_CACHE_ENTRIES = 2048
@@ -225,6 +225,12 @@ class CompiledKernel:
     def inline_ok(self) -> bool:
         """Whether the scheduler may run a launch of it on its control thread."""
         return self.work_per_thread is not None
+
+    def ended(self) -> None:
+        """A launch of it ended (its engine reported it done): load MKL now if one of its
+        BLAS calls asked for it (firmware/matrix.py), off the launch's time and watchdog."""
+        if self.uses_mma:
+            matrix.serve_request(self.blas)
 
     def _check_buffers(self, args: list[Any]) -> None:
         """What the native entry point assumes of its buffers and would not check."""
@@ -382,7 +388,7 @@ class KernelCache:
     loading machine code from its cache."""
 
     def __init__(self, root: Path, isa: str = DEFAULT_ISA,
-                 stepping: str = DEFAULT_STEPPING, use_blas: bool = True,
+                 stepping: str = DEFAULT_STEPPING, blas: str = "auto",
                  max_entries: int = MAX_CACHE_ENTRIES, library: Path | None = None) -> None:
         self.root = Path(root)
         #: A read-only vendor kernel library (``LIBRARY_DIR``, built by ``make kernels``):
@@ -398,9 +404,11 @@ class KernelCache:
         self.root.mkdir(parents=True, exist_ok=True)
         self.isa = isa
         self.stepping = stepping
-        #: mma's BLAS entry points; zeros make kernels run mma as plain loops (tests
-        #: compare the two). Not a key input: the pointers are arguments, not code.
-        self.blas = matrix.blas_pointers() if use_blas else np.zeros(len(matrix.SLOT), np.int64)
+        #: mma's BLAS entry points (firmware/matrix.py ``blas_pointers``: ``auto``, the
+        #: firmware's, is OpenBLAS until a big product asks for MKL; ``loops`` makes kernels
+        #: run mma as plain loops; tests compare them all). Not a key input: the pointers
+        #: are arguments, not code.
+        self.blas = matrix.blas_pointers(blas)
         self.hits = 0
         self.misses = 0
         self.compiles = 0

@@ -486,6 +486,7 @@ class BlockJob(Job):
 
     def run(self) -> bool:
         sched, launch, kernels = self.sched, self.launch, self.sched.kernels
+        kernel = None
         try:
             kernel = launch.compiled
             if kernel is None:
@@ -505,6 +506,8 @@ class BlockJob(Job):
         except Exception as exc:  # noqa: BLE001 - a kernel's fault is the device's, not ours
             launch.record_fault(*fault_of(launch.name, launch.buffers, exc))
         self._share_done()
+        if kernel is not None:
+            kernel.ended()
         return True
 
     def _slices(self, kernel: Any) -> bool:

@@ -6,38 +6,77 @@ with ``A = a[row:row+tm, k0:k0+tk]`` (``a[k0:k0+tk, row:row+tm].T`` when ``ta``)
 b[k0:k0+tk, col:col+tn]`` (``b[col:col+tn, k0:k0+tk].T`` when ``tb``): BLAS's own
 ``transa``/``transb``, so a transposed operand is read where it lies, not copied first.
 Real accelerators do this in a matrix engine (tensor cores, MFMA, XMX, an MME) fed
-straight from memory; the emulated one is the host's BLAS
-``sgemm``/``dgemm``, called as a native function pointer from the kernel's machine code
-(no GIL, no Python): the OpenBLAS that numpy already loads into the firmware process, in
-its ILP64 build (64-bit integer arguments, ``*64_`` symbols). Each engine thread calls it
-single-threaded: the engines are the parallelism, as a matrix unit belongs to one core.
+straight from memory; the emulated one is the host's BLAS ``sgemm``/``dgemm``, called as a
+native function pointer from the kernel's machine code (no GIL, no Python). Each engine
+thread calls it single-threaded: the engines are the parallelism, as a matrix unit belongs
+to one core.
 
-Without such a BLAS (another numpy build), the pointers are 0 and the generated code runs
-the same contraction as plain loops (correct, much slower); tests run both paths.
+Which BLAS: two, in ILP64 builds (64-bit integer arguments).
+
+- The OpenBLAS that numpy already loads into the firmware process (its CBLAS
+  ``*gemm64_``), from the start: it costs nothing to find.
+- Intel MKL's Fortran ``sgemm_64``/``dgemm_64``, which torch's CPU wheel links into
+  ``torch/lib/libtorch_cpu.so`` and exports, once asked for: 10-20% less CPU than OpenBLAS
+  on a 1024 product's halves (docs/kernels.md, "The matrix unit"), but loading that
+  library (not importing torch: ``dlopen`` of the file, found without an import) costs
+  ~0.25-0.4 s of CPU and ~100 MB of memory. So a firmware loads it only once it runs a big
+  product: a BLAS call of at least ``ASK_MKL_MACS`` multiply-adds marks the pointer array
+  (its ``STATE_AT`` word), and the engine that ran the launch loads MKL after reporting it
+  done (:func:`serve_request`); later calls use MKL. MKL's thread count is a per-thread
+  setting, so every MKL call first sets its thread's to one (a few nanoseconds).
+
+Without torch (or when its library fails to load) the unit stays on OpenBLAS. Without
+OpenBLAS (another numpy build) the firmware's pointers are 0 and stay so (only a BLAS
+call asks for MKL): the generated code runs the same contraction as plain loops (correct,
+much slower). Tests run every path (:func:`blas_pointers`'s kinds).
 
 Why pointers are arguments, not constants: numba's on-disk cache would bake a constant
-address from the compiling process into machine code that another process loads.
+address from the compiling process into machine code that another process loads. The
+firmware is a process of its own (never forked); a fork of a process that uses this module
+gets fresh locks (a loader thread's lock held at the fork would never be released).
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-#: Symbol names of the ILP64 CBLAS entry points, in order of preference.
+#: Symbol names of OpenBLAS's ILP64 CBLAS entry points, in order of preference.
 _GEMM_SYMBOLS = {
     "float32": ("scipy_cblas_sgemm64_", "cblas_sgemm64_"),
     "float64": ("scipy_cblas_dgemm64_", "cblas_dgemm64_"),
 }
 _THREADS_SYMBOLS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_")
-#: Index of each dtype's entry point in the pointer array the kernels receive.
+#: MKL's ILP64 Fortran entry points in torch's library, and its per-thread thread count.
+_MKL_GEMM_SYMBOLS = {"float32": "sgemm_64", "float64": "dgemm_64"}
+_MKL_THREADS_SYMBOL = "MKL_Set_Num_Threads_Local"
+#: Index of each dtype's OpenBLAS entry point in the pointer array the kernels receive;
+#: ``FORTRAN_AT + SLOT[dtype]`` is MKL's, ``THREADS_AT`` MKL's thread-count setter and
+#: ``STATE_AT`` whether a kernel may ask for MKL (ASK_*). ``WIDTH`` words in all.
 SLOT = {"float32": 0, "float64": 1}
+FORTRAN_AT = 2
+THREADS_AT = 4
+STATE_AT = 5
+WIDTH = 6
+#: ``STATE_AT``'s values: nothing to ask (MKL in use, absent, or not wanted), a big call
+#: may ask, a big call asked.
+ASK_NEVER, ASK_MAY, ASKED = 0, 1, 2
+#: A BLAS call at least this big asks for MKL: 64 M multiply-adds, ~1 ms of one core (a
+#: 1024 product's calls are 512 M each); smaller products gain too little to pay the load.
+ASK_MKL_MACS = 1 << 26
+#: What :func:`blas_pointers` can give: the firmware's own choice (``auto``: OpenBLAS, then
+#: MKL once asked), one library from the start, or none (``loops``).
+KINDS = ("auto", "mkl", "openblas", "loops")
 #: Work per BLAS call: tiles are cut into row, column and k chunks of these sizes so that
 #: the watchdog and a kill are seen between chunks (a full chunk is 512 M multiply-adds,
 #: ~7 ms of one core, a small fraction of the watchdog's period). Rows are the long side:
@@ -49,8 +88,19 @@ ROW_CHUNK = 1024
 COL_CHUNK = 512
 K_CHUNK = 1024
 
-_lock = threading.Lock()
-_pointers: np.ndarray | None = None
+_lock = threading.Lock()  # the cached lookups below
+_serve_lock = threading.Lock()  # one engine loads MKL; the others carry on meanwhile
+_openblas_found: tuple[int, int] | None = None
+_mkl_found: tuple[int, int, int] | None | bool = False  # False: not tried yet
+_auto: np.ndarray | None = None
+
+
+def _fresh_locks() -> None:
+    global _lock, _serve_lock
+    _lock, _serve_lock = threading.Lock(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_locks)
 
 
 def _loaded_blas_paths() -> list[str]:
@@ -69,33 +119,135 @@ def _loaded_blas_paths() -> list[str]:
     return paths
 
 
-def blas_pointers() -> np.ndarray:
-    """``[sgemm, dgemm]`` entry points (0 where none was found), looked up once per
-    process; also limits that BLAS to one thread per call."""
-    global _pointers
+def _find_openblas() -> tuple[int, int]:
+    """OpenBLAS's ``(sgemm, dgemm)`` (0 where none was found); also limits it to one
+    thread per call."""
+    ptrs = [0, 0]
+    for path in _loaded_blas_paths():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for dtype, names in _GEMM_SYMBOLS.items():
+            for name in names:
+                fn = getattr(lib, name, None)
+                if fn is not None and not ptrs[SLOT[dtype]]:
+                    ptrs[SLOT[dtype]] = ctypes.cast(fn, ctypes.c_void_p).value or 0
+        for name in _THREADS_SYMBOLS:
+            setter = getattr(lib, name, None)
+            if setter is not None:
+                setter.argtypes = [ctypes.c_int]
+                setter(1)
+                break
+        if all(ptrs):
+            break
+    return ptrs[0], ptrs[1]
+
+
+def mkl_library() -> Path | None:
+    """torch's ``libtorch_cpu.so`` (which holds MKL) when torch is installed, found
+    without importing torch (an import costs seconds)."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "lib" / "libtorch_cpu.so"
+    return path if path.is_file() else None
+
+
+def _find_mkl() -> tuple[int, int, int] | None:
+    """MKL's ``(sgemm, dgemm, thread-count setter)``, or None without torch's library or
+    any of them. ``RTLD_LOCAL``: its symbols stay its own, whatever else is loaded."""
+    path = mkl_library()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path), os.RTLD_LOCAL)
+    except OSError:
+        return None
+    names = (_MKL_GEMM_SYMBOLS["float32"], _MKL_GEMM_SYMBOLS["float64"], _MKL_THREADS_SYMBOL)
+    fns = [getattr(lib, name, None) for name in names]
+    if any(fn is None for fn in fns):
+        return None
+    s, d, t = (ctypes.cast(fn, ctypes.c_void_p).value or 0 for fn in fns)
+    return (s, d, t) if s and d and t else None
+
+
+def _openblas() -> tuple[int, int]:
+    global _openblas_found
     with _lock:
-        if _pointers is None:
-            ptrs = np.zeros(len(SLOT), np.int64)
-            for path in _loaded_blas_paths():
-                try:
-                    lib = ctypes.CDLL(path)
-                except OSError:
-                    continue
-                for dtype, names in _GEMM_SYMBOLS.items():
-                    for name in names:
-                        fn = getattr(lib, name, None)
-                        if fn is not None and not ptrs[SLOT[dtype]]:
-                            ptrs[SLOT[dtype]] = ctypes.cast(fn, ctypes.c_void_p).value or 0
-                for name in _THREADS_SYMBOLS:
-                    setter = getattr(lib, name, None)
-                    if setter is not None:
-                        setter.argtypes = [ctypes.c_int]
-                        setter(1)
-                        break
-                if ptrs.all():
-                    break
-            _pointers = ptrs
-        return _pointers
+        if _openblas_found is None:
+            _openblas_found = _find_openblas()
+        return _openblas_found
+
+
+def _mkl() -> tuple[int, int, int] | None:
+    """:func:`_find_mkl`, once per process (the library stays loaded)."""
+    global _mkl_found
+    with _lock:
+        if _mkl_found is False:
+            _mkl_found = _find_mkl()
+        return _mkl_found  # type: ignore[return-value]
+
+
+def mkl_available() -> bool:
+    """Whether MKL can be loaded (loads it: ~0.3 s the first time)."""
+    return _mkl() is not None
+
+
+def _with_mkl(ptrs: np.ndarray, mkl: tuple[int, int, int]) -> None:
+    """Fill in MKL's entry points, the thread-count setter first: a kernel that sees MKL's
+    gemm must see the setter too (each word is one aligned store, in program order)."""
+    s, d, t = mkl
+    ptrs[THREADS_AT] = t
+    ptrs[FORTRAN_AT + SLOT["float64"]] = d
+    ptrs[FORTRAN_AT + SLOT["float32"]] = s
+
+
+def blas_pointers(kind: str = "auto") -> np.ndarray:
+    """The pointer array kernels receive (layout: ``SLOT``, ``FORTRAN_AT``...).
+
+    ``auto`` is the process's one array, shared by its kernel caches: OpenBLAS until a
+    big call asks for MKL (:func:`serve_request` then fills MKL in, and every kernel
+    given this array uses it from its next call). ``mkl`` loads MKL now (LookupError when
+    it cannot), ``openblas`` never uses MKL, ``loops`` no BLAS at all."""
+    global _auto
+    if kind not in KINDS:
+        raise ValueError(f"blas kind {kind!r}: one of {KINDS}")
+    ptrs = np.zeros(WIDTH, np.int64)
+    if kind == "loops":
+        return ptrs
+    ptrs[SLOT["float32"]], ptrs[SLOT["float64"]] = _openblas()
+    if kind == "mkl":
+        mkl = _mkl()
+        if mkl is None:
+            raise LookupError("no MKL: torch's libtorch_cpu.so is not installed or not loadable")
+        _with_mkl(ptrs, mkl)
+    elif kind == "auto":
+        with _lock:
+            if _auto is None:
+                ptrs[STATE_AT] = ASK_MAY if ptrs.any() else ASK_NEVER
+                _auto = ptrs
+            return _auto
+    return ptrs
+
+
+def serve_request(ptrs: np.ndarray) -> None:
+    """Load MKL into ``ptrs`` if a kernel asked (``STATE_AT``): called by the engine that
+    ran a launch using mma, after the launch ended (the load is not the launch's time, nor
+    under its watchdog). An engine finding another one loading goes on at once."""
+    if ptrs[STATE_AT] != ASKED or not _serve_lock.acquire(blocking=False):
+        return
+    try:
+        if ptrs[STATE_AT] == ASKED:
+            mkl = _mkl()
+            if mkl is not None:
+                _with_mkl(ptrs, mkl)
+            ptrs[STATE_AT] = ASK_NEVER
+    finally:
+        _serve_lock.release()
 
 
 # --------------------------------------------------------------------------- intrinsics
@@ -103,48 +255,73 @@ def blas_pointers() -> np.ndarray:
 
 
 @intrinsic
-def _rt_gemm(typingctx: Any, fn: Any, transa: Any, transb: Any, m: Any, n: Any, k: Any,
-             a: Any, a_off: Any, lda: Any, b: Any, b_off: Any, ldb: Any, beta: Any, c: Any,
-             c_off: Any, ldc: Any) -> Any:
-    """``cblas_?gemm(RowMajor, transa, transb, m, n, k, 1, a+a_off, lda, b+b_off, ldb,
-    beta, c+c_off, ldc)`` through the function pointer ``fn`` (ILP64: int64 sizes;
-    ``transa``/``transb`` CBLAS's 111 NoTrans or 112 Trans). Offsets are in elements; the
-    generated code has checked every range."""
+def _rt_gemm(typingctx: Any, mkl: Any, threads: Any, cblas: Any, trans_a: Any, trans_b: Any,
+             m: Any, n: Any, k: Any, a: Any, a_off: Any, lda: Any, b: Any, b_off: Any, ldb: Any,
+             beta: Any, c: Any, c_off: Any, ldc: Any) -> Any:
+    """Row-major ``C = beta * C + op(A) @ op(B)``, ``op`` transposing where ``trans_a`` /
+    ``trans_b`` is nonzero, for the ``m x n`` matrix C at ``c + c_off`` (offsets in
+    elements; leading dimensions ``lda``...; int64 sizes): through MKL's Fortran gemm at
+    ``mkl`` when it is nonzero (after ``threads(1)``, MKL's per-thread count), else
+    through the CBLAS gemm at ``cblas``. The generated code has checked every range.
+
+    Fortran is column-major and takes every argument by pointer (stack slots here): a
+    row-major matrix is its transpose to it, so C's transpose is computed, ``op(B)^T @
+    op(A)^T``: B first, the sizes as ``n, m``, each operand's own transposition flag."""
     arrays = (a, b, c)
     if not all(isinstance(x, types.Array) and x.dtype in (types.float32, types.float64)
                for x in arrays) or len({x.dtype for x in arrays}) != 1:
         return None
-    sig = types.none(fn, transa, transb, m, n, k, a, a_off, lda, b, b_off, ldb, beta, c, c_off,
-                     ldc)
+    sig = types.none(mkl, threads, cblas, trans_a, trans_b, m, n, k, a, a_off, lda, b, b_off,
+                     ldb, beta, c, c_off, ldc)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        (fnv, ta_v, tb_v, mv, nv, kv, av, ao, lda_v, bv, bo, ldb_v, beta_v, cv, co, ldc_v) = args
-        aty = signature.args[6]
-        fty = ir.FloatType() if aty.dtype == types.float32 else ir.DoubleType()
-        i32, i64 = ir.IntType(32), ir.IntType(64)
-        ptr_t = fty.as_pointer()
-        gemm_t = ir.FunctionType(ir.VoidType(), [i32, i32, i32, i64, i64, i64, fty, ptr_t,
-                                                 i64, ptr_t, i64, fty, ptr_t, i64])
-
-        def at(arr: Any, arrty: Any, off: Any, offty: Any) -> Any:
-            data = context.make_array(arrty)(context, builder, arr).data
-            return builder.gep(data, [context.cast(builder, off, offty, types.int64)])
-
-        def i64v(v: Any, t: Any) -> Any:
-            return context.cast(builder, v, t, types.int64)
-
-        def i32v(v: Any, t: Any) -> Any:
-            return context.cast(builder, v, t, types.int32)
-
         st = signature.args
-        call = builder.inttoptr(i64v(fnv, st[0]), gemm_t.as_pointer())
-        row_major = ir.Constant(i32, 101)
-        builder.call(call, [row_major, i32v(ta_v, st[1]), i32v(tb_v, st[2]),
-                            i64v(mv, st[3]), i64v(nv, st[4]), i64v(kv, st[5]),
-                            ir.Constant(fty, 1.0), at(av, st[6], ao, st[7]), i64v(lda_v, st[8]),
-                            at(bv, st[9], bo, st[10]), i64v(ldb_v, st[11]),
-                            context.cast(builder, beta_v, st[12], aty.dtype),
-                            at(cv, st[13], co, st[14]), i64v(ldc_v, st[15])])
+        dtype = st[8].dtype
+        fty = context.get_value_type(dtype)
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        fp, i8p, i64p = fty.as_pointer(), i8.as_pointer(), i64.as_pointer()
+
+        def int64(i: int) -> Any:
+            return context.cast(builder, args[i], st[i], types.int64)
+
+        def at(i: int) -> Any:  # array argument i plus its offset (argument i + 1)
+            data = context.make_array(st[i])(context, builder, args[i]).data
+            return builder.gep(data, [int64(i + 1)])
+
+        def ref(value: Any) -> Any:
+            return cgutils.alloca_once_value(builder, value)
+
+        mkl_fn, ta, tb = int64(0), int64(3), int64(4)
+        m_v, n_v, k_v, lda_v, ldb_v, ldc_v = (int64(i) for i in (5, 6, 7, 10, 13, 17))
+        a_p, b_p, c_p = at(8), at(11), at(15)
+        one, beta_v = ir.Constant(fty, 1.0), context.cast(builder, args[14], st[14], dtype)
+        zero = ir.Constant(i64, 0)
+        with builder.if_else(builder.icmp_signed("!=", mkl_fn, zero)) as (use_mkl, use_cblas):
+            with use_mkl:
+                set_threads = builder.inttoptr(int64(1), ir.FunctionType(i32, [i32]).as_pointer())
+                builder.call(set_threads, [ir.Constant(i32, 1)])
+                gemm_t = ir.FunctionType(ir.VoidType(), [i8p, i8p, i64p, i64p, i64p, fp, fp, i64p,
+                                                         fp, i64p, fp, fp, i64p])
+
+                def flag(t: Any) -> Any:
+                    trans = builder.icmp_signed("!=", t, zero)
+                    return ref(builder.select(trans, ir.Constant(i8, ord("T")),
+                                              ir.Constant(i8, ord("N"))))
+
+                builder.call(builder.inttoptr(mkl_fn, gemm_t.as_pointer()),
+                             [flag(tb), flag(ta), ref(n_v), ref(m_v), ref(k_v), ref(one), b_p,
+                              ref(ldb_v), a_p, ref(lda_v), ref(beta_v), c_p, ref(ldc_v)])
+            with use_cblas:
+                gemm_t = ir.FunctionType(ir.VoidType(), [i32, i32, i32, i64, i64, i64, fty, fp,
+                                                         i64, fp, i64, fty, fp, i64])
+
+                def op(t: Any) -> Any:  # CBLAS's 112 Trans or 111 NoTrans
+                    trans = builder.icmp_signed("!=", t, zero)
+                    return builder.select(trans, ir.Constant(i32, 112), ir.Constant(i32, 111))
+
+                builder.call(builder.inttoptr(int64(2), gemm_t.as_pointer()),
+                             [ir.Constant(i32, 101), op(ta), op(tb), m_v, n_v, k_v, one, a_p,
+                              lda_v, b_p, ldb_v, beta_v, c_p, ldc_v])  # 101: RowMajor
         return context.get_dummy_value()
 
     return sig, codegen
@@ -200,7 +377,8 @@ def _mma_tile_miss(fault, pos, rows, cols, r0, nr, c0, nc):
 
 
 @njit(**_NJI)
-def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, ta, tb, fn, abort, fault, pc, pa, pb):
+def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, ta, tb, blas, slot, abort, fault, pc,
+         pa, pb):
     trans_a, trans_b = ta != 0, tb != 0
     # each operand's tile in its own storage: a transposed operand holds k along its rows
     a_r0, a_nr, a_q0, a_nq = (k0, tk, row, tm) if trans_a else (row, tm, k0, tk)
@@ -223,8 +401,7 @@ def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, ta, tb, fn, abort, fault, pc, 
     bk, bc = (b_q0, b_r0) if trans_b else (b_r0, b_q0)
     # BLAS wants a leading dimension >= 1 even when the operand has no columns (k is 0)
     lda, ldb, ldc = max(a.shape[1], 1), max(b.shape[1], 1), c.shape[1]
-    op_a = 112 if trans_a else 111  # CBLAS Trans / NoTrans
-    op_b = 112 if trans_b else 111
+    mkl, cblas = blas[@FORTRAN@ + slot], blas[slot]  # MKL when loaded, else OpenBLAS
     for r in range(0, tm, @ROWS@):
         mr = min(@ROWS@, tm - r)
         for q0 in range(0, tn, @COLS@):
@@ -236,11 +413,13 @@ def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, ta, tb, fn, abort, fault, pc, 
                     return 1
                 kr = min(@KS@, tk - kk)
                 bb = beta if kk == 0 else 1.0
-                if fn != 0:
+                if mkl != 0 or cblas != 0:
+                    if mkl == 0 and mr * nq * kr >= @ASK_MACS@ and blas[@STATE@] == @ASK_MAY@:
+                        blas[@STATE@] = @ASKED@  # firmware/matrix.py: load MKL after the launch
                     a_at = (ak + kk) * lda + ar + r if trans_a else (ar + r) * lda + ak + kk
                     b_at = (bc + q0) * ldb + bk + kk if trans_b else (bk + kk) * ldb + bc + q0
-                    _rt_gemm(fn, op_a, op_b, mr, nq, kr, a, a_at, lda, b, b_at, ldb, bb,
-                             c, (row + r) * ldc + col + q0, ldc)
+                    _rt_gemm(mkl, blas[@THREADS@], cblas, ta, tb, mr, nq, kr, a, a_at, lda, b,
+                             b_at, ldb, bb, c, (row + r) * ldc + col + q0, ldc)
                 else:
                     for i in range(mr):
                         for j in range(nq):
@@ -268,11 +447,16 @@ def _mma(c, a, b, row, col, k0, tm, tn, tk, beta, ta, tb, fn, abort, fault, pc, 
 
 def helper_source(preempt: int, abort_fault: int) -> str:
     """HELPER with its constants: the chunk sizes, the abort word's preemption value (a
-    preemption waits for the block; anything above it stops the tile) and the fault code
-    an abort records."""
-    return (HELPER.replace("@ROWS@", str(ROW_CHUNK)).replace("@COLS@", str(COL_CHUNK))
-            .replace("@KS@", str(K_CHUNK))
-            .replace("@PREEMPT@", str(preempt)).replace("@ABORT@", str(abort_fault)))
+    preemption waits for the block; anything above it stops the tile), the fault code
+    an abort records, and the pointer array's layout."""
+    values = {"ROWS": ROW_CHUNK, "COLS": COL_CHUNK, "KS": K_CHUNK, "PREEMPT": preempt,
+              "ABORT": abort_fault, "ASK_MACS": ASK_MKL_MACS, "STATE": STATE_AT,
+              "ASK_MAY": ASK_MAY, "ASKED": ASKED, "THREADS": THREADS_AT, "FORTRAN": FORTRAN_AT}
+    text = HELPER
+    for name, value in values.items():
+        text = text.replace(f"@{name}@", str(value))
+    return text
 
 
-__all__ = ["COL_CHUNK", "K_CHUNK", "ROW_CHUNK", "SLOT", "blas_pointers", "helper_source"]
+__all__ = ["ASK_MKL_MACS", "COL_CHUNK", "KINDS", "K_CHUNK", "ROW_CHUNK", "SLOT", "WIDTH",
+           "blas_pointers", "helper_source", "mkl_available", "mkl_library", "serve_request"]

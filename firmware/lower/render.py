@@ -424,7 +424,7 @@ class Renderer:
         """The matrix unit's call: operands, then the scalar arguments evaluated (with
         thread 0's locals; the integer ones as int64 through ``_rt_index``, which
         firmware/matrix.py's range checks rely on; the layout flags ``ta``/``tb`` 0 when
-        not written), then the BLAS entry point for the dtype."""
+        not written), then the BLAS pointer array and the dtype's slot in it."""
         out: list[str] = []
         names = [a.id for a in call.args[:3]]  # type: ignore[attr-defined]
         values = []
@@ -436,7 +436,7 @@ class Renderer:
         values += ["np.int64(0)"] * (kernel_lang.MMA_MAX_NARGS - len(call.args))
         slot = matrix.SLOT[buffer_dtype(self.k, names[0])]
         args = ([user_name(n) for n in names] + values
-                + [f"_blas[{slot}]", "abort", "fault"] + [str(self.pos_of(n)) for n in names])
+                + ["_blas", str(slot), "abort", "fault"] + [str(self.pos_of(n)) for n in names])
         return out + [f"{ind}if _mma({', '.join(args)}) != 0:", f"{ind}    {mode.stop}"]
 
     def block(self, stmts: list[ast.stmt], ind: str, writeback: list[str],

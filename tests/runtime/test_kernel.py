@@ -452,6 +452,49 @@ def test_matrix_unit_matmul_matches_numpy_and_faults_with_a_record(kdaemon):
     assert r["c_after"] == [-1], r  # c untouched
 
 
+def _maps_mkl(d) -> bool:
+    """Whether the device's firmware process has torch's library (MKL) mapped."""
+    fw_pid = int(d.debug(0, "fw_pid").read_text())
+    with open(f"/proc/{fw_pid}/maps") as f:
+        return any(line.rstrip().endswith("/libtorch_cpu.so") for line in f)
+
+
+#: One mma over the whole of c: a product of m x m x k is one BLAS call up to the chunks.
+WHOLE = '''
+def whole(a, b, c):
+    mma(c, a, b, 0, 0, 0, c.shape[0], c.shape[1], a.shape[1], 0.0)
+'''
+
+
+def test_matrix_unit_loads_mkl_only_after_a_big_product(kdaemon):
+    """Small products leave the firmware on OpenBLAS (MKL's library is not even loaded);
+    a BLAS call of ``ASK_MKL_MACS`` multiply-adds makes it load MKL (when torch is
+    installed) after the launch; products stay right on either BLAS."""
+    from firmware import matrix
+    from testkit.waiting import wait_until
+
+    def product(m: int, k: int) -> str:  # c = a @ b, [m, k] @ [k, m]
+        return f"""
+            lib = runtime.compile({WHOLE!r})
+            rng = np.random.default_rng(9)
+            a = rng.random(({m}, {k})).astype(np.float32)
+            b = rng.random(({k}, {m})).astype(np.float32)
+            c = runtime.to_device(np.full(({m}, {m}), np.nan, np.float32))
+            lib.whole[1, 1](runtime.to_device(a), runtime.to_device(b), c)
+            report(apart=misses(c.copy_to_host(), a @ b, rtol=1e-4)["apart"])
+        """
+
+    assert reports(run(kdaemon, product(128, 512))) == {"apart": 0}
+    assert not _maps_mkl(kdaemon)
+    big = product(512, matrix.ASK_MKL_MACS // (512 * 512))
+    assert reports(run(kdaemon, big)) == {"apart": 0}
+    if matrix.mkl_library() is None:  # no torch: OpenBLAS stays
+        assert not _maps_mkl(kdaemon)
+    else:
+        wait_until(lambda: _maps_mkl(kdaemon), 30, "the firmware to load MKL")
+    assert reports(run(kdaemon, big)) == {"apart": 0}  # on MKL now (when there is one)
+
+
 def test_a_device_without_a_matrix_unit_refuses_mma_modules(tmp_path):
     from testkit.daemon import Daemon
 

@@ -28,7 +28,7 @@ from firmware import jit
 from firmware.jit import INDEX_MAX, INDEX_MIN, KernelCache, KernelCompileError, KernelFault, Options
 from firmware.kernel_check import MAX_NODES, MAX_SOURCE_CHARS, SHARED_LIMIT
 from firmware.lower import MAX_BLOCK_THREADS, MAX_DIM
-from test_jit_unit import ir_of
+from test_jit_unit import BLAS_PATHS, ir_of
 
 I64_MAX = (1 << 63) - 1
 I64_MIN = -(1 << 63)
@@ -257,13 +257,12 @@ def tile_types(int_type: str) -> tuple[str, ...]:
     return ("float64[2d]",) * 3 + (int_type,) * 6 + ("float64",)
 
 
-@pytest.fixture(scope="module", params=["blas", "loops"])
-def tiles(request: pytest.FixtureRequest, cache: KernelCache,
-          cache_root: Path) -> dict[str, Any]:
+@pytest.fixture(scope="module", params=BLAS_PATHS)
+def tiles(request: pytest.FixtureRequest, cache_root: Path) -> dict[str, Any]:
     """The tile kernel with int64 and with uint64 arguments, and with both operands stored
-    transposed ("transposed", int64), on each matrix-unit path (the second KernelCache
-    loads the first one's machine code: the BLAS pointers are arguments, not code)."""
-    kc = cache if request.param == "blas" else KernelCache(cache_root, use_blas=False)
+    transposed ("transposed", int64), on each matrix-unit path (a KernelCache after the
+    first loads the first one's machine code: the BLAS pointers are arguments, not code)."""
+    kc = KernelCache(cache_root, blas=request.param)
     return {**{t: kc.get(TILE, tile_types(t), Options()) for t in ("int64", "uint64")},
             "transposed": kc.get(TILE_T, tile_types("int64"), Options())}
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from abi import kernel_lang
-from firmware import jit, kernel_check
+from firmware import jit, kernel_check, matrix
 from firmware.jit import (
     ABORT_PREEMPT,
     ABORT_WATCHDOG,
@@ -35,6 +35,13 @@ from firmware.jit import (
 )
 from testkit import REPO
 from testkit.waiting import wait_until
+
+
+#: The matrix unit's paths (firmware/matrix.py): MKL (when torch's library is installed),
+#: OpenBLAS, and the plain loops used without a BLAS.
+BLAS_PATHS = [pytest.param("mkl", marks=pytest.mark.skipif(matrix.mkl_library() is None,
+                                                           reason="no torch: no MKL")),
+              "openblas", "loops"]
 
 
 def ir_of(src: str, ndims: dict[str, int] | None = None) -> dict[str, Any]:
@@ -845,12 +852,15 @@ def _matmul(k: Any, a: np.ndarray, b: np.ndarray, c: np.ndarray, beta: float) ->
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("use_blas", [True, False], ids=["blas", "loops"])
-def test_mma_matches_numpy(cache_root: Path, dtype: str, use_blas: bool) -> None:
-    """Both matrix-unit paths (host BLAS, and the loops used without one) compute
+@pytest.mark.parametrize("blas", BLAS_PATHS)
+def test_mma_matches_numpy(cache_root: Path, dtype: str, blas: str) -> None:
+    """Every matrix-unit path (MKL, OpenBLAS, and the loops used without a BLAS) computes
     c = beta * c + a @ b over edge tiles; beta 0 ignores what c held (NaN included)."""
-    kc = KernelCache(cache_root, use_blas=use_blas)
-    assert bool(kc.blas.all()) is use_blas
+    kc = KernelCache(cache_root, blas=blas)
+    dt = matrix.SLOT[dtype]
+    uses = {"mkl": kc.blas[matrix.FORTRAN_AT + dt] != 0, "openblas": kc.blas[dt] != 0}
+    assert [k for k, on in uses.items() if on] == {"mkl": ["mkl", "openblas"],
+                                                   "openblas": ["openblas"], "loops": []}[blas]
     k = kc.get(MMA_MATMUL, _mm_types(dtype), Options())
     rng = np.random.default_rng(7)
     a, b = rng.random((70, 45)).astype(dtype), rng.random((45, 37)).astype(dtype)
@@ -901,7 +911,7 @@ def test_mma_operands_that_alias_c_read_the_old_values(cache: KernelCache) -> No
 
 
 def test_mma_sees_the_watchdog_between_chunks(cache_root: Path) -> None:
-    k = KernelCache(cache_root, use_blas=False).get(TILE, ("float64[2d]",) * 3
+    k = KernelCache(cache_root, blas="loops").get(TILE, ("float64[2d]",) * 3
                                                     + ("int64",) * 3, Options())
     n = 2048  # ~8.6e9 multiply-adds as loops: seconds, unless stopped
     a, b, c = np.ones((n, n)), np.ones((n, n)), np.zeros((n, n))
@@ -975,12 +985,12 @@ def _stored(x: np.ndarray, transposed: bool) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("use_blas", [True, False], ids=["blas", "loops"])
+@pytest.mark.parametrize("blas", BLAS_PATHS)
 def test_mma_transposed_operands_match_numpy(cache_root: Path, dtype: str,
-                                             use_blas: bool) -> None:
+                                             blas: str) -> None:
     """Every layout (a and/or b stored transposed) over edge tiles, on both paths, equals
     numpy's product of the logical operands; beta scales c as without the flags."""
-    k = KernelCache(cache_root, use_blas=use_blas).get(MMA_LAYOUTS, _layout_types(dtype),
+    k = KernelCache(cache_root, blas=blas).get(MMA_LAYOUTS, _layout_types(dtype),
                                                        Options())
     rng = np.random.default_rng(5)
     a, b, c0 = (rng.random(s).astype(dtype) for s in ((70, 45), (45, 37), (70, 37)))
@@ -995,14 +1005,12 @@ def test_mma_transposed_operands_match_numpy(cache_root: Path, dtype: str,
             np.testing.assert_allclose(c, 0.5 * c0 + a @ b, rtol=tol, err_msg=f"{ta=} {tb=}")
 
 
-@pytest.mark.parametrize("use_blas", [True, False], ids=["blas", "loops"])
-def test_mma_transposed_tiles_larger_than_a_chunk(cache_root: Path, use_blas: bool) -> None:
+@pytest.mark.parametrize("blas", BLAS_PATHS)
+def test_mma_transposed_tiles_larger_than_a_chunk(cache_root: Path, blas: str) -> None:
     """Transposed reads past the unit's row, column and k chunks (firmware/matrix.py): each
     chunk's offset into a stored-transposed operand is its own."""
-    from firmware import matrix
-
     m, n, kk = matrix.ROW_CHUNK + 44, matrix.COL_CHUNK + 76, matrix.K_CHUNK + 88
-    k = KernelCache(cache_root, use_blas=use_blas).get(MMA_LAYOUTS, _layout_types("float64"),
+    k = KernelCache(cache_root, blas=blas).get(MMA_LAYOUTS, _layout_types("float64"),
                                                        Options())
     rng = np.random.default_rng(13)
     a, b = rng.random((m, kk)), rng.random((kk, n))
@@ -1012,7 +1020,7 @@ def test_mma_transposed_tiles_larger_than_a_chunk(cache_root: Path, use_blas: bo
                                                np.int64(1), np.int64(1), np.int64(kk)],
           no_abort())
     np.testing.assert_allclose(c, a @ b, rtol=1e-10)
-    whole = KernelCache(cache_root, use_blas=use_blas).get(TILE_TA, ("float64[2d]",) * 3
+    whole = KernelCache(cache_root, blas=blas).get(TILE_TA, ("float64[2d]",) * 3
                                                            + ("int64",) * 3, Options())
     c = np.full((m, n), np.nan)  # one tile over every chunk, a transposed and b not
     whole.run(0, 1, (1, 1, 1), (1, 1, 1), [a.T.copy(), b, c, np.int64(0), np.int64(m),
@@ -1102,9 +1110,9 @@ SCALE_ONLY = ir_of("""
 """, ndims={"a": 2, "b": 2, "c": 2})
 
 
-@pytest.mark.parametrize("use_blas", [True, False], ids=["blas", "loops"])
-def test_mma_with_empty_k_only_scales_c(cache_root: Path, use_blas: bool) -> None:
-    k = KernelCache(cache_root, use_blas=use_blas).get(SCALE_ONLY, _mm_types("float64"),
+@pytest.mark.parametrize("blas", BLAS_PATHS)
+def test_mma_with_empty_k_only_scales_c(cache_root: Path, blas: str) -> None:
+    k = KernelCache(cache_root, blas=blas).get(SCALE_ONLY, _mm_types("float64"),
                                                        Options())
     a, b = np.ones((3, 4)), np.ones((4, 5))
     c = np.arange(15.0).reshape(3, 5)
@@ -1156,14 +1164,12 @@ def test_ir_shared_mem_must_match_the_shared_arrays(cache: KernelCache) -> None:
         cache.get(lying, ("float64[1d]", "float64[1d]"), Options())
 
 
-@pytest.mark.parametrize("use_blas", [True, False], ids=["blas", "loops"])
+@pytest.mark.parametrize("blas", BLAS_PATHS)
 def test_mma_tile_larger_than_a_chunk_in_every_dimension(cache_root: Path,
-                                                        use_blas: bool) -> None:
+                                                        blas: str) -> None:
     """Rows, columns and k each span several of the unit's chunks (firmware/matrix.py)."""
-    from firmware import matrix
-
     m, n, kk = matrix.ROW_CHUNK + 44, matrix.COL_CHUNK * 2 + 76, matrix.K_CHUNK + 88
-    k = KernelCache(cache_root, use_blas=use_blas).get(SCALE_ONLY_FULL, _mm_types("float64"),
+    k = KernelCache(cache_root, blas=blas).get(SCALE_ONLY_FULL, _mm_types("float64"),
                                                        Options())
     rng = np.random.default_rng(11)
     a, b, c0 = rng.random((m, kk)), rng.random((kk, n)), rng.random((m, n))
