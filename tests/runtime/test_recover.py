@@ -187,12 +187,11 @@ def test_recovery_manual_leaves_the_device_failed_until_reset(make_daemon):
 
 SURVIVES_THE_DAEMON = SPINNING + """
 x = runtime.to_device(np.arange(1024, dtype=np.float32))
-t = time.monotonic()
 try:
     s.synchronize()
     print("synchronize returned")
 except runtime.DeviceLostError as exc:
-    print("lost after", "%.2f" % (time.monotonic() - t), exc, flush=True)
+    print("lost at", repr(time.monotonic()), exc, flush=True)
 try:
     runtime.empty(16, np.float32)
 except runtime.DeviceLostError:
@@ -219,9 +218,12 @@ def test_a_client_survives_the_daemon_dying_and_recovers_once_it_is_back(make_da
     try:
         assert client.stdout.readline().strip() == "waiting"
         time.sleep(0.3)  # it is blocked in synchronize() now
+        killed_at = time.monotonic()  # CLOCK_MONOTONIC: one clock for both processes
         os.kill(d.pid, signal.SIGKILL)
         lost = client.stdout.readline().split()
-        assert lost[:2] == ["lost", "after"] and float(lost[2]) < 1.0 + 0.3, lost
+        # at once: the event pipe hangs up (no timeout stands behind it; the bound leaves
+        # a loaded host's scheduling delay room, from the kill, not from the wait's start)
+        assert lost[:2] == ["lost", "at"] and float(lost[2]) - killed_at < 2.0, lost
         assert "the driver" in " ".join(lost)
         assert client.stdout.readline().strip() == "still lost"
         d.start()  # clears the dead mount and serves again

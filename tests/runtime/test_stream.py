@@ -311,11 +311,22 @@ def test_a_host_wait_naps_only_while_an_engine_runs_the_work(daemon):
         time.sleep = sleep
         s = runtime.Stream()
         a, b = runtime.empty(64 << 20, np.uint8), runtime.empty(64 << 20, np.uint8)
-        for _ in range(5):  # a copy engine's: milliseconds (on a loaded machine the waiter
-            b.copy_(a, stream=s)  # may not run until the copy is done: then it has no
-            s.synchronize()  # reason to nap, and the next copy is tried)
+        # A copy engine's work (milliseconds), waited for once the firmware says an engine
+        # runs it (the ring's RING_ON_ENGINE word, which the waiter reads). The waiter is
+        # real-time meanwhile: on a loaded host an ordinary one's first yield can give its
+        # CPU away for longer than its 2 ms of polling, so it never reaches the nap.
+        words = s._ring.words
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        for _ in range(5):
+            b.copy_(a, stream=s)
+            until = time.monotonic() + 10
+            while not words[userq.RING_ON_ENGINE >> 3] and not s.query():
+                assert time.monotonic() < until
+                real_sleep(0.0002)
+            s.synchronize()
             if naps:
                 break
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         report(engine_naps=len(naps))
         naps.clear()
         hold(True)  # nothing runs: the wait polls for its 2 ms, then sleeps on its pipe
@@ -326,6 +337,7 @@ def test_a_host_wait_naps_only_while_an_engine_runs_the_work(daemon):
     """)
     assert r["engine_naps"] > 0 and r["held_naps"] == [], r
     assert r["completed"] == r["last_seqno"], r
+
 
 def test_fence_timeout_on_hung_device(make_daemon):
     d = make_daemon(extra=["--heartbeat-timeout", "60"])
