@@ -12,15 +12,20 @@ an engine as before.
 
 The bound is an upper bound whatever the kernel does: every statement counts its
 syntax-tree nodes once per trip of each enclosing loop, an ``if`` counts its test and the
-larger of its arms, a ``break`` or ``return`` only makes the real work smaller. A ``range``
+larger of its arms (only the arm it takes when the launch's values decide its test: a
+comparison of two values the intervals below keep apart, or of a float scalar with a
+constant, such as ``mm``'s ``if has_bias != 0`` and ``if alpha != 1.0``, whose untaken
+epilogue loops would otherwise count as much as a 256 x 400 tile's product), a ``break``
+or ``return`` only makes the real work smaller. A ``range``
 argument is bounded by interval arithmetic over the launch's signed integer scalars, the
 ids (``local_id(d)`` in ``[0, block[d] - 1]``...), constants and locals assigned once (in
 scope, before the loop) and a buffer's ``shape[d]`` (the launch's own), using ``+ - *``,
 ``//`` by a known positive value, unary minus, ``min`` and ``max``. An ``mma`` counts its
-tile's multiply-adds (``MMA_NODES_PER_MAC`` each, and ``MMA_CALL_NODES`` for the call),
-shared among the block's threads since the block issues it once: the small products of a
-training step (an MLP's 256-10 layer: 164 K multiply-adds, ~10 us of BLAS) then run
-inline instead of paying an engine's hand-off (0.14-0.31 ms each, docs/launch.md).
+tile's multiply-adds (one node per ``MACS_PER_NODE`` of them, and ``MMA_CALL_NODES``
+for the call), shared among the block's threads since the block issues it once: the
+products of a small training step (an MLP's 784-256 layer: 12.8 M multiply-adds, ~0.2 ms
+of one core's BLAS) then run inline instead of paying an engine's hand-off (0.14-0.31 ms
+and as much firmware CPU as the product itself, docs/launch.md).
 Anything else -- a ``while`` loop, an ``mma`` whose tile sizes no launch's values bound, a
 step that is not a known positive value, a bound read from memory, a float, an unsigned
 scalar, a value of magnitude ``VALUE_LIMIT`` or more, a kernel of more than
@@ -32,6 +37,7 @@ those values can wrap, so the kernel's trips are those the intervals bound.
 from __future__ import annotations
 
 import ast
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,15 +57,18 @@ WORK_LIMIT = 1 << 40
 MAX_KERNEL_NODES = 1024
 #: launch shapes and scalars a kernel's bound remembers (LoopWork._seen) before it starts over
 SEEN_LIMIT = 64
-#: An ``mma``'s work in bounded nodes: per multiply-add of its tile, and per call. One
-#: core's sgemm runs a multiply-add in 16-50 ps (a 1024 product to a 64 x 10 x 256 one),
-#: a bounded node 100-170 ps (docs/launch.md, "Looping kernels inline"), so one node per
-#: multiply-add overestimates by 2-10x: the budget then admits products up to ~3 M
-#: multiply-adds (0.05-0.15 ms of BLAS); the call's checks and BLAS's own set-up ~1-2 us.
-MMA_NODES_PER_MAC = 1
+#: An ``mma``'s work in bounded nodes: one per this many multiply-adds of its tile, and
+#: ``MMA_CALL_NODES`` per call. One core's sgemm runs a multiply-add of an MLP's 784-256
+#: products in 12-17 ps (MKL, OpenBLAS; 29 ps measured under load), a bounded node takes
+#: 100-170 ps (docs/launch.md, "Looping kernels inline"): six per node is the node's
+#: cheapest against the slowest multiply-add seen, so the budget admits products up to
+#: ~20 M multiply-adds (~0.3-0.6 ms of BLAS, as long as the budget's other launches run).
+#: The call's checks and BLAS's own set-up: ~1-2 us.
+MACS_PER_NODE = 6
 MMA_CALL_NODES = 10_000
 
 _SIGNED = frozenset({"int8", "int16", "int32", "int64"})
+_FLOATS = frozenset({"float32", "float64"})
 
 Interval = tuple[int, int]
 Fn = Callable[[dict], "Interval | None"]
@@ -71,10 +80,14 @@ class LoopWork:
     launch evaluates only the loops' bounds."""
 
     def __init__(self, plan: list, scalars: dict[str, int],
-                 shapes: dict[str, int] | None = None) -> None:
+                 shapes: dict[str, int] | None = None,
+                 floats: dict[str, int] | None = None) -> None:
         self._plan = plan
         #: signed integer scalar parameter never assigned -> its position in the values
         self._scalars = scalars
+        #: float scalar parameter never assigned that an ``if`` compares -> its position
+        #: (decides the test; never a range bound)
+        self._floats = floats or {}
         #: buffer parameter whose ``shape`` the body reads -> its position in the values
         self._shapes = shapes or {}
         #: (grid, block, those scalars) -> the bound: a launch that goes to an engine is
@@ -98,19 +111,23 @@ class LoopWork:
                 stores[n.id] = stores.get(n.id, 0) + 1
         scalars = {p: i for i, (p, t) in enumerate(zip(k.params, k.arg_types))
                    if p in k.scalars and t.dtype in _SIGNED and not stores.get(p)}
+        floats = {p: i for i, (p, t) in enumerate(zip(k.params, k.arg_types))
+                  if p in k.scalars and t.dtype in _FLOATS and not stores.get(p)}
         buffers = {p: i for p, i in k.buffers.items() if not stores.get(p)}
-        compiler = _Compiler(stores, set(scalars), set(buffers))
+        compiler = _Compiler(stores, set(scalars), set(buffers), set(floats))
         plan = compiler.stmts(k.fn.body)
         if plan is None:
             return None
-        return cls(plan, scalars, {p: buffers[p] for p in sorted(compiler.shapes_read)})
+        return cls(plan, scalars, {p: buffers[p] for p in sorted(compiler.shapes_read)},
+                   {p: floats[p] for p in sorted(compiler.floats_read)})
 
     def per_thread(self, grid: Sequence[int], block: Sequence[int],
                    values: Sequence[Any]) -> int | None:
         """An upper bound of the syntax-tree nodes one thread of this launch evaluates,
         or None when the launch's values do not bound it."""
         key = (*grid, *block, *(int(values[i]) for i in self._scalars.values()),
-               *(values[i].shape for i in self._shapes.values()))
+               *(values[i].shape for i in self._shapes.values()),
+               *(float(values[i]) for i in self._floats.values()))
         if key in self._seen:
             return self._seen[key]
         if len(self._seen) >= SEEN_LIMIT:
@@ -136,11 +153,14 @@ class LoopWork:
             v = int(values[i])
             if abs(v) < VALUE_LIMIT:  # else unknown: a range bound using it is unbounded
                 env[name] = (v, v)
+        for name, i in self._floats.items():
+            f = float(values[i])
+            env[name] = (f, f)
         return _run(self._plan, env)
 
 
 # A plan is a list of steps: an int (nodes evaluated once), ("let", name, fn),
-# ("if", nodes, body, orelse), ("for", nodes, var, start, stop, step, body, orelse),
+# ("if", nodes, body, orelse, test), ("for", nodes, var, start, stop, step, body, orelse),
 # ("mma", nodes, tm, tn, tk).
 
 
@@ -159,17 +179,20 @@ def _run(plan: list, env: dict) -> int | None:
             macs = 1
             for r in sizes:
                 macs *= max(0, r[1])  # type: ignore[index]
-            block_work = macs * MMA_NODES_PER_MAC + MMA_CALL_NODES
+            block_work = -(-macs // MACS_PER_NODE) + MMA_CALL_NODES
             total += step[1] + -(-block_work // env["threads"])  # the block issues it once
         elif kind == "let":
             r = step[2](env)
             if r is not None:
                 env[step[1]] = r
         elif kind == "if":
-            body, orelse = _run(step[2], env), _run(step[3], env)
-            if body is None or orelse is None:
+            taken = step[4](env)
+            arms = (step[2],) if taken is True else (step[3],) if taken is False \
+                else (step[2], step[3])
+            works = [_run(arm, env) for arm in arms]
+            if None in works:
                 return None
-            total += step[1] + max(body, orelse)  # one arm runs
+            total += step[1] + max(works)  # type: ignore[type-var]  # one arm runs
         else:
             _, nodes, var, start_fn, stop_fn, step_fn, body_plan, orelse_plan = step
             start, stop = start_fn(env), stop_fn(env)
@@ -196,11 +219,13 @@ class _Compiler:
     """The body as a plan: node counts, and closures for what a launch must evaluate."""
 
     def __init__(self, stores: dict[str, int], scalars: set[str],
-                 buffers: set[str]) -> None:
+                 buffers: set[str], floats: set[str]) -> None:
         self.stores = stores
         self.scalars = scalars
         self.buffers = buffers  # never assigned: their shapes are the launch's
+        self.floats = floats  # never assigned: compared by an ``if`` test only
         self.shapes_read: set[str] = set()
+        self.floats_read: set[str] = set()
 
     def stmts(self, body: list[ast.stmt]) -> list | None:
         plan: list = []
@@ -219,7 +244,7 @@ class _Compiler:
                 then, orelse = self.stmts(s.body), self.stmts(s.orelse)
                 if then is None or orelse is None:
                     return None
-                plan.append(("if", _nodes(s.test) + 1, then, orelse))
+                plan.append(("if", _nodes(s.test) + 1, then, orelse, self.test(s.test)))
             else:
                 if isinstance(s, ast.Assign) and len(s.targets) == 1 \
                         and isinstance(s.targets[0], ast.Name) \
@@ -260,6 +285,35 @@ class _Compiler:
         if any(f is None for f in sizes):
             return None
         return ("mma", _nodes(s), *sizes)
+
+    def test(self, e: ast.expr) -> Callable[[dict], bool | None]:
+        """An ``if`` test as a function of the launch's environment: True or False when
+        the launch's values decide it (a comparison of two operands whose intervals
+        settle it), else None (both arms may run)."""
+        if not (isinstance(e, ast.Compare) and len(e.ops) == 1
+                and type(e.ops[0]) in _DECIDE):
+            return _undecided
+        left, right = self.operand(e.left), self.operand(e.comparators[0])
+        if left is None or right is None:
+            return _undecided
+        decide = _DECIDE[type(e.ops[0])]
+
+        def fn(env: dict) -> bool | None:
+            a, b = left(env), right(env)
+            return None if a is None or b is None else decide(a, b)
+        return fn
+
+    def operand(self, e: ast.expr) -> Fn | None:
+        """A comparison's operand: an integer expression :meth:`expr` bounds, a float
+        scalar parameter or a finite float constant (compared exactly, never computed
+        with: float arithmetic has no intervals here)."""
+        if isinstance(e, ast.Name) and e.id in self.floats:
+            name = e.id
+            self.floats_read.add(name)
+            return lambda env: env.get(name)
+        if isinstance(e, ast.Constant) and type(e.value) is float and math.isfinite(e.value):
+            return _const(e.value)  # type: ignore[arg-type]
+        return self.expr(e)
 
     def expr(self, e: ast.AST) -> Fn | None:
         """``e``'s interval as a function of the launch's environment, or None when no
@@ -328,6 +382,38 @@ class _Compiler:
 
 
 _IDS = ("local_id", "group_id", "global_id", "local_size", "num_groups")
+
+
+def _undecided(env: dict) -> None:
+    return None
+
+
+def _less(a: Interval, b: Interval) -> bool | None:
+    """Whether every value of ``a`` is below every one of ``b`` (True), none is (False)."""
+    return True if a[1] < b[0] else False if a[0] >= b[1] else None
+
+
+def _equal(a: Interval, b: Interval) -> bool | None:
+    """Equal points (True), disjoint intervals (False); a NaN point compares unequal to
+    everything, as in the kernel."""
+    if a[0] == a[1] == b[0] == b[1]:
+        return True
+    return False if a[1] < b[0] or b[1] < a[0] or a[0] != a[0] or b[0] != b[0] else None
+
+
+def _not(r: bool | None) -> bool | None:
+    return None if r is None else not r
+
+
+#: comparison -> its decision over two intervals (True, False, or None: undecided)
+_DECIDE: dict[type, Callable[[Interval, Interval], bool | None]] = {
+    ast.Lt: _less,
+    ast.GtE: lambda a, b: _not(_less(a, b)),
+    ast.Gt: lambda a, b: _less(b, a),
+    ast.LtE: lambda a, b: _not(_less(b, a)),
+    ast.Eq: _equal,
+    ast.NotEq: lambda a, b: _not(_equal(a, b)),
+}
 
 
 def _const(v: int) -> Fn:

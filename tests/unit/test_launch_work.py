@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from firmware import jit, launches
-from firmware.launch_work import (MAX_KERNEL_NODES, MMA_CALL_NODES, MMA_NODES_PER_MAC,
+from firmware.launch_work import (MAX_KERNEL_NODES, MACS_PER_NODE, MMA_CALL_NODES,
                                    VALUE_LIMIT, LoopWork)
 from runtime.kernels import compile_module
 from torch_accel.kernels import matmul, nn, reduce
@@ -206,21 +206,22 @@ def test_an_mma_counts_its_tiles_multiply_adds_once_per_block() -> None:
         assert per is not None
         return per * threads
 
-    macs = 8 * 16 * 32  # min(n, 8) rows, 16 columns, k = n
-    assert block_work(32, 1) >= macs * MMA_NODES_PER_MAC + MMA_CALL_NODES
-    assert block_work(32, 1) - block_work(32, 64) < 64 * 8  # shared, not per thread
-    assert block_work(64, 1) - block_work(32, 1) == 8 * 16 * 32 * MMA_NODES_PER_MAC
+    macs = 8 * 16 * 36  # min(n, 8) rows, 16 columns, k = n (a multiple of MACS_PER_NODE)
+    assert block_work(36, 1) >= macs // MACS_PER_NODE + MMA_CALL_NODES
+    assert block_work(36, 1) - block_work(36, 64) < 64 * 8  # shared, not per thread
+    assert block_work(72, 1) - block_work(36, 1) == macs // MACS_PER_NODE
     wider = np.empty((8, 32), np.float32)  # another shape: bounded again, not remembered
-    assert lw.per_thread(ONE, (1, 1, 1), [wider, None, None, np.int64(32)]) \
-        == block_work(32, 1) + macs * MMA_NODES_PER_MAC
+    assert lw.per_thread(ONE, (1, 1, 1), [wider, None, None, np.int64(36)]) \
+        == block_work(36, 1) + macs // MACS_PER_NODE
 
 
-def _mm_inline_work(m: int, n: int, k: int) -> int | None:
-    """torch_accel's ``mm`` launch of an [m, n] product over k, as matmul.py makes it."""
+def _mm_inline_work(m: int, n: int, k: int, bias: bool) -> int | None:
+    """torch_accel's ``mm`` launch of an [m, n] product over k, as matmul.py makes it
+    (with a bias row, as ``linear``'s forward, or without, as a backward's products)."""
     config = matmul._config(m, n, k, 2)
     values = [np.empty((m, n), np.float32), np.empty((m, k), np.float32),
               np.empty((k, n), np.float32), np.float64(0), np.float64(1), np.int64(0),
-              np.int64(0), np.int64(k), np.empty(n, np.float32), np.int64(1),
+              np.int64(0), np.int64(k), np.empty(n, np.float32), np.int64(bias),
               np.int64(config.tile_m), np.int64(config.tile_n)]
     types = ("float32[2d]",) * 3 + ("float64",) * 2 + ("int64",) * 3 + ("float32[1d]",) \
         + ("int64",) * 3
@@ -228,18 +229,68 @@ def _mm_inline_work(m: int, n: int, k: int) -> int | None:
                         (config.threads, 1, 1), values)
 
 
-@pytest.mark.parametrize("m, n, k, inline", [
-    (64, 10, 256, True),    # an MLP's 256-10 layer: forward,
-    (64, 256, 10, True),    # the input's gradient
-    (10, 256, 64, True),    # and the weight's
-    (64, 256, 784, False),  # the 784-256 layer's products: 12.8 M multiply-adds each
-    (256, 784, 64, False),
-    (1024, 1024, 1024, False),
+@pytest.mark.parametrize("m, n, k, bias, inline", [
+    (64, 10, 256, True, True),     # an MLP's 256-10 layer: forward,
+    (64, 256, 10, False, True),    # the input's gradient
+    (10, 256, 64, False, True),    # and the weight's
+    (64, 256, 784, True, True),    # the 784-256 layer's: 12.8 M multiply-adds each,
+    (256, 784, 64, False, True),   # ~0.2 ms of one core's BLAS
+    (256, 784, 64, True, False),   # ...but not with a 200 K-element bias epilogue
+    (256, 256, 784, False, False),  # 51 M multiply-adds
+    (1024, 1024, 1024, False, False),
 ])
 def test_small_products_run_inline_and_large_ones_on_an_engine(m: int, n: int, k: int,
+                                                              bias: bool,
                                                               inline: bool) -> None:
-    """A product of ~10 us of BLAS no longer pays an engine's hand-off (0.14-0.31 ms);
-    one of 12.8 M multiply-adds still goes to an engine, off the control loop."""
-    work = _mm_inline_work(m, n, k)
+    """A product of up to ~0.2 ms of BLAS no longer pays an engine's hand-off (0.14-0.31
+    ms, and as much firmware CPU as the product); one of 51 M multiply-adds still goes to
+    an engine, off the control loop. The bias epilogue counts only when there is a bias
+    (the launch's ``has_bias`` decides its ``if``)."""
+    work = _mm_inline_work(m, n, k, bias)
     assert work is not None
     assert (work <= launches.INLINE_WORK) is inline, (m, n, k, work)
+
+
+DECIDED = """
+def scale(x, n: 'int64', flag: 'int64', alpha: 'float64'):
+    if flag != 0:
+        for j in range(n):
+            x[j] = x[j] * alpha
+    if alpha != 1.0:
+        for j in range(n):
+            x[j] = x[j] * alpha
+"""
+
+
+@pytest.mark.parametrize("flag, alpha, loops", [
+    (0, 1.0, 0), (1, 1.0, 1), (0, 0.5, 1), (1, 0.5, 2), (0, float("nan"), 1)])
+def test_an_if_the_launchs_values_decide_counts_only_its_taken_arm(flag: int, alpha: float,
+                                                                    loops: int) -> None:
+    """An integer scalar against a constant, a float scalar against one (NaN differs from
+    everything): the untaken arm's loop is not counted, the taken one is."""
+    lw = work_of(DECIDED, ("float32[1d]", "int64", "int64", "float64"))
+    assert lw is not None
+
+    def work(n: int, flag: int, alpha: float) -> int | None:
+        return lw.per_thread(ONE, (1, 1, 1), [None, np.int64(n), np.int64(flag),
+                                              np.float64(alpha)])
+
+    none, long = work(1000, flag, alpha), work(2000, flag, alpha)
+    assert none is not None and long is not None
+    per_loop = work(2000, 1, 1.0) - work(1000, 1, 1.0)  # type: ignore[operator]
+    assert per_loop > 1000
+    assert long - none == loops * per_loop
+
+
+def test_an_if_no_launch_decides_counts_its_larger_arm() -> None:
+    """A test on a thread's id differs between threads: both arms stay possible."""
+    lw = work_of("""
+def k(x, n: 'int64'):
+    if local_id(0) == 0:
+        for j in range(n):
+            x[j] = 0.0
+""", ("float32[1d]", "int64"))
+    assert lw is not None
+    small = lw.per_thread(ONE, (64, 1, 1), [None, np.int64(10)])
+    big = lw.per_thread(ONE, (64, 1, 1), [None, np.int64(1000)])
+    assert small is not None and big is not None and big - small >= 990
