@@ -64,6 +64,12 @@ _new_packet = tuple.__new__
 _INLINE_KIND = {Op.LAUNCH: "compute", Op.COPY: "copy", Op.MEMSET: "copy", Op.PREFETCH: "copy"}
 #: each kind's busy counter
 _BUSY_COUNTER = {kind: f"{kind}_busy_ns" for kind in set(_INLINE_KIND.values())}
+#: Packets whose inline end the fence may publish with the rest of their turn's run
+#: (``_publish_ended``): what they do is memory a process reads once the fence says they
+#: ended, never a word it waits on instead of the fence (a WRITE_VALUE's) or a state of
+#: the ring (a wait's). A context under an adversarial schedule completes each packet as
+#: it ends (its record of where a fault would hit follows each completion).
+_DEFERRED = frozenset((Op.LAUNCH, Op.NOP, Op.COPY, Op.MEMSET))
 
 
 class Scheduler:
@@ -314,8 +320,19 @@ class Scheduler:
         try:
             return self._take_turn(ring, left, work)
         finally:
+            self._publish_ended(ring)
             self.kernels.end_turn()
             self._charge_turn(ring)
+
+    def _publish_ended(self, ring: Ring) -> None:
+        """The fence passes the turn's run of packets that ended inline (``Ring.stamp``):
+        one completion -- its lock, barrier, interrupt check and count -- for the run, not
+        one per packet. Called at the turn's end and before anything else of the ring a
+        waiter can see (a fault, a hand-off to an engine, a wait, a written value), so
+        every state of the ring's words a waiter can read was one it could read before:
+        only the fence lags, by at most the turn (``TURN_NS``)."""
+        if ring.ended > ring.fence:
+            self.complete(ring, ring.ended, _ENDED)
 
     def _charge_turn(self, ring: Ring) -> None:
         """The turn's inline engine time, to the counters and to the ring's context."""
@@ -385,6 +402,9 @@ class Scheduler:
         """Begin one packet, ``words`` as the ring holds it (``userq.RAW_PACKET``). True if
         it finished inline (the ring may go on)."""
         opcode = words[0]
+        deferred = opcode in _DEFERRED and ring.ctx.adversary is None
+        if not deferred:  # what it does may be seen: the packets before it first
+            self._publish_ended(ring)
         start_ns = monotonic_ns()  # the clock of perf_counter too, so also the busy time's
         if ring.faulted:
             self.complete(ring, seqno, Completion(errno.ECANCELED, start_ns, start_ns))
@@ -401,11 +421,15 @@ class Scheduler:
         else:
             if job is None:
                 end_ns = monotonic_ns()
-                self.complete(ring, seqno, Completion(0, start_ns, end_ns))
+                if deferred:
+                    ring.stamp(seqno, end_ns)
+                else:
+                    self.complete(ring, seqno, Completion(0, start_ns, end_ns))
                 kind = _INLINE_KIND.get(opcode)
                 if kind is not None:
                     self._turn_busy[kind] += end_ns - start_ns
                 return True
+            self._publish_ended(ring)
             if job is _BLOCKED:
                 return False
             if job is PARKED:
@@ -414,6 +438,7 @@ class Scheduler:
             ring.on_engine(True)
             (self.compute if opcode == Op.LAUNCH else self.copy).submit(ring.priority, job)
             return False
+        self._publish_ended(ring)
         self.complete(ring, seqno, Completion.failed(seqno, opcode, code, addr, start_ns,
                                                      monotonic_ns()))
         return True
@@ -492,3 +517,5 @@ class Scheduler:
 
 #: Published packets of a ring that had faulted: they never run.
 _CANCELLED = Completion(errno.ECANCELED, 0, 0)
+#: A turn's run of packets that ended inline, each timestamped already (``Ring.stamp``).
+_ENDED = Completion(0, 0, 0)
