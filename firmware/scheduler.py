@@ -246,11 +246,12 @@ class Scheduler:
         loss (the doorbell page's "lost" word, ENODEV), so packets rung after it never
         start, even while the loss's message waits behind others on the mailbox."""
         done = self.user_taken = 0
-        if not (self.hung or self.held):
-            for ring in [r for r in self.active if r.ctx.dropped()]:
-                self.active.pop(ring, None)
-            for ring in [r for r in self.active if self._nothing_to_take(r)]:
-                self._set_aside(ring)  # not looked at this pass
+        if self.active and not (self.hung or self.held):
+            for ring in list(self.active):
+                if ring.ctx.dropped():
+                    self.active.pop(ring, None)
+                elif self._nothing_to_take(ring):
+                    self._set_aside(ring)  # not looked at this pass
             #: what each ring that had a turn may still take this pass: packets, work done
             budget: dict[Ring, tuple[int, int]] = {}
             while (ring := self._next_turn(budget)) is not None:
@@ -335,7 +336,12 @@ class Scheduler:
             self.complete(ring, ring.ended, _ENDED)
 
     def _charge_turn(self, ring: Ring) -> None:
-        """The turn's inline engine time, to the counters and to the ring's context."""
+        """The turn's inline launches and engine time, to the counters and to the ring's
+        context."""
+        kernels = self.kernels
+        if kernels.inline_launches:
+            self.tally.add("launches", kernels.inline_launches)
+            kernels.inline_launches = 0
         busy = self._turn_busy
         for kind, ns in busy.items():
             if ns:
@@ -356,7 +362,8 @@ class Scheduler:
             done += 1
             if not self._start(ring, seqno, pkt):
                 return done
-        while done < left and ring.ready() and not kernels.turn_spent() \
+        while done < left and ring.taken < ring.published and not ring.busy \
+                and not kernels.turn_spent() \
                 and (done == 0 or monotonic_ns() < deadline):
             if ring.blocked is not None:
                 if not self._unblocked(ring):
