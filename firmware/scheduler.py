@@ -22,7 +22,10 @@ A packet is validated against its context's address space when it runs; a bad on
 packets complete as cancelled without running, and nothing else is touched. However a
 packet ends -- inline, on an engine, cancelled -- it ends through :meth:`Scheduler.complete`
 with a :class:`~firmware.rings.Completion`, which writes it back, counts it and raises the
-waiter's interrupt.
+waiter's interrupt. A turn's run of packets that end inline (launches, no-ops, small
+copies) ends through one such call: each is timestamped as it ends (``Ring.stamp``), and
+the fence passes the run at the turn's end or before anything else of the ring shows
+(``_publish_ended``).
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ BATCH = 64
 #: A ring's turn ends once the control loop has spent this long on it (ns), and the next
 #: turn goes to the context that has had the least of the loop's time: the quantum is the
 #: longest a bystander's packet waits behind another tenant's inline work (plus the packet
-#: being run, which is bounded by ``launches.INLINE_WORK``).
+#: being run, which is bounded by ``launches.INLINE_WORK``). A ring alone on the loop
+#: keeps its turn while nothing new comes (``_turn_goes_on``).
 TURN_NS = 20_000
 
 #: What a packet's start returns when its ring now waits for another queue's fence.
