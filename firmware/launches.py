@@ -97,6 +97,9 @@ class Kernels:
         #: ring's turn of a pass ends once it reaches INLINE_WORK, so that one ring of
         #: large inline launches holds the others (and higher priorities) one launch long
         self.inline_work = 0
+        #: inline launches run in the current ring's turn: counted once per turn
+        #: (the scheduler's ``_charge_turn``), not per launch
+        self.inline_launches = 0
         self._counters = counters
         self._wake = wake  # the scheduler's: a parked launch's module is ready
         self._jit_cache_dir = jit_cache_dir
@@ -190,7 +193,6 @@ class Kernels:
             if type(bound) is EngineBound:
                 return self._to_engines(sched, ring, seqno, bound, None, start_ns)
             self._run_inline(bound)
-            sched.tally.add("launches")
             return None
         name, kir = mod.kernels[index]
         static = kir.get("shared_mem", 0)
@@ -227,7 +229,6 @@ class Kernels:
                     managed.migrate(sched.residency, pages)
             if pages is None:  # managed pages migrate per launch: those bind every time
                 self._remember(mod, (index, raw, grid_w, block_w, dynamic), bound)
-            sched.tally.add("launches")
             return None
         engine = EngineBound(generation, name, kir, types, values, buffers, grid, block,
                              dynamic, kernel, options, nblocks)
@@ -309,6 +310,7 @@ class Kernels:
             raise memory.Fault(addr, code) from None
         if abort[0] > deadlines.preempt:  # the ring faults: the rest of its turn cancels
             raise memory.Fault(0, errno.ETIMEDOUT)
+        self.inline_launches += 1
 
 
 class Bound(NamedTuple):

@@ -94,6 +94,9 @@ class Ring(userq.RingView):
         #: the fence as this firmware wrote it: the word in the ring is the process's
         #: memory, which it may overwrite (the ring's closing and unmaps go by this one)
         self.fence = self.taken
+        #: the last packet that ended inline in the current turn, timestamped but behind
+        #: the fence until the scheduler publishes the turn's run of them (``stamp``)
+        self.ended = self.taken
 
     @property
     def completed(self) -> int:
@@ -151,6 +154,12 @@ class Ring(userq.RingView):
         if wptr > self.taken:
             self.taken = wptr
             self.set(userq.RING_RPTR, wptr)
+
+    def stamp(self, seqno: int, end_ns: int) -> None:
+        """``seqno`` ended well at ``end_ns``: its timestamp now, the fence later (the
+        scheduler's ``_publish_ended``, once for a turn's run of such packets)."""
+        self.words[_TIMESTAMPS + (seqno - 1) % userq.RING_SLOTS] = end_ns
+        self.ended = seqno
 
     def complete(self, seqno: int, c: Completion) -> int:
         """Publish that the packets up to ``seqno`` ended as ``c`` says: timestamp, first

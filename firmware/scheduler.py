@@ -22,7 +22,10 @@ A packet is validated against its context's address space when it runs; a bad on
 packets complete as cancelled without running, and nothing else is touched. However a
 packet ends -- inline, on an engine, cancelled -- it ends through :meth:`Scheduler.complete`
 with a :class:`~firmware.rings.Completion`, which writes it back, counts it and raises the
-waiter's interrupt.
+waiter's interrupt. A turn's run of packets that end inline (launches, no-ops, small
+copies) ends through one such call: each is timestamped as it ends (``Ring.stamp``), and
+the fence passes the run at the turn's end or before anything else of the ring shows
+(``_publish_ended``).
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ BATCH = 64
 #: A ring's turn ends once the control loop has spent this long on it (ns), and the next
 #: turn goes to the context that has had the least of the loop's time: the quantum is the
 #: longest a bystander's packet waits behind another tenant's inline work (plus the packet
-#: being run, which is bounded by ``launches.INLINE_WORK``).
+#: being run, which is bounded by ``launches.INLINE_WORK``). A ring alone on the loop
+#: keeps its turn while nothing new comes (``_turn_goes_on``).
 TURN_NS = 20_000
 
 #: What a packet's start returns when its ring now waits for another queue's fence.
@@ -64,6 +68,17 @@ _new_packet = tuple.__new__
 _INLINE_KIND = {Op.LAUNCH: "compute", Op.COPY: "copy", Op.MEMSET: "copy", Op.PREFETCH: "copy"}
 #: each kind's busy counter
 _BUSY_COUNTER = {kind: f"{kind}_busy_ns" for kind in set(_INLINE_KIND.values())}
+#: Packets whose inline end the fence may publish with the rest of their turn's run
+#: (``_publish_ended``): what they do is memory a process reads once the fence says they
+#: ended, never a word it waits on instead of the fence (a WRITE_VALUE's) or a state of
+#: the ring (a wait's). A context under an adversarial schedule completes each packet as
+#: it ends (its record of where a fault would hit follows each completion).
+_DEFERRED = frozenset((Op.LAUNCH, Op.NOP, Op.COPY, Op.MEMSET))
+
+
+def _no_news() -> bool:
+    """A pass's ``interrupted`` when nothing can interrupt it (a test's, a bench's)."""
+    return False
 
 
 class Scheduler:
@@ -109,6 +124,9 @@ class Scheduler:
         #: default queues (SUBMIT_NOOP): what can saturate the control loop
         #: (host_cpu.Boost)
         self.user_taken = 0
+        #: the running pass's ``interrupted`` (``poll``): what ends a turn that would
+        #: otherwise go on (``_turn_goes_on``)
+        self._interrupted: Callable[[], bool] = _no_news
 
     # --- wake-ups --------------------------------------------------------------------------
     @property
@@ -221,7 +239,7 @@ class Scheduler:
         ring.take_through(wptr)
         self.complete(ring, max(wptr, ring.fence), c)
 
-    def poll(self, interrupted: Callable[[], bool] = lambda: False) -> int:
+    def poll(self, interrupted: Callable[[], bool] = _no_news) -> int:
         """Run or dispatch what can go now, up to the published write pointers; return how
         many packets were taken. Ends the pass: what it (and publish) counted is merged
         into the counters.
@@ -240,11 +258,13 @@ class Scheduler:
         loss (the doorbell page's "lost" word, ENODEV), so packets rung after it never
         start, even while the loss's message waits behind others on the mailbox."""
         done = self.user_taken = 0
-        if not (self.hung or self.held):
-            for ring in [r for r in self.active if r.ctx.dropped()]:
-                self.active.pop(ring, None)
-            for ring in [r for r in self.active if self._nothing_to_take(r)]:
-                self._set_aside(ring)  # not looked at this pass
+        self._interrupted = interrupted
+        if self.active and not (self.hung or self.held):
+            for ring in list(self.active):
+                if ring.ctx.dropped():
+                    self.active.pop(ring, None)
+                elif self._nothing_to_take(ring):
+                    self._set_aside(ring)  # not looked at this pass
             #: what each ring that had a turn may still take this pass: packets, work done
             budget: dict[Ring, tuple[int, int]] = {}
             while (ring := self._next_turn(budget)) is not None:
@@ -314,11 +334,27 @@ class Scheduler:
         try:
             return self._take_turn(ring, left, work)
         finally:
+            self._publish_ended(ring)
             self.kernels.end_turn()
             self._charge_turn(ring)
 
+    def _publish_ended(self, ring: Ring) -> None:
+        """The fence passes the turn's run of packets that ended inline (``Ring.stamp``):
+        one completion -- its lock, barrier, interrupt check and count -- for the run, not
+        one per packet. Called at the turn's end and before anything else of the ring a
+        waiter can see (a fault, a hand-off to an engine, a wait, a written value), so
+        every state of the ring's words a waiter can read was one it could read before:
+        only the fence lags, by at most the turn (``TURN_NS``)."""
+        if ring.ended > ring.fence:
+            self.complete(ring, ring.ended, _ENDED)
+
     def _charge_turn(self, ring: Ring) -> None:
-        """The turn's inline engine time, to the counters and to the ring's context."""
+        """The turn's inline launches and engine time, to the counters and to the ring's
+        context."""
+        kernels = self.kernels
+        if kernels.inline_launches:
+            self.tally.add("launches", kernels.inline_launches)
+            kernels.inline_launches = 0
         busy = self._turn_busy
         for kind, ns in busy.items():
             if ns:
@@ -339,8 +375,12 @@ class Scheduler:
             done += 1
             if not self._start(ring, seqno, pkt):
                 return done
-        while done < left and ring.ready() and not kernels.turn_spent() \
-                and (done == 0 or monotonic_ns() < deadline):
+        while done < left and ring.taken < ring.published and not ring.busy \
+                and not kernels.turn_spent():
+            if done and monotonic_ns() >= deadline:
+                if not self._turn_goes_on(ring):
+                    break
+                deadline = monotonic_ns() + TURN_NS
             if ring.blocked is not None:
                 if not self._unblocked(ring):
                     break
@@ -354,6 +394,19 @@ class Scheduler:
         if ring.blocked is not None and not ring.busy and self._unblocked(ring):
             done += 1
         return done
+
+    def _turn_goes_on(self, ring: Ring) -> bool:
+        """The turn's ``TURN_NS`` is up: it goes on for another while its ring is the
+        only one on ``active`` (the next turn would be its own) and the pass has no news
+        (``poll``'s ``interrupted``: a doorbell or a message ends the turn, as it ends the
+        pass), with its run of ended packets published now, so the fence still lags by
+        at most ``TURN_NS``. Another turn of the same ring cost ~3 us (the completion, the
+        watchdog's disarming and arming, the charge, the turn's choice) and came every two
+        or three small launches of a flood."""
+        if len(self.active) != 1 or self._interrupted():
+            return False
+        self._publish_ended(ring)
+        return True
 
     def _unblocked(self, ring: Ring) -> bool:
         """Complete the ring's wait (firmware/waits.py) if it is over, or failed (a value
@@ -385,6 +438,9 @@ class Scheduler:
         """Begin one packet, ``words`` as the ring holds it (``userq.RAW_PACKET``). True if
         it finished inline (the ring may go on)."""
         opcode = words[0]
+        deferred = opcode in _DEFERRED and ring.ctx.adversary is None
+        if not deferred:  # what it does may be seen: the packets before it first
+            self._publish_ended(ring)
         start_ns = monotonic_ns()  # the clock of perf_counter too, so also the busy time's
         if ring.faulted:
             self.complete(ring, seqno, Completion(errno.ECANCELED, start_ns, start_ns))
@@ -401,11 +457,15 @@ class Scheduler:
         else:
             if job is None:
                 end_ns = monotonic_ns()
-                self.complete(ring, seqno, Completion(0, start_ns, end_ns))
+                if deferred:
+                    ring.stamp(seqno, end_ns)
+                else:
+                    self.complete(ring, seqno, Completion(0, start_ns, end_ns))
                 kind = _INLINE_KIND.get(opcode)
                 if kind is not None:
                     self._turn_busy[kind] += end_ns - start_ns
                 return True
+            self._publish_ended(ring)
             if job is _BLOCKED:
                 return False
             if job is PARKED:
@@ -414,6 +474,7 @@ class Scheduler:
             ring.on_engine(True)
             (self.compute if opcode == Op.LAUNCH else self.copy).submit(ring.priority, job)
             return False
+        self._publish_ended(ring)
         self.complete(ring, seqno, Completion.failed(seqno, opcode, code, addr, start_ns,
                                                      monotonic_ns()))
         return True
@@ -492,3 +553,5 @@ class Scheduler:
 
 #: Published packets of a ring that had faulted: they never run.
 _CANCELLED = Completion(errno.ECANCELED, 0, 0)
+#: A turn's run of packets that ended inline, each timestamped already (``Ring.stamp``).
+_ENDED = Completion(0, 0, 0)

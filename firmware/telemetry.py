@@ -40,10 +40,14 @@ class Counters:
             self._values[name] = max(self._values[name], value)
 
     def merge(self, deltas: dict[str, int]) -> None:
-        """Add every count of ``deltas`` in one step."""
-        with self._lock:
+        """Add every count of ``deltas`` in one step (the control loop's, once a pass)."""
+        values, lock = self._values, self._lock
+        lock.acquire()  # not ``with``: twice the cost, on every pass
+        try:
             for name, n in deltas.items():
-                self._values[name] += n
+                values[name] += n
+        finally:
+            lock.release()
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

@@ -103,8 +103,22 @@ class Device:
         self.sched.complete = complete  # type: ignore[method-assign]
 
     def ended(self, q: Queue) -> dict[int, Completion]:
+        """Each packet's end by seqno. A turn's run of packets that ended inline is one
+        completion with no time of its own (``Ring.stamp``): each of its packets is told
+        here by its timestamp in the ring, as its start and end."""
         with self._lock:
-            return {s: c for r, s, c, _ in self.completions if r is q.ring}
+            calls = [(s, c) for r, s, c, _ in self.completions if r is q.ring]
+        out: dict[int, Completion] = {}
+        fence = 0
+        for seqno, c in calls:
+            if c.end_ns == 0 and c.status == 0:  # a run: every packet it passed
+                for k in range(fence + 1, seqno + 1):
+                    ts = q.prod.timestamp(k)
+                    out[k] = Completion(0, ts, ts)
+            else:
+                out[seqno] = c
+            fence = max(fence, seqno)
+        return out
 
     def engine_done(self, q: Queue) -> set[int]:
         with self._lock:
@@ -446,8 +460,9 @@ def test_the_higher_priority_ring_is_taken_first(device, ctx):
     high.submit(*[packet(Op.NOP)] * 10)
     start = len(device.completions)
     device.step()
-    order = [r.id for r, *_ in device.completions[start:]]
-    assert order == [2] * 10 + [1] * 10
+    order = [r.id for r, *_ in device.completions[start:]]  # a run per turn, or per
+    assert order == sorted(order, reverse=True) and set(order) == {1, 2}  # TURN_NS of it
+    assert high.prod.timestamp(10) <= low.prod.timestamp(1)  # the high ring's ran first
 
 
 class _Gate(Job):
@@ -1157,3 +1172,151 @@ def test_a_replayed_fault_comes_at_its_packet_and_holds_the_context_until_answer
     adv.fault_answered()
     device.run_until(lambda: 1 in device.ended(q1))
     assert fired == [fault]  # once
+
+
+# --- a turn's run of inline ends, published once ---------------------------------------
+
+def _calls(device: Device, q: Queue, since: int) -> list[tuple[int, int, int | None]]:
+    """The completion calls of ``q`` since index ``since``: (seqno, status, faulting seqno)."""
+    return [(s, c.status, c.fault and c.fault[0])
+            for r, s, c, _ in device.completions[since:] if r is q.ring]
+
+
+@pytest.mark.timeout(240)
+def test_a_fault_mid_run_publishes_the_run_first_then_faults_and_cancels_the_rest(device, ctx):
+    """Launches before a faulting packet end well, published as one run before the
+    fault's own completion (a waiter never sees the fault record ahead of the fence over
+    the packets before it); the packets after it are cancelled, unrun."""
+    q, x, _ = _compiled_fill(device, ctx, 7, 64, 2.5)
+    x[:] = 0
+    good = userq.RAW_PACKET.pack(*q.prod.read_packet(1))  # the compiling launch's packet
+    since, before = len(device.completions), device.counters.snapshot()
+    w = q.submit(good, good, packet(Op.NOP, flags=1), good, packet(Op.NOP))
+    device.step()
+    assert q.ring.fence == w == 6 and (x == 2.5).all()
+    calls = _calls(device, q, since)  # a run per TURN_NS: one or more before the fault
+    assert calls[-3:] == [(4, errno.EINVAL, 4), (5, errno.ECANCELED, None),
+                          (6, errno.ECANCELED, None)]
+    assert calls[-4] == (3, 0, None) and all(c[1:] == (0, None) for c in calls[:-3])
+    assert q.prod.read_fault() == (4, errno.EINVAL, Op.NOP, 0)
+    ended = device.ended(q)
+    assert [ended[s].status for s in (2, 3)] == [0, 0]
+    assert 0 < q.prod.timestamp(2) <= q.prod.timestamp(3) <= ended[4].end_ns
+    counts = moved(device, before)
+    assert {k: counts.get(k) for k in ("packets", "faults", "launches")} == \
+        {"packets": 5, "faults": 1, "launches": 2}
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_in_a_run_publishes_the_packets_before_it_and_a_written_value_follows_them(
+        device, ctx, monkeypatch):
+    """The packets before a WAIT_VALUE are published when the ring blocks, not when the
+    wait ends; a WRITE_VALUE's word is written only once the fence passed every packet
+    before it (the host may read the word instead of the fence)."""
+    from firmware import waits
+
+    q = ctx.queue(1)
+    word = ctx.mem[64:72].view(np.uint64)
+    word[0] = 0
+    fence_at_write: list[int] = []
+    real_write = waits.write_value
+
+    def write_value(ring: Ring, pkt: userq.WriteValue) -> None:
+        fence_at_write.append(q.prod.completed)
+        real_write(ring, pkt)
+    monkeypatch.setattr(waits, "write_value", write_value)
+    w = q.submit(packet(Op.NOP), packet(Op.NOP),
+                 packet(Op.WAIT_VALUE, VA + 64, 1, 8, userq.WAIT_VALUE_GEQ, 0),
+                 packet(Op.NOP), packet(Op.NOP),
+                 packet(Op.WRITE_VALUE, VA + 128, 0x5EED, 4), packet(Op.NOP))
+    device.step()
+    assert (q.ring.fence, q.prod.completed) == (2, 2) and q.ring.blocked is not None
+    word[0] = 1
+    device.run_until(lambda: q.ring.fence == w)
+    assert fence_at_write == [5]
+    assert int(ctx.mem[128:132].view(np.uint32)[0]) == 0x5EED
+    ended = device.ended(q)
+    assert all(ended[s].status == 0 for s in range(1, w + 1))
+    check_written_back(q, ended)
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_rings_turn_goes_on_publishing_its_run_every_turns_time(device, ctx,
+                                                                       monkeypatch):
+    """A ring alone on the loop keeps its turn past TURN_NS, its run published each time
+    the turn's time is up (here every packet: TURN_NS 0); with a second ring active the
+    turns alternate as before."""
+    from firmware import scheduler
+
+    monkeypatch.setattr(scheduler, "TURN_NS", 0)
+    q = ctx.queue(1)
+    since = len(device.completions)
+    q.submit(*[packet(Op.NOP)] * 5)
+    turns = 0
+    real = device.sched._poll_ring
+
+    def poll_ring(*a: object) -> int:
+        nonlocal turns
+        turns += 1
+        return real(*a)
+    monkeypatch.setattr(device.sched, "_poll_ring", poll_ring)
+    device.step()
+    assert q.ring.fence == 5 and turns == 1
+    assert [s for s, _, _ in _calls(device, q, since)] == [1, 2, 3, 4, 5]
+    a, b = ctx.queue(2), ctx.queue(3)
+    turns = 0
+    a.submit(*[packet(Op.NOP)] * 3)
+    b.submit(*[packet(Op.NOP)] * 3)
+    device.step()
+    assert (a.ring.fence, b.ring.fence) == (3, 3)
+    assert turns > 2  # not each ring's three in a turn of its own: the turns alternated
+
+
+@pytest.mark.timeout(60)
+def test_news_ends_a_lone_rings_turn_and_a_higher_priority_ring_goes_next(device, ctx,
+                                                                         monkeypatch):
+    """A higher-priority ring rung while a low one runs alone: the pass's news ends the
+    low ring's turn (its run so far published), and the next pass runs the high ring's
+    packets before the rest of the low one's."""
+    from firmware import scheduler
+
+    monkeypatch.setattr(scheduler, "TURN_NS", 0)
+    low, high = ctx.queue(1, priority=0), ctx.queue(2, priority=1)
+    low.submit(*[packet(Op.NOP)] * 20)
+    news = []
+
+    def interrupted() -> bool:  # the doorbell rings after the low ring's first packet
+        if not news:
+            news.append(high.submit(*[packet(Op.NOP)] * 3))
+        return True
+    device.sched.scan_doorbells()
+    device.sched.publish()
+    device.sched.poll(interrupted)
+    assert low.ring.fence == low.prod.completed == 1 and high.ring.fence == 0
+    device.step()
+    device.run_until(lambda: low.ring.fence == 20)
+    assert high.ring.fence == 3
+    assert high.prod.timestamp(3) <= low.prod.timestamp(2)
+
+
+@pytest.mark.timeout(60)
+def test_a_held_scheduler_takes_nothing_and_its_release_publishes_each_run(device, ctx):
+    """sched_hold: nothing is taken or published while held; released, the queue's
+    packets end in order, their fence moving once per run, each packet timestamped."""
+    q = ctx.queue(1)
+    since = len(device.completions)
+    device.sched.held = True
+    try:
+        w = q.submit(*[packet(Op.NOP)] * 10)
+        device.step()
+        device.step()
+        assert (q.ring.taken, q.ring.fence, q.prod.completed) == (0, 0, 0)
+    finally:
+        device.sched.held = False
+    device.step()
+    assert q.ring.fence == q.prod.completed == w
+    calls = _calls(device, q, since)  # one run, or one per TURN_NS on a loaded machine
+    assert calls[-1] == (w, 0, None) and len(calls) <= w
+    assert all(c[1:] == (0, None) for c in calls) and calls == sorted(calls)
+    stamps = [q.prod.timestamp(s) for s in range(1, w + 1)]
+    assert 0 < stamps[0] and stamps == sorted(stamps)
