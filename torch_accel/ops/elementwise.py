@@ -102,8 +102,15 @@ def _binary_key(op: Binary, a: Any, b: Any, alpha: Any, in_place: bool
     device = a.get_device()  # (-1 off accel: a CPU 0-d tensor's ``a``)
     if device < 0:
         return None
-    return device, ((Binary, op, type(alpha), alpha, in_place, tensors) if b_tensor else
-                    (Binary, op, type(alpha), alpha, in_place, tensors, type(b), b))
+    return device, ((Binary, op, type(alpha), _signed(alpha), in_place, tensors) if b_tensor
+                    else (Binary, op, type(alpha), _signed(alpha), in_place, tensors, type(b),
+                          _signed(b)))
+
+
+def _signed(x: Any) -> Any:
+    """A number as a key: a float zero by its sign too (``-0.0 == 0.0``, but a plan made
+    for one writes the other's signs)."""
+    return x if x or type(x) is not float else repr(x)
 
 
 def _binary_planned(op: Binary, a: Any, b: Any, alpha: Any,
