@@ -22,7 +22,9 @@
 //     the dispatch keys; autocast's fallthrough and casting lists.
 //   * the attention backend choice F.scaled_dot_product_attention asks a DispatchStub for.
 //   * for speed only, the launch plans' helpers (a key, a result, the buffers: plain CPython
-//     functions, every planned operator calls them; they decide nothing).
+//     functions, every planned operator calls them; they decide nothing), and the kernels
+//     of add, sub, mul and div, which launch a call's plan themselves (Python makes the
+//     plans and answers every other call).
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
@@ -933,6 +935,16 @@ struct HotOp {
 HotOp g_hot[kHotOps];
 PyObject* g_hot_plan = nullptr;          // hot_plan(op, self, other, alpha, in_place)
 const uint64_t* g_plan_epoch = nullptr;  // ops/_plans.py's epoch word
+PyObject* g_sanitizer = nullptr;         // runtime.sanitizer's namespace (its ``active``)
+PyObject* g_active = nullptr;            // "active", interned
+
+// Whether the runtime's sanitizer is on (the GIL is held): it names a launch's aten
+// operator from the Python kernel's frame, so while it is on every call takes that.
+bool sanitizing() {
+  PyObject* active = PyDict_GetItemWithError(g_sanitizer, g_active);  // borrowed
+  if (active == nullptr && PyErr_Occurred()) throw py::error_already_set();
+  return active != nullptr && active != Py_None;
+}
 
 struct HotPlan {
   PyObject* launch = nullptr;  // the runtime LaunchPlan; nullptr: this kind has no plan
@@ -1101,8 +1113,11 @@ struct HotCall {
     Entry entry;
     TORCH_CHECK(entry, "torch_accel: the interpreter is exiting (an operator refused)");
     py::gil_scoped_acquire gil;
-    if (!k.empty()) {
-      const HotPlan& p = plan(k, b);
+    if (!k.empty() && !sanitizing()) {
+      // a copy, its launch held: the allocation and the launch run Python, which may
+      // let another thread clear the map meanwhile
+      HotPlan p = plan(k, b);
+      auto held = py::reinterpret_borrow<py::object>(p.launch);
       if (p.launch != nullptr) {
         at::Tensor out = in_place() ? self
             : empty_memory_format(self.sizes(), self.scalar_type(), std::nullopt,
@@ -1248,11 +1263,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   PyModule_AddFunctions(m.ptr(), g_plan_methods);
   m.def("_hot_binary", &hot_binary,
         "registers the shim's kernels of an operator's Tensor, Scalar and in-place overloads");
-  m.def("_hot_plan", [](py::object fn, uintptr_t epoch) {
+  m.def("_hot_plan", [](py::object fn, uintptr_t epoch, py::module_ sanitizer) {
     TORCH_CHECK(g_hot_plan == nullptr, "_hot_plan: registered twice");
     g_hot_plan = fn.release().ptr();
     g_plan_epoch = reinterpret_cast<const uint64_t*>(epoch);
-  }, "the Python function a hot kernel asks for its plan, and the plans' epoch word's address");
+    g_sanitizer = py::object(sanitizer.attr("__dict__")).release().ptr();
+    g_active = PyUnicode_InternFromString("active");
+  }, "the Python function a hot kernel asks for its plan, the plans' epoch word's address "
+     "and the runtime's sanitizer module (while it is on, every call takes Python)");
   m.def("_storage_block", [](const at::Tensor& t) {
     // (device, block address) of a tensor's storage: the runtime block it lives in
     const auto& p = t.storage().data_ptr();

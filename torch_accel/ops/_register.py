@@ -33,15 +33,15 @@ def overload(qualname: str) -> torch._ops.OpOverload:
 
 def _kernel(fn: Callable[..., Any], qualname: str) -> Callable[..., Any]:
     """``fn`` as ``qualname``'s kernel: a call it raises :class:`Unsupported` for runs
-    on the CPU."""
-    op = overload(qualname)
-
+    on the CPU. (The operator is the frame's local ``_op``: the runtime's sanitizer names
+    a launch's aten operator from it.)"""
     @functools.wraps(fn)
-    def kernel(*args: Any, **kwargs: Any) -> Any:
+    def kernel(*args: Any, _op: torch._ops.OpOverload = overload(qualname),
+               **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except Unsupported:
-            return cpu_fallback(op, *args, **kwargs)
+            return cpu_fallback(_op, *args, **kwargs)
 
     native[qualname] = fn
     return kernel

@@ -145,7 +145,7 @@ def hot_plan(index: int, a: torch.Tensor, b: Any, alpha: Any, in_place: bool
     return None if plan is None else (plan.launch, plan.sources)
 
 
-_C._hot_plan(hot_plan, ctypes.addressof(_plans.epoch))
+_C._hot_plan(hot_plan, ctypes.addressof(_plans.epoch), runtime.sanitizer)
 
 
 def binary_op(op: Binary, a: Any, b: Any, alpha: Any = 1,
