@@ -672,15 +672,29 @@ class _ThreadStreams(threading.local):
 _tls = _ThreadStreams()
 
 
+#: per device, its default stream as last looked up: every launch on a thread without a
+#: current stream of its own asks (``current_stream``), and the lookup through the
+#: ``Device`` and its parts was three frames of an eager operator's few dozen. Trusted
+#: while open (a reset or a lost context closes it: the lookup makes the new one) and in
+#: the process that made it (a forked child takes the lookup, which refuses it).
+_defaults: dict[int, Stream] = {}
+
+
 def default_stream(device: _device.DeviceLike = None) -> Stream:
     idx = device if type(device) is int else _device._index(device)
-    return _device.get(idx).part("default_stream", lambda: Stream(idx))
+    s = _defaults[idx] = _device.get(idx).part("default_stream", lambda: Stream(idx))
+    return s
 
 
 def current_stream(device: _device.DeviceLike = None) -> Stream:
     idx = device if type(device) is int else _device._index(device)
     s = _tls.streams.get(idx)
-    return s if s is not None else default_stream(idx)
+    if s is not None:
+        return s
+    s = _defaults.get(idx)
+    if s is None or s._closed or s._pid != _device._pid:
+        s = default_stream(idx)
+    return s
 
 
 def set_stream(stream: Stream) -> None:

@@ -22,7 +22,9 @@
 //     the dispatch keys; autocast's fallthrough and casting lists.
 //   * the attention backend choice F.scaled_dot_product_attention asks a DispatchStub for.
 //   * for speed only, the launch plans' helpers (a key, a result, the buffers: plain CPython
-//     functions, every planned operator calls them; they decide nothing).
+//     functions, every planned operator calls them; they decide nothing), and the kernels
+//     of add, sub, mul and div, which launch a call's plan themselves (Python makes the
+//     plans and answers every other call).
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
@@ -55,6 +57,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -184,6 +187,8 @@ struct CurrentCache {
     return true;
   }
   static bool cacheable(DeviceIndex d) { return d >= 0 && d < kCachedDevices; }
+  // Whether ``d`` is known to be the current device already (nothing to set or exchange).
+  bool device_is(DeviceIndex d) { return refresh() && device >= 0 && device == d; }
 };
 
 thread_local CurrentCache t_current;
@@ -214,20 +219,19 @@ struct AccelGuardImpl final : c10::impl::DeviceGuardImplInterface {
   // answer is known returns it; any other asks Python, then records what it learnt, at
   // the epoch read after the call (the call's own change bumped it).
   c10::Device exchangeDevice(c10::Device d) const override {
-    if (t_current.refresh() && t_current.device >= 0 && t_current.device == d.index())
-      return d;
+    if (t_current.device_is(d.index())) return d;
     auto prev = call<DeviceIndex>("exchange_device", d.index());
     learn_device(d.index() >= 0 ? d.index() : prev);
     return accel(prev);
   }
   c10::Device getDevice() const override { return accel(current_device_index()); }
   void setDevice(c10::Device d) const override {
-    if (t_current.refresh() && t_current.device >= 0 && t_current.device == d.index()) return;
+    if (t_current.device_is(d.index())) return;
     call<void>("set_device", d.index());
     if (d.index() >= 0) learn_device(d.index());
   }
   void uncheckedSetDevice(c10::Device d) const noexcept override {
-    if (t_current.refresh() && t_current.device >= 0 && t_current.device == d.index()) return;
+    if (t_current.device_is(d.index())) return;
     call_quietly_with("set_device", [&](const py::object&) {
       if (d.index() >= 0) learn_device(d.index());
     }, d.index());
@@ -822,6 +826,21 @@ PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t n) {
   return PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size()));
 }
 
+// (a tensor's storage's runtime array, its first element's byte offset there), a new
+// reference; nullptr with no error set if the storage is not an allocator block (a DLPack
+// import, no bytes), with one set if Python failed. The GIL is held; a tensor without
+// storage throws c10::Error.
+PyObject* buffer_of(const at::Tensor& t) {
+  const auto& p = t.storage().data_ptr();
+  auto* block = static_cast<Block*>(p.get_context());
+  if (p.get_deleter() != &free_block || block == nullptr) return nullptr;
+  PyObject* offset =
+      PyLong_FromLongLong(t.storage_offset() * static_cast<int64_t>(t.element_size()));
+  PyObject* pair = offset ? PyTuple_Pack(2, block->array, offset) : nullptr;
+  Py_XDECREF(offset);
+  return pair;
+}
+
 // _buffers(tensors): per tensor, (its storage's runtime array, its first element's byte
 // offset there): a launch plan's buffers in one call; None if a storage is not an
 // allocator block (a DLPack import, no bytes), which ops/_tensors.py resolves.
@@ -840,21 +859,12 @@ PyObject* buffers(PyObject*, PyObject* seq) {
         Py_CLEAR(out);
         break;
       }
-      const at::Tensor& t = THPVariable_Unpack(items[i]);
-      const auto& p = t.storage().data_ptr();
-      auto* block = static_cast<Block*>(p.get_context());
-      if (p.get_deleter() != &free_block || block == nullptr) {
-        Py_DECREF(out);
-        Py_DECREF(fast);
-        Py_RETURN_NONE;
-      }
-      PyObject* offset =
-          PyLong_FromLongLong(t.storage_offset() * static_cast<int64_t>(t.element_size()));
-      PyObject* pair = offset ? PyTuple_Pack(2, block->array, offset) : nullptr;
-      Py_XDECREF(offset);
+      PyObject* pair = buffer_of(THPVariable_Unpack(items[i]));
       if (pair == nullptr) {
         Py_CLEAR(out);
-        break;
+        if (PyErr_Occurred()) break;
+        Py_DECREF(fast);
+        Py_RETURN_NONE;
       }
       PyTuple_SET_ITEM(out, i, pair);
     }
@@ -891,6 +901,306 @@ PyObject* empty_like(PyObject*, PyObject* arg) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
   }
   return nullptr;
+}
+
+// ------------------------------------------------------------ hot arithmetic in C++
+// add, sub, mul and div (Tensor and Scalar overloads, functional and in place) are the
+// eager operators a training step and ``a + b`` call most, so their accel kernels are
+// here: a call whose kind has a launch plan runs no Python kernel. torch's dispatch into
+// a Python kernel (its arguments boxed, a Python call) and that kernel's frames, key and
+// table lookup were ~6 of the op's ~11 us of host time (docs/torch.md, "Where an eager
+// op's time goes"). A call that can have a plan (a contiguous non-empty accel ``self``;
+// ``other`` a contiguous tensor of the same device, dtype and sizes, or a number; a
+// number ``alpha``) is keyed here on what its plan depends on. The first call of a key
+// asks Python for the plan (ops/elementwise.py ``hot_plan``: the Python kernel's own
+// table and maker); later ones allocate the result and call the plan's runtime
+// LaunchPlan with the buffers, one call into Python. Every other call, and every call
+// of a kind without a plan, goes to the Python kernel registered with the shim for its
+// overload, which decides as before (promotion, broadcasting, mixed devices, the CPU
+// fallback, torch's errors).
+//
+// The copies are forgotten whenever Python's table may have changed under them: at a new
+// value of its epoch word (ops/_plans.py ``epoch``: a device's plans went with a reset or
+// a lost context), or after a fork (the child's first call asks Python, whose fork check
+// raises there). The map is touched only with the GIL held.
+
+constexpr int kHotOps = 4;             // op indices: the order of ops/elementwise.py HOT
+constexpr int kHotForms = 4;           // Tensor, Scalar, in-place Tensor, in-place Scalar
+constexpr size_t kMaxHotPlans = 1024;  // as ops/_plans.py MAX_PLANS
+
+struct HotOp {
+  PyObject* kernel[kHotForms] = {};  // each form's Python kernel (every call not planned)
+  bool alpha = false;                // its overloads take alpha (add, sub)
+};
+HotOp g_hot[kHotOps];
+PyObject* g_hot_plan = nullptr;          // hot_plan(op, self, other, alpha, in_place)
+const uint64_t* g_plan_epoch = nullptr;  // ops/_plans.py's epoch word
+PyObject* g_sanitizer = nullptr;         // runtime.sanitizer's namespace (its ``active``)
+PyObject* g_active = nullptr;            // "active", interned
+
+// Whether the runtime's sanitizer is on (the GIL is held): it names a launch's aten
+// operator from the Python kernel's frame, so while it is on every call takes that.
+bool sanitizing() {
+  PyObject* active = PyDict_GetItemWithError(g_sanitizer, g_active);  // borrowed
+  if (active == nullptr && PyErr_Occurred()) throw py::error_already_set();
+  return active != nullptr && active != Py_None;
+}
+
+struct HotPlan {
+  PyObject* launch = nullptr;  // the runtime LaunchPlan; nullptr: this kind has no plan
+  int8_t sources[3] = {};      // per buffer parameter: -1 the result, 0 self, 1 other
+  int n = 0;
+};
+
+struct HotPlans {
+  uint64_t epoch = 0;
+  uint64_t fork_gen = 0;
+  std::unordered_map<std::string, HotPlan> plans;
+
+  void clear() {
+    for (auto& kv : plans) Py_XDECREF(kv.second.launch);
+    plans.clear();
+  }
+  // Forget every copy if Python's table may have changed since they were taken.
+  void refresh() {
+    uint64_t now = __atomic_load_n(g_plan_epoch, __ATOMIC_ACQUIRE);
+    uint64_t gen = g_fork_gen.load(std::memory_order_relaxed);
+    if (now != epoch || gen != fork_gen) {
+      clear();
+      epoch = now;
+      fork_gen = gen;
+    }
+  }
+};
+HotPlans* g_hot_plans = new HotPlans;  // never destroyed: it holds Python objects
+
+// Appends a number to a key: its kind (1 float, 2 int, 3 bool) and bits. False when no
+// plan can key on it (complex, symbolic, or NaN, which is never equal to its key).
+bool append_number(std::string& key, const c10::Scalar& x) {
+  char kind;
+  int64_t bits;
+  if (x.isSymbolic()) return false;
+  if (x.isBoolean()) {
+    kind = 3;
+    bits = x.toBool();
+  } else if (x.isIntegral(false)) {
+    kind = 2;
+    bits = x.toLong();
+  } else if (x.isFloatingPoint()) {
+    double d = x.toDouble();
+    if (d != d) return false;
+    kind = 1;
+    std::memcpy(&bits, &d, sizeof bits);
+  } else {
+    return false;
+  }
+  key.push_back(kind);
+  key.append(reinterpret_cast<const char*>(&bits), sizeof bits);
+  return true;
+}
+
+// The number a wrapped-number tensor holds: torch makes the 2 of ``x + 2`` a 0-d CPU
+// tensor (double, int64 or bool), which the Python kernel reads as that number.
+std::optional<c10::Scalar> wrapped_number(const at::Tensor& t) {
+  if (!t.unsafeGetTensorImpl()->is_wrapped_number() || !t.is_cpu()) return std::nullopt;
+  switch (t.scalar_type()) {
+    case at::kDouble: return c10::Scalar(*static_cast<const double*>(t.const_data_ptr()));
+    case at::kLong: return c10::Scalar(*static_cast<const int64_t*>(t.const_data_ptr()));
+    case at::kBool: return c10::Scalar(*static_cast<const bool*>(t.const_data_ptr()));
+    default: return std::nullopt;
+  }
+}
+
+// A tensor a plan can take as it is: dense, on accel, contiguous, not empty.
+bool plannable(const at::Tensor& t) {
+  return t.device().type() == kAccel && t.layout() == c10::kStrided && t.numel() > 0 &&
+         t.is_contiguous();
+}
+
+// One call of a hot operator, as the dispatcher gave it.
+struct HotCall {
+  int op;
+  int form;                  // 0 Tensor, 1 Scalar, 2 in-place Tensor, 3 in-place Scalar
+  const at::Tensor& self;
+  const at::Tensor* other;   // the Tensor forms' other
+  const c10::Scalar* scalar; // the Scalar forms' other
+  const c10::Scalar& alpha;
+
+  bool in_place() const { return form >= 2; }
+
+  // The number ``other`` stands for, if it is one.
+  std::optional<c10::Scalar> number() const {
+    return scalar ? std::optional<c10::Scalar>(*scalar) : wrapped_number(*other);
+  }
+
+  // The key of this call's plan; empty when it cannot have one.
+  std::string key(const std::optional<c10::Scalar>& number) const {
+    if (!plannable(self)) return {};
+    if (!number) {
+      const at::Tensor& b = *other;
+      if (b.device() != self.device() || b.scalar_type() != self.scalar_type() ||
+          b.sizes() != self.sizes() || !plannable(b))
+        return {};
+    }
+    int64_t head[3] = {op << 8 | form, self.device().index(),
+                       static_cast<int64_t>(self.scalar_type()) << 32 | self.dim()};
+    std::string key(reinterpret_cast<const char*>(head), sizeof head);
+    if (!append_number(key, alpha) || (number && !append_number(key, *number))) return {};
+    auto sizes = self.sizes();
+    key.append(reinterpret_cast<const char*>(sizes.data()), sizes.size() * sizeof(int64_t));
+    return key;
+  }
+
+  // The Python kernel's answer (the GIL is held): every call without a plan.
+  at::Tensor in_python() const {
+    py::object b = other ? py::cast(*other) : py::cast(*scalar);
+    py::handle kernel(g_hot[op].kernel[form]);
+    py::object out = g_hot[op].alpha ? kernel(self, b, py::arg("alpha") = alpha)
+                                     : kernel(self, b);
+    return out.cast<at::Tensor>();
+  }
+
+  // This kind of call's plan: the copy under ``key``, else Python's, copied (the GIL is
+  // held). Python's errors (the fork check's, a lost device's) are thrown as themselves.
+  const HotPlan& plan(const std::string& key, const std::optional<c10::Scalar>& number) const {
+    g_hot_plans->refresh();
+    auto& plans = g_hot_plans->plans;
+    auto found = plans.find(key);
+    if (found != plans.end()) return found->second;
+    py::object b = number ? py::cast(*number) : py::cast(*other);
+    py::object got = py::handle(g_hot_plan)(op, self, b, alpha, in_place());
+    HotPlan plan;
+    if (!got.is_none()) {
+      auto pair = got.cast<py::tuple>();
+      auto sources = pair[1].cast<std::vector<int>>();
+      TORCH_CHECK(sources.size() <= 3, "hot_plan: ", sources.size(), " buffers");
+      for (size_t i = 0; i < sources.size(); ++i) {
+        TORCH_CHECK(sources[i] >= -1 && sources[i] <= (number ? 0 : 1),
+                    "hot_plan: a buffer from operand ", sources[i]);
+        plan.sources[i] = static_cast<int8_t>(sources[i]);
+      }
+      plan.n = static_cast<int>(sources.size());
+      plan.launch = py::object(pair[0]).release().ptr();
+    }
+    if (plans.size() >= kMaxHotPlans) g_hot_plans->clear();
+    return plans.emplace(key, plan).first->second;
+  }
+
+  // The launch of ``plan`` into ``out`` (the GIL is held); false when a buffer is not an
+  // allocator block (a DLPack import), which the Python kernel resolves.
+  bool launch(const HotPlan& plan, const at::Tensor& out) const {
+    const at::Tensor* from[3] = {&out, &self, other};
+    py::object buffers = py::reinterpret_steal<py::object>(PyTuple_New(plan.n));
+    if (!buffers) throw py::error_already_set();
+    for (int i = 0; i < plan.n; ++i) {
+      PyObject* pair = buffer_of(*from[plan.sources[i] + 1]);
+      if (pair == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        return false;
+      }
+      PyTuple_SET_ITEM(buffers.ptr(), i, pair);
+    }
+    auto done = py::reinterpret_steal<py::object>(PyObject_CallOneArg(plan.launch, buffers.ptr()));
+    if (!done) throw py::error_already_set();
+    return true;
+  }
+
+  // The call: its plan's launch, or the Python kernel.
+  at::Tensor run() const {
+    TORCH_CHECK(g_hot_plan != nullptr, "torch_accel is not initialised (import torch_accel)");
+    auto b = number();
+    std::string k = key(b);
+    Entry entry;
+    TORCH_CHECK(entry, "torch_accel: the interpreter is exiting (an operator refused)");
+    py::gil_scoped_acquire gil;
+    if (!k.empty() && !sanitizing()) {
+      // a copy, its launch held: the allocation and the launch run Python, which may
+      // let another thread clear the map meanwhile
+      HotPlan p = plan(k, b);
+      auto held = py::reinterpret_borrow<py::object>(p.launch);
+      if (p.launch != nullptr) {
+        at::Tensor out = in_place() ? self
+            : empty_memory_format(self.sizes(), self.scalar_type(), std::nullopt,
+                                  self.device(), std::nullopt, c10::MemoryFormat::Contiguous);
+        if (launch(p, out)) return out;
+      }
+    }
+    return in_python();
+  }
+};
+
+template <int Op>
+at::Tensor hot_tensor(const at::Tensor& a, const at::Tensor& b, const c10::Scalar& alpha) {
+  return HotCall{Op, 0, a, &b, nullptr, alpha}.run();
+}
+template <int Op>
+at::Tensor hot_scalar(const at::Tensor& a, const c10::Scalar& b, const c10::Scalar& alpha) {
+  return HotCall{Op, 1, a, nullptr, &b, alpha}.run();
+}
+template <int Op>
+at::Tensor& hot_tensor_(at::Tensor& a, const at::Tensor& b, const c10::Scalar& alpha) {
+  HotCall{Op, 2, a, &b, nullptr, alpha}.run();
+  return a;
+}
+template <int Op>
+at::Tensor& hot_scalar_(at::Tensor& a, const c10::Scalar& b, const c10::Scalar& alpha) {
+  HotCall{Op, 3, a, nullptr, &b, alpha}.run();
+  return a;
+}
+// mul and div take no alpha
+const c10::Scalar kOne(1);
+template <int Op>
+at::Tensor hot_tensor_na(const at::Tensor& a, const at::Tensor& b) {
+  return hot_tensor<Op>(a, b, kOne);
+}
+template <int Op>
+at::Tensor hot_scalar_na(const at::Tensor& a, const c10::Scalar& b) {
+  return hot_scalar<Op>(a, b, kOne);
+}
+template <int Op>
+at::Tensor& hot_tensor_na_(at::Tensor& a, const at::Tensor& b) {
+  return hot_tensor_<Op>(a, b, kOne);
+}
+template <int Op>
+at::Tensor& hot_scalar_na_(at::Tensor& a, const c10::Scalar& b) {
+  return hot_scalar_<Op>(a, b, kOne);
+}
+
+// Registers op ``Op``'s four overloads (``name.Tensor``, ``name.Scalar``, ``name_.Tensor``,
+// ``name_.Scalar``) on accel.
+template <int Op>
+void register_hot(torch::Library& lib, const std::string& name, bool alpha) {
+  if (alpha) {
+    lib.impl((name + ".Tensor").c_str(), TORCH_FN(hot_tensor<Op>));
+    lib.impl((name + ".Scalar").c_str(), TORCH_FN(hot_scalar<Op>));
+    lib.impl((name + "_.Tensor").c_str(), TORCH_FN(hot_tensor_<Op>));
+    lib.impl((name + "_.Scalar").c_str(), TORCH_FN(hot_scalar_<Op>));
+  } else {
+    lib.impl((name + ".Tensor").c_str(), TORCH_FN(hot_tensor_na<Op>));
+    lib.impl((name + ".Scalar").c_str(), TORCH_FN(hot_scalar_na<Op>));
+    lib.impl((name + "_.Tensor").c_str(), TORCH_FN(hot_tensor_na_<Op>));
+    lib.impl((name + "_.Scalar").c_str(), TORCH_FN(hot_scalar_na_<Op>));
+  }
+}
+
+// _hot_binary(op, name, kernels, alpha): registers ``name``'s four overloads above as op
+// index ``op``, with ``kernels`` (one Python kernel per form) behind them.
+void hot_binary(int op, const std::string& name, const std::vector<py::object>& kernels,
+                bool alpha) {
+  TORCH_CHECK(op >= 0 && op < kHotOps, "_hot_binary: op index ", op, " of ", kHotOps);
+  TORCH_CHECK(kernels.size() == kHotForms, "_hot_binary: ", kHotForms, " kernels, got ",
+              kernels.size());
+  TORCH_CHECK(g_hot[op].kernel[0] == nullptr, "_hot_binary: op ", op, " registered twice");
+  for (int i = 0; i < kHotForms; ++i) g_hot[op].kernel[i] = py::object(kernels[i]).release().ptr();
+  g_hot[op].alpha = alpha;
+  static auto* lib = new torch::Library(torch::Library::IMPL, "aten",
+                                        c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  switch (op) {
+    case 0: register_hot<0>(*lib, name, alpha); break;
+    case 1: register_hot<1>(*lib, name, alpha); break;
+    case 2: register_hot<2>(*lib, name, alpha); break;
+    default: register_hot<3>(*lib, name, alpha); break;
+  }
 }
 
 PyMethodDef g_plan_methods[] = {
@@ -951,6 +1261,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return t.set_(storage, 0, {static_cast<int64_t>(nbytes)}, {1});
   }, "a uint8 tensor whose storage is the block at (device, va) of nbytes");
   PyModule_AddFunctions(m.ptr(), g_plan_methods);
+  m.def("_hot_binary", &hot_binary,
+        "registers the shim's kernels of an operator's Tensor, Scalar and in-place overloads");
+  m.def("_hot_plan", [](py::object fn, uintptr_t epoch, py::module_ sanitizer) {
+    TORCH_CHECK(g_hot_plan == nullptr, "_hot_plan: registered twice");
+    g_hot_plan = fn.release().ptr();
+    g_plan_epoch = reinterpret_cast<const uint64_t*>(epoch);
+    g_sanitizer = py::object(sanitizer.attr("__dict__")).release().ptr();
+    g_active = PyUnicode_InternFromString("active");
+  }, "the Python function a hot kernel asks for its plan, the plans' epoch word's address "
+     "and the runtime's sanitizer module (while it is on, every call takes Python)");
   m.def("_storage_block", [](const at::Tensor& t) {
     // (device, block address) of a tensor's storage: the runtime block it lives in
     const auto& p = t.storage().data_ptr();

@@ -19,6 +19,7 @@ the module its launch names.
 
 from __future__ import annotations
 
+import ctypes
 import operator
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -39,12 +40,25 @@ RESULT = -1
 _PART = ("torch_accel", "plans")
 #: a key's first call: no plan made yet (None is "this kind of call has none")
 _UNSEEN = object()
+#: bumped whenever a device's table goes (a reset, a lost context): the shim's C++ kernels
+#: of add, sub, mul and div keep copies of plans and read this word at its address, without
+#: the interpreter's lock, to know their copies stale (csrc/shim.cpp, "hot arithmetic")
+epoch = ctypes.c_uint64(0)
+
+
+class _Table(dict):
+    """One device's plans by key: a part of the runtime ``Device``, closed with its other
+    parts when the device is reset or its context lost."""
+
+    def close(self) -> None:
+        self.clear()
+        epoch.value += 1
 
 
 class Plan:
     """A kind of call, planned: its launch and where each of its buffers comes from."""
 
-    __slots__ = ("launch", "shape", "dtype", "like", "more", "pick")
+    __slots__ = ("launch", "shape", "dtype", "like", "more", "sources", "pick")
 
     def __init__(self, launch: runtime.LaunchPlan, shape: torch.Size, dtype: torch.dtype,
                  sources: Sequence[int], like: bool = False,
@@ -60,6 +74,7 @@ class Plan:
         weight), contiguous; the call then returns the results as a tuple."""
         self.launch, self.shape, self.dtype, self.like = launch, shape, dtype, like
         self.more = tuple(more)
+        self.sources = tuple(sources)
         #: the buffers from ``(*reversed(more results), result, *operands)``, in one C
         #: call (a comprehension is a frame of its own)
         places = [src + 1 + len(self.more) for src in sources]
@@ -86,7 +101,23 @@ def table(device: int) -> dict[Hashable, Plan | None]:
     """``device``'s plans by key (None: that kind of call has no plan). In a child forked
     after initialisation this raises torch's "Cannot re-initialize" as any use does."""
     _hooks.lazy_init()
-    return runtime.devices.get(device).part(_PART, dict)
+    return runtime.devices.get(device).part(_PART, _Table)
+
+
+def lookup(device: int, key: Hashable, make: Callable[..., Plan | None],
+           make_args: tuple[Any, ...]) -> Plan | None:
+    """The plan of ``key`` on accel device ``device``, made by ``make(*make_args)`` on the
+    key's first call; None if that kind of call has none."""
+    if _hooks._init_pid != _hooks._pid:
+        _hooks.lazy_init()  # a child forked after initialisation: torch's fork error
+    plans = runtime.devices.get(device).part(_PART, _Table)
+    plan = plans.get(key, _UNSEEN)
+    if plan is _UNSEEN:
+        plan = make(*make_args)
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plans[key] = plan
+    return plan
 
 
 def call(device: int, key: Hashable, make: Callable[..., Plan | None],
@@ -95,18 +126,10 @@ def call(device: int, key: Hashable, make: Callable[..., Plan | None],
     """Run the plan of ``key`` on accel device ``device`` (made by ``make(*make_args)`` on
     the key's first call) on ``operands``, on the device's current stream, into ``out`` or
     a new result, which is on ``operands[0]``'s device; return the result (a tuple with
-    the plan's ``more`` results), or None if that kind of call has no plan. One frame for
-    the lookup and the launch: this is every planned operator's host path (docs/torch.md,
+    the plan's ``more`` results), or None if that kind of call has no plan. This is every
+    planned operator's host path but the shim's add, sub, mul and div (docs/torch.md,
     "Where an eager op's time goes")."""
-    if _hooks._init_pid != _hooks._pid:
-        _hooks.lazy_init()  # a child forked after initialisation: torch's fork error
-    plans = runtime.devices.get(device).part(_PART, dict)
-    plan = plans.get(key, _UNSEEN)
-    if plan is _UNSEEN:
-        plan = make(*make_args)
-        if len(plans) >= MAX_PLANS:
-            plans.clear()
-        plans[key] = plan
+    plan = lookup(device, key, make, make_args)
     if plan is None:
         return None
     if out is None:

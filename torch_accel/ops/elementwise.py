@@ -9,17 +9,19 @@ dtype is refused with torch's message, and dtypes the kernels lack go to the CPU
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Any
 
 import torch
 
+import runtime
 from torch_accel import _C, kernels
 from torch_accel.kernels import Binary, Compare, Predicate, Unary
 from torch_accel.kernels.elementwise import FLOAT_ONLY, INT_ONLY_BINARY
 from torch_accel.ops import _operands as operands
 from torch_accel.ops import _plans
-from torch_accel.ops._register import Unsupported, implements
+from torch_accel.ops._register import Unsupported, implements, implements_in_shim
 from torch_accel.ops._tensors import stream, view_of
 
 _FLOATING = (torch.float32, torch.float64)
@@ -84,12 +86,10 @@ def _binary_plan(op: Binary, a: torch.Tensor, b: Any, alpha: Any, in_place: bool
                        _plans.like(a, a.shape, a.dtype))
 
 
-def _binary_planned(op: Binary, a: Any, b: Any, alpha: Any,
-                    out: torch.Tensor | None) -> torch.Tensor | None:
-    """``a OP b`` through its launch plan (ops/_plans.py); None when the call has none. The
+def _binary_key(op: Binary, a: Any, b: Any, alpha: Any, in_place: bool
+                ) -> tuple[int, tuple[Any, ...]] | None:
+    """(device, key) of ``a OP b``'s launch plan; None when the call cannot have one. The
     key's tensors part is one call (``_C._signature``: devices, dtypes, sizes, strides)."""
-    if out is not None and out is not a:
-        return None
     b_tensor = isinstance(b, torch.Tensor)
     if b_tensor:
         tensors = _C._signature(a, b)
@@ -102,11 +102,50 @@ def _binary_planned(op: Binary, a: Any, b: Any, alpha: Any,
     device = a.get_device()  # (-1 off accel: a CPU 0-d tensor's ``a``)
     if device < 0:
         return None
+    return device, ((Binary, op, type(alpha), _signed(alpha), in_place, tensors) if b_tensor
+                    else (Binary, op, type(alpha), _signed(alpha), in_place, tensors, type(b),
+                          _signed(b)))
+
+
+def _signed(x: Any) -> Any:
+    """A number as a key: a float zero by its sign too (``-0.0 == 0.0``, but a plan made
+    for one writes the other's signs)."""
+    return x if x or type(x) is not float else repr(x)
+
+
+def _binary_planned(op: Binary, a: Any, b: Any, alpha: Any,
+                    out: torch.Tensor | None) -> torch.Tensor | None:
+    """``a OP b`` through its launch plan (ops/_plans.py); None when the call has none."""
+    if out is not None and out is not a:
+        return None
     in_place = out is not None
-    key = (Binary, op, type(alpha), alpha, in_place, tensors) if b_tensor else \
-        (Binary, op, type(alpha), alpha, in_place, tensors, type(b), b)
+    if (keyed := _binary_key(op, a, b, alpha, in_place)) is None:
+        return None
+    device, key = keyed
     return _plans.call(device, key, _binary_plan, (op, a, b, alpha, in_place),
-                       (a, b) if b_tensor else (a,), out)
+                       (a, b) if isinstance(b, torch.Tensor) else (a,), out)
+
+
+#: the operators whose Tensor, Scalar and in-place overloads are the shim's C++ kernels
+#: (csrc/shim.cpp, "hot arithmetic"); a position here is the shim's index of the op
+HOT = (Binary.add, Binary.sub, Binary.mul, Binary.div)
+
+
+def hot_plan(index: int, a: torch.Tensor, b: Any, alpha: Any, in_place: bool
+             ) -> tuple[runtime.LaunchPlan, tuple[int, ...]] | None:
+    """For the shim's kernel of ``HOT[index]``: the plan of ``a OP b`` (in place: into
+    ``a``), from the table the Python kernel uses, as (its launch, where each buffer comes
+    from: ``_plans.RESULT`` or an operand's index); None if this kind of call has none.
+    The shim keeps the answer under its own key, until ``_plans.epoch`` moves."""
+    op = HOT[index]
+    if (keyed := _binary_key(op, a, b, alpha, in_place)) is None:
+        return None
+    device, key = keyed
+    plan = _plans.lookup(device, key, _binary_plan, (op, a, b, alpha, in_place))
+    return None if plan is None else (plan.launch, plan.sources)
+
+
+_C._hot_plan(hot_plan, ctypes.addressof(_plans.epoch), runtime.sanitizer)
 
 
 def binary_op(op: Binary, a: Any, b: Any, alpha: Any = 1,
@@ -147,13 +186,24 @@ def _binary_family(name: str, op: Binary) -> None:
 
     if "default" in overloads:
         implements(name)(lambda a, b: binary_op(op, a, b))
+    if op in HOT:
+        implements_in_shim(HOT.index(op), name, functional, in_place,
+                           alpha="alpha" in str(getattr(torch.ops.aten, name).Tensor._schema))
+    else:
+        _register_forms(name, overloads, inplace, functional, in_place)
+    if "out" in overloads:
+        implements(f"{name}.out")(with_out)
+
+
+def _register_forms(name: str, overloads: set[str], inplace: set[str],
+                    functional: Any, in_place: Any) -> None:
+    """Register the Python kernels of ``name``'s Tensor and Scalar overloads (those it
+    has) and their in-place forms."""
     for form in ("Tensor", "Scalar"):
         if form in overloads:
             implements(f"{name}.{form}")(functional)
         if form in inplace:
             implements(f"{name}_.{form}")(in_place)
-    if "out" in overloads:
-        implements(f"{name}.out")(with_out)
 
 
 for _name_, _op in (("add", Binary.add), ("sub", Binary.sub), ("mul", Binary.mul),
