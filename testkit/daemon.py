@@ -62,7 +62,12 @@ class Daemon:
         return mount.pid
 
     def env(self, **extra: str) -> dict[str, str]:
-        env = dict(os.environ, ACCEL_EMU_ROOT=str(self.root), PYTHONPATH=str(REPO))
+        """A client's environment: this daemon's root, the repository on the path, and
+        the log directory of any torchrun it starts (``PET_LOG_DIR``, torchrun's
+        ``--log-dir``) in this daemon's state directory, which the test's temporary
+        directory holds: else each torchrun leaves a ``/tmp/torchelastic_*`` behind."""
+        env = dict(os.environ, ACCEL_EMU_ROOT=str(self.root), PYTHONPATH=str(REPO),
+                   PET_LOG_DIR=str(self.state_dir / "torchelastic"))
         env.pop("ACCEL_VISIBLE_DEVICES", None)
         env.update(extra)
         return env
