@@ -375,6 +375,8 @@ class Scheduler:
             done += 1
             if not self._start(ring, seqno, pkt):
                 return done
+        # ``ring.ready()`` spelled out without its ``fence_only`` test (such rings are
+        # never on the scheduler): one call less per packet on the hot path
         while done < left and ring.taken < ring.published and not ring.busy \
                 and not kernels.turn_spent():
             if done and monotonic_ns() >= deadline:
