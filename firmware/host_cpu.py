@@ -24,6 +24,7 @@ import ctypes
 import os
 import threading
 import time
+from collections.abc import Callable
 
 #: The engine threads' nice value.
 ENGINE_NICE = 10
@@ -34,15 +35,16 @@ _SYS_SCHED_SETATTR = 314  # x86_64
 _SCHED_FLAG_RESET_ON_FORK = 0x01
 
 #: The control loop turns real-time once every pass has taken packets from the processes'
-#: own rings for this long (seconds): a flood, not one tenant's round trip...
+#: own rings for this long (seconds): a flood, not one tenant's round trip, and in its
+#: second half it waited for a CPU at least ``CONTENDED`` of the time...
 BOOST_AFTER_S = 500e-6
-#: ...and, real-time, it rests this long (a plain sleep) after each this long of its own
-#: CPU time, so a saturated device leaves the rest of its CPU to the host's threads (its
-#: tenants' and its own engines): at most a sixth of the loop's time, and of a bystander's
-#: packet's wait. CPU time, not time: a loop that naps between passes (an engine runs)
-#: rests in its naps, and a rest taken by the clock made one packet in six wait for it
+CONTENDED = 0.1
+#: ...and, real-time, it goes back to the fair class after each this long of its own CPU
+#: time, until ``BOOST_AFTER_S`` more of busy passes turn it real-time again: in that
+#: window a thread waiting for its CPU (a tenant's, its own engines') gets a fair share,
+#: about a sixth of the cycle under contention, and nothing waits when none does. CPU
+#: time, not time: a loop that naps between passes (an engine runs) rests in its naps.
 BOOST_RUN_S = 1e-3
-BOOST_REST_S = 200e-6
 
 
 class _SchedAttr(ctypes.Structure):
@@ -85,11 +87,17 @@ class Boost:
     bystander's launch waited out the others' slices (a median of 2.2 ms against 20-50 us
     quiet: docs/containment.md, "Worst-case delay"). Fair turns inside the loop cannot
     help when the loop itself does not run. So once every pass has taken packets from
-    the processes' own rings for ``BOOST_AFTER_S`` the loop turns ``SCHED_FIFO`` (the
-    lowest real-time priority, its threads started meanwhile ordinary ones): it runs
-    whenever it has work, and rests ``BOOST_REST_S`` after each ``BOOST_RUN_S`` of its CPU
-    time, so a saturated device takes at most five sixths of one CPU from the host. The
-    first pass without such packets puts it back (fair share, short slice). One tenant's
+    the processes' own rings for ``BOOST_AFTER_S``, and in the second half of that time
+    the loop waited for a CPU (its ``run_delay``, /proc/thread-self/schedstat) at least
+    ``CONTENDED`` of it, the loop turns ``SCHED_FIFO`` (the lowest real-time priority, its
+    threads started meanwhile ordinary ones): it runs whenever it has work, and after
+    each ``BOOST_RUN_S`` of its CPU time it is an ordinary thread again for at least
+    ``BOOST_AFTER_S`` of busy passes, so a saturated device leaves a fair share of that
+    window, about a sixth of one CPU, to whatever waits for it. A loop that does not wait
+    for its CPU gains nothing real-time: one tenant's training step saturating the device
+    on an idle host ran ~15% slower boosted (docs/containment.md, "One tenant's step is
+    not a flood"). The first pass without such packets puts it back (fair share, short
+    slice). One tenant's
     back-to-back round trips while an engine runs count too: the loop naps between passes
     then, each nap ends at the next doorbell, and it wakes real-time (measured faster:
     same place). Work the driver brought (its SUBMIT_NOOP packets on the default queues,
@@ -98,30 +106,64 @@ class Boost:
     from the daemon and the bystanders (docs/containment.md). Best effort: without the
     privilege (CAP_SYS_NICE) it stays as it was, as the engines' nice does."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_delay: Callable[[], int] | None = None) -> None:
         self.allowed = True  # False once the kernel refused
         self.boosted = False
         self._busy_since = 0.0  # since when every pass had work (0: the last had none)
-        self._ran_at_rest = 0.0  # the thread's CPU time (time.thread_time) at its last rest
+        self._boosted_at = 0.0  # its CPU time (time.thread_time) when it turned real-time
+        #: (time.monotonic(), run_delay ns) read halfway through the busy stretch; None
+        #: until then. Read there, not at the stretch's start: a lone round trip is a
+        #: stretch too, and pays no system call for this.
+        self._halfway: tuple[float, int] | None = None
+        self._run_delay = run_delay or RunDelay()
 
     def working(self, now: float) -> None:
         """A pass of the loop took packets from a process's own ring (``now``:
         time.monotonic())."""
         if not self._busy_since:
-            self._busy_since = now
+            self._busy_since, self._halfway = now, None
         if not self.boosted:
-            if self.allowed and now - self._busy_since >= BOOST_AFTER_S:
-                self.boosted = self.allowed = _setattr(_SchedAttr(
-                    size=ctypes.sizeof(_SchedAttr), sched_policy=os.SCHED_FIFO,
-                    sched_flags=_SCHED_FLAG_RESET_ON_FORK, sched_priority=1))
-                self._ran_at_rest = time.thread_time()
-        elif time.thread_time() - self._ran_at_rest >= BOOST_RUN_S:
-            time.sleep(BOOST_REST_S)
-            self._ran_at_rest = time.thread_time()
+            busy = now - self._busy_since
+            if not self.allowed or busy < BOOST_AFTER_S / 2:
+                return
+            if self._halfway is None:
+                self._halfway = (now, self._run_delay())
+            elif busy >= BOOST_AFTER_S:
+                since, delay = self._halfway
+                if self._run_delay() - delay >= CONTENDED * (now - since) * 1e9:
+                    self.boosted = self.allowed = _setattr(_SchedAttr(
+                        size=ctypes.sizeof(_SchedAttr), sched_policy=os.SCHED_FIFO,
+                        sched_flags=_SCHED_FLAG_RESET_ON_FORK, sched_priority=1))
+                    self._boosted_at = time.thread_time()
+                self._busy_since, self._halfway = now, None  # look again after as long
+        elif time.thread_time() - self._boosted_at >= BOOST_RUN_S:
+            self._unboost()
+            self._busy_since, self._halfway = now, None  # fair for BOOST_AFTER_S at least
 
     def idle(self) -> None:
         """A pass of the loop took none: back to the host's fair share."""
         self._busy_since = 0.0
+        self._unboost()
+
+    def _unboost(self) -> None:
         if self.boosted:
             self.boosted = False
             short_slice()
+
+
+class RunDelay:
+    """The calling thread's time spent waiting for a CPU so far (ns): ``run_delay``, the
+    second field of /proc/thread-self/schedstat, through a file kept open (~0.7 us a
+    read). 0 forever where the kernel has no schedstat (the loop then never boosts)."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        try:
+            self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            pass
+
+    def __call__(self) -> int:
+        if self.fd is None:
+            return 0
+        return int(os.pread(self.fd, 64, 0).split()[1])
