@@ -560,16 +560,16 @@ def test_hostile_ir_is_a_clean_compile_error(cache: KernelCache, name: str) -> N
 _BYTE_RANGE_AT_2_63 = [("uint8", (1 << 63) - 1), ("int16", (1 << 62) - 1),
                        ("float32", (1 << 61) - 1), ("float64", (1 << 60) - 1)]
 _COMPILE_IN_A_CHILD = """
-import sys, tempfile
+import sys
 from pathlib import Path
 import numpy as np
 from firmware import jit
-dtype, index = sys.argv[1], int(sys.argv[2])
+dtype, index, cache = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 src = (f"def k(x):\\n    x[{index}] = 1\\n    x[0] = x[{index}]\\n"
        f"    atomic_add(x, {index}, 1)\\n")
 ir = {"params": [{"name": "x", "kind": "buffer", "dtype": None, "ndim": 1}],
       "source": src, "shared_mem": 0, "uses_atomics": True}
-k = jit.KernelCache(Path(tempfile.mkdtemp())).get(ir, (f"{dtype}[1d]",))
+k = jit.KernelCache(cache).get(ir, (f"{dtype}[1d]",))
 x = np.zeros(8, dtype)
 try:
     k.run(0, 1, (1, 1, 1), (1, 1, 1), [x], np.zeros(1, np.int64))
@@ -579,11 +579,13 @@ except jit.KernelFault as f:
 
 
 @pytest.mark.parametrize("dtype,index", _BYTE_RANGE_AT_2_63, ids=[d for d, _ in _BYTE_RANGE_AT_2_63])
-def test_constant_index_ending_at_2_63_compiles_and_faults(dtype: str, index: int) -> None:
+def test_constant_index_ending_at_2_63_compiles_and_faults(dtype: str, index: int,
+                                                           tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _COMPILE_IN_A_CHILD, dtype, str(index)],
+    out = subprocess.run([sys.executable, "-c", _COMPILE_IN_A_CHILD, dtype, str(index),
+                          str(tmp_path)],
                          capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]  # an LLVM assertion aborts: -6
