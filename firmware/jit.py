@@ -70,7 +70,7 @@ from firmware.lower.abi import options_key
 #: The firmware's JIT compatibility boundary. Bump it whenever anything the generated code
 #: depends on outside itself changes meaning (firmware/intrinsics.py, the ``_grid`` calling
 #: convention, the fault-array layout): every cached entry then misses.
-FIRMWARE_JIT_ABI = 10
+FIRMWARE_JIT_ABI = 11
 DEFAULT_ISA = "aemu-isa 1.0"
 #: Entries the persistent cache keeps on disk (about 150 KB each), least recently used out.
 MAX_CACHE_ENTRIES = 2048
@@ -227,10 +227,15 @@ class CompiledKernel:
         return self.work_per_thread is not None
 
     def ended(self) -> None:
-        """A launch of it ended (its engine reported it done): load MKL now if one of its
-        BLAS calls asked for it (firmware/matrix.py), off the launch's time and watchdog."""
+        """A launch of it ended (its engine reported it done, or the module loader took
+        an inline launch's request): load MKL now if one of its BLAS calls asked for it
+        (firmware/matrix.py), off the launch's time and watchdog."""
         if self.uses_mma:
             matrix.serve_request(self.blas)
+
+    def mkl_asked(self) -> bool:
+        """Whether one of its BLAS calls asked for MKL and no one loaded it yet."""
+        return self.uses_mma and self.blas[matrix.STATE_AT] == matrix.ASKED
 
     def _check_buffers(self, args: list[Any]) -> None:
         """What the native entry point assumes of its buffers and would not check."""

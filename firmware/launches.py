@@ -105,7 +105,11 @@ class Kernels:
         self._jit_cache_dir = jit_cache_dir
         self._jit: Any = None
         self._jit_lock = threading.Lock()
-        self._modules: queue.SimpleQueue[FwModule] = queue.SimpleQueue()
+        #: the module loader's work: modules to parse, and kernels whose inline launch
+        #: asked for MKL (``_run_inline``: loading it is ~0.3 s of CPU, not the control
+        #: loop's to spend)
+        self._modules: queue.SimpleQueue[FwModule | Any] = queue.SimpleQueue()
+        self._mkl_queued = False  # one request queued is enough (matrix.serve_request)
         threading.Thread(target=self._module_loader, name="module-loader", daemon=True).start()
 
     # --- modules --------------------------------------------------------------------------
@@ -125,8 +129,16 @@ class Kernels:
         # the module is the call's argument, not a local of this loop: a local would hold
         # the last module parsed (and whatever it comes to hold) while the loader waits
         while True:
-            _parse(self._modules.get())
+            self._side_work(self._modules.get())
+
+    def _side_work(self, item: FwModule | Any) -> None:
+        """Parse a module (and wake its parked launches), or load MKL for a kernel whose
+        inline launch asked for it (``CompiledKernel.ended``)."""
+        if isinstance(item, FwModule):
+            _parse(item)
             self._wake()
+        else:
+            item.ended()
 
     # --- the JIT --------------------------------------------------------------------------
     def jit(self) -> Any:
@@ -221,7 +233,7 @@ class Kernels:
                 raise memory.Fault(0, errno.EOPNOTSUPP)
             bound = Bound(generation, name,
                           kernel.bind(grid, block, values, self._inline_abort, dynamic),
-                          buffers, values, work)
+                          buffers, values, work, kernel if kernel.uses_mma else None)
             try:
                 self._run_inline(bound)
             finally:
@@ -311,6 +323,9 @@ class Kernels:
         if abort[0] > deadlines.preempt:  # the ring faults: the rest of its turn cancels
             raise memory.Fault(0, errno.ETIMEDOUT)
         self.inline_launches += 1
+        if b.mma is not None and not self._mkl_queued and b.mma.mkl_asked():
+            self._mkl_queued = True  # loaded on the module loader, off the control loop
+            self._modules.put(b.mma)
 
 
 class Bound(NamedTuple):
@@ -326,6 +341,8 @@ class Bound(NamedTuple):
     buffers: list[tuple[str, int, int]]
     values: list
     work: int  # threads x work per thread (INLINE_WORK)
+    #: the kernel when it calls the matrix unit, whose BLAS calls may ask for MKL
+    mma: Any = None
 
 
 class EngineBound(NamedTuple):

@@ -22,7 +22,8 @@ Which BLAS: two, in ILP64 builds (64-bit integer arguments).
   ~0.25-0.4 s of CPU and ~100 MB of memory. So a firmware loads it only once it runs a big
   product: a BLAS call of at least ``ASK_MKL_MACS`` multiply-adds marks the pointer array
   (its ``STATE_AT`` word), and the engine that ran the launch loads MKL after reporting it
-  done (:func:`serve_request`); later calls use MKL. MKL's thread count is a per-thread
+  done, or for a launch run inline on the control loop the module-loader thread does
+  (:func:`serve_request`); later calls use MKL. MKL's thread count is a per-thread
   setting, so every MKL call first sets its thread's to one (a few nanoseconds).
 
 Without torch (or when its library fails to load) the unit stays on OpenBLAS. Without
@@ -71,9 +72,11 @@ WIDTH = 6
 #: ``STATE_AT``'s values: nothing to ask (MKL in use, absent, or not wanted), a big call
 #: may ask, a big call asked.
 ASK_NEVER, ASK_MAY, ASKED = 0, 1, 2
-#: A BLAS call at least this big asks for MKL: 64 M multiply-adds, ~1 ms of one core (a
-#: 1024 product's calls are 512 M each); smaller products gain too little to pay the load.
-ASK_MKL_MACS = 1 << 26
+#: A BLAS call at least this big asks for MKL: 10 Mi multiply-adds, ~0.17 ms of one core
+#: on OpenBLAS. An MLP step's 64 x 256 over 784 product (12.8 M) runs inline, ~50 us less
+#: on MKL, twice a step: the load (~0.3 s of CPU, once) pays back within a few thousand
+#: steps; a test's small products (8 Mi and under) stay on OpenBLAS and never load it.
+ASK_MKL_MACS = 10 << 20
 #: What :func:`blas_pointers` can give: the firmware's own choice (``auto``: OpenBLAS, then
 #: MKL once asked), one library from the start, or none (``loops``).
 KINDS = ("auto", "mkl", "openblas", "loops")
@@ -236,8 +239,9 @@ def blas_pointers(kind: str = "auto") -> np.ndarray:
 
 def serve_request(ptrs: np.ndarray) -> None:
     """Load MKL into ``ptrs`` if a kernel asked (``STATE_AT``): called by the engine that
-    ran a launch using mma, after the launch ended (the load is not the launch's time, nor
-    under its watchdog). An engine finding another one loading goes on at once."""
+    ran a launch using mma, after the launch ended, or by the module-loader thread for an
+    inline one (the load is not the launch's time, nor under its watchdog, nor the control
+    loop's). A thread finding another one loading goes on at once."""
     if ptrs[STATE_AT] != ASKED or not _serve_lock.acquire(blocking=False):
         return
     try:

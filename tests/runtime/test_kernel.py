@@ -469,7 +469,9 @@ def whole(a, b, c):
 def test_matrix_unit_loads_mkl_only_after_a_big_product(kdaemon):
     """Small products leave the firmware on OpenBLAS (MKL's library is not even loaded);
     a BLAS call of ``ASK_MKL_MACS`` multiply-adds makes it load MKL (when torch is
-    installed) after the launch; products stay right on either BLAS."""
+    installed) after the launch; products stay right on either BLAS. That product (512 x
+    40 @ 40 x 512) runs inline on the control loop (launches.INLINE_WORK), so the module
+    loader, not an engine, serves its request."""
     from firmware import matrix
     from testkit.waiting import wait_until
 

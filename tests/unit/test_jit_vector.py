@@ -474,3 +474,53 @@ def test_generated_source_does_not_depend_on_the_hash_seed() -> None:
                              env={**os.environ, "PYTHONHASHSEED": str(seed)}, check=True)
         digests[seed] = run.stdout.strip()
     assert len(set(digests.values())) == 1, digests
+
+
+AXPY = ir_of("""
+    def axpy(out, a, b, alpha, n):
+        i = global_id(0)
+        if i < n:
+            out[i] = a[i] + alpha * b[i]
+""")
+AXPY_T = ("float32[1d]", "float32[1d]", "float32[1d]", "float64", "int64")
+
+
+@pytest.mark.parametrize("boundscheck", [True, False])
+def test_an_in_place_launch_runs_a_copy_that_reads_out_as_a(cache: KernelCache,
+                                                            boundscheck: bool) -> None:
+    # the copy of the block loop for ``out is a`` (render._alias_pair): same results in
+    # place, out of place and over overlapping views (which take the general loop)
+    k = cache.get(AXPY, AXPY_T, Options(boundscheck=boundscheck))
+    assert "if u_out.ctypes.data == u_a.ctypes.data and u_out.shape == u_a.shape:" in k.source
+    rng = np.random.default_rng(3)
+    n = 1000  # the last block fails the range checks: both loops of the copy run
+    a = rng.standard_normal(n, dtype=np.float32)
+    b = rng.standard_normal(n, dtype=np.float32)
+    want = (a.astype(np.float64) - 0.25 * b.astype(np.float64)).astype(np.float32)
+    grid = ((n + 255) // 256, 1, 1)
+    out = np.zeros(n, np.float32)
+    k.run(0, grid[0], grid, (256, 1, 1), [out, a, b, np.float64(-0.25), np.int64(n)], no_abort())
+    np.testing.assert_array_equal(out, want)
+    inplace = a.copy()
+    k.run(0, grid[0], grid, (256, 1, 1), [inplace, inplace, b, np.float64(-0.25), np.int64(n)],
+          no_abort())
+    np.testing.assert_array_equal(inplace, want)
+    # out one element past a (other first byte: the general loop, not the copy)
+    shifted = a.copy()
+    k.run(0, grid[0], grid, (256, 1, 1),
+          [shifted[1:], shifted[:-1], b[:-1], np.float64(-0.25), np.int64(n - 1)], no_abort())
+    serial = a.copy()
+    for i in range(n - 1):
+        serial[i + 1] = np.float32(np.float64(serial[i]) - 0.25 * np.float64(b[i]))
+    np.testing.assert_array_equal(shifted, serial)  # LLVM's overlap check: the scalar loop
+
+
+def test_an_in_place_launch_names_the_stored_buffer_in_its_fault(cache: KernelCache) -> None:
+    k = cache.get(AXPY, AXPY_T, Options())
+    a = np.ones(300, np.float32)
+    with pytest.raises(KernelFault) as ei:  # n past the buffers: thread 300 misses
+        k.run(0, 2, (2, 1, 1), (256, 1, 1), [a, a, np.ones(512, np.float32),
+                                             np.float64(1.0), np.int64(512)], no_abort())
+    # a's load comes first, as out of place: the copy's checks read the same shapes
+    assert (ei.value.kind, ei.value.param, ei.value.index, ei.value.block) == \
+        ("bounds", "a", 300, 1)
