@@ -20,8 +20,12 @@ zygote started with runs in a fresh interpreter instead (``Daemon.run_py``): wha
 difference changes may have been read at import (torch_accel/ops/fallback.py reads
 ``TORCH_ACCEL_FALLBACK_WARN`` so).
 
-``python tests/zygote.py SOCKET`` is the server (started by ``Zygote``); the rest is its
-client, with ``Daemon.run_py``'s signature.
+A zygote may import more than ``PRELOAD`` (``Zygote(daemon, preload=...)``): the
+torch.compile tests fork one that has imported Inductor too, seconds of CPU a process
+would spend before its first compile. Imports only, there too.
+
+``python tests/zygote.py SOCKET PRELOAD`` is the server (started by ``Zygote``); the rest
+is its client, with ``Daemon.run_py``'s signature.
 """
 
 from __future__ import annotations
@@ -90,11 +94,12 @@ def _run_child(code: str, env: dict[str, str], cwd: str) -> None:
         os._exit(status)
 
 
-def serve(path: str) -> None:
-    """Listen on ``path``; per connection, receive a request (JSON: code, env, cwd) and the
-    snippet's stdin, stdout and stderr, fork, answer the child's pid and, once it has
-    exited, its wait status. One thread: children are forked from it alone."""
-    exec(PRELOAD, {})
+def serve(path: str, preload: str) -> None:
+    """Run ``preload``, then listen on ``path``; per connection, receive a request (JSON:
+    code, env, cwd) and the snippet's stdin, stdout and stderr, fork, answer the child's
+    pid and, once it has exited, its wait status. One thread: children are forked from it
+    alone."""
+    exec(preload, {})
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(16)
@@ -144,9 +149,10 @@ def _answer(conn: socket.socket, pid: int, status: int) -> None:
 
 
 class Zygote:
-    """The client: a server started with ``daemon``'s environment, stopped by ``close``."""
+    """The client: a server started with ``daemon``'s environment that has run ``preload``
+    (import statements), stopped by ``close``."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon, preload: str = PRELOAD) -> None:
         from testkit import REPO  # here: the server imports nothing a snippet would not
 
         self.daemon = daemon
@@ -154,7 +160,8 @@ class Zygote:
         self.env = _steady(daemon.env())
         self._dir = tempfile.mkdtemp(prefix="accel-zygote-")
         self.path = os.path.join(self._dir, "socket")
-        self.proc = subprocess.Popen([sys.executable, __file__, self.path], env=self.env,
+        self.proc = subprocess.Popen([sys.executable, __file__, self.path, preload],
+                                     env=self.env,
                                      cwd=self.cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
         line = self.proc.stdout.readline().strip()
@@ -221,4 +228,4 @@ def _recv(conn: socket.socket, size: int, deadline: float) -> bytes:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2])

@@ -2,13 +2,35 @@
 graph's pointwise and reduction work becomes kernels of the device's language, fused,
 compiled by the firmware and launched on the current accel stream; what Inductor does not
 lower runs as the eager accel operators. Every case compares with the same function run
-eagerly on accel in the same process; the cases share a few processes (one torch import
-and one Inductor import each) to keep the file's time down.
+eagerly on accel in the same process; the cases share a few processes to keep the file's
+time down, each a fork of an interpreter that has imported Inductor as well as torch
+(``compile_json``): Inductor's import is seconds of CPU every process would pay again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import pytest
+from conftest import SNIPPET_TIMEOUT, TORCH_PRELUDE
+from scenario import run_json
+from zygote import PRELOAD, Zygote
+
+
+@pytest.fixture(scope="module")
+def compile_json(daemon) -> Iterator[Callable[..., dict[str, Any]]]:
+    """``torch_json`` in forks of a zygote that has also imported Inductor's entry point
+    (which registers accel's code generator, torch_accel/_dynamo_hook.py): imports only, so
+    each fork still makes its first compile, its first kernel and its first launch."""
+    zygote = Zygote(daemon, PRELOAD + "; import torch._inductor.compile_fx")
+
+    def run(body: str, timeout: float = SNIPPET_TIMEOUT, **kw) -> dict[str, Any]:
+        return run_json(zygote, TORCH_PRELUDE, body, timeout=timeout, **kw)
+    try:
+        yield run
+    finally:
+        zygote.close()
 
 #: the cases of the main matrix: name -> (function, input shapes, input dtype); the
 #: inputs are ``randn`` in float32, then cast
@@ -71,7 +93,7 @@ for name, (fn, shapes, dtype) in CASES.items():
 
 
 @pytest.mark.timeout(600)
-def test_default_backend_matches_eager_with_generated_kernels(torch_json):
+def test_default_backend_matches_eager_with_generated_kernels(torch_json, compile_json):
     """Pointwise chains, broadcasting, strided inputs, reductions over a dim, kept dims
     and everything, fused pointwise+reduction, softmax and layer norm (several reduction
     loops in one kernel), masked loads (cat), float32/float64/int64/bool: each equals eager
@@ -79,12 +101,11 @@ def test_default_backend_matches_eager_with_generated_kernels(torch_json):
     (the 8-op chain is one kernel). ``cumsum`` has no lowering and ``mm`` is an extern
     kernel: both run as the eager accel operators, around generated kernels. Import torch
     loads no Inductor."""
-    r = torch_json("import sys\nloaded_at_import = 'torch._inductor' in sys.modules\n"
-                   + MATRIX + """
-report(loaded_at_import=loaded_at_import, results=results,
-       fallback=dict(torch_accel.fallback_counts))
+    imported = torch_json("import sys\nreport(inductor='torch._inductor' in sys.modules)")
+    assert imported == {"inductor": False}
+    r = compile_json(MATRIX + """
+report(results=results, fallback=dict(torch_accel.fallback_counts))
 """, timeout=580)
-    assert r["loaded_at_import"] is False
     results = r["results"]
     bad = {k: v for k, v in results.items() if not (v["same"] and v["meta"] and v["kernels"])}
     assert not bad, bad
@@ -96,7 +117,7 @@ report(loaded_at_import=loaded_at_import, results=results,
 
 
 @pytest.mark.timeout(400)
-def test_generated_kernels_are_device_launches_on_the_current_stream(torch_json):
+def test_generated_kernels_are_device_launches_on_the_current_stream(compile_json):
     """A generated kernel is a launch like any other: the profiler shows it by name on the
     device (category ``kernel``), it runs on the stream current when the compiled function
     runs (a side stream's work is not done until that stream is synchronized), on the
@@ -104,7 +125,7 @@ def test_generated_kernels_are_device_launches_on_the_current_stream(torch_json)
     sizes. Generated again with Inductor's caches off, the code is the same text (the
     device's JIT cache keys on it). A Python number made a graph input is a scalar
     parameter."""
-    r = torch_json("""
+    r = compile_json("""
         from torch_accel.inductor import launcher
         fn = torch.compile(lambda x: (x * 2 + 1).exp())
         x = torch.randn(1000, device="accel")
@@ -150,13 +171,13 @@ def test_generated_kernels_are_device_launches_on_the_current_stream(torch_json)
 
 
 @pytest.mark.timeout(400)
-def test_16_bit_floats_round_and_compute_as_torchs_casts(torch_json):
+def test_16_bit_floats_round_and_compute_as_torchs_casts(compile_json):
     """float16 and bfloat16 have no buffers in the kernel language: generated kernels take
     them as their bits (torch_accel/inductor/halfbits.py). A compiled cast from float32
     gives torch's CPU cast bit for bit (ties to even, subnormals, overflow to inf, NaN,
     signed zero), a compiled cast back is exact, and arithmetic with a reduction agrees
     with eager within one unit of the last place (it rounds once, eager per op)."""
-    r = torch_json("""
+    r = compile_json("""
         torch.manual_seed(0)
         special = torch.tensor([0.0, -0.0, 1.0, -1.0, 65504.0, 65519.0, 65520.0, 1e6, -1e6,
                                 6.1e-5, 5.96e-8, 2.9e-8, 3.0e-8, 1e-10, float("inf"),
@@ -183,14 +204,14 @@ def test_16_bit_floats_round_and_compute_as_torchs_casts(torch_json):
 
 
 @pytest.mark.timeout(400)
-def test_short_sums_are_one_block_per_row(torch_json):
+def test_short_sums_are_one_block_per_row(compile_json):
     """A sum over a static range of at most 256 elements (an MLP's bias gradient: a sum
     over the batch) is one block per output row, one thread per element adding into
     block-shared memory (codegen.py, ``should_use_persistent_reduction``): no loop, so the
     firmware runs it inline. Over either dimension, a mean with work after it, int64, fed
     by fused pointwise work, over ``cat``'s masked loads: each equals eager. A longer sum
     and a max keep the loop."""
-    r = torch_json("""
+    r = compile_json("""
         from torch._inductor.utils import run_and_get_code
         torch.manual_seed(0)
         a, g = torch.randn(64, 256, device="accel"), torch.randn(64, 256, device="accel")
@@ -220,7 +241,7 @@ def test_short_sums_are_one_block_per_row(torch_json):
 
 
 @pytest.mark.timeout(500)
-def test_matrix_products_lower_without_layout_copies(torch_json):
+def test_matrix_products_lower_without_layout_copies(compile_json):
     """Products hand the eager operators their operands in the layouts the matrix unit reads
     in place (torch_accel/inductor/matmul.py), so the device runs no ``strided_copy``:
     transposed graph inputs, a slice at an offset and a transposed value the graph computes
@@ -230,7 +251,7 @@ def test_matrix_products_lower_without_layout_copies(torch_json):
     row bias (a linear layer) or ``beta=0`` over a NaN bias (ignored, as torch does) the
     kernel takes the bias; a 2-D bias is a generated epilogue. Each case equals eager;
     float64 too."""
-    r = torch_json("""
+    r = compile_json("""
         import runtime
         import torch.nn.functional as F
         from torch._inductor.utils import run_and_get_code
@@ -303,13 +324,13 @@ MLP = """
 
 
 @pytest.mark.timeout(500)
-def test_mlp_training_compiled_matches_eager(torch_json):
+def test_mlp_training_compiled_matches_eager(compile_json):
     """The MLP of the eager issue (784-256-10, cross entropy, SGD): three steps of a
     compiled model (AOTAutograd: a compiled forward and a compiled backward) give eager's
     losses and weights, and a step with ``loss.backward()`` inside the compiled function
     (a graph break; the eager backward runs our operators, which Dynamo must not trace)
     gives eager's gradients."""
-    r = torch_json(MLP + """
+    r = compile_json(MLP + """
         from torch_accel.inductor import launcher
         losses = {}
         models = {}
@@ -346,13 +367,13 @@ def test_mlp_training_compiled_matches_eager(torch_json):
 
 
 @pytest.mark.timeout(500)
-def test_mlp_whole_training_step_compiled_matches_eager(torch_json):
+def test_mlp_whole_training_step_compiled_matches_eager(compile_json):
     """The bench's step compiled whole, as a training loop compiles it (``zero_grad``,
     forward, cross entropy, ``backward()``, ``opt.step()`` in one compiled function):
     three steps give eager's losses and weights, and a step launches fewer kernels than
     eager's 18 (the loss and its backward fused into the graphs, SGD's update of the four
     parameters one foreach: two horizontal kernels)."""
-    r = torch_json(MLP + """
+    r = compile_json(MLP + """
         out = {}
         for mode in ("eager", "compiled"):
             m = make()
@@ -385,7 +406,7 @@ def test_mlp_whole_training_step_compiled_matches_eager(torch_json):
 
 
 @pytest.mark.timeout(400)
-def test_foreach_is_horizontal_kernels_within_the_inline_bound(torch_json):
+def test_foreach_is_horizontal_kernels_within_the_inline_bound(compile_json):
     """A foreach over static sizes (an optimizer's update) is written as horizontal
     kernels (codegen.py ``codegen_combo_kernel``): thread ``i`` updates element ``i`` of
     the concatenated ranges. As many subkernels share one kernel as the firmware still
@@ -394,7 +415,7 @@ def test_foreach_is_horizontal_kernels_within_the_inline_bound(torch_json):
     tensors, and so is a large tensor with small ones, each within the bound. Each equals
     eager, float64 and int64 too; under dynamic shapes each tensor is a kernel of its own;
     the bound mirrors the firmware's."""
-    r = torch_json("""
+    r = compile_json("""
         import re
         from firmware import kernel_check, launches as fw_launches
         from torch_accel.inductor import codegen
@@ -448,7 +469,7 @@ def test_foreach_is_horizontal_kernels_within_the_inline_bound(torch_json):
 
 
 @pytest.mark.timeout(500)
-def test_cnn_training_compiled_matches_eager_and_cpu(torch_json):
+def test_cnn_training_compiled_matches_eager_and_cpu(compile_json):
     """The CNN of the eager issue (LeNet size: conv, batch norm, ReLU, max pooling, twice,
     then a linear layer; 1x28x28 inputs, batch 8), compiled and trained three SGD steps
     (AOTAutograd: a compiled forward and a compiled backward, the optimizer eager), ends
@@ -456,7 +477,7 @@ def test_cnn_training_compiled_matches_eager_and_cpu(torch_json):
     trained eagerly on accel and on the CPU. The convolutions are extern kernels (the eager
     accel operators); batch norm, ReLU and pooling, forward and backward, are generated
     kernels, and nothing is left to the CPU."""
-    r = torch_json("""
+    r = compile_json("""
         import copy
         from torch import nn
         from torch_accel.inductor import launcher
@@ -511,12 +532,12 @@ def test_cnn_training_compiled_matches_eager_and_cpu(torch_json):
 
 
 @pytest.mark.timeout(400)
-def test_openregs_compile_cases_on_the_default_backend(torch_json):
+def test_openregs_compile_cases_on_the_default_backend(compile_json):
     """PyTorch's OpenReg test_compile.py cases, with Inductor instead of OpenReg's own
     backend: simple and full-graph compiles, recompilation only on a new shape, autograd
     through a compiled function, an nn.Module, dynamic shapes, a device transfer inside a
     full graph, a graph break, a default device, and autocast to float16 around ``mm``."""
-    r = torch_json("""
+    r = compile_json("""
         import torch._dynamo
         from torch._dynamo.testing import CompileCounterWithBackend
         out = {}
