@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -152,30 +153,26 @@ def test_a_refused_class_is_not_asked_for_again(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_run_delay_is_the_time_a_thread_waited_for_its_cpu() -> None:
-    """The kernel's figure the boost decides on: a thread spinning beside another spinning
-    thread, both pinned to one CPU, waits for it about half the time (at least what the
-    boost asks for). (Alone it would wait almost never, but a loaded CI host is no idle
-    CPU, so that side is not asserted.)"""
-    stop = threading.Event()
+    """The kernel's figure the boost decides on: a thread spinning beside a spinning
+    process, both pinned to one CPU, waits for it about half the time (at least what the
+    boost asks for). The rival is a process, not a thread: two Python threads take turns
+    on the GIL, and the one waiting for it is asleep, not waiting for a CPU. (Alone it
+    would wait almost never, but a loaded CI host is no idle CPU: not asserted.)"""
     cpu = min(os.sched_getaffinity(0))
+    rival = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+    try:
+        os.sched_setaffinity(rival.pid, {cpu})
 
-    def rival() -> None:
-        os.sched_setaffinity(0, {cpu})
-        while not stop.is_set():
-            pass
+        def waited_share() -> float:
+            os.sched_setaffinity(0, {cpu})
+            read = RunDelay()
+            d0, w0 = read(), time.monotonic_ns()
+            while time.monotonic_ns() - w0 < 300_000_000:
+                pass
+            return (read() - d0) / (time.monotonic_ns() - w0)
 
-    def waited_share() -> float:
-        os.sched_setaffinity(0, {cpu})
-        read = RunDelay()
-        t = threading.Thread(target=rival)
-        t.start()
-        d0, w0 = read(), time.monotonic_ns()
-        while time.monotonic_ns() - w0 < 300_000_000:
-            pass
-        share = (read() - d0) / (time.monotonic_ns() - w0)
-        stop.set()
-        t.join()
-        return share
-
-    shared = in_thread(waited_share)
+        shared = in_thread(waited_share)
+    finally:
+        rival.kill()
+        rival.wait()
     assert isinstance(shared, float) and shared > 2 * CONTENDED, shared
