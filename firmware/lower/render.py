@@ -807,11 +807,9 @@ def _mark_box(pm, po, isz, shape, lo, n):
 
 
 def _alias_pair(prog: Program) -> tuple[str, str] | None:
-    """(stored, loaded): the kernel's first buffer it stores and never loads and the first
-    other buffer of the same type it loads, when ``_grid`` gets a copy of its block loop
-    for the two being one array (an in-place call: ``x.add_(y)`` stores ``out`` into the
-    ``a`` it reads). A buffer the kernel loads and stores (``y[i] += ...``) is already
-    updated in place through one name.
+    """(stored, loaded): the kernel's first stored buffer and the first other buffer of
+    the same type it loads, when ``_grid`` gets a copy of its block loop for the two being
+    one array (an in-place call: ``x.add_(y)`` stores ``out`` into the ``a`` it reads).
 
     Why: LLVM vectorises a loop that stores one buffer and loads another only behind a
     runtime check that their ranges are disjoint; the same array fails that check, so an
@@ -830,7 +828,7 @@ def _alias_pair(prog: Program) -> tuple[str, str] | None:
             and isinstance(n.value, ast.Name) and n.value.id in k.buffers]
     stored = {n.value.id for n in subs if isinstance(n.ctx, ast.Store)}  # type: ignore
     loaded = {n.value.id for n in subs if isinstance(n.ctx, ast.Load)}  # type: ignore
-    for s in (p for p in k.params if p in stored and p not in loaded):
+    for s in (p for p in k.params if p in stored):
         same = k.arg_types[k.buffers[s]]
         for ld in (p for p in k.params if p in loaded and p != s):
             if k.arg_types[k.buffers[ld]] == same:
