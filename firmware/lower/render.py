@@ -707,22 +707,15 @@ class Renderer:
             lines.append(f"    _pt_{name} = np.zeros(max(_nt, 1), {dt})")
         for v in prog.uniform_vars:
             lines.append(f"    {user_name(v)} = 0")
-        lines += _alias_specialised(self.block_loop(block_code), _alias_pair(prog))
-        lines += ["    return block_hi", ""]
-        return "\n".join(lines)
-
-    def block_loop(self, block_code: list[str]) -> list[str]:
-        """``_grid``'s loop over its range of blocks: ids, shared arrays, ``block_code``."""
-        prog, k = self.prog, self.k
-        lines = ["    for _blk in range(block_lo, block_hi):",
-                 "        if _rt_abort_word(abort) != 0:",
-                 "            return _blk",
-                 "        _g0 = _blk % _ng0",
-                 # block ids the code does not use are not computed: numba types and
-                 # lowers every statement before LLVM drops the dead ones
-                 *(["        _g1 = (_blk // _ng0) % _ng1"] if _uses(block_code, "_g1") else []),
-                 *(["        _g2 = _blk // (_ng0 * _ng1)"] if _uses(block_code, "_g2") else []),
-                 *(["        _hzep += 1"] if self.sanitize else [])]
+        lines += ["    for _blk in range(block_lo, block_hi):",
+                  "        if _rt_abort_word(abort) != 0:",
+                  "            return _blk",
+                  "        _g0 = _blk % _ng0",
+                  # block ids the code does not use are not computed: numba types and
+                  # lowers every statement before LLVM drops the dead ones
+                  *(["        _g1 = (_blk // _ng0) % _ng1"] if _uses(block_code, "_g1") else []),
+                  *(["        _g2 = _blk // (_ng0 * _ng1)"] if _uses(block_code, "_g2") else []),
+                  *(["        _hzep += 1"] if self.sanitize else [])]
         if prog.returns and len(prog.phases) > 1:
             lines.append("        _done[:] = 0")
         if any(shape == DYNAMIC_SHAPE for shape, _ in k.shared.values()):
@@ -738,7 +731,9 @@ class Renderer:
                 # implementation, already compiled (each signature costs ~0.3 s once)
                 dims = shape[0] if len(shape) == 1 else shape
                 lines.append(f"        {user_name(name)} = np.zeros({dims!r}, {np_dt})")
-        return lines + block_code
+        lines += block_code
+        lines += ["    return block_hi", ""]
+        return "\n".join(lines)
 
     def load_helper(self, name: str) -> list[str]:
         """A load under short-circuit evaluation: a miss is recorded and reads zero."""
@@ -804,50 +799,6 @@ def _mark_box(pm, po, isz, shape, lo, n):
             q //= n[d]
         pm[(po + flat * isz) >> 16:((po + (flat + n[last]) * isz - 1) >> 16) + 1] = 1
 """
-
-
-def _alias_pair(prog: Program) -> tuple[str, str] | None:
-    """(stored, loaded): the kernel's first stored buffer and the first other buffer of
-    the same type it loads, when ``_grid`` gets a copy of its block loop for the two being
-    one array (an in-place call: ``x.add_(y)`` stores ``out`` into the ``a`` it reads).
-
-    Why: LLVM vectorises a loop that stores one buffer and loads another only behind a
-    runtime check that their ranges are disjoint; the same array fails that check, so an
-    in-place launch ran the scalar loop (200 K-element ``axpy_f``: 205 us in place, 80 us
-    out of place, 50 us with this copy, where both names are one argument and the
-    dependence distance is a visible 0). Only kernels whose thread loops can vectorise (a
-    range-checked variant, or no bounds checks) get the copy, and none with mma (a
-    product's loop is the BLAS call's), managed buffers (their page maps) or the checked
-    variant's records: it doubles ``_grid``'s code, so its compile time."""
-    if prog.options.sanitize or prog.managed or calls_mma(list(prog.kernel.fn.body)):
-        return None
-    if prog.checked and not any(p.fast or p.vector is not None for p in prog.phases):
-        return None  # every access checked: an early exit, no loop LLVM vectorises
-    k = prog.kernel
-    subs = [n for n in ast.walk(k.fn) if isinstance(n, ast.Subscript)
-            and isinstance(n.value, ast.Name) and n.value.id in k.buffers]
-    stored = {n.value.id for n in subs if isinstance(n.ctx, ast.Store)}  # type: ignore
-    loaded = {n.value.id for n in subs if isinstance(n.ctx, ast.Load)}  # type: ignore
-    for s in (p for p in k.params if p in stored):
-        same = k.arg_types[k.buffers[s]]
-        for ld in (p for p in k.params if p in loaded and p != s):
-            if k.arg_types[k.buffers[ld]] == same:
-                return s, ld
-    return None
-
-
-def _alias_specialised(loop: list[str], pair: tuple[str, str] | None) -> list[str]:
-    """``_grid``'s block loop, and when ``pair`` is set a copy of it with the stored buffer
-    read as the loaded one, run when the two are the very same array (same first byte and
-    shape, both C-contiguous of one type: every access and bounds check reads the same).
-    A fault still names the stored buffer (its position is a constant in the code)."""
-    if pair is None:
-        return loop
-    out, ld = (user_name(n) for n in pair)
-    renamed = [re.sub(rf"\b{out}\b", ld, line) for line in loop]
-    return ([f"    if {out}.ctypes.data == {ld}.ctypes.data and {out}.shape == {ld}.shape:"]
-            + [f"    {line}" for line in renamed]
-            + ["    else:"] + [f"    {line}" for line in loop])
 
 
 def _uses(code: list[str], name: str) -> bool:
