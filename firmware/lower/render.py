@@ -41,10 +41,6 @@ Why the generated code looks the way it does
   (passes/affine.py, passes/if_convert.py, passes/vectorise.py): a block whose range
   checks pass runs ``_phf`` or ``_phv`` without per-access checks; otherwise the checked
   ``_ph`` loop, which faults exactly as before.
-* ``_grid`` may hold its block loop twice: the copy, with a stored buffer spelled as a
-  loaded one of its type, runs when the two arguments are one array (an in-place launch),
-  so LLVM's overlap check, which an in-place loop always failed, is not needed
-  (``_alias_pair``; docs/kernels.md, "In-place launches: one array under two names").
 * In every phase after the one defining it, a local assigned once at the kernel's top
   level with an affine value is recomputed from the thread's ids rather than loaded from
   its per-thread array (analysis/liveness.py, recomputed), so the thread loop can
