@@ -97,10 +97,9 @@ class Boost:
     for its CPU gains nothing real-time: one tenant's training step saturating the device
     on an idle host ran ~15% slower boosted (docs/containment.md, "One tenant's step is
     not a flood"). The first pass without such packets puts it back (fair share, short
-    slice). One tenant's
-    back-to-back round trips while an engine runs count too: the loop naps between passes
-    then, each nap ends at the next doorbell, and it wakes real-time (measured faster:
-    same place). Work the driver brought (its SUBMIT_NOOP packets on the default queues,
+    slice). One tenant's back-to-back round trips while an engine runs count too: the
+    loop naps between passes then, each nap ends at the next doorbell, and, when it waited
+    for its CPU, it wakes real-time (measured faster: same place). Work the driver brought (its SUBMIT_NOOP packets on the default queues,
     control messages) does not count: each such packet is a FUSE round trip through the
     daemon, whose CPU, not the loop's, bounds that flood, and a real-time loop took it
     from the daemon and the bystanders (docs/containment.md). Best effort: without the
