@@ -40,6 +40,7 @@ from firmware.rings import FwContext, FwModule, Ring
 from firmware.telemetry import Counters, log_unexpected
 
 if TYPE_CHECKING:
+    from firmware.jit import CompiledKernel
     from firmware.scheduler import Scheduler
 
 #: A launch of an already-compiled kernel whose work per thread is statically bounded
@@ -108,7 +109,7 @@ class Kernels:
         #: the module loader's work: modules to parse, and kernels whose inline launch
         #: asked for MKL (``_run_inline``: loading it is ~0.3 s of CPU, not the control
         #: loop's to spend)
-        self._modules: queue.SimpleQueue[FwModule | Any] = queue.SimpleQueue()
+        self._modules: queue.SimpleQueue[FwModule | CompiledKernel] = queue.SimpleQueue()
         self._mkl_queued = False  # one request queued is enough (matrix.serve_request)
         threading.Thread(target=self._module_loader, name="module-loader", daemon=True).start()
 
@@ -131,7 +132,7 @@ class Kernels:
         while True:
             self._side_work(self._modules.get())
 
-    def _side_work(self, item: FwModule | Any) -> None:
+    def _side_work(self, item: FwModule | CompiledKernel) -> None:
         """Parse a module (and wake its parked launches), or load MKL for a kernel whose
         inline launch asked for it (``CompiledKernel.ended``)."""
         if isinstance(item, FwModule):
@@ -342,7 +343,7 @@ class Bound(NamedTuple):
     values: list
     work: int  # threads x work per thread (INLINE_WORK)
     #: the kernel when it calls the matrix unit, whose BLAS calls may ask for MKL
-    mma: Any = None
+    mma: CompiledKernel | None = None
 
 
 class EngineBound(NamedTuple):
